@@ -1,0 +1,35 @@
+"""Pluggable CUDA-graph capture backends for SGLang, with switchable output sharing."""
+
+from __future__ import annotations
+
+from ._constants import ENV_SHARE_OUTPUT, NAME
+from .backends.base import CaptureBackend
+from .breaks import graph_break
+from .errors import BackendRegistrationError, CaptureStateError, OutputStructureError
+from .manager import get_plugin_manager, hookimpl
+from .options import BackendOptions, resolve_share_output
+from .registry import BackendRegistry, available_backends, create_backend
+from .report import KeyReport, MemoryReport
+from .shape_key import ShapeKey
+from .sharing import SharedOutputFallbackWarning
+
+__all__ = [
+    "ENV_SHARE_OUTPUT",
+    "NAME",
+    "BackendOptions",
+    "BackendRegistrationError",
+    "BackendRegistry",
+    "CaptureBackend",
+    "CaptureStateError",
+    "KeyReport",
+    "MemoryReport",
+    "OutputStructureError",
+    "ShapeKey",
+    "SharedOutputFallbackWarning",
+    "available_backends",
+    "create_backend",
+    "get_plugin_manager",
+    "graph_break",
+    "hookimpl",
+    "resolve_share_output",
+]

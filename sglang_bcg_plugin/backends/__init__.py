@@ -1,0 +1,1 @@
+"""Built-in backends: one module each, each ending with its registration hookimpl."""

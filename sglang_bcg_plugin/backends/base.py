@@ -1,0 +1,295 @@
+"""``CaptureBackend``: the contract every backend implements.
+
+Lifecycle:
+
+1. ``backend = create_backend(name, options=...)``.
+2. ``with backend.capture_session(stream=None):`` resolves the sharing switch for this
+   session (explicit option > server-args stash > env var > off) and starts a fresh set of
+   shared partitions.
+3. ``backend.capture_one(key, forward_fn, capture_inputs, post_warmup_hook)`` per key,
+   largest first: warmups, capture, output policy. Goes through the
+   ``sglang_bcg_capture_one`` hook so plugins can observe and account for it.
+4. ``backend.replay(key)`` any number of times; returns the static output.
+5. ``backend.memory_report()`` at any time; ``backend.cleanup()`` drops every graph.
+
+Changing options (``configure``) takes effect at the next session; graphs captured earlier
+keep replaying with the storage they were captured with.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import threading
+from collections.abc import Callable, Hashable, Iterator
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import pluggy
+import torch
+
+from ..engines.base import CaptureRequest, CapturedGraph, Engine
+from ..engines.eager import EagerEngine
+from ..errors import CaptureStateError
+from ..manager import get_plugin_manager, hookimpl
+from ..options import BackendOptions, resolve_share_output
+from ..report import KeyReport, MemoryReport
+from ..shape_key import check_key
+from ..sharing import OutputSharer
+from ..trees import flatten, storage_key
+
+
+@dataclass(eq=False)
+class _Session:
+    share_output: bool
+    sharer: OutputSharer
+    stream: Any
+
+
+@dataclass(eq=False)
+class _Entry:
+    key: Hashable
+    graph: CapturedGraph
+    capture_inputs: Any
+    shared: bool
+    share_output: bool
+    fallback: str | None
+    logical_bytes: int
+    seconds: float | None = None
+    memory_bytes: int | None = None
+
+
+class CaptureBackend:
+    """Base class of the Full, Breakable and Piecewise backends."""
+
+    name: ClassVar[str] = "base"
+
+    def __init__(
+        self,
+        *,
+        options: BackendOptions | None = None,
+        plugin_manager: pluggy.PluginManager | None = None,
+        server_args: object | None = None,
+    ) -> None:
+        self._options = options or BackendOptions()
+        self._pm = plugin_manager or get_plugin_manager()
+        self._server_args = server_args
+        self._lock = threading.RLock()
+        self._entries: dict[Hashable, _Entry] = {}
+        self._session: _Session | None = None
+        self._engine: Engine | None = None
+        self._pending_stats: dict[Hashable, tuple[float, int | None]] = {}
+
+    # -- options -------------------------------------------------------------------------
+    @property
+    def options(self) -> BackendOptions:
+        return self._options
+
+    def configure(self, **changes: Any) -> BackendOptions:
+        """Replace option fields; they apply from the next capture session on."""
+        with self._lock:
+            self._options = dataclasses.replace(self._options, **changes)
+            if "engine" in changes and not self._entries and self._engine is not None:
+                self._engine.release()
+                self._engine = None
+            return self._options
+
+    @property
+    def engine_name(self) -> str:
+        """``"cuda"`` or ``"eager"``: the engine this backend captures with."""
+        return self._get_engine().name
+
+    def _use_cuda(self) -> bool:
+        if self._options.engine == "eager":
+            return False
+        if self._options.engine == "cuda":
+            if not torch.cuda.is_available():
+                msg = f"{self.name} backend: engine='cuda' but CUDA is not available; use 'auto' or 'eager'"
+                raise RuntimeError(msg)
+            return True
+        return torch.cuda.is_available()
+
+    def _get_engine(self) -> Engine:
+        if self._engine is None:
+            self._engine = self._make_cuda_engine() if self._use_cuda() else EagerEngine()
+        return self._engine
+
+    def _make_cuda_engine(self) -> Engine:  # pragma: no cover - overridden per backend
+        raise NotImplementedError
+
+    # -- lifecycle -----------------------------------------------------------------------
+    @contextlib.contextmanager
+    def capture_session(self, stream: Any = None) -> Iterator[None]:
+        """Open a capture session; sharing is resolved now and fixed until it closes."""
+        with self._lock:
+            if self._session is not None:
+                msg = f"{self.name} backend: capture_session() is already open; sessions do not nest"
+                raise CaptureStateError(msg)
+            share = resolve_share_output(self._options.share_output, server_args=self._server_args)
+            self._get_engine()
+            self._session = _Session(share, OutputSharer(enabled=share, strict=self._options.strict_outputs), stream)
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._session = None
+
+    @property
+    def share_output_active(self) -> bool | None:
+        """The sharing setting of the open session (``None`` outside a session)."""
+        session = self._session
+        return None if session is None else session.share_output
+
+    def capture_one(
+        self,
+        shape_key: Hashable,
+        forward_fn: Callable[[], Any],
+        capture_inputs: Any = None,
+        post_warmup_hook: Callable[[], None] | None = None,
+    ) -> Any:
+        """Warm up, capture ``forward_fn`` for ``shape_key`` and return its static output.
+
+        ``forward_fn`` takes no arguments and reads static inputs; ``capture_inputs`` (any
+        tree) is kept alive with the graph, whose kernels hold its addresses.
+        """
+        key = check_key(shape_key)
+        if not callable(forward_fn):
+            msg = f"capture_one({key!r}): forward_fn must be callable, got {forward_fn!r}"
+            raise TypeError(msg)
+        with self._lock:
+            session = self._session
+            if session is None:
+                msg = f"{self.name} backend: capture_one({key!r}) must run inside `with backend.capture_session():`"
+                raise CaptureStateError(msg)
+            if key in self._entries:
+                msg = f"{key!r} is already captured by the {self.name} backend; cleanup() first to capture it again"
+                raise ValueError(msg)
+
+            def capture() -> Any:
+                return self._capture(key, forward_fn, capture_inputs, post_warmup_hook, session)
+
+            result = self._pm.hook.sglang_bcg_capture_one(backend=self, shape_key=key, capture=capture)
+            if key not in self._entries:
+                msg = f"a sglang_bcg_capture_one hook returned without calling capture() for {key!r}"
+                raise RuntimeError(msg)
+            stats = self._pending_stats.pop(key, None)
+            if stats is not None:
+                self._entries[key].seconds, self._entries[key].memory_bytes = stats
+            return result
+
+    def _capture(
+        self,
+        key: Hashable,
+        forward_fn: Callable[[], Any],
+        capture_inputs: Any,
+        post_warmup_hook: Callable[[], None] | None,
+        session: _Session,
+    ) -> Any:
+        if key in self._entries:
+            msg = f"capture() for {key!r} was called twice"
+            raise RuntimeError(msg)
+        _, input_leaves = flatten(capture_inputs)
+        protected = frozenset(storage_key(t) for _, t in input_leaves)
+        prepared: list[Any] = []
+
+        def finalize(output: Any) -> Any:
+            p = session.sharer.prepare(key, output, protected)
+            prepared.append(p)
+            return p.output
+
+        request = CaptureRequest(
+            key=key,
+            forward_fn=forward_fn,
+            finalize=finalize,
+            num_warmups=self._options.num_warmups,
+            post_warmup_hook=post_warmup_hook,
+            partition=getattr(key, "stream_idx", None),
+            stream=session.stream,
+        )
+        graph = self._engine_capture(request, session)
+        p = prepared[-1]
+        p.commit()
+        self._entries[key] = _Entry(
+            key, graph, capture_inputs, p.shared, session.share_output, p.fallback, p.logical_bytes
+        )
+        return graph.output
+
+    def _engine_capture(self, request: CaptureRequest, session: _Session) -> CapturedGraph:
+        return self._get_engine().capture(request)
+
+    def record_capture_stats(self, shape_key: Hashable, *, seconds: float, memory_bytes: int | None) -> None:
+        """Called by the accounting plugin after each capture."""
+        self._pending_stats[shape_key] = (seconds, memory_bytes)
+
+    def replay(self, shape_key: Hashable) -> Any:
+        """Replay the graph of ``shape_key`` and return its static output."""
+        entry = self._entries.get(shape_key)
+        if entry is None:
+            sizes = sorted({getattr(k, "size", 0) for k in self._entries})
+            msg = (
+                f"{shape_key!r} was never captured by the {self.name} backend; "
+                f"captured sizes: {sizes or 'none'}"
+            )
+            raise KeyError(msg)
+        return entry.graph.replay()
+
+    def has_shape(self, shape_key: Hashable) -> bool:
+        """Whether a graph for exactly this key exists."""
+        return shape_key in self._entries
+
+    def can_run(self, shape_key: Hashable) -> bool:
+        """Whether ``replay(shape_key)`` would run a captured graph."""
+        return shape_key in self._entries
+
+    def captured_keys(self) -> list[Hashable]:
+        return list(self._entries)
+
+    def num_segments(self, shape_key: Hashable) -> int:
+        return self._entries[shape_key].graph.num_segments
+
+    def memory_report(self) -> MemoryReport:
+        """Logical vs resident output bytes, fallbacks and capture seconds, per key."""
+        seen: set[tuple[str, int]] = set()
+        keys = []
+        for entry in list(self._entries.values()):
+            _, leaves = flatten(entry.graph.output)
+            resident = 0
+            for _, t in leaves:
+                sk = storage_key(t)
+                if sk not in seen:
+                    seen.add(sk)
+                    resident += t.untyped_storage().nbytes()
+            keys.append(
+                KeyReport(
+                    key=entry.key,
+                    logical_output_bytes=entry.logical_bytes,
+                    resident_output_bytes=resident,
+                    shared=entry.shared,
+                    fallback=entry.fallback,
+                    capture_seconds=entry.seconds,
+                    graph_memory_bytes=entry.memory_bytes,
+                    num_segments=entry.graph.num_segments,
+                )
+            )
+        engine = self._engine.name if self._engine is not None else "none"
+        return MemoryReport.from_keys(self.name, engine, keys)
+
+    def cleanup(self) -> None:
+        """Release every graph, shared buffer and pool; the backend can capture again."""
+        with self._lock:
+            if self._session is not None:
+                msg = f"{self.name} backend: cleanup() inside an open capture_session()"
+                raise CaptureStateError(msg)
+            for entry in self._entries.values():
+                entry.graph.release()
+            self._entries.clear()
+            self._pending_stats.clear()
+            if self._engine is not None:
+                self._engine.release()
+                self._engine = None
+
+
+@hookimpl(trylast=True)
+def sglang_bcg_capture_one(backend: CaptureBackend, shape_key: object, capture: Callable[[], object]) -> object:
+    """Built-in capture: just capture (wrappers around it observe)."""
+    return capture()

@@ -1,0 +1,29 @@
+"""Breakable backend: per key, CUDA-graph segments split at eager break points.
+
+Model code marks break points with :func:`sglang_bcg_plugin.graph_break`; outside a capture the
+decorator is a plain call. On the eager engine (CPU) the whole forward re-runs at replay, breaks
+included, so the semantics match.
+"""
+
+from __future__ import annotations
+
+from ..engines.base import Engine
+from ..manager import hookimpl
+from ..registry import BackendRegistry
+from .base import CaptureBackend
+
+
+class BreakableBackend(CaptureBackend):
+    """Breakable CUDA graphs with per-partition output sharing."""
+
+    name = "breakable"
+
+    def _make_cuda_engine(self) -> Engine:
+        from ..engines.cuda import CudaGraphEngine
+
+        return CudaGraphEngine(segmented=True)
+
+
+@hookimpl
+def sglang_bcg_register_backends(registry: BackendRegistry) -> None:
+    registry.add("breakable", BreakableBackend)

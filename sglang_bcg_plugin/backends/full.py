@@ -1,0 +1,24 @@
+"""Full backend: one ``torch.cuda.CUDAGraph`` per shape key."""
+
+from __future__ import annotations
+
+from ..engines.base import Engine
+from ..manager import hookimpl
+from ..registry import BackendRegistry
+from .base import CaptureBackend
+
+
+class FullBackend(CaptureBackend):
+    """One whole-forward CUDA graph per key; graphs of a partition share one pool."""
+
+    name = "full"
+
+    def _make_cuda_engine(self) -> Engine:
+        from ..engines.cuda import CudaGraphEngine
+
+        return CudaGraphEngine(segmented=False)
+
+
+@hookimpl
+def sglang_bcg_register_backends(registry: BackendRegistry) -> None:
+    registry.add("full", FullBackend)

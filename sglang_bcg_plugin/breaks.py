@@ -1,0 +1,102 @@
+"""``graph_break``: mark a function as an eager break point of a breakable graph.
+
+Outside a breakable capture the decorated function is a plain call (warmups, eager engine,
+Full graphs, normal eager execution). Inside one, the current CUDA-graph segment ends, the
+function runs eagerly, a new segment begins, and at replay the function runs again between
+the two segments' replays.
+
+Tensors crossing a break are held by strong references (a weak reference lets a later capture
+re-carve their blocks: SGLang #37606). Activations named in ``reads``/``writes`` are *bridged*
+through a per-partition arena instead of being held per key: inside the segment before the
+break they are copied into an arena slot (``reads``), the function runs on the slot views, and
+inside the segment after it the slots are copied back (``writes``). One arena serves every break
+of every key of a partition, so bridges cost one max-size slot per argument name, not
+``layers x keys`` activations. Returned tensors (allocated by the function) are always bridged.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import functools
+import inspect
+from collections.abc import Callable, Iterable
+from typing import Any, Protocol, TypeVar, overload
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+class BreakRecorder(Protocol):
+    """Implemented by the segmented CUDA engine while it captures."""
+
+    def on_break(
+        self,
+        fn: Callable[..., Any],
+        bound: inspect.BoundArguments,
+        reads: frozenset[str],
+        writes: frozenset[str],
+    ) -> Any: ...
+
+
+_recorder: contextvars.ContextVar[BreakRecorder | None] = contextvars.ContextVar(
+    "sglang_bcg_break_recorder", default=None
+)
+
+
+def active_recorder() -> BreakRecorder | None:
+    """The recorder of the breakable capture running in this context, if any."""
+    return _recorder.get()
+
+
+def set_recorder(recorder: BreakRecorder | None) -> contextvars.Token[BreakRecorder | None]:
+    return _recorder.set(recorder)
+
+
+def reset_recorder(token: contextvars.Token[BreakRecorder | None]) -> None:
+    _recorder.reset(token)
+
+
+@overload
+def graph_break(fn: F) -> F: ...
+@overload
+def graph_break(
+    fn: None = None, *, reads: Iterable[str] = (), writes: Iterable[str] = ()
+) -> Callable[[F], F]: ...
+
+
+def graph_break(
+    fn: F | None = None, *, reads: Iterable[str] = (), writes: Iterable[str] = ()
+) -> F | Callable[[F], F]:
+    """Decorate ``fn`` as an eager break point.
+
+    :param reads: parameter names of activation tensors the function reads (bridged in).
+    :param writes: parameter names of activation tensors the function writes in place
+        (bridged out). Tensor arguments named in neither are held as they are, strongly, per
+        key: right for weights, caches and static inputs.
+    :raises ValueError: a name in ``reads``/``writes`` is not a parameter of ``fn``.
+    """
+    read_set, write_set = frozenset(reads), frozenset(writes)
+
+    def decorate(func: F) -> F:
+        sig = inspect.signature(func)
+        unknown = sorted((read_set | write_set) - set(sig.parameters))
+        if unknown:
+            msg = (
+                f"graph_break({func.__qualname__}): reads/writes name {unknown}, which are not "
+                f"parameters of it; parameters: {list(sig.parameters)}"
+            )
+            raise ValueError(msg)
+
+        @functools.wraps(func)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            recorder = _recorder.get()
+            if recorder is None:
+                return func(*args, **kwargs)
+            bound = sig.bind(*args, **kwargs)
+            return recorder.on_break(func, bound, read_set, write_set)
+
+        wrapper.__sglang_bcg_break__ = True  # type: ignore[attr-defined]
+        return wrapper  # type: ignore[return-value]
+
+    if fn is not None:
+        return decorate(fn)
+    return decorate

@@ -1,0 +1,1 @@
+"""Capture engines: how a forward becomes a replayable graph (CUDA graphs or eager)."""

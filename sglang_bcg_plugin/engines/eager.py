@@ -1,0 +1,70 @@
+"""The eager engine: CUDA-graph static-output semantics without CUDA graphs.
+
+Capture runs the forward once and keeps the (finalized) output storage; replay runs the
+forward again and copies every tensor leaf into that storage, exactly as a graph replay
+rewrites the memory it owns. CPU machines use it, and so can anyone debugging a graph
+(``BackendOptions(engine="eager")``, like SGLang's ``--debug-cuda-graph``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from ..trees import diff, flatten
+from .base import CaptureRequest, run_warmups
+
+
+class EagerGraph:
+    """A "graph" that re-runs the forward and writes into the captured output storage."""
+
+    num_segments = 1
+
+    def __init__(self, key: object, forward_fn: Callable[[], Any], output: Any) -> None:
+        self.key = key
+        self.output = output
+        self._forward_fn: Callable[[], Any] | None = forward_fn
+        self._spec, leaves = flatten(output)
+        self._static = [t for _, t in leaves]
+
+    def replay(self) -> Any:
+        if self._forward_fn is None:
+            msg = f"graph of {self.key!r} was released; capture it again"
+            raise RuntimeError(msg)
+        spec, leaves = flatten(self._forward_fn())
+        found = diff(self._spec, spec)
+        if found is not None:
+            msg = (
+                f"forward of {self.key!r} returned another structure at replay than at capture "
+                f"({found[0]}: {found[1]}); a CUDA graph would replay the captured one"
+            )
+            raise RuntimeError(msg)
+        with torch.no_grad():
+            for static, (path, new) in zip(self._static, leaves, strict=True):
+                if static.shape != new.shape:
+                    msg = (
+                        f"forward of {self.key!r} returned shape {tuple(new.shape)} at {path} "
+                        f"on replay, captured {tuple(static.shape)}"
+                    )
+                    raise RuntimeError(msg)
+                static.copy_(new)
+        return self.output
+
+    def release(self) -> None:
+        self._forward_fn = None
+
+
+class EagerEngine:
+    """Engine for CPU machines and debugging."""
+
+    name = "eager"
+
+    def capture(self, request: CaptureRequest) -> EagerGraph:
+        run_warmups(request)
+        output = request.finalize(request.forward_fn())
+        return EagerGraph(request.key, request.forward_fn, output)
+
+    def release(self) -> None:
+        """Nothing to release."""

@@ -1,0 +1,99 @@
+"""Backend options and the resolution of the output-sharing switch."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Literal
+
+from ._constants import ENV_SHARE_OUTPUT, SERVER_ARGS_STASH
+
+EngineName = Literal["auto", "cuda", "eager"]
+
+_TRUE = frozenset({"1", "true", "yes", "on"})
+_FALSE = frozenset({"0", "false", "no", "off"})
+
+
+@dataclass(frozen=True, slots=True)
+class BackendOptions:
+    """Settings of one backend instance.
+
+    :param share_output: share one output buffer per stream partition across all capture
+        sizes. ``None`` means "follow the server flag / environment", resolved by
+        :func:`resolve_share_output` at the start of every capture session.
+    :param strict_outputs: raise :class:`OutputStructureError` when a key's output does not fit
+        the shared buffer, instead of letting that key keep its own output with a warning.
+        Risky in serving: one odd shape key aborts the whole capture.
+    :param engine: ``"cuda"`` (real CUDA graphs), ``"eager"`` (CUDA-graph static-output
+        semantics without graphs: CPU machines, debugging) or ``"auto"`` (CUDA when available).
+    :param num_warmups: eager runs before each capture (two so lazy kernels and allocator
+        caches settle before the addresses are frozen).
+    :param stale_output_guard: poison views handed out by an earlier replay of another key of
+        the same partition so a stale read raises (debug aid; needs a torch build with
+        ``torch._C._set_storage_access_error_msg``).
+    """
+
+    share_output: bool | None = False
+    strict_outputs: bool = False
+    engine: EngineName = "auto"
+    num_warmups: int = 2
+    stale_output_guard: bool = False
+
+    def __post_init__(self) -> None:
+        if self.share_output is not None and not isinstance(self.share_output, bool):
+            msg = f"BackendOptions.share_output must be a bool or None, got {self.share_output!r}"
+            raise TypeError(msg)
+        if self.engine not in ("auto", "cuda", "eager"):
+            msg = f"BackendOptions.engine must be 'auto', 'cuda' or 'eager', got {self.engine!r}"
+            raise ValueError(msg)
+        if isinstance(self.num_warmups, bool) or not isinstance(self.num_warmups, int):
+            msg = f"BackendOptions.num_warmups must be an int >= 0, got {self.num_warmups!r}"
+            raise TypeError(msg)
+        if self.num_warmups < 0:
+            msg = f"BackendOptions.num_warmups must be an int >= 0, got {self.num_warmups!r}"
+            raise ValueError(msg)
+
+
+def parse_bool_env(name: str, environ: Mapping[str, str] | None = None) -> bool | None:
+    """Read a boolean environment variable; ``None`` when unset or empty.
+
+    Accepts ``1/0``, ``true/false``, ``yes/no``, ``on/off`` in any case; anything else raises
+    ``ValueError`` naming the variable.
+    """
+    env = os.environ if environ is None else environ
+    raw = env.get(name)
+    if raw is None or not raw.strip():
+        return None
+    value = raw.strip().lower()
+    if value in _TRUE:
+        return True
+    if value in _FALSE:
+        return False
+    msg = f"{name}={raw!r} is not a boolean; use one of 1/0, true/false, yes/no, on/off"
+    raise ValueError(msg)
+
+
+def resolve_share_output(
+    explicit: bool | None = None,
+    *,
+    server_args: object | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> bool:
+    """Resolve whether output sharing is on.
+
+    Precedence: ``explicit`` > ``server_args._bcg_shared_output`` (set by the SGLang
+    integration when ``--enable-bcg-shared-output`` was parsed) > environment variable
+    ``SGLANG_ENABLE_BCG_SHARED_OUTPUT`` > ``False``.
+
+    :raises ValueError: the environment variable holds something that is not a boolean.
+    """
+    if explicit is not None:
+        return bool(explicit)
+    stash = getattr(server_args, SERVER_ARGS_STASH, None) if server_args is not None else None
+    if stash is not None:
+        return bool(stash)
+    from_env = parse_bool_env(ENV_SHARE_OUTPUT, environ)
+    if from_env is not None:
+        return from_env
+    return False

@@ -1,0 +1,100 @@
+"""The backend registry, filled by the ``sglang_bcg_register_backends`` hook."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import pluggy
+
+from .errors import BackendRegistrationError
+from .manager import get_plugin_manager
+
+if TYPE_CHECKING:
+    from .backends.base import CaptureBackend
+    from .options import BackendOptions
+
+BackendFactory = Callable[..., "CaptureBackend"]
+
+
+def _describe(factory: object) -> str:
+    module = getattr(factory, "__module__", "?")
+    qualname = getattr(factory, "__qualname__", type(factory).__qualname__)
+    return f"{module}:{qualname}"
+
+
+class BackendRegistry:
+    """Backend name -> factory, with the plugin that registered each name."""
+
+    def __init__(self) -> None:
+        self._factories: dict[str, tuple[BackendFactory, str]] = {}
+        self._plugin = "<direct>"
+
+    def add(self, name: str, factory: BackendFactory) -> None:
+        """Register ``factory`` under ``name``.
+
+        :raises BackendRegistrationError: bad name, non-callable factory, or the name is
+            already claimed by another plugin (both are named).
+        """
+        if not isinstance(name, str) or not name.isidentifier():
+            msg = f"plugin {self._plugin!r} registers backend name {name!r}: expected an identifier str"
+            raise BackendRegistrationError(msg)
+        if not callable(factory):
+            msg = f"plugin {self._plugin!r} registers backend {name!r} with non-callable {factory!r}"
+            raise BackendRegistrationError(msg)
+        if name in self._factories:
+            other, other_plugin = self._factories[name]
+            msg = (
+                f"backend name {name!r} is claimed by two plugins: {other_plugin!r} "
+                f"({_describe(other)}) and {self._plugin!r} ({_describe(factory)}); "
+                f"block one with SGLANG_BCG_BLOCK_PLUGINS"
+            )
+            raise BackendRegistrationError(msg)
+        self._factories[name] = (factory, self._plugin)
+
+    def names(self) -> list[str]:
+        return sorted(self._factories)
+
+    def get(self, name: str) -> BackendFactory:
+        try:
+            return self._factories[name][0]
+        except KeyError:
+            msg = f"unknown backend {name!r}; available: {', '.join(self.names()) or '(none)'}"
+            raise BackendRegistrationError(msg) from None
+
+    def plugin_of(self, name: str) -> str:
+        return self._factories[name][1]
+
+
+def build_registry(pm: pluggy.PluginManager | None = None) -> BackendRegistry:
+    """Ask every plugin, one at a time, to register its backends."""
+    pm = pm or get_plugin_manager()
+    registry = BackendRegistry()
+    # Called per hookimpl (oldest registration first) so duplicate names name both plugins.
+    for impl in reversed(pm.hook.sglang_bcg_register_backends.get_hookimpls()):
+        registry._plugin = impl.plugin_name
+        kwargs = {"registry": registry} if "registry" in impl.argnames else {}
+        impl.function(**kwargs)
+    registry._plugin = "<direct>"
+    return registry
+
+
+def available_backends(pm: pluggy.PluginManager | None = None) -> list[str]:
+    """Sorted names of every registered backend (built-in and third-party)."""
+    return build_registry(pm).names()
+
+
+def create_backend(
+    name: str,
+    *,
+    options: BackendOptions | None = None,
+    plugin_manager: pluggy.PluginManager | None = None,
+    **kwargs: Any,
+) -> CaptureBackend:
+    """Create the backend registered as ``name``.
+
+    :raises BackendRegistrationError: unknown name (the message lists the available names).
+    """
+    pm = plugin_manager or get_plugin_manager()
+    factory = build_registry(pm).get(name)
+    return factory(options=options, plugin_manager=pm, **kwargs)

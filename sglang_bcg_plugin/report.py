@@ -1,0 +1,103 @@
+"""``MemoryReport``: what a backend's captured outputs cost."""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any
+
+
+@dataclass(frozen=True, slots=True)
+class KeyReport:
+    """Accounting for one captured shape key.
+
+    :param logical_output_bytes: bytes of the key's output as its forward produced it.
+    :param resident_output_bytes: output storage this key holds that no earlier key holds
+        (the partition owner carries the shared buffer; sharing keys carry 0).
+    :param shared: the key hands out views of its partition's shared buffer.
+    :param fallback: why the key keeps its own output although sharing was on, else ``None``.
+    :param capture_seconds: wall time of warmups plus capture (the accounting plugin).
+    :param graph_memory_bytes: growth of reserved device memory during the capture (CUDA
+        engines; ``None`` on the eager engine).
+    :param num_segments: CUDA-graph segments of the key (breakable: breaks + 1).
+    """
+
+    key: Hashable
+    logical_output_bytes: int
+    resident_output_bytes: int
+    shared: bool
+    fallback: str | None
+    capture_seconds: float | None
+    graph_memory_bytes: int | None
+    num_segments: int
+
+
+@dataclass(frozen=True, slots=True)
+class MemoryReport:
+    """Output memory of every captured key of one backend."""
+
+    backend: str
+    engine: str
+    keys: tuple[KeyReport, ...] = ()
+    logical_output_bytes: int = 0
+    resident_output_bytes: int = 0
+    fallbacks: Mapping[Hashable, str] = field(default_factory=lambda: MappingProxyType({}))
+    capture_seconds: Mapping[Hashable, float] = field(
+        default_factory=lambda: MappingProxyType({})
+    )
+
+    @property
+    def saved_bytes(self) -> int:
+        """``logical_output_bytes - resident_output_bytes``."""
+        return self.logical_output_bytes - self.resident_output_bytes
+
+    @classmethod
+    def from_keys(cls, backend: str, engine: str, keys: list[KeyReport]) -> MemoryReport:
+        fallbacks = {k.key: k.fallback for k in keys if k.fallback is not None}
+        seconds = {k.key: k.capture_seconds for k in keys if k.capture_seconds is not None}
+        return cls(
+            backend=backend,
+            engine=engine,
+            keys=tuple(keys),
+            logical_output_bytes=sum(k.logical_output_bytes for k in keys),
+            resident_output_bytes=sum(k.resident_output_bytes for k in keys),
+            fallbacks=MappingProxyType(fallbacks),
+            capture_seconds=MappingProxyType(seconds),
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready form (keys rendered with ``repr``)."""
+        return {
+            "backend": self.backend,
+            "engine": self.engine,
+            "logical_output_bytes": self.logical_output_bytes,
+            "resident_output_bytes": self.resident_output_bytes,
+            "saved_bytes": self.saved_bytes,
+            "fallbacks": {repr(k): v for k, v in self.fallbacks.items()},
+            "keys": [
+                {
+                    "key": repr(k.key),
+                    "logical_output_bytes": k.logical_output_bytes,
+                    "resident_output_bytes": k.resident_output_bytes,
+                    "shared": k.shared,
+                    "fallback": k.fallback,
+                    "capture_seconds": k.capture_seconds,
+                    "graph_memory_bytes": k.graph_memory_bytes,
+                    "num_segments": k.num_segments,
+                }
+                for k in self.keys
+            ],
+        }
+
+    def format(self) -> str:
+        """A short human-readable summary."""
+        mib = 1024 * 1024
+        lines = [
+            f"{self.backend} backend ({self.engine} engine): {len(self.keys)} keys, "
+            f"logical {self.logical_output_bytes / mib:.2f} MiB, "
+            f"resident {self.resident_output_bytes / mib:.2f} MiB, "
+            f"saved {self.saved_bytes / mib:.2f} MiB"
+        ]
+        lines.extend(f"  fallback {k!r}: {why}" for k, why in self.fallbacks.items())
+        return "\n".join(lines)
