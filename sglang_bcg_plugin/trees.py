@@ -173,3 +173,28 @@ def storage_key(t: torch.Tensor) -> tuple[str, int]:
 def tensor_bytes(t: torch.Tensor) -> int:
     """Bytes of the tensor's own elements (what a consumer reads)."""
     return t.numel() * t.element_size()
+
+
+def collect_tensors(obj: object, limit: int = 10_000) -> list[torch.Tensor]:
+    """Every tensor reachable from ``obj`` through containers, dataclasses and ``__dict__``.
+
+    Lenient (never raises, cycle-safe, bounded): used for ``capture_inputs``, which may be any
+    object (SGLang passes its forward batch), to know which storages are static inputs.
+    """
+    found: list[torch.Tensor] = []
+    seen: set[int] = set()
+    stack = [obj]
+    while stack and len(seen) < limit:
+        cur = stack.pop()
+        if id(cur) in seen:
+            continue
+        seen.add(id(cur))
+        if isinstance(cur, torch.Tensor):
+            found.append(cur)
+        elif isinstance(cur, (list, tuple, set, frozenset)):
+            stack.extend(cur)
+        elif isinstance(cur, dict):
+            stack.extend(cur.values())
+        elif hasattr(cur, "__dict__") and not isinstance(cur, type):
+            stack.extend(vars(cur).values())
+    return found

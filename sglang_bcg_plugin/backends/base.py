@@ -36,7 +36,7 @@ from ..options import BackendOptions, resolve_share_output
 from ..report import KeyReport, MemoryReport
 from ..shape_key import check_key
 from ..sharing import OutputSharer
-from ..trees import flatten, storage_key
+from ..trees import collect_tensors, flatten, storage_key
 
 
 @dataclass(eq=False)
@@ -188,8 +188,7 @@ class CaptureBackend:
         if key in self._entries:
             msg = f"capture() for {key!r} was called twice"
             raise RuntimeError(msg)
-        _, input_leaves = flatten(capture_inputs)
-        protected = frozenset(storage_key(t) for _, t in input_leaves)
+        protected = frozenset(storage_key(t) for t in collect_tensors(capture_inputs))
         prepared: list[Any] = []
 
         def finalize(output: Any) -> Any:

@@ -1,0 +1,98 @@
+"""A synthetic decoder: RMSNorm, attention through a break/splitting op, MLP; per layer."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from ..breaks import graph_break
+
+
+@torch.library.custom_op("sglang_bcg_bench::attention", mutates_args=("out",))
+def attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, num_heads: int, num_kv_heads: int) -> None:
+    """Causal prefill attention over one sequence of ``q.shape[0]`` tokens, written into ``out``.
+
+    The splitting op of the piecewise backend and the body of the breakable break point.
+    """
+    tokens = q.shape[0]
+    head_dim = q.shape[1] // num_heads
+    qh = q.view(tokens, num_heads, head_dim).transpose(0, 1)
+    kh = k.view(tokens, num_kv_heads, head_dim).transpose(0, 1)
+    vh = v.view(tokens, num_kv_heads, head_dim).transpose(0, 1)
+    if num_kv_heads != num_heads:
+        rep = num_heads // num_kv_heads
+        kh = kh.repeat_interleave(rep, dim=0)
+        vh = vh.repeat_interleave(rep, dim=0)
+    o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True)
+    out.copy_(o.transpose(0, 1).reshape(tokens, num_heads * head_dim))
+
+
+@attention_op.register_fake
+def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, num_heads: int, num_kv_heads: int) -> None:
+    return None
+
+
+@graph_break(reads=("q", "k", "v"), writes=("out",))
+def attention_break(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, num_heads: int, num_kv_heads: int) -> None:
+    """The breakable backend's break point: the same attention, run eagerly between segments."""
+    attention_op(q, k, v, out, num_heads, num_kv_heads)
+
+
+@dataclass(frozen=True)
+class DecoderConfig:
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    intermediate: int
+    dtype: torch.dtype
+    device: str
+
+    def __post_init__(self) -> None:
+        if self.hidden % self.heads:
+            msg = f"hidden {self.hidden} is not a multiple of heads {self.heads}"
+            raise ValueError(msg)
+        if self.heads % self.kv_heads:
+            msg = f"heads {self.heads} is not a multiple of kv_heads {self.kv_heads}"
+            raise ValueError(msg)
+
+
+class SyntheticDecoder(torch.nn.Module):
+    """``layers`` x (RMSNorm -> qkv -> attention -> o_proj -> residual -> RMSNorm -> MLP)."""
+
+    def __init__(self, cfg: DecoderConfig, attention: Callable[..., None] = attention_break, seed: int = 0) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.attention = attention
+        head_dim = cfg.hidden // cfg.heads
+        self.q_cols, self.kv_cols = cfg.heads * head_dim, cfg.kv_heads * head_dim
+        g = torch.Generator(device="cpu").manual_seed(seed)
+
+        def w(rows: int, cols: int) -> torch.nn.Parameter:
+            t = torch.randn(rows, cols, generator=g) / cols**0.5
+            return torch.nn.Parameter(t.to(cfg.dtype).to(cfg.device), requires_grad=False)
+
+        self.qkv = torch.nn.ParameterList(w(self.q_cols + 2 * self.kv_cols, cfg.hidden) for _ in range(cfg.layers))
+        self.o = torch.nn.ParameterList(w(cfg.hidden, self.q_cols) for _ in range(cfg.layers))
+        self.gate_up = torch.nn.ParameterList(w(2 * cfg.intermediate, cfg.hidden) for _ in range(cfg.layers))
+        self.down = torch.nn.ParameterList(w(cfg.hidden, cfg.intermediate) for _ in range(cfg.layers))
+
+    @staticmethod
+    def _norm(x: torch.Tensor) -> torch.Tensor:
+        return x * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-6).to(x.dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        cfg = self.cfg
+        h = x
+        for i in range(cfg.layers):
+            qkv = F.linear(self._norm(h), self.qkv[i])
+            q, k, v = qkv.split([self.q_cols, self.kv_cols, self.kv_cols], dim=-1)
+            out = torch.empty(h.shape[0], self.q_cols, dtype=h.dtype, device=h.device)
+            self.attention(q.contiguous(), k.contiguous(), v.contiguous(), out, cfg.heads, cfg.kv_heads)
+            h = h + F.linear(out, self.o[i])
+            gate, up = F.linear(self._norm(h), self.gate_up[i]).chunk(2, dim=-1)
+            h = h + F.linear(F.silu(gate) * up, self.down[i])
+        return self._norm(h)

@@ -1,0 +1,110 @@
+"""Render bench rows: a table, ``bench.json`` and ``bench.png``."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from .runner import BenchRow
+
+MIB = 1024 * 1024
+
+
+def _mib(v: int | None) -> str:
+    return "-" if v is None else f"{v / MIB:,.1f}"
+
+
+def ratios(rows: list[BenchRow]) -> dict[str, dict[str, float | None]]:
+    """Per backend: sharing-on / sharing-off ratios of graph memory, replay and capture time."""
+    out: dict[str, dict[str, float | None]] = {}
+    by = {(r.backend, r.variant): r for r in rows}
+    for backend in dict.fromkeys(r.backend for r in rows):
+        on, off = by.get((backend, "on")), by.get((backend, "off"))
+        if on is None or off is None:
+            continue
+        mem = None
+        if on.graph_memory_bytes is not None and off.graph_memory_bytes:
+            mem = on.graph_memory_bytes / off.graph_memory_bytes
+        out[backend] = {
+            "graph_memory_on_over_off": mem,
+            "resident_on_over_off": on.resident_output_bytes / off.resident_output_bytes if off.resident_output_bytes else None,
+            "replay_on_over_off": on.replay_ms / off.replay_ms if off.replay_ms else None,
+            "capture_on_over_off": on.capture_s / off.capture_s if off.capture_s else None,
+        }
+    return out
+
+
+def format_table(rows: list[BenchRow]) -> str:
+    head = ["backend", "variant", "sizes", "max_tokens", "resident MiB", "logical MiB", "graph MiB", "capture s", "replay ms", "max abs err", "fallbacks"]
+    body = [
+        [
+            r.backend,
+            r.variant,
+            str(r.num_sizes),
+            str(r.max_tokens),
+            _mib(r.resident_output_bytes),
+            _mib(r.logical_output_bytes),
+            _mib(r.graph_memory_bytes),
+            f"{r.capture_s:.2f}",
+            f"{r.replay_ms:.3f}",
+            "-" if r.max_abs_err is None else f"{r.max_abs_err:.3g}",
+            str(r.fallbacks),
+        ]
+        for r in rows
+    ]
+    widths = [max(len(c) for c in col) for col in zip(head, *body)]
+    lines = ["  ".join(c.rjust(w) for c, w in zip(line, widths)) for line in [head, *body]]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    for backend, rs in ratios(rows).items():
+        parts = [f"{k.replace('_on_over_off', '')} on/off {v:.3f}" for k, v in rs.items() if v is not None]
+        lines.append(f"{backend}: " + ", ".join(parts))
+    return "\n".join(lines)
+
+
+def write_json(path: Path, device: str, config: dict[str, Any], rows: list[BenchRow]) -> None:
+    doc = {"device": device, "config": config, "rows": [r.to_dict() for r in rows], "ratios": ratios(rows)}
+    path.write_text(json.dumps(doc, indent=2) + "\n")
+
+
+def write_plot(path: Path, device: str, config: dict[str, Any], rows: list[BenchRow]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    backends = list(dict.fromkeys(r.backend for r in rows))
+    variants = list(dict.fromkeys(r.variant for r in rows))
+    by = {(r.backend, r.variant): r for r in rows}
+    use_graph = all(r.graph_memory_bytes is not None for r in rows)
+    colors = {"off": "#c0504d", "on": "#4f81bd", "floor": "#9bbb59"}
+    fig, (ax_mem, ax_rep) = plt.subplots(1, 2, figsize=(11, 4.2))
+    width = 0.8 / max(len(variants), 1)
+    for i, variant in enumerate(variants):
+        xs, mem, rep = [], [], []
+        for j, backend in enumerate(backends):
+            r = by.get((backend, variant))
+            if r is None:
+                continue
+            xs.append(j + (i - (len(variants) - 1) / 2) * width)
+            mem.append((r.graph_memory_bytes if use_graph else r.resident_output_bytes) / MIB)  # type: ignore[operator]
+            rep.append(r.replay_ms)
+        label = {"off": "sharing off", "on": "sharing on", "floor": "outputs released (floor)"}.get(variant, variant)
+        bars = ax_mem.bar(xs, mem, width, label=label, color=colors.get(variant))
+        ax_mem.bar_label(bars, fmt="%.0f", fontsize=8)
+        ax_rep.bar(xs, rep, width, label=label, color=colors.get(variant))
+    for ax in (ax_mem, ax_rep):
+        ax.set_xticks(range(len(backends)), backends)
+    ax_mem.set_ylabel("graph pool memory (MiB)" if use_graph else "resident output memory (MiB)")
+    ax_mem.set_title("Memory held by captured graphs" if use_graph else "Output memory held (eager engine)")
+    ax_rep.set_ylabel(f"replay at {config.get('max_tokens')} tokens (ms, median)")
+    ax_rep.set_title("Replay time at the largest size")
+    ax_mem.legend(fontsize=8)
+    fig.suptitle(
+        f"sglang-bcg bench on {device}: {config.get('layers')} layers, hidden {config.get('hidden')}, "
+        f"{config.get('dtype')}, {config.get('num_sizes')} sizes up to {config.get('max_tokens')} tokens",
+        fontsize=10,
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

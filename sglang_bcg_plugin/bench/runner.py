@@ -1,0 +1,168 @@
+"""Measure each backend x variant on the synthetic decoder."""
+
+from __future__ import annotations
+
+import gc
+import logging
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+
+from ..options import BackendOptions
+from ..registry import create_backend
+from ..shape_key import ShapeKey
+from .model import DecoderConfig, SyntheticDecoder, attention_break, attention_op
+from .sizes import prefill_capture_sizes
+
+log = logging.getLogger(__name__)
+
+#: variant -> (share_output, keep outputs). "floor" drops every output inside its graph.
+VARIANTS = {"off": (False, True), "on": (True, True), "floor": (False, False)}
+
+
+@dataclass
+class BenchRow:
+    backend: str
+    variant: str
+    share_output: bool
+    num_sizes: int
+    max_tokens: int
+    resident_output_bytes: int
+    logical_output_bytes: int
+    graph_memory_bytes: int | None
+    capture_s: float
+    replay_ms: float
+    max_abs_err: float | None
+    fallbacks: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def _free_bytes(device: str) -> int | None:
+    if not device.startswith("cuda"):
+        return None
+    gc.collect()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    return int(torch.cuda.mem_get_info()[0])
+
+
+def _time_replay(replay: Callable[[], Any], device: str, repeats: int) -> float:
+    """Median milliseconds of ``repeats`` replays (CUDA events on GPU, perf_counter on CPU)."""
+    for _ in range(3):
+        replay()
+    _sync(device)
+    times = []
+    for _ in range(repeats):
+        if device.startswith("cuda"):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            replay()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            replay()
+            times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def _progress(total: int, desc: str, enabled: bool) -> Any:
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=desc, unit="size", file=sys.stderr, disable=not enabled, leave=False)
+
+
+def run_variant(
+    backend_name: str,
+    variant: str,
+    cfg: DecoderConfig,
+    sizes: list[int],
+    *,
+    repeats: int,
+    progress: bool = True,
+) -> BenchRow:
+    """Capture every size with one backend and variant; measure memory, time and error."""
+    share, keep = VARIANTS[variant]
+    device = cfg.device
+    options = BackendOptions(share_output=share, engine="cuda" if device.startswith("cuda") else "eager")
+    kwargs: dict[str, Any] = {}
+    if backend_name == "piecewise":
+        kwargs["splitting_ops"] = [torch.ops.sglang_bcg_bench.attention.default]
+    model = SyntheticDecoder(cfg, attention=attention_op if backend_name == "piecewise" else attention_break)
+    if backend_name == "full":
+        model.attention = attention_op  # no break points: attention is captured in the graph
+    max_tokens = max(sizes)
+    x_max = torch.randn(max_tokens, cfg.hidden, dtype=cfg.dtype, device=device)
+    backend = create_backend(backend_name, options=options, **kwargs)
+    fn = backend.compile(model) if hasattr(backend, "compile") and backend_name == "piecewise" else model
+
+    def forward_for(s: int) -> Callable[[], Any]:
+        x = x_max[:s]
+        if keep:
+            return lambda: fn(x)
+        return lambda: (fn(x), None)[1]
+
+    free_before = _free_bytes(device)
+    start = time.perf_counter()
+    keys = [ShapeKey(s) for s in sorted(sizes, reverse=True)]
+    with torch.no_grad(), backend.capture_session():
+        bar = _progress(len(keys), f"{backend_name}/{variant}", progress)
+        for key in keys:
+            backend.capture_one(key, forward_for(key.size), capture_inputs=x_max)
+            bar.update(1)
+        bar.close()
+    _sync(device)
+    capture_s = time.perf_counter() - start
+    free_after = _free_bytes(device)
+    graph_bytes = None if free_before is None or free_after is None else free_before - free_after
+    report = backend.memory_report()
+
+    with torch.no_grad():
+        x_max.copy_(torch.randn_like(x_max))  # inputs change after capture
+        max_err = 0.0
+        if keep:
+            for key in keys:
+                out = backend.replay(key).clone()
+                ref = model(x_max[: key.size])
+                max_err = max(max_err, float((out.float() - ref.float()).abs().max()))
+        largest = keys[0]
+        replay_ms = _time_replay(lambda: backend.replay(largest), device, repeats)
+    backend.cleanup()
+    del backend, fn, model
+    _free_bytes(device)
+    row = BenchRow(
+        backend=backend_name,
+        variant=variant,
+        share_output=share,
+        num_sizes=len(sizes),
+        max_tokens=max_tokens,
+        resident_output_bytes=report.resident_output_bytes,
+        logical_output_bytes=report.logical_output_bytes,
+        graph_memory_bytes=graph_bytes,
+        capture_s=capture_s,
+        replay_ms=replay_ms,
+        max_abs_err=max_err if keep else None,
+        fallbacks=len(report.fallbacks),
+    )
+    log.info("%s", row)
+    return row
+
+
+def warm_up(cfg: DecoderConfig, backends: list[str]) -> None:
+    """One capture cycle per backend at the smallest size so lazy allocations (cuBLAS
+    workspaces, compiled kernels) are not charged to the first measured variant."""
+    for name in backends:
+        run_variant(name, "off", cfg, prefill_capture_sizes(4), repeats=1, progress=False)

@@ -1,0 +1,216 @@
+"""Pluggy: built-ins through the public hook, third-party entry points, capture hook."""
+
+from __future__ import annotations
+
+import sys
+import textwrap
+from collections.abc import Callable, Generator, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import sglang_bcg_plugin as sbp
+from sglang_bcg_plugin import (
+    BackendOptions,
+    BackendRegistrationError,
+    ShapeKey,
+    available_backends,
+    create_backend,
+    get_plugin_manager,
+    hookimpl,
+)
+from sglang_bcg_plugin.backends.full import FullBackend
+from sglang_bcg_plugin.manager import reset_plugin_manager
+
+
+def _write_dist(tmp_path: Path, dist: str, module: str, source: str, ep_name: str) -> Path:
+    site = tmp_path / "site"
+    site.mkdir(exist_ok=True)
+    (site / f"{module}.py").write_text(textwrap.dedent(source))
+    info = site / f"{dist}-1.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist}\nVersion: 1.0\n")
+    (info / "entry_points.txt").write_text(f"[sglang_bcg]\n{ep_name} = {module}\n")
+    return site
+
+
+@pytest.fixture
+def on_path(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[[Path], None]]:
+    added: list[str] = []
+
+    def add(path: Path) -> None:
+        monkeypatch.syspath_prepend(str(path))
+        added.append(str(path))
+
+    yield add
+    for mod in [m for m in sys.modules if m.startswith("thirdparty_")]:
+        del sys.modules[mod]
+
+
+THIRD_PARTY = """
+    from sglang_bcg_plugin import hookimpl
+    from sglang_bcg_plugin.backends.full import FullBackend
+
+    class EchoBackend(FullBackend):
+        name = "echo"
+
+    @hookimpl
+    def sglang_bcg_register_backends(registry):
+        registry.add("echo", EchoBackend)
+"""
+
+
+def test_builtins_registered_through_the_public_hook() -> None:
+    pm = get_plugin_manager()
+    plugins = {impl.plugin_name for impl in pm.hook.sglang_bcg_register_backends.get_hookimpls()}
+    assert {
+        "sglang_bcg_plugin.backends.full",
+        "sglang_bcg_plugin.backends.breakable",
+        "sglang_bcg_plugin.backends.piecewise",
+    } <= plugins
+    assert {"breakable", "full", "piecewise"} <= set(available_backends())
+
+
+def test_manager_is_cached_and_lazy() -> None:
+    import sglang_bcg_plugin.manager as manager
+
+    assert get_plugin_manager() is get_plugin_manager()
+    reset_plugin_manager()
+    assert manager._manager is None  # nothing is loaded until asked for
+    pm = get_plugin_manager()
+    assert manager._manager is pm
+    assert pm.project_name == sbp.NAME == "sglang_bcg"
+
+
+def test_third_party_distribution_backend(tmp_path: Path, on_path: Callable[[Path], None]) -> None:
+    on_path(_write_dist(tmp_path, "thirdparty-echo", "thirdparty_echo", THIRD_PARTY, "echo"))
+    reset_plugin_manager()
+    assert "echo" in available_backends()
+    backend = create_backend("echo", options=BackendOptions(engine="eager"))
+    assert type(backend).__name__ == "EchoBackend"
+    dists = {d.project_name for _, d in get_plugin_manager().list_plugin_distinfo()}
+    assert "thirdparty-echo" in dists
+
+
+def test_blocked_plugin_is_not_loaded(tmp_path: Path, on_path: Callable[[Path], None], monkeypatch: pytest.MonkeyPatch) -> None:
+    on_path(_write_dist(tmp_path, "thirdparty-echo", "thirdparty_echo", THIRD_PARTY, "echo"))
+    monkeypatch.setenv("SGLANG_BCG_BLOCK_PLUGINS", "echo, ")
+    reset_plugin_manager()
+    assert "echo" not in available_backends()
+
+
+def test_duplicate_name_names_both_plugins(tmp_path: Path, on_path: Callable[[Path], None]) -> None:
+    src = """
+        from sglang_bcg_plugin import hookimpl
+        from sglang_bcg_plugin.backends.full import FullBackend
+
+        class Impostor(FullBackend):
+            pass
+
+        @hookimpl
+        def sglang_bcg_register_backends(registry):
+            registry.add("full", Impostor)
+    """
+    on_path(_write_dist(tmp_path, "thirdparty-dup", "thirdparty_dup", src, "impostor"))
+    reset_plugin_manager()
+    with pytest.raises(BackendRegistrationError) as info:
+        available_backends()
+    msg = str(info.value)
+    assert "'full'" in msg and "sglang_bcg_plugin.backends.full" in msg and "'impostor'" in msg
+    assert "Impostor" in msg and "FullBackend" in msg
+
+
+def test_unknown_backend_lists_available() -> None:
+    with pytest.raises(BackendRegistrationError, match="available: breakable, full, piecewise"):
+        create_backend("nope")
+    assert issubclass(BackendRegistrationError, ValueError)
+
+
+@pytest.mark.parametrize(("name", "factory", "match"), [("bad name", FullBackend, "identifier"), ("x", 3, "non-callable")])
+def test_bad_registrations(name: str, factory: Any, match: str) -> None:
+    class Bad:
+        @hookimpl
+        def sglang_bcg_register_backends(self, registry: Any) -> None:
+            registry.add(name, factory)
+
+    pm = get_plugin_manager()
+    pm.register(Bad(), name="bad")
+    with pytest.raises(BackendRegistrationError, match=match) as info:
+        available_backends()
+    assert "'bad'" in str(info.value)
+
+
+def test_unknown_hook_in_plugin_is_rejected(tmp_path: Path, on_path: Callable[[Path], None]) -> None:
+    import pluggy
+
+    src = """
+        from sglang_bcg_plugin import hookimpl
+
+        @hookimpl
+        def sglang_bcg_not_a_hook():
+            pass
+    """
+    on_path(_write_dist(tmp_path, "thirdparty-typo", "thirdparty_typo", src, "typo"))
+    reset_plugin_manager()
+    with pytest.raises(pluggy.PluginValidationError, match="sglang_bcg_not_a_hook"):
+        get_plugin_manager()
+
+
+def test_capture_hook_is_wrappable_and_accounts(backend_name: str) -> None:
+    seen: list[tuple[str, object]] = []
+
+    class Observer:
+        @hookimpl(wrapper=True)
+        def sglang_bcg_capture_one(self, backend: Any, shape_key: Any, capture: Any) -> Generator[None, Any, Any]:
+            seen.append(("before", shape_key))
+            out = yield
+            seen.append(("after", shape_key))
+            return out
+
+    get_plugin_manager().register(Observer(), name="observer")
+    backend = create_backend(backend_name, options=BackendOptions(engine="eager"))
+    x = torch.randn(4, 3)
+    with backend.capture_session():
+        out = backend.capture_one(ShapeKey(4), lambda: x * 2)
+    torch.testing.assert_close(out, x * 2)
+    assert seen == [("before", ShapeKey(4)), ("after", ShapeKey(4))]
+    report = backend.memory_report()
+    assert report.capture_seconds[ShapeKey(4)] > 0
+    assert report.keys[0].graph_memory_bytes is None  # eager engine: no device memory
+
+
+def test_accounting_is_a_plugin_that_can_be_removed(backend_name: str) -> None:
+    pm = get_plugin_manager()
+    pm.unregister(name="sglang_bcg_plugin.accounting")
+    backend = create_backend(backend_name, options=BackendOptions(engine="eager"))
+    x = torch.randn(4, 3)
+    with backend.capture_session():
+        backend.capture_one(ShapeKey(4), lambda: x * 2)
+    assert dict(backend.memory_report().capture_seconds) == {}
+
+
+def test_hook_that_skips_capture_is_an_error(backend_name: str) -> None:
+    class Skipper:
+        @hookimpl(tryfirst=True)
+        def sglang_bcg_capture_one(self, backend: Any, shape_key: Any, capture: Any) -> Any:
+            return "not captured"
+
+    get_plugin_manager().register(Skipper(), name="skipper")
+    backend = create_backend(backend_name, options=BackendOptions(engine="eager"))
+    with backend.capture_session(), pytest.raises(RuntimeError, match="without calling capture"):
+        backend.capture_one(ShapeKey(4), lambda: torch.zeros(4))
+
+
+def test_capture_called_twice_by_a_hook_is_an_error(backend_name: str) -> None:
+    class Twice:
+        @hookimpl(tryfirst=True)
+        def sglang_bcg_capture_one(self, backend: Any, shape_key: Any, capture: Any) -> Any:
+            capture()
+            return capture()
+
+    get_plugin_manager().register(Twice(), name="twice")
+    backend = create_backend(backend_name, options=BackendOptions(engine="eager"))
+    with backend.capture_session(), pytest.raises(RuntimeError, match="called twice"):
+        backend.capture_one(ShapeKey(4), lambda: torch.zeros(4))
