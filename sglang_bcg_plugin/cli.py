@@ -89,8 +89,10 @@ def _bench(args: argparse.Namespace) -> int:
     rows = []
     for backend in backends:
         for variant in variants:
-            rows.append(run_variant(backend, variant, cfg, sizes, repeats=repeats, progress=not args.no_progress))
-            print(f"  done {backend}/{variant}", file=sys.stderr)
+            t0 = time.perf_counter()
+            row = run_variant(backend, variant, cfg, sizes, repeats=repeats, progress=not args.no_progress)
+            rows.append(row)
+            print(f"  {backend}/{variant} done in {time.perf_counter() - t0:.1f} s: {row.to_dict()}", file=sys.stderr)
     print(format_table(rows))
     print(f"({time.perf_counter() - start:.1f} s)", file=sys.stderr)
     if args.out is not None:

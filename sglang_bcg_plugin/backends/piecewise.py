@@ -1,20 +1,126 @@
-"""Piecewise backend (work in progress, issue 5)."""
+"""Piecewise backend: ``torch.compile`` split at splitting ops, one CUDA graph per piece per key.
+
+vLLM's design, with our output policy: ``backend.compile(model)`` compiles the model once for
+every size (dim 0 dynamic) with our compile backend (``piecewise_split``), which cuts the FX
+graph at the splitting ops (attention). ``capture_one`` captures each piece of the forward as a
+CUDA graph in the partition's pool and runs the splitting ops eagerly between them
+(``piecewise_record``); ``replay`` replays the pieces in order. The last piece's output follows
+the output-sharing policy like every backend's (the copy is recorded in the last piece's graph).
+
+Usage::
+
+    backend = create_backend("piecewise", splitting_ops=[torch.ops.my.attention.default])
+    fn = backend.compile(model)
+    with backend.capture_session():
+        for size in sorted(sizes, reverse=True):
+            backend.capture_one(ShapeKey(size), lambda: fn(x[:size]), capture_inputs=x)
+    out = backend.replay(ShapeKey(8))
+"""
 
 from __future__ import annotations
 
-from ..engines.base import Engine
+from collections.abc import Callable, Hashable, Iterable
+from typing import Any
+
+import pluggy
+import torch
+
+from ..engines.base import CaptureRequest, CapturedGraph, Engine
 from ..manager import hookimpl
+from ..options import BackendOptions
+from ..piecewise_engines import PiecewiseCudaEngine, PiecewiseEagerEngine
+from ..piecewise_split import (
+    DynamicMode,
+    PiecewiseCompiled,
+    PiecewiseCompiler,
+    SplitSummary,
+    resolve_splitting_ops,
+)
 from ..registry import BackendRegistry
-from .base import CaptureBackend
+from ..trees import flatten, storage_key
+from .base import CaptureBackend, _Session
 
 
 class PiecewiseBackend(CaptureBackend):
+    """Piecewise CUDA graphs of a ``torch.compile``-d model, split at ``splitting_ops``.
+
+    :param splitting_ops: ops that run eagerly between graph pieces (``OpOverload``,
+        ``OpOverloadPacket`` or ``torch.library.custom_op`` objects); validated here.
+    """
+
     name = "piecewise"
 
-    def _make_cuda_engine(self) -> Engine:
-        from ..engines.cuda import CudaGraphEngine
+    def __init__(
+        self,
+        *,
+        options: BackendOptions | None = None,
+        plugin_manager: pluggy.PluginManager | None = None,
+        server_args: object | None = None,
+        splitting_ops: Iterable[object] | None = (),
+    ) -> None:
+        self._splitting_ops = resolve_splitting_ops(splitting_ops)
+        super().__init__(options=options, plugin_manager=plugin_manager, server_args=server_args)
+        self._summaries: list[SplitSummary] = []
+        self._known_inputs: frozenset[tuple[str, int]] = frozenset()
 
-        return CudaGraphEngine(segmented=False)
+    @property
+    def splitting_ops(self) -> tuple[torch._ops.OpOverload, ...]:
+        """The resolved splitting ops (packets expanded to their overloads)."""
+        return self._splitting_ops
+
+    def compile(self, model: Callable[..., Any], *, dynamic: DynamicMode = "unbacked") -> PiecewiseCompiled:
+        """Compile ``model`` (a module or function) with this backend's piecewise compile backend.
+
+        ``fullgraph=True``: a graph break would leave work outside the pieces, which replay
+        would skip. Dim 0 of every tensor argument is dynamic, so one compilation serves every
+        capture size; :attr:`num_compilations` tells if the model forced more.
+
+        :param dynamic: how dim 0 is made dynamic: ``"unbacked"`` (default; no size is special),
+            ``"size_oblivious"`` or ``"backed"`` (see :class:`PiecewiseCompiled`).
+        :raises ValueError: unknown ``dynamic``.
+        """
+        compiler = PiecewiseCompiler(self._splitting_ops, self._summaries.append)
+        return PiecewiseCompiled(model, compiler, dynamic=dynamic)
+
+    @property
+    def split_summaries(self) -> tuple[SplitSummary, ...]:
+        """One summary per compilation of a callable returned by :meth:`compile`."""
+        return tuple(self._summaries)
+
+    @property
+    def num_compilations(self) -> int:
+        """How many FX graphs the compile backend received (1 per model if no recompiles)."""
+        return len(self._summaries)
+
+    # -- engine ---------------------------------------------------------------------------------
+    def _get_engine(self) -> Engine:
+        if self._engine is None:
+            self._engine = self._make_cuda_engine() if self._use_cuda() else PiecewiseEagerEngine()
+        return self._engine
+
+    def _make_cuda_engine(self) -> Engine:
+        return PiecewiseCudaEngine()
+
+    def _capture(
+        self,
+        key: Hashable,
+        forward_fn: Callable[[], Any],
+        capture_inputs: Any,
+        post_warmup_hook: Callable[[], None] | None,
+        session: _Session,
+    ) -> Any:
+        # Static inputs count as "produced" storage: an output aliasing them is copied, not adopted.
+        _, leaves = flatten(capture_inputs)
+        self._known_inputs = frozenset(storage_key(t) for _, t in leaves)
+        try:
+            return super()._capture(key, forward_fn, capture_inputs, post_warmup_hook, session)
+        finally:
+            self._known_inputs = frozenset()
+
+    def _engine_capture(self, request: CaptureRequest, session: _Session) -> CapturedGraph:
+        engine = self._get_engine()
+        assert isinstance(engine, (PiecewiseEagerEngine, PiecewiseCudaEngine))
+        return engine.capture(request, self._known_inputs)
 
 
 @hookimpl

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ..breaks import graph_break
 
@@ -26,7 +27,13 @@ def attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.T
         rep = num_heads // num_kv_heads
         kh = kh.repeat_interleave(rep, dim=0)
         vh = vh.repeat_interleave(rep, dim=0)
-    o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True)
+    if q.is_cuda:
+        # Flash / memory-efficient kernels only: the math fallback materialises the full
+        # tokens x tokens score matrix (45 GiB at 16384 tokens), which would swamp the pool.
+        with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]):
+            o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True)
+    else:
+        o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True)
     out.copy_(o.transpose(0, 1).reshape(tokens, num_heads * head_dim))
 
 

@@ -1,0 +1,286 @@
+"""Recording one shape key of a piecewise-compiled forward.
+
+A capture of key K is ``segment, op, segment, op, ..., segment``: one *segment* per stretch
+between splitting calls (``k`` calls give ``k + 1`` segments), the splitting ops run eagerly
+between them. On CUDA a segment is one ``torch.cuda.CUDAGraph`` that stays open across the
+piece(s) it holds and, for the last one, across the output policy (``finalize``), so the
+sharing copy is recorded inside the last piece's graph. On the eager engine a segment is the list
+of piece re-runs to repeat at replay.
+
+Stable addresses across pieces (the next piece's graph reads them):
+
+* a piece followed by a splitting op copies each freshly allocated output into a slot of the
+  partition's :class:`~sglang_bcg_plugin.engines.segments.BridgeArena` (inside its graph), so
+  the piece's own output memory returns to the pool for later captures, and every key of the
+  partition shares one max-size slot per boundary value;
+* a splitting op's freshly allocated outputs are copied into arena slots too (eagerly, again
+  at replay);
+* outputs that alias an input (views, in-place ops) already live at a stable address and pass
+  as they are;
+* everything crossing a boundary is held by strong reference for the life of the graph (weak
+  references let later captures re-carve the memory: SGLang #37606).
+"""
+
+from __future__ import annotations
+
+import contextvars
+import functools
+from collections import Counter
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import torch
+from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
+
+from .engines.segments import BridgeArena
+from .trees import flatten, storage_key, unflatten
+
+Action = Callable[[], None]
+
+
+class Segments(Protocol):
+    """How segments are made: CUDA graphs (``engines``) or eager action lists."""
+
+    def begin(self) -> None: ...
+    def end(self) -> None: ...
+    def record(self, action: Action) -> None:
+        """Remember work to redo at replay (no-op on CUDA, where the kernels were captured)."""
+
+    def abort(self) -> None: ...
+    def runners(self) -> list[Action | None]: ...
+    def release(self) -> None: ...
+
+
+_active: contextvars.ContextVar[PieceRecorder | None] = contextvars.ContextVar(
+    "sglang_bcg_piece_recorder", default=None
+)
+
+
+def active_recorder() -> PieceRecorder | None:
+    """The recorder of the piecewise capture running in this context, if any."""
+    return _active.get()
+
+
+def _tensors(tree: object) -> list[torch.Tensor]:
+    return [t for t in tree_leaves(tree) if isinstance(t, torch.Tensor)]
+
+
+def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride()
+
+
+def _rerun(tag: str, fn: Callable[..., Any], args: tuple[Any, ...], targets: list[Any]) -> None:
+    """Replay of a piece (eager engine) or splitting call: run again, refresh the targets."""
+    new = tree_leaves(fn(*args))
+    for target, value in zip(targets, new, strict=True):
+        if not isinstance(target, torch.Tensor):
+            continue
+        if target.shape != value.shape:
+            msg = f"{tag} returned shape {tuple(value.shape)} on replay, captured {tuple(target.shape)}"
+            raise RuntimeError(msg)
+        if not _same_memory(target, value):
+            target.copy_(value)
+
+
+def _copy_pairs(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    for src, dst in pairs:
+        dst.copy_(src)
+
+
+class EagerSegments:
+    """Segments of the eager engine: the recorded actions, re-run in order at replay."""
+
+    def __init__(self) -> None:
+        self._done: list[list[Action]] = []
+        self._current: list[Action] | None = None
+
+    def begin(self) -> None:
+        self._current = []
+
+    def end(self) -> None:
+        assert self._current is not None
+        self._done.append(self._current)
+        self._current = None
+
+    def record(self, action: Action) -> None:
+        assert self._current is not None
+        self._current.append(action)
+
+    def abort(self) -> None:
+        self._current = None
+        self._done.clear()
+
+    def runners(self) -> list[Action | None]:
+        return [functools.partial(_run_all, acts) if acts else None for acts in self._done]
+
+    def release(self) -> None:
+        self._done.clear()
+
+
+def _run_all(actions: list[Action]) -> None:
+    for action in actions:
+        action()
+
+
+class PiecewiseGraph:
+    """One captured key: segments with the eager splitting calls between them."""
+
+    def __init__(self, key: object, segments: Segments, steps: list[Action], output: Any, held: list[Any]) -> None:
+        self.key = key
+        self.output = output
+        self._segments: Segments | None = segments
+        self._runners = segments.runners()
+        self._steps = steps
+        self._held = held  # strong references to everything crossing a piece boundary
+        self.num_segments = len(self._runners)
+
+    def replay(self) -> Any:
+        if self._segments is None:
+            msg = f"graph of {self.key!r} was released; capture it again"
+            raise RuntimeError(msg)
+        steps = self._steps
+        with torch.no_grad():
+            for i, run in enumerate(self._runners):
+                if run is not None:
+                    run()
+                if i < len(steps):
+                    steps[i]()
+        return self.output
+
+    def release(self) -> None:
+        if self._segments is not None:
+            self._segments.release()
+        self._segments = None
+        self._runners = []
+        self._steps = []
+        self._held = []
+
+
+class PieceRecorder:
+    """Records the pieces and splitting calls of one key (set active while its forward runs)."""
+
+    def __init__(
+        self, key: object, segments: Segments, arena: BridgeArena, known_inputs: frozenset[tuple[str, int]] = frozenset()
+    ) -> None:
+        self.key = key
+        self.segments = segments
+        self.arena = arena
+        self.steps: list[Action] = []
+        self.held: list[Any] = []
+        self.known: set[tuple[str, int]] = set(known_inputs)
+        self.inputs: set[tuple[str, int]] = set(known_inputs)
+        self.slots: set[tuple[str, int]] = set()
+        self.graph_calls = 0
+        self._calls: Counter[str] = Counter()
+        self._in_split = False
+
+    # -- called by the compiled program -------------------------------------------------------
+    def note_inputs(self, args: tuple[Any, ...]) -> None:
+        self.graph_calls += 1
+        for t in _tensors(args):
+            self.inputs.add(storage_key(t))
+            self.known.add(storage_key(t))
+        self.held.append(args)
+
+    def run_piece(self, tag: str, fn: Callable[..., Any], args: tuple[Any, ...], *, bridge: bool) -> Any:
+        if self._in_split:  # a compiled callable inside a splitting op: nothing to record
+            return fn(*args)
+        name = self._name(tag)
+        leaves, spec = tree_flatten(fn(*args))
+        targets = self._bridge(name, leaves, args) if bridge else leaves
+        self._hold(args, targets)
+        self.segments.record(functools.partial(_rerun, tag, fn, args, targets))
+        return tree_unflatten(targets, spec)
+
+    def run_split(self, tag: str, fn: Callable[..., Any], args: tuple[Any, ...]) -> Any:
+        if self._in_split:
+            return fn(*args)
+        name = self._name(tag)
+        self.segments.end()
+        self._in_split = True
+        try:
+            leaves, spec = tree_flatten(fn(*args))
+        finally:
+            self._in_split = False
+        targets = self._bridge(name, leaves, args)
+        self._hold(args, targets)
+        self.steps.append(functools.partial(_rerun, tag, fn, args, targets))
+        self.segments.begin()
+        return tree_unflatten(targets, spec)
+
+    # -- called by the engine -----------------------------------------------------------------
+    def finish(self, raw: Any, finalize: Callable[[Any], Any]) -> Any:
+        """Apply the output policy inside the last segment, close it; returns the static output.
+
+        :raises RuntimeError: the forward never ran a compiled callable, or returned a tensor the
+            pieces did not produce (it would not be refreshed at replay).
+        """
+        if self.graph_calls == 0:
+            msg = (
+                f"forward_fn of {self.key!r} never called a callable compiled by this backend; "
+                "pass a forward that calls backend.compile(model)(...)"
+            )
+            raise RuntimeError(msg)
+        node, leaves = flatten(raw)
+        owned = []
+        for path, t in leaves:
+            sk = storage_key(t)
+            if sk not in self.known:
+                msg = (
+                    f"forward_fn of {self.key!r} returned a tensor at {path} that the compiled "
+                    "pieces did not produce (work outside the compiled callable is not replayed); "
+                    "return the compiled callable's output"
+                )
+                raise RuntimeError(msg)
+            # Bridge slots are shared by every key, inputs by the caller: the output owns a copy.
+            owned.append(t.clone() if sk in self.slots or sk in self.inputs else t)
+        final = finalize(unflatten(node, owned))
+        _, final_leaves = flatten(final)
+        pairs = [(r, f) for (_, r), (_, f) in zip(leaves, final_leaves, strict=True) if f is not r]
+        if pairs:
+            self.segments.record(functools.partial(_copy_pairs, pairs))
+        self.segments.end()
+        return final
+
+    def graph(self, output: Any) -> PiecewiseGraph:
+        return PiecewiseGraph(self.key, self.segments, self.steps, output, self.held)
+
+    # -- helpers ------------------------------------------------------------------------------
+    def _name(self, tag: str) -> str:
+        n = self._calls[tag]
+        self._calls[tag] += 1
+        return f"{tag}#{n}"
+
+    def _bridge(self, name: str, leaves: list[Any], args: tuple[Any, ...]) -> list[Any]:
+        arg_storages = {storage_key(t) for t in _tensors(args)}
+        targets: list[Any] = []
+        for i, leaf in enumerate(leaves):
+            if isinstance(leaf, torch.Tensor) and storage_key(leaf) not in arg_storages:
+                slot = self.arena.view(f"{name}:{i}", leaf)
+                slot.copy_(leaf)
+                self.slots.add(storage_key(slot))
+                targets.append(slot)
+            else:
+                targets.append(leaf)  # not a tensor, or aliases an input: already stable
+        return targets
+
+    def _hold(self, args: tuple[Any, ...], targets: list[Any]) -> None:
+        for t in _tensors(targets):
+            self.known.add(storage_key(t))
+        for t in _tensors(args):
+            self.known.add(storage_key(t))
+        self.held.append((args, targets))
+
+
+def record(recorder: PieceRecorder, forward_fn: Callable[[], Any], finalize: Callable[[Any], Any]) -> PiecewiseGraph:
+    """Run ``forward_fn`` with ``recorder`` active; returns the captured graph."""
+    token = _active.set(recorder)
+    try:
+        recorder.segments.begin()
+        output = recorder.finish(forward_fn(), finalize)
+    except BaseException:
+        recorder.segments.abort()
+        raise
+    finally:
+        _active.reset(token)
+    return recorder.graph(output)

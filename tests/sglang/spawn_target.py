@@ -1,0 +1,33 @@
+"""Target of the spawned "scheduler-like" process of ``test_flag_reaches_spawned_child``."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+
+def scheduler_like(server_args: Any, queue: Any) -> None:
+    """What an SGLang scheduler process does first: load plugins; then read our switch."""
+    import warnings
+
+    import torchvision_standin
+
+    torchvision_standin.install()
+    warnings.simplefilter("ignore")
+    from sglang.srt.plugins import load_plugins
+    from sglang.srt.plugins.hook_registry import HookRegistry
+
+    from sglang_bcg_plugin import resolve_share_output
+
+    load_plugins()
+    env = os.environ.get("SGLANG_ENABLE_BCG_SHARED_OUTPUT")
+    result = {
+        "plugins_patched": "sglang.srt.server_args.ServerArgs.from_cli_args" in HookRegistry._patched,
+        "env": env,
+        "stash": getattr(server_args, "_bcg_shared_output", None),
+        "from_server_args": resolve_share_output(None, server_args=server_args),
+        "from_env": resolve_share_output(None),
+    }
+    os.environ.pop("SGLANG_ENABLE_BCG_SHARED_OUTPUT", None)
+    result["from_server_args_without_env"] = resolve_share_output(None, server_args=server_args)
+    queue.put(result)

@@ -1,0 +1,242 @@
+"""Our breakable backend driven through SGLang 0.5.23's real BCG machinery, on CPU.
+
+Only the CUDA graph primitive (``torch.cuda.CUDAGraph``, one BCG segment), the TP group's
+``barrier`` and the runner's ``graph_pool_handle`` are stood in (``cpu_graph_standin``: each
+segment records its aten ops and replays them with our eager engine's semantics, writing the
+storage it captured). Keys are SGLang's real four-field ``ShapeKey``; the forward has a real
+``eager_on_graph`` break point, so every key has two segments and one break function.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+
+from cpu_graph_standin import FakeRunner
+from sglang_bcg_plugin import CaptureStateError, MemoryReport, SharedOutputFallbackWarning
+
+pytestmark = [pytest.mark.sglang, pytest.mark.usefixtures("cpu_bcg")]
+
+HIDDEN = 8
+SIZES = (16, 8, 4)
+
+
+class Model:
+    """Static inputs per key; ``x @ w`` (segment 1), an eager break (``tanh``), ``* 2`` (segment 2)."""
+
+    def __init__(self) -> None:
+        from sglang.srt.model_executor.runner_backend_utils.breakable_cuda_graph import eager_on_graph
+
+        g = torch.Generator().manual_seed(0)
+        self.w = torch.randn(HIDDEN, HIDDEN, generator=g)
+        self.inputs: dict[Any, torch.Tensor] = {}
+        self.attention = eager_on_graph(lambda h: torch.tanh(h))
+
+    def forward_for(self, key: Any, rows: int | None = None, make: Callable[[torch.Tensor], Any] | None = None) -> Callable[[], Any]:
+        x = self.inputs.setdefault(key, torch.randn(rows or key.size, HIDDEN))
+
+        def forward() -> Any:
+            out = self.attention(x @ self.w) * 2
+            return out if make is None else make(out)
+
+        return forward
+
+    def expected(self, key: Any) -> torch.Tensor:
+        return torch.tanh(self.inputs[key] @ self.w) * 2
+
+    def refill(self) -> None:
+        for x in self.inputs.values():
+            x.copy_(torch.randn_like(x))
+
+
+def shape_key(size: int, stream_idx: int | None = None) -> Any:
+    from sglang.srt.model_executor.runner.shape_key import ShapeKey
+
+    return ShapeKey(size=size, stream_idx=stream_idx, variant_label=None, attention_variant=None)
+
+
+def make_backend(runner: Any = None, **kwargs: Any) -> Any:
+    from sglang_bcg_plugin.integration import sglang_breakable_backend_class
+
+    return sglang_breakable_backend_class()(runner or FakeRunner(), **kwargs)
+
+
+def capture_all(backend: Any, model: Model, keys: list[Any], **kw: Any) -> None:
+    with backend.capture_session(None):
+        for key in keys:
+            backend.capture_one(key, model.forward_for(key, **kw))
+
+
+def replay(backend: Any, key: Any) -> Any:
+    with backend.replay_session():
+        return backend.replay(key, None)
+
+
+def storages(backend: Any) -> set[int]:
+    return {t.untyped_storage().data_ptr() for out in backend._outputs.values() for t in _leaves(out)}
+
+
+def _leaves(out: Any) -> list[torch.Tensor]:
+    from sglang_bcg_plugin.trees import flatten
+
+    return [t for _, t in flatten(out)[1]]
+
+
+def test_is_sglang_bcg_subclass_with_sglang_constructor() -> None:
+    from sglang.srt.model_executor.runner_backend.breakable_cuda_graph_backend import BreakableCudaGraphBackend
+
+    backend = make_backend(enable_memory_saver=False, debug_eager=False)
+    assert isinstance(backend, BreakableCudaGraphBackend)
+    assert backend._debug_eager is False and backend.share_output_active is None
+
+
+@pytest.mark.parametrize(("env", "expect_storages"), [("1", 1), ("0", len(SIZES))])
+def test_flag_decides_output_storages_and_replay_is_correct(
+    monkeypatch: pytest.MonkeyPatch, env: str, expect_storages: int
+) -> None:
+    monkeypatch.setenv("SGLANG_ENABLE_BCG_SHARED_OUTPUT", env)
+    backend, model = make_backend(), Model()
+    keys = [shape_key(n) for n in SIZES]  # largest first, as SGLang's runners capture
+    capture_all(backend, model, keys)
+    assert [len(backend._graphs[k]._segments) for k in keys] == [2, 2, 2]
+    assert [len(backend._graphs[k]._break_fns) for k in keys] == [1, 1, 1]
+    assert len(storages(backend)) == expect_storages
+    model.refill()  # outputs must follow the inputs, not the capture-time values
+    for key in reversed(keys):
+        out = replay(backend, key)
+        assert out.shape == (key.size, HIDDEN)
+        torch.testing.assert_close(out, model.expected(key), rtol=0, atol=0)
+    report = backend.memory_report()
+    assert isinstance(report, MemoryReport) and report.engine == "sglang-bcg"
+    full = sum(16 * HIDDEN * 4 * n // 16 for n in SIZES)
+    assert report.logical_output_bytes == full
+    assert report.resident_output_bytes == (16 * HIDDEN * 4 if env == "1" else full)
+    assert all(k.shared == (env == "1") and k.num_segments == 2 for k in report.keys)
+
+
+def test_dataclass_output_shares_per_leaf(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``LogitsProcessorOutput`` (SGLang's decode output): SGLang's own BCG raises TypeError."""
+    from sglang.srt.layers.logits_processor import LogitsProcessorOutput
+    from sglang.srt.model_executor.runner_backend.breakable_cuda_graph_backend import BreakableCudaGraphBackend
+
+    monkeypatch.setenv("SGLANG_ENABLE_BCG_SHARED_OUTPUT", "1")
+
+    def make(h: torch.Tensor) -> Any:
+        return LogitsProcessorOutput(next_token_logits=h + 1, hidden_states=h)
+
+    model, keys = Model(), [shape_key(n) for n in SIZES]
+    sglang_own = BreakableCudaGraphBackend(FakeRunner())
+    with sglang_own.capture_session(None), pytest.raises(TypeError, match="Unsupported BCG output type"):
+        sglang_own.capture_one(keys[0], model.forward_for(keys[0], make=make))
+
+    backend = make_backend()
+    capture_all(backend, model, keys, make=make)
+    assert len(storages(backend)) == 2  # one buffer per leaf path, not per key
+    model.refill()
+    for key in keys:
+        out = replay(backend, key)
+        assert isinstance(out, LogitsProcessorOutput)
+        torch.testing.assert_close(out.hidden_states, model.expected(key), rtol=0, atol=0)
+        torch.testing.assert_close(out.next_token_logits, model.expected(key) + 1, rtol=0, atol=0)
+        assert out.next_token_logprobs is None
+
+
+def test_runner_rows_trim_padded_leaves_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SGLANG_ENABLE_BCG_SHARED_OUTPUT", "1")
+    backend, model = make_backend(FakeRunner(rows=3)), Model()
+    per_request = torch.arange(2.0)
+
+    keys = [shape_key(n) for n in SIZES]
+    capture_all(backend, model, keys, make=lambda h: (h, per_request * 1))
+    model.refill()
+    for key in keys:
+        tokens, requests = replay(backend, key)
+        assert tokens.shape == (3, HIDDEN) and requests.shape == (2,)
+        torch.testing.assert_close(tokens, model.expected(key)[:3], rtol=0, atol=0)
+    assert len(storages(backend)) == 2
+
+
+def test_streams_never_share(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SGLANG_ENABLE_BCG_SHARED_OUTPUT", "1")
+    backend, model = make_backend(), Model()
+    keys = [shape_key(n, stream_idx=s) for s in (0, 1) for n in SIZES]
+    capture_all(backend, model, keys)
+    by_stream = {s: {backend._outputs[k].untyped_storage().data_ptr() for k in keys if k.stream_idx == s} for s in (0, 1)}
+    assert len(by_stream[0]) == len(by_stream[1]) == 1
+    assert by_stream[0].isdisjoint(by_stream[1])
+
+
+def test_not_largest_first_falls_back_per_key(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SGLANG_ENABLE_BCG_SHARED_OUTPUT", "1")
+    backend, model = make_backend(), Model()
+    small, big = shape_key(4), shape_key(8)
+    with pytest.warns(SharedOutputFallbackWarning, match="capture was not largest-first"):
+        capture_all(backend, model, [small, big])
+    assert set(backend.memory_report().fallbacks) == {big}
+    model.refill()
+    for key in (small, big):
+        torch.testing.assert_close(replay(backend, key), model.expected(key), rtol=0, atol=0)
+
+
+def test_server_args_stash_beats_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    from sglang.srt.model_executor.runner_backend import cuda_graph_dedup_mixin
+
+    # With server_args present, SGLang's dedup mixin reads get_exec(); nothing is published here.
+    features = type("Exec", (), {"features": type("F", (), {"enable_memory_saver": False})()})()
+    monkeypatch.setattr(cuda_graph_dedup_mixin, "get_exec", lambda: features)
+    monkeypatch.setenv("SGLANG_ENABLE_BCG_SHARED_OUTPUT", "1")
+    server_args = type("ServerArgs", (), {"_bcg_shared_output": False})()
+    backend, model = make_backend(FakeRunner(server_args=server_args)), Model()
+    with backend.capture_session(None):
+        assert backend.share_output_active is False
+        for n in SIZES:
+            backend.capture_one(shape_key(n), model.forward_for(shape_key(n)))
+    assert len(storages(backend)) == len(SIZES)
+
+
+def test_debug_eager_runs_forward_as_one_break(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SGLANG_ENABLE_BCG_SHARED_OUTPUT", "1")
+    backend, model = make_backend(debug_eager=True), Model()
+    keys = [shape_key(n) for n in SIZES]
+    capture_all(backend, model, keys)
+    assert all(len(backend._graphs[k]._break_fns) == 1 for k in keys)
+    assert len(storages(backend)) == 1
+    model.refill()
+    for key in keys:
+        torch.testing.assert_close(replay(backend, key), model.expected(key), rtol=0, atol=0)
+
+
+def test_lifecycle_errors_and_cleanup() -> None:
+    backend, model = make_backend(), Model()
+    key = shape_key(4)
+    with pytest.raises(CaptureStateError, match="capture_session"):
+        backend.capture_one(key, model.forward_for(key))
+    capture_all(backend, model, [key], )
+    assert backend.can_run(None, key) and len(backend.memory_report().keys) == 1
+    backend.cleanup()
+    assert not backend.can_run(None, key) and backend.memory_report().keys == ()
+
+
+def test_helpers() -> None:
+    from sglang_bcg_plugin.integration.sglang_breakable import _input_storages, apply_runner_rows, runner_server_args
+
+    t = torch.zeros(4, 2)
+    with pytest.raises(TypeError, match="expected None or an int"):
+        apply_runner_rows(t, 2.0)
+    with pytest.raises(ValueError, match="expected None or an int"):
+        apply_runner_rows(t, -1)
+    assert apply_runner_rows(t, 9) is t and apply_runner_rows(None, 1) is None
+    assert apply_runner_rows(t, None) is t and apply_runner_rows(t, 1).shape == (1, 2)
+
+    class Batch:  # holds an unsupported tensor holder: flatten() refuses it
+        def __init__(self) -> None:
+            self.input_ids = t
+            self.other = type("Opaque", (), {"__init__": lambda s: setattr(s, "x", t)})()
+
+    assert _input_storages(Batch()) == frozenset({("cpu", t.untyped_storage().data_ptr())})
+    assert _input_storages(dataclasses.make_dataclass("B", ["a"])(t)) == _input_storages(Batch())
+    assert runner_server_args(object()) is None  # nothing published in this process

@@ -1,0 +1,85 @@
+"""``sglang-bcg doctor`` (``doctor_main``): the checks an operator runs before serving."""
+
+from __future__ import annotations
+
+import io
+import sys
+from pathlib import Path
+
+import pytest
+
+from sglang_bcg_plugin.integration.doctor import doctor_main
+
+
+def run(*argv: str) -> tuple[int, str]:
+    out = io.StringIO()
+    code = doctor_main(list(argv), out=out)
+    return code, out.getvalue()
+
+
+def test_without_sglang_exits_2(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "sglang", None)  # as if not installed
+    code, text = run()
+    assert code == 2 and "SGLang not installed" in text
+
+
+def test_namespace_or_unregistered_sglang_is_not_sglang(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    import importlib.metadata
+
+    from sglang_bcg_plugin.integration import doctor
+
+    (tmp_path / "sglang").mkdir()  # a bare directory: imports as a namespace package
+    monkeypatch.setitem(sys.modules, "sglang", None)
+    monkeypatch.delitem(sys.modules, "sglang")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    if doctor.importlib.util.find_spec("sglang").origin is None:  # type: ignore[union-attr]
+        assert run()[0] == 2
+
+    def no_dist(name: str) -> str:
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(doctor.importlib.util, "find_spec", lambda name: type("Spec", (), {"origin": "x"})())
+    monkeypatch.setattr(doctor.importlib.metadata, "version", no_dist)
+    assert run() == (2, "SGLang not installed: pip install 'sglang-bcg-plugin[sglang]' into the serving environment\n")
+
+
+@pytest.mark.sglang
+def test_all_targets_present(monkeypatch: pytest.MonkeyPatch, dist_dir: Path) -> None:
+    monkeypatch.syspath_prepend(str(dist_dir))  # our entry point, as pyproject.toml declares it
+    code, text = run()
+    assert code == 0, text
+    assert "SGLang 0.5.23 (supported)" in text
+    assert text.count("[ok]") == 4 + 8 and "MISSING" not in text
+    assert "entry point (sglang.srt.plugins): sglang_bcg = sglang_bcg_plugin.integration:register" in text
+    assert "--enable-bcg-shared-output (resolved now): off (SGLANG_ENABLE_BCG_SHARED_OUTPUT unset" in text
+
+
+@pytest.mark.sglang
+def test_missing_target_exits_1(monkeypatch: pytest.MonkeyPatch, dist_dir: Path) -> None:
+    import sglang.srt.model_executor.runner_backend.utils as utils
+
+    monkeypatch.syspath_prepend(str(dist_dir))
+    monkeypatch.delattr(utils, "resolve_decode_backend")  # an SGLang upgrade moved the seam
+    monkeypatch.setenv("SGLANG_ENABLE_BCG_SHARED_OUTPUT", "1")
+    code, text = run()
+    assert code == 1
+    assert "[MISSING] AROUND sglang.srt.model_executor.runner_backend.utils.resolve_decode_backend" in text
+    assert "on (SGLANG_ENABLE_BCG_SHARED_OUTPUT set)" in text and "doctor: 1 missing target(s)" in text
+
+
+@pytest.mark.sglang
+def test_missing_entry_point_and_bad_env_exit_1(monkeypatch: pytest.MonkeyPatch) -> None:
+    import importlib.metadata
+
+    from sglang_bcg_plugin.integration import doctor
+
+    monkeypatch.setattr(doctor.importlib.metadata, "entry_points", lambda group: [])
+    monkeypatch.setattr(doctor.importlib.metadata, "version", lambda name: "0.6.0")
+    monkeypatch.setenv("SGLANG_ENABLE_BCG_SHARED_OUTPUT", "maybe")
+    code, text = run()
+    assert importlib.metadata.entry_points is doctor.importlib.metadata.entry_points
+    assert code == 1
+    assert "SGLang 0.6.0 (untested; supported: 0.5.23)" in text
+    assert "NOT FOUND (expected sglang_bcg_plugin.integration:register)" in text
+    assert "invalid (SGLANG_ENABLE_BCG_SHARED_OUTPUT='maybe'" in text
+    assert "entry point not discoverable" in text

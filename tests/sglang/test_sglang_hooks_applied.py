@@ -1,0 +1,135 @@
+"""Hooks really applied by SGLang's own ``load_plugins()``, each check in a fresh interpreter.
+
+SGLang logs and swallows plugin errors, so every test asserts on ``HookRegistry`` state and on
+behaviour. HookRegistry patches are permanent per process: hence the subprocesses. Our entry
+point is discovered from a ``*.dist-info`` written from ``pyproject.toml`` (fixture ``dist_dir``).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from conftest import run_child
+
+pytestmark = [pytest.mark.sglang, pytest.mark.slow]
+
+TARGETS = [
+    "sglang.srt.model_executor.runner_backend.utils.resolve_decode_backend",
+    "sglang.srt.model_executor.runner_backend.utils.resolve_prefill_backend",
+    "sglang.srt.server_args.ServerArgs.add_cli_args",
+    "sglang.srt.server_args.ServerArgs.from_cli_args",
+]
+
+APPLY_AND_RESOLVE = """
+import os
+from types import SimpleNamespace as NS
+from sglang.srt.plugins import load_plugins
+from sglang.srt.plugins.hook_registry import HookRegistry
+load_plugins()
+patched = sorted(HookRegistry._patched)
+hook_counts = {t: len(h) for t, h in HookRegistry._hooks.items()}
+import sglang_bcg_plugin.integration as integration
+integration.register()
+load_plugins()
+again = {t: len(h) for t, h in HookRegistry._hooks.items()}
+
+from sglang.srt.server_args import ServerArgs, prepare_server_args
+import sglang.srt.model_executor.runner_backend.utils as u
+import sglang.srt.model_executor.runner_backend as rb
+import sglang.srt.model_executor.runner.prefill_cuda_graph_runner as pr
+import sglang.srt.model_executor.runner.decode_cuda_graph_runner as dr
+wrapped = {
+    "add_cli_args": hasattr(ServerArgs.__dict__["add_cli_args"].__func__, "__wrapped__"),
+    "from_cli_args": hasattr(ServerArgs.__dict__["from_cli_args"].__func__, "__wrapped__"),
+    "prefill": hasattr(u.resolve_prefill_backend, "__wrapped__"),
+    "decode": hasattr(u.resolve_decode_backend, "__wrapped__"),
+}
+propagated = [pr.resolve_prefill_backend is u.resolve_prefill_backend is rb.resolve_prefill_backend,
+              dr.resolve_decode_backend is u.resolve_decode_backend]
+
+flags = {}
+for argv in ([], ["--enable-bcg-shared-output"], ["--no-enable-bcg-shared-output"]):
+    os.environ["SGLANG_ENABLE_BCG_SHARED_OUTPUT"] = "unchanged"
+    sa = prepare_server_args(["--model-path", "dummy", *argv])
+    flags[" ".join(argv) or "none"] = [getattr(sa, "_bcg_shared_output", None), os.environ["SGLANG_ENABLE_BCG_SHARED_OUTPUT"]]
+
+# SGLang's resolver, as its runners call it (config stubbed: nothing is published here).
+from sglang.srt.model_executor.cuda_graph_config import Backend
+from sglang.srt.runtime_context import get_parallel
+from cpu_graph_standin import FakeGroup, FakeRunner
+get_parallel().override_permanently(tp_group=FakeGroup())
+def config(prefill, decode, debug=False):
+    cfg = NS(prefill=NS(backend=prefill), decode=NS(backend=decode))
+    u.get_exec = lambda: NS(graph=NS(cuda_graph_config=cfg, debug_cuda_graph=debug), features=NS(enable_memory_saver=False))
+resolved = {}
+for prefill, decode, debug in ((Backend.BREAKABLE, Backend.FULL, False), (Backend.FULL, Backend.BREAKABLE, True)):
+    config(prefill, decode, debug)
+    for name, fn in (("prefill", pr.resolve_prefill_backend), ("decode", dr.resolve_decode_backend)):
+        b = fn(FakeRunner())
+        resolved[f"{name}-{prefill if name == 'prefill' else decode}"] = [type(b).__name__, [c.__name__ for c in type(b).__mro__][:3], b.__dict__.get("_debug_eager")]
+report(patched=patched, hook_counts=hook_counts, again=again, wrapped=wrapped, propagated=propagated, flags=flags, resolved=resolved)
+"""
+
+
+def test_load_plugins_applies_every_hook(dist_dir: Path) -> None:
+    r = run_child(APPLY_AND_RESOLVE, dist_dir).result
+    assert r["patched"] == TARGETS
+    assert r["hook_counts"] == r["again"] == {t: 1 for t in TARGETS}  # register()/load_plugins() again: no-op
+    assert all(r["wrapped"].values()), r["wrapped"]
+    assert r["propagated"] == [True, True]  # the runners call the wrapper
+    assert r["flags"] == {
+        "none": [None, "unchanged"],  # not given: env var left to the operator
+        "--enable-bcg-shared-output": [True, "1"],
+        "--no-enable-bcg-shared-output": [False, "0"],
+    }
+    bcg = ["SGLangBreakableBackend", "SharingPolicyMixin", "BreakableCudaGraphBackend"]
+    assert r["resolved"]["prefill-breakable"][:2] == ["SGLangBreakableBackend", bcg]
+    assert r["resolved"]["decode-breakable"] == ["SGLangBreakableBackend", bcg, True]  # debug_eager kept
+    assert r["resolved"]["decode-full"][0] == r["resolved"]["prefill-full"][0] == "FullCudaGraphBackend"
+
+
+def test_launch_server_help_lists_flag(dist_dir: Path) -> None:
+    code = """
+import runpy, sys
+sys.argv = ["sglang.launch_server", "--help"]
+try:
+    runpy.run_module("sglang.launch_server", run_name="__main__")
+except SystemExit as exc:
+    assert exc.code == 0, exc.code
+report(ok=True)
+"""
+    out = run_child(code, dist_dir).stdout
+    assert "--enable-bcg-shared-output, --no-enable-bcg-shared-output" in out
+    assert "SGLANG_ENABLE_BCG_SHARED_OUTPUT" in out
+
+
+def test_flag_reaches_spawned_child(dist_dir: Path) -> None:
+    """The parsed flag reaches a ``spawn``-ed process that runs ``load_plugins()`` (as SGLang's
+    scheduler does): by the inherited env var and by the pickled ``_bcg_shared_output`` stash."""
+    code = """
+import multiprocessing as mp, os
+from sglang.srt.plugins import load_plugins
+from sglang.srt.server_args import prepare_server_args
+from spawn_target import scheduler_like
+load_plugins()
+sa = prepare_server_args(["--model-path", "dummy", "--enable-bcg-shared-output"])
+ctx = mp.get_context("spawn")
+queue = ctx.Queue()
+proc = ctx.Process(target=scheduler_like, args=(sa, queue))
+proc.start()
+child = queue.get(timeout=120)
+proc.join(60)
+report(child=child, exitcode=proc.exitcode)
+"""
+    r = run_child(code, dist_dir, timeout=180).result
+    assert r["exitcode"] == 0
+    assert r["child"] == {
+        "plugins_patched": True,
+        "env": "1",
+        "stash": True,
+        "from_server_args": True,  # resolve_share_output(None, server_args=...)
+        "from_server_args_without_env": True,  # the stash alone carries it
+        "from_env": True,  # resolve_share_output(None): the env var alone carries it
+    }

@@ -1,0 +1,165 @@
+"""The seam, flag and register() hooks called in-process (the subprocess tests apply them)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+
+from cpu_graph_standin import FakeRunner
+from sglang_bcg_plugin import BackendRegistrationError, get_plugin_manager, hookimpl
+
+pytestmark = [pytest.mark.sglang, pytest.mark.usefixtures("cpu_bcg")]
+
+
+def sglang_bcg(runner: Any, **kw: Any) -> Any:
+    from sglang.srt.model_executor.runner_backend.breakable_cuda_graph_backend import BreakableCudaGraphBackend
+
+    return BreakableCudaGraphBackend(runner, **kw)
+
+
+@pytest.fixture
+def select(request: pytest.FixtureRequest) -> Iterator[list[Any]]:
+    """A temporary plugin answering ``sglang_bcg_select_backend``; the list collects its calls."""
+    calls: list[Any] = []
+    answer = request.param if hasattr(request, "param") else None
+
+    class Selector:
+        @hookimpl
+        def sglang_bcg_select_backend(self, phase: str, server_args: object) -> str | None:
+            calls.append((phase, server_args))
+            return answer
+
+    pm = get_plugin_manager()
+    plugin = pm.register(Selector(), name="test-selector")
+    yield calls
+    pm.unregister(name=plugin)
+
+
+@pytest.mark.parametrize("phase", ["prefill", "decode"])
+def test_breakable_becomes_ours_with_same_arguments(phase: str, select: list[Any]) -> None:
+    from sglang_bcg_plugin.integration import seam, sglang_breakable_backend_class
+
+    hook = seam.around_resolve_prefill_backend if phase == "prefill" else seam.around_resolve_decode_backend
+    runner = FakeRunner()
+    calls: list[Any] = []
+
+    def original(r: Any) -> Any:
+        calls.append(r)
+        return sglang_bcg(r, debug_eager=True)
+
+    backend = hook(original, runner)
+    assert calls == [runner]  # SGLang's resolver ran, with the runner
+    assert type(backend) is sglang_breakable_backend_class() and backend._debug_eager is True
+    assert backend._cuda_graph_runner is runner
+    assert select == [(phase, None)]  # the pluggy hook was consulted for this phase
+
+
+def test_full_and_other_backends_pass_through(select: list[Any]) -> None:
+    from sglang.srt.model_executor.runner_backend.full_cuda_graph_backend import FullCudaGraphBackend
+
+    from sglang_bcg_plugin.integration import seam, sglang_breakable_backend_class
+
+    full = FullCudaGraphBackend(FakeRunner())
+    assert seam.around_resolve_decode_backend(lambda r: full, FakeRunner()) is full
+    ours = sglang_breakable_backend_class()(FakeRunner())
+    assert seam.around_resolve_prefill_backend(lambda r: ours, FakeRunner()) is ours
+    assert select == []  # only consulted when SGLang picked its breakable backend
+
+
+@pytest.mark.parametrize("select", ["full"], indirect=True)
+def test_select_routes_to_registered_backend_via_adapter(select: list[Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    from sglang.srt.model_executor.runner.shape_key import ShapeKey
+    from sglang.srt.model_executor.runner_backend.base_cuda_graph_backend import BaseCudaGraphBackend
+
+    from sglang_bcg_plugin.backends.full import FullBackend
+    from sglang_bcg_plugin.integration import seam
+
+    monkeypatch.setenv("SGLANG_ENABLE_BCG_SHARED_OUTPUT", "1")
+    backend = seam.around_resolve_decode_backend(lambda r: sglang_bcg(r), FakeRunner())
+    assert isinstance(backend, BaseCudaGraphBackend) and isinstance(backend.backend, FullBackend)
+    x = {n: torch.randn(n, 4) for n in (8, 4)}
+    with backend.capture_session(None):
+        for n in (8, 4):
+            backend.capture_one(ShapeKey(n), lambda n=n: x[n] * 3)
+    for t in x.values():
+        t.add_(1)
+    with backend.replay_session():
+        out = backend.replay(ShapeKey(4), None)
+    torch.testing.assert_close(out, x[4] * 3)
+    assert backend.can_run(None, ShapeKey(8)) and not backend.can_run(None, ShapeKey(2))
+    report = backend.memory_report()
+    assert report.backend == "full" and report.saved_bytes > 0  # the flag (env) reached it
+    backend.cleanup()
+    assert not backend.can_run(None, ShapeKey(8))
+
+
+def test_select_routes_to_registered_sglang_subclass() -> None:
+    from sglang_bcg_plugin.integration import seam, sglang_breakable_backend_class
+
+    class Mine(sglang_breakable_backend_class()):  # type: ignore[misc]
+        pass
+
+    class Plugin:
+        @hookimpl
+        def sglang_bcg_register_backends(self, registry: Any) -> None:
+            registry.add("mine", Mine)
+
+        @hookimpl
+        def sglang_bcg_select_backend(self, phase: str, server_args: object) -> str | None:
+            return "mine" if phase == "prefill" else "nope"
+
+    pm = get_plugin_manager()
+    pm.register(Plugin(), name="test-mine")
+    try:
+        runner = FakeRunner()
+        backend = seam.around_resolve_prefill_backend(lambda r: sglang_bcg(r), runner)
+        assert type(backend) is Mine and backend._cuda_graph_runner is runner
+        with pytest.raises(BackendRegistrationError, match="unknown backend 'nope'"):
+            seam.around_resolve_decode_backend(lambda r: sglang_bcg(r), runner)
+    finally:
+        pm.unregister(name="test-mine")
+
+
+def test_flag_hooks(monkeypatch: pytest.MonkeyPatch) -> None:
+    from sglang_bcg_plugin.integration.flag import HELP, after_add_cli_args, after_from_cli_args
+
+    parser = argparse.ArgumentParser()
+    assert after_add_cli_args(None, parser) is None
+    after_add_cli_args(None, parser)  # idempotent on one parser
+    assert "SGLANG_ENABLE_BCG_SHARED_OUTPUT" in HELP
+    assert parser.parse_args([]).enable_bcg_shared_output is None
+    assert parser.parse_args(["--no-enable-bcg-shared-output"]).enable_bcg_shared_output is False
+
+    class Result:
+        pass
+
+    monkeypatch.setenv("SGLANG_ENABLE_BCG_SHARED_OUTPUT", "1")
+    untouched = after_from_cli_args(Result(), Result, parser.parse_args([]))
+    assert not hasattr(untouched, "_bcg_shared_output") and os.environ["SGLANG_ENABLE_BCG_SHARED_OUTPUT"] == "1"
+    off = after_from_cli_args(Result(), Result, parser.parse_args(["--no-enable-bcg-shared-output"]))
+    assert off._bcg_shared_output is False and os.environ["SGLANG_ENABLE_BCG_SHARED_OUTPUT"] == "0"
+    on = after_from_cli_args(Result(), Result, parser.parse_args(["--enable-bcg-shared-output"]))
+    assert on._bcg_shared_output is True and os.environ["SGLANG_ENABLE_BCG_SHARED_OUTPUT"] == "1"
+
+
+def test_register_is_idempotent(monkeypatch: pytest.MonkeyPatch) -> None:
+    from collections import defaultdict
+
+    from sglang.srt.plugins.hook_registry import HookRegistry
+
+    from sglang_bcg_plugin.integration import HOOKS, hooks, register
+
+    monkeypatch.setattr(HookRegistry, "_hooks", defaultdict(list))
+    monkeypatch.setattr(hooks, "_registered", False)
+    register()
+    register()
+    assert {t: len(h) for t, h in HookRegistry._hooks.items()} == {t: 1 for t, _, _ in HOOKS}
+    monkeypatch.setattr(hooks, "_registered", False)  # module guard lost: HookRegistry check holds
+    register()
+    assert all(len(h) == 1 for h in HookRegistry._hooks.values())
+    assert HookRegistry._patched.isdisjoint(t for t, _, _ in HOOKS)  # register() only registers

@@ -1,0 +1,349 @@
+"""Piecewise backend on the eager engine (CPU): splitting, replay, sharing, one compilation."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+from sglang_bcg_plugin import BackendOptions, ShapeKey, SharedOutputFallbackWarning, create_backend
+from sglang_bcg_plugin.backends.piecewise import PiecewiseBackend
+from sglang_bcg_plugin.piecewise_split import resolve_splitting_ops
+from sglang_bcg_plugin.trees import flatten
+
+H = 8
+SIZES = [16, 8, 5, 2, 1]  # largest first; 1 included: it must not recompile
+
+
+@torch.library.custom_op("sglang_bcg_test_pw::mix", mutates_args=())
+def mix(x: torch.Tensor) -> torch.Tensor:
+    """Splitting op returning a fresh tensor (bridged into the arena)."""
+    return torch.tanh(x) + 1.0
+
+
+@mix.register_fake
+def _(x: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+@torch.library.custom_op("sglang_bcg_test_pw::write_softmax", mutates_args=("out",))
+def write_softmax(x: torch.Tensor, out: torch.Tensor) -> None:
+    """Splitting op writing into a buffer the previous piece allocated (vLLM's attention style)."""
+    out.copy_(torch.softmax(x, dim=-1))
+
+
+@write_softmax.register_fake
+def _(x: torch.Tensor, out: torch.Tensor) -> None:
+    return None
+
+
+@torch.library.custom_op("sglang_bcg_test_pw::never_called", mutates_args=())
+def never_called(x: torch.Tensor) -> torch.Tensor:
+    return x.clone()
+
+
+@never_called.register_fake
+def _(x: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+OPS = [mix, torch.ops.sglang_bcg_test_pw.write_softmax.default]
+
+
+class Net(torch.nn.Module):
+    """``k`` layers, each ending in one splitting call (alternating the two ops)."""
+
+    def __init__(self, k: int) -> None:
+        super().__init__()
+        self.k = k
+        g = torch.Generator().manual_seed(k)
+        self.register_buffer("w", torch.randn(k + 1, H, H, generator=g) / H**0.5)
+
+    def forward(self, x: torch.Tensor, pos: torch.Tensor) -> dict[str, torch.Tensor]:
+        h = x
+        for i in range(self.k):
+            h = h @ self.w[i] + pos[:, None]
+            if i % 2 == 0:
+                h = mix(h)
+            else:
+                out = torch.empty_like(h)
+                write_softmax(h, out)
+                h = out * 2.0 + h
+        return {"out": torch.relu(h @ self.w[self.k]), "res": h * 0.5}
+
+
+class EdgeNet(torch.nn.Module):
+    """Splitting calls first and last (empty first and last pieces); also returns its input."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("w", torch.randn(H, H, generator=torch.Generator().manual_seed(7)))
+
+    def forward(self, x: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = mix(x)
+        h = h @ self.w + pos[:, None]
+        return mix(h), x
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo() -> Iterator[None]:
+    """Each test compiles afresh (dynamo caches per code object and stops at recompile_limit)."""
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def make(share: bool, ops: list[Any] = OPS, **opts: Any) -> PiecewiseBackend:
+    backend = create_backend(
+        "piecewise", options=BackendOptions(engine="eager", share_output=share, **opts), splitting_ops=ops
+    )
+    assert isinstance(backend, PiecewiseBackend)
+    return backend
+
+
+class Setup:
+    """A model, its compiled callable and static inputs sized for the largest key."""
+
+    def __init__(
+        self, backend: PiecewiseBackend, model: torch.nn.Module, sizes: list[int] = SIZES, dynamic: Any = "unbacked"
+    ) -> None:
+        self.backend, self.model, self.sizes = backend, model, sizes
+        self.fn = backend.compile(model, dynamic=dynamic)
+        self.x = torch.randn(max(sizes), H)
+        self.pos = torch.randn(max(sizes))
+        self.calls = 0
+
+    def key(self, size: int, stream: int | None = None) -> ShapeKey:
+        return ShapeKey(size, stream_idx=stream)
+
+    def forward(self, size: int) -> Callable[[], Any]:
+        x, pos = self.x[:size], self.pos[:size]
+
+        def fwd() -> Any:
+            self.calls += 1
+            return self.fn(x, pos)
+
+        return fwd
+
+    def capture(self, sizes: list[int] | None = None, stream: int | None = None) -> None:
+        with torch.no_grad(), self.backend.capture_session():
+            for s in sizes or self.sizes:
+                self.backend.capture_one(self.key(s, stream), self.forward(s), capture_inputs=(self.x, self.pos))
+
+    def refill(self) -> None:
+        self.x.copy_(torch.randn_like(self.x))
+        self.pos.copy_(torch.randn_like(self.pos))
+
+    def expected(self, size: int) -> Any:
+        with torch.no_grad():
+            return self.model(self.x[:size].clone(), self.pos[:size].clone())
+
+
+def assert_same(got: Any, want: Any) -> None:
+    _, g = flatten(got)
+    _, w = flatten(want)
+    assert [p for p, _ in g] == [p for p, _ in w]
+    for (path, a), (_, b) in zip(g, w, strict=True):
+        torch.testing.assert_close(a, b, msg=lambda m, path=path: f"{path}: {m}")
+
+
+def clone(out: Any) -> Any:
+    from sglang_bcg_plugin.trees import unflatten
+
+    node, leaves = flatten(out)
+    return unflatten(node, [t.clone() for _, t in leaves])
+
+
+@pytest.mark.parametrize("k", [0, 1, 3])
+def test_k_splitting_calls_give_k_plus_one_pieces(k: int) -> None:
+    setup = Setup(make(False), Net(k), sizes=[4, 2])
+    setup.capture()
+    (summary,) = setup.backend.split_summaries
+    assert summary.num_pieces == k + 1
+    assert summary.num_splitting_calls == k
+    for s in setup.sizes:
+        assert setup.backend.num_segments(setup.key(s)) == k + 1
+    assert {r.num_segments for r in setup.backend.memory_report().keys} == {k + 1}
+    setup.refill()
+    for s in setup.sizes:
+        assert_same(setup.backend.replay(setup.key(s)), setup.expected(s))
+
+
+@pytest.mark.parametrize("share", [False, True], ids=["share-off", "share-on"])
+def test_replay_equals_eager_for_all_sizes_after_inputs_change(share: bool) -> None:
+    setup = Setup(make(share), Net(3))
+    hooks: list[int] = []
+    with torch.no_grad(), setup.backend.capture_session():
+        for s in setup.sizes:
+            setup.backend.capture_one(
+                setup.key(s), setup.forward(s), capture_inputs=(setup.x, setup.pos), post_warmup_hook=lambda s=s: hooks.append(s)
+            )
+    assert hooks == [s for s in setup.sizes for _ in range(2)]  # two warmups per key, in order
+    calls_after_capture = setup.calls
+    for _ in range(2):
+        setup.refill()
+        for s in [1, 16, 5, 8, 2]:  # not capture order
+            assert_same(setup.backend.replay(setup.key(s)), setup.expected(s))
+    assert setup.calls == calls_after_capture  # replay runs the recorded pieces, not the forward
+    if not share:  # every key keeps its own output: all still valid after replaying the others
+        outs = {s: setup.backend.replay(setup.key(s)) for s in setup.sizes}
+        for s in setup.sizes:
+            assert_same(outs[s], setup.expected(s))
+
+
+@pytest.mark.parametrize(("dynamic", "compilations"), [("unbacked", 1), ("size_oblivious", 1), ("backed", 2)])
+def test_one_compilation_serves_every_size(dynamic: str, compilations: int) -> None:
+    before = counters["stats"]["unique_graphs"]
+    setup = Setup(make(True), Net(2), dynamic=dynamic)
+    setup.capture()
+    # "backed" lets dynamo specialize size 1: the documented reason it is not the default
+    assert counters["stats"]["unique_graphs"] - before == compilations
+    assert setup.backend.num_compilations == compilations
+    setup.refill()
+    for s in setup.sizes:
+        assert_same(setup.backend.replay(setup.key(s)), setup.expected(s))
+
+
+def test_unknown_dynamic_mode() -> None:
+    with pytest.raises(ValueError, match="dynamic must be one of 'unbacked', 'size_oblivious', 'backed', got 'yes'"):
+        make(False).compile(Net(1), dynamic="yes")  # type: ignore[arg-type]
+
+
+def test_sharing_keeps_one_output_the_largest() -> None:
+    reports = {}
+    for share in (False, True):
+        setup = Setup(make(share), Net(3))
+        setup.capture()
+        reports[share] = setup.backend.memory_report()
+        largest = setup.backend.replay(setup.key(16))
+        small = setup.backend.replay(setup.key(2))
+        same = largest["out"].untyped_storage().data_ptr() == small["out"].untyped_storage().data_ptr()
+        assert same is share
+    off, on = reports[False], reports[True]
+    out_bytes = {r.key.size: r.logical_output_bytes for r in on.keys}
+    assert on.logical_output_bytes == off.logical_output_bytes == sum(out_bytes.values())
+    assert off.resident_output_bytes == off.logical_output_bytes
+    assert on.resident_output_bytes == out_bytes[16]
+    assert not on.fallbacks
+    assert all(r.shared for r in on.keys) and not any(r.shared for r in off.keys)
+
+
+def test_unused_splitting_op_is_harmless() -> None:
+    setup = Setup(make(True, [*OPS, never_called]), Net(3), sizes=[8, 4])
+    setup.capture()
+    assert setup.backend.split_summaries[0].num_pieces == 4
+    setup.refill()
+    for s in (4, 8):
+        assert setup.backend.num_segments(setup.key(s)) == 4
+        assert_same(setup.backend.replay(setup.key(s)), setup.expected(s))
+
+
+@pytest.mark.parametrize("share", [False, True], ids=["share-off", "share-on"])
+def test_splitting_calls_at_both_ends_and_input_in_output(share: bool) -> None:
+    setup = Setup(make(share, [mix]), EdgeNet(), sizes=[8, 4, 1])
+    setup.capture()
+    x_before = setup.x.clone()
+    outs = {s: setup.backend.replay(setup.key(s)) for s in setup.sizes}
+    torch.testing.assert_close(setup.x, x_before)  # the returned input was never adopted/overwritten
+    for s in setup.sizes:
+        assert setup.backend.num_segments(setup.key(s)) == 3
+        out = outs[s]
+        # bridge slots and inputs are shared: the output owns copies of them
+        assert out[1].untyped_storage().data_ptr() != setup.x.untyped_storage().data_ptr()
+        if not share:
+            assert_same(out, setup.expected(s))
+    setup.refill()
+    for s in setup.sizes:
+        assert_same(setup.backend.replay(setup.key(s)), setup.expected(s))
+
+
+def test_stream_partitions_never_share() -> None:
+    setup = Setup(make(True), Net(1), sizes=[8, 4])
+    with torch.no_grad(), setup.backend.capture_session():
+        for stream in (0, 1):
+            for s in setup.sizes:
+                setup.backend.capture_one(setup.key(s, stream), setup.forward(s), capture_inputs=(setup.x, setup.pos))
+    ptr = {
+        (s, stream): setup.backend.replay(setup.key(s, stream))["out"].untyped_storage().data_ptr()
+        for s in setup.sizes
+        for stream in (0, 1)
+    }
+    assert ptr[(8, 0)] == ptr[(4, 0)] and ptr[(8, 1)] == ptr[(4, 1)] and ptr[(8, 0)] != ptr[(8, 1)]
+    setup.refill()
+    for stream in (0, 1):
+        for s in setup.sizes:
+            assert_same(setup.backend.replay(setup.key(s, stream)), setup.expected(s))
+
+
+def test_capture_not_largest_first_falls_back_per_key() -> None:
+    setup = Setup(make(True), Net(1), sizes=[4, 8])
+    with pytest.warns(SharedOutputFallbackWarning, match="8 rows do not fit"):
+        setup.capture()
+    report = setup.backend.memory_report()
+    assert list(report.fallbacks) == [setup.key(8)]
+    setup.refill()
+    for s in (8, 4):
+        assert_same(setup.backend.replay(setup.key(s)), setup.expected(s))
+
+
+def test_work_outside_the_compiled_callable_is_rejected() -> None:
+    backend = make(False)
+    setup = Setup(backend, Net(1), sizes=[4])
+    x, pos = setup.x[:4], setup.pos[:4]
+    with torch.no_grad(), backend.capture_session():
+        with pytest.raises(RuntimeError, match=r"output\['out'\] that the compiled pieces did not produce"):
+            backend.capture_one(setup.key(4), lambda: {"out": setup.fn(x, pos)["out"] * 2})
+        with pytest.raises(RuntimeError, match="never called a callable compiled by this backend"):
+            backend.capture_one(setup.key(4), lambda: setup.model(x, pos))
+        assert not backend.has_shape(setup.key(4))
+        backend.capture_one(setup.key(4), setup.forward(4))  # the backend is still usable
+    assert backend.can_run(setup.key(4))
+
+
+def test_cleanup_releases_and_allows_recapture() -> None:
+    setup = Setup(make(False), Net(1), sizes=[4])
+    setup.capture()
+    old = setup.backend.replay(setup.key(4))
+    setup.backend.cleanup()
+    assert not setup.backend.has_shape(setup.key(4))
+    setup.capture()
+    assert setup.backend.num_compilations == 1  # the compiled callable is reused
+    assert old is not setup.backend.replay(setup.key(4))
+
+
+# -- splitting_ops validation -------------------------------------------------------------------
+def test_packets_and_custom_ops_resolve_to_overloads() -> None:
+    packet = torch.ops.sglang_bcg_test_pw.mix
+    assert resolve_splitting_ops([packet]) == (packet.default,)
+    assert resolve_splitting_ops([mix, packet.default]) == (packet.default,)  # deduplicated
+    assert resolve_splitting_ops(None) == ()
+    assert make(False, []).splitting_ops == ()
+
+
+@pytest.mark.parametrize(
+    ("ops", "error", "match"),
+    [
+        (["sglang_bcg_test_pw::mix"], TypeError, r"splitting_ops\[0\] = 'sglang_bcg_test_pw::mix' \(str\).*strings"),
+        ([mix, 3], TypeError, r"splitting_ops\[1\] = 3 \(int\) is not a torch op: expected"),
+        ([torch.tanh], TypeError, r"splitting_ops\[0\].*builtin_function_or_method"),
+        (mix._opoverload, TypeError, "wrap a single op in a list"),
+        ("sglang_bcg_test_pw::mix", TypeError, "must be a list of torch op overloads"),
+        (42, TypeError, "must be a list of torch op overloads"),
+    ],
+)
+def test_bad_splitting_ops_are_named(ops: Any, error: type[Exception], match: str) -> None:
+    with pytest.raises(error, match=match):
+        create_backend("piecewise", options=BackendOptions(engine="eager"), splitting_ops=ops)
+
+
+def test_bridge_slots_are_shared_by_every_key_of_a_partition() -> None:
+    arena_bytes = {}
+    for sizes in ([16], SIZES):
+        setup = Setup(make(False), Net(3), sizes=sizes)
+        setup.capture()
+        arena_bytes[len(sizes)] = setup.backend._get_engine().arena(None).nbytes()  # type: ignore[attr-defined]
+    # one max-size slot per value crossing a boundary, whatever the number of keys
+    assert arena_bytes[1] == arena_bytes[len(SIZES)] > 0
