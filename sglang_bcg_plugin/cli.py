@@ -29,7 +29,7 @@ def _bench_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     p = sub.add_parser("bench", help="capture a synthetic decoder with each backend, sharing off and on")
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
     p.add_argument("--backends", default="breakable,full,piecewise", help="comma-separated backend names")
-    p.add_argument("--variants", default=None, help="comma-separated of off,on,floor (default: off,on; plus floor on CUDA)")
+    p.add_argument("--variants", default=None, help="comma-separated of off,on,floor,guard (default: off,on; plus floor,guard on CUDA)")
     p.add_argument("--hidden", type=_positive, default=None, help="hidden size (default: 2880 on CUDA, 128 on CPU)")
     p.add_argument("--layers", type=_positive, default=None, help="decoder layers (default: 4 on CUDA, 2 on CPU)")
     p.add_argument("--heads", type=_positive, default=None, help="attention heads (default: 45 on CUDA, 4 on CPU)")
@@ -59,7 +59,7 @@ def _bench(args: argparse.Namespace) -> int:
     if unknown:
         print(f"error: unknown backends {unknown}; available: {', '.join(available_backends())}", file=sys.stderr)
         return 2
-    variants = [v.strip() for v in (args.variants or ("off,on,floor" if gpu else "off,on")).split(",") if v.strip()]
+    variants = [v.strip() for v in (args.variants or ("off,on,floor,guard" if gpu else "off,on")).split(",") if v.strip()]
     bad = sorted(set(variants) - set(VARIANTS))
     if bad:
         print(f"error: unknown variants {bad}; choose from {', '.join(VARIANTS)}", file=sys.stderr)

@@ -87,6 +87,14 @@ class PiecewiseCudaEngine(CudaGraphEngine):
     def capture(  # type: ignore[override]
         self, request: CaptureRequest, known_inputs: frozenset[tuple[str, int]] = frozenset()
     ) -> PiecewiseGraph:
+        if request.num_warmups < 1:
+            # dynamo (re)compiles on a call that misses its cache, and compiling reads the CUDA
+            # RNG state, which is illegal inside a capture: a warmup must make that call first.
+            msg = (
+                f"piecewise backend on CUDA needs num_warmups >= 1 (got {request.num_warmups}) so "
+                f"torch.compile runs before the capture of {request.key!r}"
+            )
+            raise ValueError(msg)
         stream = self._capture_stream(request)
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):

@@ -347,3 +347,20 @@ def test_bridge_slots_are_shared_by_every_key_of_a_partition() -> None:
         arena_bytes[len(sizes)] = setup.backend._get_engine().arena(None).nbytes()  # type: ignore[attr-defined]
     # one max-size slot per value crossing a boundary, whatever the number of keys
     assert arena_bytes[1] == arena_bytes[len(SIZES)] > 0
+
+
+def test_cuda_engine_requires_a_warmup() -> None:
+    from sglang_bcg_plugin.engines.base import CaptureRequest
+    from sglang_bcg_plugin.piecewise_engines import PiecewiseCudaEngine
+
+    request = CaptureRequest(ShapeKey(4), lambda: None, lambda o: o, 0, None, None)
+    with pytest.raises(ValueError, match=r"needs num_warmups >= 1 \(got 0\)"):
+        PiecewiseCudaEngine().capture(request)  # raises before touching CUDA
+
+
+def test_eager_engine_compiles_inside_the_recorded_run_without_warmups() -> None:
+    setup = Setup(make(False, num_warmups=0), Net(1), sizes=[4, 2])
+    setup.capture()
+    setup.refill()
+    for s in setup.sizes:
+        assert_same(setup.backend.replay(setup.key(s)), setup.expected(s))

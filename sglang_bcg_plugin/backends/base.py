@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import threading
+import warnings
 from collections.abc import Callable, Hashable, Iterator
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -31,6 +32,7 @@ import torch
 from ..engines.base import CaptureRequest, CapturedGraph, Engine
 from ..engines.eager import EagerEngine
 from ..errors import CaptureStateError
+from ..guard import StaleOutputGuard, guard_supported
 from ..manager import get_plugin_manager, hookimpl
 from ..options import BackendOptions, resolve_share_output
 from ..report import KeyReport, MemoryReport
@@ -79,6 +81,7 @@ class CaptureBackend:
         self._session: _Session | None = None
         self._engine: Engine | None = None
         self._pending_stats: dict[Hashable, tuple[float, int | None]] = {}
+        self._guard: StaleOutputGuard | None = None
 
     # -- options -------------------------------------------------------------------------
     @property
@@ -126,6 +129,7 @@ class CaptureBackend:
                 msg = f"{self.name} backend: capture_session() is already open; sessions do not nest"
                 raise CaptureStateError(msg)
             share = resolve_share_output(self._options.share_output, server_args=self._server_args)
+            self._setup_guard()
             self._get_engine()
             self._session = _Session(share, OutputSharer(enabled=share, strict=self._options.strict_outputs), stream)
         try:
@@ -133,6 +137,22 @@ class CaptureBackend:
         finally:
             with self._lock:
                 self._session = None
+
+    def _setup_guard(self) -> None:
+        if not self._options.stale_output_guard:
+            self._guard = None
+        elif not guard_supported():
+            if self._guard is None:
+                warnings.warn(
+                    "stale_output_guard is on but this torch build cannot poison storages "
+                    "(needs torch._C._set_storage_access_error_msg, present in CUDA builds); "
+                    "the guard does nothing",
+                    RuntimeWarning,
+                    stacklevel=4,
+                )
+            self._guard = None
+        elif self._guard is None:
+            self._guard = StaleOutputGuard()
 
     @property
     def share_output_active(self) -> bool | None:
@@ -230,7 +250,11 @@ class CaptureBackend:
                 f"captured sizes: {sizes or 'none'}"
             )
             raise KeyError(msg)
-        return entry.graph.replay()
+        out = entry.graph.replay()
+        guard = self._guard
+        if guard is not None:
+            return guard.hand_out(shape_key, out)
+        return out
 
     def has_shape(self, shape_key: Hashable) -> bool:
         """Whether a graph for exactly this key exists."""
@@ -283,6 +307,8 @@ class CaptureBackend:
                 entry.graph.release()
             self._entries.clear()
             self._pending_stats.clear()
+            if self._guard is not None:
+                self._guard.clear()
             if self._engine is not None:
                 self._engine.release()
                 self._engine = None

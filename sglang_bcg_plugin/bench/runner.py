@@ -21,8 +21,14 @@ from .sizes import prefill_capture_sizes
 
 log = logging.getLogger(__name__)
 
-#: variant -> (share_output, keep outputs). "floor" drops every output inside its graph.
-VARIANTS = {"off": (False, True), "on": (True, True), "floor": (False, False)}
+#: variant -> (share_output, keep outputs, stale-output guard). "floor" drops every output
+#: inside its graph (the memory floor); "guard" is "on" with the stale-output guard.
+VARIANTS = {
+    "off": (False, True, False),
+    "on": (True, True, False),
+    "floor": (False, False, False),
+    "guard": (True, True, True),
+}
 
 
 @dataclass
@@ -95,9 +101,11 @@ def run_variant(
     progress: bool = True,
 ) -> BenchRow:
     """Capture every size with one backend and variant; measure memory, time and error."""
-    share, keep = VARIANTS[variant]
+    share, keep, guard = VARIANTS[variant]
     device = cfg.device
-    options = BackendOptions(share_output=share, engine="cuda" if device.startswith("cuda") else "eager")
+    options = BackendOptions(
+        share_output=share, engine="cuda" if device.startswith("cuda") else "eager", stale_output_guard=guard
+    )
     kwargs: dict[str, Any] = {}
     if backend_name == "piecewise":
         kwargs["splitting_ops"] = [torch.ops.sglang_bcg_bench.attention.default]

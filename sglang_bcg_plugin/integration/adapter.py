@@ -64,7 +64,7 @@ class CaptureBackendAdapterMixin:
 
 
 @functools.cache
-def sglang_adapter_class() -> type:
+def sglang_adapter_class() -> type[Any]:
     """The adapter class: our mixin over SGLang's ``BaseCudaGraphBackend`` (built once)."""
     from sglang.srt.model_executor.runner_backend.base_cuda_graph_backend import BaseCudaGraphBackend
 

@@ -254,7 +254,7 @@ class SharingPolicyMixin:
 
 
 @functools.cache
-def sglang_breakable_backend_class() -> type:
+def sglang_breakable_backend_class() -> type[Any]:
     """Our breakable backend class, a subclass of SGLang's ``BreakableCudaGraphBackend``.
 
     Built on first call (imports SGLang) and cached, so every caller gets the same class.

@@ -142,7 +142,7 @@ def _assert_same(got: Any, want: Any) -> None:
     assert [p for p, _ in g] == [p for p, _ in w]
     for (path, a), (_, b) in zip(g, w, strict=True):
         assert a.shape == b.shape, path
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=lambda m, path=path: f"{path}: {m}")
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4, msg=lambda m, path=path: f"{path}: {m}")
 
 
 def _storages(out: Any) -> set[int]:

@@ -129,7 +129,7 @@ def test_flag_hooks(monkeypatch: pytest.MonkeyPatch) -> None:
     from sglang_bcg_plugin.integration.flag import HELP, after_add_cli_args, after_from_cli_args
 
     parser = argparse.ArgumentParser()
-    assert after_add_cli_args(None, parser) is None
+    after_add_cli_args(None, parser)
     after_add_cli_args(None, parser)  # idempotent on one parser
     assert "SGLANG_ENABLE_BCG_SHARED_OUTPUT" in HELP
     assert parser.parse_args([]).enable_bcg_shared_output is None

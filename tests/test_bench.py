@@ -1,0 +1,102 @@
+"""The ``sglang-bcg`` command: bench table, JSON, plot; backends; argument errors."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from sglang_bcg_plugin.bench.model import DecoderConfig, SyntheticDecoder, attention_break, attention_op
+from sglang_bcg_plugin.bench.sizes import prefill_capture_sizes
+from sglang_bcg_plugin.cli import main
+
+
+def test_prefill_sizes_match_sglang_schedule() -> None:
+    assert len(prefill_capture_sizes(8192)) == 58
+    assert len(prefill_capture_sizes(16384)) == 74
+    assert prefill_capture_sizes(40) == [4, 8, 12, 16, 20, 24, 28, 32]
+    with pytest.raises(ValueError, match="max_tokens"):
+        prefill_capture_sizes(3)
+
+
+def test_break_and_op_compute_the_same_attention() -> None:
+    cfg = DecoderConfig(32, 1, 4, 2, 64, torch.float32, "cpu")
+    x = torch.randn(12, 32)
+    a = SyntheticDecoder(cfg, attention=attention_break)(x)
+    b = SyntheticDecoder(cfg, attention=attention_op)(x)
+    torch.testing.assert_close(a, b)
+    with pytest.raises(ValueError, match="multiple of heads"):
+        DecoderConfig(30, 1, 4, 2, 64, torch.float32, "cpu")
+    with pytest.raises(ValueError, match="multiple of kv_heads"):
+        DecoderConfig(32, 1, 4, 3, 64, torch.float32, "cpu")
+
+
+def test_bench_writes_table_json_and_plot(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    rc = main(["bench", "--backends", "breakable,full", "--max-tokens", "64", "--hidden", "32", "--layers", "1",
+               "--repeats", "2", "--out", str(tmp_path), "--no-progress"])
+    assert rc == 0
+    out = capsys.readouterr().out
+    assert "breakable" in out and "resident on/off" in out
+    doc = json.loads((tmp_path / "bench.json").read_text())
+    assert doc["device"] == "cpu" and doc["config"]["max_tokens"] == 64 and doc["config"]["num_sizes"] == 10
+    rows = {(r["backend"], r["variant"]): r for r in doc["rows"]}
+    assert set(rows) == {("breakable", "off"), ("breakable", "on"), ("full", "off"), ("full", "on")}
+    keys = {"backend", "share_output", "num_sizes", "max_tokens", "resident_output_bytes", "logical_output_bytes",
+            "graph_memory_bytes", "capture_s", "replay_ms", "max_abs_err"}
+    for row in doc["rows"]:
+        assert keys <= set(row)
+        assert row["graph_memory_bytes"] is None and row["max_abs_err"] == 0.0 and row["fallbacks"] == 0
+    for b in ("breakable", "full"):
+        on, off = rows[(b, "on")], rows[(b, "off")]
+        assert on["logical_output_bytes"] == off["logical_output_bytes"] == off["resident_output_bytes"]
+        assert on["resident_output_bytes"] == 64 * 32 * 4
+    assert (tmp_path / "bench.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_bench_floor_variant(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    rc = main(["bench", "--backends", "full", "--variants", "floor", "--max-tokens", "16", "--hidden", "16",
+               "--layers", "1", "--repeats", "1", "--out", str(tmp_path), "--no-progress"])
+    assert rc == 0
+    row = json.loads((tmp_path / "bench.json").read_text())["rows"][0]
+    assert row["variant"] == "floor" and row["resident_output_bytes"] == 0 and row["max_abs_err"] is None
+    capsys.readouterr()
+
+
+@pytest.mark.parametrize(
+    ("argv", "msg"),
+    [
+        (["bench", "--backends", "nope"], "unknown backends ['nope']"),
+        (["bench", "--variants", "sideways"], "unknown variants ['sideways']"),
+    ],
+)
+def test_bench_argument_errors(argv: list[str], msg: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(argv) == 2
+    assert msg in capsys.readouterr().err
+
+
+def test_bench_cuda_requested_without_cuda(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert main(["bench", "--device", "cuda"]) == 2
+    assert "CUDA is not available" in capsys.readouterr().err
+
+
+def test_bad_positive_int(capsys: pytest.CaptureFixture[str]) -> None:
+    for bad in ("0", "x"):
+        with pytest.raises(SystemExit):
+            main(["bench", "--max-tokens", bad])
+    assert "positive integer" in capsys.readouterr().err
+
+
+def test_backends_command(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["backends"]) == 0
+    out = capsys.readouterr().out
+    assert "breakable\tsglang_bcg_plugin.backends.breakable" in out and "piecewise" in out
+
+
+def test_python_dash_m_entry() -> None:
+    proc = subprocess.run([sys.executable, "-m", "sglang_bcg_plugin", "backends"], capture_output=True, text=True, check=False)
+    assert proc.returncode == 0 and "full" in proc.stdout
