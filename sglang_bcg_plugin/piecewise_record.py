@@ -5,7 +5,7 @@ between splitting calls (``k`` calls give ``k + 1`` segments), the splitting ops
 between them. On CUDA a segment is one ``torch.cuda.CUDAGraph`` that stays open across the
 piece(s) it holds and, for the last one, across the output policy (``finalize``), so the
 sharing copy is recorded inside the last piece's graph. On the eager engine a segment is the list
-of piece re-runs to repeat at replay.
+of piece re-runs to repeat at replay (``piecewise_eager``; CUDA in ``piecewise_cuda``).
 
 Stable addresses across pieces (the next piece's graph reads them):
 
@@ -85,41 +85,6 @@ def _rerun(tag: str, fn: Callable[..., Any], args: tuple[Any, ...], targets: lis
 def _copy_pairs(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
     for src, dst in pairs:
         dst.copy_(src)
-
-
-class EagerSegments:
-    """Segments of the eager engine: the recorded actions, re-run in order at replay."""
-
-    def __init__(self) -> None:
-        self._done: list[list[Action]] = []
-        self._current: list[Action] | None = None
-
-    def begin(self) -> None:
-        self._current = []
-
-    def end(self) -> None:
-        assert self._current is not None
-        self._done.append(self._current)
-        self._current = None
-
-    def record(self, action: Action) -> None:
-        assert self._current is not None
-        self._current.append(action)
-
-    def abort(self) -> None:
-        self._current = None
-        self._done.clear()
-
-    def runners(self) -> list[Action | None]:
-        return [functools.partial(_run_all, acts) if acts else None for acts in self._done]
-
-    def release(self) -> None:
-        self._done.clear()
-
-
-def _run_all(actions: list[Action]) -> None:
-    for action in actions:
-        action()
 
 
 class PiecewiseGraph:

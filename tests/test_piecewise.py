@@ -351,7 +351,7 @@ def test_bridge_slots_are_shared_by_every_key_of_a_partition() -> None:
 
 def test_cuda_engine_requires_a_warmup() -> None:
     from sglang_bcg_plugin.engines.base import CaptureRequest
-    from sglang_bcg_plugin.piecewise_engines import PiecewiseCudaEngine
+    from sglang_bcg_plugin.piecewise_cuda import PiecewiseCudaEngine
 
     request = CaptureRequest(ShapeKey(4), lambda: None, lambda o: o, 0, None, None)
     with pytest.raises(ValueError, match=r"needs num_warmups >= 1 \(got 0\)"):
@@ -364,3 +364,51 @@ def test_eager_engine_compiles_inside_the_recorded_run_without_warmups() -> None
     setup.refill()
     for s in setup.sizes:
         assert_same(setup.backend.replay(setup.key(s)), setup.expected(s))
+
+
+def test_cuda_engine_plumbing_with_fake_graphs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CUDA engine's control flow on CPU: one graph per piece, replayed in order.
+
+    The graphs are fakes (no kernels are captured), so only the structure is checked here;
+    tests/gpu/test_piecewise_gpu.py checks the values on a real GPU.
+    """
+    import contextlib
+
+    import sglang_bcg_plugin.accounting as accounting
+
+    log: list[str] = []
+
+    class FakeGraph:
+        def capture_begin(self, pool: object = None) -> None:
+            log.append("begin")
+
+        def capture_end(self) -> None:
+            log.append("end")
+
+        def replay(self) -> None:
+            log.append("replay")
+
+        def reset(self) -> None:
+            log.append("reset")
+
+    class FakeStream:
+        def wait_stream(self, other: object) -> None:
+            pass
+
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", FakeGraph)
+    monkeypatch.setattr(torch.cuda, "Stream", FakeStream)
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "current_stream", FakeStream)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: (0, 1))
+    monkeypatch.setattr(PiecewiseBackend, "_use_cuda", lambda self: True)
+    monkeypatch.setattr(accounting, "_reserved", lambda backend: None)
+    setup = Setup(make(True), Net(3), sizes=[8, 4])
+    setup.capture()
+    assert setup.backend.engine_name == "cuda"
+    assert log == ["begin", "end"] * 8  # 2 keys x 4 pieces
+    log.clear()
+    setup.backend.replay(setup.key(4))
+    assert log == ["replay"] * 4
+    setup.backend.cleanup()
+    assert log[4:] == ["reset"] * 8

@@ -28,7 +28,8 @@ import torch
 from ..engines.base import CaptureRequest, CapturedGraph, Engine
 from ..manager import hookimpl
 from ..options import BackendOptions
-from ..piecewise_engines import PiecewiseCudaEngine, PiecewiseEagerEngine
+from ..piecewise_cuda import PiecewiseCudaEngine
+from ..piecewise_eager import PiecewiseEagerEngine
 from ..piecewise_split import (
     DynamicMode,
     PiecewiseCompiled,

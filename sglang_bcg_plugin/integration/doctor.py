@@ -9,6 +9,7 @@ point is missing, 2 SGLang is not installed. SGLang is imported only inside :fun
 from __future__ import annotations
 
 import argparse
+import importlib
 import importlib.metadata
 import importlib.util
 import pkgutil
@@ -40,12 +41,30 @@ SEAM_NAMES = (
 
 
 def _check(target: str) -> str | None:
-    """``None`` when ``target`` resolves, else why not."""
+    """``None`` when ``target`` resolves, else why not.
+
+    ``pkgutil.resolve_name`` reports a module that fails to import (a missing dependency such
+    as torchvision) as a missing attribute of its parent; name the import error instead.
+    """
     try:
         pkgutil.resolve_name(target)
-    except (ImportError, AttributeError, ValueError) as exc:
-        return f"{type(exc).__name__}: {exc}"
-    return None
+    except Exception as exc:  # noqa: BLE001 - any failure to resolve is a finding, not a crash
+        error: Exception = exc
+    else:
+        return None
+    parts = target.split(".")
+    for i in range(len(parts) - 1, 0, -1):
+        module = ".".join(parts[:i])
+        try:
+            importlib.import_module(module)
+        except ModuleNotFoundError as exc:
+            if exc.name is not None and (module == exc.name or module.startswith(exc.name + ".")):
+                continue  # this prefix is not a module (a class, or the module moved): go up
+            return f"cannot import {module}: {exc}"
+        except Exception as exc:  # noqa: BLE001 - reported, the check continues
+            return f"cannot import {module}: {type(exc).__name__}: {exc}"
+        break
+    return f"{type(error).__name__}: {error}"
 
 
 def _sglang_version() -> str | None:

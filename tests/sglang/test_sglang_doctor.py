@@ -83,3 +83,18 @@ def test_missing_entry_point_and_bad_env_exit_1(monkeypatch: pytest.MonkeyPatch)
     assert "NOT FOUND (expected sglang_bcg_plugin.integration:register)" in text
     assert "invalid (SGLANG_ENABLE_BCG_SHARED_OUTPUT='maybe'" in text
     assert "entry point not discoverable" in text
+
+
+def test_check_names_the_import_error(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    from sglang_bcg_plugin.integration.doctor import _check
+
+    (tmp_path / "bcg_needs_missing_dep.py").write_text("import bcg_no_such_dependency\n")
+    (tmp_path / "bcg_raises_on_import.py").write_text("raise RuntimeError('boom')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert _check("json.JSONDecoder.decode") is None
+    assert _check("bcg_needs_missing_dep.Thing") == (
+        "cannot import bcg_needs_missing_dep: No module named 'bcg_no_such_dependency'"
+    )
+    assert _check("bcg_raises_on_import.Thing.method") == "cannot import bcg_raises_on_import: RuntimeError: boom"
+    assert _check("json.NoSuchThing.attr") == "AttributeError: module 'json' has no attribute 'NoSuchThing'"
+    assert _check("bcg_no_such_package.sub.Thing").startswith("ModuleNotFoundError: No module named 'bcg_no_such_package'")

@@ -1,10 +1,11 @@
-"""Engines of the piecewise backend: eager (CPU, debugging) and CUDA graphs per piece.
+"""CUDA engine of the piecewise backend: one ``torch.cuda.CUDAGraph`` per piece per key.
 
-Both run ``num_warmups`` eager forwards first (each followed by ``post_warmup_hook``; the first
-one also triggers the ``torch.compile`` compilation, so it never happens inside a capture), then
-one recorded forward (``piecewise_record``). One bridge arena per stream partition; on CUDA also
-one graph pool per partition (``CudaGraphEngine.pool``): keys of one partition never replay
-concurrently, so they may reuse each other's intermediate memory and bridge slots.
+Warmups run eagerly on the capture stream first (each followed by ``post_warmup_hook``); the
+first one also triggers the ``torch.compile`` compilation, so it never happens inside a capture.
+Then one recorded forward (``piecewise_record``): every segment is a graph in the partition's
+pool (``CudaGraphEngine.pool``), bridges live in the partition's arena (``CudaGraphEngine.arena``).
+Keys of one partition never replay concurrently, so they may reuse each other's intermediate
+memory and bridge slots; different partitions never share either.
 """
 
 from __future__ import annotations
@@ -15,30 +16,7 @@ import torch
 
 from .engines.base import CaptureRequest, run_warmups
 from .engines.cuda import CudaGraphEngine, _abort, end_capture
-from .engines.segments import BridgeArena
-from .piecewise_record import Action, EagerSegments, PiecewiseGraph, PieceRecorder, record
-
-
-class PiecewiseEagerEngine:
-    """Pieces re-run at replay and write into their captured outputs (no CUDA needed)."""
-
-    name = "eager"
-
-    def __init__(self) -> None:
-        self._arenas: dict[int | None, BridgeArena] = {}
-
-    def arena(self, partition: int | None) -> BridgeArena:
-        if partition not in self._arenas:
-            self._arenas[partition] = BridgeArena()
-        return self._arenas[partition]
-
-    def capture(self, request: CaptureRequest, known_inputs: frozenset[tuple[str, int]] = frozenset()) -> PiecewiseGraph:
-        run_warmups(request)
-        recorder = PieceRecorder(request.key, EagerSegments(), self.arena(request.partition), known_inputs)
-        return record(recorder, request.forward_fn, request.finalize)
-
-    def release(self) -> None:
-        self._arenas.clear()
+from .piecewise_record import Action, PiecewiseGraph, PieceRecorder, record
 
 
 class CudaSegments:
