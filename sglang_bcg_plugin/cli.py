@@ -34,7 +34,7 @@ def _bench_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     p.add_argument("--layers", type=_positive, default=None, help="decoder layers (default: 4 on CUDA, 2 on CPU)")
     p.add_argument("--heads", type=_positive, default=None, help="attention heads (default: 45 on CUDA, 4 on CPU)")
     p.add_argument("--kv-heads", type=_positive, default=None, help="key/value heads (default: 5 on CUDA, 2 on CPU)")
-    p.add_argument("--intermediate", type=_positive, default=None, help="MLP width (default: 2 x hidden)")
+    p.add_argument("--intermediate", type=_positive, default=None, help="MLP width (default: hidden, as gpt-oss-20b experts)")
     p.add_argument("--dtype", choices=sorted(_DTYPES), default=None, help="default: bfloat16 on CUDA, float32 on CPU")
     p.add_argument("--max-tokens", type=_positive, default=None, help="largest capture size (default: 16384 on CUDA, 256 on CPU)")
     p.add_argument("--repeats", type=_positive, default=None, help="replays timed at the largest size (default: 50 on CUDA, 10 on CPU)")
@@ -70,7 +70,7 @@ def _bench(args: argparse.Namespace) -> int:
         layers=args.layers or (4 if gpu else 2),
         heads=args.heads or (45 if gpu else 4),
         kv_heads=args.kv_heads or (5 if gpu else 2),
-        intermediate=args.intermediate or 2 * hidden,
+        intermediate=args.intermediate or hidden,
         dtype=_DTYPES[args.dtype or ("bfloat16" if gpu else "float32")],
         device=device,
     )

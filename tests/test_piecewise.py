@@ -406,9 +406,9 @@ def test_cuda_engine_plumbing_with_fake_graphs(monkeypatch: pytest.MonkeyPatch) 
     setup = Setup(make(True), Net(3), sizes=[8, 4])
     setup.capture()
     assert setup.backend.engine_name == "cuda"
-    assert log == ["begin", "end"] * 8  # 2 keys x 4 pieces
+    assert log == ["begin", "end"] * 9  # the pool's anchor graph + 2 keys x 4 pieces
     log.clear()
     setup.backend.replay(setup.key(4))
     assert log == ["replay"] * 4
     setup.backend.cleanup()
-    assert log[4:] == ["reset"] * 8
+    assert log[4:] == ["reset"] * 9  # 8 pieces, then the anchor

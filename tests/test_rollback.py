@@ -251,3 +251,45 @@ def test_failure_propagates_through_capture_hook_wrappers(backend_name: str) -> 
         _check_replays(backend, net, [big, failed])
     finally:
         pm.unregister(obs)
+
+
+class _FailsAfterFinalize:
+    """Wraps the eager engine: the capture (and the output policy) runs, then the engine fails,
+    as a CUDA ``capture_end`` error would after the output was finalized."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.name = inner.name
+        self.failures_left = 1
+
+    def capture(self, request: Any) -> Any:
+        graph = self.inner.capture(request)
+        if self.failures_left:
+            self.failures_left -= 1
+            graph.release()
+            raise Boom("capture_end failed")
+        return graph
+
+    def release(self) -> None:
+        self.inner.release()
+
+
+def test_failure_after_output_policy_ran_commits_nothing(backend_name: str) -> None:
+    """The first key of a partition fails after its output was adopted as the buffer: the
+    partition must not keep that buffer, so the next (smaller) key adopts its own output."""
+    net = Net()
+    backend = make_backend(backend_name, True)
+    big, mid, small = ShapeKey(32), ShapeKey(16), ShapeKey(8)
+    with backend.capture_session():
+        backend._engine = _FailsAfterFinalize(backend._engine)
+        with pytest.raises(Boom, match="capture_end"):
+            backend.capture_one(big, net.fn(big), capture_inputs=net.x(big))
+        assert backend.captured_keys() == []
+        backend.capture_one(mid, net.fn(mid), capture_inputs=net.x(mid))
+        backend.capture_one(small, net.fn(small), capture_inputs=net.x(small))
+    _check_replays(backend, net, [mid, small])
+    report = backend.memory_report()
+    assert not report.fallbacks and all(k.shared for k in report.keys)
+    # only the 16-row output is resident: no trace of the failed 32-row adoption
+    assert report.resident_output_bytes == (16 * H * 2 + H) * 4
+    assert _storages(backend.replay(small)) == _storages(backend.replay(mid))

@@ -20,13 +20,14 @@ def attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.T
     """
     tokens = q.shape[0]
     head_dim = q.shape[1] // num_heads
-    qh = q.view(tokens, num_heads, head_dim).transpose(0, 1)
-    kh = k.view(tokens, num_kv_heads, head_dim).transpose(0, 1)
-    vh = v.view(tokens, num_kv_heads, head_dim).transpose(0, 1)
+    # (1, heads, tokens, head_dim): the fused kernels want 4-D inputs.
+    qh = q.reshape(1, tokens, num_heads, head_dim).transpose(1, 2)
+    kh = k.reshape(1, tokens, num_kv_heads, head_dim).transpose(1, 2)
+    vh = v.reshape(1, tokens, num_kv_heads, head_dim).transpose(1, 2)
     if num_kv_heads != num_heads:
         rep = num_heads // num_kv_heads
-        kh = kh.repeat_interleave(rep, dim=0)
-        vh = vh.repeat_interleave(rep, dim=0)
+        kh = kh.repeat_interleave(rep, dim=1)
+        vh = vh.repeat_interleave(rep, dim=1)
     if q.is_cuda:
         # Flash / memory-efficient kernels only: the math fallback materialises the full
         # tokens x tokens score matrix (45 GiB at 16384 tokens), which would swamp the pool.
@@ -34,7 +35,7 @@ def attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.T
             o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True)
     else:
         o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True)
-    out.copy_(o.transpose(0, 1).reshape(tokens, num_heads * head_dim))
+    out.copy_(o.transpose(1, 2).reshape(tokens, num_heads * head_dim))
 
 
 @attention_op.register_fake
@@ -87,9 +88,8 @@ class SyntheticDecoder(torch.nn.Module):
         self.gate_up = torch.nn.ParameterList(w(2 * cfg.intermediate, cfg.hidden) for _ in range(cfg.layers))
         self.down = torch.nn.ParameterList(w(cfg.hidden, cfg.intermediate) for _ in range(cfg.layers))
 
-    @staticmethod
-    def _norm(x: torch.Tensor) -> torch.Tensor:
-        return x * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-6).to(x.dtype)
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, (self.cfg.hidden,), eps=1e-6)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         cfg = self.cfg
@@ -98,8 +98,9 @@ class SyntheticDecoder(torch.nn.Module):
             qkv = F.linear(self._norm(h), self.qkv[i])
             q, k, v = qkv.split([self.q_cols, self.kv_cols, self.kv_cols], dim=-1)
             out = torch.empty(h.shape[0], self.q_cols, dtype=h.dtype, device=h.device)
-            self.attention(q.contiguous(), k.contiguous(), v.contiguous(), out, cfg.heads, cfg.kv_heads)
+            self.attention(q, k, v, out, cfg.heads, cfg.kv_heads)
             h = h + F.linear(out, self.o[i])
             gate, up = F.linear(self._norm(h), self.gate_up[i]).chunk(2, dim=-1)
-            h = h + F.linear(F.silu(gate) * up, self.down[i])
+            act = F.silu(gate).mul_(up)  # one temporary, like a fused silu_and_mul
+            h = h + F.linear(act, self.down[i])
         return self._norm(h)

@@ -97,11 +97,30 @@ class CudaGraphEngine:
         self._pools: dict[int | None, Any] = {}
         self._arenas: dict[int | None, BridgeArena] = {}
         self._stream: torch.cuda.Stream | None = None
+        self._anchors: list[torch.cuda.CUDAGraph] = []
 
     def pool(self, partition: int | None) -> Any:
+        """The partition's private pool, anchored by an empty graph for the engine's lifetime.
+
+        A pool is freed when its last graph is destroyed, and a later ``capture_begin`` on the
+        same handle then trips an allocator assert. Dropped empty segments and rolled-back
+        captures destroy graphs, so an empty anchor graph keeps every pool alive until
+        ``release()``.
+        """
         if partition not in self._pools:
-            self._pools[partition] = torch.cuda.graph_pool_handle()
+            handle = torch.cuda.graph_pool_handle()
+            anchor = torch.cuda.CUDAGraph()
+            with torch.cuda.stream(self._side_stream()):
+                anchor.capture_begin(pool=handle)
+                end_capture(anchor)
+            self._anchors.append(anchor)
+            self._pools[partition] = handle
         return self._pools[partition]
+
+    def _side_stream(self) -> torch.cuda.Stream:
+        if self._stream is None:
+            self._stream = torch.cuda.Stream()
+        return self._stream
 
     def arena(self, partition: int | None) -> BridgeArena:
         if partition not in self._arenas:
@@ -111,9 +130,7 @@ class CudaGraphEngine:
     def _capture_stream(self, request: CaptureRequest) -> torch.cuda.Stream:
         if request.stream is not None:
             return request.stream  # type: ignore[no-any-return]
-        if self._stream is None:
-            self._stream = torch.cuda.Stream()
-        return self._stream
+        return self._side_stream()
 
     def capture(self, request: CaptureRequest) -> FullGraph | SegmentedGraph:
         stream = self._capture_stream(request)
@@ -157,6 +174,9 @@ class CudaGraphEngine:
         return SegmentedGraph(recorder.graphs, recorder.steps, output)
 
     def release(self) -> None:
+        for anchor in self._anchors:
+            anchor.reset()
+        self._anchors.clear()
         self._pools.clear()
         self._arenas.clear()
         self._stream = None

@@ -53,17 +53,16 @@ def _check(target: str) -> str | None:
     else:
         return None
     parts = target.split(".")
-    for i in range(len(parts) - 1, 0, -1):
+    for i in range(1, len(parts)):  # shortest prefix first: the first that fails is the culprit
         module = ".".join(parts[:i])
         try:
             importlib.import_module(module)
         except ModuleNotFoundError as exc:
-            if exc.name is not None and (module == exc.name or module.startswith(exc.name + ".")):
-                continue  # this prefix is not a module (a class, or the module moved): go up
+            if exc.name == module:
+                break  # not a module (a class attribute, or it moved): the lookup error says it
             return f"cannot import {module}: {exc}"
         except Exception as exc:  # noqa: BLE001 - reported, the check continues
             return f"cannot import {module}: {type(exc).__name__}: {exc}"
-        break
     return f"{type(error).__name__}: {error}"
 
 

@@ -240,3 +240,34 @@ def test_helpers() -> None:
     assert _input_storages(Batch()) == frozenset({("cpu", t.untyped_storage().data_ptr())})
     assert _input_storages(dataclasses.make_dataclass("B", ["a"])(t)) == _input_storages(Batch())
     assert runner_server_args(object()) is None  # nothing published in this process
+
+
+def test_static_inputs_never_become_the_shared_buffer(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The largest key's output *is* its static input (capture_inputs): adopting it as the
+    buffer would let smaller keys' in-graph copies overwrite that input."""
+    monkeypatch.setenv("SGLANG_ENABLE_BCG_SHARED_OUTPUT", "1")
+    backend, model = make_backend(), Model()
+    big, small = shape_key(8), shape_key(4)
+    x_big = torch.randn(8, HIDDEN)
+    before = x_big.clone()
+    hooks: list[Any] = []
+    with backend.capture_session(None):
+        backend.capture_one(big, lambda: x_big, capture_inputs={"x": x_big}, post_warmup_hook=lambda: hooks.append(big))
+        backend.capture_one(small, model.forward_for(small), post_warmup_hook=lambda: hooks.append(small))
+    assert hooks == [big, big, small, small]  # two warmups per key, each followed by the hook
+    assert backend._capture_inputs[big] == {"x": x_big}  # held strongly with the graph
+    replay(backend, small)
+    torch.testing.assert_close(x_big, before, rtol=0, atol=0)
+    assert backend._outputs[big].untyped_storage().data_ptr() != x_big.untyped_storage().data_ptr()
+
+
+def test_server_args_published_in_process(monkeypatch: pytest.MonkeyPatch) -> None:
+    from sglang.srt import runtime_context
+
+    from sglang_bcg_plugin.integration.sglang_breakable import runner_server_args
+
+    published = object()
+    monkeypatch.setattr(runtime_context, "get_server_args", lambda: published)
+    assert runner_server_args(FakeRunner()) is published  # the runner's model_runner has none
+    mine = object()
+    assert runner_server_args(FakeRunner(server_args=mine)) is mine
