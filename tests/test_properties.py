@@ -296,7 +296,6 @@ def test_sharing_on_equals_off_equals_eager_or_falls_back(case: dict[str, Any], 
     assert 0 <= report.resident_output_bytes
     assert report.saved_bytes <= report.logical_output_bytes
     off_report = off.memory_report()
-    assert off_report.saved_bytes <= 0 or off_report.resident_output_bytes <= off_report.logical_output_bytes
     assert not off_report.fallbacks and not any(r.shared for r in off_report.keys)
     assert off_report.logical_output_bytes == sum(r.logical_output_bytes for r in report.keys) + sum(
         r.logical_output_bytes for r in off_report.keys if r.key in refused

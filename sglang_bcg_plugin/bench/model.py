@@ -95,12 +95,21 @@ class SyntheticDecoder(torch.nn.Module):
         cfg = self.cfg
         h = x
         for i in range(cfg.layers):
+            # Written like a serving kernel stack (in-place residual adds, one temporary for
+            # silu_and_mul, references dropped as soon as possible) so the graph pool holds what
+            # a real prefill holds, not Python's temporaries.
             qkv = F.linear(self._norm(h), self.qkv[i])
             q, k, v = qkv.split([self.q_cols, self.kv_cols, self.kv_cols], dim=-1)
             out = torch.empty(h.shape[0], self.q_cols, dtype=h.dtype, device=h.device)
             self.attention(q, k, v, out, cfg.heads, cfg.kv_heads)
-            h = h + F.linear(out, self.o[i])
+            del qkv, q, k, v
+            attn = F.linear(out, self.o[i])
+            del out
+            h = h + attn if i == 0 else h.add_(attn)  # never write the static input in place
+            del attn
             gate, up = F.linear(self._norm(h), self.gate_up[i]).chunk(2, dim=-1)
             act = F.silu(gate).mul_(up)  # one temporary, like a fused silu_and_mul
-            h = h + F.linear(act, self.down[i])
+            del gate, up
+            h.add_(F.linear(act, self.down[i]))
+            del act
         return self._norm(h)

@@ -77,7 +77,7 @@ def write_plot(path: Path, device: str, config: dict[str, Any], rows: list[Bench
     variants = list(dict.fromkeys(r.variant for r in rows))
     by = {(r.backend, r.variant): r for r in rows}
     use_graph = all(r.graph_memory_bytes is not None for r in rows)
-    colors = {"off": "#c0504d", "on": "#4f81bd", "floor": "#9bbb59"}
+    colors = {"off": "#c0504d", "on": "#4f81bd", "floor": "#9bbb59", "guard": "#8064a2"}
     fig, (ax_mem, ax_rep) = plt.subplots(1, 2, figsize=(11, 4.2))
     width = 0.8 / max(len(variants), 1)
     for i, variant in enumerate(variants):
@@ -89,7 +89,12 @@ def write_plot(path: Path, device: str, config: dict[str, Any], rows: list[Bench
             xs.append(j + (i - (len(variants) - 1) / 2) * width)
             mem.append((r.graph_memory_bytes if use_graph else r.resident_output_bytes) / MIB)  # type: ignore[operator]
             rep.append(r.replay_ms)
-        label = {"off": "sharing off", "on": "sharing on", "floor": "outputs released (floor)"}.get(variant, variant)
+        label = {
+            "off": "sharing off",
+            "on": "sharing on",
+            "floor": "outputs released (floor)",
+            "guard": "sharing on + stale-output guard",
+        }.get(variant, variant)
         bars = ax_mem.bar(xs, mem, width, label=label, color=colors.get(variant))
         ax_mem.bar_label(bars, fmt="%.0f", fontsize=8)
         ax_rep.bar(xs, rep, width, label=label, color=colors.get(variant))
@@ -99,7 +104,9 @@ def write_plot(path: Path, device: str, config: dict[str, Any], rows: list[Bench
     ax_mem.set_title("Memory held by captured graphs" if use_graph else "Output memory held (eager engine)")
     ax_rep.set_ylabel(f"replay at {config.get('max_tokens')} tokens (ms, median)")
     ax_rep.set_title("Replay time at the largest size")
-    ax_mem.legend(fontsize=8)
+    top = max((b.get_height() for b in ax_mem.patches), default=0.0)
+    ax_mem.set_ylim(0, top * 1.35 if top > 0 else 1.0)
+    ax_mem.legend(fontsize=8, loc="upper left", ncol=2)
     fig.suptitle(
         f"sglang-bcg bench on {device}: {config.get('layers')} layers, hidden {config.get('hidden')}, "
         f"{config.get('dtype')}, {config.get('num_sizes')} sizes up to {config.get('max_tokens')} tokens",

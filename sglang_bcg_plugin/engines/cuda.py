@@ -1,9 +1,9 @@
 """CUDA engines: whole-forward graphs (Full) and segmented breakable graphs.
 
-One private graph pool and one bridge arena per stream partition: graphs of one partition
-never replay concurrently, so they may reuse each other's intermediate memory; graphs of
-different partitions may, so they never share a pool. One capture stream per engine (or the
-session's). Warmups run on the capture stream, each followed by ``post_warmup_hook``.
+One private graph pool, one bridge arena and one capture stream per stream partition: graphs
+of one partition never replay concurrently, so they may reuse each other's intermediate memory;
+graphs of different partitions may, so they share neither a pool nor a capture stream (cuBLAS
+workspaces are per stream). A session's ``stream`` overrides the capture stream. Warmups run on the capture stream, each followed by ``post_warmup_hook``.
 """
 
 from __future__ import annotations
@@ -96,7 +96,7 @@ class CudaGraphEngine:
         self.segmented = segmented
         self._pools: dict[int | None, Any] = {}
         self._arenas: dict[int | None, BridgeArena] = {}
-        self._stream: torch.cuda.Stream | None = None
+        self._streams: dict[int | None, torch.cuda.Stream] = {}
         self._anchors: list[torch.cuda.CUDAGraph] = []
 
     def pool(self, partition: int | None) -> Any:
@@ -110,17 +110,20 @@ class CudaGraphEngine:
         if partition not in self._pools:
             handle = torch.cuda.graph_pool_handle()
             anchor = torch.cuda.CUDAGraph()
-            with torch.cuda.stream(self._side_stream()):
+            with torch.cuda.stream(self._partition_stream(partition)):
                 anchor.capture_begin(pool=handle)
                 end_capture(anchor)
             self._anchors.append(anchor)
             self._pools[partition] = handle
         return self._pools[partition]
 
-    def _side_stream(self) -> torch.cuda.Stream:
-        if self._stream is None:
-            self._stream = torch.cuda.Stream()
-        return self._stream
+    def _partition_stream(self, partition: int | None) -> torch.cuda.Stream:
+        """One capture stream per partition: cuBLAS keeps one workspace per (handle, stream), and
+        graphs captured on one stream share it, so graphs of partitions that replay concurrently
+        must not be captured on the same stream."""
+        if partition not in self._streams:
+            self._streams[partition] = torch.cuda.Stream()
+        return self._streams[partition]
 
     def arena(self, partition: int | None) -> BridgeArena:
         if partition not in self._arenas:
@@ -130,7 +133,7 @@ class CudaGraphEngine:
     def _capture_stream(self, request: CaptureRequest) -> torch.cuda.Stream:
         if request.stream is not None:
             return request.stream  # type: ignore[no-any-return]
-        return self._side_stream()
+        return self._partition_stream(request.partition)
 
     def capture(self, request: CaptureRequest) -> FullGraph | SegmentedGraph:
         stream = self._capture_stream(request)
@@ -179,7 +182,7 @@ class CudaGraphEngine:
         self._anchors.clear()
         self._pools.clear()
         self._arenas.clear()
-        self._stream = None
+        self._streams.clear()
 
 
 def _abort(graph: torch.cuda.CUDAGraph) -> None:

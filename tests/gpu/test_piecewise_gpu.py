@@ -310,4 +310,7 @@ def test_graph_pool_memory_sharing_off_vs_on() -> None:
     assert on["resident_output_bytes"] == 2 * sizes[0] * hidden * 4
     assert off["resident_output_bytes"] == off["logical_output_bytes"]
     # sharing frees every non-largest key's output: ~2 x (sum(sizes) - max) x hidden x 4 bytes
-    assert on["graph_memory_bytes_mem_get_info"] < off["graph_memory_bytes_mem_get_info"]
+    # Smaller keys' own outputs may fit in free pool blocks, so the pool need not grow (seen on
+    # the H200: equal); it must never be larger with sharing on, and the held outputs shrink.
+    assert on["graph_memory_bytes_mem_get_info"] <= off["graph_memory_bytes_mem_get_info"]
+    assert on["resident_output_bytes"] < off["resident_output_bytes"]
