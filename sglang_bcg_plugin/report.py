@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
+from .trees import flatten, storage_key
+
 
 @dataclass(frozen=True, slots=True)
 class KeyReport:
@@ -101,3 +103,18 @@ class MemoryReport:
         ]
         lines.extend(f"  fallback {k!r}: {why}" for k, why in self.fallbacks.items())
         return "\n".join(lines)
+
+
+def claim_resident_bytes(output: object, seen: set[tuple[str, int]]) -> int:
+    """Bytes of the storages behind ``output``'s tensor leaves not already in ``seen``.
+
+    Called key after key with one ``seen`` set, it charges each storage to the first key that
+    holds it: the partition owner carries the shared buffer, keys handing out views carry 0.
+    """
+    total = 0
+    for _, t in flatten(output)[1]:
+        sk = storage_key(t)
+        if sk not in seen:
+            seen.add(sk)
+            total += t.untyped_storage().nbytes()
+    return total

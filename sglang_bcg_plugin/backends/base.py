@@ -35,10 +35,10 @@ from ..errors import CaptureStateError
 from ..guard import StaleOutputGuard, guard_supported
 from ..manager import get_plugin_manager, hookimpl
 from ..options import BackendOptions, resolve_share_output
-from ..report import KeyReport, MemoryReport
+from ..report import KeyReport, MemoryReport, claim_resident_bytes
 from ..shape_key import check_key
 from ..sharing import OutputSharer
-from ..trees import collect_tensors, flatten, storage_key
+from ..trees import collect_tensors, storage_key
 
 
 @dataclass(eq=False)
@@ -275,13 +275,7 @@ class CaptureBackend:
         seen: set[tuple[str, int]] = set()
         keys = []
         for entry in list(self._entries.values()):
-            _, leaves = flatten(entry.graph.output)
-            resident = 0
-            for _, t in leaves:
-                sk = storage_key(t)
-                if sk not in seen:
-                    seen.add(sk)
-                    resident += t.untyped_storage().nbytes()
+            resident = claim_resident_bytes(entry.graph.output, seen)
             keys.append(
                 KeyReport(
                     key=entry.key,

@@ -41,7 +41,7 @@ import torch
 
 from ..errors import CaptureStateError
 from ..options import resolve_share_output
-from ..report import KeyReport, MemoryReport
+from ..report import KeyReport, MemoryReport, claim_resident_bytes
 from ..shape_key import check_key
 from ..sharing import OutputSharer
 from ..trees import flatten, storage_key, unflatten
@@ -226,12 +226,7 @@ class SharingPolicyMixin:
         seen: set[tuple[str, int]] = set()
         keys = []
         for key, info in self._bcg_keys.items():
-            resident = 0
-            for _, t in flatten(self._outputs[key])[1]:
-                sk = storage_key(t)
-                if sk not in seen:
-                    seen.add(sk)
-                    resident += t.untyped_storage().nbytes()
+            resident = claim_resident_bytes(self._outputs[key], seen)
             keys.append(
                 KeyReport(
                     key=key,
