@@ -9,14 +9,14 @@ of piece re-runs to repeat at replay (``piecewise_eager``; CUDA in ``piecewise_c
 
 Stable addresses across pieces (the next piece's graph reads them):
 
-* a piece followed by a splitting op copies each freshly allocated output into a slot of the
-  partition's :class:`~sglang_bcg_plugin.engines.segments.BridgeArena` (inside its graph), so
-  the piece's own output memory returns to the pool for later captures, and every key of the
-  partition shares one max-size slot per boundary value;
-* a splitting op's freshly allocated outputs are copied into arena slots too (eagerly, again
-  at replay);
-* outputs that alias an input (views, in-place ops) already live at a stable address and pass
-  as they are;
+* fresh outputs of a piece followed by a splitting op are copied into slots of the partition's
+  :class:`~sglang_bcg_plugin.engines.segments.BridgeArena` (inside its graph), so the piece's
+  own output memory returns to the pool; so are a splitting op's fresh outputs (eagerly);
+* outputs that alias an input (views, in-place ops) already have a stable address: passed as is;
+* slots are *registers* (:class:`Registers`): reused by a later value once the last reader of
+  every value in them has run (:class:`Lifetimes`, from the split graph), so the arena holds the
+  values live at once, not one slot per call site; keys running the same calls name the same
+  registers, so every key of a partition shares them;
 * everything crossing a boundary is held by strong reference for the life of the graph (weak
   references let later captures re-carve the memory: SGLang #37606).
 """
@@ -25,8 +25,10 @@ from __future__ import annotations
 
 import contextvars
 import functools
+import heapq
 from collections import Counter
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
@@ -51,9 +53,7 @@ class Segments(Protocol):
     def release(self) -> None: ...
 
 
-_active: contextvars.ContextVar[PieceRecorder | None] = contextvars.ContextVar(
-    "sglang_bcg_piece_recorder", default=None
-)
+_active: contextvars.ContextVar[PieceRecorder | None] = contextvars.ContextVar("sglang_bcg_piece_recorder", default=None)
 
 
 def active_recorder() -> PieceRecorder | None:
@@ -82,9 +82,71 @@ def _rerun(tag: str, fn: Callable[..., Any], args: tuple[Any, ...], targets: lis
             target.copy_(value)
 
 
+def _value_of_leaves(result: Any, n: int, life: Lifetimes | None) -> list[int]:
+    """The returned value each of the ``n`` leaves of ``result`` belongs to; -1: unknown (pinned)."""
+    if life is not None:
+        values = [result] if not life.multi else list(result) if isinstance(result, tuple | list) else None
+        if values is not None and len(values) == len(life.pinned):
+            groups = [j for j, v in enumerate(values) for _ in tree_leaves(v)]
+            if len(groups) == n:
+                return groups
+    return [-1] * n
+
+
 def _copy_pairs(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
     for src, dst in pairs:
         dst.copy_(src)
+
+
+@dataclass(frozen=True, slots=True)
+class Lifetimes:
+    """Liveness around one piece or splitting call, from the split graph: ``multi``: it returns
+    a tuple of values (else one); ``pinned`` (per value): read by the graph's output or unknown
+    readers, never reused in the key; ``dying`` (per argument): last read by this call."""
+
+    multi: bool
+    pinned: tuple[bool, ...]
+    dying: tuple[bool, ...]
+
+
+Reg = tuple[Any, int]  # ((dtype, trailing shape, device), number)
+
+
+class Registers:
+    """One key's bridge slots: slot ``pw.reg{n}`` of a signature is reused once no live value sits
+    in it (a count of live values per register; pinned ones are never freed). The lowest free
+    number is taken first, so keys running the same calls name the same slots."""
+
+    def __init__(self, arena: BridgeArena) -> None:
+        self.arena = arena
+        self.of: dict[tuple[str, int], Reg] = {}  # slot storage -> register
+        self._refs: Counter[Reg] = Counter()
+        self._pinned: set[Reg] = set()
+        self._free: dict[Any, list[int]] = {}  # signature -> heap of free numbers
+        self._made: Counter[Any] = Counter()
+
+    def alloc(self, like: torch.Tensor) -> tuple[Reg, torch.Tensor]:
+        sig = (like.dtype, None if like.dim() == 0 else tuple(like.shape[1:]), str(like.device))
+        free = self._free.setdefault(sig, [])
+        n = heapq.heappop(free) if free else self._made[sig]
+        self._made[sig] = max(self._made[sig], n + 1)
+        slot = self.arena.view(f"pw.reg{n}", like)
+        self.of[storage_key(slot)] = (sig, n)
+        return (sig, n), slot
+
+    def hold(self, regs: set[Reg], pinned: bool) -> None:
+        for reg in regs:
+            self._refs[reg] += 1
+            if pinned:
+                self._pinned.add(reg)
+
+    def drop(self, regs: set[Reg]) -> None:
+        for reg in regs:
+            self._refs[reg] -= 1
+            if self._refs[reg] < 0:  # accounting out of step: never reuse it
+                self._pinned.add(reg)
+            elif self._refs[reg] == 0 and reg not in self._pinned:
+                heapq.heappush(self._free[reg[0]], reg[1])
 
 
 class PiecewiseGraph:
@@ -135,39 +197,40 @@ class PieceRecorder:
         self.known: set[tuple[str, int]] = set(known_inputs)
         self.inputs: set[tuple[str, int]] = set(known_inputs)
         self.slots: set[tuple[str, int]] = set()
+        self.regs = Registers(arena)
         self.graph_calls = 0
-        self._calls: Counter[str] = Counter()
         self._in_split = False
 
     # -- called by the compiled program -------------------------------------------------------
     def note_inputs(self, args: tuple[Any, ...]) -> None:
         self.graph_calls += 1
-        for t in _tensors(args):
-            self.inputs.add(storage_key(t))
-            self.known.add(storage_key(t))
+        self.inputs.update(storage_key(t) for t in _tensors(args))
+        self.known.update(self.inputs)
         self.held.append(args)
 
-    def run_piece(self, tag: str, fn: Callable[..., Any], args: tuple[Any, ...], *, bridge: bool) -> Any:
+    def run_piece(
+        self, tag: str, fn: Callable[..., Any], args: tuple[Any, ...], *, bridge: bool, life: Lifetimes | None = None
+    ) -> Any:
         if self._in_split:  # a compiled callable inside a splitting op: nothing to record
             return fn(*args)
-        name = self._name(tag)
-        leaves, spec = tree_flatten(fn(*args))
-        targets = self._bridge(name, leaves, args) if bridge else leaves
+        result = fn(*args)
+        leaves, spec = tree_flatten(result)
+        targets = self._bridge(result, leaves, args, life, bridge)
         self._hold(args, targets)
         self.segments.record(functools.partial(_rerun, tag, fn, args, targets))
         return tree_unflatten(targets, spec)
 
-    def run_split(self, tag: str, fn: Callable[..., Any], args: tuple[Any, ...]) -> Any:
+    def run_split(self, tag: str, fn: Callable[..., Any], args: tuple[Any, ...], *, life: Lifetimes | None = None) -> Any:
         if self._in_split:
             return fn(*args)
-        name = self._name(tag)
         self.segments.end()
         self._in_split = True
         try:
-            leaves, spec = tree_flatten(fn(*args))
+            result = fn(*args)
         finally:
             self._in_split = False
-        targets = self._bridge(name, leaves, args)
+        leaves, spec = tree_flatten(result)
+        targets = self._bridge(result, leaves, args, life, True)
         self._hold(args, targets)
         self.steps.append(functools.partial(_rerun, tag, fn, args, targets))
         self.segments.begin()
@@ -211,18 +274,32 @@ class PieceRecorder:
         return PiecewiseGraph(self.key, self.segments, self.steps, output, self.held)
 
     # -- helpers ------------------------------------------------------------------------------
-    def _name(self, tag: str) -> str:
-        n = self._calls[tag]
-        self._calls[tag] += 1
-        return f"{tag}#{n}"
+    def _bridge(
+        self, result: Any, leaves: list[Any], args: tuple[Any, ...], life: Lifetimes | None, bridge: bool
+    ) -> list[Any]:
+        """Targets of ``leaves``: fresh tensors copied into registers (if ``bridge``), others as is.
 
-    def _bridge(self, name: str, leaves: list[Any], args: tuple[Any, ...]) -> list[Any]:
-        arg_storages = {storage_key(t) for t in _tensors(args)}
+        Outputs aliasing a register hold it first, then the arguments read here for the last time
+        release theirs, then fresh outputs take free registers (every output is computed by now,
+        so taking an argument's register is safe)."""
+        regs, pins = self.regs, life.pinned if life is not None else ()
+        groups = _value_of_leaves(result, len(leaves), life)
+        in_args = {storage_key(t) for t in _tensors(args)}
+        aliased: dict[int, set[Reg]] = {}
+        for leaf, j in zip(leaves, groups, strict=True):
+            if isinstance(leaf, torch.Tensor) and (k := storage_key(leaf)) in in_args and k in regs.of:
+                aliased.setdefault(j, set()).add(regs.of[k])
+        for j, rs in aliased.items():
+            regs.hold(rs, j < 0 or pins[j])
+        if life is not None and len(life.dying) == len(args):
+            for arg in (a for a, dying in zip(args, life.dying, strict=True) if dying):
+                regs.drop({regs.of[k] for k in map(storage_key, _tensors(arg)) if k in regs.of})
         targets: list[Any] = []
-        for i, leaf in enumerate(leaves):
-            if isinstance(leaf, torch.Tensor) and storage_key(leaf) not in arg_storages:
-                slot = self.arena.view(f"{name}:{i}", leaf)
+        for leaf, j in zip(leaves, groups, strict=True):
+            if bridge and isinstance(leaf, torch.Tensor) and storage_key(leaf) not in in_args:
+                reg, slot = regs.alloc(leaf)
                 slot.copy_(leaf)
+                regs.hold({reg}, j < 0 or pins[j])
                 self.slots.add(storage_key(slot))
                 targets.append(slot)
             else:
@@ -230,10 +307,7 @@ class PieceRecorder:
         return targets
 
     def _hold(self, args: tuple[Any, ...], targets: list[Any]) -> None:
-        for t in _tensors(targets):
-            self.known.add(storage_key(t))
-        for t in _tensors(args):
-            self.known.add(storage_key(t))
+        self.known.update(storage_key(t) for t in _tensors((args, targets)))
         self.held.append((args, targets))
 
 

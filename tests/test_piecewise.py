@@ -349,6 +349,66 @@ def test_bridge_slots_are_shared_by_every_key_of_a_partition() -> None:
     assert arena_bytes[1] == arena_bytes[len(SIZES)] > 0
 
 
+class SkipNet(torch.nn.Module):
+    """Values living across splitting calls: bridge registers must not be reused under them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("w", torch.randn(3, H, H, generator=torch.Generator().manual_seed(3)) / H**0.5)
+
+    def forward(self, x: torch.Tensor, pos: torch.Tensor) -> dict[str, torch.Tensor]:
+        r = torch.relu(x @ self.w[0]) + pos[:, None]  # read by the next two pieces
+        early = r * 3.0  # returned as it is: its register is never reused
+        h = mix(r * 2.0)  # the argument dies here: the fresh output may take its register
+        g = h @ self.w[1] + r
+        half = h[:, : H // 2]  # a view of h's register, read by the next piece: holds it
+        out = torch.empty_like(g)
+        write_softmax(g, out)
+        y = out + r + half.sum(-1, keepdim=True)
+        return {"y": y @ self.w[2], "early": early}
+
+
+def arena_of(backend: PiecewiseBackend) -> Any:
+    return backend._get_engine().arena(None)  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("share", [False, True], ids=["share-off", "share-on"])
+def test_values_living_across_splitting_calls_keep_their_bridge_slots(share: bool) -> None:
+    setup = Setup(make(share), SkipNet())
+    setup.capture()
+    # 6 bridged values (r, early, r * 2, h, g, out) in fewer slots: r * 2 and h share one
+    assert len(arena_of(setup.backend)._slots) < 6
+    for _ in range(2):
+        setup.refill()
+        for s in [1, 16, 5, 8, 2]:
+            assert_same(setup.backend.replay(setup.key(s)), setup.expected(s))
+
+
+def test_decoder_bridge_arena_does_not_grow_with_layers() -> None:
+    from sglang_bcg_plugin.bench.model import DecoderConfig, SyntheticDecoder, attention_op
+
+    arena_bytes = {}
+    for layers in (2, 4):
+        torch._dynamo.reset()
+        cfg = DecoderConfig(
+            hidden=64, layers=layers, heads=4, kv_heads=2, intermediate=64, dtype=torch.float32, device="cpu"
+        )
+        model = SyntheticDecoder(cfg, attention=attention_op)
+        backend = make(True, [torch.ops.sglang_bcg_bench.attention.default])
+        fn = backend.compile(model)
+        x = torch.randn(16, cfg.hidden)
+        with torch.no_grad(), backend.capture_session():
+            for s in (16, 8, 1):
+                backend.capture_one(ShapeKey(s), lambda s=s: fn(x[:s]), capture_inputs=x)
+        arena_bytes[layers] = arena_of(backend).nbytes()
+        x.copy_(torch.randn_like(x))
+        for s in (1, 16, 8):
+            with torch.no_grad():
+                torch.testing.assert_close(backend.replay(ShapeKey(s)), model(x[:s].clone()))
+    # one layer's live values (q, k, v, out, residual) x 16 rows, however many layers
+    assert arena_bytes[2] == arena_bytes[4] == 16 * (3 * 64 + 2 * 32) * 4
+
+
 def test_cuda_engine_requires_a_warmup() -> None:
     from sglang_bcg_plugin.engines.base import CaptureRequest
     from sglang_bcg_plugin.piecewise_cuda import PiecewiseCudaEngine
