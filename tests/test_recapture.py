@@ -45,7 +45,8 @@ def _replay_and_check(backend: Any, w: torch.Tensor, inputs: dict[ShapeKey, torc
 
 def _count_live() -> tuple[int, int, int, Counter[str]]:
     """(live gc-tracked objects, live tensors, live objects of this package's types, by type)."""
-    gc.collect()
+    for _ in range(3):  # finalizers run by one collection can free more in the next
+        gc.collect()
     objs = gc.get_objects()
     by_type = Counter(type(o).__qualname__ for o in objs)  # type(): no __class__ lookups
     tensors = sum(1 for o in objs if issubclass(type(o), torch.Tensor))
@@ -96,23 +97,27 @@ def test_twenty_recapture_cycles_toggling_sharing(backend_name: str) -> None:
         alive = [r for r in refs if r() is not None]
         # no gc.collect(): the outputs must die by reference counting alone (no cycles)
         assert not alive, f"cycle {cycle}: {len(alive)} output tensors outlived cleanup()"
-        if cycle in (1, 2, CYCLES - 1, CYCLES):
+        del refs, alive  # the probes themselves are not counted below
+        if cycle in (2, 11, CYCLES):
             bookkeeping = sum(gc.is_tracked(v) + gc.is_tracked(v[3]) for v in counts.values())
             counts[cycle] = (*_count_live(), bookkeeping)
 
     # cycles 2 and 20 both ran with sharing off; cycle 1 and 19 with it on
-    # Tensors and objects of this package's types: no growth at all. All gc-tracked objects:
-    # less than one per cycle (a per-cycle leak of even one dict or closure grows the count by
-    # >= 18 over cycles 2..20; CPython's lazy tuple untracking moves it by one or two). The
-    # snapshots this test itself stores between two measurements are subtracted.
-    for first, last in ((2, CYCLES), (1, CYCLES - 1)):
-        objs_a, tensors_a, ours_a, types_a, book_a = counts[first]
-        objs_b, tensors_b, ours_b, types_b, book_b = counts[last]
-        grown = _growth(types_a, types_b)
-        assert tensors_b <= tensors_a, f"live tensors grew: {tensors_a} after cycle {first}, {tensors_b} after {last}"
-        assert ours_b <= ours_a, f"live plugin objects grew: {ours_a} -> {ours_b}: {grown}"
-        growth = (objs_b - book_b) - (objs_a - book_a)
-        assert growth < last - first, f"live objects grew by {growth} from cycle {first} to {last}: {grown}"
+    # Tensors and objects of this package's types: no growth at all, cycle 2 -> 20 (both with
+    # sharing off; cycle 1 still fills process-wide caches). All gc-tracked objects: a steady
+    # leak of even one object per cycle grows both halves (2 -> 11 and 11 -> 20) by >= 9; a
+    # one-off lazy initialisation elsewhere in the process (seen: 33 objects, once) grows only
+    # one. The snapshots this test itself keeps between measurements are subtracted.
+    objs_a, tensors_a, ours_a, types_a, book_a = counts[2]
+    objs_b, tensors_b, ours_b, types_b, book_b = counts[CYCLES]
+    assert tensors_b <= tensors_a, f"live tensors grew: {tensors_a} after cycle 2, {tensors_b} after {CYCLES}"
+    assert ours_b <= ours_a, f"live plugin objects grew: {ours_a} -> {ours_b}: {_growth(types_a, types_b)}"
+    steps = [counts[c][0] - counts[c][4] for c in (2, 11, CYCLES)]
+    halves = [steps[1] - steps[0], steps[2] - steps[1]]
+    assert min(halves) < 9, (
+        f"live objects grew in both halves {halves}: 2->11 {_growth(counts[2][3], counts[11][3])}, "
+        f"11->20 {_growth(counts[11][3], counts[CYCLES][3])}"
+    )
 
 
 def test_recapture_same_keys_after_cleanup_hands_out_fresh_storage(backend_name: str) -> None:
