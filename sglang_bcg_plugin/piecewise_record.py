@@ -216,7 +216,10 @@ class PieceRecorder:
         result = fn(*args)
         leaves, spec = tree_flatten(result)
         targets = self._bridge(result, leaves, args, life, bridge)
-        self._hold(args, targets)
+        # The last piece's own outputs cross no boundary: they go to the output policy, which
+        # adopts them (held by the static output) or copies them into the shared buffer inside
+        # this graph. Holding them here would pin every key's raw output in the pool.
+        self._hold(args, targets, keep_targets=bridge)
         self.segments.record(functools.partial(_rerun, tag, fn, args, targets))
         return tree_unflatten(targets, spec)
 
@@ -306,9 +309,9 @@ class PieceRecorder:
                 targets.append(leaf)  # not a tensor, or aliases an input: already stable
         return targets
 
-    def _hold(self, args: tuple[Any, ...], targets: list[Any]) -> None:
+    def _hold(self, args: tuple[Any, ...], targets: list[Any], *, keep_targets: bool = True) -> None:
         self.known.update(storage_key(t) for t in _tensors((args, targets)))
-        self.held.append((args, targets))
+        self.held.append((args, targets) if keep_targets else (args,))
 
 
 def record(recorder: PieceRecorder, forward_fn: Callable[[], Any], finalize: Callable[[Any], Any]) -> PiecewiseGraph:
