@@ -37,14 +37,12 @@ from collections.abc import Callable, Hashable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-
 from ..errors import CaptureStateError
 from ..options import resolve_share_output
 from ..report import KeyReport, MemoryReport, claim_resident_bytes
 from ..shape_key import check_key
 from ..sharing import OutputSharer
-from ..trees import flatten, storage_key, unflatten
+from ..trees import collect_tensors, flatten, storage_key, unflatten
 
 #: Dotted path of SGLang's breakable backend class (our base class).
 SGLANG_BCG_CLASS = (
@@ -92,15 +90,8 @@ def apply_runner_rows(output: Any, rows: object) -> Any:
 
 
 def _input_storages(capture_inputs: object) -> frozenset[tuple[str, int]]:
-    """Storages of static inputs, which the sharer must never adopt as a shared buffer."""
-    try:
-        _, leaves = flatten(capture_inputs)
-        tensors = [t for _, t in leaves]
-    except (TypeError, RecursionError):
-        # ForwardBatch-like objects may hold unsupported nodes: take their direct tensors.
-        attrs = getattr(capture_inputs, "__dict__", {})
-        tensors = [v for v in attrs.values() if isinstance(v, torch.Tensor)]
-    return frozenset(storage_key(t) for t in tensors)
+    """Storages of static inputs (any object, e.g. a ForwardBatch), never adopted as a buffer."""
+    return frozenset(storage_key(t) for t in collect_tensors(capture_inputs))
 
 
 #: SGLang's "capture in progress" context variable (read by every ``eager_on_graph`` wrapper).
