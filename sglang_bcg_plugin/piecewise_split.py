@@ -215,7 +215,7 @@ def split_graph(
         else:
             part[node] = pid
     # keep_original_order: splitting ops may mutate their arguments, so nodes must not move.
-    split_gm = split_module(gm, None, lambda n: part[n], keep_original_order=True)
+    split_gm = split_module(gm, None, lambda n: part[n], keep_original_order=True)  # type: ignore[arg-type]
     order = [n.target for n in split_gm.graph.nodes if n.op == "call_module"]
     lives = _lifetimes(split_gm)
     num_pieces = 0
@@ -254,7 +254,7 @@ def _size_oblivious() -> contextlib.AbstractContextManager[None]:
     """Trace backed sizes without 0/1 specialization (feature-detected)."""
     config = torch.fx.experimental._config
     if hasattr(config, "backed_size_oblivious"):
-        return config.patch(backed_size_oblivious=True)  # type: ignore[no-any-return]
+        return config.patch(backed_size_oblivious=True)  # type: ignore[no-any-return,attr-defined]
     return contextlib.nullcontext()  # pragma: no cover - older torch: size 1 recompiles once
 
 
