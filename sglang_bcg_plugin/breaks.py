@@ -42,11 +42,6 @@ _recorder: contextvars.ContextVar[BreakRecorder | None] = contextvars.ContextVar
 )
 
 
-def active_recorder() -> BreakRecorder | None:
-    """The recorder of the breakable capture running in this context, if any."""
-    return _recorder.get()
-
-
 def set_recorder(recorder: BreakRecorder | None) -> contextvars.Token[BreakRecorder | None]:
     return _recorder.set(recorder)
 

@@ -59,7 +59,7 @@ class Prepared:
             self._commit()
 
 
-def _leaf_misfit(path: str, leaf: torch.Tensor, buf: torch.Tensor | None) -> str | None:
+def _leaf_misfit(leaf: torch.Tensor, buf: torch.Tensor | None) -> str | None:
     if leaf.dim() == 0:
         return "0-dim leaf has no rows to share"
     if buf is None:
@@ -111,7 +111,7 @@ class OutputSharer:
         found = diff(part.spec, node)
         if found is None:
             for (path, leaf), buf in zip(leaves, part.buffers, strict=True):
-                reason = _leaf_misfit(path, leaf, buf)
+                reason = _leaf_misfit(leaf, buf)
                 if reason is not None:
                     found = (path, reason)
                     break
@@ -134,7 +134,7 @@ class OutputSharer:
         protected: frozenset[tuple[str, int]],
     ) -> Prepared:
         for path, leaf in leaves:
-            reason = _leaf_misfit(path, leaf, None)
+            reason = _leaf_misfit(leaf, None)
             if reason is not None:
                 return self._fallback(key, unflatten(node, [t for _, t in leaves]), logical, path, reason)
         # A leaf that aliases a static input (or another leaf's storage at another path) would

@@ -127,11 +127,7 @@ def describe(node: Node) -> str:
         return "a tensor"
     if node.kind == "value":
         return "None" if node.value is None else f"{type(node.value).__name__} {node.value!r}"
-    return type_name(node.type)
-
-
-def type_name(t: type) -> str:
-    return t.__qualname__
+    return node.type.__qualname__
 
 
 def diff(a: Node, b: Node, path: str = "output") -> tuple[str, str] | None:
