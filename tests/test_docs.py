@@ -52,3 +52,13 @@ def test_public_api_is_reexported() -> None:
 def test_changelog_has_unreleased_section() -> None:
     text = (ROOT / "CHANGELOG.md").read_text()
     assert "## [Unreleased]" in text and "### Added" in text
+
+
+def test_readme_test_command_is_what_ci_runs() -> None:
+    readme = (ROOT / "README.md").read_text()
+    ci = (ROOT / ".ci" / "run").read_text()
+    pytest_cmd = re.search(r"python -m pytest ([^\n`]*)", readme)
+    assert pytest_cmd is not None
+    assert f"-m pytest {pytest_cmd.group(1).strip()}" in ci
+    assert "bash .ci/setup.sh" in readme and ".ci/setup.sh" in ci
+    assert "sglang-bcg bench" in readme
