@@ -38,7 +38,7 @@ from ..piecewise_split import (
     resolve_splitting_ops,
 )
 from ..registry import BackendRegistry
-from ..trees import flatten, storage_key
+from ..trees import collect_tensors, storage_key
 from .base import CaptureBackend, _Session
 
 
@@ -111,8 +111,7 @@ class PiecewiseBackend(CaptureBackend):
         session: _Session,
     ) -> Any:
         # Static inputs count as "produced" storage: an output aliasing them is copied, not adopted.
-        _, leaves = flatten(capture_inputs)
-        self._known_inputs = frozenset(storage_key(t) for _, t in leaves)
+        self._known_inputs = frozenset(storage_key(t) for t in collect_tensors(capture_inputs))
         try:
             return super()._capture(key, forward_fn, capture_inputs, post_warmup_hook, session)
         finally:
