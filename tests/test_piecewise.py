@@ -472,3 +472,24 @@ def test_cuda_engine_plumbing_with_fake_graphs(monkeypatch: pytest.MonkeyPatch) 
     assert log == ["replay"] * 4
     setup.backend.cleanup()
     assert log[4:] == ["reset"] * 9  # 8 pieces, then the anchor
+
+
+@pytest.mark.parametrize("share", [False, True], ids=["share-off", "share-on"])
+def test_opaque_capture_inputs_are_protected(share: bool) -> None:
+    """capture_inputs may be any object (SGLang passes a ForwardBatch): its tensors are found."""
+
+    class Batch:
+        def __init__(self, x: torch.Tensor, pos: torch.Tensor) -> None:
+            self.input_ids, self.positions = x, pos
+
+    setup = Setup(make(share, [mix]), EdgeNet(), sizes=[8, 4])
+    with torch.no_grad(), setup.backend.capture_session():
+        for s in setup.sizes:
+            setup.backend.capture_one(setup.key(s), setup.forward(s), capture_inputs=Batch(setup.x, setup.pos))
+    x_before = setup.x.clone()
+    for s in setup.sizes:
+        setup.backend.replay(setup.key(s))
+    torch.testing.assert_close(setup.x, x_before)  # the returned input was never adopted
+    setup.refill()
+    for s in setup.sizes:
+        assert_same(setup.backend.replay(setup.key(s)), setup.expected(s))
