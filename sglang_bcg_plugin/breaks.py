@@ -16,38 +16,14 @@ of every key of a partition, so bridges cost one max-size slot per argument name
 
 from __future__ import annotations
 
-import contextvars
 import functools
 import inspect
 from collections.abc import Callable, Iterable
-from typing import Any, Protocol, TypeVar, overload
+from typing import Any, TypeVar, overload
+
+from .engines.recorder import active_recorder
 
 F = TypeVar("F", bound=Callable[..., Any])
-
-
-class BreakRecorder(Protocol):
-    """Implemented by the segmented CUDA engine while it captures."""
-
-    def on_break(
-        self,
-        fn: Callable[..., Any],
-        bound: inspect.BoundArguments,
-        reads: frozenset[str],
-        writes: frozenset[str],
-    ) -> Any: ...
-
-
-_recorder: contextvars.ContextVar[BreakRecorder | None] = contextvars.ContextVar(
-    "sglang_bcg_break_recorder", default=None
-)
-
-
-def set_recorder(recorder: BreakRecorder | None) -> contextvars.Token[BreakRecorder | None]:
-    return _recorder.set(recorder)
-
-
-def reset_recorder(token: contextvars.Token[BreakRecorder | None]) -> None:
-    _recorder.reset(token)
 
 
 @overload
@@ -83,11 +59,13 @@ def graph_break(
 
         @functools.wraps(func)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
-            recorder = _recorder.get()
-            if recorder is None:
+            # Only a breakable capture breaks here (engines/breakable.py); anywhere else,
+            # a piecewise capture included, this is a plain call.
+            on_break = getattr(active_recorder(), "on_break", None)
+            if on_break is None:
                 return func(*args, **kwargs)
             bound = sig.bind(*args, **kwargs)
-            return recorder.on_break(func, bound, read_set, write_set)
+            return on_break(func, bound, read_set, write_set)
 
         wrapper.__sglang_bcg_break__ = True  # type: ignore[attr-defined]
         return wrapper  # type: ignore[return-value]

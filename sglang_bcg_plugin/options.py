@@ -10,6 +10,7 @@ from typing import Literal
 from ._constants import ENV_SHARE_OUTPUT, SERVER_ARGS_STASH
 
 EngineName = Literal["auto", "cuda", "eager"]
+SharedBufferSource = Literal["auto", "adopt", "reserve"]
 
 _TRUE = frozenset({"1", "true", "yes", "on"})
 _FALSE = frozenset({"0", "false", "no", "off"})
@@ -32,6 +33,10 @@ class BackendOptions:
     :param stale_output_guard: poison views handed out by an earlier replay of another key of
         the same partition so a stale read raises (debug aid; needs a torch build with
         ``torch._C._set_storage_access_error_msg``).
+    :param shared_buffer: where a partition's shared output buffer comes from when sharing is
+        on: ``"adopt"`` the first (largest) capture's own output storage, ``"reserve"`` a buffer
+        allocated before the first capture from the last warmup's output, or ``"auto"`` (the
+        one measured best for the engine: docs/index.md, "Output sharing").
     """
 
     share_output: bool | None = False
@@ -39,8 +44,12 @@ class BackendOptions:
     engine: EngineName = "auto"
     num_warmups: int = 2
     stale_output_guard: bool = False
+    shared_buffer: SharedBufferSource = "auto"
 
     def __post_init__(self) -> None:
+        if self.shared_buffer not in ("auto", "adopt", "reserve"):
+            msg = f"BackendOptions.shared_buffer must be 'auto', 'adopt' or 'reserve', got {self.shared_buffer!r}"
+            raise ValueError(msg)
         if self.share_output is not None and not isinstance(self.share_output, bool):
             msg = f"BackendOptions.share_output must be a bool or None, got {self.share_output!r}"
             raise TypeError(msg)

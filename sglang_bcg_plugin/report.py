@@ -48,14 +48,24 @@ class MemoryReport:
     capture_seconds: Mapping[Hashable, float] = field(
         default_factory=lambda: MappingProxyType({})
     )
+    #: Bytes of bridge storage (tensors crossing breaks / splitting ops) per partition
+    #: (``stream_idx``); empty for engines without breaks.
+    bridge_bytes: Mapping[int | None, int] = field(default_factory=lambda: MappingProxyType({}))
 
     @property
     def saved_bytes(self) -> int:
         """``logical_output_bytes - resident_output_bytes``."""
         return self.logical_output_bytes - self.resident_output_bytes
 
+    @property
+    def total_bridge_bytes(self) -> int:
+        """Bridge bytes summed over partitions."""
+        return sum(self.bridge_bytes.values())
+
     @classmethod
-    def from_keys(cls, backend: str, engine: str, keys: list[KeyReport]) -> MemoryReport:
+    def from_keys(
+        cls, backend: str, engine: str, keys: list[KeyReport], bridge_bytes: Mapping[int | None, int] | None = None
+    ) -> MemoryReport:
         fallbacks = {k.key: k.fallback for k in keys if k.fallback is not None}
         seconds = {k.key: k.capture_seconds for k in keys if k.capture_seconds is not None}
         return cls(
@@ -66,6 +76,7 @@ class MemoryReport:
             resident_output_bytes=sum(k.resident_output_bytes for k in keys),
             fallbacks=MappingProxyType(fallbacks),
             capture_seconds=MappingProxyType(seconds),
+            bridge_bytes=MappingProxyType(dict(bridge_bytes or {})),
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -77,6 +88,7 @@ class MemoryReport:
             "resident_output_bytes": self.resident_output_bytes,
             "saved_bytes": self.saved_bytes,
             "fallbacks": {repr(k): v for k, v in self.fallbacks.items()},
+            "bridge_bytes": {str(p): b for p, b in self.bridge_bytes.items()},
             "keys": [
                 {
                     "key": repr(k.key),
@@ -101,6 +113,9 @@ class MemoryReport:
             f"resident {self.resident_output_bytes / mib:.2f} MiB, "
             f"saved {self.saved_bytes / mib:.2f} MiB"
         ]
+        lines.extend(
+            f"  bridges of partition {p}: {b / mib:.2f} MiB" for p, b in self.bridge_bytes.items() if b
+        )
         lines.extend(f"  fallback {k!r}: {why}" for k, why in self.fallbacks.items())
         return "\n".join(lines)
 

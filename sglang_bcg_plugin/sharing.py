@@ -4,12 +4,18 @@ Rules (docs/index.md, "Output sharing"):
 
 * partition = ``shape_key.stream_idx``; keys of one partition may share, different partitions
   never do (their graphs may replay concurrently);
-* the first capture of a partition *adopts* its own output storage as the buffer (no extra
-  allocation, no copy); later keys copy each leaf into ``buffer[:rows]`` inside their graph and
-  hand out that view;
-* rows come from the leaf (``shape[0]``), never from the key's size;
-* a key that does not fit keeps its own output (one warning naming key, leaf path and reason)
-  or, in strict mode, raises :class:`OutputStructureError`.
+* a buffer is *storage, not rows* (:mod:`~sglang_bcg_plugin.storage`): one flat tensor per leaf
+  path sized for the largest capture, and every key's leaf is a contiguous view with the leaf's
+  own shape (the capture size may live on any dim; spec decode's ``4 * size`` rows come from the
+  leaf, never from the key's size);
+* where the buffer comes from: ``"adopt"`` — the first capture of a partition keeps its own output
+  storage as the buffer (no extra allocation, no copy for that key); ``"reserve"`` — the buffer is
+  allocated *before* the first capture from the last warmup's output (:meth:`OutputSharer.reserve`),
+  outside the graph, and every key copies into it inside its graph. Which wins depends on the
+  engine's allocator layout (docs/index.md);
+* a key that does not fit (structure, type, dtype, device, changed non-tensor value, or more
+  elements than the buffer holds) keeps its own output — one warning naming key, leaf path and
+  reason — or, in strict mode, raises :class:`OutputStructureError`.
 
 ``prepare`` runs inside the capture (its copies are recorded into the graph); the partition is
 only created by ``Prepared.commit`` once the capture succeeded, so a failed capture leaves the
@@ -21,11 +27,15 @@ from __future__ import annotations
 import warnings
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
+from typing import Literal
 
 import torch
 
 from .errors import OutputStructureError
+from .storage import SlotStore, flat_of, view_of
 from .trees import Node, diff, flatten, storage_key, unflatten
+
+BufferSource = Literal["adopt", "reserve"]
 
 
 class SharedOutputFallbackWarning(UserWarning):
@@ -34,10 +44,10 @@ class SharedOutputFallbackWarning(UserWarning):
 
 @dataclass(eq=False)
 class Partition:
-    """Shared buffers of one stream partition."""
+    """Shared buffers of one stream partition: one flat tensor per leaf path."""
 
     stream_idx: int | None
-    owner: Hashable
+    owner: Hashable | None
     spec: Node
     paths: tuple[str, ...]
     buffers: tuple[torch.Tensor, ...]
@@ -59,24 +69,19 @@ class Prepared:
             self._commit()
 
 
-def _leaf_misfit(leaf: torch.Tensor, buf: torch.Tensor | None) -> str | None:
-    if leaf.dim() == 0:
-        return "0-dim leaf has no rows to share"
-    if buf is None:
-        return None
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _leaf_misfit(leaf: torch.Tensor, buf: torch.Tensor) -> str | None:
     if leaf.dtype != buf.dtype:
         return f"dtype changed: buffer {buf.dtype}, output {leaf.dtype}"
     if leaf.device != buf.device:
         return f"device changed: buffer {buf.device}, output {leaf.device}"
-    if leaf.shape[1:] != buf.shape[1:]:
+    if leaf.numel() > buf.numel():
         return (
-            f"trailing shape changed: buffer {tuple(buf.shape[1:])}, "
-            f"output {tuple(leaf.shape[1:])}"
-        )
-    if leaf.shape[0] > buf.shape[0]:
-        return (
-            f"{leaf.shape[0]} rows do not fit the buffer's {buf.shape[0]} rows "
-            "(capture was not largest-first)"
+            f"{_nbytes(leaf)} bytes (shape {tuple(leaf.shape)}) do not fit the buffer's "
+            f"{_nbytes(buf)} bytes (capture was not largest-first)"
         )
     return None
 
@@ -84,10 +89,38 @@ def _leaf_misfit(leaf: torch.Tensor, buf: torch.Tensor | None) -> str | None:
 class OutputSharer:
     """Applies the sharing policy for one capture session of one backend."""
 
-    def __init__(self, *, enabled: bool, strict: bool) -> None:
+    def __init__(self, *, enabled: bool, strict: bool, source: BufferSource = "adopt") -> None:
         self.enabled = enabled
         self.strict = strict
+        self.source = source
         self.partitions: dict[int | None, Partition] = {}
+        self.stores: dict[int | None, SlotStore] = {}
+        self._reserved: dict[int | None, Partition] = {}
+
+    def output_bytes(self, stream: int | None) -> int:
+        """Bytes of the shared output buffers of partition ``stream``."""
+        part = self.partitions.get(stream)
+        return 0 if part is None else sum(_nbytes(b) for b in part.buffers)
+
+    def reserve(self, key: Hashable, output: object) -> None:
+        """Allocate ``key``'s partition's buffers now (outside any capture) from ``output``.
+
+        Called with the last warmup's output before the first capture of a partition when the
+        source is ``"reserve"``; a no-op once the partition has buffers, when sharing is off, or
+        for a tree whose leaves cannot share (``prepare`` then decides as usual).
+        """
+        if not self.enabled or self.source != "reserve":
+            return
+        stream = getattr(key, "stream_idx", None)
+        if stream in self.partitions:
+            return
+        node, leaves = flatten(output)
+        store = SlotStore()
+        buffers = tuple(
+            store.add(path, torch.empty(max(t.numel(), 1), dtype=t.dtype, device=t.device)) for path, t in leaves
+        )
+        self._reserved[stream] = Partition(stream, None, node, tuple(p for p, _ in leaves), buffers)
+        self.stores[stream] = store
 
     def prepare(
         self,
@@ -101,28 +134,53 @@ class OutputSharer:
             inputs): smaller keys would overwrite them.
         """
         node, leaves = flatten(output)
-        logical = sum(t.numel() * t.element_size() for _, t in leaves)
+        logical = sum(_nbytes(t) for _, t in leaves)
         if not self.enabled:
             return Prepared(output, shared=False, logical_bytes=logical)
         stream = getattr(key, "stream_idx", None)
         part = self.partitions.get(stream)
         if part is None:
+            reserved = self._reserved.get(stream)
+            if reserved is not None and self._misfit(reserved, node, leaves) is None:
+                return self._copy_into(reserved, node, leaves, logical, self._claim(stream, key, reserved))
             return self._adopt(key, stream, node, leaves, logical, protected)
+        found = self._misfit(part, node, leaves)
+        if found is not None:
+            return self._fallback(key, output, logical, *found)
+        return self._copy_into(part, node, leaves, logical, None)
+
+    @staticmethod
+    def _misfit(part: Partition, node: Node, leaves: list[tuple[str, torch.Tensor]]) -> tuple[str, str] | None:
         found = diff(part.spec, node)
         if found is None:
             for (path, leaf), buf in zip(leaves, part.buffers, strict=True):
                 reason = _leaf_misfit(leaf, buf)
                 if reason is not None:
-                    found = (path, reason)
-                    break
-        if found is not None:
-            return self._fallback(key, output, logical, *found)
+                    return (path, reason)
+        return found
+
+    def _claim(self, stream: int | None, key: Hashable, reserved: Partition) -> Callable[[], None]:
+        def commit() -> None:
+            reserved.owner = key
+            self.partitions[stream] = reserved
+            self._reserved.pop(stream, None)
+
+        return commit
+
+    @staticmethod
+    def _copy_into(
+        part: Partition,
+        node: Node,
+        leaves: list[tuple[str, torch.Tensor]],
+        logical: int,
+        commit: Callable[[], None] | None,
+    ) -> Prepared:
         views = []
         for (_, leaf), buf in zip(leaves, part.buffers, strict=True):
-            view = buf[: leaf.shape[0]]
+            view = view_of(buf, leaf.shape)
             view.copy_(leaf)
             views.append(view)
-        return Prepared(unflatten(node, views), shared=True, logical_bytes=logical)
+        return Prepared(unflatten(node, views), shared=True, logical_bytes=logical, _commit=commit)
 
     def _adopt(
         self,
@@ -133,24 +191,32 @@ class OutputSharer:
         logical: int,
         protected: frozenset[tuple[str, int]],
     ) -> Prepared:
-        for path, leaf in leaves:
-            reason = _leaf_misfit(leaf, None)
-            if reason is not None:
-                return self._fallback(key, unflatten(node, [t for _, t in leaves]), logical, path, reason)
         # A leaf that aliases a static input (or another leaf's storage at another path) would
-        # be overwritten by smaller keys' copies: give it a private buffer instead.
+        # be overwritten by smaller keys' copies, and a non-contiguous leaf has no flat view:
+        # those get a private buffer (a contiguous copy) instead.
+        store = SlotStore()
         seen: set[tuple[str, int]] = set()
-        buffers = []
-        for _, leaf in leaves:
+        buffers, outs = [], []
+        for path, leaf in leaves:
             sk = storage_key(leaf)
-            buffers.append(leaf.clone() if sk in protected or sk in seen else leaf)
+            flat = None if sk in protected or sk in seen else flat_of(leaf)
             seen.add(sk)
+            if flat is None:
+                flat = torch.empty(max(leaf.numel(), 1), dtype=leaf.dtype, device=leaf.device)
+                view = view_of(flat, leaf.shape)
+                view.copy_(leaf)
+                outs.append(view)
+            else:
+                outs.append(leaf)
+            buffers.append(store.add(path, flat))
         part = Partition(stream, key, node, tuple(p for p, _ in leaves), tuple(buffers))
 
         def commit() -> None:
             self.partitions[stream] = part
+            self.stores[stream] = store
+            self._reserved.pop(stream, None)
 
-        return Prepared(unflatten(node, buffers), shared=True, logical_bytes=logical, _commit=commit)
+        return Prepared(unflatten(node, outs), shared=True, logical_bytes=logical, _commit=commit)
 
     def _fallback(self, key: Hashable, output: object, logical: int, path: str, reason: str) -> Prepared:
         if self.strict:

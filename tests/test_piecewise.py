@@ -11,7 +11,7 @@ from torch._dynamo.utils import counters
 
 from sglang_bcg_plugin import BackendOptions, ShapeKey, SharedOutputFallbackWarning, create_backend
 from sglang_bcg_plugin.backends.piecewise import PiecewiseBackend
-from sglang_bcg_plugin.piecewise_split import resolve_splitting_ops
+from sglang_bcg_plugin.backends.piecewise.compile import resolve_splitting_ops
 from sglang_bcg_plugin.trees import flatten
 
 H = 8
@@ -280,7 +280,7 @@ def test_stream_partitions_never_share() -> None:
 
 def test_capture_not_largest_first_falls_back_per_key() -> None:
     setup = Setup(make(True), Net(1), sizes=[4, 8])
-    with pytest.warns(SharedOutputFallbackWarning, match="8 rows do not fit"):
+    with pytest.warns(SharedOutputFallbackWarning, match="do not fit the buffer"):
         setup.capture()
     report = setup.backend.memory_report()
     assert list(report.fallbacks) == [setup.key(8)]
@@ -344,7 +344,7 @@ def test_bridge_slots_are_shared_by_every_key_of_a_partition() -> None:
     for sizes in ([16], SIZES):
         setup = Setup(make(False), Net(3), sizes=sizes)
         setup.capture()
-        arena_bytes[len(sizes)] = setup.backend._get_engine().arena(None).nbytes()  # type: ignore[attr-defined]
+        arena_bytes[len(sizes)] = setup.backend._get_engine().bridges(None).nbytes()  # type: ignore[attr-defined]
     # one max-size slot per value crossing a boundary, whatever the number of keys
     assert arena_bytes[1] == arena_bytes[len(SIZES)] > 0
 
@@ -369,7 +369,7 @@ class SkipNet(torch.nn.Module):
 
 
 def arena_of(backend: PiecewiseBackend) -> Any:
-    return backend._get_engine().arena(None)  # type: ignore[attr-defined]
+    return backend._get_engine().bridges(None)  # type: ignore[attr-defined]
 
 
 @pytest.mark.parametrize("share", [False, True], ids=["share-off", "share-on"])
@@ -411,7 +411,7 @@ def test_decoder_bridge_arena_does_not_grow_with_layers() -> None:
 
 def test_cuda_engine_requires_a_warmup() -> None:
     from sglang_bcg_plugin.engines.base import CaptureRequest
-    from sglang_bcg_plugin.piecewise_cuda import PiecewiseCudaEngine
+    from sglang_bcg_plugin.backends.piecewise.cuda import PiecewiseCudaEngine
 
     request = CaptureRequest(ShapeKey(4), lambda: None, lambda o: o, 0, None, None)
     with pytest.raises(ValueError, match=r"needs num_warmups >= 1 \(got 0\)"):

@@ -270,6 +270,9 @@ class _FailsAfterFinalize:
             raise Boom("capture_end failed")
         return graph
 
+    def bridge_bytes(self) -> dict[int | None, int]:
+        return self.inner.bridge_bytes()  # type: ignore[no-any-return]
+
     def release(self) -> None:
         self.inner.release()
 

@@ -199,10 +199,43 @@ MISFITS: dict[str, tuple[Any, Any, str]] = {
     "keys": (lambda h: {"a": h}, lambda h: {"b": h}, "dict keys changed"),
     "type": (lambda h: (h,), lambda h: [h], "type changed"),
     "dtype": (lambda h: h, lambda h: h.double(), "dtype changed"),
-    "trailing": (lambda h: h, lambda h: h[:, :4], "trailing shape changed"),
-    "zero_dim": (lambda h: (h, h), lambda h: (h, h.sum()), "0-dim leaf"),
+    "bytes": (lambda h: h, lambda h: torch.cat([h, h, h], dim=1), "do not fit the buffer"),
     "leaf_value": (lambda h: (h, 1), lambda h: (h, 2), "non-tensor leaf value changed"),
 }
+
+
+#: Storage, not rows: outputs whose shape differs from the buffer's in any dim share as long
+#: as they fit in its bytes (name: (largest key's output, smaller key's output)).
+LAYOUTS: dict[str, tuple[Any, Any]] = {
+    "trailing": (lambda h: h, lambda h: h[:, :4]),
+    "zero_dim": (lambda h: (h, h.sum()), lambda h: (h, h.sum())),
+    "batch_first": (lambda h: h.unsqueeze(0), lambda h: h.unsqueeze(0)),
+    "size_on_dim_2": (lambda h: h.t().reshape(1, h.shape[1], -1), lambda h: h.t().reshape(1, h.shape[1], -1)),
+    "rank_changed": (lambda h: h, lambda h: h.reshape(2, -1, h.shape[1])),
+}
+
+
+@pytest.mark.parametrize("case", sorted(LAYOUTS))
+def test_any_layout_that_fits_shares(backend_name: str, case: str) -> None:
+    big, small = LAYOUTS[case]
+    model = Model()
+    backend = make_backend(backend_name, share=True, strict_outputs=True)
+    xs = {s: torch.randn(s, model.hidden) for s in (16, 8, 4)}
+    fns = {ShapeKey(16): lambda: big(xs[16] @ model.w)}
+    fns.update({ShapeKey(s): (lambda s=s: small(xs[s] @ model.w)) for s in (8, 4)})
+    with backend.capture_session():
+        for key, fn in fns.items():
+            backend.capture_one(key, fn)
+    report = backend.memory_report()
+    assert not report.fallbacks and all(k.shared for k in report.keys)
+    assert report.resident_output_bytes == report.keys[0].logical_output_bytes
+    for x in xs.values():
+        x.copy_(torch.randn_like(x))
+    for key, fn in fns.items():
+        out, ref = backend.replay(key), fn()
+        _assert_tree_equal(out, ref)
+        for o, r in zip(torch.utils._pytree.tree_leaves(out), torch.utils._pytree.tree_leaves(ref), strict=True):
+            assert o.shape == r.shape and o.is_contiguous()
 
 
 @pytest.mark.parametrize("case", sorted(MISFITS))

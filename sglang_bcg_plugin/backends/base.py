@@ -37,7 +37,7 @@ from ..manager import get_plugin_manager, hookimpl
 from ..options import BackendOptions, resolve_share_output
 from ..report import KeyReport, MemoryReport, claim_resident_bytes
 from ..shape_key import check_key
-from ..sharing import OutputSharer
+from ..sharing import BufferSource, OutputSharer
 from ..trees import collect_tensors, storage_key
 
 
@@ -65,6 +65,9 @@ class CaptureBackend:
     """Base class of the Full, Breakable and Piecewise backends."""
 
     name: ClassVar[str] = "base"
+    #: Where shared output buffers come from with ``shared_buffer="auto"`` on CUDA (measured
+    #: per engine: docs/index.md, "Output sharing"); the eager engine always adopts.
+    cuda_buffer_source: ClassVar[BufferSource] = "adopt"
 
     def __init__(
         self,
@@ -130,13 +133,20 @@ class CaptureBackend:
                 raise CaptureStateError(msg)
             share = resolve_share_output(self._options.share_output, server_args=self._server_args)
             self._setup_guard()
-            self._get_engine()
-            self._session = _Session(share, OutputSharer(enabled=share, strict=self._options.strict_outputs), stream)
+            engine = self._get_engine()
+            sharer = OutputSharer(enabled=share, strict=self._options.strict_outputs, source=self._buffer_source(engine))
+            self._session = _Session(share, sharer, stream)
         try:
             yield
         finally:
             with self._lock:
                 self._session = None
+
+    def _buffer_source(self, engine: Engine) -> BufferSource:
+        choice = self._options.shared_buffer
+        if choice != "auto":
+            return choice
+        return self.cuda_buffer_source if engine.name == "cuda" else "adopt"
 
     def _setup_guard(self) -> None:
         if not self._options.stale_output_guard:
@@ -224,6 +234,7 @@ class CaptureBackend:
             post_warmup_hook=post_warmup_hook,
             partition=getattr(key, "stream_idx", None),
             stream=session.stream,
+            reserve=lambda out: session.sharer.reserve(key, out),
         )
         graph = self._engine_capture(request, session)
         p = prepared[-1]
@@ -288,8 +299,9 @@ class CaptureBackend:
                     num_segments=entry.graph.num_segments,
                 )
             )
-        engine = self._engine.name if self._engine is not None else "none"
-        return MemoryReport.from_keys(self.name, engine, keys)
+        if self._engine is None:
+            return MemoryReport.from_keys(self.name, "none", keys)
+        return MemoryReport.from_keys(self.name, self._engine.name, keys, bridge_bytes=self._engine.bridge_bytes())
 
     def cleanup(self) -> None:
         """Release every graph, shared buffer and pool; the backend can capture again."""

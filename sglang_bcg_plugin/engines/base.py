@@ -8,7 +8,7 @@ from typing import Any, Protocol
 
 Finalize = Callable[[Any], Any]
 """Runs inside the capture on the forward's output; returns the static output to hand out
-(the output-sharing policy: adopt, copy into a shared slice, or keep)."""
+(the output-sharing policy: adopt, copy into a shared view, or keep)."""
 
 
 class CapturedGraph(Protocol):
@@ -26,7 +26,11 @@ class CapturedGraph(Protocol):
 
 @dataclass(frozen=True, slots=True)
 class CaptureRequest:
-    """Everything an engine needs to capture one key."""
+    """Everything an engine needs to capture one key.
+
+    :param reserve: called with the last warmup's output, outside any capture, before the
+        capture begins (the output policy allocates a reserved shared buffer there).
+    """
 
     key: object
     forward_fn: Callable[[], Any]
@@ -35,6 +39,7 @@ class CaptureRequest:
     post_warmup_hook: Callable[[], None] | None
     partition: int | None
     stream: Any = None
+    reserve: Callable[[Any], None] | None = None
 
 
 class Engine(Protocol):
@@ -47,10 +52,16 @@ class Engine(Protocol):
     def release(self) -> None:
         """Release pools and streams (after every graph was released)."""
 
+    def bridge_bytes(self) -> dict[int | None, int]:
+        """Bytes of bridge storage per partition (0 for engines without breaks)."""
+
 
 def run_warmups(request: CaptureRequest) -> None:
-    """Eager warmup runs, each followed by ``post_warmup_hook``."""
+    """Eager warmup runs, each followed by ``post_warmup_hook``; then ``reserve`` on the last output."""
+    out = None
     for _ in range(request.num_warmups):
-        request.forward_fn()
+        out = request.forward_fn()
         if request.post_warmup_hook is not None:
             request.post_warmup_hook()
+    if request.reserve is not None and request.num_warmups > 0:
+        request.reserve(out)

@@ -1,22 +1,23 @@
 """CUDA engines: whole-forward graphs (Full) and segmented breakable graphs.
 
-One private graph pool, one bridge arena and one capture stream per stream partition: graphs
+One private graph pool, one bridge store and one capture stream per stream partition: graphs
 of one partition never replay concurrently, so they may reuse each other's intermediate memory;
 graphs of different partitions may, so they share neither a pool nor a capture stream (cuBLAS
-workspaces are per stream). A session's ``stream`` overrides the capture stream. Warmups run on the capture stream, each followed by ``post_warmup_hook``.
+workspaces are per stream). A session's ``stream`` overrides the capture stream. Warmups run on
+the capture stream, each followed by ``post_warmup_hook``.
 """
 
 from __future__ import annotations
 
-import warnings
-from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from ..breaks import reset_recorder, set_recorder
+from ..storage import SlotStore
 from .base import CaptureRequest, run_warmups
-from .segments import BridgeArena, SegmentRecorder
+from .breakable import BreakableRecorder
+from .graphs import CudaSegments, abort_capture, end_capture
+from .recorder import SegmentedGraph, record
 
 
 class FullGraph:
@@ -41,52 +42,6 @@ class FullGraph:
         self._graph = None
 
 
-class SegmentedGraph:
-    """Segments ``g0, g1, ..., gN`` with eager steps between them: g0, s0, g1, s1, ..., gN."""
-
-    def __init__(
-        self, graphs: list[torch.cuda.CUDAGraph | None], steps: list[Callable[[], None]], output: Any
-    ) -> None:
-        self._graphs: list[torch.cuda.CUDAGraph | None] | None = graphs
-        self._steps = steps
-        self.output = output
-        self.num_segments = len(graphs)
-
-    def replay(self) -> Any:
-        graphs = self._graphs
-        if graphs is None:
-            msg = "graph was released; capture it again"
-            raise RuntimeError(msg)
-        steps = self._steps
-        for i, g in enumerate(graphs):
-            if g is not None:
-                g.replay()
-            if i < len(steps):
-                steps[i]()
-        return self.output
-
-    def release(self) -> None:
-        for g in self._graphs or ():
-            if g is not None:
-                g.reset()
-        self._graphs = None
-        self._steps = []
-
-
-def end_capture(graph: torch.cuda.CUDAGraph) -> bool:
-    """End a capture; returns False when the segment captured no work (it is not replayed)."""
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        graph.capture_end()
-    empty = False
-    for w in caught:
-        if "empty" in str(w.message).lower():
-            empty = True
-        else:  # pragma: no cover - re-emit anything unexpected
-            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
-    return not empty
-
-
 class CudaGraphEngine:
     """Captures ``torch.cuda.CUDAGraph`` objects; ``segmented`` enables graph breaks."""
 
@@ -95,7 +50,7 @@ class CudaGraphEngine:
     def __init__(self, *, segmented: bool) -> None:
         self.segmented = segmented
         self._pools: dict[int | None, Any] = {}
-        self._arenas: dict[int | None, BridgeArena] = {}
+        self._bridges: dict[int | None, SlotStore] = {}
         self._streams: dict[int | None, torch.cuda.Stream] = {}
         self._anchors: list[torch.cuda.CUDAGraph] = []
 
@@ -125,10 +80,14 @@ class CudaGraphEngine:
             self._streams[partition] = torch.cuda.Stream()
         return self._streams[partition]
 
-    def arena(self, partition: int | None) -> BridgeArena:
-        if partition not in self._arenas:
-            self._arenas[partition] = BridgeArena()
-        return self._arenas[partition]
+    def bridges(self, partition: int | None) -> SlotStore:
+        """The partition's bridge storage (tensors crossing breaks or splitting ops)."""
+        if partition not in self._bridges:
+            self._bridges[partition] = SlotStore()
+        return self._bridges[partition]
+
+    def bridge_bytes(self) -> dict[int | None, int]:
+        return {p: s.nbytes() for p, s in self._bridges.items()}
 
     def _capture_stream(self, request: CaptureRequest) -> torch.cuda.Stream:
         if request.stream is not None:
@@ -137,15 +96,15 @@ class CudaGraphEngine:
 
     def capture(self, request: CaptureRequest) -> FullGraph | SegmentedGraph:
         stream = self._capture_stream(request)
-        current = torch.cuda.current_stream()
-        stream.wait_stream(current)
+        stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             run_warmups(request)
         torch.cuda.synchronize()
         pool = self.pool(request.partition)
         with torch.cuda.stream(stream):
             if self.segmented:
-                graph: FullGraph | SegmentedGraph = self._capture_segmented(request, pool, stream)
+                recorder = BreakableRecorder(request.key, CudaSegments(pool), self.bridges(request.partition))
+                graph: FullGraph | SegmentedGraph = record(recorder, request.forward_fn, request.finalize)
             else:
                 graph = self._capture_full(request, pool)
         torch.cuda.synchronize()
@@ -157,41 +116,15 @@ class CudaGraphEngine:
         try:
             output = request.finalize(request.forward_fn())
         except BaseException:
-            _abort(g)
+            abort_capture(g)
             raise
         end_capture(g)
         return FullGraph(g, output)
-
-    def _capture_segmented(self, request: CaptureRequest, pool: Any, stream: torch.cuda.Stream) -> SegmentedGraph:
-        recorder = SegmentRecorder(pool, self.arena(request.partition))
-        token = set_recorder(recorder)
-        try:
-            recorder.begin()
-            output = request.finalize(request.forward_fn())
-            recorder.end()
-        except BaseException:
-            recorder.abort()
-            raise
-        finally:
-            reset_recorder(token)
-        return SegmentedGraph(recorder.graphs, recorder.steps, output)
 
     def release(self) -> None:
         for anchor in self._anchors:
             anchor.reset()
         self._anchors.clear()
         self._pools.clear()
-        self._arenas.clear()
+        self._bridges.clear()
         self._streams.clear()
-
-
-def _abort(graph: torch.cuda.CUDAGraph) -> None:
-    """End a failed capture so the stream is not left capturing; the graph is discarded."""
-    try:
-        graph.capture_end()
-    except Exception:  # noqa: BLE001,S110 - the capture is already invalid; the caller re-raises
-        pass
-    try:
-        graph.reset()
-    except Exception:  # noqa: BLE001,S110
-        pass

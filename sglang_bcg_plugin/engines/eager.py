@@ -68,3 +68,7 @@ class EagerEngine:
 
     def release(self) -> None:
         """Nothing to release."""
+
+    def bridge_bytes(self) -> dict[int | None, int]:
+        """No breaks on this engine (a break is a plain call): no bridges."""
+        return {}

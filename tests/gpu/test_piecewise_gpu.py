@@ -281,7 +281,7 @@ def test_graph_pool_memory_sharing_off_vs_on() -> None:
             "reserved_delta_bytes": reserved1 - reserved0,
             "resident_output_bytes": report.resident_output_bytes,
             "logical_output_bytes": report.logical_output_bytes,
-            "bridge_arena_bytes": engine.arena(None).nbytes(),  # type: ignore[attr-defined]
+            "bridge_arena_bytes": engine.bridges(None).nbytes(),  # type: ignore[attr-defined]
             "pieces_per_key": backend.num_segments(ShapeKey(sizes[0])),
             "compilations": backend.num_compilations,
             "fallbacks": len(report.fallbacks),

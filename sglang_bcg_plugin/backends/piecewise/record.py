@@ -5,60 +5,46 @@ between splitting calls (``k`` calls give ``k + 1`` segments), the splitting ops
 between them. On CUDA a segment is one ``torch.cuda.CUDAGraph`` that stays open across the
 piece(s) it holds and, for the last one, across the output policy (``finalize``), so the
 sharing copy is recorded inside the last piece's graph. On the eager engine a segment is the list
-of piece re-runs to repeat at replay (``piecewise_eager``; CUDA in ``piecewise_cuda``).
+of piece re-runs to repeat at replay. Opening, closing, aborting and replaying segments is the
+shared segment recorder's job (:mod:`sglang_bcg_plugin.engines.recorder`); this module is its
+piecewise front-end: what crosses a piece boundary and where it lives.
 
 Stable addresses across pieces (the next piece's graph reads them):
 
 * fresh outputs of a piece followed by a splitting op are copied into slots of the partition's
-  :class:`~sglang_bcg_plugin.engines.segments.BridgeArena` (inside its graph), so the piece's
+  bridge :class:`~sglang_bcg_plugin.storage.SlotStore` (inside its graph), so the piece's
   own output memory returns to the pool; so are a splitting op's fresh outputs (eagerly);
 * outputs that alias an input (views, in-place ops) already have a stable address: passed as is;
 * slots are *registers* (:class:`Registers`): reused by a later value once the last reader of
-  every value in them has run (:class:`Lifetimes`, from the split graph), so the arena holds the
+  every value in them has run (:class:`Lifetimes`, from the split graph), so the store holds the
   values live at once, not one slot per call site; keys running the same calls name the same
-  registers, so every key of a partition shares them;
+  registers, so every key of a partition shares them. Registers are storage, not rows: one per
+  (dtype, device) and number, whatever the value's shape;
 * everything crossing a boundary is held by strong reference for the life of the graph (weak
   references let later captures re-carve the memory: SGLang #37606).
 """
 
 from __future__ import annotations
 
-import contextvars
 import functools
 import heapq
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
 
-from .engines.segments import BridgeArena
-from .trees import flatten, storage_key, unflatten
-
-Action = Callable[[], None]
-
-
-class Segments(Protocol):
-    """How segments are made: CUDA graphs (``engines``) or eager action lists."""
-
-    def begin(self) -> None: ...
-    def end(self) -> None: ...
-    def record(self, action: Action) -> None:
-        """Remember work to redo at replay (no-op on CUDA, where the kernels were captured)."""
-
-    def abort(self) -> None: ...
-    def runners(self) -> list[Action | None]: ...
-    def release(self) -> None: ...
+from ...engines.recorder import Recorder, Segments, active_recorder
+from ...storage import SlotStore
+from ...trees import flatten, storage_key, unflatten
 
 
-_active: contextvars.ContextVar[PieceRecorder | None] = contextvars.ContextVar("sglang_bcg_piece_recorder", default=None)
-
-
-def active_recorder() -> PieceRecorder | None:
+def active_piece_recorder() -> PieceRecorder | None:
     """The recorder of the piecewise capture running in this context, if any."""
-    return _active.get()
+    rec = active_recorder()
+    return rec if isinstance(rec, PieceRecorder) else None
 
 
 def _tensors(tree: object) -> list[torch.Tensor]:
@@ -109,7 +95,7 @@ class Lifetimes:
     dying: tuple[bool, ...]
 
 
-Reg = tuple[Any, int]  # ((dtype, trailing shape, device), number)
+Reg = tuple[Any, int]  # ((dtype, device), number)
 
 
 class Registers:
@@ -117,8 +103,8 @@ class Registers:
     in it (a count of live values per register; pinned ones are never freed). The lowest free
     number is taken first, so keys running the same calls name the same slots."""
 
-    def __init__(self, arena: BridgeArena) -> None:
-        self.arena = arena
+    def __init__(self, store: SlotStore) -> None:
+        self.store = store
         self.of: dict[tuple[str, int], Reg] = {}  # slot storage -> register
         self._refs: Counter[Reg] = Counter()
         self._pinned: set[Reg] = set()
@@ -126,11 +112,11 @@ class Registers:
         self._made: Counter[Any] = Counter()
 
     def alloc(self, like: torch.Tensor) -> tuple[Reg, torch.Tensor]:
-        sig = (like.dtype, None if like.dim() == 0 else tuple(like.shape[1:]), str(like.device))
+        sig = (like.dtype, str(like.device))
         free = self._free.setdefault(sig, [])
         n = heapq.heappop(free) if free else self._made[sig]
         self._made[sig] = max(self._made[sig], n + 1)
-        slot = self.arena.view(f"pw.reg{n}", like)
+        slot = self.store.view(f"pw.reg{n}", like)
         self.of[storage_key(slot)] = (sig, n)
         return (sig, n), slot
 
@@ -149,57 +135,18 @@ class Registers:
                 heapq.heappush(self._free[reg[0]], reg[1])
 
 
-class PiecewiseGraph:
-    """One captured key: segments with the eager splitting calls between them."""
-
-    def __init__(self, key: object, segments: Segments, steps: list[Action], output: Any, held: list[Any]) -> None:
-        self.key = key
-        self.output = output
-        self._segments: Segments | None = segments
-        self._runners = segments.runners()
-        self._steps = steps
-        self._held = held  # strong references to everything crossing a piece boundary
-        self.num_segments = len(self._runners)
-
-    def replay(self) -> Any:
-        if self._segments is None:
-            msg = f"graph of {self.key!r} was released; capture it again"
-            raise RuntimeError(msg)
-        steps = self._steps
-        with torch.no_grad():
-            for i, run in enumerate(self._runners):
-                if run is not None:
-                    run()
-                if i < len(steps):
-                    steps[i]()
-        return self.output
-
-    def release(self) -> None:
-        if self._segments is not None:
-            self._segments.release()
-        self._segments = None
-        self._runners = []
-        self._steps = []
-        self._held = []
-
-
-class PieceRecorder:
+class PieceRecorder(Recorder):
     """Records the pieces and splitting calls of one key (set active while its forward runs)."""
 
     def __init__(
-        self, key: object, segments: Segments, arena: BridgeArena, known_inputs: frozenset[tuple[str, int]] = frozenset()
+        self, key: object, segments: Segments, bridges: SlotStore, known_inputs: frozenset[tuple[str, int]] = frozenset()
     ) -> None:
-        self.key = key
-        self.segments = segments
-        self.arena = arena
-        self.steps: list[Action] = []
-        self.held: list[Any] = []
+        super().__init__(key, segments)
         self.known: set[tuple[str, int]] = set(known_inputs)
         self.inputs: set[tuple[str, int]] = set(known_inputs)
         self.slots: set[tuple[str, int]] = set()
-        self.regs = Registers(arena)
+        self.regs = Registers(bridges)
         self.graph_calls = 0
-        self._in_split = False
 
     # -- called by the compiled program -------------------------------------------------------
     def note_inputs(self, args: tuple[Any, ...]) -> None:
@@ -211,7 +158,7 @@ class PieceRecorder:
     def run_piece(
         self, tag: str, fn: Callable[..., Any], args: tuple[Any, ...], *, bridge: bool, life: Lifetimes | None = None
     ) -> Any:
-        if self._in_split:  # a compiled callable inside a splitting op: nothing to record
+        if self.in_break:  # a compiled callable inside a splitting op: nothing to record
             return fn(*args)
         result = fn(*args)
         leaves, spec = tree_flatten(result)
@@ -224,24 +171,19 @@ class PieceRecorder:
         return tree_unflatten(targets, spec)
 
     def run_split(self, tag: str, fn: Callable[..., Any], args: tuple[Any, ...], *, life: Lifetimes | None = None) -> Any:
-        if self._in_split:
+        if self.in_break:
             return fn(*args)
-        self.segments.end()
-        self._in_split = True
-        try:
+        with self.eager_break():
             result = fn(*args)
-        finally:
-            self._in_split = False
-        leaves, spec = tree_flatten(result)
-        targets = self._bridge(result, leaves, args, life, True)
+            leaves, spec = tree_flatten(result)
+            targets = self._bridge(result, leaves, args, life, True)  # eager copies, between graphs
         self._hold(args, targets)
         self.steps.append(functools.partial(_rerun, tag, fn, args, targets))
-        self.segments.begin()
         return tree_unflatten(targets, spec)
 
     # -- called by the engine -----------------------------------------------------------------
-    def finish(self, raw: Any, finalize: Callable[[Any], Any]) -> Any:
-        """Apply the output policy inside the last segment, close it; returns the static output.
+    def finish(self, output: Any, finalize: Callable[[Any], Any]) -> Any:
+        """Apply the output policy inside the last segment; returns the static output.
 
         :raises RuntimeError: the forward never ran a compiled callable, or returned a tensor the
             pieces did not produce (it would not be refreshed at replay).
@@ -252,7 +194,7 @@ class PieceRecorder:
                 "pass a forward that calls backend.compile(model)(...)"
             )
             raise RuntimeError(msg)
-        node, leaves = flatten(raw)
+        node, leaves = flatten(output)
         owned = []
         for path, t in leaves:
             sk = storage_key(t)
@@ -270,11 +212,7 @@ class PieceRecorder:
         pairs = [(r, f) for (_, r), (_, f) in zip(leaves, final_leaves, strict=True) if f is not r]
         if pairs:
             self.segments.record(functools.partial(_copy_pairs, pairs))
-        self.segments.end()
         return final
-
-    def graph(self, output: Any) -> PiecewiseGraph:
-        return PiecewiseGraph(self.key, self.segments, self.steps, output, self.held)
 
     # -- helpers ------------------------------------------------------------------------------
     def _bridge(
@@ -312,17 +250,3 @@ class PieceRecorder:
     def _hold(self, args: tuple[Any, ...], targets: list[Any], *, keep_targets: bool = True) -> None:
         self.known.update(storage_key(t) for t in _tensors((args, targets)))
         self.held.append((args, targets) if keep_targets else (args,))
-
-
-def record(recorder: PieceRecorder, forward_fn: Callable[[], Any], finalize: Callable[[Any], Any]) -> PiecewiseGraph:
-    """Run ``forward_fn`` with ``recorder`` active; returns the captured graph."""
-    token = _active.set(recorder)
-    try:
-        recorder.segments.begin()
-        output = recorder.finish(forward_fn(), finalize)
-    except BaseException:
-        recorder.segments.abort()
-        raise
-    finally:
-        _active.reset(token)
-    return recorder.graph(output)

@@ -5,7 +5,7 @@ per compilation. We cut it before and after every call of a splitting op (keepin
 node order, which matters when ops mutate their arguments), so a graph with ``k`` splitting calls
 becomes ``piece, op, piece, op, ..., piece``. Each piece becomes a :class:`PieceRunner` and each
 splitting call a :class:`SplitRunner`; outside a capture both just run their sub-graph. While a
-key is captured, both hand their work to the active recorder (``piecewise_record``), which
+key is captured, both hand their work to the active recorder (:mod:`.record`), which
 captures pieces as CUDA graphs (or records them on the eager engine) and runs splitting ops
 eagerly between them.
 
@@ -28,7 +28,7 @@ from torch._library.custom_ops import CustomOpDef
 from torch.fx.passes.split_module import split_module
 from torch.utils._pytree import tree_leaves
 
-from .piecewise_record import Lifetimes, active_recorder
+from .record import Lifetimes, active_piece_recorder
 
 _graph_ids = itertools.count()
 
@@ -106,7 +106,7 @@ class PieceRunner(torch.nn.Module):
         self.life = life  # which outputs outlive the graph's calls, which arguments die here
 
     def forward(self, *args: Any) -> Any:
-        recorder = active_recorder()
+        recorder = active_piece_recorder()
         if recorder is None:
             return self.piece(*args)
         return recorder.run_piece(self.tag, self.piece, args, bridge=self.bridge, life=self.life)
@@ -122,7 +122,7 @@ class SplitRunner(torch.nn.Module):
         self.life = life
 
     def forward(self, *args: Any) -> Any:
-        recorder = active_recorder()
+        recorder = active_piece_recorder()
         if recorder is None:
             return self.call(*args)
         return recorder.run_split(self.tag, self.call, args, life=self.life)
@@ -135,7 +135,7 @@ class SplitProgram:
         self.module = module
 
     def __call__(self, *args: Any) -> Any:
-        recorder = active_recorder()
+        recorder = active_piece_recorder()
         if recorder is not None:
             recorder.note_inputs(args)
         return self.module(*args)

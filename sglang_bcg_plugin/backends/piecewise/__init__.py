@@ -1,10 +1,10 @@
 """Piecewise backend: ``torch.compile`` split at splitting ops, one CUDA graph per piece per key.
 
 vLLM's design, with our output policy: ``backend.compile(model)`` compiles the model once for
-every size (dim 0 dynamic) with our compile backend (``piecewise_split``), which cuts the FX
+every size (dim 0 dynamic) with our compile backend (:mod:`.compile`), which cuts the FX
 graph at the splitting ops (attention). ``capture_one`` captures each piece of the forward as a
 CUDA graph in the partition's pool and runs the splitting ops eagerly between them
-(``piecewise_record``); ``replay`` replays the pieces in order. The last piece's output follows
+(:mod:`.record`, :mod:`.replay`); ``replay`` replays the pieces in order. The last piece's output follows
 the output-sharing policy like every backend's (the copy is recorded in the last piece's graph).
 
 Usage::
@@ -25,21 +25,20 @@ from typing import Any
 import pluggy
 import torch
 
-from ..engines.base import CaptureRequest, CapturedGraph, Engine
-from ..manager import hookimpl
-from ..options import BackendOptions
-from ..piecewise_cuda import PiecewiseCudaEngine
-from ..piecewise_eager import PiecewiseEagerEngine
-from ..piecewise_split import (
+from ...engines.base import CaptureRequest, CapturedGraph, Engine
+from ...manager import hookimpl
+from ...options import BackendOptions
+from ...registry import BackendRegistry
+from ...trees import collect_tensors, storage_key
+from ..base import CaptureBackend, _Session
+from .compile import (
     DynamicMode,
     PiecewiseCompiled,
     PiecewiseCompiler,
     SplitSummary,
     resolve_splitting_ops,
 )
-from ..registry import BackendRegistry
-from ..trees import collect_tensors, storage_key
-from .base import CaptureBackend, _Session
+from .replay import PiecewiseEagerEngine
 
 
 class PiecewiseBackend(CaptureBackend):
@@ -50,6 +49,9 @@ class PiecewiseBackend(CaptureBackend):
     """
 
     name = "piecewise"
+    # Adopting the largest output inside a segmented graph fragments the pool by about one
+    # output (H200: docs/benchmarks.md); a buffer reserved before capture does not.
+    cuda_buffer_source = "reserve"
 
     def __init__(
         self,
@@ -100,6 +102,8 @@ class PiecewiseBackend(CaptureBackend):
         return self._engine
 
     def _make_cuda_engine(self) -> Engine:
+        from .cuda import PiecewiseCudaEngine
+
         return PiecewiseCudaEngine()
 
     def _capture(
@@ -119,8 +123,7 @@ class PiecewiseBackend(CaptureBackend):
 
     def _engine_capture(self, request: CaptureRequest, session: _Session) -> CapturedGraph:
         engine = self._get_engine()
-        assert isinstance(engine, (PiecewiseEagerEngine, PiecewiseCudaEngine))
-        return engine.capture(request, self._known_inputs)
+        return engine.capture(request, self._known_inputs)  # type: ignore[call-arg]
 
 
 @hookimpl

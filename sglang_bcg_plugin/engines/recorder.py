@@ -1,0 +1,176 @@
+"""The one segment recorder: ``segment, step, segment, step, ..., segment`` for one shape key.
+
+Every segmented capture — Breakable (breaks marked with ``@graph_break``) and Piecewise (FX
+pieces split at splitting ops) — is recorded here; the front-ends (``engines/breakable.py``,
+``backends/piecewise/record.py``) only decide *where* a break is and *what* crosses it.
+
+* :class:`Segments` makes segments: ``engines.graphs.CudaSegments`` (one ``torch.cuda.CUDAGraph``
+  per segment in the partition's pool; ``None`` for a segment that captured no work) or
+  :class:`EagerSegments` (the recorded actions, re-run at replay: CPU machines).
+* :class:`Recorder` opens segment 0, closes a segment and runs the eager work of a break
+  (:meth:`Recorder.eager_break`), reopens, appends the break's replay step, and aborts every
+  segment when anything fails (:func:`record`).
+* :class:`SegmentedGraph` replays ``run(segment 0), step 0, run(segment 1), step 1, ...`` and
+  holds strong references to everything crossing a boundary (weak references let later captures
+  re-carve the memory: SGLang #37606).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import functools
+from collections.abc import Callable, Iterator
+from typing import Any, Protocol
+
+import torch
+
+
+Action = Callable[[], None]
+
+
+class Segments(Protocol):
+    """How segments are made and replayed."""
+
+    def begin(self) -> None: ...
+    def end(self) -> None: ...
+    def record(self, action: Action) -> None:
+        """Remember work to redo at replay (no-op on CUDA, where the kernels were captured)."""
+
+    def abort(self) -> None: ...
+    def runners(self) -> list[Action | None]: ...
+    def release(self) -> None: ...
+
+
+class EagerSegments:
+    """Segments of the eager engine: the recorded actions, re-run in order at replay."""
+
+    def __init__(self) -> None:
+        self._done: list[list[Action]] = []
+        self._current: list[Action] | None = None
+
+    def begin(self) -> None:
+        self._current = []
+
+    def end(self) -> None:
+        assert self._current is not None
+        self._done.append(self._current)
+        self._current = None
+
+    def record(self, action: Action) -> None:
+        assert self._current is not None
+        self._current.append(action)
+
+    def abort(self) -> None:
+        self._current = None
+        self._done.clear()
+
+    def runners(self) -> list[Action | None]:
+        return [functools.partial(_run_all, acts) if acts else None for acts in self._done]
+
+    def release(self) -> None:
+        self._done.clear()
+
+
+def _run_all(actions: list[Action]) -> None:
+    for action in actions:
+        action()
+
+
+class SegmentedGraph:
+    """One captured key: segments with the eager steps between them."""
+
+    def __init__(self, key: object, segments: Segments, steps: list[Action], output: Any, held: list[Any]) -> None:
+        self.key = key
+        self.output = output
+        self._segments: Segments | None = segments
+        self._runners = segments.runners()
+        self._steps = steps
+        self._held = held  # strong references to everything crossing a segment boundary
+        self.num_segments = len(self._runners)
+
+    def replay(self) -> Any:
+        if self._segments is None:
+            msg = f"graph of {self.key!r} was released; capture it again"
+            raise RuntimeError(msg)
+        steps = self._steps
+        with torch.no_grad():
+            for i, run in enumerate(self._runners):
+                if run is not None:
+                    run()
+                if i < len(steps):
+                    steps[i]()
+        return self.output
+
+    def release(self) -> None:
+        if self._segments is not None:
+            self._segments.release()
+        self._segments = None
+        self._runners = []
+        self._steps = []
+        self._held = []
+
+
+class Recorder:
+    """Records the segments and eager steps of one key; front-ends subclass it."""
+
+    def __init__(self, key: object, segments: Segments) -> None:
+        self.key = key
+        self.segments = segments
+        self.steps: list[Action] = []
+        self.held: list[Any] = []
+        self._in_break = False
+
+    @property
+    def in_break(self) -> bool:
+        """Whether eager break work is running (nested breaks and pieces run as plain calls)."""
+        return self._in_break
+
+    @contextlib.contextmanager
+    def eager_break(self) -> Iterator[None]:
+        """Close the open segment, run the body eagerly, then open the next segment."""
+        self.segments.end()
+        self._in_break = True
+        try:
+            yield
+        finally:
+            self._in_break = False
+        self.segments.begin()
+
+    def add_step(self, step: Action, held: Any) -> None:
+        """The replay work of the break just run, and what it must keep alive."""
+        self.steps.append(step)
+        self.held.append(held)
+
+    def finish(self, output: Any, finalize: Callable[[Any], Any]) -> Any:
+        """Apply the output policy inside the last segment; returns the static output."""
+        return finalize(output)
+
+    def graph(self, output: Any) -> SegmentedGraph:
+        return SegmentedGraph(self.key, self.segments, self.steps, output, self.held)
+
+
+_active: contextvars.ContextVar[Recorder | None] = contextvars.ContextVar("sglang_bcg_recorder", default=None)
+
+
+def active_recorder() -> Recorder | None:
+    """The recorder of the segmented capture running in this context, if any."""
+    return _active.get()
+
+
+def record(recorder: Recorder, forward_fn: Callable[[], Any], finalize: Callable[[Any], Any]) -> SegmentedGraph:
+    """Run ``forward_fn`` with ``recorder`` active; returns the captured graph.
+
+    On any failure every segment is aborted (the stream is left not capturing, graphs reset).
+    """
+    token = _active.set(recorder)
+    try:
+        recorder.segments.begin()
+        output = recorder.finish(forward_fn(), finalize)
+        recorder.segments.end()
+    except BaseException:
+        recorder.segments.abort()
+        raise
+    finally:
+        _active.reset(token)
+    return recorder.graph(output)
