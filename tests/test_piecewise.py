@@ -11,7 +11,7 @@ from torch._dynamo.utils import counters
 
 from sglang_bcg_plugin import BackendOptions, ShapeKey, SharedOutputFallbackWarning, create_backend
 from sglang_bcg_plugin.backends.piecewise import PiecewiseBackend
-from sglang_bcg_plugin.backends.piecewise.compile import resolve_splitting_ops
+from sglang_bcg_plugin.backends.piecewise.ops import resolve_splitting_ops
 from sglang_bcg_plugin.trees import flatten
 
 H = 8

@@ -31,13 +31,9 @@ from ...options import BackendOptions
 from ...registry import BackendRegistry
 from ...trees import collect_tensors, storage_key
 from ..base import CaptureBackend, _Session
-from .compile import (
-    DynamicMode,
-    PiecewiseCompiled,
-    PiecewiseCompiler,
-    SplitSummary,
-    resolve_splitting_ops,
-)
+from .compile import DynamicMode, PiecewiseCompiled, PiecewiseCompiler
+from .ops import resolve_splitting_ops
+from .split import SplitSummary
 from .replay import PiecewiseEagerEngine
 
 
@@ -71,19 +67,23 @@ class PiecewiseBackend(CaptureBackend):
         """The resolved splitting ops (packets expanded to their overloads)."""
         return self._splitting_ops
 
-    def compile(self, model: Callable[..., Any], *, dynamic: DynamicMode = "unbacked") -> PiecewiseCompiled:
+    def compile(
+        self, model: Callable[..., Any], *, dynamic: DynamicMode = "unbacked", dynamic_dim: int = 0
+    ) -> PiecewiseCompiled:
         """Compile ``model`` (a module or function) with this backend's piecewise compile backend.
 
         ``fullgraph=True``: a graph break would leave work outside the pieces, which replay
-        would skip. Dim 0 of every tensor argument is dynamic, so one compilation serves every
-        capture size; :attr:`num_compilations` tells if the model forced more.
+        would skip. The size dim of every tensor argument is dynamic, so one compilation serves
+        every capture size; :attr:`num_compilations` tells if the model forced more.
 
         :param dynamic: how dim 0 is made dynamic: ``"unbacked"`` (default; no size is special),
             ``"size_oblivious"`` or ``"backed"`` (see :class:`PiecewiseCompiled`).
-        :raises ValueError: unknown ``dynamic``.
+        :param dynamic_dim: the dim that varies with the capture size: 0 (default) for
+            tokens-first inputs, 1 for batch-first ``[1, seq]`` inputs (transformers).
+        :raises ValueError: unknown ``dynamic``, or a negative / non-int ``dynamic_dim``.
         """
         compiler = PiecewiseCompiler(self._splitting_ops, self._summaries.append)
-        return PiecewiseCompiled(model, compiler, dynamic=dynamic)
+        return PiecewiseCompiled(model, compiler, dynamic=dynamic, dynamic_dim=dynamic_dim)
 
     @property
     def split_summaries(self) -> tuple[SplitSummary, ...]:

@@ -1,15 +1,9 @@
-"""Piecewise compilation: split a dynamo FX graph at splitting ops (the compile backend).
+"""Piecewise compilation: ``torch.compile`` with our compile backend (split at splitting ops).
 
 ``torch.compile(model, backend=PiecewiseCompiler(ops), fullgraph=True)`` hands us one FX graph
-per compilation. We cut it before and after every call of a splitting op (keeping the original
-node order, which matters when ops mutate their arguments), so a graph with ``k`` splitting calls
-becomes ``piece, op, piece, op, ..., piece``. Each piece becomes a :class:`PieceRunner` and each
-splitting call a :class:`SplitRunner`; outside a capture both just run their sub-graph. While a
-key is captured, both hand their work to the active recorder (:mod:`.record`), which
-captures pieces as CUDA graphs (or records them on the eager engine) and runs splitting ops
-eagerly between them.
+per compilation; :func:`~.split.split_graph` cuts it at the splitting ops.
 
-The first dimension of every tensor argument is marked dynamic and dynamo traces with
+The size dimension of every tensor argument is marked dynamic and dynamo traces with
 size-oblivious reasoning, so one compilation serves every capture size (size 1 included: with
 plain dynamic shapes dynamo specializes sizes 0 and 1 and would recompile for them).
 """
@@ -17,220 +11,13 @@ plain dynamic shapes dynamo specializes sizes 0 and 1 and would recompile for th
 from __future__ import annotations
 
 import contextlib
-import itertools
-import operator
-from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
 from typing import Any, Literal
 
 import torch
-from torch._library.custom_ops import CustomOpDef
-from torch.fx.passes.split_module import split_module
 from torch.utils._pytree import tree_leaves
 
-from .record import Lifetimes, active_piece_recorder
-
-_graph_ids = itertools.count()
-
-
-def resolve_splitting_ops(ops: Iterable[object] | None) -> tuple[torch._ops.OpOverload, ...]:
-    """Validate ``splitting_ops`` and resolve packets to all their overloads.
-
-    Accepted entries: ``torch._ops.OpOverload`` (``torch.ops.ns.op.default``),
-    ``torch._ops.OpOverloadPacket`` (``torch.ops.ns.op``: every overload splits) and the object
-    returned by ``torch.library.custom_op`` (its overload).
-
-    :raises TypeError: ``ops`` is not a list-like of ops, or an entry is not an op (the message
-        names the entry, its position and what is expected).
-    :raises ValueError: a packet without overloads.
-    """
-    if ops is None:
-        return ()
-    if isinstance(ops, (str, bytes, torch._ops.OpOverload, torch._ops.OpOverloadPacket)) or not isinstance(
-        ops, Iterable
-    ):
-        msg = (
-            f"splitting_ops must be a list of torch op overloads, got {ops!r} "
-            f"({type(ops).__name__}); wrap a single op in a list: splitting_ops=[torch.ops.ns.op.default]"
-        )
-        raise TypeError(msg)
-    resolved: dict[torch._ops.OpOverload, None] = {}
-    for i, op in enumerate(ops):
-        if isinstance(op, CustomOpDef):  # what torch.library.custom_op returns
-            op = op._opoverload
-        if isinstance(op, torch._ops.OpOverload):
-            resolved[op] = None
-        elif isinstance(op, torch._ops.OpOverloadPacket):
-            names = op.overloads()
-            if not names:
-                msg = f"splitting_ops[{i}] = {op!r} is an op packet without overloads; nothing could split there"
-                raise ValueError(msg)
-            for name in names:
-                resolved[getattr(op, name)] = None
-        else:
-            hint = " (strings are not resolved: pass torch.ops.<ns>.<op>.default)" if isinstance(op, str) else ""
-            msg = (
-                f"splitting_ops[{i}] = {op!r} ({type(op).__name__}) is not a torch op: expected a "
-                "torch._ops.OpOverload (torch.ops.ns.op.default), an OpOverloadPacket (torch.ops.ns.op) "
-                f"or a torch.library.custom_op{hint}"
-            )
-            raise TypeError(msg)
-    return tuple(resolved)
-
-
-@dataclass(frozen=True, slots=True)
-class SplitSummary:
-    """What one compilation was split into.
-
-    :param graph_id: process-unique id of the compiled FX graph.
-    :param num_pieces: non-empty pieces (CUDA-graph candidates); ``k + 1`` for ``k`` splitting
-        calls with work on both sides of each.
-    :param num_splitting_calls: calls of splitting ops in the graph (each runs eagerly).
-    :param splitting_targets: the op of each splitting call, in graph order.
-    """
-
-    graph_id: int
-    num_pieces: int
-    num_splitting_calls: int
-    splitting_targets: tuple[str, ...]
-
-
-class PieceRunner(torch.nn.Module):
-    """A piece: plain call outside a capture, recorded/captured inside one."""
-
-    def __init__(self, piece: torch.fx.GraphModule, tag: str, bridge: bool, life: Lifetimes | None = None) -> None:
-        super().__init__()
-        self.piece = piece
-        self.tag = tag
-        self.bridge = bridge  # a splitting op follows: outputs go through the bridge arena
-        self.life = life  # which outputs outlive the graph's calls, which arguments die here
-
-    def forward(self, *args: Any) -> Any:
-        recorder = active_piece_recorder()
-        if recorder is None:
-            return self.piece(*args)
-        return recorder.run_piece(self.tag, self.piece, args, bridge=self.bridge, life=self.life)
-
-
-class SplitRunner(torch.nn.Module):
-    """A splitting call: always eager; inside a capture it ends a piece and starts the next."""
-
-    def __init__(self, call: torch.fx.GraphModule, tag: str, life: Lifetimes | None = None) -> None:
-        super().__init__()
-        self.call = call
-        self.tag = tag
-        self.life = life
-
-    def forward(self, *args: Any) -> Any:
-        recorder = active_piece_recorder()
-        if recorder is None:
-            return self.call(*args)
-        return recorder.run_split(self.tag, self.call, args, life=self.life)
-
-
-class SplitProgram:
-    """What the compile backend returns to dynamo: the split module, noting its inputs."""
-
-    def __init__(self, module: torch.fx.GraphModule) -> None:
-        self.module = module
-
-    def __call__(self, *args: Any) -> Any:
-        recorder = active_piece_recorder()
-        if recorder is not None:
-            recorder.note_inputs(args)
-        return self.module(*args)
-
-
-def _matcher(ops: tuple[torch._ops.OpOverload, ...]) -> Callable[[torch.fx.Node], bool]:
-    overloads = frozenset(ops)
-    packets = frozenset(op.overloadpacket for op in ops)
-
-    def is_split(node: torch.fx.Node) -> bool:
-        if node.op != "call_function":
-            return False
-        target = node.target
-        # dynamo records `torch.ops.ns.op(...)` as the packet: it splits if any overload does.
-        return target in overloads or (isinstance(target, torch._ops.OpOverloadPacket) and target in packets)
-
-    return is_split
-
-
-def _lifetimes(split_gm: torch.fx.GraphModule) -> dict[str, Lifetimes]:
-    """Per call of ``split_gm``: which values it returns are pinned, which arguments it reads last.
-
-    A returned value is pinned (its bridge slot never reused within the key) when something other
-    than a later call reads it (the graph's output) or nobody does: unknown readers, no sharing.
-    """
-    calls = [n for n in split_gm.graph.nodes if n.op == "call_module"]
-    pos = {n: i for i, n in enumerate(calls)}
-    last: dict[torch.fx.Node, int | None] = {}  # value -> position of its last reader; None: pinned
-    shapes: dict[str, tuple[bool, list[torch.fx.Node | None]]] = {}
-    for n in calls:
-        out = next((o for o in getattr(split_gm, str(n.target)).graph.nodes if o.op == "output"), None)
-        multi = out is not None and isinstance(out.args[0], (tuple, list))
-        values: list[torch.fx.Node | None] = [n] if out is not None and not multi else []
-        if multi:
-            values = [None] * len(out.args[0])  # type: ignore[union-attr, arg-type]
-            for u in n.users:
-                i = u.args[1] if u.target is operator.getitem and len(u.args) == 2 else None
-                if isinstance(i, int) and 0 <= i < len(values):
-                    values[i] = u
-                else:  # read whole: every value escapes
-                    values = [None] * len(values)
-                    break
-        for v in values:
-            if v is not None:
-                readers = list(v.users)
-                ok = readers and all(u.op == "call_module" for u in readers)
-                last[v] = max(pos[u] for u in readers) if ok else None
-        shapes[str(n.target)] = (multi, values)
-    lives = {}
-    for n in calls:
-        multi, values = shapes[str(n.target)]
-        pinned = tuple(v is None or last[v] is None for v in values)
-        dying = tuple(isinstance(a, torch.fx.Node) and last.get(a) == pos[n] for a in n.args)
-        lives[str(n.target)] = Lifetimes(multi, pinned, dying)
-    return lives
-
-
-def split_graph(
-    gm: torch.fx.GraphModule, ops: tuple[torch._ops.OpOverload, ...]
-) -> tuple[torch.fx.GraphModule, SplitSummary]:
-    """Split ``gm`` at every call of ``ops``; pieces and calls become runner sub-modules."""
-    graph_id = next(_graph_ids)
-    is_split = _matcher(ops)
-    part: dict[torch.fx.Node, int] = {}
-    split_ids: set[int] = set()
-    targets: list[str] = []
-    pid = 0
-    for node in gm.graph.nodes:
-        if node.op in ("placeholder", "output"):
-            continue
-        if is_split(node):
-            pid += 1
-            part[node] = pid
-            split_ids.add(pid)
-            targets.append(str(node.target))
-            pid += 1
-        else:
-            part[node] = pid
-    # keep_original_order: splitting ops may mutate their arguments, so nodes must not move.
-    split_gm = split_module(gm, None, lambda n: part[n], keep_original_order=True)  # type: ignore[arg-type]
-    order = [n.target for n in split_gm.graph.nodes if n.op == "call_module"]
-    lives = _lifetimes(split_gm)
-    num_pieces = 0
-    for pos, name in enumerate(order):
-        assert isinstance(name, str)
-        sub = getattr(split_gm, name)
-        tag = f"g{graph_id}.{name}"
-        if int(name.rsplit("_", 1)[1]) in split_ids:
-            split_gm.add_module(name, SplitRunner(sub, tag, lives[name]))
-        else:
-            num_pieces += 1
-            bridge = any(int(later.rsplit("_", 1)[1]) in split_ids for later in order[pos + 1 :])  # type: ignore[union-attr]
-            split_gm.add_module(name, PieceRunner(sub, tag, bridge, lives[name]))
-    summary = SplitSummary(graph_id, num_pieces, len(targets), tuple(targets))
-    return split_gm, summary
+from .split import SplitProgram, SplitSummary, split_graph
 
 
 class PiecewiseCompiler:
@@ -267,8 +54,10 @@ def _tensors(tree: object) -> Iterator[torch.Tensor]:
 class PiecewiseCompiled:
     """``backend.compile(model)``: the model compiled with the piecewise compile backend.
 
-    Every call marks dim 0 of each tensor argument (top level, or inside lists, tuples and dicts)
-    dynamic before dynamo sees it, as ``dynamic`` says:
+    Every call marks the size dim (``dynamic_dim``: 0 for tokens-first ``[tokens, hidden]``, 1
+    for batch-first ``[1, seq]`` such as transformers' ``input_ids``) of each tensor argument
+    with more than ``dynamic_dim`` dims (top level, or inside lists, tuples and dicts) dynamic
+    before dynamo sees it, as ``dynamic`` says:
 
     * ``"unbacked"`` (default): ``mark_unbacked``; no size is special, so one compilation serves
       every size, 1 included. A model that branches on the size fails to compile, loudly.
@@ -279,22 +68,34 @@ class PiecewiseCompiled:
       compilation for size 1).
     """
 
-    def __init__(self, model: Callable[..., Any], compiler: PiecewiseCompiler, *, dynamic: DynamicMode = "unbacked") -> None:
+    def __init__(
+        self,
+        model: Callable[..., Any],
+        compiler: PiecewiseCompiler,
+        *,
+        dynamic: DynamicMode = "unbacked",
+        dynamic_dim: int = 0,
+    ) -> None:
         if dynamic not in _MODES:
             msg = f"dynamic must be one of {', '.join(map(repr, _MODES))}, got {dynamic!r}"
+            raise ValueError(msg)
+        if isinstance(dynamic_dim, bool) or not isinstance(dynamic_dim, int) or dynamic_dim < 0:
+            msg = f"dynamic_dim must be an int >= 0 (the dim that varies with the capture size), got {dynamic_dim!r}"
             raise ValueError(msg)
         self.original = model
         self.compiler = compiler
         self.dynamic = dynamic
+        self.dynamic_dim = dynamic_dim
         self.compiled = torch.compile(model, backend=compiler, fullgraph=True)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        dim = self.dynamic_dim
         for t in _tensors((args, kwargs)):
-            if t.dim() == 0:
+            if t.dim() <= dim:
                 continue
             if self.dynamic == "unbacked":
-                torch._dynamo.decorators.mark_unbacked(t, 0)
+                torch._dynamo.decorators.mark_unbacked(t, dim)
             else:
-                torch._dynamo.maybe_mark_dynamic(t, 0)
+                torch._dynamo.maybe_mark_dynamic(t, dim)
         with _size_oblivious() if self.dynamic == "size_oblivious" else contextlib.nullcontext():
             return self.compiled(*args, **kwargs)
