@@ -30,7 +30,8 @@ from ...manager import hookimpl
 from ...options import BackendOptions
 from ...registry import BackendRegistry
 from ...trees import collect_tensors, storage_key
-from ..base import CaptureBackend, _Session
+from ..base import CaptureBackend
+from ..session import _Session
 from .compile import DynamicMode, PiecewiseCompiled, PiecewiseCompiler
 from .ops import resolve_splitting_ops
 from .split import SplitSummary
