@@ -25,7 +25,6 @@ from collections.abc import Callable, Hashable, Iterator
 from typing import Any, ClassVar
 
 import pluggy
-import torch
 
 from ..engines.base import CaptureRequest, CapturedGraph, Engine
 from ..engines.eager import EagerEngine
@@ -185,6 +184,7 @@ class CaptureBackend:
             partition=getattr(key, "stream_idx", None),
             stream=session.stream,
             reserve=lambda out: session.sharer.reserve(key, out),
+            static_inputs=protected,
         )
         graph = self._engine_capture(request, session)
         p = prepared[-1]

@@ -83,7 +83,8 @@ def split_attention(
     module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: Any, **kwargs: Any
 ) -> tuple[torch.Tensor, None]:
     """Attention through the splitting op (``attention_mask`` is ``None`` under our name)."""
-    return split_attention_op(query, key, value, float(kwargs.get("scaling") or module.scaling)), None
+    scaling: float = kwargs.get("scaling") or module.scaling  # type: ignore[assignment]
+    return split_attention_op(query, key, value, float(scaling)), None
 
 
 @functools.cache
