@@ -16,6 +16,7 @@ import torch
 
 from .engines.base import CaptureRequest, run_warmups
 from .engines.cuda import CudaGraphEngine, _abort, end_capture
+from .engines.gcsafe import gc_safe_capture
 from .piecewise_record import Action, PiecewiseGraph, PieceRecorder, record
 
 
@@ -80,7 +81,7 @@ class PiecewiseCudaEngine(CudaGraphEngine):
         torch.cuda.synchronize()
         segments = CudaSegments(self.pool(request.partition))
         recorder = PieceRecorder(request.key, segments, self.arena(request.partition), known_inputs)
-        with torch.cuda.stream(stream):
+        with gc_safe_capture(), torch.cuda.stream(stream):
             graph = record(recorder, request.forward_fn, request.finalize)
         torch.cuda.synchronize()
         return graph

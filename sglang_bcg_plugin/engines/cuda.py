@@ -16,6 +16,7 @@ import torch
 
 from ..breaks import reset_recorder, set_recorder
 from .base import CaptureRequest, run_warmups
+from .gcsafe import gc_safe_capture
 from .segments import BridgeArena, SegmentRecorder
 
 
@@ -110,7 +111,7 @@ class CudaGraphEngine:
         if partition not in self._pools:
             handle = torch.cuda.graph_pool_handle()
             anchor = torch.cuda.CUDAGraph()
-            with torch.cuda.stream(self._partition_stream(partition)):
+            with gc_safe_capture(), torch.cuda.stream(self._partition_stream(partition)):
                 anchor.capture_begin(pool=handle)
                 end_capture(anchor)
             self._anchors.append(anchor)
@@ -143,7 +144,7 @@ class CudaGraphEngine:
             run_warmups(request)
         torch.cuda.synchronize()
         pool = self.pool(request.partition)
-        with torch.cuda.stream(stream):
+        with gc_safe_capture(), torch.cuda.stream(stream):
             if self.segmented:
                 graph: FullGraph | SegmentedGraph = self._capture_segmented(request, pool, stream)
             else:
