@@ -6,6 +6,7 @@ import argparse
 import logging
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import torch
@@ -104,13 +105,21 @@ def _bench(args: argparse.Namespace) -> int:
 
 
 def _backends(args: argparse.Namespace) -> int:
-    from .manager import get_plugin_manager
+    """Registered backends, then one ``BROKEN`` line per plugin that failed to load (exit 1)."""
+    from .errors import PluginLoadWarning
+    from .manager import broken_plugins, get_plugin_manager
     from .registry import build_registry
 
-    registry = build_registry(get_plugin_manager())
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", PluginLoadWarning)  # printed below, as BROKEN lines
+        pm = get_plugin_manager()
+    registry = build_registry(pm)
     for name in registry.names():
         print(f"{name}\t{registry.plugin_of(name)}")
-    return 0
+    broken = broken_plugins(pm)
+    for b in broken:
+        print(f"BROKEN {b.entry_point} ({b.distribution} {b.version}): {b.error}")
+    return 1 if broken else 0
 
 
 def main(argv: list[str] | None = None) -> int:
