@@ -89,7 +89,7 @@ def _bench(args: argparse.Namespace) -> int:
     if cfg.out is not None:
         write_json(cfg.out / "bench.json", cfg.device_name, config, rows, timings_meaningful=cfg.gpu)
         wrote = [cfg.out / "bench.json"]
-        if write_plot(cfg.out / "bench.png", cfg.device_name, config, rows):
+        if write_plot(cfg.out / "bench.png", cfg.device_name, config, rows, timings_meaningful=cfg.gpu):
             wrote.append(cfg.out / "bench.png")
         else:
             print(PLOT_SKIPPED, file=sys.stderr)

@@ -119,8 +119,14 @@ def write_json(
     path.write_text(json.dumps(doc, indent=2) + "\n")
 
 
-def write_plot(path: Path, device: str, config: dict[str, Any], rows: list[BenchRow]) -> bool:
-    """Write ``bench.png``; ``False`` (nothing written) when matplotlib is not installed."""
+def write_plot(
+    path: Path, device: str, config: dict[str, Any], rows: list[BenchRow], *, timings_meaningful: bool = True
+) -> bool:
+    """Write ``bench.png``; ``False`` (nothing written) when matplotlib is not installed.
+
+    Replay bars carry min–max error bars; on CPU (``timings_meaningful=False``) their title
+    says they are not meaningful.
+    """
     try:
         import matplotlib
     except ImportError:
@@ -137,7 +143,7 @@ def write_plot(path: Path, device: str, config: dict[str, Any], rows: list[Bench
     fig, (ax_mem, ax_rep) = plt.subplots(1, 2, figsize=(11, 4.2))
     width = 0.8 / max(len(variants), 1)
     for i, variant in enumerate(variants):
-        xs, mem, rep = [], [], []
+        xs, mem, rep, spread = [], [], [], []
         for j, backend in enumerate(backends):
             r = by.get((backend, variant))
             if r is None:
@@ -145,6 +151,8 @@ def write_plot(path: Path, device: str, config: dict[str, Any], rows: list[Bench
             xs.append(j + (i - (len(variants) - 1) / 2) * width)
             mem.append((r.graph_memory_bytes if use_graph else r.resident_output_bytes) / MIB)  # type: ignore[operator]
             rep.append(r.replay_ms)
+            lo, hi = min(r.replay_ms_min, r.replay_ms), max(r.replay_ms_max, r.replay_ms)
+            spread.append((r.replay_ms - lo, hi - r.replay_ms))
         label = {
             "off": "sharing off",
             "on": "sharing on",
@@ -153,13 +161,14 @@ def write_plot(path: Path, device: str, config: dict[str, Any], rows: list[Bench
         }.get(variant, variant)
         bars = ax_mem.bar(xs, mem, width, label=label, color=colors.get(variant))
         ax_mem.bar_label(bars, labels=[sig2(v) for v in mem], fontsize=8)
-        ax_rep.bar(xs, rep, width, label=label, color=colors.get(variant))
+        yerr = [[lo for lo, _ in spread], [hi for _, hi in spread]]
+        ax_rep.bar(xs, rep, width, label=label, color=colors.get(variant), yerr=yerr, capsize=3)
     for ax in (ax_mem, ax_rep):
         ax.set_xticks(range(len(backends)), backends)
     ax_mem.set_ylabel("graph pool memory (MiB)" if use_graph else "resident output memory (MiB)")
     ax_mem.set_title("Memory held by captured graphs" if use_graph else "Output memory held (eager engine)")
     ax_rep.set_ylabel(f"replay at {config.get('max_tokens')} tokens (ms, median)")
-    ax_rep.set_title("Replay time at the largest size")
+    ax_rep.set_title("Replay time at the largest size" + ("" if timings_meaningful else " (CPU: not meaningful)"))
     top = max((b.get_height() for b in ax_mem.patches), default=0.0)
     ax_mem.set_ylim(0, top * 1.35 if top > 0 else 1.0)
     ax_mem.legend(fontsize=8, loc="upper left", ncol=2)
