@@ -71,6 +71,8 @@ def _bench(args: argparse.Namespace) -> int:
     from .registry import available_backends
 
     cfg = build_config(args, available_backends())  # every check, before any work
+    if ":" in cfg.device:  # pragma: no cover - CUDA only: streams and pools on the chosen GPU
+        torch.cuda.set_device(torch.device(cfg.device))
     config = cfg.summary()
     for note in cfg.notes:
         print(note, file=sys.stderr)

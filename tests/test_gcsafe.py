@@ -101,3 +101,26 @@ def test_threads_share_one_depth() -> None:
     release.set()
     t.join(10)
     assert gc.isenabled() and not capture_in_progress() and gc.get_freeze_count() == 0
+
+
+def test_backend_dropped_in_a_cycle_without_cleanup_is_freed(backend_name: str) -> None:
+    """No finalizer, no error: the graphs go when Python frees the backend (outside captures)."""
+    import torch
+
+    from sglang_bcg_plugin import BackendOptions, ShapeKey, create_backend
+
+    backend = create_backend(backend_name, options=BackendOptions(share_output=True, engine="eager"))
+    x = torch.randn(8, 4)
+    with backend.capture_session():
+        for n in (8, 4):
+            backend.capture_one(ShapeKey(n), lambda n=n: x[:n] * 2, capture_inputs=x)
+    backend.cycle = backend  # type: ignore[attr-defined]
+    ref = weakref.ref(backend)
+    holder = [backend]
+    del backend
+    with gc_safe_capture():
+        holder.clear()  # garbage only now, inside a "capture"
+        gc.collect()
+        assert ref() is not None  # its destructors never run inside a capture
+    gc.collect()
+    assert ref() is None  # freed afterwards, without error
