@@ -171,3 +171,24 @@ def test_gpu_table_prints_timing_ratios() -> None:
 
     text = format_table([row("off", False, 2.0), row("on", True, 1.0)])
     assert "replay on/off 0.500" in text and "graph_memory on/off 1.000" in text and "n/m" not in text
+
+
+def test_bench_llama_model(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``--model llama``: transformers' LlamaModel with random weights, every backend shares."""
+    pytest.importorskip("transformers")
+    rc = main(["bench", "--model", "llama", "--max-tokens", "16", "--hidden", "32", "--layers", "1", "--heads", "2",
+               "--kv-heads", "1", "--head-dim", "16", "--repeats", "1", "--out", str(tmp_path), "--no-progress"])
+    assert rc == 0
+    doc = json.loads((tmp_path / "bench.json").read_text())
+    assert doc["config"]["model"] == "llama" and doc["config"]["head_dim"] == 16
+    for row in doc["rows"]:
+        assert row["model"] == "llama" and row["max_abs_err"] == 0.0 and row["fallbacks"] == 0
+        if row["variant"] == "on":
+            assert row["resident_output_bytes"] == 16 * 32 * 4  # one [1, 16, 32] output
+    assert any(r["backend"] == "breakable" and r["bridge_bytes"] == 0 for r in doc["rows"])  # eager engine: no bridges
+    capsys.readouterr()
+
+
+def test_bench_head_dim_is_for_llama_only(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "--head-dim", "16"]) == 2
+    assert "--head-dim applies to --model llama only" in capsys.readouterr().err

@@ -39,7 +39,7 @@ def _python_blocks(relpath: str) -> list[str]:
     return re.findall(r"```python\n(.*?)```", (ROOT / relpath).read_text(), re.S)
 
 
-@pytest.mark.parametrize("relpath", ["README.md", "docs/getting-started.md"])
+@pytest.mark.parametrize("relpath", ["README.md", "docs/getting-started.md", "docs/index.md"])
 def test_python_snippets_run_as_written(relpath: str, capsys: pytest.CaptureFixture[str]) -> None:
     blocks = _python_blocks(relpath)
     assert blocks
