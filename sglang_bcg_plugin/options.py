@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Literal
 
-from ._constants import ENV_SHARE_OUTPUT, SERVER_ARGS_STASH
+from .output_mode import OFF, check_share_output, resolve_output_mode
 
 EngineName = Literal["auto", "cuda", "eager"]
 
@@ -19,9 +19,11 @@ _FALSE = frozenset({"0", "false", "no", "off"})
 class BackendOptions:
     """Settings of one backend instance.
 
-    :param share_output: share one output buffer per stream partition across all capture
-        sizes. ``None`` means "follow the server flag / environment", resolved by
-        :func:`resolve_share_output` at the start of every capture session.
+    :param share_output: the output mode: ``True`` shares one output buffer per stream
+        partition across all capture sizes, ``"released"`` hands out zero-copy outputs that
+        live in graph-pool memory (:mod:`sglang_bcg_plugin.output_mode`), ``False`` keeps one
+        output per key. ``None`` means "follow the server flag / environment", resolved at the
+        start of every capture session.
     :param strict_outputs: raise :class:`OutputStructureError` when a key's output does not fit
         the shared buffer, instead of letting that key keep its own output with a warning.
         Risky in serving: one odd shape key aborts the whole capture.
@@ -34,16 +36,14 @@ class BackendOptions:
         ``torch._C._set_storage_access_error_msg``).
     """
 
-    share_output: bool | None = False
+    share_output: bool | Literal["released"] | None = False
     strict_outputs: bool = False
     engine: EngineName = "auto"
     num_warmups: int = 2
     stale_output_guard: bool = False
 
     def __post_init__(self) -> None:
-        if self.share_output is not None and not isinstance(self.share_output, bool):
-            msg = f"BackendOptions.share_output must be a bool or None, got {self.share_output!r}"
-            raise TypeError(msg)
+        check_share_output(self.share_output)
         if self.engine not in ("auto", "cuda", "eager"):
             msg = f"BackendOptions.engine must be 'auto', 'cuda' or 'eager', got {self.engine!r}"
             raise ValueError(msg)
@@ -75,25 +75,18 @@ def parse_bool_env(name: str, environ: Mapping[str, str] | None = None) -> bool 
 
 
 def resolve_share_output(
-    explicit: bool | None = None,
+    explicit: bool | str | None = None,
     *,
     server_args: object | None = None,
     environ: Mapping[str, str] | None = None,
 ) -> bool:
-    """Resolve whether output sharing is on.
+    """Resolve whether the output mode is anything but off (``on`` or ``released``).
 
     Precedence: ``explicit`` > ``server_args._bcg_shared_output`` (set by the SGLang
     integration when ``--enable-bcg-shared-output`` was parsed) > environment variable
-    ``SGLANG_ENABLE_BCG_SHARED_OUTPUT`` > ``False``.
+    ``SGLANG_ENABLE_BCG_SHARED_OUTPUT`` > ``False``. Callers that handle ``released``
+    use :func:`~sglang_bcg_plugin.output_mode.resolve_output_mode`.
 
-    :raises ValueError: the environment variable holds something that is not a boolean.
+    :raises ValueError: the environment variable holds something that is not a mode.
     """
-    if explicit is not None:
-        return bool(explicit)
-    stash = getattr(server_args, SERVER_ARGS_STASH, None) if server_args is not None else None
-    if stash is not None:
-        return bool(stash)
-    from_env = parse_bool_env(ENV_SHARE_OUTPUT, environ)
-    if from_env is not None:
-        return from_env
-    return False
+    return resolve_output_mode(explicit, server_args=server_args, environ=environ) != OFF

@@ -3,9 +3,9 @@
 Lifecycle:
 
 1. ``backend = create_backend(name, options=...)``.
-2. ``with backend.capture_session(stream=None):`` resolves the sharing switch for this
-   session (explicit option > server-args stash > env var > off) and starts a fresh set of
-   shared partitions.
+2. ``with backend.capture_session(stream=None):`` resolves the output mode for this
+   session (explicit option > server-args stash > env var > off; ``off``, ``on`` or
+   ``released``) and starts a fresh set of shared partitions.
 3. ``backend.capture_one(key, forward_fn, capture_inputs, post_warmup_hook)`` per key,
    largest first: warmups, capture, output policy. Goes through the
    ``sglang_bcg_capture_one`` hook so plugins can observe and account for it.
@@ -34,7 +34,10 @@ from ..engines.eager import EagerEngine
 from ..errors import CaptureStateError
 from ..guard import StaleOutputGuard, guard_supported
 from ..manager import get_plugin_manager, hookimpl
-from ..options import BackendOptions, resolve_share_output
+from ..options import BackendOptions
+from ..output_mode import ON, RELEASED, OutputMode, resolve_output_mode
+from ..prealloc import PREALLOC, BufferStrategy, WarmupSeeder, buffer_strategy
+from ..released import release_output
 from ..report import KeyReport, MemoryReport, claim_resident_bytes
 from ..shape_key import check_key
 from ..sharing import OutputSharer
@@ -46,6 +49,8 @@ class _Session:
     share_output: bool
     sharer: OutputSharer
     stream: Any
+    mode: OutputMode = "off"
+    strategy: BufferStrategy = "adopt"
 
 
 @dataclass(eq=False)
@@ -59,6 +64,7 @@ class _Entry:
     logical_bytes: int
     seconds: float | None = None
     memory_bytes: int | None = None
+    released: bool = False
 
 
 class CaptureBackend:
@@ -128,10 +134,12 @@ class CaptureBackend:
             if self._session is not None:
                 msg = f"{self.name} backend: capture_session() is already open; sessions do not nest"
                 raise CaptureStateError(msg)
-            share = resolve_share_output(self._options.share_output, server_args=self._server_args)
+            mode = resolve_output_mode(self._options.share_output, server_args=self._server_args)
+            share = mode == ON
+            strategy = buffer_strategy(self.name, self._get_engine().name)
             self._setup_guard()
-            self._get_engine()
-            self._session = _Session(share, OutputSharer(enabled=share, strict=self._options.strict_outputs), stream)
+            sharer = OutputSharer(enabled=share, strict=self._options.strict_outputs)
+            self._session = _Session(share, sharer, stream, mode, strategy)
         try:
             yield
         finally:
@@ -156,9 +164,15 @@ class CaptureBackend:
 
     @property
     def share_output_active(self) -> bool | None:
-        """The sharing setting of the open session (``None`` outside a session)."""
+        """Whether the open session shares outputs (mode ``on``; ``None`` outside a session)."""
         session = self._session
         return None if session is None else session.share_output
+
+    @property
+    def output_mode_active(self) -> OutputMode | None:
+        """The output mode of the open session (``None`` outside a session)."""
+        session = self._session
+        return None if session is None else session.mode
 
     def capture_one(
         self,
@@ -216,6 +230,11 @@ class CaptureBackend:
             prepared.append(p)
             return p.output
 
+        seeder = None
+        if session.share_output and session.strategy == PREALLOC and self._options.num_warmups > 0:
+            # The shared buffer is allocated after the last warmup, outside the graph pool.
+            seeder = WarmupSeeder(session.sharer, key, forward_fn, post_warmup_hook, self._options.num_warmups)
+            forward_fn, post_warmup_hook = seeder.forward, seeder.hook
         request = CaptureRequest(
             key=key,
             forward_fn=forward_fn,
@@ -225,11 +244,22 @@ class CaptureBackend:
             partition=getattr(key, "stream_idx", None),
             stream=session.stream,
         )
-        graph = self._engine_capture(request, session)
-        p = prepared[-1]
+        try:
+            graph = self._engine_capture(request, session)
+        except BaseException:
+            if seeder is not None:
+                seeder.rollback()
+            raise
+        p = prepared.pop()
         p.commit()
+        released = session.mode == RELEASED and self._get_engine().name == "cuda"
+        if released:
+            # Zero-copy: hand out non-owning aliases; the output's blocks go back to the pool.
+            # The eager engine owns its outputs (no pool), so there they stay strong.
+            graph.output = release_output(graph.output)
+            p.output = None
         self._entries[key] = _Entry(
-            key, graph, capture_inputs, p.shared, session.share_output, p.fallback, p.logical_bytes
+            key, graph, capture_inputs, p.shared, session.share_output, p.fallback, p.logical_bytes, released=released
         )
         return graph.output
 
@@ -275,7 +305,7 @@ class CaptureBackend:
         seen: set[tuple[str, int]] = set()
         keys = []
         for entry in list(self._entries.values()):
-            resident = claim_resident_bytes(entry.graph.output, seen)
+            resident = 0 if entry.released else claim_resident_bytes(entry.graph.output, seen)
             keys.append(
                 KeyReport(
                     key=entry.key,
