@@ -144,9 +144,12 @@ class WarmupSeeder:
 
     def forward(self) -> Any:
         out = self._forward_fn()
-        self._calls += 1
-        if self._calls == self._num_warmups:
+        if self._calls < self._num_warmups:
+            # Each warmup's output is dropped only when the next one exists (SGLang's loop does
+            # the same): the buffer then lands in the block the previous output leaves free,
+            # instead of splitting a larger cached block that empty_cache could not return.
             self._last = out
+        self._calls += 1
         return out
 
     def hook(self) -> None:
