@@ -40,7 +40,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import CaptureStateError
-from ..output_mode import OutputMode
+from ..guard import StaleOutputGuard
+from ..output_mode import OutputMode, Resolution
 from ..prealloc import PREALLOC
 from ..released import POOL_GUARD, release_output
 from ..report import KeyReport, MemoryReport, claim_resident_bytes
@@ -137,16 +138,18 @@ class SharingPolicyMixin:
         )
         self._bcg_sharer: OutputSharer | None = None
         self._bcg_settings: SessionSettings | None = None
-        self._bcg_replay: SessionSettings | None = None  # the latest session: its guard serves replays
+        # Of the latest session (the sharer, which holds buffers, is never kept past its session):
+        self._bcg_guard: StaleOutputGuard | None = None  # serves every replay
+        self._bcg_resolution: Resolution | None = None
         self._bcg_keys: dict[Hashable, _KeyInfo] = {}
 
     @contextlib.contextmanager
     def capture_session(self, stream: Any) -> Iterator[None]:
         """SGLang's session (pool, dedup, BCG mode) plus a freshly resolved output policy."""
-        previous = self._bcg_replay.guard if self._bcg_replay is not None else None
-        settings = open_session(runner_server_args(self._cuda_graph_runner), previous)
+        settings = open_session(runner_server_args(self._cuda_graph_runner), self._bcg_guard)
         # The guard read now applies to every replay from now on (as in our own backends).
-        self._bcg_settings, self._bcg_sharer, self._bcg_replay = settings, settings.sharer, settings
+        self._bcg_settings, self._bcg_sharer = settings, settings.sharer
+        self._bcg_guard, self._bcg_resolution = settings.guard, settings.resolution
         try:
             with super().capture_session(stream):  # type: ignore[misc]
                 yield
@@ -157,6 +160,11 @@ class SharingPolicyMixin:
     def share_output_active(self) -> bool | None:
         """Whether the open capture session shares outputs (``None`` outside one)."""
         return None if self._bcg_sharer is None else self._bcg_sharer.enabled
+
+    @property
+    def last_output_mode(self) -> Resolution | None:
+        """The output mode of the latest capture session and why (``None`` before the first)."""
+        return self._bcg_resolution
 
     @property
     def output_mode_active(self) -> OutputMode | None:
@@ -229,14 +237,14 @@ class SharingPolicyMixin:
     def replay(self, shape_key: Any, static_forward_batch: Any, **kwargs: Any) -> Any:
         """SGLang's replay; with the stale-output guard on, guarded views of the output."""
         out = super().replay(shape_key, static_forward_batch, **kwargs)  # type: ignore[misc]
-        settings = self._bcg_replay
-        if settings is None or settings.guard is None:
+        guard = self._bcg_guard
+        if guard is None:
             return out
         info = self._bcg_keys.get(shape_key)
         if info is not None and info.released:
             return POOL_GUARD.replayed(self._pool, self, shape_key, out)
         POOL_GUARD.replayed(self._pool, self, shape_key)  # another graph of the pool ran
-        return settings.guard.hand_out(shape_key, out)
+        return guard.hand_out(shape_key, out)
 
     def memory_report(self) -> MemoryReport:
         """Logical vs resident output bytes, fallbacks and capture seconds, per key."""
@@ -264,8 +272,8 @@ class SharingPolicyMixin:
         super().cleanup()  # type: ignore[misc]
         self._bcg_keys.clear()
         self._bcg_sharer = self._bcg_settings = None
-        if self._bcg_replay is not None and self._bcg_replay.guard is not None:
-            self._bcg_replay.guard.clear()
+        if self._bcg_guard is not None:
+            self._bcg_guard.clear()
         POOL_GUARD.forget(self)
         drop_global_pool(pool)
 

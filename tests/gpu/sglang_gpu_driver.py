@@ -34,6 +34,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+STARTED = time.perf_counter()
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
@@ -80,7 +82,8 @@ def capture_variant(setup: Setup, name: str) -> dict[str, Any]:
     row["capture_s"] = time.perf_counter() - start
     after = setup.memory()
     row.update(setup.memory_delta(before, after))
-    row["mode"] = getattr(backend, "_bcg_replay", None) and backend._bcg_replay.resolution.describe()
+    mode = getattr(backend, "last_output_mode", None)
+    row["mode"] = None if mode is None else mode.describe()
     if kind == "ours":
         report = backend.memory_report()
         row.update(resident_output_bytes=report.resident_output_bytes, logical_output_bytes=report.logical_output_bytes,
@@ -169,6 +172,7 @@ def main(argv: list[str] | None = None) -> int:
     for var in (ENV_SHARE, ENV_BUF):
         os.environ.pop(var, None)
     setup = Setup.from_args(args, needs_sglang=args.variant != "engines")
+    ready = time.perf_counter() - STARTED
     if args.variant == "recapture":
         result: Any = recapture(setup, args.cycles)
     elif args.variant == "builtin-recapture":
@@ -177,7 +181,8 @@ def main(argv: list[str] | None = None) -> int:
         result = engines(setup)
     else:
         result = capture_variant(setup, args.variant)
-    meta = {"one_output_bytes": one_output_bytes(setup), "device": setup.device_name(), "torch": torch.__version__}
+    meta = {"one_output_bytes": one_output_bytes(setup), "device": setup.device_name(), "torch": torch.__version__,
+            "setup_s": round(ready, 1), "total_s": round(time.perf_counter() - STARTED, 1)}
     print("RESULT=" + json.dumps({"meta": meta, "result": result}), flush=True)
     return 0
 
