@@ -1,6 +1,11 @@
 #!/usr/bin/env bash
-# Runs every GPU test and the benchmark on a CUDA machine; results under $OUT (or ./out).
-# Usage: bash scripts/gpu-check.sh [pytest-args...]   (env BENCH_ARGS adds bench flags)
+# Runs the GPU tests and the benchmark on a CUDA machine; results under $OUT (or ./out).
+# Usage: bash scripts/gpu-check.sh [pytest-args...]
+#   GPU_TESTS   what pytest runs (default tests/gpu)      BENCH_ARGS  extra bench flags
+#   SKIP_TESTS=1 / SKIP_BENCH=1                            skip either part
+#   SGLBUNDLE   the offline SGLang bundle (default .sglbundle): reused when present, built
+#               with scripts/build-sglbundle.sh when missing (needs PyPI), unless SGLang is
+#               already importable; without any, tests/gpu/test_sglang_gpu.py skips.
 set -uo pipefail
 OUT="${OUT:-out}"
 mkdir -p "$OUT"
@@ -8,8 +13,21 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 export SGLANG_BCG_GPU_RESULTS_DIR="$OUT"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$OUT/gpu.txt"
 python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)" | tee -a "$OUT/gpu.txt"
+SGLBUNDLE="${SGLBUNDLE:-.sglbundle}"
+if python3 -c "import sglang" >/dev/null 2>&1; then
+  echo "sglang: installed $(python3 -c 'import importlib.metadata as m; print(m.version("sglang"))')" | tee -a "$OUT/gpu.txt"
+else
+  if [ ! -f "$SGLBUNDLE/install.sh" ]; then
+    bash scripts/build-sglbundle.sh "$SGLBUNDLE" || echo "sglang: bundle build failed (no PyPI?); SGLang GPU tests skip"
+  fi
+  if [ -f "$SGLBUNDLE/install.sh" ]; then
+    # shellcheck disable=SC1091
+    source "$SGLBUNDLE/install.sh" >/dev/null 2>>"$OUT/sglbundle.log" && echo "sglang: bundle $SGLBUNDLE" | tee -a "$OUT/gpu.txt"
+  fi
+fi
 if [ "${SKIP_TESTS:-0}" != 1 ]; then
-  python3 -m pytest -p no:cacheprovider -q -o addopts="" tests/gpu "$@" 2>&1 | tee "$OUT/gpu-tests.log"
+  # shellcheck disable=SC2086
+  python3 -m pytest -p no:cacheprovider -q -o addopts="" -rf ${GPU_TESTS:-tests/gpu} "$@" 2>&1 | tee "$OUT/gpu-tests.log"
   echo "pytest exit: ${PIPESTATUS[0]}" | tee -a "$OUT/gpu-tests.log"
 fi
 if [ "${SKIP_BENCH:-0}" != 1 ]; then

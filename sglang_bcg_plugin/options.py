@@ -7,23 +7,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Literal
 
-from ._constants import ENV_SHARE_OUTPUT, SERVER_ARGS_STASH
+from .output_mode import OFF, check_share_output, resolve_output_mode
 
 EngineName = Literal["auto", "cuda", "eager"]
 SharedBufferSource = Literal["auto", "adopt", "reserve"]
 
 _TRUE = frozenset({"1", "true", "yes", "on"})
 _FALSE = frozenset({"0", "false", "no", "off"})
-
-
-def _check_share_output(value: object) -> None:
-    """The one type check of ``share_output`` (extend it here when a mode is added)."""
-    if value is not None and not isinstance(value, bool):
-        msg = (
-            f"BackendOptions.share_output must be True, False or None (follow the SGLang flag / "
-            f"{ENV_SHARE_OUTPUT}), got {value!r} of type {type(value).__name__}"
-        )
-        raise TypeError(msg)
 
 
 def _check_bool(field: str, value: object) -> None:
@@ -36,11 +26,12 @@ def _check_bool(field: str, value: object) -> None:
 class BackendOptions:
     """Settings of one backend instance; every field is type-checked on construction.
 
-    :param share_output: share one output buffer per stream partition across all capture
-        sizes. ``None`` (the default) follows the switch: the SGLang flag stash, then the
-        environment variable ``SGLANG_ENABLE_BCG_SHARED_OUTPUT``, then the default, resolved by
-        :func:`resolve_share_output` at the start of every capture session. ``True``/``False``
-        override the switch.
+    :param share_output: the output mode: ``True`` shares one output buffer per stream
+        partition across all capture sizes, ``"released"`` hands out zero-copy outputs that
+        live in graph-pool memory (:mod:`sglang_bcg_plugin.output_mode`), ``False`` keeps one
+        output per key. ``None`` (the default) follows the switch: the SGLang flag stash, then
+        the environment variable ``SGLANG_ENABLE_BCG_SHARED_OUTPUT``, then the default (off
+        standalone), resolved at the start of every capture session.
     :param strict_outputs: raise :class:`OutputStructureError` when a key's output does not fit
         the shared buffer, instead of letting that key keep its own output with a warning.
         Risky in serving: one odd shape key aborts the whole capture.
@@ -59,7 +50,7 @@ class BackendOptions:
     :raises ValueError: ``engine`` or ``shared_buffer`` not one of its names, ``num_warmups < 0``.
     """
 
-    share_output: bool | None = None
+    share_output: bool | Literal["released"] | None = None
     strict_outputs: bool = False
     engine: EngineName = "auto"
     num_warmups: int = 2
@@ -67,7 +58,7 @@ class BackendOptions:
     shared_buffer: SharedBufferSource = "auto"
 
     def __post_init__(self) -> None:
-        _check_share_output(self.share_output)
+        check_share_output(self.share_output)
         if self.shared_buffer not in ("auto", "adopt", "reserve"):
             msg = f"BackendOptions.shared_buffer must be 'auto', 'adopt' or 'reserve', got {self.shared_buffer!r}"
             raise TypeError(msg) if not isinstance(self.shared_buffer, str) else ValueError(msg)
@@ -113,25 +104,18 @@ def parse_bool_env(name: str, environ: Mapping[str, str] | None = None) -> bool 
 
 
 def resolve_share_output(
-    explicit: bool | None = None,
+    explicit: bool | str | None = None,
     *,
     server_args: object | None = None,
     environ: Mapping[str, str] | None = None,
 ) -> bool:
-    """Resolve whether output sharing is on.
+    """Resolve whether the output mode is anything but off (``on`` or ``released``).
 
     Precedence: ``explicit`` > ``server_args._bcg_shared_output`` (set by the SGLang
     integration when ``--enable-bcg-shared-output`` was parsed) > environment variable
-    ``SGLANG_ENABLE_BCG_SHARED_OUTPUT`` > ``False`` (the standalone default).
+    ``SGLANG_ENABLE_BCG_SHARED_OUTPUT`` > ``False`` (the standalone default). Callers that
+    handle ``released`` use :func:`~sglang_bcg_plugin.output_mode.resolve_output_mode`.
 
-    :raises ValueError: the environment variable holds something that is not a boolean.
+    :raises ValueError: the environment variable holds something that is not a mode.
     """
-    if explicit is not None:
-        return bool(explicit)
-    stash = getattr(server_args, SERVER_ARGS_STASH, None) if server_args is not None else None
-    if stash is not None:
-        return bool(stash)
-    from_env = parse_bool_env(ENV_SHARE_OUTPUT, environ)
-    if from_env is not None:
-        return from_env
-    return False
+    return resolve_output_mode(explicit, server_args=server_args, environ=environ) != OFF

@@ -24,6 +24,7 @@ policy as it was.
 
 from __future__ import annotations
 
+import math
 import warnings
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
@@ -102,12 +103,16 @@ class OutputSharer:
         part = self.partitions.get(stream)
         return 0 if part is None else sum(_nbytes(b) for b in part.buffers)
 
-    def reserve(self, key: Hashable, output: object) -> None:
+    def reserve(self, key: Hashable, output: object, capacity_rows: int | None = None) -> None:
         """Allocate ``key``'s partition's buffers now (outside any capture) from ``output``.
 
         Called with the last warmup's output before the first capture of a partition when the
-        source is ``"reserve"``; a no-op once the partition has buffers, when sharing is off, or
-        for a tree whose leaves cannot share (``prepare`` then decides as usual).
+        source is ``"reserve"``; a no-op once the partition has buffers or when sharing is off.
+        A reservation is only claimed by a capture whose output fits it (``prepare``); one left
+        by a failed capture is replaced by the next key's.
+
+        :param capacity_rows: grow leaves whose leading dim is the output's largest (the padded
+            row dim) to this many rows (SGLang's ``cuda_graph_output_capacity_rows``).
         """
         if not self.enabled or self.source != "reserve":
             return
@@ -115,11 +120,15 @@ class OutputSharer:
         if stream in self.partitions:
             return
         node, leaves = flatten(output)
+        padded = max((t.shape[0] for _, t in leaves if t.dim() > 0), default=None)
         store = SlotStore()
-        buffers = tuple(
-            store.add(path, torch.empty(max(t.numel(), 1), dtype=t.dtype, device=t.device)) for path, t in leaves
-        )
-        self._reserved[stream] = Partition(stream, None, node, tuple(p for p, _ in leaves), buffers)
+        buffers = []
+        for path, t in leaves:
+            numel = t.numel()
+            if capacity_rows is not None and t.dim() > 0 and t.shape[0] == padded and capacity_rows > padded:
+                numel = math.prod(t.shape[1:]) * capacity_rows
+            buffers.append(store.add(path, torch.empty(max(numel, 1), dtype=t.dtype, device=t.device)))
+        self._reserved[stream] = Partition(stream, None, node, tuple(p for p, _ in leaves), tuple(buffers))
         self.stores[stream] = store
 
     def prepare(

@@ -85,7 +85,7 @@ def test_default_follows_the_switch(monkeypatch: pytest.MonkeyPatch) -> None:
 @pytest.mark.parametrize(
     ("kwargs", "error", "match"),
     [
-        ({"share_output": "no"}, TypeError, "share_output must be True, False or None.*'no' of type str"),
+        ({"share_output": "no"}, TypeError, "share_output must be False \\(off\\), True \\(on\\), 'released' or None.*'no' of type str"),
         ({"share_output": 1}, TypeError, "share_output .* got 1 of type int"),
         ({"strict_outputs": "no"}, TypeError, "strict_outputs must be True or False, got 'no' of type str"),
         ({"strict_outputs": None}, TypeError, "strict_outputs"),

@@ -3,12 +3,10 @@
 Lifecycle:
 
 1. ``backend = create_backend(name, options=...)``.
-2. ``with backend.capture_session(stream=None):`` resolves the sharing switch for this
-   session (explicit option > server-args stash > env var > off) and starts a fresh set of
-   shared partitions.
-3. ``backend.capture_one(key, forward_fn, capture_inputs, post_warmup_hook)`` per key,
-   largest first: warmups, capture, output policy. Goes through the
-   ``sglang_bcg_capture_one`` hook so plugins can observe and account for it.
+2. ``with backend.capture_session(stream=None):`` resolves the output mode (``off``, ``on``,
+   ``released``: docs/index.md, "The switch") and starts a fresh set of shared partitions.
+3. ``backend.capture_one(key, forward_fn, capture_inputs, post_warmup_hook)`` per key, largest
+   first: warmups, capture, output policy, through the ``sglang_bcg_capture_one`` hook.
 4. ``backend.replay(key)`` any number of times; returns the static output.
 5. ``backend.memory_report()`` at any time; ``backend.cleanup()`` drops every graph.
 
@@ -26,12 +24,14 @@ from typing import Any, ClassVar
 
 import pluggy
 
-from ..engines.base import CaptureRequest, CapturedGraph, Engine
+from ..engines.base import CaptureRequest, Engine
 from ..engines.eager import EagerEngine
 from ..errors import CaptureStateError
 from ..guard import StaleOutputGuard
 from ..manager import get_plugin_manager, hookimpl
-from ..options import BackendOptions, resolve_share_output
+from ..options import BackendOptions
+from ..output_mode import ON, RELEASED, OutputMode, resolve_output_mode
+from ..released import release_output
 from ..report import MemoryReport
 from ..shape_key import check_key
 from ..sharing import OutputSharer
@@ -61,7 +61,6 @@ class CaptureBackend:
         self._pending_stats: dict[Hashable, tuple[float, int | None]] = {}
         self._guard: StaleOutputGuard | None = None
 
-    # -- options -------------------------------------------------------------------------
     @property
     def options(self) -> BackendOptions:
         return self._options
@@ -91,7 +90,6 @@ class CaptureBackend:
     def _make_cuda_engine(self) -> Engine:  # pragma: no cover - overridden per backend
         raise NotImplementedError
 
-    # -- lifecycle -----------------------------------------------------------------------
     @contextlib.contextmanager
     def capture_session(self, stream: Any = None) -> Iterator[None]:
         """Open a capture session; sharing is resolved now and fixed until it closes."""
@@ -99,11 +97,12 @@ class CaptureBackend:
             if self._session is not None:
                 msg = f"{self.name} backend: capture_session() is already open; sessions do not nest"
                 raise CaptureStateError(msg)
-            share = resolve_share_output(self._options.share_output, server_args=self._server_args)
+            mode = resolve_output_mode(self._options.share_output, server_args=self._server_args)
+            share = mode == ON
             self._guard = make_guard(self._options.stale_output_guard, self._guard)
             source = buffer_source(self._options.shared_buffer, self._get_engine())
             sharer = OutputSharer(enabled=share, strict=self._options.strict_outputs, source=source)
-            self._session = _Session(share, sharer, stream)
+            self._session = _Session(share, sharer, stream, mode)
         try:
             yield
         finally:
@@ -112,9 +111,13 @@ class CaptureBackend:
 
     @property
     def share_output_active(self) -> bool | None:
-        """The sharing setting of the open session (``None`` outside a session)."""
-        session = self._session
-        return None if session is None else session.share_output
+        """Whether the open session shares outputs (mode ``on``; ``None`` outside a session)."""
+        return None if self._session is None else self._session.share_output
+
+    @property
+    def output_mode_active(self) -> OutputMode | None:
+        """The output mode of the open session (``None`` outside a session)."""
+        return None if self._session is None else self._session.mode
 
     def capture_one(
         self,
@@ -183,16 +186,18 @@ class CaptureBackend:
             reserve=lambda out: session.sharer.reserve(key, out),
             static_inputs=protected,
         )
-        graph = self._engine_capture(request, session)
-        p = prepared[-1]
+        graph = self._get_engine().capture(request)
+        p = prepared.pop()
         p.commit()
+        # released: non-owning aliases, the output's blocks go back to the pool (the eager engine
+        # has no pool: its outputs stay owned).
+        released = session.mode == RELEASED and self._get_engine().name == "cuda"
+        if released:
+            graph.output, p.output = release_output(graph.output), None
         self._entries[key] = _Entry(
-            key, graph, capture_inputs, p.shared, session.share_output, p.fallback, p.logical_bytes
+            key, graph, capture_inputs, p.shared, session.share_output, p.fallback, p.logical_bytes, released=released
         )
         return graph.output
-
-    def _engine_capture(self, request: CaptureRequest, session: _Session) -> CapturedGraph:
-        return self._get_engine().capture(request)
 
     def record_capture_stats(self, shape_key: Hashable, *, seconds: float, memory_bytes: int | None) -> None:
         """Called by the accounting plugin after each capture."""

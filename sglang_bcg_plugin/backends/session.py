@@ -11,6 +11,7 @@ import torch
 
 from ..engines.base import CapturedGraph, Engine
 from ..guard import StaleOutputGuard, guard_supported
+from ..output_mode import OutputMode
 from ..report import KeyReport, MemoryReport, claim_resident_bytes
 from ..sharing import BufferSource, OutputSharer
 
@@ -20,6 +21,7 @@ class _Session:
     share_output: bool
     sharer: OutputSharer
     stream: Any
+    mode: OutputMode = "off"
 
 
 @dataclass(eq=False)
@@ -33,6 +35,7 @@ class _Entry:
     logical_bytes: int
     seconds: float | None = None
     memory_bytes: int | None = None
+    released: bool = False  # outputs are non-owning aliases of pool memory: nothing resident
 
 
 def use_cuda(engine: str, backend: str) -> bool:
@@ -84,7 +87,7 @@ def report_of(backend: str, engine: Engine | None, entries: list[_Entry]) -> Mem
     seen: set[tuple[str, int]] = set()
     keys = []
     for entry in entries:
-        resident = claim_resident_bytes(entry.graph.output, seen)
+        resident = 0 if entry.released else claim_resident_bytes(entry.graph.output, seen)
         keys.append(
             KeyReport(
                 key=entry.key,

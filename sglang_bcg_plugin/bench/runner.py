@@ -28,14 +28,15 @@ log = logging.getLogger(__name__)
 class Variant:
     """How one bench variant captures: sharing, whether outputs are kept, guard, buffer source."""
 
-    share: bool
+    share: bool | str
     keep: bool = True
     guard: bool = False
     shared_buffer: str = "auto"
 
 
 #: "floor" drops every output inside its graph (the memory floor); "guard" is "on" with the
-#: stale-output guard; "adopt"/"reserve" are "on" with the shared buffer's source forced.
+#: stale-output guard; "adopt"/"reserve" are "on" with the shared buffer's source forced;
+#: "released" hands out zero-copy outputs left in pool memory (valid until the next replay).
 VARIANTS = {
     "off": Variant(False),
     "on": Variant(True),
@@ -43,6 +44,7 @@ VARIANTS = {
     "guard": Variant(True, guard=True),
     "adopt": Variant(True, shared_buffer="adopt"),
     "reserve": Variant(True, shared_buffer="reserve"),
+    "released": Variant("released"),
 }
 
 
@@ -50,7 +52,7 @@ VARIANTS = {
 class BenchRow:
     backend: str
     variant: str
-    share_output: bool
+    share_output: bool | str
     num_sizes: int
     max_tokens: int
     resident_output_bytes: int

@@ -21,10 +21,9 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import TextIO
 
-from .._constants import ENV_SHARE_OUTPUT
-from ..options import parse_bool_env
 from .hooks import HOOKS
-from .sglang_breakable import CAPTURE_VAR, SGLANG_BCG_CLASS
+from .sglang_breakable import SGLANG_BCG_CLASS
+from .sglang_session import CAPTURE_VAR
 
 #: The SGLang versions this integration was checked against (the ``[sglang]`` extra pins it).
 SUPPORTED_SGLANG = ("0.5.23",)
@@ -120,13 +119,14 @@ def _entry_point() -> str | None:
 
 
 def _flag() -> str:
+    """The output mode a capture session would resolve now, and why (env var or SGLang's default)."""
+    from .sglang_session import resolve_mode
+
     try:
-        value = parse_bool_env(ENV_SHARE_OUTPUT)
+        resolution = resolve_mode(None)
     except ValueError as exc:
         return f"invalid ({exc})"
-    if value is None:
-        return f"off ({ENV_SHARE_OUTPUT} unset; --enable-bcg-shared-output decides at launch)"
-    return f"{'on' if value else 'off'} ({ENV_SHARE_OUTPUT} set)"
+    return f"{resolution.describe()}; --enable-bcg-shared-output overrides it at launch"
 
 
 #: Exit codes of ``sglang-bcg doctor`` (docs/sglang.md).

@@ -1,21 +1,32 @@
 """``--enable-bcg-shared-output``: AFTER hooks on ``ServerArgs.add_cli_args`` / ``from_cli_args``.
 
+Forms (:class:`OutputModeAction` and a ``store_const``, both into one destination):
+
+* ``--enable-bcg-shared-output``: ``on`` (one shared output buffer per stream);
+* ``--enable-bcg-shared-output=MODE``: ``on``, ``off`` or ``released`` (booleans such as ``1``
+  and ``0`` too); ``released`` hands out zero-copy outputs in graph-pool memory;
+* ``--no-enable-bcg-shared-output``: ``off``. The last one given wins.
+
 ``ServerArgs`` is a sealed msgspec Struct (a plugin cannot add a field, and ``from_cli_args``
 drops unknown argparse attributes), so the parsed value travels two ways, both of which reach
 spawned scheduler processes: the environment variable ``SGLANG_ENABLE_BCG_SHARED_OUTPUT``
-(inherited) and the underscore attribute ``server_args._bcg_shared_output`` (survives pickling).
-:func:`~sglang_bcg_plugin.resolve_share_output` reads the attribute, then the env var.
+(inherited: ``1``, ``0`` or ``released``) and the underscore attribute
+``server_args._bcg_shared_output`` (survives pickling: ``True``, ``False`` or ``"released"``).
+:func:`~sglang_bcg_plugin.output_mode.resolve_output_mode` reads the attribute, then the env var.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+from collections.abc import Sequence
 from typing import Any
 
 from .._constants import ENV_SHARE_OUTPUT, SERVER_ARGS_STASH
+from ..output_mode import OFF, ON, RELEASED, OutputMode, parse_mode_text
 
 FLAG = "--enable-bcg-shared-output"
+NO_FLAG = "--no-enable-bcg-shared-output"
 DEST = "enable_bcg_shared_output"
 
 #: HookRegistry targets of the two AFTER hooks.
@@ -23,18 +34,41 @@ ADD_CLI_ARGS_TARGET = "sglang.srt.server_args.ServerArgs.add_cli_args"
 FROM_CLI_ARGS_TARGET = "sglang.srt.server_args.ServerArgs.from_cli_args"
 
 HELP = (
-    "Share one breakable-CUDA-graph output buffer per stream across all capture sizes "
-    "(sglang_bcg_plugin). --no-enable-bcg-shared-output turns it off. When neither is given, "
-    f"the environment variable {ENV_SHARE_OUTPUT} decides (1/0; off when unset); Engine(...) "
-    "users set that variable."
+    "Output mode of breakable CUDA graphs (sglang_bcg_plugin). Bare or =on: share one output "
+    "buffer per stream across all capture sizes; =released: zero-copy outputs that live in "
+    "graph-pool memory until any other graph of the pool replays (opt-in; read the plugin's "
+    "docs first); =off or --no-enable-bcg-shared-output: one output per size. When neither is "
+    f"given, {ENV_SHARE_OUTPUT} decides (1/0/released), else the installed SGLang's own "
+    "default (0.5.23: on). Engine(...) users set that variable."
 )
+
+#: What the parsed value becomes: the env var's text and the stash's value.
+_ENV_TEXT = {ON: "1", OFF: "0", RELEASED: RELEASED}
+_STASH: dict[OutputMode, bool | str] = {ON: True, OFF: False, RELEASED: RELEASED}
+
+
+class OutputModeAction(argparse.Action):
+    """``--enable-bcg-shared-output[=MODE]``: a bare flag means ``on``."""
+
+    def __init__(self, option_strings: Sequence[str], dest: str, default: Any = None, help: str | None = None) -> None:  # noqa: A002 - argparse's name
+        super().__init__(option_strings, dest, nargs="?", default=default, help=help, metavar="{on,off,released}")
+
+    def __call__(
+        self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any, option_string: str | None = None
+    ) -> None:
+        try:
+            mode = parse_mode_text(values, what=FLAG)
+        except ValueError as exc:
+            parser.error(f"{exc} (give the mode as {FLAG}=MODE)")
+        setattr(namespace, self.dest, ON if mode is None else mode)
 
 
 def after_add_cli_args(result: None, parser: argparse.ArgumentParser, *args: Any, **kwargs: Any) -> None:
     """AFTER hook of the staticmethod ``ServerArgs.add_cli_args(parser)``: add the flag."""
     if FLAG in parser._option_string_actions:  # the same parser extended twice
         return None
-    parser.add_argument(FLAG, dest=DEST, action=argparse.BooleanOptionalAction, default=None, help=HELP)
+    parser.add_argument(FLAG, dest=DEST, action=OutputModeAction, default=None, help=HELP)
+    parser.add_argument(NO_FLAG, dest=DEST, action="store_const", const=OFF, help=f"Same as {FLAG}=off.")
     return None
 
 
@@ -42,11 +76,12 @@ def after_from_cli_args(result: Any, cls: type, args: argparse.Namespace, *rest:
     """AFTER hook of the classmethod ``ServerArgs.from_cli_args(args)``: carry the flag on.
 
     Not given (``None``): the environment is left alone, so ``SGLANG_ENABLE_BCG_SHARED_OUTPUT``
-    set by the operator still decides.
+    set by the operator still decides (then the installed SGLang's default).
     """
     value = getattr(args, DEST, None)
     if value is None:
         return result
-    os.environ[ENV_SHARE_OUTPUT] = "1" if value else "0"
-    setattr(result, SERVER_ARGS_STASH, bool(value))
+    mode: OutputMode = value
+    os.environ[ENV_SHARE_OUTPUT] = _ENV_TEXT[mode]
+    setattr(result, SERVER_ARGS_STASH, _STASH[mode])
     return result

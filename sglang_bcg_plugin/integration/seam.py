@@ -24,7 +24,8 @@ from ..manager import get_plugin_manager
 from ..options import BackendOptions
 from ..registry import build_registry
 from .adapter import sglang_adapter_class
-from .sglang_breakable import SGLANG_BCG_CLASS, runner_server_args, sglang_breakable_backend_class
+from .sglang_breakable import SGLANG_BCG_CLASS, sglang_breakable_backend_class
+from .sglang_session import runner_server_args
 
 logger = logging.getLogger(__name__)
 

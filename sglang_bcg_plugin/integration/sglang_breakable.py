@@ -8,24 +8,20 @@ its constructor ``(cuda_graph_runner, *, enable_memory_saver=False, debug_eager=
 reuses its warmups, pool, barrier and segment capture unchanged. Only the output handling
 differs from SGLang 0.5.23's built-in, unconditional sharing:
 
-* the switch is resolved at every ``capture_session`` with
-  ``resolve_share_output(None, server_args=<the runner's ServerArgs>)`` (stash set by
-  ``--enable-bcg-shared-output`` > env ``SGLANG_ENABLE_BCG_SHARED_OUTPUT`` > off);
-* on: :class:`~sglang_bcg_plugin.sharing.OutputSharer` semantics (``strict=False``): one buffer
-  per leaf path per ``stream_idx``, adopted from the first (largest) capture, rows from each
-  leaf, any output tree (``LogitsProcessorOutput`` and other dataclasses included), per-key
-  fallback with one warning when a key does not fit;
-* off: every key keeps the output its own graph wrote.
+* the output mode is resolved at every ``capture_session`` (:mod:`.sglang_session`): the stash
+  set by ``--enable-bcg-shared-output`` > env ``SGLANG_ENABLE_BCG_SHARED_OUTPUT`` > **the
+  installed SGLang's own default** (:mod:`.builtin`; 0.5.23 always shares, so ``on``);
+* ``on``: :class:`~sglang_bcg_plugin.sharing.OutputSharer` semantics (``strict=False``, any
+  output tree, rows from each leaf, per-key fallback), the buffer reserved from the last warmup's
+  output before the capture, outside the pool (one output; adopting costs two: docs/sglang.md);
+* ``released``: zero-copy outputs left in graph-pool memory (:mod:`sglang_bcg_plugin.released`),
+  valid until the next replay of any graph of SGLang's process-global pool;
+* ``off``: every key keeps the output its own graph wrote.
 
-SGLang's ``_shared_output_buffer`` is never used (it is sized from the first key's
-``shape_key.size``); ``cuda_graph_output_capacity_rows`` is not needed because the buffer is the
-largest capture's own output.
-
-Runner rows: when ``runner.cuda_graph_output_rows(output)`` returns an int ``R``, the *padded row
-dim* ``P`` is the largest leading dim among the output's tensor leaves; every leaf whose leading
-dim equals ``P`` is handed out as ``leaf[:R]`` (only when ``R < P``). Leaves with another leading
-dim (per-request tensors next to per-token ones) keep all their rows. ``None`` (SGLang 0.5.23's
-default) leaves the output as the body produced it.
+``cleanup()`` also drops SGLang's process-global pool handle when it is ours
+(:func:`.sglang_session.drop_global_pool`), so a new capture session works in the same process.
+With ``SGLANG_BCG_STALE_OUTPUT_GUARD=1`` replays hand out guarded views (``guard.py``; for
+released outputs :class:`~sglang_bcg_plugin.released.PoolGuard`).
 """
 
 from __future__ import annotations
@@ -39,11 +35,24 @@ from typing import Any
 
 from ..engines.gcsafe import gc_safe_capture
 from ..errors import CaptureStateError
-from ..options import resolve_share_output
+from ..guard import StaleOutputGuard
+from ..output_mode import OutputMode, Resolution
+from ..released import POOL_GUARD, release_output
 from ..report import KeyReport, MemoryReport, claim_resident_bytes
 from ..shape_key import check_key
 from ..sharing import OutputSharer
-from ..trees import collect_tensors, flatten, storage_key, unflatten
+from .sglang_session import (
+    SessionSettings,
+    apply_runner_rows,
+    drop_global_pool,
+    input_storages,
+    open_session,
+    reserve_from_warmup,
+    run_outside_capture,
+    runner_server_args,
+)
+
+__all__ = ["SGLANG_BCG_CLASS", "SharingPolicyMixin", "apply_runner_rows", "sglang_breakable_backend_class"]
 
 #: Dotted path of SGLang's breakable backend class (our base class).
 SGLANG_BCG_CLASS = (
@@ -59,66 +68,13 @@ def _bcg_module() -> Any:
     return breakable_cuda_graph_backend
 
 
-def runner_server_args(cuda_graph_runner: object) -> object | None:
-    """SGLang's ``ServerArgs`` reachable from a graph runner, else this process's, else ``None``."""
-    server_args: object | None = getattr(getattr(cuda_graph_runner, "model_runner", None), "server_args", None)
-    if server_args is not None:
-        return server_args
-    try:
-        from sglang.srt.runtime_context import get_server_args
-
-        published: object = get_server_args()
-        return published
-    except (ImportError, ValueError, AttributeError):  # not published in this process
-        return None
-
-
-def apply_runner_rows(output: Any, rows: object) -> Any:
-    """Trim the padded-row leaves of ``output`` to ``rows`` (see the module docstring)."""
-    if rows is None:
-        return output
-    if isinstance(rows, bool) or not isinstance(rows, int):
-        msg = f"cuda_graph_output_rows() returned {rows!r}; expected None or an int >= 0"
-        raise TypeError(msg)
-    if rows < 0:
-        msg = f"cuda_graph_output_rows() returned {rows}; expected None or an int >= 0"
-        raise ValueError(msg)
-    node, leaves = flatten(output)
-    padded = max((t.shape[0] for _, t in leaves if t.dim() > 0), default=None)
-    if padded is None or rows >= padded:
-        return output
-    return unflatten(node, [t[:rows] if t.dim() > 0 and t.shape[0] == padded else t for _, t in leaves])
-
-
-def _input_storages(capture_inputs: object) -> frozenset[tuple[str, int]]:
-    """Storages of static inputs (any object, e.g. a ForwardBatch), never adopted as a buffer."""
-    return frozenset(storage_key(t) for t in collect_tensors(capture_inputs))
-
-
-#: SGLang's "capture in progress" context variable (read by every ``eager_on_graph`` wrapper).
-CAPTURE_VAR = (
-    "sglang.srt.model_executor.runner_backend_utils.breakable_cuda_graph.breakable_cuda_graph"
-    "._current_capture_var"
-)
-
-
-def _run_outside_capture(forward_fn: Callable[[], Any]) -> Any:
-    import pkgutil
-
-    var = pkgutil.resolve_name(CAPTURE_VAR)
-    token = var.set(None)
-    try:
-        return forward_fn()
-    finally:
-        var.reset(token)
-
-
 @dataclass(eq=False)
 class _KeyInfo:
     shared: bool
     fallback: str | None
     logical_bytes: int
     seconds: float
+    released: bool = False
 
 
 class SharingPolicyMixin:
@@ -146,23 +102,39 @@ class SharingPolicyMixin:
             cuda_graph_runner, enable_memory_saver=enable_memory_saver, debug_eager=debug_eager
         )
         self._bcg_sharer: OutputSharer | None = None
+        self._bcg_settings: SessionSettings | None = None
+        # Of the latest session (the sharer, which holds buffers, is never kept past its session):
+        self._bcg_guard: StaleOutputGuard | None = None  # serves every replay
+        self._bcg_resolution: Resolution | None = None
         self._bcg_keys: dict[Hashable, _KeyInfo] = {}
 
     @contextlib.contextmanager
     def capture_session(self, stream: Any) -> Iterator[None]:
-        """SGLang's session (pool, dedup, BCG mode) plus a fresh sharing policy."""
-        share = resolve_share_output(None, server_args=runner_server_args(self._cuda_graph_runner))
-        self._bcg_sharer = OutputSharer(enabled=share, strict=False)
+        """SGLang's session (pool, dedup, BCG mode) plus a freshly resolved output policy."""
+        settings = open_session(runner_server_args(self._cuda_graph_runner), self._bcg_guard)
+        # The guard read now applies to every replay from now on (as in our own backends).
+        self._bcg_settings, self._bcg_sharer = settings, settings.sharer
+        self._bcg_guard, self._bcg_resolution = settings.guard, settings.resolution
         try:
             with super().capture_session(stream):  # type: ignore[misc]
                 yield
         finally:
-            self._bcg_sharer = None
+            self._bcg_settings, self._bcg_sharer = None, None
 
     @property
     def share_output_active(self) -> bool | None:
-        """The sharing setting of the open capture session (``None`` outside one)."""
+        """Whether the open capture session shares outputs (``None`` outside one)."""
         return None if self._bcg_sharer is None else self._bcg_sharer.enabled
+
+    @property
+    def last_output_mode(self) -> Resolution | None:
+        """The output mode of the latest capture session and why (``None`` before the first)."""
+        return self._bcg_resolution
+
+    @property
+    def output_mode_active(self) -> OutputMode | None:
+        """The output mode of the open capture session (``None`` outside one)."""
+        return None if self._bcg_settings is None else self._bcg_settings.resolution.mode
 
     def capture_one(
         self,
@@ -173,20 +145,25 @@ class SharingPolicyMixin:
     ) -> None:
         """SGLang's warmups and segment capture; the output goes through our policy."""
         key = check_key(shape_key)
-        sharer = self._bcg_sharer
-        if sharer is None:
+        sharer, settings = self._bcg_sharer, self._bcg_settings
+        if sharer is None or settings is None:
             msg = f"capture_one({key!r}) must run inside `with backend.capture_session(stream):`"
             raise CaptureStateError(msg)
         mod = _bcg_module()
         start = time.perf_counter()
+        warmup_out = None
         for _ in range(2):  # two warmups, as SGLang does, so lazy kernels settle first
             self._device_module.synchronize()
             self._tp_group.barrier()
             with self._precarve.measure():
-                forward_fn()
+                warmup_out = forward_fn()
             if post_warmup_hook is not None:
                 post_warmup_hook()
-        protected = _input_storages(capture_inputs)
+        # reserve: the shared buffer comes from the last warmup, outside the graph pool.
+        if settings.strategy == "reserve":
+            reserve_from_warmup(sharer, key, self._cuda_graph_runner, warmup_out)
+        del warmup_out
+        protected = input_storages(capture_inputs)
         graph = mod.BreakableCUDAGraph(self.deduped_cuda_graph)
         with (
             gc_safe_capture(),
@@ -200,26 +177,43 @@ class SharingPolicyMixin:
                 # The whole forward is one eager break; its output (held by the break) is the
                 # bridge buffer the policy below copies from or adopts. The model's own
                 # eager_on_graph breaks inside it run inline (SGLang 0.5.23's debug path asserts).
-                out = mod.eager_on_graph(functools.partial(_run_outside_capture, forward_fn))()
+                out = mod.eager_on_graph(functools.partial(run_outside_capture, forward_fn))()
             else:
                 out = forward_fn()
             out = apply_runner_rows(out, self._cuda_graph_runner.cuda_graph_output_rows(out))
             prepared = sharer.prepare(key, out, protected)  # in-graph copy into the shared slice
         prepared.commit()
+        info = _KeyInfo(prepared.shared, prepared.fallback, prepared.logical_bytes, 0.0, settings.released)
+        output = prepared.output
+        if settings.released:
+            # Non-owning aliases; dropping the last strong references returns the blocks to the pool.
+            output = release_output(output)
+            del out, prepared
         self._graphs[key] = graph
-        self._outputs[key] = prepared.output
+        self._outputs[key] = output
         # CUDA graphs retain tensor addresses, not Python tensor lifetimes.
         self._capture_inputs[key] = capture_inputs
-        self._bcg_keys[key] = _KeyInfo(
-            prepared.shared, prepared.fallback, prepared.logical_bytes, time.perf_counter() - start
-        )
+        info.seconds = time.perf_counter() - start
+        self._bcg_keys[key] = info
+
+    def replay(self, shape_key: Any, static_forward_batch: Any, **kwargs: Any) -> Any:
+        """SGLang's replay; with the stale-output guard on, guarded views of the output."""
+        out = super().replay(shape_key, static_forward_batch, **kwargs)  # type: ignore[misc]
+        guard = self._bcg_guard
+        if guard is None:
+            return out
+        info = self._bcg_keys.get(shape_key)
+        if info is not None and info.released:
+            return POOL_GUARD.replayed(self._pool, self, shape_key, out)
+        POOL_GUARD.replayed(self._pool, self, shape_key)  # another graph of the pool ran
+        return guard.hand_out(shape_key, out)
 
     def memory_report(self) -> MemoryReport:
         """Logical vs resident output bytes, fallbacks and capture seconds, per key."""
         seen: set[tuple[str, int]] = set()
         keys = []
         for key, info in self._bcg_keys.items():
-            resident = claim_resident_bytes(self._outputs[key], seen)
+            resident = 0 if info.released else claim_resident_bytes(self._outputs[key], seen)
             keys.append(
                 KeyReport(
                     key=key,
@@ -235,10 +229,15 @@ class SharingPolicyMixin:
         return MemoryReport.from_keys(self.name, "sglang-bcg", keys)
 
     def cleanup(self) -> None:
-        """SGLang's cleanup, plus our per-key accounting."""
+        """SGLang's cleanup, our accounting, and a usable global pool for the next session."""
+        pool = self._pool
         super().cleanup()  # type: ignore[misc]
         self._bcg_keys.clear()
-        self._bcg_sharer = None
+        self._bcg_sharer = self._bcg_settings = None
+        if self._bcg_guard is not None:
+            self._bcg_guard.clear()
+        POOL_GUARD.forget(self)
+        drop_global_pool(pool)
 
 
 @functools.cache

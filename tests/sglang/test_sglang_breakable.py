@@ -222,7 +222,7 @@ def test_lifecycle_errors_and_cleanup() -> None:
 
 
 def test_helpers() -> None:
-    from sglang_bcg_plugin.integration.sglang_breakable import _input_storages, apply_runner_rows, runner_server_args
+    from sglang_bcg_plugin.integration.sglang_session import apply_runner_rows, input_storages as _input_storages, runner_server_args
 
     t = torch.zeros(4, 2)
     with pytest.raises(TypeError, match="expected None or an int"):
@@ -264,7 +264,7 @@ def test_static_inputs_never_become_the_shared_buffer(monkeypatch: pytest.Monkey
 def test_server_args_published_in_process(monkeypatch: pytest.MonkeyPatch) -> None:
     from sglang.srt import runtime_context
 
-    from sglang_bcg_plugin.integration.sglang_breakable import runner_server_args
+    from sglang_bcg_plugin.integration.sglang_session import runner_server_args
 
     published = object()
     monkeypatch.setattr(runtime_context, "get_server_args", lambda: published)

@@ -50,12 +50,17 @@ def test_namespace_or_unregistered_sglang_is_not_sglang(monkeypatch: pytest.Monk
 @pytest.mark.sglang
 def test_all_targets_present(monkeypatch: pytest.MonkeyPatch, dist_dir: Path) -> None:
     monkeypatch.syspath_prepend(str(dist_dir))  # our entry point, as pyproject.toml declares it
+    monkeypatch.delenv("SGLANG_ENABLE_BCG_SHARED_OUTPUT", raising=False)
     code, text = run()
     assert code == 0, text
     assert "SGLang 0.5.23 (supported)" in text
     assert text.count("[ok]") == 4 + 8 and "MISSING" not in text
     assert "entry point (sglang.srt.plugins): sglang_bcg = sglang_bcg_plugin.integration:register" in text
-    assert "--enable-bcg-shared-output (resolved now): off (SGLANG_ENABLE_BCG_SHARED_OUTPUT unset" in text
+    assert (
+        "--enable-bcg-shared-output (resolved now): on (default: on, the installed SGLang's own behaviour: "
+        "BreakableCudaGraphBackend.capture_one always copies outputs into one _shared_output_buffer); "
+        "--enable-bcg-shared-output overrides it at launch"
+    ) in text
 
 
 @pytest.mark.sglang
@@ -68,7 +73,7 @@ def test_missing_target_exits_1(monkeypatch: pytest.MonkeyPatch, dist_dir: Path)
     code, text = run()
     assert code == 1
     assert "[MISSING] AROUND sglang.srt.model_executor.runner_backend.utils.resolve_decode_backend" in text
-    assert "on (SGLANG_ENABLE_BCG_SHARED_OUTPUT set)" in text and "doctor: 1 seam(s) moved: this SGLang does not fit the plugin" in text
+    assert "on (SGLANG_ENABLE_BCG_SHARED_OUTPUT='1')" in text and "doctor: 1 seam(s) moved: this SGLang does not fit the plugin" in text
 
 
 @pytest.mark.sglang

@@ -50,10 +50,18 @@ propagated = [pr.resolve_prefill_backend is u.resolve_prefill_backend is rb.reso
               dr.resolve_decode_backend is u.resolve_decode_backend]
 
 flags = {}
-for argv in ([], ["--enable-bcg-shared-output"], ["--no-enable-bcg-shared-output"]):
+for argv in ([], ["--enable-bcg-shared-output"], ["--no-enable-bcg-shared-output"],
+             ["--enable-bcg-shared-output=released"], ["--enable-bcg-shared-output", "OFF"]):
     os.environ["SGLANG_ENABLE_BCG_SHARED_OUTPUT"] = "unchanged"
     sa = prepare_server_args(["--model-path", "dummy", *argv])
     flags[" ".join(argv) or "none"] = [getattr(sa, "_bcg_shared_output", None), os.environ["SGLANG_ENABLE_BCG_SHARED_OUTPUT"]]
+import contextlib, io
+err = io.StringIO()
+with contextlib.redirect_stderr(err):
+    try:
+        prepare_server_args(["--model-path", "dummy", "--enable-bcg-shared-output=sometimes"])
+    except SystemExit as exc:
+        flags["bad"] = [exc.code, err.getvalue().strip().splitlines()[-1]]
 
 # SGLang's resolver, as its runners call it (config stubbed: nothing is published here).
 from sglang.srt.model_executor.cuda_graph_config import Backend
@@ -83,7 +91,11 @@ def test_load_plugins_applies_every_hook(dist_dir: Path) -> None:
         "none": [None, "unchanged"],  # not given: env var left to the operator
         "--enable-bcg-shared-output": [True, "1"],
         "--no-enable-bcg-shared-output": [False, "0"],
+        "--enable-bcg-shared-output=released": ["released", "released"],
+        "--enable-bcg-shared-output OFF": [False, "0"],
+        "bad": [2, r["flags"]["bad"][1]],
     }
+    assert "--enable-bcg-shared-output='sometimes' is not an output mode" in r["flags"]["bad"][1]
     bcg = ["SGLangBreakableBackend", "SharingPolicyMixin", "BreakableCudaGraphBackend"]
     assert r["resolved"]["prefill-breakable"][:2] == ["SGLangBreakableBackend", bcg]
     assert r["resolved"]["decode-breakable"] == ["SGLangBreakableBackend", bcg, True]  # debug_eager kept
@@ -101,7 +113,7 @@ except SystemExit as exc:
 report(ok=True)
 """
     out = run_child(code, dist_dir).stdout
-    assert "--enable-bcg-shared-output, --no-enable-bcg-shared-output" in out
+    assert "--enable-bcg-shared-output [{on,off,released}]" in out and "--no-enable-bcg-shared-output" in out
     assert "SGLANG_ENABLE_BCG_SHARED_OUTPUT" in out
 
 

@@ -133,7 +133,11 @@ def test_flag_hooks(monkeypatch: pytest.MonkeyPatch) -> None:
     after_add_cli_args(None, parser)  # idempotent on one parser
     assert "SGLANG_ENABLE_BCG_SHARED_OUTPUT" in HELP
     assert parser.parse_args([]).enable_bcg_shared_output is None
-    assert parser.parse_args(["--no-enable-bcg-shared-output"]).enable_bcg_shared_output is False
+    assert parser.parse_args(["--no-enable-bcg-shared-output"]).enable_bcg_shared_output == "off"
+    assert parser.parse_args(["--enable-bcg-shared-output=Released"]).enable_bcg_shared_output == "released"
+    assert parser.parse_args(["--enable-bcg-shared-output", "1"]).enable_bcg_shared_output == "on"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--enable-bcg-shared-output=maybe"])
 
     class Result:
         pass
@@ -145,6 +149,8 @@ def test_flag_hooks(monkeypatch: pytest.MonkeyPatch) -> None:
     assert off._bcg_shared_output is False and os.environ["SGLANG_ENABLE_BCG_SHARED_OUTPUT"] == "0"
     on = after_from_cli_args(Result(), Result, parser.parse_args(["--enable-bcg-shared-output"]))
     assert on._bcg_shared_output is True and os.environ["SGLANG_ENABLE_BCG_SHARED_OUTPUT"] == "1"
+    released = after_from_cli_args(Result(), Result, parser.parse_args(["--enable-bcg-shared-output=released"]))
+    assert released._bcg_shared_output == "released" and os.environ["SGLANG_ENABLE_BCG_SHARED_OUTPUT"] == "released"
 
 
 def test_register_is_idempotent(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -1,0 +1,78 @@
+"""What the installed SGLang's own breakable backend does with outputs: our default inside SGLang.
+
+Installing the plugin must not change SGLang's memory behaviour by itself, so with neither
+``--enable-bcg-shared-output`` nor ``SGLANG_ENABLE_BCG_SHARED_OUTPUT`` our SGLang-integrated
+backend shares exactly when the installed SGLang's built-in ``BreakableCudaGraphBackend``
+would. That is *detected* from the installed class, not assumed from a version number:
+
+* SGLang 0.5.23: ``__init__`` creates ``_shared_output_buffer`` and ``capture_one`` fills it
+  (``_alloc_full_buffer``) and copies every key's output into it (``_copy_output_to_buffer``)
+  with no switch around it: it **always** shares, so our default is ``on``;
+* a class without those names does not share: ``off``;
+* the names present but the source also mentions a switch (a later SGLang that made sharing
+  optional), or no source to read: unknown, so ``off`` (the safe value: one output per key),
+  and ``sglang-bcg doctor`` says so.
+
+Only this backend follows SGLang's default; our standalone backends stay ``off`` by default.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from dataclasses import dataclass
+
+from ..output_mode import OFF, ON, OutputMode
+
+#: Names whose presence in SGLang's ``capture_one`` means "copies every output into one buffer".
+SHARING_NAMES = ("_shared_output_buffer", "_alloc_full_buffer", "_copy_output_to_buffer")
+#: Words that would make that sharing conditional (then we cannot tell what SGLang does).
+SWITCH_WORDS = ("share_output", "enable_bcg", "reuse_output")
+
+
+@dataclass(frozen=True, slots=True)
+class BuiltinPolicy:
+    """Whether SGLang's built-in BCG shares outputs (``None``: cannot tell) and why."""
+
+    shares: bool | None
+    reason: str
+
+    @property
+    def default_mode(self) -> OutputMode:
+        return ON if self.shares else OFF
+
+    def default_reason(self) -> str:
+        return f"default: {self.default_mode}, the installed SGLang's own behaviour: {self.reason}"
+
+
+def inspect_builtin(cls: type) -> BuiltinPolicy:
+    """Read ``cls`` (SGLang's ``BreakableCudaGraphBackend`` or a stand-in) for its output policy."""
+    name = cls.__qualname__
+    try:
+        capture = inspect.getsource(cls.capture_one)
+        init = inspect.getsource(cls.__init__)
+    except (OSError, TypeError, AttributeError) as exc:
+        return BuiltinPolicy(None, f"cannot read {name}'s source ({type(exc).__name__}); assuming it does not share")
+    if not all(n in capture for n in SHARING_NAMES) or SHARING_NAMES[0] not in init:
+        return BuiltinPolicy(False, f"{name}.capture_one keeps one output per shape key")
+    switches = [w for w in SWITCH_WORDS if w in capture.lower()]
+    if switches:
+        return BuiltinPolicy(
+            None, f"{name}.capture_one shares under a switch ({', '.join(switches)}) this plugin does not know; assuming off"
+        )
+    return BuiltinPolicy(True, f"{name}.capture_one always copies outputs into one _shared_output_buffer")
+
+
+@functools.cache
+def sglang_builtin_policy() -> BuiltinPolicy:
+    """The installed SGLang's policy (read once per process)."""
+    try:
+        from sglang.srt.model_executor.runner_backend.breakable_cuda_graph_backend import BreakableCudaGraphBackend
+    except Exception as exc:  # noqa: BLE001 - any import failure means "cannot tell"
+        return BuiltinPolicy(None, f"SGLang's breakable backend does not import ({type(exc).__name__}: {exc})")
+    return inspect_builtin(BreakableCudaGraphBackend)
+
+
+def sglang_builtin_shares() -> bool | None:
+    """Whether the installed SGLang's built-in BCG shares outputs (``None``: cannot tell)."""
+    return sglang_builtin_policy().shares

@@ -1,0 +1,154 @@
+"""The output mode: ``off``, ``on`` or ``released``, and how one switch resolves to it.
+
+Why three modes: a CUDA graph's output lives at a fixed address that its next replay rewrites.
+
+* ``off``: every key keeps the output its own graph wrote (one output per key is resident);
+* ``on``: keys of one stream partition hand out views of one shared buffer (one output per
+  partition is resident; valid until the next replay of the partition);
+* ``released``: the output is handed out as a non-owning alias of graph-pool memory and the
+  graph's strong references are dropped, so the memory goes back to the pool (nothing is
+  resident; valid until the next replay of *any* graph of the same pool; see
+  :mod:`sglang_bcg_plugin.released`).
+
+The one switch is ``share_output`` / ``--enable-bcg-shared-output`` /
+``SGLANG_ENABLE_BCG_SHARED_OUTPUT``; its values:
+
+* ``BackendOptions(share_output=False | True | "released" | None)`` (``None``: follow the
+  flag / environment);
+* the environment variable: ``1/0``, ``true/false``, ``yes/no``, ``on/off`` or ``released``
+  (any case, surrounding whitespace allowed; empty means unset);
+* the SGLang flag (``integration.flag``) stores ``True``, ``False`` or ``"released"`` in
+  ``server_args._bcg_shared_output``.
+
+Precedence: explicit option > the flag's stash > the environment variable > the backend's
+default (off for our standalone backends; the installed SGLang's own behaviour for the
+SGLang-integrated backend, see ``integration.builtin``).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Literal
+
+from ._constants import ENV_SHARE_OUTPUT, SERVER_ARGS_STASH
+
+OutputMode = Literal["off", "on", "released"]
+OFF: OutputMode = "off"
+ON: OutputMode = "on"
+RELEASED: OutputMode = "released"
+MODES: tuple[OutputMode, ...] = (OFF, ON, RELEASED)
+
+_TRUE = frozenset({"1", "true", "yes", "on"})
+_FALSE = frozenset({"0", "false", "no", "off"})
+#: What every "not a mode" error lists (the boolean spellings first, as they always were).
+ACCEPTED_TEXT = "1/0, true/false, yes/no, on/off (sharing on/off) or released"
+
+
+def check_share_output(value: object, *, name: str = "BackendOptions.share_output") -> None:
+    """Validate one ``share_output`` option value: ``False``, ``True``, ``"released"`` or ``None``.
+
+    The single validation point for the option (``BackendOptions`` and anything else that
+    accepts it call this).
+
+    :raises TypeError: anything else, naming ``name``, the value and what is accepted.
+    """
+    if value is None or isinstance(value, bool) or (isinstance(value, str) and value == RELEASED):
+        return
+    msg = (
+        f"{name} must be False (off), True (on), 'released' or None (follow "
+        f"--enable-bcg-shared-output / {ENV_SHARE_OUTPUT}), got {value!r} of type {type(value).__name__}"
+    )
+    raise TypeError(msg)
+
+
+def mode_of_option(value: bool | str | None) -> OutputMode | None:
+    """The mode an already-validated option value selects (``None``: not set)."""
+    check_share_output(value)
+    if value is None:
+        return None
+    if value is True:
+        return ON
+    return OFF if value is False else RELEASED
+
+
+def parse_mode_text(raw: str | None, *, what: str = ENV_SHARE_OUTPUT) -> OutputMode | None:
+    """Parse a textual mode (environment variable or flag value); ``None`` when unset/empty.
+
+    :raises ValueError: not one of :data:`ACCEPTED_TEXT`, naming ``what`` and the value.
+    """
+    if raw is None or not raw.strip():
+        return None
+    value = raw.strip().lower()
+    if value in _TRUE:
+        return ON
+    if value in _FALSE:
+        return OFF
+    if value == RELEASED:
+        return RELEASED
+    msg = f"{what}={raw!r} is not an output mode; use one of {ACCEPTED_TEXT}"
+    raise ValueError(msg)
+
+
+def _mode_of_stash(stash: object) -> OutputMode:
+    if isinstance(stash, bool):
+        return ON if stash else OFF
+    if isinstance(stash, str):
+        mode = parse_mode_text(stash, what=f"server_args.{SERVER_ARGS_STASH}")
+        if mode is not None:
+            return mode
+    msg = (
+        f"server_args.{SERVER_ARGS_STASH}={stash!r} is not an output mode; expected True, "
+        "False or 'released' (set by --enable-bcg-shared-output)"
+    )
+    raise ValueError(msg)
+
+
+@dataclass(frozen=True, slots=True)
+class Resolution:
+    """A resolved output mode and where it came from (for logs and ``sglang-bcg doctor``)."""
+
+    mode: OutputMode
+    source: str
+
+    def describe(self) -> str:
+        return f"{self.mode} ({self.source})"
+
+
+def explain_output_mode(
+    explicit: bool | str | None = None,
+    *,
+    server_args: object | None = None,
+    environ: Mapping[str, str] | None = None,
+    default: OutputMode = OFF,
+    default_reason: str = "default: off",
+) -> Resolution:
+    """Resolve the output mode and say why (see the module docstring for the precedence).
+
+    :raises TypeError: ``explicit`` is not a valid option value.
+    :raises ValueError: the flag's stash or the environment variable is not a mode.
+    """
+    mode = mode_of_option(explicit)
+    if mode is not None:
+        return Resolution(mode, f"BackendOptions.share_output={explicit!r}")
+    stash = getattr(server_args, SERVER_ARGS_STASH, None) if server_args is not None else None
+    if stash is not None:
+        return Resolution(_mode_of_stash(stash), f"--enable-bcg-shared-output (server_args.{SERVER_ARGS_STASH}={stash!r})")
+    env = os.environ if environ is None else environ
+    raw = env.get(ENV_SHARE_OUTPUT)
+    from_env = parse_mode_text(raw)
+    if from_env is not None:
+        return Resolution(from_env, f"{ENV_SHARE_OUTPUT}={raw!r}")
+    return Resolution(default, default_reason)
+
+
+def resolve_output_mode(
+    explicit: bool | str | None = None,
+    *,
+    server_args: object | None = None,
+    environ: Mapping[str, str] | None = None,
+    default: OutputMode = OFF,
+) -> OutputMode:
+    """:func:`explain_output_mode` without the reason."""
+    return explain_output_mode(explicit, server_args=server_args, environ=environ, default=default).mode

@@ -1,0 +1,123 @@
+"""Released outputs: zero-copy outputs that live in graph-pool memory (output mode ``released``).
+
+After a capture, the graph's output tensors are replaced by *non-owning aliases* (fresh
+storage objects over the same device memory, built with
+``torch._C._construct_storage_from_data_pointer``; SGLang's ``sgl_kernel.weak_ref_tensor`` is
+the same idea) and every strong reference is dropped. The caching allocator then sees the
+output's blocks as free memory of the graph pool, and later captures into that pool reuse them
+for their own intermediates. So nothing is resident for outputs (graph memory = the floor),
+at a price: a replayed output is valid only until the **next replay of any graph of the same
+pool**, which may write its intermediates there. This is vLLM's ``weak_ref_output`` and the
+semantics of torch's CUDA Graph Trees.
+
+Only device memory is aliased (``ALIAS_DEVICE_TYPES``): a CPU leaf of an output is not graph
+memory and is kept as it is. Engines that do not own their output memory through a graph pool
+(the eager engine) keep strong references instead; ``released`` then behaves like ``off``.
+
+:class:`PoolGuard` is the stale-output guard of this mode: every replay of a graph of a pool
+poisons the released output handed out by the previous replay of *another* graph of that pool
+(process-wide: SGLang's graph pool is shared by every runner of the process).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Hashable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .trees import flatten, unflatten
+
+#: Device types whose output memory is graph-pool memory (tests add ``"cpu"`` with a stand-in
+#: graph that keeps its own storage alive).
+ALIAS_DEVICE_TYPES = frozenset({"cuda"})
+
+
+def released_supported() -> bool:
+    """Whether this torch build can build non-owning aliases (CUDA and CPU builds can)."""
+    return hasattr(torch._C, "_construct_storage_from_data_pointer")
+
+
+def alias(t: torch.Tensor) -> torch.Tensor:
+    """A tensor over ``t``'s memory through a fresh storage object that owns nothing."""
+    storage = t.untyped_storage()
+    if storage.nbytes() == 0:
+        return torch.empty(t.shape, dtype=t.dtype, device=t.device)
+    fresh = torch._C._construct_storage_from_data_pointer(storage.data_ptr(), t.device, storage.nbytes())
+    out = torch.empty(0, dtype=t.dtype, device=t.device)
+    out.set_(fresh, t.storage_offset(), t.shape, t.stride())
+    return out
+
+
+def _maybe_alias(t: torch.Tensor) -> torch.Tensor:
+    return alias(t) if t.device.type in ALIAS_DEVICE_TYPES else t
+
+
+def release_output(output: Any) -> Any:
+    """``output`` with every device tensor leaf replaced by a non-owning alias.
+
+    The caller must drop its own references to ``output`` for the memory to go back to the pool.
+
+    :raises RuntimeError: this torch build cannot build aliases.
+    """
+    if not released_supported():
+        msg = (
+            "output mode 'released' needs torch._C._construct_storage_from_data_pointer, which "
+            f"this torch build ({torch.__version__}) lacks; use share_output=True instead"
+        )
+        raise RuntimeError(msg)
+    spec, leaves = flatten(output)
+    return unflatten(spec, [_maybe_alias(t) for _, t in leaves])
+
+
+@dataclass(eq=False)
+class _Handout:
+    owner: int
+    key: Hashable
+    tensors: list[torch.Tensor]
+
+
+class PoolGuard:
+    """Process-wide record, per graph pool, of the released output handed out last."""
+
+    def __init__(self) -> None:
+        self._last: dict[Hashable, _Handout] = {}
+        self._lock = threading.Lock()
+
+    def replayed(self, pool: Hashable, owner: object, key: Hashable, released: Any = None) -> Any:
+        """Record that ``owner`` replayed ``key``'s graph in ``pool``.
+
+        Poisons the released output the previous replay of another graph of ``pool`` handed
+        out. ``released``, when given, is this replay's released output: it is returned as fresh
+        aliases (so a later poisoning cannot touch the backend's own record) and remembered.
+        """
+        with self._lock:
+            prev = self._last.get(pool)
+            if prev is not None and (prev.owner, prev.key) != (id(owner), key):
+                msg = (
+                    f"stale output: this view was returned by replay({prev.key!r}) in output mode "
+                    f"'released' (it lives in free graph-pool memory) and replay({key!r}), another "
+                    "graph of the same pool, has since run and may have overwritten it; read or "
+                    "clone a released output before any other graph of the pool replays"
+                )
+                for t in prev.tensors:
+                    torch._C._set_storage_access_error_msg(t, msg)
+                del self._last[pool]
+            if released is None:
+                return None
+            spec, leaves = flatten(released)
+            fresh = [_maybe_alias(t) for _, t in leaves]
+            self._last[pool] = _Handout(id(owner), key, [t for t in fresh if t.device.type in ALIAS_DEVICE_TYPES])
+            return unflatten(spec, fresh)
+
+    def forget(self, owner: object) -> None:
+        """Drop the records of ``owner`` (its ``cleanup()``)."""
+        with self._lock:
+            for pool in [p for p, h in self._last.items() if h.owner == id(owner)]:
+                del self._last[pool]
+
+
+#: The one guard of the process (SGLang's graph pool is process-global).
+POOL_GUARD = PoolGuard()

@@ -1,0 +1,277 @@
+"""SGLang 0.5.23's BCG engine on one GPU without a server: the stand-ins it needs, a decoder,
+and the measurements (shared by ``sglang_gpu_driver.py`` and ``test_sglang_gpu.py``).
+
+Stand-ins, and nothing else: a one-rank TP group (``get_parallel().override_permanently``)
+whose ``barrier()`` synchronizes the device; a graph runner exposing ``model_runner`` (with
+``server_args``), ``device_module`` (``torch.cuda``) and the row hooks
+``cuda_graph_output_rows`` / ``cuda_graph_output_capacity_rows``; and the published
+``ServerArgs`` (``set_global_server_args_for_scheduler``), which a capture session reads through
+``get_exec()``. On ``--device cpu`` the CUDA graph primitive is also stood in
+(``tests/sglang/cpu_graph_standin.py``) so the code path can be dry-run without a GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import statistics
+import sys
+import time
+import warnings
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+SGLANG_TESTS = HERE.parent / "sglang"
+ENV_SHARE = "SGLANG_ENABLE_BCG_SHARED_OUTPUT"
+ENV_BUF = "SGLANG_BCG_SHARED_BUFFER"
+ENV_GUARD = "SGLANG_BCG_STALE_OUTPUT_GUARD"
+
+
+def import_sglang() -> None:
+    """Import the SGLang modules used here, quietly (its import warnings are not ours)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            import torchvision  # noqa: F401
+        except Exception:  # noqa: BLE001 - the bundle installs a stand-in where it is missing
+            sys.path.insert(0, str(SGLANG_TESTS))
+            import torchvision_standin
+
+            torchvision_standin.install()
+        import sglang.srt.layers.logits_processor  # noqa: F401
+        import sglang.srt.model_executor.runner.shape_key  # noqa: F401
+        import sglang.srt.model_executor.runner_backend.breakable_cuda_graph_backend  # noqa: F401
+        import sglang.srt.server_args  # noqa: F401
+
+
+class OneRankGroup:
+    """What SGLang's BCG backend needs of the TP group: a ``barrier()`` (one rank: a sync)."""
+
+    def __init__(self, cuda: bool) -> None:
+        self.cuda = cuda
+
+    def barrier(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize()
+
+
+class Runner:
+    """What SGLang's BCG backend reads from a graph runner (``base_cuda_graph_runner``)."""
+
+    def __init__(self, server_args: Any, device_module: Any, device: str, rows: Callable[[Any], int | None] | None = None) -> None:
+        self.model_runner = SimpleNamespace(device=device, gpu_id=0, server_args=server_args)
+        self.device_module = device_module
+        self.rows = rows
+
+    def cuda_graph_output_rows(self, output: Any) -> int | None:
+        return None if self.rows is None else self.rows(output)
+
+    def cuda_graph_output_capacity_rows(self, output: Any) -> int | None:
+        return None
+
+
+def shape_key(size: int, stream_idx: int | None = None) -> Any:
+    from sglang.srt.model_executor.runner.shape_key import ShapeKey
+
+    return ShapeKey(size=size, stream_idx=stream_idx, variant_label=None, attention_variant=None)
+
+
+def install_sglang(cuda: bool) -> Any:
+    """Publish ``ServerArgs``, install the one-rank group; returns the ``ServerArgs``."""
+    import_sglang()
+    from sglang.srt.runtime_context import get_parallel
+    from sglang.srt.server_args import prepare_server_args, set_global_server_args_for_scheduler
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        server_args = prepare_server_args(["--model-path", "dummy"])
+    set_global_server_args_for_scheduler(server_args)
+    get_parallel().override_permanently(tp_group=OneRankGroup(cuda))
+    if not cuda:
+        sys.path.insert(0, str(SGLANG_TESTS))
+        from cpu_graph_standin import SegmentGraph
+
+        torch.cuda.CUDAGraph = SegmentGraph  # type: ignore[misc,assignment]
+    return server_args
+
+
+def sglang_attention() -> Callable[..., None]:
+    """The bench decoder's attention as an SGLang ``eager_on_graph`` break (RadixAttention-like:
+    the output is allocated by the caller inside the segment, the break writes it)."""
+    from sglang.srt.model_executor.runner_backend_utils.breakable_cuda_graph import eager_on_graph
+
+    from sglang_bcg_plugin.bench.model import attention_op
+
+    @eager_on_graph
+    def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, num_heads: int, num_kv_heads: int) -> None:
+        attention_op(q, k, v, out, num_heads, num_kv_heads)
+
+    return attention
+
+
+class Setup:
+    """One process's model, inputs, capture stream and measurements."""
+
+    @staticmethod
+    def add_arguments(ap: argparse.ArgumentParser) -> None:
+        ap.add_argument("--device", default="cuda")
+        ap.add_argument("--hidden", type=int, default=2880)
+        ap.add_argument("--layers", type=int, default=4)
+        ap.add_argument("--heads", type=int, default=45)
+        ap.add_argument("--kv-heads", type=int, default=5)
+        ap.add_argument("--intermediate", type=int, default=2880)
+        ap.add_argument("--dtype", default="bfloat16")
+        ap.add_argument("--max-tokens", type=int, default=16384)
+        ap.add_argument("--repeats", type=int, default=20)
+        ap.add_argument("--cycles", type=int, default=10)
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace, *, needs_sglang: bool = True) -> Setup:
+        return cls(vars(args), needs_sglang=needs_sglang)
+
+    def __init__(self, opts: dict[str, Any], *, needs_sglang: bool = True) -> None:
+        from sglang_bcg_plugin.bench.sizes import prefill_capture_sizes
+
+        self.opts = opts
+        self.device = str(opts["device"])
+        self.cuda = self.device.startswith("cuda")
+        self.repeats = int(opts["repeats"])
+        self.sizes = sorted(prefill_capture_sizes(int(opts["max_tokens"])), reverse=True)
+        if not needs_sglang:
+            return
+        from sglang_bcg_plugin.bench.model import SyntheticDecoder
+
+        self.server_args = install_sglang(self.cuda)
+        self.model = SyntheticDecoder(self.decoder_config(), attention=sglang_attention())
+        self.x = torch.randn(self.sizes[0], int(opts["hidden"]), dtype=self.dtype, device=self.device)
+        self.stream = torch.cuda.Stream() if self.cuda else None
+        with torch.no_grad(), self.on_stream():  # lazy kernels and cuBLAS workspaces first
+            self.model(self.x)
+            self.model(self.x[:4])
+        self.sync()
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return getattr(torch, str(self.opts["dtype"]))  # type: ignore[no-any-return]
+
+    def decoder_config(self) -> Any:
+        from sglang_bcg_plugin.bench.model import DecoderConfig
+
+        o = self.opts
+        return DecoderConfig(o["hidden"], o["layers"], o["heads"], o["kv_heads"], o["intermediate"], self.dtype, self.device)
+
+    def device_module(self) -> Any:
+        if self.cuda:
+            return torch.cuda
+        from cpu_graph_standin import FakeDeviceModule
+
+        return FakeDeviceModule()
+
+    def runner(self, rows: Callable[[Any], int | None] | None = None) -> Runner:
+        return Runner(self.server_args, self.device_module(), self.device, rows)
+
+    def backend(self, kind: str, runner: Runner | None = None) -> Any:
+        from sglang.srt.model_executor.runner_backend.breakable_cuda_graph_backend import BreakableCudaGraphBackend
+
+        from sglang_bcg_plugin.integration import sglang_breakable_backend_class
+
+        cls = BreakableCudaGraphBackend if kind == "builtin" else sglang_breakable_backend_class()
+        return cls(runner or self.runner(), enable_memory_saver=False, debug_eager=False)
+
+    def sync(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize()
+
+    @contextlib.contextmanager
+    def on_stream(self) -> Iterator[None]:
+        if self.stream is None:
+            yield
+            return
+        self.stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self.stream):
+            yield
+        torch.cuda.current_stream().wait_stream(self.stream)
+
+    def forward_for(self, size: int, *, keep: bool = True, output: str = "tensor") -> Callable[[], Any]:
+        x = self.x[:size]
+
+        def forward() -> Any:
+            h = self.model(x)
+            if not keep:
+                return None  # the floor: the output is released inside its graph
+            if output == "logits":
+                from sglang.srt.layers.logits_processor import LogitsProcessorOutput
+
+                return LogitsProcessorOutput(next_token_logits=h)
+            return h
+
+        return forward
+
+    def capture(self, backend: Any, sizes: list[int], *, keep: bool = True, output: str = "tensor") -> None:
+        """One capture session over ``sizes`` (largest first), on the capture stream, as
+        SGLang's runners do (``graph_capture`` makes the capture stream current)."""
+        with torch.no_grad(), self.on_stream(), backend.capture_session(self.stream):
+            for size in sizes:
+                backend.capture_one(shape_key(size), self.forward_for(size, keep=keep, output=output), capture_inputs=self.x)
+        self.sync()
+
+    def replay(self, backend: Any, size: int, stream_idx: int | None = None) -> Any:
+        with backend.replay_session():
+            return backend.replay(shape_key(size, stream_idx), None)
+
+    def refill(self) -> None:
+        self.x.copy_(torch.randn_like(self.x))
+
+    def max_error(self, backend: Any, sizes: list[int], leaf: Callable[[Any], torch.Tensor]) -> float:
+        worst = 0.0
+        with torch.no_grad():
+            for size in sizes:
+                out = leaf(self.replay(backend, size)).clone()  # read before anything else replays
+                ref = self.model(self.x[:size])
+                worst = max(worst, float((out.float() - ref.float()).abs().max()))
+        return worst
+
+    def time_replay(self, backend: Any, size: int) -> float:
+        for _ in range(3):
+            self.replay(backend, size)
+        self.sync()
+        times = []
+        for _ in range(self.repeats):
+            if self.cuda:
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                self.replay(backend, size)
+                end.record()
+                end.synchronize()
+                times.append(start.elapsed_time(end))
+            else:
+                t0 = time.perf_counter()
+                self.replay(backend, size)
+                times.append((time.perf_counter() - t0) * 1e3)
+        return statistics.median(times)
+
+    def memory(self) -> dict[str, int]:
+        gc.collect()
+        if not self.cuda:
+            return {"free": 0, "reserved": 0}
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        return {"free": int(torch.cuda.mem_get_info()[0]), "reserved": int(torch.cuda.memory_reserved())}
+
+    @staticmethod
+    def memory_delta(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
+        return {"graph_bytes": before["free"] - after["free"], "reserved_bytes": after["reserved"] - before["reserved"]}
+
+    def device_name(self) -> str:
+        return torch.cuda.get_device_name(0) if self.cuda else "cpu"
+
+
+def one_output_bytes(setup: Setup) -> int:
+    """Bytes of one largest output (``max_tokens x hidden``)."""
+    return int(setup.opts["max_tokens"]) * int(setup.opts["hidden"]) * torch.empty(0, dtype=setup.dtype).element_size()

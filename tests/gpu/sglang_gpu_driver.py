@@ -1,0 +1,214 @@
+"""One measurement variant per process on SGLang 0.5.23's real BCG engine (and our engines).
+
+``python tests/gpu/sglang_gpu_driver.py VARIANT [--max-tokens N ...]`` prints one line
+``RESULT={json}``. SGLang's graph pool and hooks are per process, so every SGLang variant runs
+in a fresh interpreter (:func:`run_variants` spawns them one after another). What runs is
+SGLang's own code: ``BreakableCudaGraphBackend`` (warmups, global graph pool, dedup plumbing,
+``BreakableCUDAGraph`` segments, ``eager_on_graph`` breaks); the stand-ins are a one-rank TP
+group (``barrier()`` synchronizes), a runner exposing ``model_runner.server_args``,
+``device_module`` and the two row hooks, and the published ``ServerArgs``.
+
+The model is the tokens-first synthetic decoder of ``sglang_bcg_plugin.bench.model``
+(``[tokens, hidden]``; per layer RMSNorm, qkv, attention, o_proj, MLP) whose attention is an
+SGLang ``eager_on_graph`` break writing into an output allocated inside the segment, as
+``RadixAttention._eager_attention`` does. Variants: ``builtin`` (SGLang's class), ``floor``
+(SGLang's class, every output released inside its graph: the forward returns ``None``), ours
+``off`` / ``on`` (reserve) / ``on-adopt`` / ``default`` (no flag, no env) / ``released``,
+``dataclass`` and ``builtin-dataclass`` (a ``LogitsProcessorOutput``, 8 sizes), ``recapture``
+(cycles of capture / replay / cleanup, the mode changing every cycle) and
+``builtin-recapture`` (SGLang's class captured again after its cleanup), and ``engines`` (our
+own breakable and full engines, adopt vs reserve vs released vs floor, one process).
+
+Memory is the ``torch.cuda.mem_get_info`` delta over the capture session after
+``empty_cache``; replay is the median of ``--repeats`` replays of the largest size (CUDA
+events); max abs err is replay vs the eager forward over every size after the input changed.
+``--device cpu`` dry-runs the same code with the CPU graph stand-in of ``tests/sglang``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+STARTED = time.perf_counter()
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent.parent
+sys.path[:0] = [str(ROOT), str(HERE)]
+
+import torch  # noqa: E402
+
+from sglang_bcg_setup import ENV_BUF, ENV_SHARE, Setup, one_output_bytes  # noqa: E402
+
+#: variant -> (backend class "builtin"/"ours", env, keep the output, output kind, sizes limit)
+CAPTURE_VARIANTS: dict[str, tuple[str, dict[str, str], bool, str, int | None]] = {
+    "builtin": ("builtin", {}, True, "tensor", None),
+    "floor": ("builtin", {}, False, "tensor", None),
+    "off": ("ours", {ENV_SHARE: "0"}, True, "tensor", None),
+    "on": ("ours", {ENV_SHARE: "1"}, True, "tensor", None),
+    "on-adopt": ("ours", {ENV_SHARE: "1", ENV_BUF: "adopt"}, True, "tensor", None),
+    "default": ("ours", {}, True, "tensor", None),
+    "released": ("ours", {ENV_SHARE: "released"}, True, "tensor", None),
+    "dataclass": ("ours", {ENV_SHARE: "1"}, True, "logits", 8),
+    "builtin-dataclass": ("builtin", {}, True, "logits", 8),
+}
+SPECIAL = ("recapture", "builtin-recapture", "engines")
+ALL = (*CAPTURE_VARIANTS, *SPECIAL)
+
+
+def _leaf(out: Any) -> torch.Tensor:
+    return out if isinstance(out, torch.Tensor) else out.next_token_logits
+
+
+def capture_variant(setup: Setup, name: str) -> dict[str, Any]:
+    kind, env, keep, output, limit = CAPTURE_VARIANTS[name]
+    os.environ.update(env)
+    sizes = setup.sizes[:limit] if limit else setup.sizes
+    backend = setup.backend(kind)
+    row: dict[str, Any] = {"variant": name, "backend": kind, "num_sizes": len(sizes), "max_tokens": sizes[0]}
+    before = setup.memory()
+    start = time.perf_counter()
+    try:
+        setup.capture(backend, sizes, keep=keep, output=output)
+    except Exception as exc:  # noqa: BLE001 - a refused output type is a finding
+        row.update(error=f"{type(exc).__name__}: {exc}"[:400])
+        return row
+    row["capture_s"] = time.perf_counter() - start
+    after = setup.memory()
+    row.update(setup.memory_delta(before, after))
+    mode = getattr(backend, "last_output_mode", None)
+    row["mode"] = None if mode is None else mode.describe()
+    if kind == "ours":
+        report = backend.memory_report()
+        row.update(resident_output_bytes=report.resident_output_bytes, logical_output_bytes=report.logical_output_bytes,
+                   fallbacks=len(report.fallbacks))
+    if keep:
+        setup.refill()
+        row["max_abs_err"] = setup.max_error(backend, sizes, _leaf)
+    row["replay_ms"] = setup.time_replay(backend, sizes[0])
+    backend.cleanup()
+    return row
+
+
+def recapture(setup: Setup, cycles: int) -> dict[str, Any]:
+    """``cycles`` x (capture every size, check, cleanup); the mode changes every cycle."""
+    modes = ("on", "off", "released")
+    backend = setup.backend("ours")
+    base = setup.memory()
+    rows = []
+    probe = [setup.sizes[0], setup.sizes[len(setup.sizes) // 2], setup.sizes[-1]]
+    for i in range(cycles):
+        os.environ[ENV_SHARE] = {"on": "1", "off": "0", "released": "released"}[modes[i % 3]]
+        setup.capture(backend, setup.sizes, keep=True, output="tensor")
+        held = setup.memory()
+        setup.refill()
+        err = setup.max_error(backend, probe, _leaf)
+        backend.cleanup()
+        end = setup.memory()
+        rows.append({"cycle": i + 1, "mode": modes[i % 3], "max_abs_err": err,
+                     "graph_bytes": base["free"] - held["free"],
+                     "drift_free_bytes": base["free"] - end["free"],
+                     "drift_reserved_bytes": end["reserved"] - base["reserved"]})
+    # The hazardous path: capture again right after cleanup, no empty_cache in between.
+    small = setup.sizes[-4:]
+    os.environ[ENV_SHARE] = "1"
+    setup.capture(backend, small, keep=True, output="tensor")
+    backend.cleanup()
+    os.environ[ENV_SHARE] = "0"
+    setup.capture(backend, small, keep=True, output="tensor")
+    setup.refill()
+    again = setup.max_error(backend, small, _leaf)
+    backend.cleanup()
+    return {"variant": "recapture", "cycles": rows, "recapture_without_empty_cache_err": again,
+            "max_drift_free_bytes": max(abs(r["drift_free_bytes"]) for r in rows),
+            "max_drift_reserved_bytes": max(abs(r["drift_reserved_bytes"]) for r in rows)}
+
+
+def builtin_recapture(setup: Setup) -> dict[str, Any]:
+    """SGLang's own class: capture, cleanup, capture again in the same process."""
+    backend = setup.backend("builtin")
+    small = setup.sizes[:8]
+    setup.capture(backend, small, keep=True, output="tensor")
+    backend.cleanup()
+    errors = []
+    for _ in range(2):
+        try:
+            setup.capture(backend, small[-2:], keep=True, output="tensor")
+            errors.append(None)
+        except Exception as exc:  # noqa: BLE001 - the finding
+            errors.append(f"{type(exc).__name__}: {exc}"[:300])
+    return {"variant": "builtin-recapture", "second_capture": errors[0], "third_capture": errors[1]}
+
+
+def engines(setup: Setup) -> list[dict[str, Any]]:
+    """Our own engines at the same shapes: adopt vs reserve vs released vs floor."""
+    from sglang_bcg_plugin.bench import runner
+    from sglang_bcg_plugin.bench.workload import ModelShape, SyntheticWorkload
+
+    cfg = setup.decoder_config()
+    shape = ModelShape(cfg.hidden, cfg.layers, cfg.heads, cfg.kv_heads, cfg.hidden // cfg.heads, cfg.intermediate,
+                       cfg.dtype, cfg.device)
+    workload = SyntheticWorkload(shape)
+    rows = []
+    for backend in ("breakable", "full"):
+        runner.warm_up(workload, [backend])
+        for variant in ("adopt", "reserve", "released", "floor"):
+            row = runner.run_variant(backend, variant, workload, setup.sizes, repeats=setup.repeats, progress=False)
+            rows.append({**row.to_dict(), "share_output": str(row.share_output)})
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("variant", choices=ALL)
+    Setup.add_arguments(ap)
+    args = ap.parse_args(argv)
+    for var in (ENV_SHARE, ENV_BUF):
+        os.environ.pop(var, None)
+    setup = Setup.from_args(args, needs_sglang=args.variant != "engines")
+    ready = time.perf_counter() - STARTED
+    if args.variant == "recapture":
+        result: Any = recapture(setup, args.cycles)
+    elif args.variant == "builtin-recapture":
+        result = builtin_recapture(setup)
+    elif args.variant == "engines":
+        result = engines(setup)
+    else:
+        result = capture_variant(setup, args.variant)
+    meta = {"one_output_bytes": one_output_bytes(setup), "device": setup.device_name(), "torch": torch.__version__,
+            "setup_s": round(ready, 1), "total_s": round(time.perf_counter() - STARTED, 1)}
+    print("RESULT=" + json.dumps({"meta": meta, "result": result}), flush=True)
+    return 0
+
+
+def run_variants(variants: list[str], extra: list[str], *, timeout: float = 120, env: dict[str, str] | None = None) -> dict[str, Any]:
+    """Run each variant in its own fresh interpreter, one after another; ``{variant: result}``."""
+    out: dict[str, Any] = {}
+    child_env = {k: v for k, v in os.environ.items() if k not in (ENV_SHARE, ENV_BUF)}
+    child_env.update(env or {})
+    for variant in variants:
+        proc = subprocess.run(
+            [sys.executable, str(Path(__file__)), variant, *extra],
+            capture_output=True, text=True, timeout=timeout, env=child_env, cwd=str(ROOT), check=False,
+        )
+        lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT=")]
+        if proc.returncode != 0 or not lines:
+            out[variant] = {"variant": variant, "error": f"rc={proc.returncode}", "stderr": proc.stderr[-3000:]}
+            continue
+        out[variant] = json.loads(lines[-1][len("RESULT="):])
+        results_dir = os.environ.get("SGLANG_BCG_GPU_RESULTS_DIR")
+        if results_dir:  # as it goes, so a run cut short still leaves what it measured
+            with Path(results_dir, "sglang_engine.jsonl").open("a") as f:
+                f.write(json.dumps({variant: out[variant]}) + "\n")
+        print(f"sglang_gpu_driver: {variant}: {json.dumps(out[variant])[:600]}", file=sys.stderr, flush=True)
+    return out
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,64 @@
+"""The output mode switch: values, precedence, and what each spelling resolves to."""
+
+from __future__ import annotations
+
+import pytest
+
+from sglang_bcg_plugin import BackendOptions, resolve_share_output
+from sglang_bcg_plugin.output_mode import (
+    ACCEPTED_TEXT,
+    check_share_output,
+    explain_output_mode,
+    mode_of_option,
+    parse_mode_text,
+    resolve_output_mode,
+)
+
+ENV = "SGLANG_ENABLE_BCG_SHARED_OUTPUT"
+
+
+@pytest.mark.parametrize(("raw", "mode"), [("1", "on"), ("ON", "on"), (" yes ", "on"), ("0", "off"), ("No", "off"),
+                                           ("released", "released"), (" RELEASED\t", "released"), ("", None), ("  ", None)])
+def test_text_spellings(raw: str, mode: str | None) -> None:
+    assert parse_mode_text(raw) == mode
+    assert resolve_output_mode(environ={ENV: raw}) == (mode or "off")
+    assert resolve_share_output(environ={ENV: raw}) is (mode in ("on", "released"))
+
+
+@pytest.mark.parametrize("raw", ["2", "release", "releasedd", "maybe"])
+def test_bad_text_names_the_source_and_the_choices(raw: str) -> None:
+    with pytest.raises(ValueError, match=rf"{ENV}=.*not an output mode.*1/0, true/false, yes/no, on/off.*released"):
+        resolve_output_mode(environ={ENV: raw})
+    assert "released" in ACCEPTED_TEXT
+
+
+def test_option_values() -> None:
+    assert [mode_of_option(v) for v in (None, True, False, "released")] == [None, "on", "off", "released"]
+    assert BackendOptions(share_output="released").share_output == "released"
+    for bad in ("on", "Released", 1, 0.0, "yes"):
+        with pytest.raises(TypeError, match=r"BackendOptions\.share_output must be False \(off\), True \(on\), 'released' or None"):
+            BackendOptions(share_output=bad)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="my_option must be"):
+        check_share_output([], name="my_option")
+
+
+def test_precedence_and_reasons() -> None:
+    class Stash:
+        def __init__(self, value: object) -> None:
+            self._bcg_shared_output = value
+
+    env = {ENV: "released"}
+    assert explain_output_mode(True, server_args=Stash(False), environ=env).source == "BackendOptions.share_output=True"
+    r = explain_output_mode(None, server_args=Stash("released"), environ={ENV: "0"})
+    assert (r.mode, r.source) == ("released", "--enable-bcg-shared-output (server_args._bcg_shared_output='released')")
+    assert explain_output_mode(None, server_args=Stash(False), environ=env).mode == "off"
+    assert explain_output_mode(None, server_args=object(), environ=env).describe() == f"released ({ENV}='released')"
+    d = explain_output_mode(None, environ={}, default="on", default_reason="default: SGLang shares")
+    assert d.describe() == "on (default: SGLang shares)"
+    assert resolve_output_mode(environ={}, default="released") == "released"
+    for bad in ("", 3):
+        with pytest.raises(ValueError, match=r"server_args\._bcg_shared_output=.*expected True, False or 'released'"):
+            explain_output_mode(None, server_args=Stash(bad), environ={})
+    with pytest.raises(ValueError, match="is not an output mode"):  # a stash string that parses badly
+        explain_output_mode(None, server_args=Stash("maybe"), environ={})
+    assert resolve_share_output("released", environ={}) is True

@@ -1,0 +1,106 @@
+"""Output mode ``released`` on CPU: aliases, the pool-wide guard, and our own backends.
+
+On a GPU a released output's memory goes back to the graph pool (``tests/gpu``). Here the
+eager engine's "graph" keeps its output storage alive, so aliasing CPU memory is safe and the
+mechanics (aliases handed out, nothing counted resident, values right) can be checked; the
+poison primitive of the CPU wheel is stood in as in ``test_guard.py``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from sglang_bcg_plugin import BackendOptions, ShapeKey, create_backend
+from sglang_bcg_plugin import released as rel
+
+
+@pytest.fixture
+def cpu_is_pool_memory(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(rel, "ALIAS_DEVICE_TYPES", frozenset({"cpu"}))
+
+
+def test_release_output_aliases_without_owning(cpu_is_pool_memory: None) -> None:
+    base = torch.arange(12.0).reshape(4, 3)
+    out = rel.release_output({"a": base[1:], "none": None, "empty": base[:0], "n": 3})
+    a = out["a"]
+    assert a.data_ptr() == base[1:].data_ptr() and a.stride() == base[1:].stride() and a.shape == (3, 3)
+    assert a.untyped_storage() is not base.untyped_storage()
+    base.add_(1)
+    assert torch.equal(a, base[1:])  # same memory, a fresh storage object
+    assert out["none"] is None and out["n"] == 3 and out["empty"].shape == (0, 3)
+    assert rel.alias(torch.empty(0)).shape == (0,)
+
+
+def test_release_output_keeps_non_pool_leaves() -> None:
+    t = torch.ones(2)
+    assert rel.release_output((t,))[0] is t  # CPU is not graph-pool memory by default
+
+
+def test_release_needs_the_alias_primitive(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delattr(torch._C, "_construct_storage_from_data_pointer")
+    assert not rel.released_supported()
+    with pytest.raises(RuntimeError, match="lacks; use share_output=True"):
+        rel.release_output(torch.ones(1))
+
+
+def test_pool_guard_poisons_other_graphs_of_the_pool(cpu_is_pool_memory: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    poisoned: list[tuple[int, str]] = []
+    monkeypatch.setattr(torch._C, "_set_storage_access_error_msg", lambda t, m: poisoned.append((id(t), m)), raising=False)
+    guard, a_owner, b_owner = rel.PoolGuard(), object(), object()
+    x = torch.ones(4, 2)
+    first = guard.replayed("pool", a_owner, "k1", x)
+    assert first.data_ptr() == x.data_ptr() and first is not x
+    again = guard.replayed("pool", a_owner, "k1", x)  # the same graph: nothing poisoned
+    assert poisoned == []
+    guard.replayed("other-pool", b_owner, "k1", x)  # another pool: nothing poisoned
+    assert poisoned == []
+    assert guard.replayed("pool", b_owner, "k1") is None  # the same key of another backend
+    assert [p[0] for p in poisoned] == [id(again)]
+    assert "replay('k1') in output mode 'released'" in poisoned[0][1] and "another graph of the same pool" in poisoned[0][1]
+    guard.replayed("pool", b_owner, "k2", (x, None))
+    guard.forget(b_owner)
+    guard.replayed("pool", a_owner, "k3")
+    assert len(poisoned) == 1  # b's records (both pools) were forgotten
+    assert guard._last.keys() == set()
+
+
+def _capture(backend: Any, xs: dict[ShapeKey, torch.Tensor]) -> None:
+    with backend.capture_session():
+        for key, x in xs.items():
+            backend.capture_one(key, lambda x=x: x * 2, capture_inputs=x)
+
+
+@pytest.mark.parametrize("name", ["breakable", "full"])
+def test_backends_released_on_the_eager_engine_keep_strong_outputs(name: str) -> None:
+    backend = create_backend(name, options=BackendOptions(share_output="released", engine="eager"))
+    xs = {ShapeKey(8): torch.randn(8, 2), ShapeKey(4): torch.randn(4, 2)}
+    _capture(backend, xs)
+    report = backend.memory_report()
+    assert report.resident_output_bytes == report.logical_output_bytes  # eager: like "off"
+    assert not any(k.shared for k in report.keys)
+    for key, x in xs.items():
+        torch.testing.assert_close(backend.replay(key), x * 2)
+
+
+def test_backend_released_on_a_pool_engine_hands_out_aliases(cpu_is_pool_memory: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The eager engine renamed "cuda" stands in for a pool engine (its graph keeps the memory)."""
+    from sglang_bcg_plugin import accounting
+
+    monkeypatch.setattr(accounting, "_reserved", lambda backend: None)  # no CUDA to measure
+    backend = create_backend("breakable", options=BackendOptions(share_output="released", engine="eager"))
+    backend._get_engine().name = "cuda"  # type: ignore[misc]
+    xs = {ShapeKey(8): torch.randn(8, 2), ShapeKey(4): torch.randn(4, 2)}
+    with backend.capture_session():
+        assert backend.output_mode_active == "released" and backend.share_output_active is False
+        outs = {k: backend.capture_one(k, lambda x=x: x * 2, capture_inputs=x) for k, x in xs.items()}
+    assert backend.output_mode_active is None
+    assert backend.memory_report().resident_output_bytes == 0
+    for key, x in xs.items():
+        x.copy_(torch.randn_like(x))
+        out = backend.replay(key)
+        assert out.data_ptr() == outs[key].data_ptr()
+        torch.testing.assert_close(out, x * 2)
+    backend.cleanup()
