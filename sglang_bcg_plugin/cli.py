@@ -26,14 +26,17 @@ def _positive(value: str) -> int:
 
 
 def _bench_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    p = sub.add_parser("bench", help="capture a synthetic decoder with each backend, sharing off and on")
+    p = sub.add_parser("bench", help="capture a model at SGLang's prefill sizes with each backend, sharing off and on")
+    p.add_argument("--model", choices=("synthetic", "llama"), default="synthetic",
+                   help="synthetic: our tokens-first decoder (default); llama: transformers' LlamaModel with random weights")
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
     p.add_argument("--backends", default="breakable,full,piecewise", help="comma-separated backend names")
-    p.add_argument("--variants", default=None, help="comma-separated of off,on,floor,guard (default: off,on; plus floor,guard on CUDA)")
+    p.add_argument("--variants", default=None, help="comma-separated of off,on,floor,guard,adopt,reserve (default: off,on; plus floor,guard on CUDA)")
     p.add_argument("--hidden", type=_positive, default=None, help="hidden size (default: 2880 on CUDA, 128 on CPU)")
     p.add_argument("--layers", type=_positive, default=None, help="decoder layers (default: 4 on CUDA, 2 on CPU)")
-    p.add_argument("--heads", type=_positive, default=None, help="attention heads (default: 45 on CUDA, 4 on CPU)")
-    p.add_argument("--kv-heads", type=_positive, default=None, help="key/value heads (default: 5 on CUDA, 2 on CPU)")
+    p.add_argument("--heads", type=_positive, default=None, help="attention heads (default: 45 on CUDA, 4 on CPU; llama: 64 / 4)")
+    p.add_argument("--kv-heads", type=_positive, default=None, help="key/value heads (default: 5 on CUDA, 2 on CPU; llama: 8 / 2)")
+    p.add_argument("--head-dim", type=_positive, default=None, help="llama only: head size (default: 64 on CUDA, 16 on CPU)")
     p.add_argument("--intermediate", type=_positive, default=None, help="MLP width (default: hidden, as gpt-oss-20b experts)")
     p.add_argument("--dtype", choices=sorted(_DTYPES), default=None, help="default: bfloat16 on CUDA, float32 on CPU")
     p.add_argument("--max-tokens", type=_positive, default=None, help="largest capture size (default: 16384 on CUDA, 256 on CPU)")
@@ -43,10 +46,10 @@ def _bench_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from .bench.model import DecoderConfig
     from .bench.output import format_table, write_json, write_plot
     from .bench.runner import VARIANTS, run_variant, warm_up
     from .bench.sizes import prefill_capture_sizes
+    from .bench.workload import WORKLOADS, ModelShape
     from .registry import available_backends
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -64,33 +67,42 @@ def _bench(args: argparse.Namespace) -> int:
     if bad:
         print(f"error: unknown variants {bad}; choose from {', '.join(VARIANTS)}", file=sys.stderr)
         return 2
-    hidden = args.hidden or (2880 if gpu else 128)
-    cfg = DecoderConfig(
+    llama = args.model == "llama"
+    hidden = args.hidden or (2880 if gpu else (64 if llama else 128))
+    heads = args.heads or ((64 if llama else 45) if gpu else 4)
+    shape = ModelShape(
         hidden=hidden,
         layers=args.layers or (4 if gpu else 2),
-        heads=args.heads or (45 if gpu else 4),
-        kv_heads=args.kv_heads or (5 if gpu else 2),
+        heads=heads,
+        kv_heads=args.kv_heads or ((8 if llama else 5) if gpu else 2),
+        head_dim=args.head_dim or ((64 if gpu else 16) if llama else hidden // heads),
         intermediate=args.intermediate or hidden,
         dtype=_DTYPES[args.dtype or ("bfloat16" if gpu else "float32")],
         device=device,
     )
-    sizes = prefill_capture_sizes(args.max_tokens or (16384 if gpu else 256))
+    try:
+        workload = WORKLOADS[args.model](shape)
+    except (ValueError, RuntimeError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    sizes = prefill_capture_sizes(args.max_tokens or (16384 if gpu else (64 if llama else 256)))
     repeats = args.repeats or (50 if gpu else 10)
     config = {
-        "hidden": cfg.hidden, "layers": cfg.layers, "heads": cfg.heads, "kv_heads": cfg.kv_heads,
-        "intermediate": cfg.intermediate, "dtype": str(cfg.dtype).removeprefix("torch."),
+        "model": args.model, "hidden": shape.hidden, "layers": shape.layers, "heads": shape.heads,
+        "kv_heads": shape.kv_heads, "head_dim": shape.head_dim,
+        "intermediate": shape.intermediate, "dtype": str(shape.dtype).removeprefix("torch."),
         "max_tokens": max(sizes), "num_sizes": len(sizes), "repeats": repeats,
         "backends": backends, "variants": variants, "torch": torch.__version__,
     }
     name = torch.cuda.get_device_name() if gpu else "cpu"
     print(f"sglang-bcg bench on {name}: {config}", file=sys.stderr)
     start = time.perf_counter()
-    warm_up(cfg, backends)
+    warm_up(workload, backends)
     rows = []
     for backend in backends:
         for variant in variants:
             t0 = time.perf_counter()
-            row = run_variant(backend, variant, cfg, sizes, repeats=repeats, progress=not args.no_progress)
+            row = run_variant(backend, variant, workload, sizes, repeats=repeats, progress=not args.no_progress)
             rows.append(row)
             print(f"  {backend}/{variant} done in {time.perf_counter() - t0:.1f} s: {row.to_dict()}", file=sys.stderr)
     print(format_table(rows))

@@ -88,3 +88,24 @@ class SlotStore:
 
     def clear(self) -> None:
         self._slots.clear()
+
+
+class PartitionStores:
+    """One :class:`SlotStore` per partition (``stream_idx``), made on first use."""
+
+    def __init__(self) -> None:
+        self._stores: dict[int | None, SlotStore] = {}
+
+    def __call__(self, partition: int | None) -> SlotStore:
+        """The store of ``partition``."""
+        store = self._stores.get(partition)
+        if store is None:
+            store = self._stores[partition] = SlotStore()
+        return store
+
+    def nbytes(self) -> dict[int | None, int]:
+        """Bytes held per partition."""
+        return {p: s.nbytes() for p, s in self._stores.items()}
+
+    def clear(self) -> None:
+        self._stores.clear()

@@ -330,3 +330,41 @@ def test_unsupported_output_type_is_a_clear_error(backend_name: str) -> None:
     with backend.capture_session(), pytest.raises(TypeError, match="unsupported output type"):
         backend.capture_one(ShapeKey(4), lambda: Opaque(x))
     assert not backend.has_shape(ShapeKey(4))
+
+
+def test_reserved_buffer_serves_every_key(backend_name: str) -> None:
+    """``shared_buffer="reserve"``: the buffer is allocated from the last warmup's output before
+    the first capture; every key, the first included, copies into it and hands out a view."""
+    model = Model()
+    backend = make_backend(backend_name, share=True, strict_outputs=True, shared_buffer="reserve")
+    xs = {s: torch.randn(s, model.hidden) for s in SIZES}
+    with backend.capture_session():
+        for s in SIZES:
+            backend.capture_one(ShapeKey(s), lambda s=s: xs[s] @ model.w)
+    report = backend.memory_report()
+    assert not report.fallbacks and all(k.shared for k in report.keys)
+    assert report.resident_output_bytes == max(SIZES) * model.hidden * 4
+    assert len({t for s in SIZES for t in _storages(backend.replay(ShapeKey(s)))}) == 1
+    for x in xs.values():
+        x.copy_(torch.randn_like(x))
+    for s in SIZES:
+        _assert_tree_equal(backend.replay(ShapeKey(s)), xs[s] @ model.w)
+
+
+def test_reserved_buffer_that_capture_does_not_fit_is_not_used(backend_name: str) -> None:
+    """The capture's output differs from the last warmup's (here: a dtype): the reservation is
+    dropped and the capture's own output is adopted, never a wrong buffer."""
+    model = Model()
+    backend = make_backend(backend_name, share=True, strict_outputs=True, shared_buffer="reserve")
+    x = torch.randn(16, model.hidden)
+    calls = iter(range(100))
+
+    def fwd() -> torch.Tensor:
+        out = x @ model.w
+        return out.double() if next(calls) == 2 else out  # warmups 0, 1 float; capture double
+
+    with backend.capture_session():
+        backend.capture_one(ShapeKey(16), fwd)
+    out = backend.replay(ShapeKey(16))
+    assert out.dtype == torch.float64
+    assert backend.memory_report().resident_output_bytes == 16 * model.hidden * 8

@@ -21,44 +21,22 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import threading
-import warnings
 from collections.abc import Callable, Hashable, Iterator
-from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import pluggy
-import torch
 
 from ..engines.base import CaptureRequest, CapturedGraph, Engine
 from ..engines.eager import EagerEngine
 from ..errors import CaptureStateError
-from ..guard import StaleOutputGuard, guard_supported
+from ..guard import StaleOutputGuard
 from ..manager import get_plugin_manager, hookimpl
 from ..options import BackendOptions, resolve_share_output
-from ..report import KeyReport, MemoryReport, claim_resident_bytes
+from ..report import MemoryReport
 from ..shape_key import check_key
 from ..sharing import BufferSource, OutputSharer
 from ..trees import collect_tensors, storage_key
-
-
-@dataclass(eq=False)
-class _Session:
-    share_output: bool
-    sharer: OutputSharer
-    stream: Any
-
-
-@dataclass(eq=False)
-class _Entry:
-    key: Hashable
-    graph: CapturedGraph
-    capture_inputs: Any
-    shared: bool
-    share_output: bool
-    fallback: str | None
-    logical_bytes: int
-    seconds: float | None = None
-    memory_bytes: int | None = None
+from .session import _Entry, _Session, buffer_source, make_guard, report_of, use_cuda
 
 
 class CaptureBackend:
@@ -106,14 +84,7 @@ class CaptureBackend:
         return self._get_engine().name
 
     def _use_cuda(self) -> bool:
-        if self._options.engine == "eager":
-            return False
-        if self._options.engine == "cuda":
-            if not torch.cuda.is_available():
-                msg = f"{self.name} backend: engine='cuda' but CUDA is not available; use 'auto' or 'eager'"
-                raise RuntimeError(msg)
-            return True
-        return torch.cuda.is_available()
+        return use_cuda(self._options.engine, self.name)
 
     def _get_engine(self) -> Engine:
         if self._engine is None:
@@ -132,37 +103,15 @@ class CaptureBackend:
                 msg = f"{self.name} backend: capture_session() is already open; sessions do not nest"
                 raise CaptureStateError(msg)
             share = resolve_share_output(self._options.share_output, server_args=self._server_args)
-            self._setup_guard()
-            engine = self._get_engine()
-            sharer = OutputSharer(enabled=share, strict=self._options.strict_outputs, source=self._buffer_source(engine))
+            self._guard = make_guard(self._options.stale_output_guard, self._guard)
+            source = buffer_source(self._options.shared_buffer, self._get_engine(), self.cuda_buffer_source)
+            sharer = OutputSharer(enabled=share, strict=self._options.strict_outputs, source=source)
             self._session = _Session(share, sharer, stream)
         try:
             yield
         finally:
             with self._lock:
                 self._session = None
-
-    def _buffer_source(self, engine: Engine) -> BufferSource:
-        choice = self._options.shared_buffer
-        if choice != "auto":
-            return choice
-        return self.cuda_buffer_source if engine.name == "cuda" else "adopt"
-
-    def _setup_guard(self) -> None:
-        if not self._options.stale_output_guard:
-            self._guard = None
-        elif not guard_supported():
-            if self._guard is None:
-                warnings.warn(
-                    "stale_output_guard is on but this torch build cannot poison storages "
-                    "(needs torch._C._set_storage_access_error_msg, present in CUDA builds); "
-                    "the guard does nothing",
-                    RuntimeWarning,
-                    stacklevel=4,
-                )
-            self._guard = None
-        elif self._guard is None:
-            self._guard = StaleOutputGuard()
 
     @property
     def share_output_active(self) -> bool | None:
@@ -235,6 +184,7 @@ class CaptureBackend:
             partition=getattr(key, "stream_idx", None),
             stream=session.stream,
             reserve=lambda out: session.sharer.reserve(key, out),
+            static_inputs=protected,
         )
         graph = self._engine_capture(request, session)
         p = prepared[-1]
@@ -282,26 +232,8 @@ class CaptureBackend:
         return self._entries[shape_key].graph.num_segments
 
     def memory_report(self) -> MemoryReport:
-        """Logical vs resident output bytes, fallbacks and capture seconds, per key."""
-        seen: set[tuple[str, int]] = set()
-        keys = []
-        for entry in list(self._entries.values()):
-            resident = claim_resident_bytes(entry.graph.output, seen)
-            keys.append(
-                KeyReport(
-                    key=entry.key,
-                    logical_output_bytes=entry.logical_bytes,
-                    resident_output_bytes=resident,
-                    shared=entry.shared,
-                    fallback=entry.fallback,
-                    capture_seconds=entry.seconds,
-                    graph_memory_bytes=entry.memory_bytes,
-                    num_segments=entry.graph.num_segments,
-                )
-            )
-        if self._engine is None:
-            return MemoryReport.from_keys(self.name, "none", keys)
-        return MemoryReport.from_keys(self.name, self._engine.name, keys, bridge_bytes=self._engine.bridge_bytes())
+        """Logical vs resident output bytes, fallbacks, capture seconds per key; bridges per partition."""
+        return report_of(self.name, self._engine, list(self._entries.values()))
 
     def cleanup(self) -> None:
         """Release every graph, shared buffer and pool; the backend can capture again."""

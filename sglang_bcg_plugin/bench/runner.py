@@ -1,4 +1,4 @@
-"""Measure each backend x variant on the synthetic decoder."""
+"""Measure each backend x variant on a workload (synthetic decoder or transformers' Llama)."""
 
 from __future__ import annotations
 
@@ -16,18 +16,32 @@ import torch
 from ..options import BackendOptions
 from ..registry import create_backend
 from ..shape_key import ShapeKey
-from .model import DecoderConfig, SyntheticDecoder, attention_break, attention_op
+from ..trees import flatten
 from .sizes import prefill_capture_sizes
+from .workload import Workload
 
 log = logging.getLogger(__name__)
 
-#: variant -> (share_output, keep outputs, stale-output guard). "floor" drops every output
-#: inside its graph (the memory floor); "guard" is "on" with the stale-output guard.
+
+@dataclass(frozen=True)
+class Variant:
+    """How one bench variant captures: sharing, whether outputs are kept, guard, buffer source."""
+
+    share: bool
+    keep: bool = True
+    guard: bool = False
+    shared_buffer: str = "auto"
+
+
+#: "floor" drops every output inside its graph (the memory floor); "guard" is "on" with the
+#: stale-output guard; "adopt"/"reserve" are "on" with the shared buffer's source forced.
 VARIANTS = {
-    "off": (False, True, False),
-    "on": (True, True, False),
-    "floor": (False, False, False),
-    "guard": (True, True, True),
+    "off": Variant(False),
+    "on": Variant(True),
+    "floor": Variant(False, keep=False),
+    "guard": Variant(True, guard=True),
+    "adopt": Variant(True, shared_buffer="adopt"),
+    "reserve": Variant(True, shared_buffer="reserve"),
 }
 
 
@@ -45,6 +59,8 @@ class BenchRow:
     replay_ms: float
     max_abs_err: float | None
     fallbacks: int
+    bridge_bytes: int = 0
+    model: str = "synthetic"
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -91,37 +107,46 @@ def _progress(total: int, desc: str, enabled: bool) -> Any:
     return tqdm(total=total, desc=desc, unit="size", file=sys.stderr, disable=not enabled, leave=False)
 
 
+def max_abs_error(out: Any, ref: Any) -> float:
+    """Largest absolute difference over every tensor leaf of two output trees."""
+    (_, a), (_, b) = flatten(out), flatten(ref)
+    if len(a) != len(b):
+        msg = f"replay returned {len(a)} tensors, the eager forward {len(b)}"
+        raise RuntimeError(msg)
+    return max((float((x.float() - y.float()).abs().max()) for (_, x), (_, y) in zip(a, b, strict=True) if x.numel()), default=0.0)
+
+
 def run_variant(
     backend_name: str,
     variant: str,
-    cfg: DecoderConfig,
+    workload: Workload,
     sizes: list[int],
     *,
     repeats: int,
     progress: bool = True,
 ) -> BenchRow:
     """Capture every size with one backend and variant; measure memory, time and error."""
-    share, keep, guard = VARIANTS[variant]
-    device = cfg.device
+    v = VARIANTS[variant]
+    device = workload.shape.device
     options = BackendOptions(
-        share_output=share, engine="cuda" if device.startswith("cuda") else "eager", stale_output_guard=guard
+        share_output=v.share,
+        engine="cuda" if device.startswith("cuda") else "eager",
+        stale_output_guard=v.guard,
+        shared_buffer=v.shared_buffer,  # type: ignore[arg-type]
     )
     kwargs: dict[str, Any] = {}
     if backend_name == "piecewise":
-        kwargs["splitting_ops"] = [torch.ops.sglang_bcg_bench.attention.default]
-    model = SyntheticDecoder(cfg, attention=attention_op if backend_name == "piecewise" else attention_break)
-    if backend_name == "full":
-        model.attention = attention_op  # no break points: attention is captured in the graph
+        kwargs["splitting_ops"] = list(workload.splitting_ops)
     max_tokens = max(sizes)
-    x_max = torch.randn(max_tokens, cfg.hidden, dtype=cfg.dtype, device=device)
+    model = workload.model_for(backend_name, max_tokens)
+    static = workload.static_input(max_tokens)
     backend = create_backend(backend_name, options=options, **kwargs)
-    fn = backend.compile(model) if hasattr(backend, "compile") and backend_name == "piecewise" else model
+    fn = backend.compile(model, dynamic_dim=workload.dynamic_dim) if backend_name == "piecewise" else model  # type: ignore[attr-defined]
 
     def forward_for(s: int) -> Callable[[], Any]:
-        x = x_max[:s]
-        if keep:
-            return lambda: fn(x)
-        return lambda: (fn(x), None)[1]
+        if v.keep:
+            return lambda: workload.call(fn, static, s)
+        return lambda: (workload.call(fn, static, s), None)[1]
 
     free_before = _free_bytes(device)
     start = time.perf_counter()
@@ -129,7 +154,7 @@ def run_variant(
     with torch.no_grad(), backend.capture_session():
         bar = _progress(len(keys), f"{backend_name}/{variant}", progress)
         for key in keys:
-            backend.capture_one(key, forward_for(key.size), capture_inputs=x_max)
+            backend.capture_one(key, forward_for(key.size), capture_inputs=static)
             bar.update(1)
         bar.close()
     _sync(device)
@@ -139,22 +164,19 @@ def run_variant(
     report = backend.memory_report()
 
     with torch.no_grad():
-        x_max.copy_(torch.randn_like(x_max))  # inputs change after capture
+        workload.refill(static)  # inputs change after capture
         max_err = 0.0
-        if keep:
+        if v.keep:
             for key in keys:
-                out = backend.replay(key).clone()
-                ref = model(x_max[: key.size])
-                max_err = max(max_err, float((out.float() - ref.float()).abs().max()))
+                out = backend.replay(key)
+                max_err = max(max_err, max_abs_error(out, workload.call(model, static, key.size)))
         largest = keys[0]
         replay_ms = _time_replay(lambda: backend.replay(largest), device, repeats)
-    backend.cleanup()
-    del backend, fn, model
-    _free_bytes(device)
+    backend.cleanup()  # the graphs, pools and buffers go; the next variant measures from here
     row = BenchRow(
         backend=backend_name,
         variant=variant,
-        share_output=share,
+        share_output=v.share,
         num_sizes=len(sizes),
         max_tokens=max_tokens,
         resident_output_bytes=report.resident_output_bytes,
@@ -162,15 +184,17 @@ def run_variant(
         graph_memory_bytes=graph_bytes,
         capture_s=capture_s,
         replay_ms=replay_ms,
-        max_abs_err=max_err if keep else None,
+        max_abs_err=max_err if v.keep else None,
         fallbacks=len(report.fallbacks),
+        bridge_bytes=report.total_bridge_bytes,
+        model=workload.name,
     )
     log.info("%s", row)
     return row
 
 
-def warm_up(cfg: DecoderConfig, backends: list[str]) -> None:
+def warm_up(workload: Workload, backends: list[str]) -> None:
     """One capture cycle per backend at the smallest size so lazy allocations (cuBLAS
     workspaces, compiled kernels) are not charged to the first measured variant."""
     for name in backends:
-        run_variant(name, "off", cfg, prefill_capture_sizes(4), repeats=1, progress=False)
+        run_variant(name, "off", workload, prefill_capture_sizes(4), repeats=1, progress=False)

@@ -30,6 +30,8 @@ class CaptureRequest:
 
     :param reserve: called with the last warmup's output, outside any capture, before the
         capture begins (the output policy allocates a reserved shared buffer there).
+    :param static_inputs: storages of the static inputs (``capture_inputs``): the output policy
+        never adopts them, and the piecewise recorder counts them as produced storage.
     """
 
     key: object
@@ -40,6 +42,7 @@ class CaptureRequest:
     partition: int | None
     stream: Any = None
     reserve: Callable[[Any], None] | None = None
+    static_inputs: frozenset[tuple[str, int]] = frozenset()
 
 
 class Engine(Protocol):

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from ..storage import SlotStore
+from ..storage import PartitionStores
 from .base import CaptureRequest, run_warmups
 from .breakable import BreakableRecorder
 from .graphs import CudaSegments, abort_capture, end_capture
@@ -50,7 +50,8 @@ class CudaGraphEngine:
     def __init__(self, *, segmented: bool) -> None:
         self.segmented = segmented
         self._pools: dict[int | None, Any] = {}
-        self._bridges: dict[int | None, SlotStore] = {}
+        #: The bridge storage of each partition (tensors crossing breaks or splitting ops).
+        self.bridges = PartitionStores()
         self._streams: dict[int | None, torch.cuda.Stream] = {}
         self._anchors: list[torch.cuda.CUDAGraph] = []
 
@@ -80,14 +81,8 @@ class CudaGraphEngine:
             self._streams[partition] = torch.cuda.Stream()
         return self._streams[partition]
 
-    def bridges(self, partition: int | None) -> SlotStore:
-        """The partition's bridge storage (tensors crossing breaks or splitting ops)."""
-        if partition not in self._bridges:
-            self._bridges[partition] = SlotStore()
-        return self._bridges[partition]
-
     def bridge_bytes(self) -> dict[int | None, int]:
-        return {p: s.nbytes() for p, s in self._bridges.items()}
+        return self.bridges.nbytes()
 
     def _capture_stream(self, request: CaptureRequest) -> torch.cuda.Stream:
         if request.stream is not None:
@@ -126,5 +121,5 @@ class CudaGraphEngine:
             anchor.reset()
         self._anchors.clear()
         self._pools.clear()
-        self._bridges.clear()
+        self.bridges.clear()
         self._streams.clear()

@@ -19,18 +19,17 @@ Usage::
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import pluggy
 import torch
 
-from ...engines.base import CaptureRequest, CapturedGraph, Engine
+from ...engines.base import Engine
 from ...manager import hookimpl
 from ...options import BackendOptions
 from ...registry import BackendRegistry
-from ...trees import collect_tensors, storage_key
-from ..base import CaptureBackend, _Session
+from ..base import CaptureBackend
 from .compile import DynamicMode, PiecewiseCompiled, PiecewiseCompiler
 from .inductor import InductorPieces
 from .ops import resolve_splitting_ops
@@ -76,7 +75,6 @@ class PiecewiseBackend(CaptureBackend):
         super().__init__(options=options, plugin_manager=plugin_manager, server_args=server_args)
         self._summaries: list[SplitSummary] = []
         self._compilers: list[PiecewiseCompiler] = []  # not the compiled callables: they hold the model
-        self._known_inputs: frozenset[tuple[str, int]] = frozenset()
 
     @property
     def splitting_ops(self) -> tuple[torch._ops.OpOverload, ...]:
@@ -144,25 +142,6 @@ class PiecewiseBackend(CaptureBackend):
         from .cuda import PiecewiseCudaEngine
 
         return PiecewiseCudaEngine()
-
-    def _capture(
-        self,
-        key: Hashable,
-        forward_fn: Callable[[], Any],
-        capture_inputs: Any,
-        post_warmup_hook: Callable[[], None] | None,
-        session: _Session,
-    ) -> Any:
-        # Static inputs count as "produced" storage: an output aliasing them is copied, not adopted.
-        self._known_inputs = frozenset(storage_key(t) for t in collect_tensors(capture_inputs))
-        try:
-            return super()._capture(key, forward_fn, capture_inputs, post_warmup_hook, session)
-        finally:
-            self._known_inputs = frozenset()
-
-    def _engine_capture(self, request: CaptureRequest, session: _Session) -> CapturedGraph:
-        engine = self._get_engine()
-        return engine.capture(request, self._known_inputs)  # type: ignore[call-arg]
 
 
 @hookimpl

@@ -17,9 +17,7 @@ class PiecewiseCudaEngine(CudaGraphEngine):
     def __init__(self) -> None:
         super().__init__(segmented=False)
 
-    def capture(  # type: ignore[override]
-        self, request: CaptureRequest, known_inputs: frozenset[tuple[str, int]] = frozenset()
-    ) -> SegmentedGraph:
+    def capture(self, request: CaptureRequest) -> SegmentedGraph:  # type: ignore[override]
         if request.num_warmups < 1:
             # dynamo (re)compiles on a call that misses its cache, and compiling reads the CUDA
             # RNG state, which is illegal inside a capture: a warmup must make that call first.
@@ -34,7 +32,7 @@ class PiecewiseCudaEngine(CudaGraphEngine):
             run_warmups(request)
         torch.cuda.synchronize()
         segments = CudaSegments(self.pool(request.partition))
-        recorder = PieceRecorder(request.key, segments, self.bridges(request.partition), known_inputs)
+        recorder = PieceRecorder(request.key, segments, self.bridges(request.partition), request.static_inputs)
         with torch.cuda.stream(stream):
             graph = record(recorder, request.forward_fn, request.finalize)
         torch.cuda.synchronize()

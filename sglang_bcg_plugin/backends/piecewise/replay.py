@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from ...engines.base import CaptureRequest, run_warmups
 from ...engines.recorder import EagerSegments, SegmentedGraph, record
-from ...storage import SlotStore
+from ...storage import PartitionStores
 from .record import PieceRecorder
 
 
@@ -28,21 +28,15 @@ class PiecewiseEagerEngine:
     name = "eager"
 
     def __init__(self) -> None:
-        self._bridges: dict[int | None, SlotStore] = {}
-
-    def bridges(self, partition: int | None) -> SlotStore:
-        """The partition's bridge storage."""
-        if partition not in self._bridges:
-            self._bridges[partition] = SlotStore()
-        return self._bridges[partition]
+        self.bridges = PartitionStores()
 
     def bridge_bytes(self) -> dict[int | None, int]:
-        return {p: s.nbytes() for p, s in self._bridges.items()}
+        return self.bridges.nbytes()
 
-    def capture(self, request: CaptureRequest, known_inputs: frozenset[tuple[str, int]] = frozenset()) -> SegmentedGraph:
+    def capture(self, request: CaptureRequest) -> SegmentedGraph:
         run_warmups(request)
-        recorder = PieceRecorder(request.key, EagerSegments(), self.bridges(request.partition), known_inputs)
+        recorder = PieceRecorder(request.key, EagerSegments(), self.bridges(request.partition), request.static_inputs)
         return record(recorder, request.forward_fn, request.finalize)
 
     def release(self) -> None:
-        self._bridges.clear()
+        self.bridges.clear()

@@ -1,0 +1,137 @@
+"""transformers' ``LlamaModel`` with random weights: real model code nobody here wrote.
+
+Built from a ``LlamaConfig`` (no download). Its attention is transformers' own
+``sdpa_attention_forward``, reached through ``transformers.AttentionInterface`` under names of
+ours, one per backend:
+
+* ``sglang_bcg_sdpa`` (Full): the very same function under another name. For the name
+  ``"sdpa"`` transformers builds a materialized ``[1, 1, seq, seq]`` causal mask whenever it
+  cannot prove the mask is trivial — always under stream capture — which costs graph memory and
+  a slower kernel. Under a name it does not know, it passes no mask and the kernel runs causal.
+* ``sglang_bcg_break`` (Breakable): the same function as a ``@graph_break`` reading
+  ``query``/``key``/``value`` (``[1, heads, seq, head_dim]``: the layout that needs storage,
+  not rows, to share bridges across sizes).
+* ``sglang_bcg_split`` (Piecewise): a ``torch.library.custom_op`` computing the same attention,
+  the splitting op.
+
+Inputs are batch-first: ``input_ids`` ``[1, seq]``; the output is transformers'
+``BaseModelOutputWithPast`` (a dataclass that is also an ``OrderedDict``).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from ..breaks import graph_break
+
+FULL_ATTENTION = "sglang_bcg_sdpa"
+BREAK_ATTENTION = "sglang_bcg_break"
+SPLIT_ATTENTION = "sglang_bcg_split"
+
+
+class TransformersMissingError(RuntimeError):
+    """``--model llama`` needs transformers."""
+
+
+def _transformers() -> Any:
+    try:
+        import transformers
+    except ImportError as exc:  # pragma: no cover - transformers is in the test extra
+        msg = (
+            f"--model llama needs transformers ({exc}); install it with "
+            "`pip install 'sglang-bcg-plugin[llama]'` (or `pip install transformers`)"
+        )
+        raise TransformersMissingError(msg) from None
+    return transformers
+
+
+def _sdpa() -> Callable[..., Any]:
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    return sdpa_attention_forward  # type: ignore[no-any-return]
+
+
+@graph_break(reads=("query", "key", "value"))
+def break_attention(
+    module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: Any, **kwargs: Any
+) -> tuple[torch.Tensor, None]:
+    """transformers' SDPA attention as an eager break point of the Breakable backend."""
+    return _sdpa()(module, query, key, value, attention_mask, **kwargs)  # type: ignore[no-any-return]
+
+
+@torch.library.custom_op("sglang_bcg_bench::llama_attention", mutates_args=())
+def split_attention_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float) -> torch.Tensor:
+    """Causal GQA attention ``[1, heads, seq, d]`` -> ``[1, seq, heads, d]``: the splitting op."""
+    groups = query.shape[1] // key.shape[1]
+    if groups > 1:
+        key = key.repeat_interleave(groups, dim=1)
+        value = value.repeat_interleave(groups, dim=1)
+    out = torch.nn.functional.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling)
+    return out.transpose(1, 2).contiguous()
+
+
+@split_attention_op.register_fake
+def _(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float) -> torch.Tensor:
+    return query.new_empty(query.shape[0], query.shape[2], query.shape[1], query.shape[3])
+
+
+def split_attention(
+    module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: Any, **kwargs: Any
+) -> tuple[torch.Tensor, None]:
+    """Attention through the splitting op (``attention_mask`` is ``None`` under our name)."""
+    scaling: float = kwargs.get("scaling") or module.scaling  # type: ignore[assignment]
+    return split_attention_op(query, key, value, float(scaling)), None
+
+
+@functools.cache
+def register_attention() -> None:
+    """Register our three attention names with transformers (once per process)."""
+    tf = _transformers()
+    tf.AttentionInterface.register(FULL_ATTENTION, _sdpa())
+    tf.AttentionInterface.register(BREAK_ATTENTION, break_attention)
+    tf.AttentionInterface.register(SPLIT_ATTENTION, split_attention)
+
+
+def attention_for(backend: str) -> str:
+    """The attention name each backend runs the model with."""
+    return {"breakable": BREAK_ATTENTION, "piecewise": SPLIT_ATTENTION}.get(backend, FULL_ATTENTION)
+
+
+def build_llama(
+    *,
+    hidden: int,
+    layers: int,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    intermediate: int,
+    max_tokens: int,
+    dtype: torch.dtype,
+    device: str,
+    attention: str = FULL_ATTENTION,
+    vocab: int = 1024,
+    seed: int = 0,
+) -> torch.nn.Module:
+    """A ``LlamaModel`` with random weights (seeded: the same weights for every attention name)."""
+    tf = _transformers()
+    register_attention()
+    config = tf.LlamaConfig(
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=head_dim,
+        vocab_size=vocab,
+        max_position_embeddings=max(max_tokens, 16),
+        use_cache=False,
+    )
+    config._attn_implementation = attention
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = tf.LlamaModel(config)
+    return model.to(device=device, dtype=dtype).eval().requires_grad_(False)  # type: ignore[no-any-return]
