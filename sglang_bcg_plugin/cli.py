@@ -30,8 +30,8 @@ def _bench_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     p.add_argument("--model", choices=("synthetic", "llama"), default="synthetic",
                    help="synthetic: our tokens-first decoder (default); llama: transformers' LlamaModel with random weights")
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
-    p.add_argument("--backends", default="breakable,full,piecewise", help="comma-separated backend names")
-    p.add_argument("--variants", default=None, help="comma-separated of off,on,floor,guard,adopt,reserve (default: off,on; plus floor,guard on CUDA)")
+    p.add_argument("--backends", default="breakable,full,piecewise", help="comma-separated backend names; graph-trees: torch.compile's reduce-overhead reference row")
+    p.add_argument("--variants", default=None, help="comma-separated of off,on,floor,guard,adopt,reserve,inductor (default: off,on; plus floor,guard on CUDA)")
     p.add_argument("--hidden", type=_positive, default=None, help="hidden size (default: 2880 on CUDA, 128 on CPU)")
     p.add_argument("--layers", type=_positive, default=None, help="decoder layers (default: 4 on CUDA, 2 on CPU)")
     p.add_argument("--heads", type=_positive, default=None, help="attention heads (default: 45 on CUDA, 4 on CPU; llama: 64 / 4)")
@@ -47,6 +47,7 @@ def _bench_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
 
 def _bench(args: argparse.Namespace) -> int:
     from .bench.output import format_table, write_json, write_plot
+    from .bench.reference import GRAPH_TREES, variants_for
     from .bench.runner import VARIANTS, run_variant, warm_up
     from .bench.sizes import prefill_capture_sizes
     from .bench.workload import WORKLOADS, ModelShape
@@ -58,9 +59,9 @@ def _bench(args: argparse.Namespace) -> int:
         return 2
     gpu = device.startswith("cuda")
     backends = [b.strip() for b in args.backends.split(",") if b.strip()]
-    unknown = sorted(set(backends) - set(available_backends()))
+    unknown = sorted(set(backends) - set(available_backends()) - {GRAPH_TREES})
     if unknown:
-        print(f"error: unknown backends {unknown}; available: {', '.join(available_backends())}", file=sys.stderr)
+        print(f"error: unknown backends {unknown}; available: {', '.join([*available_backends(), GRAPH_TREES])}", file=sys.stderr)
         return 2
     variants = [v.strip() for v in (args.variants or ("off,on,floor,guard" if gpu else "off,on")).split(",") if v.strip()]
     bad = sorted(set(variants) - set(VARIANTS))
@@ -100,7 +101,7 @@ def _bench(args: argparse.Namespace) -> int:
     warm_up(workload, backends)
     rows = []
     for backend in backends:
-        for variant in variants:
+        for variant in variants_for(backend, variants):
             t0 = time.perf_counter()
             row = run_variant(backend, variant, workload, sizes, repeats=repeats, progress=not args.no_progress)
             rows.append(row)

@@ -25,12 +25,15 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class Variant:
-    """How one bench variant captures: sharing, whether outputs are kept, guard, buffer source."""
+    """How one bench variant captures: sharing, whether outputs are kept, guard, buffer source;
+    ``inductor``: the model compiled by Inductor (piecewise: every piece; full: the model,
+    ``torch.compile(dynamic=True)``) before it is captured."""
 
     share: bool
     keep: bool = True
     guard: bool = False
     shared_buffer: str = "auto"
+    inductor: bool = False
 
 
 #: "floor" drops every output inside its graph (the memory floor); "guard" is "on" with the
@@ -42,6 +45,7 @@ VARIANTS = {
     "guard": Variant(True, guard=True),
     "adopt": Variant(True, shared_buffer="adopt"),
     "reserve": Variant(True, shared_buffer="reserve"),
+    "inductor": Variant(True, inductor=True),
 }
 
 
@@ -61,6 +65,9 @@ class BenchRow:
     fallbacks: int
     bridge_bytes: int = 0
     model: str = "synthetic"
+    #: seconds of the calls that compiled (dynamo, Inductor, first run), not in ``capture_s``;
+    #: ``None`` where nothing is compiled.
+    compile_s: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -126,6 +133,13 @@ def run_variant(
     progress: bool = True,
 ) -> BenchRow:
     """Capture every size with one backend and variant; measure memory, time and error."""
+    from .reference import GRAPH_TREES, CompileClock, graph_trees_row
+
+    # Every variant compiles afresh, and dynamo's recompile limit (8 entries per code object,
+    # whatever the backend) would otherwise count the entries of every earlier variant.
+    torch._dynamo.reset()
+    if backend_name == GRAPH_TREES:  # the reference: torch.compile's CUDA Graph Trees
+        return graph_trees_row(workload, sizes, repeats=repeats, progress=progress)  # type: ignore[no-any-return]
     v = VARIANTS[variant]
     device = workload.shape.device
     options = BackendOptions(
@@ -137,11 +151,14 @@ def run_variant(
     kwargs: dict[str, Any] = {}
     if backend_name == "piecewise":
         kwargs["splitting_ops"] = list(workload.splitting_ops)
+        kwargs["inductor"] = v.inductor
     max_tokens = max(sizes)
     model = workload.model_for(backend_name, max_tokens)
     static = workload.static_input(max_tokens)
     backend = create_backend(backend_name, options=options, **kwargs)
     fn = backend.compile(model, dynamic_dim=workload.dynamic_dim) if backend_name == "piecewise" else model  # type: ignore[attr-defined]
+    if v.inductor and backend_name != "piecewise":  # Inductor, no cudagraphs: the backend captures it
+        fn = CompileClock(torch.compile(model, dynamic=True), device)
 
     def forward_for(s: int) -> Callable[[], Any]:
         if v.keep:
@@ -158,7 +175,8 @@ def run_variant(
             bar.update(1)
         bar.close()
     _sync(device)
-    capture_s = time.perf_counter() - start
+    compile_s: float | None = getattr(backend, "compile_seconds", fn.seconds if isinstance(fn, CompileClock) else None)
+    capture_s = time.perf_counter() - start - (compile_s or 0.0)
     free_after = _free_bytes(device)
     graph_bytes = None if free_before is None or free_after is None else free_before - free_after
     report = backend.memory_report()
@@ -188,6 +206,7 @@ def run_variant(
         fallbacks=len(report.fallbacks),
         bridge_bytes=report.total_bridge_bytes,
         model=workload.name,
+        compile_s=compile_s,
     )
     log.info("%s", row)
     return row
@@ -196,5 +215,8 @@ def run_variant(
 def warm_up(workload: Workload, backends: list[str]) -> None:
     """One capture cycle per backend at the smallest size so lazy allocations (cuBLAS
     workspaces, compiled kernels) are not charged to the first measured variant."""
+    from .reference import GRAPH_TREES
+
     for name in backends:
-        run_variant(name, "off", workload, prefill_capture_sizes(4), repeats=1, progress=False)
+        if name != GRAPH_TREES:  # the reference compiles afresh anyway: nothing to warm
+            run_variant(name, "off", workload, prefill_capture_sizes(4), repeats=1, progress=False)
