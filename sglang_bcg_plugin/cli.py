@@ -47,7 +47,7 @@ def _bench_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
 
 def _bench(args: argparse.Namespace) -> int:
     from .bench.output import format_table, write_json, write_plot
-    from .bench.reference import GRAPH_TREES, variants_for
+    from .bench.reference import GRAPH_TREES, graph_trees_row, variants_for
     from .bench.runner import VARIANTS, run_variant, warm_up
     from .bench.sizes import prefill_capture_sizes
     from .bench.workload import WORKLOADS, ModelShape
@@ -98,12 +98,15 @@ def _bench(args: argparse.Namespace) -> int:
     name = torch.cuda.get_device_name() if gpu else "cpu"
     print(f"sglang-bcg bench on {name}: {config}", file=sys.stderr)
     start = time.perf_counter()
-    warm_up(workload, backends)
+    warm_up(workload, [b for b in backends if b != GRAPH_TREES])  # the reference compiles afresh
     rows = []
     for backend in backends:
         for variant in variants_for(backend, variants):
             t0 = time.perf_counter()
-            row = run_variant(backend, variant, workload, sizes, repeats=repeats, progress=not args.no_progress)
+            if backend == GRAPH_TREES:
+                row = graph_trees_row(workload, sizes, repeats=repeats, progress=not args.no_progress)
+            else:
+                row = run_variant(backend, variant, workload, sizes, repeats=repeats, progress=not args.no_progress)
             rows.append(row)
             print(f"  {backend}/{variant} done in {time.perf_counter() - t0:.1f} s: {row.to_dict()}", file=sys.stderr)
     print(format_table(rows))

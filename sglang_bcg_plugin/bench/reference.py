@@ -25,10 +25,10 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch._dynamo.utils import counters
 
 from ..shape_key import ShapeKey
 from ..trees import flatten, tensor_bytes
+from .runner import BenchRow, CompileClock, _free_bytes, _progress, _sync, _time_replay, max_abs_error
 from .workload import Workload
 
 GRAPH_TREES = "graph-trees"
@@ -45,29 +45,6 @@ def variants_for(backend: str, variants: list[str]) -> list[str]:
     return [v for v in variants if v != "inductor" or backend in INDUCTOR_BACKENDS]
 
 
-def _unique_graphs() -> int:
-    return int(counters["stats"]["unique_graphs"])
-
-
-class CompileClock:
-    """A ``torch.compile``-d callable that sums the wall time of the calls that compiled
-    (dynamo's ``unique_graphs`` grew: tracing, Inductor, the first run), kernels finished."""
-
-    def __init__(self, fn: Callable[..., Any], device: str) -> None:
-        self.fn = fn
-        self.device = device
-        self.seconds = 0.0
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        graphs, start = _unique_graphs(), time.perf_counter()
-        out = self.fn(*args, **kwargs)
-        if _unique_graphs() != graphs:
-            if self.device.startswith("cuda"):
-                torch.cuda.synchronize()
-            self.seconds += time.perf_counter() - start
-        return out
-
-
 def compile_reference(model: Callable[..., Any], device: str) -> CompileClock:
     """``torch.compile(model, mode="reduce-overhead", dynamic=True)`` (no ``mode`` off CUDA)."""
     if device.startswith("cuda"):
@@ -77,10 +54,9 @@ def compile_reference(model: Callable[..., Any], device: str) -> CompileClock:
 
 def graph_trees_row(
     workload: Workload, sizes: list[int], *, repeats: int, num_warmups: int = 2, progress: bool = True
-) -> Any:
+) -> BenchRow:
     """Capture every size with Graph Trees; measure like :func:`~.runner.run_variant`."""
-    from .runner import BenchRow, _free_bytes, _progress, _sync, _time_replay, max_abs_error
-
+    torch._dynamo.reset()  # a fresh compile, as for every variant
     device = workload.shape.device
     gpu = device.startswith("cuda")
     max_tokens = max(sizes)

@@ -114,6 +114,26 @@ def _progress(total: int, desc: str, enabled: bool) -> Any:
     return tqdm(total=total, desc=desc, unit="size", file=sys.stderr, disable=not enabled, leave=False)
 
 
+class CompileClock:
+    """A ``torch.compile``-d callable that sums the wall time of the calls that compiled
+    (dynamo's ``unique_graphs`` grew: tracing, Inductor, the first run), kernels finished."""
+
+    def __init__(self, fn: Callable[..., Any], device: str) -> None:
+        self.fn = fn
+        self.device = device
+        self.seconds = 0.0
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        from torch._dynamo.utils import counters
+
+        graphs, start = counters["stats"]["unique_graphs"], time.perf_counter()
+        out = self.fn(*args, **kwargs)
+        if counters["stats"]["unique_graphs"] != graphs:
+            _sync(self.device)
+            self.seconds += time.perf_counter() - start
+        return out
+
+
 def max_abs_error(out: Any, ref: Any) -> float:
     """Largest absolute difference over every tensor leaf of two output trees."""
     (_, a), (_, b) = flatten(out), flatten(ref)
@@ -133,13 +153,9 @@ def run_variant(
     progress: bool = True,
 ) -> BenchRow:
     """Capture every size with one backend and variant; measure memory, time and error."""
-    from .reference import GRAPH_TREES, CompileClock, graph_trees_row
-
     # Every variant compiles afresh, and dynamo's recompile limit (8 entries per code object,
     # whatever the backend) would otherwise count the entries of every earlier variant.
     torch._dynamo.reset()
-    if backend_name == GRAPH_TREES:  # the reference: torch.compile's CUDA Graph Trees
-        return graph_trees_row(workload, sizes, repeats=repeats, progress=progress)  # type: ignore[no-any-return]
     v = VARIANTS[variant]
     device = workload.shape.device
     options = BackendOptions(
@@ -215,8 +231,5 @@ def run_variant(
 def warm_up(workload: Workload, backends: list[str]) -> None:
     """One capture cycle per backend at the smallest size so lazy allocations (cuBLAS
     workspaces, compiled kernels) are not charged to the first measured variant."""
-    from .reference import GRAPH_TREES
-
     for name in backends:
-        if name != GRAPH_TREES:  # the reference compiles afresh anyway: nothing to warm
-            run_variant(name, "off", workload, prefill_capture_sizes(4), repeats=1, progress=False)
+        run_variant(name, "off", workload, prefill_capture_sizes(4), repeats=1, progress=False)
