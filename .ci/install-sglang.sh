@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Install the real SGLang 0.5.23 into a CPU-only Python environment, enough to
 # import the seams our plugin hooks (sglang.srt.plugins, server_args,
-# model_executor.runner_backend, model_executor.runner). See DESIGN.md §4.
+# model_executor.runner_backend, model_executor.runner).
 #
 # Usage: bash .ci/install-sglang.sh [PYTHON]      (PYTHON defaults to `python`)
 #
@@ -38,7 +38,7 @@ pip_install() {
 # 1. SGLang itself, without its dependency tree.
 pip_install --no-deps 'sglang==0.5.23'
 
-# 2. The import set (DESIGN.md §4), one resolver run.
+# 2. The import set, one resolver run.
 pip_install \
     `# sglang.srt.plugins / sglang.srt.server_args` \
     numpy orjson psutil pybase64 requests packaging pillow starlette msgspec \

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Install everything the test suite needs into PYTHON's environment (default: python):
-# CPU torch 2.13.0 from local disk, the real SGLang 0.5.23 (DESIGN.md §4 recipe), and this
+# CPU torch 2.13.0 from local disk, the real SGLang 0.5.23 (.ci/install-sglang.sh), and this
 # package with its [test] extra. A constraint pins torch so nothing pulls a CUDA build.
 set -euo pipefail
 PY="${1:-python}"

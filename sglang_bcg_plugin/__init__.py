@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 from ._constants import ENV_SHARE_OUTPUT, NAME
+from ._version import __version__
 from .backends.base import CaptureBackend
 from .breaks import graph_break
-from .errors import BackendRegistrationError, CaptureStateError, OutputStructureError
-from .manager import get_plugin_manager, hookimpl
+from .errors import BackendRegistrationError, CaptureStateError, OutputStructureError, PluginLoadWarning
+from .manager import BrokenPlugin, broken_plugins, get_plugin_manager, hookimpl
 from .options import BackendOptions, resolve_share_output
 from .registry import BackendRegistry, available_backends, create_backend
 from .report import KeyReport, MemoryReport
@@ -19,14 +20,18 @@ __all__ = [
     "BackendOptions",
     "BackendRegistrationError",
     "BackendRegistry",
+    "BrokenPlugin",
     "CaptureBackend",
     "CaptureStateError",
     "KeyReport",
     "MemoryReport",
     "OutputStructureError",
+    "PluginLoadWarning",
     "ShapeKey",
     "SharedOutputFallbackWarning",
+    "__version__",
     "available_backends",
+    "broken_plugins",
     "create_backend",
     "get_plugin_manager",
     "graph_break",

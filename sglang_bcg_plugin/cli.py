@@ -1,4 +1,9 @@
-"""``sglang-bcg``: ``bench`` (the main job), ``backends``, ``doctor``."""
+"""``sglang-bcg``: ``bench`` (the main job), ``backends``, ``doctor``.
+
+Exit codes: 0 success; 1 ``backends`` found a plugin that failed to load, or the benchmark ran
+out of memory; 2 a bad argument (one ``error:`` line on stderr, before any benchmark work);
+``doctor`` has its own (docs/sglang.md). ``--debug`` (or ``-v``) shows tracebacks.
+"""
 
 from __future__ import annotations
 
@@ -6,146 +11,165 @@ import argparse
 import logging
 import sys
 import time
+import warnings
 from pathlib import Path
+from typing import NoReturn
 
 import torch
 
-_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+from ._version import __version__
+from .errors import BackendRegistrationError, UsageError
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, with its errors on one line."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
 def _positive(value: str) -> int:
     try:
         n = int(value)
     except ValueError:
-        msg = f"expected a positive integer, got {value!r}"
-        raise argparse.ArgumentTypeError(msg) from None
+        n = 0
     if n < 1:
         msg = f"expected a positive integer, got {value!r}"
         raise argparse.ArgumentTypeError(msg)
     return n
 
 
+def _debug_flags(p: argparse.ArgumentParser, default: object) -> None:
+    p.add_argument("-v", "--verbose", action="store_true", default=default, help="debug logging; tracebacks")
+    p.add_argument("--debug", action="store_true", default=default, help="show tracebacks of errors")
+
+
 def _bench_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    from .bench.config import DTYPES
+
     p = sub.add_parser("bench", help="capture a model at SGLang's prefill sizes with each backend, sharing off and on")
+    _debug_flags(p, argparse.SUPPRESS)
     p.add_argument("--model", choices=("synthetic", "llama"), default="synthetic",
-                   help="synthetic: our tokens-first decoder (default); llama: transformers' LlamaModel with random weights")
-    p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
+                   help="synthetic: our tokens-first decoder (default); llama: transformers' LlamaModel, random weights")
+    p.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda when available)")
     p.add_argument("--backends", default="breakable,full,piecewise", help="comma-separated backend names; graph-trees: torch.compile's reduce-overhead reference row")
     p.add_argument("--variants", default=None, help="comma-separated of off,on,floor,guard,adopt,reserve,inductor (default: off,on; plus floor,guard on CUDA)")
     p.add_argument("--hidden", type=_positive, default=None, help="hidden size (default: 2880 on CUDA, 128 on CPU)")
     p.add_argument("--layers", type=_positive, default=None, help="decoder layers (default: 4 on CUDA, 2 on CPU)")
-    p.add_argument("--heads", type=_positive, default=None, help="attention heads (default: 45 on CUDA, 4 on CPU; llama: 64 / 4)")
-    p.add_argument("--kv-heads", type=_positive, default=None, help="key/value heads (default: 5 on CUDA, 2 on CPU; llama: 8 / 2)")
+    p.add_argument("--heads", type=_positive, default=None, help="attention heads, dividing --hidden (default: 45 on CUDA, 4 on CPU; llama: 64 / 4)")
+    p.add_argument("--kv-heads", type=_positive, default=None, help="key/value heads, dividing --heads (default: 5 on CUDA, 2 on CPU; llama: 8 / 2)")
     p.add_argument("--head-dim", type=_positive, default=None, help="llama only: head size (default: 64 on CUDA, 16 on CPU)")
     p.add_argument("--intermediate", type=_positive, default=None, help="MLP width (default: hidden, as gpt-oss-20b experts)")
-    p.add_argument("--dtype", choices=sorted(_DTYPES), default=None, help="default: bfloat16 on CUDA, float32 on CPU")
-    p.add_argument("--max-tokens", type=_positive, default=None, help="largest capture size (default: 16384 on CUDA, 256 on CPU)")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="default: bfloat16 on CUDA, float32 on CPU")
+    p.add_argument("--max-tokens", type=_positive, default=None, help="largest capture size, >= 4 and fitting in memory (default: 16384 on CUDA, 256 on CPU)")
     p.add_argument("--repeats", type=_positive, default=None, help="replays timed at the largest size (default: 50 on CUDA, 10 on CPU)")
-    p.add_argument("--out", type=Path, default=None, help="directory for bench.json and bench.png")
+    p.add_argument("--out", type=Path, default=None, help="directory for bench.json and bench.png (created up front)")
     p.add_argument("--no-progress", action="store_true", help="hide the capture progress bar")
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from .bench.output import format_table, write_json, write_plot
+    from .bench.config import build_config
+    from .bench.output import PLOT_SKIPPED, format_table, write_json, write_plot
     from .bench.reference import GRAPH_TREES, graph_trees_row, variants_for
-    from .bench.runner import VARIANTS, run_variant, warm_up
-    from .bench.sizes import prefill_capture_sizes
-    from .bench.workload import WORKLOADS, ModelShape
+    from .bench.runner import run_variant, warm_up
     from .registry import available_backends
 
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        print("error: --device cuda but CUDA is not available", file=sys.stderr)
-        return 2
-    gpu = device.startswith("cuda")
-    backends = [b.strip() for b in args.backends.split(",") if b.strip()]
-    unknown = sorted(set(backends) - set(available_backends()) - {GRAPH_TREES})
-    if unknown:
-        print(f"error: unknown backends {unknown}; available: {', '.join([*available_backends(), GRAPH_TREES])}", file=sys.stderr)
-        return 2
-    variants = [v.strip() for v in (args.variants or ("off,on,floor,guard" if gpu else "off,on")).split(",") if v.strip()]
-    bad = sorted(set(variants) - set(VARIANTS))
-    if bad:
-        print(f"error: unknown variants {bad}; choose from {', '.join(VARIANTS)}", file=sys.stderr)
-        return 2
-    llama = args.model == "llama"
-    hidden = args.hidden or (2880 if gpu else (64 if llama else 128))
-    heads = args.heads or ((64 if llama else 45) if gpu else 4)
-    shape = ModelShape(
-        hidden=hidden,
-        layers=args.layers or (4 if gpu else 2),
-        heads=heads,
-        kv_heads=args.kv_heads or ((8 if llama else 5) if gpu else 2),
-        head_dim=args.head_dim or ((64 if gpu else 16) if llama else hidden // heads),
-        intermediate=args.intermediate or hidden,
-        dtype=_DTYPES[args.dtype or ("bfloat16" if gpu else "float32")],
-        device=device,
-    )
-    try:
-        workload = WORKLOADS[args.model](shape)
-    except (ValueError, RuntimeError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    sizes = prefill_capture_sizes(args.max_tokens or (16384 if gpu else (64 if llama else 256)))
-    repeats = args.repeats or (50 if gpu else 10)
-    config = {
-        "model": args.model, "hidden": shape.hidden, "layers": shape.layers, "heads": shape.heads,
-        "kv_heads": shape.kv_heads, "head_dim": shape.head_dim,
-        "intermediate": shape.intermediate, "dtype": str(shape.dtype).removeprefix("torch."),
-        "max_tokens": max(sizes), "num_sizes": len(sizes), "repeats": repeats,
-        "backends": backends, "variants": variants, "torch": torch.__version__,
-    }
-    name = torch.cuda.get_device_name() if gpu else "cpu"
-    print(f"sglang-bcg bench on {name}: {config}", file=sys.stderr)
+    cfg = build_config(args, [*available_backends(), GRAPH_TREES])  # every check, before any work
+    if ":" in cfg.device:  # pragma: no cover - CUDA only: streams and pools on the chosen GPU
+        torch.cuda.set_device(torch.device(cfg.device))
+    config = cfg.summary()
+    for note in cfg.notes:
+        print(note, file=sys.stderr)
+    print(f"sglang-bcg bench on {cfg.device_name}: {config}", file=sys.stderr)
     start = time.perf_counter()
-    warm_up(workload, [b for b in backends if b != GRAPH_TREES])  # the reference compiles afresh
+    warm_up(cfg.workload, [b for b in cfg.backends if b != GRAPH_TREES])  # the reference compiles afresh
     rows = []
-    for backend in backends:
-        for variant in variants_for(backend, variants):
+    for backend in cfg.backends:
+        for variant in variants_for(backend, cfg.variants):
             t0 = time.perf_counter()
             if backend == GRAPH_TREES:
-                row = graph_trees_row(workload, sizes, repeats=repeats, progress=not args.no_progress)
+                row = graph_trees_row(cfg.workload, cfg.sizes, repeats=cfg.repeats, progress=cfg.progress)
             else:
-                row = run_variant(backend, variant, workload, sizes, repeats=repeats, progress=not args.no_progress)
+                row = run_variant(backend, variant, cfg.workload, cfg.sizes, repeats=cfg.repeats, progress=cfg.progress)
             rows.append(row)
-            print(f"  {backend}/{variant} done in {time.perf_counter() - t0:.1f} s: {row.to_dict()}", file=sys.stderr)
-    print(format_table(rows))
+            print(f"  {backend}/{variant} done in {time.perf_counter() - t0:.1f} s: {row.summary()}", file=sys.stderr)
+    print(format_table(rows, timings_meaningful=cfg.gpu))
     print(f"({time.perf_counter() - start:.1f} s)", file=sys.stderr)
-    if args.out is not None:
-        args.out.mkdir(parents=True, exist_ok=True)
-        write_json(args.out / "bench.json", name, config, rows)
-        write_plot(args.out / "bench.png", name, config, rows)
-        print(f"wrote {args.out / 'bench.json'} and {args.out / 'bench.png'}", file=sys.stderr)
+    if cfg.out is not None:
+        write_json(cfg.out / "bench.json", cfg.device_name, config, rows, timings_meaningful=cfg.gpu)
+        wrote = [cfg.out / "bench.json"]
+        if write_plot(cfg.out / "bench.png", cfg.device_name, config, rows, timings_meaningful=cfg.gpu):
+            wrote.append(cfg.out / "bench.png")
+        else:
+            print(PLOT_SKIPPED, file=sys.stderr)
+        print("wrote " + " and ".join(str(p) for p in wrote), file=sys.stderr)
     return 0
 
 
 def _backends(args: argparse.Namespace) -> int:
-    from .manager import get_plugin_manager
+    """Registered backends, then one ``BROKEN`` line per plugin that failed to load (exit 1)."""
+    from .errors import PluginLoadWarning
+    from .manager import broken_plugins, get_plugin_manager
     from .registry import build_registry
 
-    registry = build_registry(get_plugin_manager())
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", PluginLoadWarning)  # printed below, as BROKEN lines
+        pm = get_plugin_manager()
+    registry = build_registry(pm)
     for name in registry.names():
         print(f"{name}\t{registry.plugin_of(name)}")
-    return 0
+    broken = broken_plugins(pm)
+    for b in broken:
+        print(f"BROKEN {b.entry_point} ({b.distribution} {b.version}): {b.error}")
+    return 1 if broken else 0
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="sglang-bcg", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"sglang-bcg {__version__} (torch {torch.__version__})")
+    _debug_flags(parser, False)
+    sub = parser.add_subparsers(dest="command", required=True)
+    _bench_parser(sub)
+    backends = sub.add_parser("backends", help="list registered backends and the plugin of each; exit 1 if a plugin is broken")
+    _debug_flags(backends, argparse.SUPPRESS)
+    doctor = sub.add_parser("doctor", help="check the SGLang integration (version, hook targets, entry point, flag)")
+    doctor.add_argument("rest", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
+    return parser
+
+
+def _one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split())
+
+
+def _is_out_of_memory(exc: BaseException) -> bool:
+    if isinstance(exc, torch.cuda.OutOfMemoryError):
+        return True
+    return isinstance(exc, RuntimeError) and "can't allocate memory" in str(exc)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="sglang-bcg", description=__doc__)
-    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
-    sub = parser.add_subparsers(dest="command", required=True)
-    _bench_parser(sub)
-    sub.add_parser("backends", help="list registered backends and the plugin of each")
-    doctor = sub.add_parser("doctor", help="check the SGLang integration (version, hook targets, entry point, flag)")
-    doctor.add_argument("rest", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
+    args = _parser().parse_args(argv)
+    debug = bool(args.debug or args.verbose)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING)
-    if args.command == "bench":
-        return _bench(args)
-    if args.command == "backends":
-        return _backends(args)
-    from .integration.doctor import doctor_main
+    try:
+        if args.command == "bench":
+            return _bench(args)
+        if args.command == "backends":
+            return _backends(args)
+        from .integration.doctor import doctor_main
 
-    return doctor_main(args.rest)
+        return doctor_main(args.rest)
+    except (UsageError, BackendRegistrationError) as exc:
+        if debug:
+            raise
+        print(f"error: {_one_line(exc)}", file=sys.stderr)
+        return 2
+    except (torch.cuda.OutOfMemoryError, RuntimeError) as exc:
+        if debug or not _is_out_of_memory(exc):
+            raise
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        print(f"error: out of memory ({first}); lower --max-tokens, --hidden or --layers (--debug: traceback)", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -27,3 +27,15 @@ class BackendRegistrationError(ValueError):
 
 class CaptureStateError(RuntimeError):
     """A backend method was called in the wrong lifecycle state."""
+
+
+class PluginLoadWarning(UserWarning):
+    """An installed ``sglang_bcg`` plugin failed to load; the other backends still work.
+
+    The message names the entry point, its distribution and the error; the same facts are in
+    :func:`sglang_bcg_plugin.broken_plugins`.
+    """
+
+
+class UsageError(ValueError):
+    """A command-line input is invalid; ``sglang-bcg`` prints it as one ``error:`` line."""

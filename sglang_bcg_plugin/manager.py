@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import importlib
+import importlib.metadata
 import os
 import threading
+import warnings
+from dataclasses import dataclass
 
 import pluggy
 
 from . import hookspecs
 from ._constants import ENV_BLOCK_PLUGINS, NAME
+from .errors import PluginLoadWarning
 
 hookimpl = pluggy.HookimplMarker(NAME)
 
@@ -26,14 +30,65 @@ _lock = threading.Lock()
 _manager: pluggy.PluginManager | None = None
 
 
+@dataclass(frozen=True)
+class BrokenPlugin:
+    """An entry point of group ``sglang_bcg`` that failed to load (import or registration)."""
+
+    entry_point: str
+    value: str
+    distribution: str
+    version: str
+    error: str
+
+    def describe(self) -> str:
+        return (
+            f"plugin {self.entry_point!r} = {self.value} (distribution {self.distribution} "
+            f"{self.version}) failed to load: {self.error}"
+        )
+
+
+class _Manager(pluggy.PluginManager):
+    """pluggy's manager plus the record of the entry points that failed to load."""
+
+    def __init__(self, project_name: str) -> None:
+        super().__init__(project_name)
+        self.broken_plugins: list[BrokenPlugin] = []
+
+
+def _load_entry_points(pm: _Manager) -> None:
+    """Load each entry point of group ``sglang_bcg`` on its own, as pluggy would; one that
+    raises is unregistered, recorded and warned about instead of failing the whole manager."""
+    failed: set[str] = set()
+    for dist in list(importlib.metadata.distributions()):
+        for ep in dist.entry_points:
+            if ep.group != NAME or ep.name in failed or pm.has_plugin(ep.name) or pm.is_blocked(ep.name):
+                continue
+            try:
+                pm.load_setuptools_entrypoints(NAME, name=ep.name)
+            except Exception as exc:  # noqa: BLE001 - any failure of a third-party plugin is reported
+                if pm.has_plugin(ep.name):
+                    pm.unregister(name=ep.name)
+                failed.add(ep.name)
+                broken = BrokenPlugin(
+                    ep.name, ep.value, dist.metadata["Name"] or "?", dist.version, f"{type(exc).__name__}: {exc}"
+                )
+                pm.broken_plugins.append(broken)
+                warnings.warn(
+                    f"{broken.describe()}; its backends are unavailable, the others work "
+                    f"(fix or uninstall {broken.distribution}, or set {ENV_BLOCK_PLUGINS}={ep.name})",
+                    PluginLoadWarning,
+                    stacklevel=4,
+                )
+
+
 def _build() -> pluggy.PluginManager:
-    pm = pluggy.PluginManager(NAME)
+    pm = _Manager(NAME)
     pm.add_hookspecs(hookspecs)
     # Blocked names first so a listed entry point never loads (tox's order).
     for name in os.environ.get(ENV_BLOCK_PLUGINS, "").split(","):
         if name.strip():
             pm.set_blocked(name.strip())
-    pm.load_setuptools_entrypoints(NAME)
+    _load_entry_points(pm)
     for module_name in BUILTIN_PLUGINS:
         if not pm.is_blocked(module_name):
             pm.register(importlib.import_module(module_name), name=module_name)
@@ -55,3 +110,9 @@ def reset_plugin_manager() -> None:
     global _manager
     with _lock:
         _manager = None
+
+
+def broken_plugins(pm: pluggy.PluginManager | None = None) -> tuple[BrokenPlugin, ...]:
+    """The ``sglang_bcg`` entry points that failed to load into ``pm`` (default: the process's)."""
+    pm = pm or get_plugin_manager()
+    return tuple(getattr(pm, "broken_plugins", ()))

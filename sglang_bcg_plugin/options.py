@@ -16,13 +16,31 @@ _TRUE = frozenset({"1", "true", "yes", "on"})
 _FALSE = frozenset({"0", "false", "no", "off"})
 
 
+def _check_share_output(value: object) -> None:
+    """The one type check of ``share_output`` (extend it here when a mode is added)."""
+    if value is not None and not isinstance(value, bool):
+        msg = (
+            f"BackendOptions.share_output must be True, False or None (follow the SGLang flag / "
+            f"{ENV_SHARE_OUTPUT}), got {value!r} of type {type(value).__name__}"
+        )
+        raise TypeError(msg)
+
+
+def _check_bool(field: str, value: object) -> None:
+    if not isinstance(value, bool):
+        msg = f"BackendOptions.{field} must be True or False, got {value!r} of type {type(value).__name__}"
+        raise TypeError(msg)
+
+
 @dataclass(frozen=True, slots=True)
 class BackendOptions:
-    """Settings of one backend instance.
+    """Settings of one backend instance; every field is type-checked on construction.
 
     :param share_output: share one output buffer per stream partition across all capture
-        sizes. ``None`` means "follow the server flag / environment", resolved by
-        :func:`resolve_share_output` at the start of every capture session.
+        sizes. ``None`` (the default) follows the switch: the SGLang flag stash, then the
+        environment variable ``SGLANG_ENABLE_BCG_SHARED_OUTPUT``, then the default, resolved by
+        :func:`resolve_share_output` at the start of every capture session. ``True``/``False``
+        override the switch.
     :param strict_outputs: raise :class:`OutputStructureError` when a key's output does not fit
         the shared buffer, instead of letting that key keep its own output with a warning.
         Risky in serving: one odd shape key aborts the whole capture.
@@ -37,9 +55,11 @@ class BackendOptions:
         on: ``"adopt"`` the first (largest) capture's own output storage, ``"reserve"`` a buffer
         allocated before the first capture from the last warmup's output, or ``"auto"`` (the
         one measured best for the engine: docs/index.md, "Output sharing").
+    :raises TypeError: a field of the wrong type (``strict_outputs="no"``, ``num_warmups=2.0``).
+    :raises ValueError: ``engine`` or ``shared_buffer`` not one of its names, ``num_warmups < 0``.
     """
 
-    share_output: bool | None = False
+    share_output: bool | None = None
     strict_outputs: bool = False
     engine: EngineName = "auto"
     num_warmups: int = 2
@@ -47,17 +67,26 @@ class BackendOptions:
     shared_buffer: SharedBufferSource = "auto"
 
     def __post_init__(self) -> None:
+        _check_share_output(self.share_output)
         if self.shared_buffer not in ("auto", "adopt", "reserve"):
             msg = f"BackendOptions.shared_buffer must be 'auto', 'adopt' or 'reserve', got {self.shared_buffer!r}"
-            raise ValueError(msg)
-        if self.share_output is not None and not isinstance(self.share_output, bool):
-            msg = f"BackendOptions.share_output must be a bool or None, got {self.share_output!r}"
+            raise TypeError(msg) if not isinstance(self.shared_buffer, str) else ValueError(msg)
+        _check_bool("strict_outputs", self.strict_outputs)
+        _check_bool("stale_output_guard", self.stale_output_guard)
+        if not isinstance(self.engine, str):
+            msg = (
+                f"BackendOptions.engine must be 'auto', 'cuda' or 'eager', got {self.engine!r} "
+                f"of type {type(self.engine).__name__}"
+            )
             raise TypeError(msg)
         if self.engine not in ("auto", "cuda", "eager"):
             msg = f"BackendOptions.engine must be 'auto', 'cuda' or 'eager', got {self.engine!r}"
             raise ValueError(msg)
         if isinstance(self.num_warmups, bool) or not isinstance(self.num_warmups, int):
-            msg = f"BackendOptions.num_warmups must be an int >= 0, got {self.num_warmups!r}"
+            msg = (
+                f"BackendOptions.num_warmups must be an int >= 0, got {self.num_warmups!r} "
+                f"of type {type(self.num_warmups).__name__}"
+            )
             raise TypeError(msg)
         if self.num_warmups < 0:
             msg = f"BackendOptions.num_warmups must be an int >= 0, got {self.num_warmups!r}"
@@ -93,7 +122,7 @@ def resolve_share_output(
 
     Precedence: ``explicit`` > ``server_args._bcg_shared_output`` (set by the SGLang
     integration when ``--enable-bcg-shared-output`` was parsed) > environment variable
-    ``SGLANG_ENABLE_BCG_SHARED_OUTPUT`` > ``False``.
+    ``SGLANG_ENABLE_BCG_SHARED_OUTPUT`` > ``False`` (the standalone default).
 
     :raises ValueError: the environment variable holds something that is not a boolean.
     """

@@ -9,10 +9,10 @@ import pluggy
 
 from .errors import BackendRegistrationError
 from .manager import get_plugin_manager
+from .options import BackendOptions
 
 if TYPE_CHECKING:
     from .backends.base import CaptureBackend
-    from .options import BackendOptions
 
 BackendFactory = Callable[..., "CaptureBackend"]
 
@@ -93,8 +93,16 @@ def create_backend(
 ) -> CaptureBackend:
     """Create the backend registered as ``name``.
 
+    :param options: a :class:`~sglang_bcg_plugin.BackendOptions` (``None``: the defaults).
     :raises BackendRegistrationError: unknown name (the message lists the available names).
+    :raises TypeError: ``options`` is not a ``BackendOptions`` (a dict, say).
     """
+    if options is not None and not isinstance(options, BackendOptions):
+        msg = (
+            f"create_backend({name!r}): options must be a BackendOptions or None, got "
+            f"{type(options).__name__} {options!r}; write options=BackendOptions(...)"
+        )
+        raise TypeError(msg)
     pm = plugin_manager or get_plugin_manager()
     factory = build_registry(pm).get(name)
     return factory(options=options, plugin_manager=pm, **kwargs)

@@ -55,6 +55,22 @@ def test_bench_writes_table_json_and_plot(tmp_path: Path, capsys: pytest.Capture
         assert on["logical_output_bytes"] == off["logical_output_bytes"] == off["resident_output_bytes"]
         assert on["resident_output_bytes"] == 64 * 32 * 4
     assert (tmp_path / "bench.png").read_bytes()[:4] == b"\x89PNG"
+    import datetime
+
+    import sglang_bcg_plugin
+
+    assert doc["package_version"] == sglang_bcg_plugin.__version__ and doc["torch_version"] == torch.__version__
+    stamp = datetime.datetime.fromisoformat(doc["timestamp"])
+    assert stamp.utcoffset() == datetime.timedelta(0)
+    assert doc["timings_meaningful"] is False
+    for row in doc["rows"]:
+        sizes = [r["size"] for r in row["per_size"]]
+        assert sizes == sorted(prefill_capture_sizes(64), reverse=True)
+        assert sum(r["resident_output_bytes"] for r in row["per_size"]) == row["resident_output_bytes"]
+        assert sum(r["logical_output_bytes"] for r in row["per_size"]) == row["logical_output_bytes"]
+        assert all(r["capture_s"] > 0 and r["graph_memory_bytes"] is None for r in row["per_size"])
+        assert row["replay_ms_min"] <= row["replay_ms"] <= row["replay_ms_max"]
+    assert "replay on/off n/m" in out and "capture on/off n/m" in out and "not meaningful on CPU" in out
 
 
 def test_bench_floor_variant(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -100,3 +116,79 @@ def test_backends_command(capsys: pytest.CaptureFixture[str]) -> None:
 def test_python_dash_m_entry() -> None:
     proc = subprocess.run([sys.executable, "-m", "sglang_bcg_plugin", "backends"], capture_output=True, text=True, check=False)
     assert proc.returncode == 0 and "full" in proc.stdout
+
+
+def test_bench_without_tqdm_and_matplotlib(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A plain ``pip install`` (no [bench] extra): a plain progress line, no plot, one line why."""
+    monkeypatch.setitem(sys.modules, "tqdm", None)
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    rc = main(["bench", "--backends", "full", "--variants", "on", "--max-tokens", "8", "--hidden", "16",
+               "--layers", "1", "--repeats", "1", "--out", str(tmp_path)])
+    assert rc == 0
+    err = capsys.readouterr().err
+    assert "full/on: 2/2 sizes" in err
+    assert "plot skipped: matplotlib is not installed; for bench.png install the [bench] extra" in err
+    assert (tmp_path / "bench.json").exists() and not (tmp_path / "bench.png").exists()
+    assert f"wrote {tmp_path / 'bench.json'}\n" in err
+
+
+def test_line_progress_hidden() -> None:
+    import io
+
+    from sglang_bcg_plugin.bench.progress import LineProgress
+
+    stream = io.StringIO()
+    bar = LineProgress(3, "x", stream, enabled=False)
+    bar.update()
+    bar.close()
+    assert stream.getvalue() == "" and bar.n == 1
+
+
+def test_valid_env_value_is_noted(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SGLANG_ENABLE_BCG_SHARED_OUTPUT", "1")
+    assert main(["bench", "--backends", "full", "--variants", "off", "--max-tokens", "4", "--hidden", "16",
+                 "--layers", "1", "--repeats", "1", "--no-progress"]) == 0
+    out = capsys.readouterr()
+    assert "note: SGLANG_ENABLE_BCG_SHARED_OUTPUT does not apply: bench sets sharing per --variants (off)" in out.err
+    assert "full" in out.out
+
+
+def test_plot_labels_keep_two_significant_digits() -> None:
+    from sglang_bcg_plugin.bench.output import sig2
+
+    got = [sig2(v) for v in (0.125, 1.11, 90.4, 1634.0, 99.7, 0.0996, 0.0, 12345.0)]
+    assert got == ["0.12", "1.1", "90", "1600", "100", "0.10", "0", "12000"]
+
+
+def test_gpu_table_prints_timing_ratios() -> None:
+    from sglang_bcg_plugin.bench.output import format_table
+    from sglang_bcg_plugin.bench.runner import BenchRow
+
+    def row(variant: str, share: bool, replay: float) -> BenchRow:
+        return BenchRow("full", variant, share, 2, 8, 100, 200, 1000, 1.0, replay, 0.0, 0)
+
+    text = format_table([row("off", False, 2.0), row("on", True, 1.0)])
+    assert "replay on/off 0.500" in text and "graph_memory on/off 1.000" in text and "n/m" not in text
+
+
+def test_bench_llama_model(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``--model llama``: transformers' LlamaModel with random weights, every backend shares."""
+    pytest.importorskip("transformers")
+    rc = main(["bench", "--model", "llama", "--max-tokens", "16", "--hidden", "32", "--layers", "1", "--heads", "2",
+               "--kv-heads", "1", "--head-dim", "16", "--repeats", "1", "--out", str(tmp_path), "--no-progress"])
+    assert rc == 0
+    doc = json.loads((tmp_path / "bench.json").read_text())
+    assert doc["config"]["model"] == "llama" and doc["config"]["head_dim"] == 16
+    for row in doc["rows"]:
+        assert row["model"] == "llama" and row["max_abs_err"] == 0.0 and row["fallbacks"] == 0
+        if row["variant"] == "on":
+            assert row["resident_output_bytes"] == 16 * 32 * 4  # one [1, 16, 32] output
+    assert any(r["backend"] == "breakable" and r["bridge_bytes"] == 0 for r in doc["rows"])  # eager engine: no bridges
+    capsys.readouterr()
+
+
+def test_bench_head_dim_is_for_llama_only(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "--head-dim", "16"]) == 2
+    assert "--head-dim applies to --model llama only" in capsys.readouterr().err

@@ -6,6 +6,8 @@ import inspect
 import re
 from pathlib import Path
 
+import pytest
+
 import sglang_bcg_plugin
 from sglang_bcg_plugin import hookspecs
 
@@ -33,13 +35,52 @@ def test_hooks_are_prefixed_and_documented() -> None:
         assert fn.__doc__ and ":param" in fn.__doc__
 
 
-def test_readme_usage_example_runs() -> None:
-    code = re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), re.S)[0]
+def _python_blocks(relpath: str) -> list[str]:
+    return re.findall(r"```python\n(.*?)```", (ROOT / relpath).read_text(), re.S)
+
+
+@pytest.mark.parametrize("relpath", ["README.md", "docs/getting-started.md", "docs/index.md"])
+def test_python_snippets_run_as_written(relpath: str, capsys: pytest.CaptureFixture[str]) -> None:
+    blocks = _python_blocks(relpath)
+    assert blocks
+    for i, code in enumerate(blocks):
+        namespace: dict[str, object] = {}
+        exec(compile(code, f"{relpath} python block {i + 1}", "exec"), namespace)  # noqa: S102 - our own docs
+    assert "resident" in capsys.readouterr().out  # both end by printing a memory report
+
+
+def test_readme_usage_example_keeps_one_buffer() -> None:
     namespace: dict[str, object] = {}
-    exec(compile(code, "README.md", "exec"), namespace)  # noqa: S102 - our own README
+    exec(compile(_python_blocks("README.md")[0], "README.md", "exec"), namespace)  # noqa: S102
     backend = namespace["backend"]
     report = backend.memory_report()  # type: ignore[attr-defined]
     assert report.resident_output_bytes == 512 * 64 * 4
+
+
+def _doc_files() -> list[Path]:
+    files = [ROOT / "README.md", ROOT / "CHANGELOG.md", *sorted((ROOT / "docs").glob("*.md"))]
+    files += sorted((ROOT / ".ci").iterdir()) + sorted((ROOT / "scripts").iterdir())
+    return files + sorted((ROOT / "sglang_bcg_plugin").rglob("*.py"))
+
+
+def test_docs_reference_only_files_in_the_repository() -> None:
+    for path in _doc_files():
+        text = path.read_text()
+        rel = path.relative_to(ROOT)
+        assert "DESIGN.md" not in text and "DESIGN §" not in text and "../shared" not in text, rel
+        if path.suffix == ".md":
+            for target in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", text):
+                if "://" not in target:
+                    assert (path.parent / target).exists(), f"{rel} links to missing {target}"
+
+
+def test_install_commands_work_from_a_checkout() -> None:
+    """The package is not on PyPI: no ``pip install sglang-bcg-plugin`` anywhere."""
+    for path in _doc_files():
+        text = path.read_text()
+        assert not re.search(r"pip install ['\"]?sglang-bcg-plugin", text), path.relative_to(ROOT)
+    assert "pip install -e '.[sglang]'" in (ROOT / "docs" / "sglang.md").read_text()
+    assert "pip install -e '.[sglang]'" in (ROOT / "README.md").read_text()
 
 
 def test_public_api_is_reexported() -> None:

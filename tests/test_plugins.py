@@ -214,3 +214,74 @@ def test_capture_called_twice_by_a_hook_is_an_error(backend_name: str) -> None:
     backend = create_backend(backend_name, options=BackendOptions(engine="eager"))
     with backend.capture_session(), pytest.raises(RuntimeError, match="called twice"):
         backend.capture_one(ShapeKey(4), lambda: torch.zeros(4))
+
+
+def _write_ep(tmp_path: Path, dist: str, ep_line: str) -> Path:
+    site = tmp_path / "site"
+    site.mkdir(exist_ok=True)
+    info = site / f"{dist}-2.5.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist}\nVersion: 2.5\n")
+    (info / "entry_points.txt").write_text(f"[sglang_bcg]\n{ep_line}\n")
+    return site
+
+
+def test_plugin_that_fails_to_import_is_reported_and_builtins_work(
+    tmp_path: Path, on_path: Callable[[Path], None]
+) -> None:
+    from sglang_bcg_plugin import PluginLoadWarning, broken_plugins
+
+    on_path(_write_ep(tmp_path, "thirdparty-broken", "broken = thirdparty_missing_module"))
+    reset_plugin_manager()
+    with pytest.warns(PluginLoadWarning) as caught:
+        names = available_backends()
+    msg = str(caught[0].message)
+    assert "'broken' = thirdparty_missing_module (distribution thirdparty-broken 2.5)" in msg
+    assert "ModuleNotFoundError" in msg and "SGLANG_BCG_BLOCK_PLUGINS=broken" in msg
+    assert {"breakable", "full", "piecewise"} <= set(names)
+    (b,) = broken_plugins()
+    assert (b.entry_point, b.distribution, b.version) == ("broken", "thirdparty-broken", "2.5")
+    assert b.error.startswith("ModuleNotFoundError: No module named 'thirdparty_missing_module'")
+    backend = create_backend("full", options=BackendOptions(engine="eager"))  # built-ins still work
+    assert backend.name == "full"
+
+
+def test_plugin_that_fails_to_register_is_unregistered(tmp_path: Path, on_path: Callable[[Path], None]) -> None:
+    from sglang_bcg_plugin import PluginLoadWarning, broken_plugins
+
+    src = """
+        from sglang_bcg_plugin import hookimpl
+
+        @hookimpl
+        def sglang_bcg_register_backends(registry, not_a_hook_argument):
+            raise AssertionError("never called")
+    """
+    on_path(_write_dist(tmp_path, "thirdparty-badsig", "thirdparty_badsig", src, "badsig"))
+    reset_plugin_manager()
+    with pytest.warns(PluginLoadWarning, match="'badsig'.*thirdparty-badsig 1.0.*PluginValidationError"):
+        pm = get_plugin_manager()
+    assert not pm.has_plugin("badsig")
+    assert [b.entry_point for b in broken_plugins(pm)] == ["badsig"]
+    assert "full" in available_backends(pm)
+
+
+def test_backends_command_lists_broken_plugins(
+    tmp_path: Path, on_path: Callable[[Path], None], capsys: pytest.CaptureFixture[str]
+) -> None:
+    from sglang_bcg_plugin.cli import main
+
+    on_path(_write_ep(tmp_path, "thirdparty-broken", "broken = thirdparty_missing_module:plugin"))
+    reset_plugin_manager()
+    assert main(["backends"]) == 1
+    out = capsys.readouterr().out
+    assert "full\tsglang_bcg_plugin.backends.full" in out
+    assert "BROKEN broken (thirdparty-broken 2.5): ModuleNotFoundError: No module named 'thirdparty_missing_module'" in out
+
+
+def test_broken_plugins_of_a_plain_pluggy_manager_is_empty() -> None:
+    import pluggy
+
+    from sglang_bcg_plugin import broken_plugins
+
+    assert broken_plugins(pluggy.PluginManager(sbp.NAME)) == ()
+    assert broken_plugins() == ()

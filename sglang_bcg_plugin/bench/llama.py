@@ -27,13 +27,14 @@ from typing import Any
 import torch
 
 from ..breaks import graph_break
+from ..errors import UsageError
 
 FULL_ATTENTION = "sglang_bcg_sdpa"
 BREAK_ATTENTION = "sglang_bcg_break"
 SPLIT_ATTENTION = "sglang_bcg_split"
 
 
-class TransformersMissingError(RuntimeError):
+class TransformersMissingError(UsageError):
     """``--model llama`` needs transformers."""
 
 
@@ -43,7 +44,7 @@ def _transformers() -> Any:
     except ImportError as exc:  # pragma: no cover - transformers is in the test extra
         msg = (
             f"--model llama needs transformers ({exc}); install it with "
-            "`pip install 'sglang-bcg-plugin[llama]'` (or `pip install transformers`)"
+            "`pip install transformers` (from a checkout: `pip install -e '.[llama]'`)"
         )
         raise TransformersMissingError(msg) from None
     return transformers

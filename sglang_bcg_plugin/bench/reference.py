@@ -28,7 +28,8 @@ import torch
 
 from ..shape_key import ShapeKey
 from ..trees import flatten, tensor_bytes
-from .runner import BenchRow, CompileClock, _free_bytes, _progress, _sync, _time_replay, max_abs_error
+from .progress import progress as progress_bar
+from .runner import BenchRow, CompileClock, _free_bytes, _sync, _time_replay, max_abs_error
 from .workload import Workload
 
 GRAPH_TREES = "graph-trees"
@@ -74,7 +75,7 @@ def graph_trees_row(
     logical = 0
     start = time.perf_counter()
     with torch.no_grad():
-        bar = _progress(len(keys), f"{GRAPH_TREES}/{REFERENCE_VARIANT}", progress)
+        bar = progress_bar(len(keys), f"{GRAPH_TREES}/{REFERENCE_VARIANT}", progress)
         for key in keys:
             for _ in range(1 + num_warmups):
                 out = step(key.size)
@@ -95,7 +96,7 @@ def graph_trees_row(
             out = step(key.size)
             max_err = max(max_err, max_abs_error(out, workload.call(model, static, key.size)))
             del out
-        replay_ms = _time_replay(lambda: step(max_tokens), device, repeats)
+        replay_ms, replay_min, replay_max = _time_replay(lambda: step(max_tokens), device, repeats)
     del compiled, model
     torch._dynamo.reset()  # drops the compiled code; then the Graph Trees and their pool
     if gpu:
@@ -115,5 +116,7 @@ def graph_trees_row(
         max_abs_err=max_err,
         fallbacks=0,
         model=workload.name,
+        replay_ms_min=replay_min,
+        replay_ms_max=replay_max,
         compile_s=compile_s,
     )

@@ -5,18 +5,19 @@ from __future__ import annotations
 import gc
 import logging
 import statistics
-import sys
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
 
 from ..options import BackendOptions
 from ..registry import create_backend
+from ..report import MemoryReport
 from ..shape_key import ShapeKey
 from ..trees import flatten
+from .progress import progress as progress_bar
 from .sizes import prefill_capture_sizes
 from .workload import Workload
 
@@ -65,12 +66,45 @@ class BenchRow:
     fallbacks: int
     bridge_bytes: int = 0
     model: str = "synthetic"
+    #: fastest and slowest of the timed replays (the spread of ``replay_ms``, the median).
+    replay_ms_min: float = 0.0
+    replay_ms_max: float = 0.0
+    #: one dict per captured key, largest first: ``size``, ``stream_idx``, output bytes
+    #: (logical/resident), ``shared``, ``fallback``, ``capture_s``, ``graph_memory_bytes``
+    #: (reserved-memory growth on CUDA, ``None`` on CPU) and ``num_segments``.
+    per_size: list[dict[str, Any]] = field(default_factory=list)
     #: seconds of the calls that compiled (dynamo, Inductor, first run), not in ``capture_s``;
     #: ``None`` where nothing is compiled.
     compile_s: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+    def summary(self) -> str:
+        """One line for the progress log (the table has everything)."""
+        graph = "-" if self.graph_memory_bytes is None else f"{self.graph_memory_bytes / 2**20:,.1f}"
+        return (
+            f"resident {self.resident_output_bytes / 2**20:,.2f} MiB, graph {graph} MiB, "
+            f"bridges {self.bridge_bytes / 2**20:,.1f} MiB, capture {self.capture_s:.2f} s, replay {self.replay_ms:.3f} ms"
+        )
+
+
+def per_size_rows(report: MemoryReport) -> list[dict[str, Any]]:
+    """``bench.json``'s per-size rows, from a backend's ``memory_report().keys``."""
+    return [
+        {
+            "size": getattr(k.key, "size", None),
+            "stream_idx": getattr(k.key, "stream_idx", None),
+            "logical_output_bytes": k.logical_output_bytes,
+            "resident_output_bytes": k.resident_output_bytes,
+            "shared": k.shared,
+            "fallback": k.fallback,
+            "capture_s": k.capture_seconds,
+            "graph_memory_bytes": k.graph_memory_bytes,
+            "num_segments": k.num_segments,
+        }
+        for k in report.keys
+    ]
 
 
 def _sync(device: str) -> None:
@@ -87,8 +121,9 @@ def _free_bytes(device: str) -> int | None:
     return int(torch.cuda.mem_get_info()[0])
 
 
-def _time_replay(replay: Callable[[], Any], device: str, repeats: int) -> float:
-    """Median milliseconds of ``repeats`` replays (CUDA events on GPU, perf_counter on CPU)."""
+def _time_replay(replay: Callable[[], Any], device: str, repeats: int) -> tuple[float, float, float]:
+    """Median, min and max milliseconds of ``repeats`` replays (CUDA events on GPU,
+    perf_counter on CPU)."""
     for _ in range(3):
         replay()
     _sync(device)
@@ -105,13 +140,7 @@ def _time_replay(replay: Callable[[], Any], device: str, repeats: int) -> float:
             t0 = time.perf_counter()
             replay()
             times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
-
-
-def _progress(total: int, desc: str, enabled: bool) -> Any:
-    from tqdm import tqdm
-
-    return tqdm(total=total, desc=desc, unit="size", file=sys.stderr, disable=not enabled, leave=False)
+    return statistics.median(times), min(times), max(times)
 
 
 class CompileClock:
@@ -185,7 +214,7 @@ def run_variant(
     start = time.perf_counter()
     keys = [ShapeKey(s) for s in sorted(sizes, reverse=True)]
     with torch.no_grad(), backend.capture_session():
-        bar = _progress(len(keys), f"{backend_name}/{variant}", progress)
+        bar = progress_bar(len(keys), f"{backend_name}/{variant}", progress)
         for key in keys:
             backend.capture_one(key, forward_for(key.size), capture_inputs=static)
             bar.update(1)
@@ -205,7 +234,7 @@ def run_variant(
                 out = backend.replay(key)
                 max_err = max(max_err, max_abs_error(out, workload.call(model, static, key.size)))
         largest = keys[0]
-        replay_ms = _time_replay(lambda: backend.replay(largest), device, repeats)
+        replay_ms, replay_min, replay_max = _time_replay(lambda: backend.replay(largest), device, repeats)
     backend.cleanup()  # the graphs, pools and buffers go; the next variant measures from here
     row = BenchRow(
         backend=backend_name,
@@ -222,6 +251,9 @@ def run_variant(
         fallbacks=len(report.fallbacks),
         bridge_bytes=report.total_bridge_bytes,
         model=workload.name,
+        replay_ms_min=replay_min,
+        replay_ms_max=replay_max,
+        per_size=per_size_rows(report),
         compile_s=compile_s,
     )
     log.info("%s", row)

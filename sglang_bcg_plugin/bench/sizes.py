@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+#: The smallest prefill capture size of SGLang's schedule.
+MIN_CAPTURE_SIZE = 4
+
 
 def prefill_capture_sizes(max_tokens: int) -> list[int]:
     """Token counts SGLang 0.5.23 captures for prefill, ascending, up to ``max_tokens``.
@@ -9,8 +12,8 @@ def prefill_capture_sizes(max_tokens: int) -> list[int]:
     58 sizes up to 8192, 74 up to 16384. Mirrors SGLang's schedule (checked on the 0.5.23
     wheel) so the benchmark needs no SGLang install.
     """
-    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 4:
-        msg = f"max_tokens must be an int >= 4 (the smallest prefill capture size), got {max_tokens!r}"
+    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < MIN_CAPTURE_SIZE:
+        msg = f"max_tokens must be an int >= {MIN_CAPTURE_SIZE} (the smallest prefill capture size), got {max_tokens!r}"
         raise ValueError(msg)
     sizes = (
         list(range(4, 33, 4))

@@ -87,12 +87,12 @@ class BreakableRecorder(Recorder):
             free = []  # a returned tensor aliases an argument slot: reuse nothing
         views: list[Any] = []
         for path, t in leaves:
-            spare = next(
-                (f for f in free if f.dtype == t.dtype and f.device == t.device and f.numel() >= t.numel()), None
+            i = next(
+                (i for i, f in enumerate(free) if f.dtype == t.dtype and f.device == t.device and f.numel() >= t.numel()),
+                None,
             )
-            if spare is not None:
-                free.remove(spare)
-                views.append(view_of(spare, t.shape))
+            if i is not None:
+                views.append(view_of(free.pop(i), t.shape))
             else:
                 views.append(self.bridges.view(f"ret:{name}:{path}", t))
         return views

@@ -16,6 +16,7 @@ import torch
 from ..storage import PartitionStores
 from .base import CaptureRequest, run_warmups
 from .breakable import BreakableRecorder
+from .gcsafe import gc_safe_capture
 from .graphs import CudaSegments, abort_capture, end_capture
 from .recorder import SegmentedGraph, record
 
@@ -66,7 +67,7 @@ class CudaGraphEngine:
         if partition not in self._pools:
             handle = torch.cuda.graph_pool_handle()
             anchor = torch.cuda.CUDAGraph()
-            with torch.cuda.stream(self._partition_stream(partition)):
+            with gc_safe_capture(), torch.cuda.stream(self._partition_stream(partition)):
                 anchor.capture_begin(pool=handle)
                 end_capture(anchor)
             self._anchors.append(anchor)
@@ -96,7 +97,7 @@ class CudaGraphEngine:
             run_warmups(request)
         torch.cuda.synchronize()
         pool = self.pool(request.partition)
-        with torch.cuda.stream(stream):
+        with gc_safe_capture(), torch.cuda.stream(stream):
             if self.segmented:
                 recorder = BreakableRecorder(request.key, CudaSegments(pool), self.bridges(request.partition))
                 graph: FullGraph | SegmentedGraph = record(recorder, request.forward_fn, request.finalize)

@@ -2,8 +2,11 @@
 
 Prints the installed SGLang version, whether every hook target (and each SGLang name our
 breakable backend relies on) exists, whether our ``sglang.srt.plugins`` entry point is
-discoverable, and the resolved sharing flag. Exit codes: 0 all good, 1 a target or the entry
-point is missing, 2 SGLang is not installed. SGLang is imported only inside :func:`doctor_main`.
+discoverable, and the resolved sharing flag. Findings are grouped by cause: a seam that moved
+(SGLang imports, the name is gone) is not a dependency SGLang itself is missing. Exit codes: 0
+all good, 1 a seam moved or the entry point is missing, 2 SGLang is not installed, 3 SGLang is
+installed but does not import (e.g. its dependency torchvision is missing). SGLang is imported
+only inside :func:`doctor_main`.
 """
 
 from __future__ import annotations
@@ -14,6 +17,8 @@ import importlib.metadata
 import importlib.util
 import pkgutil
 import sys
+from collections import Counter
+from dataclasses import dataclass
 from typing import TextIO
 
 from .._constants import ENV_SHARE_OUTPUT
@@ -25,6 +30,8 @@ from .sglang_breakable import CAPTURE_VAR, SGLANG_BCG_CLASS
 SUPPORTED_SGLANG = ("0.5.23",)
 ENTRY_POINT_GROUP = "sglang.srt.plugins"
 ENTRY_POINT_VALUE = "sglang_bcg_plugin.integration:register"
+#: How to install the plugin with the supported SGLang (the package is not on PyPI).
+INSTALL = "from a checkout of sglang_bcg_plugin: pip install -e '.[sglang]'"
 
 _BCG_MODULE = SGLANG_BCG_CLASS.rsplit(".", 1)[0]
 #: Names our breakable backend reads besides the hook targets (a moved one breaks capture).
@@ -40,7 +47,21 @@ SEAM_NAMES = (
 )
 
 
-def _check(target: str) -> str | None:
+@dataclass(frozen=True)
+class Problem:
+    """Why one name does not resolve.
+
+    ``kind``: ``"moved"`` (its module imports, the name is not there: an SGLang upgrade moved a
+    seam), ``"dependency"`` (an SGLang module needs a package that is not installed, named by
+    ``dependency``) or ``"import"`` (an SGLang module raises something else on import).
+    """
+
+    kind: str
+    detail: str
+    dependency: str | None = None
+
+
+def _diagnose(target: str) -> Problem | None:
     """``None`` when ``target`` resolves, else why not.
 
     ``pkgutil.resolve_name`` reports a module that fails to import (a missing dependency such
@@ -60,10 +81,20 @@ def _check(target: str) -> str | None:
         except ModuleNotFoundError as exc:
             if exc.name == module:
                 break  # not a module (a class attribute, or it moved): the lookup error says it
-            return f"cannot import {module}: {exc}"
+            detail = f"cannot import {module}: {exc}"
+            missing = (exc.name or "").split(".")[0]
+            if missing and missing != parts[0]:
+                return Problem("dependency", detail, missing)
+            return Problem("import", detail)
         except Exception as exc:  # noqa: BLE001 - reported, the check continues
-            return f"cannot import {module}: {type(exc).__name__}: {exc}"
-    return f"{type(error).__name__}: {error}"
+            return Problem("import", f"cannot import {module}: {type(exc).__name__}: {exc}")
+    return Problem("moved", f"{type(error).__name__}: {error}")
+
+
+def _check(target: str) -> str | None:
+    """``None`` when ``target`` resolves, else why not, in words."""
+    problem = _diagnose(target)
+    return None if problem is None else problem.detail
 
 
 def _sglang_version() -> str | None:
@@ -98,8 +129,40 @@ def _flag() -> str:
     return f"{'on' if value else 'off'} ({ENV_SHARE_OUTPUT} set)"
 
 
+#: Exit codes of ``sglang-bcg doctor`` (docs/sglang.md).
+EXIT_OK, EXIT_MOVED, EXIT_NO_SGLANG, EXIT_IMPORT = 0, 1, 2, 3
+
+
+def _summary(problems: list[Problem], entry_point_found: bool) -> tuple[list[str], int]:
+    """The closing lines, grouped by cause, and the exit code (moved seams outrank the rest)."""
+    lines, code = [], EXIT_OK
+    moved = sum(p.kind == "moved" for p in problems)
+    if moved:
+        lines.append(f"doctor: {moved} seam(s) moved: this SGLang does not fit the plugin; do not serve with it")
+        code = EXIT_MOVED
+    if not entry_point_found:
+        lines.append(f"doctor: entry point not discoverable: reinstall the plugin into this environment ({INSTALL})")
+        code = EXIT_MOVED
+    for dep, n in Counter(p.dependency for p in problems if p.kind == "dependency").items():
+        lines.append(
+            f"doctor: SGLang could not be imported: dependency {dep!r} is missing "
+            f"(install it into this environment, e.g. pip install {dep}); {n} name(s) could not be checked"
+        )
+        code = code or EXIT_IMPORT
+    for p in problems:
+        if p.kind == "import":
+            lines.append(f"doctor: SGLang could not be imported: {p.detail}")
+            code = code or EXIT_IMPORT
+            break
+    return lines or ["doctor: ok"], code
+
+
 def doctor_main(argv: list[str] | None = None, *, out: TextIO | None = None) -> int:
-    """Run the checks, print a report and return the exit code (0 ok, 1 missing, 2 no SGLang)."""
+    """Run the checks, print a report and return the exit code.
+
+    0 ok; 1 a seam moved or the entry point is missing; 2 SGLang is not installed; 3 SGLang is
+    installed but some of its modules do not import (a missing dependency such as torchvision).
+    """
     parser = argparse.ArgumentParser(prog="sglang-bcg doctor", description=__doc__.splitlines()[0])
     parser.parse_args(argv)
     stream = out if out is not None else sys.stdout
@@ -109,26 +172,31 @@ def doctor_main(argv: list[str] | None = None, *, out: TextIO | None = None) -> 
 
     version = _sglang_version()
     if version is None:
-        say("SGLang not installed: pip install 'sglang-bcg-plugin[sglang]' into the serving environment")
-        return 2
+        say(f"SGLang not installed: install it into the serving environment ({INSTALL})")
+        return EXIT_NO_SGLANG
     supported = "supported" if version in SUPPORTED_SGLANG else f"untested; supported: {', '.join(SUPPORTED_SGLANG)}"
     say(f"SGLang {version} ({supported})")
-    missing = 0
+    problems: list[Problem] = []
+
+    def report(prefix: str, name: str) -> None:
+        problem = _diagnose(name)
+        if problem is None:
+            say(f"  [ok] {prefix}{name}")
+            return
+        problems.append(problem)
+        tag = {"moved": "MISSING", "dependency": "NOT CHECKED", "import": "NOT CHECKED"}[problem.kind]
+        say(f"  [{tag}] {prefix}{name}  ({problem.detail})")
+
     say("hook targets:")
     for target, _, kind in HOOKS:
-        problem = _check(target)
-        missing += problem is not None
-        say(f"  [{'ok' if problem is None else 'MISSING'}] {kind:<6} {target}" + (f"  ({problem})" if problem else ""))
+        report(f"{kind:<6} ", target)
     say("seam names:")
     for name in SEAM_NAMES:
-        problem = _check(name)
-        missing += problem is not None
-        say(f"  [{'ok' if problem is None else 'MISSING'}] {name}" + (f"  ({problem})" if problem else ""))
+        report("", name)
     ep = _entry_point()
     say(f"entry point ({ENTRY_POINT_GROUP}): " + (ep or f"NOT FOUND (expected {ENTRY_POINT_VALUE})"))
     say(f"--enable-bcg-shared-output (resolved now): {_flag()}")
-    if missing or ep is None:
-        say(f"doctor: {missing} missing target(s){'' if ep else ', entry point not discoverable'}")
-        return 1
-    say("doctor: ok")
-    return 0
+    lines, code = _summary(problems, ep is not None)
+    for line in lines:
+        say(line)
+    return code

@@ -37,6 +37,7 @@ from collections.abc import Callable, Hashable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from ..engines.gcsafe import gc_safe_capture
 from ..errors import CaptureStateError
 from ..options import resolve_share_output
 from ..report import KeyReport, MemoryReport, claim_resident_bytes
@@ -188,6 +189,7 @@ class SharingPolicyMixin:
         protected = _input_storages(capture_inputs)
         graph = mod.BreakableCUDAGraph(self.deduped_cuda_graph)
         with (
+            gc_safe_capture(),
             mod.graph_pool_capture_scope(),
             mod.BreakableCUDAGraphCapture(
                 cuda_graph=graph, pool=self._pool, stream=self._capture_stream, barrier_fn=self._tp_group.barrier

@@ -40,7 +40,11 @@ def test_namespace_or_unregistered_sglang_is_not_sglang(monkeypatch: pytest.Monk
 
     monkeypatch.setattr(doctor.importlib.util, "find_spec", lambda name: type("Spec", (), {"origin": "x"})())
     monkeypatch.setattr(doctor.importlib.metadata, "version", no_dist)
-    assert run() == (2, "SGLang not installed: pip install 'sglang-bcg-plugin[sglang]' into the serving environment\n")
+    assert run() == (
+        2,
+        "SGLang not installed: install it into the serving environment "
+        "(from a checkout of sglang_bcg_plugin: pip install -e '.[sglang]')\n",
+    )
 
 
 @pytest.mark.sglang
@@ -64,7 +68,7 @@ def test_missing_target_exits_1(monkeypatch: pytest.MonkeyPatch, dist_dir: Path)
     code, text = run()
     assert code == 1
     assert "[MISSING] AROUND sglang.srt.model_executor.runner_backend.utils.resolve_decode_backend" in text
-    assert "on (SGLANG_ENABLE_BCG_SHARED_OUTPUT set)" in text and "doctor: 1 missing target(s)" in text
+    assert "on (SGLANG_ENABLE_BCG_SHARED_OUTPUT set)" in text and "doctor: 1 seam(s) moved: this SGLang does not fit the plugin" in text
 
 
 @pytest.mark.sglang
@@ -82,7 +86,7 @@ def test_missing_entry_point_and_bad_env_exit_1(monkeypatch: pytest.MonkeyPatch)
     assert "SGLang 0.6.0 (untested; supported: 0.5.23)" in text
     assert "NOT FOUND (expected sglang_bcg_plugin.integration:register)" in text
     assert "invalid (SGLANG_ENABLE_BCG_SHARED_OUTPUT='maybe'" in text
-    assert "entry point not discoverable" in text
+    assert "doctor: entry point not discoverable: reinstall the plugin" in text
 
 
 def test_check_names_the_import_error(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
@@ -98,3 +102,63 @@ def test_check_names_the_import_error(monkeypatch: pytest.MonkeyPatch, tmp_path:
     assert _check("bcg_raises_on_import.Thing.method") == "cannot import bcg_raises_on_import: RuntimeError: boom"
     assert _check("json.NoSuchThing.attr") == "AttributeError: module 'json' has no attribute 'NoSuchThing'"
     assert _check("bcg_no_such_package.sub.Thing").startswith("ModuleNotFoundError: No module named 'bcg_no_such_package'")
+
+
+def test_diagnose_tells_causes_apart(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    from sglang_bcg_plugin.integration.doctor import Problem, _diagnose
+
+    (tmp_path / "bcg_needs_missing_dep.py").write_text("import bcg_no_such_dependency\n")
+    pkg = tmp_path / "bcg_pkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "mod.py").write_text("import bcg_pkg.gone\n")  # the package's own module is missing
+    monkeypatch.syspath_prepend(str(tmp_path))
+    dep = _diagnose("bcg_needs_missing_dep.Thing")
+    assert dep is not None and (dep.kind, dep.dependency) == ("dependency", "bcg_no_such_dependency")
+    internal = _diagnose("bcg_pkg.mod.Thing")
+    assert internal is not None and internal.kind == "import" and "bcg_pkg.gone" in internal.detail
+    assert _diagnose("json.NoSuchThing") == Problem("moved", "AttributeError: module 'json' has no attribute 'NoSuchThing'")
+
+
+def test_summary_groups_findings_by_cause(monkeypatch: pytest.MonkeyPatch) -> None:
+    from sglang_bcg_plugin.integration import doctor
+    from sglang_bcg_plugin.integration.doctor import Problem
+
+    dep = Problem("dependency", "cannot import x: No module named 'torchvision'", "torchvision")
+    monkeypatch.setattr(doctor, "_sglang_version", lambda: "0.5.23")
+    monkeypatch.setattr(doctor, "_entry_point", lambda: "sglang_bcg = sglang_bcg_plugin.integration:register")
+    monkeypatch.setattr(doctor, "_diagnose", lambda name: dep if "runner_backend." in name else None)
+    code, text = run()
+    assert code == 3, text
+    assert text.count("[NOT CHECKED]") == 8 and "MISSING" not in text
+    assert text.endswith(
+        "doctor: SGLang could not be imported: dependency 'torchvision' is missing (install it into this "
+        "environment, e.g. pip install torchvision); 8 name(s) could not be checked\n"
+    )
+    moved = Problem("moved", "AttributeError: gone")
+    broken = Problem("import", "cannot import y: RuntimeError: boom")
+    lines, code = doctor._summary([moved, dep, broken, broken], entry_point_found=True)
+    assert code == 1 and lines[0].startswith("doctor: 1 seam(s) moved") and len(lines) == 3
+    assert lines[2] == "doctor: SGLang could not be imported: cannot import y: RuntimeError: boom"
+    assert doctor._summary([broken], entry_point_found=True)[1] == 3
+    assert doctor._summary([], entry_point_found=True) == (["doctor: ok"], 0)
+
+
+@pytest.mark.sglang
+def test_missing_torchvision_is_named_not_moved(dist_dir: Path) -> None:
+    """The README's test environment has no torchvision (no build for CPU torch 2.13)."""
+    import os
+    import subprocess
+
+    code = (
+        "import sys; sys.modules['torchvision'] = None; "
+        f"sys.path.insert(0, {str(dist_dir)!r}); "
+        "from sglang_bcg_plugin.integration.doctor import doctor_main; sys.exit(doctor_main([]))"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "SGLANG_ENABLE_BCG_SHARED_OUTPUT"}
+    root = Path(__file__).resolve().parents[2]
+    proc = subprocess.run([sys.executable, "-W", "ignore", "-c", code], capture_output=True, text=True,
+                          cwd=str(root), env=env, timeout=300, check=False)
+    assert proc.returncode == 3, proc.stdout + proc.stderr
+    assert "MISSING" not in proc.stdout and "seam(s) moved" not in proc.stdout
+    assert "doctor: SGLang could not be imported: dependency 'torchvision' is missing" in proc.stdout

@@ -6,6 +6,7 @@ import torch
 
 from ...engines.base import CaptureRequest, run_warmups
 from ...engines.cuda import CudaGraphEngine
+from ...engines.gcsafe import gc_safe_capture
 from ...engines.graphs import CudaSegments
 from ...engines.recorder import SegmentedGraph, record
 from .record import PieceRecorder
@@ -33,7 +34,7 @@ class PiecewiseCudaEngine(CudaGraphEngine):
         torch.cuda.synchronize()
         segments = CudaSegments(self.pool(request.partition))
         recorder = PieceRecorder(request.key, segments, self.bridges(request.partition), request.static_inputs)
-        with torch.cuda.stream(stream):
+        with gc_safe_capture(), torch.cuda.stream(stream):
             graph = record(recorder, request.forward_fn, request.finalize)
         torch.cuda.synchronize()
         return graph
