@@ -29,7 +29,8 @@ import torch
 from ..shape_key import ShapeKey
 from ..trees import flatten, tensor_bytes
 from .progress import progress as progress_bar
-from .runner import BenchRow, CompileClock, _free_bytes, _sync, _time_replay, max_abs_error
+from .clock import CompileClock
+from .runner import BenchRow, _free_bytes, _sync, _time_replay, max_abs_error
 from .workload import Workload
 
 GRAPH_TREES = "graph-trees"

@@ -17,6 +17,7 @@ from ..registry import create_backend
 from ..report import MemoryReport
 from ..shape_key import ShapeKey
 from ..trees import flatten
+from .clock import CompileClock
 from .progress import progress as progress_bar
 from .sizes import prefill_capture_sizes
 from .workload import Workload
@@ -141,26 +142,6 @@ def _time_replay(replay: Callable[[], Any], device: str, repeats: int) -> tuple[
             replay()
             times.append((time.perf_counter() - t0) * 1e3)
     return statistics.median(times), min(times), max(times)
-
-
-class CompileClock:
-    """A ``torch.compile``-d callable that sums the wall time of the calls that compiled
-    (dynamo's ``unique_graphs`` grew: tracing, Inductor, the first run), kernels finished."""
-
-    def __init__(self, fn: Callable[..., Any], device: str) -> None:
-        self.fn = fn
-        self.device = device
-        self.seconds = 0.0
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        from torch._dynamo.utils import counters
-
-        graphs, start = counters["stats"]["unique_graphs"], time.perf_counter()
-        out = self.fn(*args, **kwargs)
-        if counters["stats"]["unique_graphs"] != graphs:
-            _sync(self.device)
-            self.seconds += time.perf_counter() - start
-        return out
 
 
 def max_abs_error(out: Any, ref: Any) -> float:
