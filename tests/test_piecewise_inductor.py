@@ -224,10 +224,12 @@ def test_batch_first_slices_compile_once() -> None:
     torch._dynamo.reset()
     backend = create_backend("piecewise", options=BackendOptions(engine="eager"), splitting_ops=[mix])
     assert isinstance(backend, PiecewiseBackend)
-    fn = backend.compile(lambda x: mix(x * 2.0) + 1.0, dynamic_dim=1)
-    x = torch.randn(1, 32)
+    fn = backend.compile(lambda x, scale: mix(x * scale) + 1.0, dynamic_dim=1)
+    x, scale = torch.randn(1, 32), torch.tensor([2.0])  # scale has no dim 1: left static
     with torch.no_grad():
         for s in (32, 16, 5, 1):
-            torch.testing.assert_close(fn(x[:, :s]), torch.tanh(x[:, :s] * 2.0) + 2.0)
+            torch.testing.assert_close(fn(x[:, :s], scale), torch.tanh(x[:, :s] * 2.0) + 2.0)
     assert backend.num_compilations == 1
+    with pytest.raises(ValueError, match="dynamic_dim must be an int >= 0"):
+        backend.compile(lambda x: x, dynamic_dim=-1)
     torch._dynamo.reset()

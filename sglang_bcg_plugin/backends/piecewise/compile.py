@@ -137,7 +137,7 @@ class PiecewiseCompiled:
         with _size_oblivious() if self.dynamic == "size_oblivious" else contextlib.nullcontext():
             out = self.compiled(*args, **kwargs)
         if self.compiler.calls != calls:  # this call compiled: charge it, kernels finished
-            if torch.cuda.is_initialized():
+            if torch.cuda.is_initialized():  # pragma: no cover - CUDA only
                 torch.cuda.synchronize()
             self.compiler.compile_seconds += time.perf_counter() - start
         return out

@@ -45,7 +45,7 @@ def _fresh_key(t: torch.Tensor) -> object:
 def _contiguous(t: torch.Tensor) -> bool:
     """Contiguous for every size (a fake tensor's unbacked size may not be decidable: no)."""
     check = getattr(torch._prims_common, "is_contiguous_or_false", None)
-    if check is None:  # pragma: no cover - torch < 2.8
+    if check is None or not isinstance(t, torch._subclasses.FakeTensor):  # real sizes: the C++ check
         return bool(t.is_contiguous())
     return bool(check(t))
 
