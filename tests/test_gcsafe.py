@@ -84,6 +84,29 @@ def test_someone_elses_freeze_is_left_alone() -> None:
     assert gc.isenabled()
 
 
+def test_objects_made_after_someone_elses_freeze_are_protected_too() -> None:
+    """Their freeze does not cover a cycle made later; ours must (the H200 GC test failed when
+    the freeze was skipped because something else had frozen first)."""
+    gc.freeze()
+    died: list[str] = []
+
+    class Graphs:
+        def __del__(self) -> None:
+            died.append("graphs")
+
+    g = Graphs()
+    g.cycle = g  # type: ignore[attr-defined]
+    holder = [g]
+    del g
+    with gc_safe_capture():
+        holder.clear()
+        gc.collect()  # what a forward (or an automatic collection) might do inside a capture
+        assert died == []
+    gc.unfreeze()  # the other party's unfreeze, later
+    gc.collect()
+    assert died == ["graphs"]
+
+
 def test_threads_share_one_depth() -> None:
     gc.enable()
     inside, release = threading.Event(), threading.Event()

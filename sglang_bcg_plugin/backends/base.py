@@ -34,7 +34,7 @@ from ..manager import get_plugin_manager, hookimpl
 from ..options import BackendOptions, resolve_share_output
 from ..report import MemoryReport
 from ..shape_key import check_key
-from ..sharing import BufferSource, OutputSharer
+from ..sharing import OutputSharer
 from ..trees import collect_tensors, storage_key
 from .session import _Entry, _Session, buffer_source, make_guard, report_of, use_cuda
 
@@ -43,9 +43,6 @@ class CaptureBackend:
     """Base class of the Full, Breakable and Piecewise backends."""
 
     name: ClassVar[str] = "base"
-    #: Where shared output buffers come from with ``shared_buffer="auto"`` on CUDA (measured
-    #: per engine: docs/index.md, "Output sharing"); the eager engine always adopts.
-    cuda_buffer_source: ClassVar[BufferSource] = "adopt"
 
     def __init__(
         self,
@@ -104,7 +101,7 @@ class CaptureBackend:
                 raise CaptureStateError(msg)
             share = resolve_share_output(self._options.share_output, server_args=self._server_args)
             self._guard = make_guard(self._options.stale_output_guard, self._guard)
-            source = buffer_source(self._options.shared_buffer, self._get_engine(), self.cuda_buffer_source)
+            source = buffer_source(self._options.shared_buffer, self._get_engine())
             sharer = OutputSharer(enabled=share, strict=self._options.strict_outputs, source=source)
             self._session = _Session(share, sharer, stream)
         try:

@@ -17,9 +17,6 @@ class BreakableBackend(CaptureBackend):
     """Breakable CUDA graphs with per-partition output sharing."""
 
     name = "breakable"
-    # Adopting the largest output inside a segmented graph fragments the pool by about one
-    # output (H200: docs/benchmarks.md); a buffer reserved before capture does not.
-    cuda_buffer_source = "reserve"
 
     def _make_cuda_engine(self) -> Engine:
         from ..engines.cuda import CudaGraphEngine

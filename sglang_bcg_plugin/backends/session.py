@@ -45,12 +45,18 @@ def use_cuda(engine: str, backend: str) -> bool:
     return torch.cuda.is_available()
 
 
-def buffer_source(choice: str, engine: Engine, cuda_default: BufferSource) -> BufferSource:
-    """Where shared output buffers come from: the option, else the backend's CUDA default on
-    CUDA (measured per engine), else adoption (the eager engine has no pool to fragment)."""
+def buffer_source(choice: str, engine: Engine) -> BufferSource:
+    """Where shared output buffers come from: the option; with ``"auto"``, a buffer reserved
+    before capture on CUDA and adoption on the eager engine (no pool to fragment there).
+
+    Measured on an H200 (docs/benchmarks.md), a reserved buffer costs exactly one output over
+    the floor on every engine and model; adopting the largest output costs anywhere from nothing
+    to 1.4 outputs, depending on where the allocator placed it among the largest forward's
+    activations — so ``"auto"`` takes the bound that always holds.
+    """
     if choice in ("adopt", "reserve"):
         return choice  # type: ignore[return-value]
-    return cuda_default if engine.name == "cuda" else "adopt"
+    return "reserve" if engine.name == "cuda" else "adopt"
 
 
 def make_guard(enabled: bool, current: StaleOutputGuard | None) -> StaleOutputGuard | None:

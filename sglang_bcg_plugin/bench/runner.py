@@ -84,9 +84,11 @@ class BenchRow:
     def summary(self) -> str:
         """One line for the progress log (the table has everything)."""
         graph = "-" if self.graph_memory_bytes is None else f"{self.graph_memory_bytes / 2**20:,.1f}"
+        err = "-" if self.max_abs_err is None else f"{self.max_abs_err:.3g}"
         return (
             f"resident {self.resident_output_bytes / 2**20:,.2f} MiB, graph {graph} MiB, "
-            f"bridges {self.bridge_bytes / 2**20:,.1f} MiB, capture {self.capture_s:.2f} s, replay {self.replay_ms:.3f} ms"
+            f"bridges {self.bridge_bytes / 2**20:,.1f} MiB, capture {self.capture_s:.2f} s, "
+            f"replay {self.replay_ms:.3f} ms, max abs err {err}, fallbacks {self.fallbacks}"
         )
 
 

@@ -14,8 +14,12 @@ garbage dies *now*, outside the capture; then ``gc.freeze()`` so even an explici
 ``gc.collect()`` inside the capture cannot reach an object that existed before it, and
 ``gc.disable()`` so no automatic collection starts. The last exit restores exactly the previous
 state: ``gc.unfreeze()`` and the previous enabled flag. When objects are already frozen on entry
-(someone else called ``gc.freeze()``, e.g. SGLang's ``freeze_gc``), the permanent generation is
-theirs: it is left alone (their freeze already protects those objects), only the GC is disabled.
+(someone else called ``gc.freeze()``, e.g. SGLang's ``freeze_gc``), the freeze is still made —
+their freeze does not cover objects made since, such as a backend dropped later (seen on the
+H200: skipping the freeze let ``gc.collect()`` inside a capture destroy graphs) — and the
+permanent generation is left frozen on exit, because ``gc.unfreeze()`` cannot tell their objects
+from ours. Frozen objects are still freed by reference counting; only cyclic garbage made
+during such a capture waits for their ``gc.unfreeze()``.
 Nested and concurrent captures (other threads) share one depth count, since the GC is global.
 """
 
@@ -46,8 +50,7 @@ def gc_safe_capture() -> Iterator[None]:
             gc.collect()
             _restore_enabled = gc.isenabled()
             _unfreeze = gc.get_freeze_count() == 0
-            if _unfreeze:
-                gc.freeze()
+            gc.freeze()
             gc.disable()
         _depth += 1
     try:

@@ -50,9 +50,6 @@ class PiecewiseBackend(CaptureBackend):
     """
 
     name = "piecewise"
-    # Adopting the largest output inside a segmented graph fragments the pool by about one
-    # output (H200: docs/benchmarks.md); a buffer reserved before capture does not.
-    cuda_buffer_source = "reserve"
 
     def __init__(
         self,
