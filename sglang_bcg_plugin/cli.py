@@ -52,8 +52,8 @@ def _bench_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     p.add_argument("--model", choices=("synthetic", "llama"), default="synthetic",
                    help="synthetic: our tokens-first decoder (default); llama: transformers' LlamaModel, random weights")
     p.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda when available)")
-    p.add_argument("--backends", default="breakable,full,piecewise", help="comma-separated backend names")
-    p.add_argument("--variants", default=None, help="comma-separated of off,on,floor,guard,adopt,reserve (default: off,on; plus floor,guard on CUDA)")
+    p.add_argument("--backends", default="breakable,full,piecewise", help="comma-separated backend names; graph-trees: torch.compile's reduce-overhead reference row")
+    p.add_argument("--variants", default=None, help="comma-separated of off,on,floor,guard,adopt,reserve,inductor (default: off,on; plus floor,guard on CUDA)")
     p.add_argument("--hidden", type=_positive, default=None, help="hidden size (default: 2880 on CUDA, 128 on CPU)")
     p.add_argument("--layers", type=_positive, default=None, help="decoder layers (default: 4 on CUDA, 2 on CPU)")
     p.add_argument("--heads", type=_positive, default=None, help="attention heads, dividing --hidden (default: 45 on CUDA, 4 on CPU; llama: 64 / 4)")
@@ -70,10 +70,11 @@ def _bench_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
 def _bench(args: argparse.Namespace) -> int:
     from .bench.config import build_config
     from .bench.output import PLOT_SKIPPED, format_table, write_json, write_plot
+    from .bench.reference import GRAPH_TREES, graph_trees_row, variants_for
     from .bench.runner import run_variant, warm_up
     from .registry import available_backends
 
-    cfg = build_config(args, available_backends())  # every check, before any work
+    cfg = build_config(args, [*available_backends(), GRAPH_TREES])  # every check, before any work
     if ":" in cfg.device:  # pragma: no cover - CUDA only: streams and pools on the chosen GPU
         torch.cuda.set_device(torch.device(cfg.device))
     config = cfg.summary()
@@ -81,12 +82,15 @@ def _bench(args: argparse.Namespace) -> int:
         print(note, file=sys.stderr)
     print(f"sglang-bcg bench on {cfg.device_name}: {config}", file=sys.stderr)
     start = time.perf_counter()
-    warm_up(cfg.workload, cfg.backends)
+    warm_up(cfg.workload, [b for b in cfg.backends if b != GRAPH_TREES])  # the reference compiles afresh
     rows = []
     for backend in cfg.backends:
-        for variant in cfg.variants:
+        for variant in variants_for(backend, cfg.variants):
             t0 = time.perf_counter()
-            row = run_variant(backend, variant, cfg.workload, cfg.sizes, repeats=cfg.repeats, progress=cfg.progress)
+            if backend == GRAPH_TREES:
+                row = graph_trees_row(cfg.workload, cfg.sizes, repeats=cfg.repeats, progress=cfg.progress)
+            else:
+                row = run_variant(backend, variant, cfg.workload, cfg.sizes, repeats=cfg.repeats, progress=cfg.progress)
             rows.append(row)
             print(f"  {backend}/{variant} done in {time.perf_counter() - t0:.1f} s: {row.summary()}", file=sys.stderr)
     print(format_table(rows, timings_meaningful=cfg.gpu))

@@ -41,7 +41,7 @@ def estimate_bytes(model: ModelShape, sizes: list[int], variants: list[str]) -> 
     weights = model.layers * ((q + 2 * kv) * h + h * q + 3 * inter * h) * b
     if "off" in variants:
         outputs = sum(sizes) * h * b  # every key keeps its own output
-    elif {"on", "guard", "adopt", "reserve"} & set(variants):
+    elif {"on", "guard", "adopt", "reserve", "inductor"} & set(variants):
         outputs = t * h * b  # one shared buffer per leaf
     else:
         outputs = 0  # floor: outputs released inside the graphs

@@ -66,12 +66,13 @@ def break_attention(
 
 @torch.library.custom_op("sglang_bcg_bench::llama_attention", mutates_args=())
 def split_attention_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float) -> torch.Tensor:
-    """Causal GQA attention ``[1, heads, seq, d]`` -> ``[1, seq, heads, d]``: the splitting op."""
-    groups = query.shape[1] // key.shape[1]
-    if groups > 1:
-        key = key.repeat_interleave(groups, dim=1)
-        value = value.repeat_interleave(groups, dim=1)
-    out = torch.nn.functional.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling)
+    """Causal GQA attention ``[1, heads, seq, d]`` -> ``[1, seq, heads, d]``: the splitting op.
+
+    As transformers' SDPA attention computes it without a mask (``enable_gqa``: the kernel reads
+    the shared key/value heads; repeating them would write and read two ``[1, heads, seq, d]``
+    copies per layer that the other backends never make)."""
+    gqa = query.shape[1] != key.shape[1]
+    out = torch.nn.functional.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling, enable_gqa=gqa)
     return out.transpose(1, 2).contiguous()
 
 

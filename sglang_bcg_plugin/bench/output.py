@@ -68,7 +68,7 @@ def format_table(rows: list[BenchRow], *, timings_meaningful: bool = True) -> st
 
     :param timings_meaningful: ``False`` on CPU: timing ratios print as ``n/m`` with a footnote.
     """
-    head = ["backend", "variant", "sizes", "max_tokens", "resident MiB", "logical MiB", "graph MiB", "capture s", "replay ms", "max abs err", "fallbacks"]
+    head = ["backend", "variant", "sizes", "max_tokens", "resident MiB", "logical MiB", "graph MiB", "capture s", "compile s", "replay ms", "max abs err", "fallbacks"]
     body = [
         [
             r.backend,
@@ -79,6 +79,7 @@ def format_table(rows: list[BenchRow], *, timings_meaningful: bool = True) -> st
             _mib(r.logical_output_bytes),
             _mib(r.graph_memory_bytes),
             f"{r.capture_s:.2f}",
+            "-" if r.compile_s is None else f"{r.compile_s:.2f}",
             f"{r.replay_ms:.3f}",
             "-" if r.max_abs_err is None else f"{r.max_abs_err:.3g}",
             str(r.fallbacks),
@@ -139,7 +140,7 @@ def write_plot(
     variants = list(dict.fromkeys(r.variant for r in rows))
     by = {(r.backend, r.variant): r for r in rows}
     use_graph = all(r.graph_memory_bytes is not None for r in rows)
-    colors = {"off": "#c0504d", "on": "#4f81bd", "floor": "#9bbb59", "guard": "#8064a2"}
+    colors = {"off": "#c0504d", "on": "#4f81bd", "floor": "#9bbb59", "guard": "#8064a2", "inductor": "#f79646", "reference": "#4bacc6"}
     fig, (ax_mem, ax_rep) = plt.subplots(1, 2, figsize=(11, 4.2))
     width = 0.8 / max(len(variants), 1)
     for i, variant in enumerate(variants):
@@ -158,6 +159,8 @@ def write_plot(
             "on": "sharing on",
             "floor": "outputs released (floor)",
             "guard": "sharing on + stale-output guard",
+            "inductor": "sharing on, Inductor-compiled",
+            "reference": "torch.compile reduce-overhead (Graph Trees)",
         }.get(variant, variant)
         bars = ax_mem.bar(xs, mem, width, label=label, color=colors.get(variant))
         ax_mem.bar_label(bars, labels=[sig2(v) for v in mem], fontsize=8)

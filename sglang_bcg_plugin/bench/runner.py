@@ -17,6 +17,7 @@ from ..registry import create_backend
 from ..report import MemoryReport
 from ..shape_key import ShapeKey
 from ..trees import flatten
+from .clock import CompileClock
 from .progress import progress as progress_bar
 from .sizes import prefill_capture_sizes
 from .workload import Workload
@@ -26,12 +27,15 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class Variant:
-    """How one bench variant captures: sharing, whether outputs are kept, guard, buffer source."""
+    """How one bench variant captures: sharing, whether outputs are kept, guard, buffer source;
+    ``inductor``: the model compiled by Inductor (piecewise: every piece; full: the model,
+    ``torch.compile(dynamic=True)``) before it is captured."""
 
     share: bool | str
     keep: bool = True
     guard: bool = False
     shared_buffer: str = "auto"
+    inductor: bool = False
 
 
 #: "floor" drops every output inside its graph (the memory floor); "guard" is "on" with the
@@ -45,6 +49,7 @@ VARIANTS = {
     "adopt": Variant(True, shared_buffer="adopt"),
     "reserve": Variant(True, shared_buffer="reserve"),
     "released": Variant("released"),
+    "inductor": Variant(True, inductor=True),
 }
 
 
@@ -71,6 +76,9 @@ class BenchRow:
     #: (logical/resident), ``shared``, ``fallback``, ``capture_s``, ``graph_memory_bytes``
     #: (reserved-memory growth on CUDA, ``None`` on CPU) and ``num_segments``.
     per_size: list[dict[str, Any]] = field(default_factory=list)
+    #: seconds of the calls that compiled (dynamo, Inductor, first run), not in ``capture_s``;
+    #: ``None`` where nothing is compiled.
+    compile_s: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -159,6 +167,9 @@ def run_variant(
     progress: bool = True,
 ) -> BenchRow:
     """Capture every size with one backend and variant; measure memory, time and error."""
+    # Every variant compiles afresh, and dynamo's recompile limit (8 entries per code object,
+    # whatever the backend) would otherwise count the entries of every earlier variant.
+    torch._dynamo.reset()
     v = VARIANTS[variant]
     device = workload.shape.device
     options = BackendOptions(
@@ -170,11 +181,14 @@ def run_variant(
     kwargs: dict[str, Any] = {}
     if backend_name == "piecewise":
         kwargs["splitting_ops"] = list(workload.splitting_ops)
+        kwargs["inductor"] = v.inductor
     max_tokens = max(sizes)
     model = workload.model_for(backend_name, max_tokens)
     static = workload.static_input(max_tokens)
     backend = create_backend(backend_name, options=options, **kwargs)
     fn = backend.compile(model, dynamic_dim=workload.dynamic_dim) if backend_name == "piecewise" else model  # type: ignore[attr-defined]
+    if v.inductor and backend_name != "piecewise":  # Inductor, no cudagraphs: the backend captures it
+        fn = CompileClock(torch.compile(model, dynamic=True), device)
 
     def forward_for(s: int) -> Callable[[], Any]:
         if v.keep:
@@ -191,7 +205,8 @@ def run_variant(
             bar.update(1)
         bar.close()
     _sync(device)
-    capture_s = time.perf_counter() - start
+    compile_s: float | None = getattr(backend, "compile_seconds", fn.seconds if isinstance(fn, CompileClock) else None)
+    capture_s = time.perf_counter() - start - (compile_s or 0.0)
     free_after = _free_bytes(device)
     graph_bytes = None if free_before is None or free_after is None else free_before - free_after
     report = backend.memory_report()
@@ -224,6 +239,7 @@ def run_variant(
         replay_ms_min=replay_min,
         replay_ms_max=replay_max,
         per_size=per_size_rows(report),
+        compile_s=compile_s,
     )
     log.info("%s", row)
     return row

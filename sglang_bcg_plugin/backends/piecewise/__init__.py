@@ -19,7 +19,7 @@ Usage::
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import pluggy
@@ -31,6 +31,7 @@ from ...options import BackendOptions
 from ...registry import BackendRegistry
 from ..base import CaptureBackend
 from .compile import DynamicMode, PiecewiseCompiled, PiecewiseCompiler
+from .inductor import InductorPieces
 from .ops import resolve_splitting_ops
 from .split import SplitSummary
 from .replay import PiecewiseEagerEngine
@@ -41,6 +42,11 @@ class PiecewiseBackend(CaptureBackend):
 
     :param splitting_ops: ops that run eagerly between graph pieces (``OpOverload``,
         ``OpOverloadPacket`` or ``torch.library.custom_op`` objects); validated here.
+    :param inductor: compile every piece with Inductor before it is captured (vLLM's design):
+        fused kernels, faster replay and a smaller pool, at the price of compile time and
+        Inductor's numerics (not bitwise eager). Off by default (docs/piecewise.md says why).
+    :param inductor_config: extra Inductor config patches for the pieces (only with
+        ``inductor=True``); ``triton.cudagraphs`` stays off.
     """
 
     name = "piecewise"
@@ -52,10 +58,20 @@ class PiecewiseBackend(CaptureBackend):
         plugin_manager: pluggy.PluginManager | None = None,
         server_args: object | None = None,
         splitting_ops: Iterable[object] | None = (),
+        inductor: bool = False,
+        inductor_config: Mapping[str, Any] | None = None,
     ) -> None:
         self._splitting_ops = resolve_splitting_ops(splitting_ops)
+        if not isinstance(inductor, bool):
+            msg = f"inductor must be a bool, got {inductor!r}"
+            raise TypeError(msg)
+        if inductor_config is not None and not inductor:
+            msg = "inductor_config is given but inductor=False; pass inductor=True to compile the pieces"
+            raise ValueError(msg)
+        self._inductor = InductorPieces(inductor_config) if inductor else None
         super().__init__(options=options, plugin_manager=plugin_manager, server_args=server_args)
         self._summaries: list[SplitSummary] = []
+        self._compilers: list[PiecewiseCompiler] = []  # not the compiled callables: they hold the model
 
     @property
     def splitting_ops(self) -> tuple[torch._ops.OpOverload, ...]:
@@ -77,8 +93,31 @@ class PiecewiseBackend(CaptureBackend):
             tokens-first inputs, 1 for batch-first ``[1, seq]`` inputs (transformers).
         :raises ValueError: unknown ``dynamic``, or a negative / non-int ``dynamic_dim``.
         """
-        compiler = PiecewiseCompiler(self._splitting_ops, self._summaries.append)
+        compiler = PiecewiseCompiler(self._splitting_ops, self._summaries.append, self._inductor)
+        self._compilers.append(compiler)
         return PiecewiseCompiled(model, compiler, dynamic=dynamic, dynamic_dim=dynamic_dim)
+
+    @property
+    def inductor(self) -> bool:
+        """Whether the pieces are compiled by Inductor."""
+        return self._inductor is not None
+
+    @property
+    def num_piece_compilations(self) -> int:
+        """Inductor compilations of pieces (one per piece per dynamo compilation; 0 when off)."""
+        return 0 if self._inductor is None else self._inductor.num_compilations
+
+    @property
+    def inductor_seconds(self) -> float:
+        """Seconds spent compiling pieces with Inductor (part of :attr:`compile_seconds`)."""
+        return 0.0 if self._inductor is None else self._inductor.seconds
+
+    @property
+    def compile_seconds(self) -> float:
+        """Wall seconds of the calls of compiled callables that compiled (dynamo, split,
+        Inductor, first run); paid by warmups, so also inside the capture seconds reported per
+        key: subtract it to get the capture alone."""
+        return sum(c.compile_seconds for c in self._compilers)
 
     @property
     def split_summaries(self) -> tuple[SplitSummary, ...]:

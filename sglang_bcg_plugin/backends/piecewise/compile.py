@@ -1,7 +1,8 @@
 """Piecewise compilation: ``torch.compile`` with our compile backend (split at splitting ops).
 
 ``torch.compile(model, backend=PiecewiseCompiler(ops), fullgraph=True)`` hands us one FX graph
-per compilation; :func:`~.split.split_graph` cuts it at the splitting ops.
+per compilation; :func:`~.split.split_graph` cuts it at the splitting ops and, with
+``inductor=True``, compiles every piece with Inductor (:mod:`.inductor`).
 
 The size dimension of every tensor argument is marked dynamic and dynamo traces with
 size-oblivious reasoning, so one compilation serves every capture size (size 1 included: with
@@ -11,24 +12,38 @@ plain dynamic shapes dynamo specializes sizes 0 and 1 and would recompile for th
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+import time
+from collections.abc import Callable
 from typing import Any, Literal
 
 import torch
-from torch.utils._pytree import tree_leaves
+from torch.utils._pytree import tree_map_only
 
+from .inductor import InductorPieces
 from .split import SplitProgram, SplitSummary, split_graph
 
 
 class PiecewiseCompiler:
-    """The ``torch.compile`` backend: split, wrap, and report each compilation."""
+    """The ``torch.compile`` backend: split (compile the pieces), wrap, report each compilation.
 
-    def __init__(self, ops: tuple[torch._ops.OpOverload, ...], on_split: Callable[[SplitSummary], None]) -> None:
+    :param inductor: compiles every piece with Inductor; ``None``: pieces run as traced.
+    """
+
+    def __init__(
+        self,
+        ops: tuple[torch._ops.OpOverload, ...],
+        on_split: Callable[[SplitSummary], None],
+        inductor: InductorPieces | None = None,
+    ) -> None:
         self.ops = ops
         self.on_split = on_split
+        self.inductor = inductor
+        self.calls = 0
+        self.compile_seconds = 0.0  # wall time of the calls that compiled (PiecewiseCompiled)
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
-        split_gm, summary = split_graph(gm, self.ops)
+        self.calls += 1
+        split_gm, summary = split_graph(gm, self.ops, self.inductor, example_inputs)
         self.on_split(summary)
         return SplitProgram(split_gm)
 
@@ -45,10 +60,23 @@ def _size_oblivious() -> contextlib.AbstractContextManager[None]:
     return contextlib.nullcontext()  # pragma: no cover - older torch: size 1 recompiles once
 
 
-def _tensors(tree: object) -> Iterator[torch.Tensor]:
-    for leaf in tree_leaves(tree):
-        if isinstance(leaf, torch.Tensor):
-            yield leaf
+def _canonical(t: torch.Tensor) -> torch.Tensor:
+    """``t``, or for a contiguous ``t`` whose size-1 dims have odd strides, a view with the
+    standard ones (same storage and elements).
+
+    A size-1 dim's stride never addresses anything, yet dynamo guards on it: ``ids[:, :s]`` of
+    a ``[1, max]`` buffer has stride ``(max, 1)``, contiguous only at ``s == max``, so every
+    smaller size failed ``stride()[0] == size()[1]`` and recompiled once.
+    """
+    if not t.is_contiguous():
+        return t
+    want = []
+    step = 1
+    for size in reversed(t.shape):
+        want.append(step)
+        step *= max(size, 1)
+    want.reverse()
+    return t if list(t.stride()) == want else t.as_strided(t.shape, want)
 
 
 class PiecewiseCompiled:
@@ -66,6 +94,10 @@ class PiecewiseCompiled:
       size 1 may recompile once).
     * ``"backed"``: plain ``maybe_mark_dynamic``; dynamo specializes sizes 0 and 1 (one extra
       compilation for size 1).
+
+    The compiler's ``compile_seconds`` sums the wall time of the calls that compiled (dynamo, the
+    split, Inductor if on, and the first run, where Inductor's kernels load and autotune): the
+    warmups pay it, never a capture.
     """
 
     def __init__(
@@ -88,14 +120,24 @@ class PiecewiseCompiled:
         self.dynamic_dim = dynamic_dim
         self.compiled = torch.compile(model, backend=compiler, fullgraph=True)
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+    def _mark(self, t: torch.Tensor) -> torch.Tensor:
         dim = self.dynamic_dim
-        for t in _tensors((args, kwargs)):
-            if t.dim() <= dim:
-                continue
-            if self.dynamic == "unbacked":
-                torch._dynamo.decorators.mark_unbacked(t, dim)
-            else:
-                torch._dynamo.maybe_mark_dynamic(t, dim)
+        if t.dim() <= dim:
+            return t
+        t = _canonical(t)
+        if self.dynamic == "unbacked":
+            torch._dynamo.decorators.mark_unbacked(t, dim)
+        else:
+            torch._dynamo.maybe_mark_dynamic(t, dim)
+        return t
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        args, kwargs = tree_map_only(torch.Tensor, self._mark, (args, kwargs))
+        calls, start = self.compiler.calls, time.perf_counter()
         with _size_oblivious() if self.dynamic == "size_oblivious" else contextlib.nullcontext():
-            return self.compiled(*args, **kwargs)
+            out = self.compiled(*args, **kwargs)
+        if self.compiler.calls != calls:  # this call compiled: charge it, kernels finished
+            if torch.cuda.is_initialized():  # pragma: no cover - CUDA only
+                torch.cuda.synchronize()
+            self.compiler.compile_seconds += time.perf_counter() - start
+        return out

@@ -6,7 +6,9 @@ which matters when ops mutate their arguments), so a graph with ``k`` splitting 
 splitting call a :class:`SplitRunner`; outside a capture both just run their sub-graph. While a
 key is captured, both hand their work to the active recorder (:mod:`.record`), which captures
 pieces as CUDA graphs (or records them on the eager engine) and runs splitting ops eagerly
-between them. :func:`_lifetimes` tells the recorder which bridged values die where.
+between them. :func:`_lifetimes` tells the recorder which bridged values die where. With an
+:class:`~.inductor.InductorPieces`, every piece runs as its Inductor-compiled callable instead
+of the traced FX graph (:mod:`.inductor`).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from typing import Any
 import torch
 from torch.fx.passes.split_module import split_module
 
+from .inductor import InductorPieces, dense_fresh
 from .record import Lifetimes, active_piece_recorder
 
 _graph_ids = itertools.count()
@@ -43,35 +46,54 @@ class SplitSummary:
 
 
 class PieceRunner(torch.nn.Module):
-    """A piece: plain call outside a capture, recorded/captured inside one."""
+    """A piece: plain call outside a capture, recorded/captured inside one.
 
-    def __init__(self, piece: torch.fx.GraphModule, tag: str, bridge: bool, life: Lifetimes | None = None) -> None:
+    :param compiled: the piece compiled by Inductor; runs instead of the FX ``piece``, and a
+        bridged piece's fresh outputs are made dense outside a capture as the bridge makes them
+        inside one (the next compiled piece checks their strides).
+    """
+
+    def __init__(
+        self,
+        piece: torch.fx.GraphModule,
+        tag: str,
+        bridge: bool,
+        life: Lifetimes | None = None,
+        compiled: Callable[..., Any] | None = None,
+    ) -> None:
         super().__init__()
         self.piece = piece
         self.tag = tag
         self.bridge = bridge  # a splitting op follows: outputs go through the bridge arena
         self.life = life  # which outputs outlive the graph's calls, which arguments die here
+        self.compiled = compiled
+        self.dense = compiled is not None and bridge
 
     def forward(self, *args: Any) -> Any:
+        fn = self.piece if self.compiled is None else self.compiled
         recorder = active_piece_recorder()
         if recorder is None:
-            return self.piece(*args)
-        return recorder.run_piece(self.tag, self.piece, args, bridge=self.bridge, life=self.life)
+            return dense_fresh(fn(*args), args) if self.dense else fn(*args)
+        return recorder.run_piece(self.tag, fn, args, bridge=self.bridge, life=self.life)
 
 
 class SplitRunner(torch.nn.Module):
-    """A splitting call: always eager; inside a capture it ends a piece and starts the next."""
+    """A splitting call: always eager; inside a capture it ends a piece and starts the next.
 
-    def __init__(self, call: torch.fx.GraphModule, tag: str, life: Lifetimes | None = None) -> None:
+    :param dense: make fresh outputs dense outside a capture (the pieces are compiled).
+    """
+
+    def __init__(self, call: torch.fx.GraphModule, tag: str, life: Lifetimes | None = None, dense: bool = False) -> None:
         super().__init__()
         self.call = call
         self.tag = tag
         self.life = life
+        self.dense = dense
 
     def forward(self, *args: Any) -> Any:
         recorder = active_piece_recorder()
         if recorder is None:
-            return self.call(*args)
+            return dense_fresh(self.call(*args), args) if self.dense else self.call(*args)
         return recorder.run_split(self.tag, self.call, args, life=self.life)
 
 
@@ -141,9 +163,15 @@ def _lifetimes(split_gm: torch.fx.GraphModule) -> dict[str, Lifetimes]:
 
 
 def split_graph(
-    gm: torch.fx.GraphModule, ops: tuple[torch._ops.OpOverload, ...]
+    gm: torch.fx.GraphModule,
+    ops: tuple[torch._ops.OpOverload, ...],
+    inductor: InductorPieces | None = None,
+    example_inputs: list[Any] | None = None,
 ) -> tuple[torch.fx.GraphModule, SplitSummary]:
-    """Split ``gm`` at every call of ``ops``; pieces and calls become runner sub-modules."""
+    """Split ``gm`` at every call of ``ops``; pieces and calls become runner sub-modules.
+
+    With ``inductor``, every piece is compiled for dynamo's ``example_inputs`` first.
+    """
     graph_id = next(_graph_ids)
     is_split = _matcher(ops)
     part: dict[torch.fx.Node, int] = {}
@@ -165,16 +193,23 @@ def split_graph(
     split_gm = split_module(gm, None, lambda n: part[n], keep_original_order=True)  # type: ignore[arg-type]
     order = [n.target for n in split_gm.graph.nodes if n.op == "call_module"]
     lives = _lifetimes(split_gm)
-    num_pieces = 0
-    for pos, name in enumerate(order):
-        assert isinstance(name, str)
+    names = [str(n) for n in order]
+    is_call = {name: int(name.rsplit("_", 1)[1]) in split_ids for name in names}
+    # A piece is bridged when a splitting call follows it: its fresh outputs go to bridge slots.
+    bridged = {name for pos, name in enumerate(names) if any(is_call[later] for later in names[pos + 1 :])}
+    pieces = [name for name in names if not is_call[name]]
+    compiled = {}
+    if inductor is not None:
+        dense = [name for name in names if is_call[name] or name in bridged]
+        compiled = inductor.compile(split_gm, example_inputs or [], pieces, dense)
+    for name in names:
         sub = getattr(split_gm, name)
         tag = f"g{graph_id}.{name}"
-        if int(name.rsplit("_", 1)[1]) in split_ids:
-            split_gm.add_module(name, SplitRunner(sub, tag, lives[name]))
+        if is_call[name]:
+            split_gm.add_module(name, SplitRunner(sub, tag, lives[name], dense=inductor is not None))
         else:
-            num_pieces += 1
-            bridge = any(int(later.rsplit("_", 1)[1]) in split_ids for later in order[pos + 1 :])  # type: ignore[union-attr]
-            split_gm.add_module(name, PieceRunner(sub, tag, bridge, lives[name]))
+            runner = PieceRunner(sub, tag, name in bridged, lives[name], compiled.get(name))
+            split_gm.add_module(name, runner)
+    num_pieces = len(pieces)
     summary = SplitSummary(graph_id, num_pieces, len(targets), tuple(targets))
     return split_gm, summary

@@ -1,0 +1,127 @@
+"""The reference row: ``torch.compile(mode="reduce-overhead", dynamic=True)`` (CUDA Graph Trees).
+
+What PyTorch itself offers for the same job, measured like our rows (:func:`graph_trees_row`
+returns a :class:`~.runner.BenchRow`): one dynamic compilation of the whole model (attention
+included) by Inductor, whose CUDA Graph Trees record one graph per size in one shared pool and
+free each step's outputs at the next ``torch.compiler.cudagraph_mark_step_begin()``.
+
+* graph memory: ``torch.cuda.mem_get_info`` delta over the capture loop, after ``empty_cache``;
+* capture: per size, largest first, ``1 + num_warmups`` steps (Graph Trees warms a new size up
+  once, records it on the next step; the extra steps match our warmups). ``compile_s`` is the
+  wall time of the steps that compiled (dynamo's ``unique_graphs`` grew), ``capture_s`` the rest;
+* replay: median of CUDA-event-timed steps at the largest size (guards, tree lookup and replay:
+  what a caller of the compiled model pays);
+* max abs err: every size against the eager model after the inputs changed.
+
+Graph Trees keeps no output past the next step, so no output is resident; ``logical`` sums the
+outputs as for our rows. Without CUDA (CPU CI) it is the same compile without ``mode`` (Graph
+Trees need CUDA): a correctness check, not a figure.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from ..shape_key import ShapeKey
+from ..trees import flatten, tensor_bytes
+from .progress import progress as progress_bar
+from .clock import CompileClock
+from .runner import BenchRow, _free_bytes, _sync, _time_replay, max_abs_error
+from .workload import Workload
+
+GRAPH_TREES = "graph-trees"
+REFERENCE_VARIANT = "reference"
+#: Backends the "inductor" variant applies to (breakable has no compiled callable to capture).
+INDUCTOR_BACKENDS = ("piecewise", "full")
+
+
+def variants_for(backend: str, variants: list[str]) -> list[str]:
+    """The variants the bench runs for ``backend``: the reference once, "inductor" only where
+    it means something."""
+    if backend == GRAPH_TREES:
+        return [REFERENCE_VARIANT]
+    return [v for v in variants if v != "inductor" or backend in INDUCTOR_BACKENDS]
+
+
+def compile_reference(model: Callable[..., Any], device: str) -> CompileClock:
+    """``torch.compile(model, mode="reduce-overhead", dynamic=True)`` (no ``mode`` off CUDA)."""
+    if device.startswith("cuda"):
+        return CompileClock(torch.compile(model, mode="reduce-overhead", dynamic=True), device)
+    return CompileClock(torch.compile(model, dynamic=True), device)
+
+
+def graph_trees_row(
+    workload: Workload, sizes: list[int], *, repeats: int, num_warmups: int = 2, progress: bool = True
+) -> BenchRow:
+    """Capture every size with Graph Trees; measure like :func:`~.runner.run_variant`."""
+    torch._dynamo.reset()  # a fresh compile, as for every variant
+    device = workload.shape.device
+    gpu = device.startswith("cuda")
+    max_tokens = max(sizes)
+    model = workload.model_for("full", max_tokens)  # attention inside the compiled graph
+    static = workload.static_input(max_tokens)
+    compiled = compile_reference(model, device)
+
+    def step(size: int) -> Any:
+        if gpu:
+            torch.compiler.cudagraph_mark_step_begin()
+        return workload.call(compiled, static, size)
+
+    keys = [ShapeKey(s) for s in sorted(sizes, reverse=True)]
+    if gpu:
+        # Graph Trees clear cuBLAS's workspaces before recording; cleared here first, the ones
+        # earlier rows left are not credited to this row, and the ones it makes are charged.
+        torch._C._cuda_clearCublasWorkspaces()
+    free_before = _free_bytes(device)
+    logical = 0
+    start = time.perf_counter()
+    with torch.no_grad():
+        bar = progress_bar(len(keys), f"{GRAPH_TREES}/{REFERENCE_VARIANT}", progress)
+        for key in keys:
+            for _ in range(1 + num_warmups):
+                out = step(key.size)
+            logical += sum(tensor_bytes(t) for _, t in flatten(out)[1])
+            del out
+            bar.update(1)
+        bar.close()
+    _sync(device)
+    compile_s = compiled.seconds
+    capture_s = time.perf_counter() - start - compile_s
+    free_after = _free_bytes(device)
+    graph_bytes = None if free_before is None or free_after is None else free_before - free_after
+
+    with torch.no_grad():
+        workload.refill(static)
+        max_err = 0.0
+        for key in keys:
+            out = step(key.size)
+            max_err = max(max_err, max_abs_error(out, workload.call(model, static, key.size)))
+            del out
+        replay_ms, replay_min, replay_max = _time_replay(lambda: step(max_tokens), device, repeats)
+    del compiled, model
+    torch._dynamo.reset()  # drops the compiled code; then the Graph Trees and their pool
+    if gpu:
+        torch._inductor.cudagraph_trees.reset_cudagraph_trees()
+    _free_bytes(device)
+    return BenchRow(
+        backend=GRAPH_TREES,
+        variant=REFERENCE_VARIANT,
+        share_output=False,
+        num_sizes=len(sizes),
+        max_tokens=max_tokens,
+        resident_output_bytes=0,
+        logical_output_bytes=logical,
+        graph_memory_bytes=graph_bytes,
+        capture_s=capture_s,
+        replay_ms=replay_ms,
+        max_abs_err=max_err,
+        fallbacks=0,
+        model=workload.name,
+        replay_ms_min=replay_min,
+        replay_ms_max=replay_max,
+        compile_s=compile_s,
+    )
