@@ -26,6 +26,13 @@ else
   fi
 fi
 if [ "${SKIP_TESTS:-0}" != 1 ]; then
+  if [ -z "${GPU_TESTS:-}" ]; then
+    # The GC-during-capture tests first, in their own process: a failure there leaves the CUDA
+    # context unusable and would fail every later test of the same process.
+    python3 -m pytest -p no:cacheprovider -q -o addopts="" -rf tests/gpu/test_gc_capture_gpu.py "$@" 2>&1 | tee "$OUT/gpu-tests-gc.log"
+    echo "pytest exit (gc): ${PIPESTATUS[0]}" | tee -a "$OUT/gpu-tests-gc.log"
+    set -- --ignore=tests/gpu/test_gc_capture_gpu.py "$@"
+  fi
   # shellcheck disable=SC2086
   python3 -m pytest -p no:cacheprovider -q -o addopts="" -rf ${GPU_TESTS:-tests/gpu} "$@" 2>&1 | tee "$OUT/gpu-tests.log"
   echo "pytest exit: ${PIPESTATUS[0]}" | tee -a "$OUT/gpu-tests.log"

@@ -9,6 +9,7 @@ from .breaks import graph_break
 from .errors import BackendRegistrationError, CaptureStateError, OutputStructureError, PluginLoadWarning
 from .manager import BrokenPlugin, broken_plugins, get_plugin_manager, hookimpl
 from .options import BackendOptions, resolve_share_output
+from .output_mode import resolve_output_mode
 from .registry import BackendRegistry, available_backends, create_backend
 from .report import KeyReport, MemoryReport
 from .shape_key import ShapeKey
@@ -36,5 +37,6 @@ __all__ = [
     "get_plugin_manager",
     "graph_break",
     "hookimpl",
+    "resolve_output_mode",
     "resolve_share_output",
 ]
