@@ -7,13 +7,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Literal
 
-from .output_mode import OFF, check_share_output, resolve_output_mode
+from .output_mode import OFF, bool_word, check_share_output, resolve_output_mode
 
 EngineName = Literal["auto", "cuda", "eager"]
 SharedBufferSource = Literal["auto", "adopt", "reserve"]
 
-_TRUE = frozenset({"1", "true", "yes", "on"})
-_FALSE = frozenset({"0", "false", "no", "off"})
 
 
 def _check_bool(field: str, value: object) -> None:
@@ -94,13 +92,11 @@ def parse_bool_env(name: str, environ: Mapping[str, str] | None = None) -> bool 
     raw = env.get(name)
     if raw is None or not raw.strip():
         return None
-    value = raw.strip().lower()
-    if value in _TRUE:
-        return True
-    if value in _FALSE:
-        return False
-    msg = f"{name}={raw!r} is not a boolean; use one of 1/0, true/false, yes/no, on/off"
-    raise ValueError(msg)
+    flag = bool_word(raw)
+    if flag is None:
+        msg = f"{name}={raw!r} is not a boolean; use one of 1/0, true/false, yes/no, on/off"
+        raise ValueError(msg)
+    return flag
 
 
 def resolve_share_output(

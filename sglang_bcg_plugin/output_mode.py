@@ -73,6 +73,13 @@ def mode_of_option(value: bool | str | None) -> OutputMode | None:
     return OFF if value is False else RELEASED
 
 
+def bool_word(raw: str) -> bool | None:
+    """``True``/``False`` for the boolean spellings (``1/0``, ``true/false``, ``yes/no``,
+    ``on/off``, any case, surrounding whitespace allowed), ``None`` for anything else."""
+    value = raw.strip().lower()
+    return True if value in _TRUE else False if value in _FALSE else None
+
+
 def parse_mode_text(raw: str | None, *, what: str = ENV_SHARE_OUTPUT) -> OutputMode | None:
     """Parse a textual mode (environment variable or flag value); ``None`` when unset/empty.
 
@@ -80,12 +87,10 @@ def parse_mode_text(raw: str | None, *, what: str = ENV_SHARE_OUTPUT) -> OutputM
     """
     if raw is None or not raw.strip():
         return None
-    value = raw.strip().lower()
-    if value in _TRUE:
-        return ON
-    if value in _FALSE:
-        return OFF
-    if value == RELEASED:
+    flag = bool_word(raw)
+    if flag is not None:
+        return ON if flag else OFF
+    if raw.strip().lower() == RELEASED:
         return RELEASED
     msg = f"{what}={raw!r} is not an output mode; use one of {ACCEPTED_TEXT}"
     raise ValueError(msg)

@@ -85,7 +85,7 @@ def test_replay_step_rejects_a_changed_return_shape() -> None:
 
     rec = BreakableRecorder("key", EagerSegments(), store)
     graph = record(rec, lambda: moody(torch.randn(1, 2, 4, 8)), lambda out: out)
-    with pytest.raises(RuntimeError, match=r"break .*moody returned shape \(1, 2, 2, 8\) at output on replay"):
+    with pytest.raises(RuntimeError, match=r"break .*moody at output returned shape \(1, 2, 2, 8\) on replay"):
         graph.replay()
 
 

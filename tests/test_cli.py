@@ -72,7 +72,7 @@ def test_bad_env_value_is_an_error(monkeypatch: pytest.MonkeyPatch, capsys: pyte
     monkeypatch.setenv("SGLANG_ENABLE_BCG_SHARED_OUTPUT", "maybe")
     assert main(["bench"]) == 2
     line = _one_error_line(capsys)
-    assert "SGLANG_ENABLE_BCG_SHARED_OUTPUT='maybe' is not a boolean" in line and "unset it" in line
+    assert "SGLANG_ENABLE_BCG_SHARED_OUTPUT='maybe' is not an output mode" in line and "released" in line and "unset it" in line
 
 
 def test_unwritable_out_is_caught_up_front(

@@ -8,6 +8,7 @@ bad argument never leaves a new directory behind.
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import tempfile
 from collections.abc import Iterable
@@ -19,7 +20,7 @@ import torch
 
 from .._constants import ENV_SHARE_OUTPUT
 from ..errors import UsageError
-from ..options import parse_bool_env
+from ..output_mode import parse_mode_text
 from .budget import check_fits
 from .workload import WORKLOADS, ModelShape, Workload
 from .runner import VARIANTS
@@ -180,7 +181,7 @@ def _out_dir(out: Path) -> Path:
 
 def _env_notes(variants: list[str]) -> list[str]:
     try:
-        value = parse_bool_env(ENV_SHARE_OUTPUT)
+        value = parse_mode_text(os.environ.get(ENV_SHARE_OUTPUT))
     except ValueError as exc:
         msg = f"{exc} (or unset it: bench sets sharing per --variants)"
         raise UsageError(msg) from None

@@ -26,7 +26,7 @@ import torch
 
 from ..storage import SlotStore, view_of
 from ..trees import flatten, storage_key, unflatten
-from .recorder import Recorder, Segments
+from .recorder import Recorder, Segments, refresh
 
 
 class BreakableRecorder(Recorder):
@@ -110,11 +110,4 @@ class _Step:
             return
         _, new = flatten(out)
         for view, (path, t) in zip(self.ret_views, new, strict=True):
-            if view.shape != t.shape:
-                msg = (
-                    f"break {self.fn.__qualname__} returned shape {tuple(t.shape)} at {path} on "
-                    f"replay, captured {tuple(view.shape)}"
-                )
-                raise RuntimeError(msg)
-            if view is not t:
-                view.copy_(t)
+            refresh(view, t, f"break {self.fn.__qualname__} at {path}")

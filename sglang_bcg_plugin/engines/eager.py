@@ -15,6 +15,7 @@ import torch
 
 from ..trees import diff, flatten
 from .base import CaptureRequest, run_warmups
+from .recorder import refresh
 
 
 class EagerGraph:
@@ -43,13 +44,7 @@ class EagerGraph:
             raise RuntimeError(msg)
         with torch.no_grad():
             for static, (path, new) in zip(self._static, leaves, strict=True):
-                if static.shape != new.shape:
-                    msg = (
-                        f"forward of {self.key!r} returned shape {tuple(new.shape)} at {path} "
-                        f"on replay, captured {tuple(static.shape)}"
-                    )
-                    raise RuntimeError(msg)
-                static.copy_(new)
+                refresh(static, new, f"forward of {self.key!r} at {path}")
         return self.output
 
     def release(self) -> None:

@@ -77,6 +77,21 @@ def _run_all(actions: list[Action]) -> None:
         action()
 
 
+def refresh(static: torch.Tensor, value: torch.Tensor, what: str) -> None:
+    """Write a replayed ``value`` into the captured ``static`` storage (a no-op when it is that
+    storage already), as a graph replay rewrites the memory it owns.
+
+    :raises RuntimeError: the shape changed since capture; ``what`` names the producer.
+    """
+    if static.shape != value.shape:
+        msg = f"{what} returned shape {tuple(value.shape)} on replay, captured {tuple(static.shape)}"
+        raise RuntimeError(msg)
+    if static is not value and not (
+        static.data_ptr() == value.data_ptr() and static.stride() == value.stride()
+    ):
+        static.copy_(value)
+
+
 class SegmentedGraph:
     """One captured key: segments with the eager steps between them."""
 

@@ -36,7 +36,7 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
 
-from ...engines.recorder import Recorder, Segments, active_recorder
+from ...engines.recorder import Recorder, Segments, active_recorder, refresh
 from ...storage import SlotStore
 from ...trees import flatten, storage_key, unflatten
 
@@ -51,21 +51,12 @@ def _tensors(tree: object) -> list[torch.Tensor]:
     return [t for t in tree_leaves(tree) if isinstance(t, torch.Tensor)]
 
 
-def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride()
-
-
 def _rerun(tag: str, fn: Callable[..., Any], args: tuple[Any, ...], targets: list[Any]) -> None:
     """Replay of a piece (eager engine) or splitting call: run again, refresh the targets."""
     new = tree_leaves(fn(*args))
     for target, value in zip(targets, new, strict=True):
-        if not isinstance(target, torch.Tensor):
-            continue
-        if target.shape != value.shape:
-            msg = f"{tag} returned shape {tuple(value.shape)} on replay, captured {tuple(target.shape)}"
-            raise RuntimeError(msg)
-        if not _same_memory(target, value):
-            target.copy_(value)
+        if isinstance(target, torch.Tensor):
+            refresh(target, value, tag)
 
 
 def _value_of_leaves(result: Any, n: int, life: Lifetimes | None) -> list[int]:
