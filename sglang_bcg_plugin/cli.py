@@ -13,7 +13,7 @@ import sys
 import time
 import warnings
 from pathlib import Path
-from typing import NoReturn
+from typing import Any, NoReturn
 
 import torch
 
@@ -44,7 +44,7 @@ def _debug_flags(p: argparse.ArgumentParser, default: object) -> None:
     p.add_argument("--debug", action="store_true", default=default, help="show tracebacks of errors")
 
 
-def _bench_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+def _bench_parser(sub: argparse._SubParsersAction[Any]) -> None:
     from .bench.config import DTYPES
 
     p = sub.add_parser("bench", help="capture a model at SGLang's prefill sizes with each backend, sharing off and on")

@@ -8,7 +8,7 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -31,7 +31,7 @@ class Variant:
     ``inductor``: the model compiled by Inductor (piecewise: every piece; full: the model,
     ``torch.compile(dynamic=True)``) before it is captured."""
 
-    share: bool | str
+    share: bool | Literal["released"]
     keep: bool = True
     guard: bool = False
     shared_buffer: str = "auto"
@@ -57,7 +57,7 @@ VARIANTS = {
 class BenchRow:
     backend: str
     variant: str
-    share_output: bool | str
+    share_output: bool | Literal["released"]
     num_sizes: int
     max_tokens: int
     resident_output_bytes: int

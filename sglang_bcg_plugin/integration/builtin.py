@@ -49,8 +49,8 @@ def inspect_builtin(cls: type) -> BuiltinPolicy:
     """Read ``cls`` (SGLang's ``BreakableCudaGraphBackend`` or a stand-in) for its output policy."""
     name = cls.__qualname__
     try:
-        capture = inspect.getsource(cls.capture_one)
-        init = inspect.getsource(cls.__init__)
+        capture = inspect.getsource(getattr(cls, "capture_one"))  # noqa: B009 - any class may come
+        init = inspect.getsource(getattr(cls, "__init__"))  # noqa: B009
     except (OSError, TypeError, AttributeError) as exc:
         return BuiltinPolicy(None, f"cannot read {name}'s source ({type(exc).__name__}); assuming it does not share")
     if not all(n in capture for n in SHARING_NAMES) or SHARING_NAMES[0] not in init:
