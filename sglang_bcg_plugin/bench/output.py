@@ -68,7 +68,7 @@ def format_table(rows: list[BenchRow], *, timings_meaningful: bool = True) -> st
 
     :param timings_meaningful: ``False`` on CPU: timing ratios print as ``n/m`` with a footnote.
     """
-    head = ["backend", "variant", "sizes", "max_tokens", "resident MiB", "logical MiB", "graph MiB", "capture s", "compile s", "replay ms", "max abs err", "fallbacks"]
+    head = ["backend", "variant", "sizes", "max_tokens", "resident MiB", "logical MiB", "graph MiB", "bridges MiB", "capture s", "compile s", "replay ms", "max abs err", "fallbacks"]
     body = [
         [
             r.backend,
@@ -78,6 +78,7 @@ def format_table(rows: list[BenchRow], *, timings_meaningful: bool = True) -> st
             _mib(r.resident_output_bytes),
             _mib(r.logical_output_bytes),
             _mib(r.graph_memory_bytes),
+            _mib(r.bridge_bytes),
             f"{r.capture_s:.2f}",
             "-" if r.compile_s is None else f"{r.compile_s:.2f}",
             f"{r.replay_ms:.3f}",
