@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from .released import alias
 from .trees import flatten, unflatten
 
 
@@ -26,14 +27,6 @@ def guard_supported() -> bool:
     return hasattr(torch._C, "_set_storage_access_error_msg") and hasattr(
         torch._C, "_construct_storage_from_data_pointer"
     )
-
-
-def _alias(t: torch.Tensor) -> torch.Tensor:
-    storage = t.untyped_storage()
-    fresh = torch._C._construct_storage_from_data_pointer(storage.data_ptr(), t.device, storage.nbytes())
-    out = torch.empty(0, dtype=t.dtype, device=t.device)
-    out.set_(fresh, t.storage_offset(), t.shape, t.stride())
-    return out
 
 
 class StaleOutputGuard:
@@ -55,7 +48,7 @@ class StaleOutputGuard:
             for t in prev[1]:
                 torch._C._set_storage_access_error_msg(t, msg)
         spec, leaves = flatten(output)
-        fresh = [_alias(t) for _, t in leaves]
+        fresh = [alias(t) for _, t in leaves]
         self._last[partition] = (key, fresh)
         return unflatten(spec, fresh)
 
