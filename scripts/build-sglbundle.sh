@@ -38,4 +38,6 @@ PYEOF
 rm -rf "$B/.src"
 cp "$HERE/sglbundle/install.sh" "$HERE/sglbundle/check_imports.py" "$B/"
 cp -R "$HERE/sglbundle/standins" "$B/standins"
+# The torchvision import stand-in is the test suite's own (one copy in the repository).
+cp "$HERE/../tests/sglang/torchvision_standin.py" "$B/standins/torchvision_standin.py"
 echo "build-sglbundle: $(du -sh "$B" | cut -f1) in $B; on the GPU machine: source $B/install.sh"
