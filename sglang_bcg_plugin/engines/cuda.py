@@ -16,7 +16,7 @@ import torch
 from ..storage import PartitionStores
 from .base import CaptureRequest, run_warmups
 from .breakable import BreakableRecorder
-from .gcsafe import gc_safe_capture
+from .gcsafe import defer_release, gc_safe_capture
 from .graphs import CudaSegments, abort_capture, end_capture
 from .recorder import SegmentedGraph, record
 
@@ -41,6 +41,9 @@ class FullGraph:
         if self._graph is not None:
             self._graph.reset()
         self._graph = None
+
+    def __del__(self) -> None:
+        defer_release([getattr(self, "_graph", None)])  # dropped inside a capture: destroyed after it
 
 
 class CudaGraphEngine:
@@ -116,6 +119,9 @@ class CudaGraphEngine:
             raise
         end_capture(g)
         return FullGraph(g, output)
+
+    def __del__(self) -> None:
+        defer_release(getattr(self, "_anchors", ()))
 
     def release(self) -> None:
         for anchor in self._anchors:

@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from .gcsafe import defer_release
 from .recorder import Action
 
 
@@ -71,3 +72,6 @@ class CudaSegments:
             if g is not None:
                 g.reset()
         self.graphs.clear()
+
+    def __del__(self) -> None:
+        defer_release([*getattr(self, "graphs", ()), getattr(self, "_current", None)])  # dropped inside a capture: destroyed after it

@@ -33,7 +33,7 @@ from collections.abc import Callable, Hashable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from ..engines.gcsafe import gc_safe_capture
+from ..engines.gcsafe import defer_release, gc_safe_capture
 from ..errors import CaptureStateError
 from ..guard import StaleOutputGuard
 from ..output_mode import OutputMode, Resolution
@@ -195,6 +195,10 @@ class SharingPolicyMixin:
         self._capture_inputs[key] = capture_inputs
         info.seconds = time.perf_counter() - start
         self._bcg_keys[key] = info
+
+    def __del__(self) -> None:  # dropped inside a capture: SGLang's graphs die after it
+        defer_release(list(getattr(self, "_graphs", {}).values()))
+        getattr(super(), "__del__", lambda: None)()  # SGLang's dedup mixin closes its registry
 
     def replay(self, shape_key: Any, static_forward_batch: Any, **kwargs: Any) -> Any:
         """SGLang's replay; with the stale-output guard on, guarded views of the output."""

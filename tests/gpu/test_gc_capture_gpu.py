@@ -7,7 +7,10 @@ ran inside B's capture ("operation not permitted when stream is capturing (funct
 then ``CUBLAS_STATUS_INTERNAL_ERROR`` / ``cudaErrorStreamCaptureInvalidated``).
 
 Two moments for the drop: before B's session (the collection before each capture frees A
-outside the capture) and inside B's capture (the freeze keeps A alive until the capture ends).
+outside the capture) and inside B's capture (A dies there; its graph owners park the graphs,
+``engines.gcsafe.defer_release``, and they are destroyed when B's capture ends). The GC's frozen
+generation is never touched: on the H200 something has frozen objects before the first test, and
+an earlier version that froze again left A frozen for good.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import pytest
 import torch
 
 from sglang_bcg_plugin import BackendOptions, ShapeKey, create_backend, graph_break
+from sglang_bcg_plugin.engines.gcsafe import parked_count
 
 pytestmark = [
     pytest.mark.cuda,
@@ -127,6 +131,7 @@ def test_dropped_backend_collected_around_another_capture(name: str, when: str) 
     b.capture()
     torch.cuda.synchronize()
     assert collections["inside"] >= len(SIZES)  # the forward really collected inside captures
+    assert parked_count() == 0  # graphs parked during B's captures were destroyed after them
     torch._dynamo.reset()  # compiled code of A's model must not keep anything of A alive
     gc.collect()  # A's graphs are released here at the latest, outside any capture, without error
     torch.cuda.synchronize()
