@@ -1,9 +1,11 @@
-"""The Breakable front-end's bridges (``engines/breakable.py``), recorded on CPU.
+"""The Breakable front-end's boundary rule (``engines/breakable.py``), recorded on CPU.
 
-Stand-in: the segments are :class:`EagerSegments` (no CUDA graph is captured, so the copies that
-a graph would record run at once); what is tested is what the recorder decides — which slots
-exist, what a returned tensor reuses, what replay steps refresh — not graph replay itself, which
-``tests/gpu`` covers on the H200.
+Stand-in: the segments are :class:`EagerSegments` (no CUDA graph is captured, so returned values
+are copied at once and references stay strong); ``released.ALIAS_DEVICE_TYPES`` is widened to
+``cpu`` where a test checks what the replay step keeps on a GPU (non-owning aliases), with the
+tensors kept alive by the test as a graph pool keeps its memory. What is tested is what the
+recorder decides — what is passed as is, what gets memory of its own, what replay refreshes —
+not graph replay itself, which ``tests/gpu`` covers on the H200.
 """
 
 from __future__ import annotations
@@ -14,105 +16,135 @@ import torch
 from sglang_bcg_plugin import graph_break
 from sglang_bcg_plugin.engines.breakable import BreakableRecorder
 from sglang_bcg_plugin.engines.recorder import EagerSegments, record
-from sglang_bcg_plugin.storage import SlotStore
+from sglang_bcg_plugin.trees import storage_key
+
+seen: list[tuple[torch.Tensor, torch.Tensor]] = []
 
 
 @graph_break(reads=("q", "k"))
 def attend(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
     """Returns a fresh tensor shaped unlike its inputs (``[1, seq, heads, d]``)."""
+    seen.append((q, k))
     return (q * 2 + k.sum()).transpose(1, 2).contiguous()
-
-
-@graph_break(reads=("q",))
-def widen(q: torch.Tensor) -> torch.Tensor:
-    return torch.cat([q, q], dim=-1)  # more elements than any read slot
 
 
 @graph_break(reads=("q",), writes=("q",))
 def in_place(q: torch.Tensor) -> torch.Tensor:
-    return q.mul_(3)  # returns its (bridged) argument
+    return q.mul_(3)  # returns its argument
 
 
-def forward(x: torch.Tensor, fn: object) -> torch.Tensor:
-    q = x.reshape(1, 4, -1, 8)  # [1, heads, seq, d]: the size is on dim 2
-    k = x[:1].clone()
-    return fn(q + 1, k) if fn is attend else fn(q + 1)  # type: ignore[operator]
+@graph_break(reads=("q",))
+def head(q: torch.Tensor) -> torch.Tensor:
+    return q[..., :4]  # a view of its argument
 
 
-def _record(store: SlotStore, x: torch.Tensor, fn: object) -> tuple[object, torch.Tensor]:
-    rec = BreakableRecorder("key", EagerSegments(), store)
-    graph = record(rec, lambda: forward(x, fn), lambda out: out)
+def _record(fn: object, *args: object) -> tuple[object, object]:
+    rec = BreakableRecorder("key", EagerSegments())
+    graph = record(rec, lambda: fn(*args), lambda out: out)  # type: ignore[operator]
     return graph, graph.output  # type: ignore[attr-defined]
 
 
-def test_returned_tensor_reuses_the_dead_read_slot() -> None:
-    store = SlotStore()
-    for seq in (16, 8):  # largest first: one slot per argument name serves both
-        x = torch.randn(4 * seq, 8)
-        graph, out = _record(store, x, attend)
-        torch.testing.assert_close(out, attend(x.reshape(1, 4, -1, 8) + 1, x[:1].clone()))
-        assert graph.num_segments == 2 and len(graph._steps) == 1  # type: ignore[attr-defined]
-    names = sorted(name for name, _, _ in store._slots)
-    assert names == ["arg:attend:k", "arg:attend:q"]  # no ret: slot: the output took q's
-    assert store.nbytes() == (4 * 16 * 8 + 8) * 4
+def test_arguments_are_passed_as_they_are_and_returns_get_memory_of_their_own() -> None:
+    seen.clear()
+    q, k = torch.randn(1, 4, 16, 8), torch.randn(1, 8)
+    graph, out = _record(attend, q, k)
+    assert seen[0][0] is q and seen[0][1] is k  # no bridge copy in
+    assert isinstance(out, torch.Tensor)
+    torch.testing.assert_close(out, (q * 2 + k.sum()).transpose(1, 2))
+    assert graph.num_segments == 2 and len(graph._steps) == 1  # type: ignore[attr-defined]
+    static = out.clone()
+    q.add_(1)  # the segment before the break rewrites q in place at every replay
+    graph.replay()  # type: ignore[attr-defined]
+    torch.testing.assert_close(out, (q * 2 + k.sum()).transpose(1, 2))  # refreshed in place
+    assert not torch.equal(out, static)
 
 
-def test_return_larger_than_every_read_slot_gets_its_own() -> None:
-    store = SlotStore()
-    x = torch.randn(32, 8)
-    _, out = _record(store, x, widen)
-    torch.testing.assert_close(out, widen(x.reshape(1, 4, -1, 8) + 1))
-    assert sorted(name for name, _, _ in store._slots) == ["arg:widen:q", "ret:widen:output"]
+def test_return_aliasing_an_argument_is_passed_as_is() -> None:
+    q = torch.randn(1, 4, 8, 8)
+    expect = q * 3
+    graph, out = _record(in_place, q)
+    assert storage_key(out) == storage_key(q)  # type: ignore[arg-type]
+    torch.testing.assert_close(out, expect)
+    graph.replay()  # type: ignore[attr-defined]  # writes q in place again, no copy over itself
+    torch.testing.assert_close(q, expect * 3)
+    q2 = torch.randn(1, 4, 8, 8)
+    _, view = _record(head, q2)
+    assert storage_key(view) == storage_key(q2)  # type: ignore[arg-type]
 
 
-def test_return_aliasing_an_argument_slot_reuses_nothing() -> None:
-    store = SlotStore()
-    x = torch.randn(32, 8)
-    graph, out = _record(store, x, in_place)
-    torch.testing.assert_close(out, (x.reshape(1, 4, -1, 8) + 1) * 3)
-    assert sorted(name for name, _, _ in store._slots) == ["arg:in_place:q", "ret:in_place:output"]
-    graph.replay()  # type: ignore[attr-defined]  # the step re-runs the break on its slots
+def test_on_a_gpu_the_step_keeps_named_arguments_and_returns_through_non_owning_aliases(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """What lets the pool reuse q/k/v once the model drops them (the H200 figures)."""
+    from sglang_bcg_plugin import released
+
+    monkeypatch.setattr(released, "ALIAS_DEVICE_TYPES", frozenset({"cpu", "cuda"}))
+    import sglang_bcg_plugin.engines.breakable as breakable
+
+    monkeypatch.setattr(breakable, "ALIAS_DEVICE_TYPES", frozenset({"cpu", "cuda"}))
+    q, k = torch.randn(1, 4, 16, 8), torch.randn(1, 8)
+    graph, out = _record(attend, q, k)
+    step = graph._steps[0]  # type: ignore[attr-defined]
+    kept_q = step.args[0]
+    assert kept_q is not q and kept_q.data_ptr() == q.data_ptr()  # same memory ...
+    assert kept_q.untyped_storage() is not q.untyped_storage()  # ... through a storage that owns nothing
+    assert step.ret_views[0].data_ptr() == out.data_ptr() and step.ret_views[0] is not out  # type: ignore[union-attr]
+    q.add_(1)
+    graph.replay()  # type: ignore[attr-defined]
+    torch.testing.assert_close(out, (q * 2 + k.sum()).transpose(1, 2))
+
+
+def test_unnamed_tensor_arguments_and_plain_values_are_held_as_they_are() -> None:
+    @graph_break(reads=("q",))
+    def scaled(q: torch.Tensor, w: torch.Tensor, scale: float, extra: None = None) -> torch.Tensor:
+        return q @ w * scale
+
+    q, w = torch.randn(4, 8), torch.randn(8, 8)
+    graph, out = _record(scaled, q, w, 2.0)
+    step = graph._steps[0]  # type: ignore[attr-defined]
+    assert step.args[1] is w and step.args[2] == 2.0 and "extra" not in step.kwargs
+    w.mul_(-1)
+    graph.replay()  # type: ignore[attr-defined]
+    torch.testing.assert_close(out, q @ w * 2.0)
 
 
 def test_replay_step_rejects_a_changed_return_shape() -> None:
-    store = SlotStore()
     calls = []
 
     @graph_break(reads=("q",))
     def moody(q: torch.Tensor) -> torch.Tensor:
         calls.append(1)
-        return q[:, :, :2] if len(calls) > 1 else q * 1
+        return q[:, :, :2] * 1 if len(calls) > 1 else q * 1
 
-    rec = BreakableRecorder("key", EagerSegments(), store)
-    graph = record(rec, lambda: moody(torch.randn(1, 2, 4, 8)), lambda out: out)
+    graph, _ = _record(moody, torch.randn(1, 2, 4, 8))
     with pytest.raises(RuntimeError, match=r"break .*moody at output returned shape \(1, 2, 2, 8\) on replay"):
-        graph.replay()
+        graph.replay()  # type: ignore[attr-defined]
+
+
+def test_replay_step_rejects_a_changed_number_of_returned_tensors() -> None:
+    calls = []
+
+    @graph_break(reads=("q",))
+    def fickle(q: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        calls.append(1)
+        return (q * 1,) if len(calls) == 1 else (q * 1, q * 2)
+
+    graph, _ = _record(fickle, torch.randn(2, 4))
+    with pytest.raises(RuntimeError, match="fickle returned 2 tensors on replay, captured 1"):
+        graph.replay()  # type: ignore[attr-defined]
 
 
 def test_nested_break_runs_inline_and_non_tensors_pass() -> None:
-    store = SlotStore()
+    @graph_break(reads=("q",))
+    def widen(q: torch.Tensor) -> torch.Tensor:
+        return torch.cat([q, q], dim=-1)
 
     @graph_break(reads=("q",))
     def outer(q: torch.Tensor, scale: float, extra: None) -> tuple[torch.Tensor, int]:
         return widen(q) * scale, 7  # a break inside a break is a plain call
 
-    rec = BreakableRecorder("key", EagerSegments(), store)
     x = torch.randn(1, 2, 4, 8)
-    graph = record(rec, lambda: outer(x, 2.0, None), lambda out: out)
-    out, seven = graph.output
+    graph, (out, seven) = _record(outer, x, 2.0, None)  # type: ignore[misc]
     torch.testing.assert_close(out, torch.cat([x, x], dim=-1) * 2.0)
-    assert seven == 7 and len(graph._steps) == 1
-    graph.replay()
-
-
-@graph_break(reads=("q",))
-def head(q: torch.Tensor) -> torch.Tensor:
-    return q[..., :4]  # a view of the read slot itself
-
-
-def test_return_viewing_a_read_slot_is_not_copied_over_it() -> None:
-    store = SlotStore()
-    x = torch.randn(32, 8)
-    graph, out = _record(store, x, head)
-    torch.testing.assert_close(out, (x.reshape(1, 4, -1, 8) + 1)[..., :4])
-    assert sorted(name for name, _, _ in store._slots) == ["arg:head:q", "ret:head:output"]
+    assert seven == 7 and len(graph._steps) == 1  # type: ignore[attr-defined]
+    graph.replay()  # type: ignore[attr-defined]

@@ -1,19 +1,24 @@
 """The Breakable front-end of the segment recorder: breaks are ``@graph_break`` functions.
 
-What crosses a break (``docs/breakable.md``):
+What crosses a break (``docs/breakable.md``) costs no bridge memory and no copy in:
 
-* arguments named in ``reads``/``writes`` are *bridged* through the partition's
-  :class:`~sglang_bcg_plugin.storage.SlotStore`: inside the segment before the break each read
-  is copied into a slot (``arg:<function>:<name>``), the function runs on the slot views, and
-  inside the segment after it each written slot is copied back. Slots are storage, not rows, so
-  one slot per argument name serves every layer and every key of a partition whatever the
-  layout (``[tokens, hidden]`` or ``[1, heads, seq, head_dim]``);
-* tensors the function *returns* (allocated by it) need a stable address too. A read-only slot
-  of this call is dead once the function has run, so a returned tensor that fits one is copied
-  there; only the rest get ``ret:`` slots. A break returning its attention output costs no
-  bridge memory beyond its inputs;
-* everything else (weights, caches, static inputs, plain values) is passed as is and held
-  strongly for the graph's life.
+* arguments are passed **as they are**. Every tensor a captured forward hands a break already
+  has a stable address: graph-pool memory that this key's segment before the break writes at
+  every replay (q, k, v), or memory the caller keeps (static inputs, weights, caches). The
+  replay step keeps the arguments named in ``reads``/``writes`` through *non-owning aliases*
+  (:func:`~sglang_bcg_plugin.released.alias`) on CUDA, so the pool gets their blocks back once
+  the model drops them — later work of this key and later keys reuse them, exactly as a
+  whole-forward graph reuses the memory of its dead intermediates. At replay the step reads
+  them between the same two segments as at capture, so nothing has overwritten them yet;
+* a tensor the function *returns* (allocated by it, outside the graph) gets graph-pool memory
+  of its own: an empty tensor like it, allocated as the first thing of the next segment, which
+  the forward receives (the step refreshes it at every replay; no clone). A return that aliases
+  an argument is stable already and passed as is;
+* everything else (unnamed tensors, plain values) is passed as is and held strongly for the
+  graph's life.
+
+On the eager segments of CPU tests nothing is captured, so the returned values are copied into
+that memory at once and references stay strong (CPU memory is not a graph pool).
 """
 
 from __future__ import annotations
@@ -24,17 +29,24 @@ from typing import Any
 
 import torch
 
-from ..storage import SlotStore, view_of
+from ..released import ALIAS_DEVICE_TYPES, alias
 from ..trees import flatten, storage_key, unflatten
-from .recorder import Recorder, Segments, refresh
+from .recorder import Recorder, refresh
+
+
+def _stable_ref(t: Any) -> Any:
+    """What the replay step keeps of ``t``: a non-owning alias of graph-pool memory, else ``t``."""
+    if isinstance(t, torch.Tensor) and t.device.type in ALIAS_DEVICE_TYPES:
+        return alias(t)
+    return t
+
+
+def _capturing(t: torch.Tensor) -> bool:
+    return t.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
 class BreakableRecorder(Recorder):
     """Records one key of a breakable forward; ``graph_break`` wrappers call :meth:`on_break`."""
-
-    def __init__(self, key: object, segments: Segments, bridges: SlotStore) -> None:
-        super().__init__(key, segments)
-        self.bridges = bridges
 
     def on_break(
         self,
@@ -45,57 +57,24 @@ class BreakableRecorder(Recorder):
     ) -> Any:
         if self.in_break:
             return fn(*bound.args, **bound.kwargs)
-        bridges, name = self.bridges, fn.__qualname__
-        originals: dict[str, torch.Tensor] = {}
-        free: list[torch.Tensor] = []  # flat read-only slots of this call: reusable for returns
-        for arg in sorted(reads | writes):
-            value = bound.arguments.get(arg)
-            if not isinstance(value, torch.Tensor):
-                continue  # None or not a tensor: passed and held as is
-            flat = bridges.slot(f"arg:{name}:{arg}", value)
-            view = view_of(flat, value.shape)
-            if arg in reads:
-                view.copy_(value)  # captured: end of the segment before the break
-            if arg not in writes:
-                free.append(flat)
-            originals[arg] = value
-            bound.arguments[arg] = view
-        args, kwargs = bound.args, bound.kwargs  # strong references, held by the step
+        args, kwargs = bound.args, bound.kwargs
+        arg_keys = {storage_key(t) for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)}
         with self.eager_break():
             result = fn(*args, **kwargs)
-            spec, leaves = flatten(result)
-            ret_views = self._return_views(name, leaves, free)
-            for view, (_, t) in zip(ret_views, leaves, strict=True):
-                if view is not t:
-                    view.copy_(t)
-        self.add_step(_Step(fn, args, kwargs, ret_views), (args, kwargs, ret_views))
-        for arg, original in originals.items():
-            if arg in writes:
-                original.copy_(bound.arguments[arg])  # captured: start of the next segment
-        # The forward gets copies made inside the next segment: the slots are reused by the
-        # next break, but the model may keep what this one returned (residuals).
-        fresh = [
-            v.clone() if isinstance(v, torch.Tensor) and v is not t else v
-            for v, (_, t) in zip(ret_views, leaves, strict=True)
-        ]
-        return unflatten(spec, fresh)
-
-    def _return_views(self, name: str, leaves: list[tuple[str, Any]], free: list[torch.Tensor]) -> list[Any]:
-        """Stable storage for each returned tensor: a dead read-only slot, else a ``ret:`` slot."""
-        slots = {storage_key(f) for f in free}
-        if any(storage_key(t) in slots for _, t in leaves):
-            free = []  # a returned tensor aliases an argument slot: reuse nothing
-        views: list[Any] = []
-        for path, t in leaves:
-            i = next(
-                (i for i, f in enumerate(free) if f.dtype == t.dtype and f.device == t.device and f.numel() >= t.numel()),
-                None,
-            )
-            if i is not None:
-                views.append(view_of(free.pop(i), t.shape))
-            else:
-                views.append(self.bridges.view(f"ret:{name}:{path}", t))
-        return views
+        spec, leaves = flatten(result)
+        # The next segment is open: returned tensors get pool memory as its first allocations.
+        targets = [t if storage_key(t) in arg_keys else torch.empty_like(t) for _, t in leaves]
+        for target, (_, t) in zip(targets, leaves, strict=True):
+            if target is not t and not _capturing(target):
+                target.copy_(t)  # eager segments: nothing replays this call's result
+        named = reads | writes
+        kept = inspect.BoundArguments(bound.signature, bound.arguments.copy())
+        for name in named & kept.arguments.keys():
+            kept.arguments[name] = _stable_ref(kept.arguments[name])
+        rets = [_stable_ref(t) for t in targets]
+        held = (kept.args, kept.kwargs)  # strong: whatever was not aliased
+        self.add_step(_Step(fn, kept.args, kept.kwargs, rets), held)
+        return unflatten(spec, targets)
 
 
 class _Step:
@@ -109,5 +88,8 @@ class _Step:
         if not self.ret_views:
             return
         _, new = flatten(out)
+        if len(new) != len(self.ret_views):
+            msg = f"break {self.fn.__qualname__} returned {len(new)} tensors on replay, captured {len(self.ret_views)}"
+            raise RuntimeError(msg)
         for view, (path, t) in zip(self.ret_views, new, strict=True):
             refresh(view, t, f"break {self.fn.__qualname__} at {path}")

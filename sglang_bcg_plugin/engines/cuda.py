@@ -102,7 +102,7 @@ class CudaGraphEngine:
         pool = self.pool(request.partition)
         with gc_safe_capture(), torch.cuda.stream(stream):
             if self.segmented:
-                recorder = BreakableRecorder(request.key, CudaSegments(pool), self.bridges(request.partition))
+                recorder = BreakableRecorder(request.key, CudaSegments(pool))
                 graph: FullGraph | SegmentedGraph = record(recorder, request.forward_fn, request.finalize)
             else:
                 graph = self._capture_full(request, pool)
