@@ -1,17 +1,13 @@
 """``CaptureBackend``: the contract every backend implements.
 
-Lifecycle:
-
-1. ``backend = create_backend(name, options=...)``.
+Lifecycle: 1. ``backend = create_backend(name, options=...)``.
 2. ``with backend.capture_session(stream=None):`` resolves the output mode (``off``, ``on``,
    ``released``: docs/index.md, "The switch") and starts a fresh set of shared partitions.
 3. ``backend.capture_one(key, forward_fn, capture_inputs, post_warmup_hook)`` per key, largest
    first: warmups, capture, output policy, through the ``sglang_bcg_capture_one`` hook.
-4. ``backend.replay(key)`` any number of times; returns the static output.
-5. ``backend.memory_report()`` at any time; ``backend.cleanup()`` drops every graph.
+4. ``backend.replay(key)`` returns the static output. 5. ``cleanup()`` drops every graph.
 
-Changing options (``configure``) takes effect at the next session; graphs captured earlier
-keep replaying with the storage they were captured with.
+Changing options (``configure``) takes effect at the next session (captured graphs keep their storage).
 """
 
 from __future__ import annotations
@@ -26,6 +22,7 @@ import pluggy
 
 from ..engines.base import CaptureRequest, Engine
 from ..engines.eager import EagerEngine
+from ..engines.gcsafe import gc_safe_capture
 from ..errors import CaptureStateError
 from ..guard import StaleOutputGuard
 from ..manager import get_plugin_manager, hookimpl
@@ -100,11 +97,14 @@ class CaptureBackend:
             mode = resolve_output_mode(self._options.share_output, server_args=self._server_args)
             share = mode == ON
             self._guard = make_guard(self._options.stale_output_guard, self._guard)
-            source = buffer_source(self._options.shared_buffer, self._get_engine())
+            engine = self._get_engine()
+            source = buffer_source(self._options.shared_buffer, engine)
             sharer = OutputSharer(enabled=share, strict=self._options.strict_outputs, source=source)
             self._session = _Session(share, sharer, stream, mode)
         try:
-            yield
+            # GC safety: one collection per session, not per key; graphs only on CUDA engines.
+            with gc_safe_capture() if engine.name != "eager" else contextlib.nullcontext():
+                yield
         finally:
             with self._lock:
                 self._session = None

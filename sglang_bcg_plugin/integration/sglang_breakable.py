@@ -115,8 +115,8 @@ class SharingPolicyMixin:
         # The guard read now applies to every replay from now on (as in our own backends).
         self._bcg_settings, self._bcg_sharer = settings, settings.sharer
         self._bcg_guard, self._bcg_resolution = settings.guard, settings.resolution
-        try:
-            with super().capture_session(stream):  # type: ignore[misc]
+        try:  # gc: one collection per session, not per key (docs/index.md "GC safety")
+            with gc_safe_capture(), super().capture_session(stream):  # type: ignore[misc]
                 yield
         finally:
             self._bcg_settings, self._bcg_sharer = None, None

@@ -271,3 +271,31 @@ def test_server_args_published_in_process(monkeypatch: pytest.MonkeyPatch) -> No
     assert runner_server_args(FakeRunner()) is published  # the runner's model_runner has none
     mine = object()
     assert runner_server_args(FakeRunner(server_args=mine)) is mine
+
+
+def test_one_full_collection_per_session_and_gc_off_during_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """GC safety without a full collection per key: SGLang captures dozens of sizes and a full
+    collection of a serving process takes a noticeable fraction of a second (the H200 run of 10
+    recapture cycles x 74 sizes went from 75 s to over 110 s with one per key)."""
+    import gc
+
+    monkeypatch.setenv("SGLANG_ENABLE_BCG_SHARED_OUTPUT", "1")
+    backend, model = make_backend(), Model()
+    full: list[int] = []
+
+    def count(phase: str, info: dict[str, int]) -> None:
+        if phase == "start" and info["generation"] == 2:
+            full.append(1)
+
+    enabled: list[bool] = []
+    keys = [shape_key(n) for n in SIZES]
+    gc.callbacks.append(count)
+    try:
+        with backend.capture_session(None):
+            for key in keys:
+                backend.capture_one(key, model.forward_for(key))
+                enabled.append(gc.isenabled())
+    finally:
+        gc.callbacks.remove(count)
+    assert len(full) == 1 and enabled == [False] * len(keys)
+    assert gc.isenabled()  # restored when the session closed
