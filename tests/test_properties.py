@@ -23,7 +23,7 @@ from unittest import mock
 
 import pytest
 import torch
-from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import HealthCheck, assume, example, given, settings
 from hypothesis import strategies as st
 
 from _support import make_backend
@@ -438,6 +438,7 @@ _FALSE = {"0", "false", "no", "off"}
 
 @settings(max_examples=300, deadline=None)
 @given(raw=env_text)
+@example(raw=" RELEASED ")  # found by hypothesis: the third mode is no boolean but shares
 def test_env_parser_hostile_values(raw: str) -> None:
     env = {ENV_SHARE_OUTPUT: raw}
     try:
@@ -445,6 +446,9 @@ def test_env_parser_hostile_values(raw: str) -> None:
     except ValueError as err:
         assert ENV_SHARE_OUTPUT in str(err) and "1/0, true/false, yes/no, on/off" in str(err)
         assert raw.strip() and raw.strip().lower() not in _TRUE | _FALSE
+        if raw.strip().lower() == "released":  # not a boolean, but the third output mode: it shares
+            assert resolve_share_output(None, environ=env) is True
+            return
         with pytest.raises(ValueError, match=ENV_SHARE_OUTPUT):
             resolve_share_output(None, environ=env)
         # an explicit setting never consults the broken variable
