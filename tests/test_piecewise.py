@@ -14,30 +14,10 @@ from sglang_bcg_plugin.backends.piecewise import PiecewiseBackend
 from sglang_bcg_plugin.backends.piecewise.ops import resolve_splitting_ops
 from sglang_bcg_plugin.trees import flatten
 
+from splitting_ops import OPS, mix, write_softmax  # tests/splitting_ops.py
+
 H = 8
 SIZES = [16, 8, 5, 2, 1]  # largest first; 1 included: it must not recompile
-
-
-@torch.library.custom_op("sglang_bcg_test_pw::mix", mutates_args=())
-def mix(x: torch.Tensor) -> torch.Tensor:
-    """Splitting op returning a fresh tensor (bridged into the arena)."""
-    return torch.tanh(x) + 1.0
-
-
-@mix.register_fake
-def _(x: torch.Tensor) -> torch.Tensor:
-    return torch.empty_like(x)
-
-
-@torch.library.custom_op("sglang_bcg_test_pw::write_softmax", mutates_args=("out",))
-def write_softmax(x: torch.Tensor, out: torch.Tensor) -> None:
-    """Splitting op writing into a buffer the previous piece allocated (vLLM's attention style)."""
-    out.copy_(torch.softmax(x, dim=-1))
-
-
-@write_softmax.register_fake
-def _(x: torch.Tensor, out: torch.Tensor) -> None:
-    return None
 
 
 @torch.library.custom_op("sglang_bcg_test_pw::never_called", mutates_args=())
@@ -48,9 +28,6 @@ def never_called(x: torch.Tensor) -> torch.Tensor:
 @never_called.register_fake
 def _(x: torch.Tensor) -> torch.Tensor:
     return torch.empty_like(x)
-
-
-OPS = [mix, torch.ops.sglang_bcg_test_pw.write_softmax.default]
 
 
 class Net(torch.nn.Module):
@@ -316,7 +293,7 @@ def test_cleanup_releases_and_allows_recapture() -> None:
 
 # -- splitting_ops validation -------------------------------------------------------------------
 def test_packets_and_custom_ops_resolve_to_overloads() -> None:
-    packet = torch.ops.sglang_bcg_test_pw.mix
+    packet = torch.ops.sglang_bcg_test.mix
     assert resolve_splitting_ops([packet]) == (packet.default,)
     assert resolve_splitting_ops([mix, packet.default]) == (packet.default,)  # deduplicated
     assert resolve_splitting_ops(None) == ()
@@ -326,11 +303,11 @@ def test_packets_and_custom_ops_resolve_to_overloads() -> None:
 @pytest.mark.parametrize(
     ("ops", "error", "match"),
     [
-        (["sglang_bcg_test_pw::mix"], TypeError, r"splitting_ops\[0\] = 'sglang_bcg_test_pw::mix' \(str\).*strings"),
+        (["sglang_bcg_test::mix"], TypeError, r"splitting_ops\[0\] = 'sglang_bcg_test::mix' \(str\).*strings"),
         ([mix, 3], TypeError, r"splitting_ops\[1\] = 3 \(int\) is not a torch op: expected"),
         ([torch.tanh], TypeError, r"splitting_ops\[0\].*builtin_function_or_method"),
         (mix._opoverload, TypeError, "wrap a single op in a list"),
-        ("sglang_bcg_test_pw::mix", TypeError, "must be a list of torch op overloads"),
+        ("sglang_bcg_test::mix", TypeError, "must be a list of torch op overloads"),
         (42, TypeError, "must be a list of torch op overloads"),
     ],
 )

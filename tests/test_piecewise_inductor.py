@@ -24,30 +24,10 @@ from sglang_bcg_plugin.bench.reference import variants_for
 from sglang_bcg_plugin.cli import main
 from sglang_bcg_plugin.trees import flatten
 
+from splitting_ops import mix, write_softmax  # tests/splitting_ops.py
+
 H = 8
 SIZES = [16, 8, 5, 2, 1]  # largest first, 1 included
-
-
-@torch.library.custom_op("sglang_bcg_test_pwi::mix", mutates_args=())
-def mix(x: torch.Tensor) -> torch.Tensor:
-    """Splitting op returning a fresh tensor."""
-    return torch.tanh(x) + 1.0
-
-
-@mix.register_fake
-def _(x: torch.Tensor) -> torch.Tensor:
-    return torch.empty_like(x)
-
-
-@torch.library.custom_op("sglang_bcg_test_pwi::write_softmax", mutates_args=("out",))
-def write_softmax(x: torch.Tensor, out: torch.Tensor) -> None:
-    """Splitting op writing into a buffer the previous piece allocated (vLLM's attention style)."""
-    out.copy_(torch.softmax(x, dim=-1))
-
-
-@write_softmax.register_fake
-def _(x: torch.Tensor, out: torch.Tensor) -> None:
-    return None
 
 
 class Mixed(torch.nn.Module):

@@ -26,6 +26,8 @@ import torch
 from sglang_bcg_plugin import BackendOptions, ShapeKey, create_backend, graph_break
 from sglang_bcg_plugin.engines.gcsafe import parked_count
 
+from splitting_ops import mix  # tests/splitting_ops.py
+
 pytestmark = [
     pytest.mark.cuda,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run on the H200 machine)"),
@@ -33,17 +35,6 @@ pytestmark = [
 
 H = 256
 SIZES = [256, 128, 64]  # largest first
-
-
-@torch.library.custom_op("sglang_bcg_test_gc_gpu::mix", mutates_args=())
-def mix(x: torch.Tensor) -> torch.Tensor:
-    """Splitting op of the piecewise backend."""
-    return torch.tanh(x) + 1.0
-
-
-@mix.register_fake
-def _(x: torch.Tensor) -> torch.Tensor:
-    return torch.empty_like(x)
 
 
 @graph_break(reads=("x",))

@@ -22,6 +22,8 @@ from sglang_bcg_plugin import BackendOptions, ShapeKey, create_backend
 from sglang_bcg_plugin.backends.piecewise import PiecewiseBackend
 from sglang_bcg_plugin.trees import flatten
 
+from splitting_ops import OPS, mix, write_softmax  # tests/splitting_ops.py
+
 pytestmark = [
     pytest.mark.cuda,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run on the H200 machine)"),
@@ -29,31 +31,6 @@ pytestmark = [
 
 SIZES = [1024, 768, 512, 384, 256, 128, 64, 32, 16, 8, 4, 2, 1]  # largest first, 1 included
 LAYERS = 4  # splitting calls: LAYERS -> LAYERS + 1 pieces
-
-
-@torch.library.custom_op("sglang_bcg_test_pw_gpu::mix", mutates_args=())
-def mix(x: torch.Tensor) -> torch.Tensor:
-    """Splitting op returning a fresh tensor (bridged into the arena)."""
-    return torch.tanh(x) + 1.0
-
-
-@mix.register_fake
-def _(x: torch.Tensor) -> torch.Tensor:
-    return torch.empty_like(x)
-
-
-@torch.library.custom_op("sglang_bcg_test_pw_gpu::write_softmax", mutates_args=("out",))
-def write_softmax(x: torch.Tensor, out: torch.Tensor) -> None:
-    """Splitting op writing into a buffer allocated by the previous piece (attention style)."""
-    out.copy_(torch.softmax(x, dim=-1))
-
-
-@write_softmax.register_fake
-def _(x: torch.Tensor, out: torch.Tensor) -> None:
-    return None
-
-
-OPS = [mix, torch.ops.sglang_bcg_test_pw_gpu.write_softmax.default]
 
 
 class Net(torch.nn.Module):

@@ -22,6 +22,8 @@ from sglang_bcg_plugin.backends.piecewise import PiecewiseBackend
 from sglang_bcg_plugin.bench.runner import max_abs_error
 from sglang_bcg_plugin.bench.sizes import prefill_capture_sizes
 
+from splitting_ops import mix, write_softmax  # tests/splitting_ops.py
+
 pytestmark = [
     pytest.mark.cuda,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run on the H200 machine)"),
@@ -33,26 +35,6 @@ pytestmark = [
 
 SIZES = [1024, 768, 512, 384, 256, 128, 64, 32, 16, 8, 4, 2, 1]
 H = 256
-
-
-@torch.library.custom_op("sglang_bcg_test_pwi_gpu::mix", mutates_args=())
-def mix(x: torch.Tensor) -> torch.Tensor:
-    return torch.tanh(x) + 1.0
-
-
-@mix.register_fake
-def _(x: torch.Tensor) -> torch.Tensor:
-    return torch.empty_like(x)
-
-
-@torch.library.custom_op("sglang_bcg_test_pwi_gpu::write_softmax", mutates_args=("out",))
-def write_softmax(x: torch.Tensor, out: torch.Tensor) -> None:
-    out.copy_(torch.softmax(x, dim=-1))
-
-
-@write_softmax.register_fake
-def _(x: torch.Tensor, out: torch.Tensor) -> None:
-    return None
 
 
 class Mixed(torch.nn.Module):

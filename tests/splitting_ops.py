@@ -1,0 +1,36 @@
+"""Splitting ops of the piecewise tests, CPU and GPU alike: real ``torch.library`` custom ops.
+
+``mix`` returns a fresh tensor; ``write_softmax`` writes into a buffer the previous piece
+allocated (vLLM's attention style). Imported by ``tests/test_piecewise*.py`` and the GPU files
+(``tests/`` is on ``sys.path`` through its ``conftest.py``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+@torch.library.custom_op("sglang_bcg_test::mix", mutates_args=())
+def mix(x: torch.Tensor) -> torch.Tensor:
+    """Splitting op returning a fresh tensor."""
+    return torch.tanh(x) + 1.0
+
+
+@mix.register_fake
+def _(x: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+@torch.library.custom_op("sglang_bcg_test::write_softmax", mutates_args=("out",))
+def write_softmax(x: torch.Tensor, out: torch.Tensor) -> None:
+    """Splitting op writing into a buffer the previous piece allocated."""
+    out.copy_(torch.softmax(x, dim=-1))
+
+
+@write_softmax.register_fake
+def _(x: torch.Tensor, out: torch.Tensor) -> None:
+    return None
+
+
+#: Both ops, the second as the overload a graph calls.
+OPS = [mix, torch.ops.sglang_bcg_test.write_softmax.default]
