@@ -103,6 +103,13 @@ def test_two_stream_partitions_replayed_alternately_never_alias(setup: Setup, ma
     assert len(ptrs[0]) == (1 if env == "1" else len(SIZES))
 
 
+def _capture_each(setup: Setup, backend: Any, forward: Callable[[torch.Tensor], Any]) -> None:
+    """One session over SIZES (largest first), ``forward`` of each size's static input view."""
+    with torch.no_grad(), setup.on_stream(), backend.capture_session(setup.stream):
+        for size in SIZES:
+            backend.capture_one(shape_key(size), lambda x=setup.x[:size]: forward(x), capture_inputs=setup.x)
+
+
 def test_rows_from_the_runner(setup: Setup, make: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     """The body returns 8·size padded rows plus a one-row leaf; the runner's
     ``cuda_graph_output_rows`` says 4·size: padded leaves are handed out as ``[:4·size]``."""
@@ -113,9 +120,7 @@ def test_rows_from_the_runner(setup: Setup, make: Any, monkeypatch: pytest.Monke
         h = setup.model(x)
         return torch.cat([h] * 8), h.sum(dim=0, keepdim=True)
 
-    with torch.no_grad(), setup.on_stream(), backend.capture_session(setup.stream):
-        for size in SIZES:
-            backend.capture_one(shape_key(size), lambda x=setup.x[:size]: forward(x), capture_inputs=setup.x)
+    _capture_each(setup, backend, forward)
     setup.refill()
     with torch.no_grad():
         for size in SIZES:
@@ -139,9 +144,7 @@ def test_logits_processor_output(setup: Setup, make: Any, monkeypatch: pytest.Mo
     with pytest.raises(TypeError, match="Unsupported BCG output type"), torch.no_grad(), setup.on_stream(), builtin.capture_session(setup.stream):
         builtin.capture_one(shape_key(SIZES[0]), lambda: forward(setup.x[: SIZES[0]]))
     backend = make()
-    with torch.no_grad(), setup.on_stream(), backend.capture_session(setup.stream):
-        for size in SIZES:
-            backend.capture_one(shape_key(size), lambda x=setup.x[:size]: forward(x), capture_inputs=setup.x)
+    _capture_each(setup, backend, forward)
     setup.refill()
     with torch.no_grad():
         for size in SIZES:
