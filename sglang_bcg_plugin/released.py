@@ -51,8 +51,11 @@ def alias(t: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def _maybe_alias(t: torch.Tensor) -> torch.Tensor:
-    return alias(t) if t.device.type in ALIAS_DEVICE_TYPES else t
+def maybe_alias(t: Any) -> Any:
+    """A non-owning alias of ``t`` when it is a tensor in graph-pool memory, else ``t`` itself."""
+    if isinstance(t, torch.Tensor) and t.device.type in ALIAS_DEVICE_TYPES:
+        return alias(t)
+    return t
 
 
 def release_output(output: Any) -> Any:
@@ -69,7 +72,7 @@ def release_output(output: Any) -> Any:
         )
         raise RuntimeError(msg)
     spec, leaves = flatten(output)
-    return unflatten(spec, [_maybe_alias(t) for _, t in leaves])
+    return unflatten(spec, [maybe_alias(t) for _, t in leaves])
 
 
 @dataclass(eq=False)
@@ -108,7 +111,7 @@ class PoolGuard:
             if released is None:
                 return None
             spec, leaves = flatten(released)
-            fresh = [_maybe_alias(t) for _, t in leaves]
+            fresh = [maybe_alias(t) for _, t in leaves]
             self._last[pool] = _Handout(id(owner), key, [t for t in fresh if t.device.type in ALIAS_DEVICE_TYPES])
             return unflatten(spec, fresh)
 

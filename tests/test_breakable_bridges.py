@@ -79,9 +79,6 @@ def test_on_a_gpu_the_step_keeps_named_arguments_and_returns_through_non_owning_
     from sglang_bcg_plugin import released
 
     monkeypatch.setattr(released, "ALIAS_DEVICE_TYPES", frozenset({"cpu", "cuda"}))
-    import sglang_bcg_plugin.engines.breakable as breakable
-
-    monkeypatch.setattr(breakable, "ALIAS_DEVICE_TYPES", frozenset({"cpu", "cuda"}))
     q, k = torch.randn(1, 4, 16, 8), torch.randn(1, 8)
     graph, out = _record(attend, q, k)
     step = graph._steps[0]  # type: ignore[attr-defined]

@@ -29,16 +29,9 @@ from typing import Any
 
 import torch
 
-from ..released import ALIAS_DEVICE_TYPES, alias
+from ..released import maybe_alias
 from ..trees import flatten, storage_key, unflatten
 from .recorder import Recorder, refresh
-
-
-def _stable_ref(t: Any) -> Any:
-    """What the replay step keeps of ``t``: a non-owning alias of graph-pool memory, else ``t``."""
-    if isinstance(t, torch.Tensor) and t.device.type in ALIAS_DEVICE_TYPES:
-        return alias(t)
-    return t
 
 
 def _capturing(t: torch.Tensor) -> bool:
@@ -70,8 +63,8 @@ class BreakableRecorder(Recorder):
         named = reads | writes
         kept = inspect.BoundArguments(bound.signature, bound.arguments.copy())
         for name in named & kept.arguments.keys():
-            kept.arguments[name] = _stable_ref(kept.arguments[name])
-        rets = [_stable_ref(t) for t in targets]
+            kept.arguments[name] = maybe_alias(kept.arguments[name])
+        rets = [maybe_alias(t) for t in targets]
         held = (kept.args, kept.kwargs)  # strong: whatever was not aliased
         self.add_step(_Step(fn, kept.args, kept.kwargs, rets), held)
         return unflatten(spec, targets)
