@@ -136,11 +136,15 @@ class OutputSharer:
         key: Hashable,
         output: object,
         protected: frozenset[tuple[str, int]] = frozenset(),
+        foreign: frozenset[tuple[str, int]] | None = frozenset(),
     ) -> Prepared:
         """Decide how ``key``'s output is held; runs inside the capture.
 
         :param protected: storages the output must not adopt as a shared buffer (static
             inputs): smaller keys would overwrite them.
+        :param foreign: storages the forward returned but did not allocate (they outlived the
+            last warmup: a static input, a weight, a tensor the model keeps); never adopted
+            either. ``None``: unknown (no warmup ran), so nothing is adopted.
         """
         node, leaves = flatten(output)
         logical = sum(_nbytes(t) for _, t in leaves)
@@ -152,7 +156,7 @@ class OutputSharer:
             reserved = self._reserved.get(stream)
             if reserved is not None and self._misfit(reserved, node, leaves) is None:
                 return self._copy_into(reserved, node, leaves, logical, self._claim(stream, key, reserved))
-            return self._adopt(key, stream, node, leaves, logical, protected)
+            return self._adopt(key, stream, node, leaves, logical, protected, foreign)
         found = self._misfit(part, node, leaves)
         if found is not None:
             return self._fallback(key, output, logical, *found)
@@ -199,16 +203,19 @@ class OutputSharer:
         leaves: list[tuple[str, torch.Tensor]],
         logical: int,
         protected: frozenset[tuple[str, int]],
+        foreign: frozenset[tuple[str, int]] | None,
     ) -> Prepared:
-        # A leaf that aliases a static input (or another leaf's storage at another path) would
-        # be overwritten by smaller keys' copies, and a non-contiguous leaf has no flat view:
-        # those get a private buffer (a contiguous copy) instead.
+        # A leaf that aliases a static input, memory the forward did not allocate (foreign) or
+        # another leaf's storage at another path would be overwritten by smaller keys' copies,
+        # and a non-contiguous leaf has no flat view: those get a private buffer (a contiguous
+        # copy) instead.
         store = SlotStore()
         seen: set[tuple[str, int]] = set()
         buffers, outs = [], []
         for path, leaf in leaves:
             sk = storage_key(leaf)
-            flat = None if sk in protected or sk in seen else flat_of(leaf)
+            owned = foreign is not None and sk not in foreign and sk not in protected
+            flat = flat_of(leaf) if owned and sk not in seen else None
             seen.add(sk)
             if flat is None:
                 flat = torch.empty(max(leaf.numel(), 1), dtype=leaf.dtype, device=leaf.device)

@@ -15,7 +15,8 @@ import torch
 
 from sglang_bcg_plugin import graph_break
 from sglang_bcg_plugin.engines.breakable import BreakableRecorder
-from sglang_bcg_plugin.engines.recorder import EagerSegments, record
+from sglang_bcg_plugin.engines.recorder import record
+from sglang_bcg_plugin.engines.tape import EagerSegments
 from sglang_bcg_plugin.trees import storage_key
 
 seen: list[tuple[torch.Tensor, torch.Tensor]] = []

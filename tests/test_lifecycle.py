@@ -165,8 +165,9 @@ def test_configure_engine_resets_unused_engine(backend_name: str) -> None:
     assert backend.engine_name == "eager" and backend.options.strict_outputs
 
 
-def test_eager_replay_detects_changed_structure(backend_name: str) -> None:
-    backend = make_backend(backend_name, share=False)
+def test_eager_replay_detects_changed_structure() -> None:
+    """Full's eager engine re-runs the forward at replay: a changed structure or shape is refused."""
+    backend = make_backend("full", share=False)
     state: dict[str, Any] = {"tuple": True, "rows": 4}
 
     def forward() -> Any:
@@ -181,6 +182,28 @@ def test_eager_replay_detects_changed_structure(backend_name: str) -> None:
     state["tuple"], state["rows"] = True, 5
     with pytest.raises(RuntimeError, match="shape"):
         backend.replay(ShapeKey(4))
+
+
+def test_eager_segments_replay_what_was_captured() -> None:
+    """Breakable's eager segments replay the recorded ops, as a CUDA graph replays its kernels:
+    the forward's Python does not run again, so a changed Python branch changes nothing."""
+    backend = make_backend("breakable", share=False)
+    state: dict[str, Any] = {"scale": 2.0, "calls": 0}
+    x = torch.randn(4)
+
+    def forward() -> Any:
+        state["calls"] += 1
+        return (x * state["scale"], x + 1)
+
+    with backend.capture_session():
+        backend.capture_one(ShapeKey(4), forward)
+    calls = state["calls"]
+    state["scale"] = 3.0
+    x.copy_(torch.randn(4))
+    out = backend.replay(ShapeKey(4))
+    assert state["calls"] == calls
+    torch.testing.assert_close(out[0], x * 2.0)
+    torch.testing.assert_close(out[1], x + 1)
 
 
 def test_memory_report_format_and_dict(backend_name: str) -> None:

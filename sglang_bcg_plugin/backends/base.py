@@ -57,6 +57,7 @@ class CaptureBackend:
         self._engine: Engine | None = None
         self._pending_stats: dict[Hashable, tuple[float, int | None]] = {}
         self._guard: StaleOutputGuard | None = None
+        self._capturing: Hashable | None = None  # the key being captured (re-entrancy check)
 
     @property
     def options(self) -> BackendOptions:
@@ -81,8 +82,12 @@ class CaptureBackend:
 
     def _get_engine(self) -> Engine:
         if self._engine is None:
-            self._engine = self._make_cuda_engine() if self._use_cuda() else EagerEngine()
+            self._engine = self._make_cuda_engine() if self._use_cuda() else self._make_eager_engine()
         return self._engine
+
+    def _make_eager_engine(self) -> Engine:
+        """The engine without CUDA graphs (CPU machines, ``engine="eager"``)."""
+        return EagerEngine()
 
     def _make_cuda_engine(self) -> Engine:  # pragma: no cover - overridden per backend
         raise NotImplementedError
@@ -140,6 +145,13 @@ class CaptureBackend:
             if session is None:
                 msg = f"{self.name} backend: capture_one({key!r}) must run inside `with backend.capture_session():`"
                 raise CaptureStateError(msg)
+            if self._capturing is not None:
+                msg = (
+                    f"{self.name} backend: re-entrant capture: capture_one({key!r}) was called while "
+                    f"{self._capturing!r} is being captured (from inside its forward_fn or a hook); "
+                    "capture keys one after another"
+                )
+                raise CaptureStateError(msg)
             if key in self._entries:
                 msg = f"{key!r} is already captured by the {self.name} backend; cleanup() first to capture it again"
                 raise ValueError(msg)
@@ -147,7 +159,11 @@ class CaptureBackend:
             def capture() -> Any:
                 return self._capture(key, forward_fn, capture_inputs, post_warmup_hook, session)
 
-            result = self._pm.hook.sglang_bcg_capture_one(backend=self, shape_key=key, capture=capture)
+            self._capturing = key
+            try:
+                result = self._pm.hook.sglang_bcg_capture_one(backend=self, shape_key=key, capture=capture)
+            finally:
+                self._capturing = None
             if key not in self._entries:
                 msg = f"a sglang_bcg_capture_one hook returned without calling capture() for {key!r}"
                 raise RuntimeError(msg)
@@ -170,8 +186,8 @@ class CaptureBackend:
         protected = frozenset(storage_key(t) for t in collect_tensors(capture_inputs))
         prepared: list[Any] = []
 
-        def finalize(output: Any) -> Any:
-            p = session.sharer.prepare(key, output, protected)
+        def finalize(output: Any, foreign: frozenset[tuple[str, int]] | None = None) -> Any:
+            p = session.sharer.prepare(key, output, protected, foreign)
             prepared.append(p)
             return p.output
 

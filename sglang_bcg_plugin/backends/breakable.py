@@ -1,13 +1,15 @@
 """Breakable backend: per key, CUDA-graph segments split at eager break points.
 
 Model code marks break points with :func:`sglang_bcg_plugin.graph_break`; outside a capture the
-decorator is a plain call. On the eager engine (CPU) the whole forward re-runs at replay, breaks
-included, so the semantics match.
+decorator is a plain call. On the eager engine (CPU) the same segment recorder runs with eager
+segments: the ops of each segment are recorded and re-run at replay, the breaks run eagerly
+between them, as on CUDA.
 """
 
 from __future__ import annotations
 
 from ..engines.base import Engine
+from ..engines.eager import EagerSegmentEngine
 from ..manager import hookimpl
 from ..registry import BackendRegistry
 from .base import CaptureBackend
@@ -17,6 +19,9 @@ class BreakableBackend(CaptureBackend):
     """Breakable CUDA graphs with per-partition output sharing."""
 
     name = "breakable"
+
+    def _make_eager_engine(self) -> Engine:
+        return EagerSegmentEngine()
 
     def _make_cuda_engine(self) -> Engine:
         from ..engines.cuda import CudaGraphEngine

@@ -6,9 +6,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-Finalize = Callable[[Any], Any]
-"""Runs inside the capture on the forward's output; returns the static output to hand out
-(the output-sharing policy: adopt, copy into a shared view, or keep)."""
+from ..trees import collect_tensors, storage_key
+
+Finalize = Callable[..., Any]
+"""``finalize(output, foreign=...)`` runs inside the capture on the forward's output; returns the
+static output to hand out (the output-sharing policy: adopt, copy into a shared view, or keep).
+``foreign``: storages the forward returns but did not allocate (see :func:`run_warmups`)."""
 
 
 class CapturedGraph(Protocol):
@@ -59,12 +62,46 @@ class Engine(Protocol):
         """Bytes of bridge storage per partition (0 for engines without breaks)."""
 
 
-def run_warmups(request: CaptureRequest) -> None:
-    """Eager warmup runs, each followed by ``post_warmup_hook``; then ``reserve`` on the last output."""
+class Warmed:
+    """What the warmups leave for the capture: the last warmup's output, kept alive until the
+    capture's ``finalize`` ran, so no storage the capture allocates can reuse its memory.
+
+    A storage that the capture's output shares with the last warmup's output was not allocated
+    by the forward: it is memory the forward *returns* (a view of a static input, a weight, a
+    cache, a tensor the model keeps). Such storage must never become a shared output buffer —
+    smaller keys would write into it (docs/index.md, "Output sharing", rule 5).
+    """
+
+    def __init__(self, output: Any, ran: bool) -> None:
+        self._output = output
+        self._ran = ran
+
+    @property
+    def foreign(self) -> frozenset[tuple[str, int]] | None:
+        """Storages of the last warmup output; ``None`` when no warmup ran (nothing is known)."""
+        if not self._ran:
+            return None
+        return frozenset(storage_key(t) for t in collect_tensors(self._output))
+
+    def finalize(self, request: CaptureRequest) -> Finalize:
+        """``request.finalize`` told which storages are foreign."""
+        foreign = self.foreign
+
+        def finalize(output: Any) -> Any:
+            return request.finalize(output, foreign=foreign)
+
+        return finalize
+
+
+def run_warmups(request: CaptureRequest) -> Warmed:
+    """Eager warmup runs, each followed by ``post_warmup_hook``; then ``reserve`` on the last
+    output. Keep the result alive until the capture finished (see :class:`Warmed`)."""
     out = None
     for _ in range(request.num_warmups):
+        out = None  # the previous output is not kept: peak memory stays one output
         out = request.forward_fn()
         if request.post_warmup_hook is not None:
             request.post_warmup_hook()
     if request.reserve is not None and request.num_warmups > 0:
         request.reserve(out)
+    return Warmed(out, request.num_warmups > 0)

@@ -17,8 +17,9 @@ What crosses a break (``docs/breakable.md``) costs no bridge memory and no copy 
 * everything else (unnamed tensors, plain values) is passed as is and held strongly for the
   graph's life.
 
-On the eager segments of CPU tests nothing is captured, so the returned values are copied into
-that memory at once and references stay strong (CPU memory is not a graph pool).
+On the eager segments (CPU machines) nothing is captured, so the returned values are copied into
+that memory at once (outside the segment's op tape: the step refreshes it at replay) and
+references stay strong (CPU memory is not a graph pool).
 """
 
 from __future__ import annotations
@@ -57,9 +58,10 @@ class BreakableRecorder(Recorder):
         spec, leaves = flatten(result)
         # The next segment is open: returned tensors get pool memory as its first allocations.
         targets = [t if storage_key(t) in arg_keys else torch.empty_like(t) for _, t in leaves]
-        for target, (_, t) in zip(targets, leaves, strict=True):
-            if target is not t and not _capturing(target):
-                target.copy_(t)  # eager segments: nothing replays this call's result
+        with self.segments.paused():  # eager segments: the step refreshes it at replay
+            for target, (_, t) in zip(targets, leaves, strict=True):
+                if target is not t and not _capturing(target):
+                    target.copy_(t)
         named = reads | writes
         kept = inspect.BoundArguments(bound.signature, bound.arguments.copy())
         for name in named & kept.arguments.keys():

@@ -9,6 +9,7 @@ the capture stream, each followed by ``post_warmup_hook``.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -97,23 +98,25 @@ class CudaGraphEngine:
         stream = self._capture_stream(request)
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
-            run_warmups(request)
+            warmed = run_warmups(request)
         torch.cuda.synchronize()
         pool = self.pool(request.partition)
+        finalize = warmed.finalize(request)
         with gc_safe_capture(), torch.cuda.stream(stream):
             if self.segmented:
                 recorder = BreakableRecorder(request.key, CudaSegments(pool))
-                graph: FullGraph | SegmentedGraph = record(recorder, request.forward_fn, request.finalize)
+                graph: FullGraph | SegmentedGraph = record(recorder, request.forward_fn, finalize)
             else:
-                graph = self._capture_full(request, pool)
+                graph = self._capture_full(request.forward_fn, finalize, pool)
         torch.cuda.synchronize()
         return graph
 
-    def _capture_full(self, request: CaptureRequest, pool: Any) -> FullGraph:
+    @staticmethod
+    def _capture_full(forward_fn: Callable[[], Any], finalize: Callable[[Any], Any], pool: Any) -> FullGraph:
         g = torch.cuda.CUDAGraph()
         g.capture_begin(pool=pool)
         try:
-            output = request.finalize(request.forward_fn())
+            output = finalize(forward_fn())
         except BaseException:
             abort_capture(g)
             raise

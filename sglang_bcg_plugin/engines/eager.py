@@ -15,7 +15,9 @@ import torch
 
 from ..trees import diff, flatten
 from .base import CaptureRequest, run_warmups
-from .recorder import refresh
+from .breakable import BreakableRecorder
+from .recorder import SegmentedGraph, record, refresh
+from .tape import EagerSegments
 
 
 class EagerGraph:
@@ -57,8 +59,8 @@ class EagerEngine:
     name = "eager"
 
     def capture(self, request: CaptureRequest) -> EagerGraph:
-        run_warmups(request)
-        output = request.finalize(request.forward_fn())
+        warmed = run_warmups(request)
+        output = warmed.finalize(request)(request.forward_fn())
         return EagerGraph(request.key, request.forward_fn, output)
 
     def release(self) -> None:
@@ -66,4 +68,24 @@ class EagerEngine:
 
     def bridge_bytes(self) -> dict[int | None, int]:
         """No breaks on this engine (a break is a plain call): no bridges."""
+        return {}
+
+
+class EagerSegmentEngine:
+    """The segment recorder on the eager engine (CPU machines): each segment is the ops run while
+    it was open (:class:`~.recorder.EagerSegments`), breaks run eagerly between them, exactly
+    the structure the CUDA engine captures. The Breakable backend's eager engine."""
+
+    name = "eager"
+
+    def capture(self, request: CaptureRequest) -> SegmentedGraph:
+        warmed = run_warmups(request)
+        recorder = BreakableRecorder(request.key, EagerSegments())
+        return record(recorder, request.forward_fn, warmed.finalize(request))
+
+    def release(self) -> None:
+        """Nothing to release."""
+
+    def bridge_bytes(self) -> dict[int | None, int]:
+        """Break arguments pass as they are: no bridges."""
         return {}

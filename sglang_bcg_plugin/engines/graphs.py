@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from typing import Any
 
@@ -57,6 +58,10 @@ class CudaSegments:
 
     def record(self, action: Action) -> None:
         """Nothing to do: the kernels are in the open graph."""
+
+    def paused(self) -> contextlib.AbstractContextManager[None]:
+        """Nothing to pause: a CUDA graph records every kernel on the capturing stream."""
+        return contextlib.nullcontext()
 
     def abort(self) -> None:
         if self._current is not None:

@@ -6,7 +6,9 @@ pieces split at splitting ops) — is recorded here; the front-ends (``engines/b
 
 * :class:`Segments` makes segments: ``engines.graphs.CudaSegments`` (one ``torch.cuda.CUDAGraph``
   per segment in the partition's pool; ``None`` for a segment that captured no work) or
-  :class:`EagerSegments` (the recorded actions, re-run at replay: CPU machines).
+  :class:`~.tape.EagerSegments` (CPU machines: every op run while a segment is open, recorded by a
+  dispatch mode as a stream capture records kernels, plus the front-ends' actions; re-run in
+  order at replay).
 * :class:`Recorder` opens segment 0, closes a segment and runs the eager work of a break
   (:meth:`Recorder.eager_break`), reopens, appends the break's replay step, and aborts every
   segment when anything fails (:func:`record`).
@@ -19,7 +21,6 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import functools
 from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
@@ -37,44 +38,19 @@ class Segments(Protocol):
     def record(self, action: Action) -> None:
         """Remember work to redo at replay (no-op on CUDA, where the kernels were captured)."""
 
+    def paused(self) -> contextlib.AbstractContextManager[None]:
+        """Work inside is not recorded by the open segment (its replay is recorded another way)."""
+
     def abort(self) -> None: ...
     def runners(self) -> list[Action | None]: ...
     def release(self) -> None: ...
 
 
-class EagerSegments:
-    """Segments of the eager engine: the recorded actions, re-run in order at replay."""
-
-    def __init__(self) -> None:
-        self._done: list[list[Action]] = []
-        self._current: list[Action] | None = None
-
-    def begin(self) -> None:
-        self._current = []
-
-    def end(self) -> None:
-        assert self._current is not None
-        self._done.append(self._current)
-        self._current = None
-
-    def record(self, action: Action) -> None:
-        assert self._current is not None
-        self._current.append(action)
-
-    def abort(self) -> None:
-        self._current = None
-        self._done.clear()
-
-    def runners(self) -> list[Action | None]:
-        return [functools.partial(_run_all, acts) if acts else None for acts in self._done]
-
-    def release(self) -> None:
-        self._done.clear()
-
-
-def _run_all(actions: list[Action]) -> None:
-    for action in actions:
-        action()
+def untracked() -> contextlib.AbstractContextManager[None]:
+    """Pause the open eager segment of the capture running in this context (if any): for work
+    whose replay is recorded otherwise (a compiled callable's pieces, a break's own result)."""
+    rec = _active.get()
+    return rec.segments.paused() if rec is not None else contextlib.nullcontext()
 
 
 def refresh(static: torch.Tensor, value: torch.Tensor, what: str) -> None:

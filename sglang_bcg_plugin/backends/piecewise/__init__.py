@@ -130,10 +130,8 @@ class PiecewiseBackend(CaptureBackend):
         return len(self._summaries)
 
     # -- engine ---------------------------------------------------------------------------------
-    def _get_engine(self) -> Engine:
-        if self._engine is None:
-            self._engine = self._make_cuda_engine() if self._use_cuda() else PiecewiseEagerEngine()
-        return self._engine
+    def _make_eager_engine(self) -> Engine:
+        return PiecewiseEagerEngine()
 
     def _make_cuda_engine(self) -> Engine:
         from .cuda import PiecewiseCudaEngine

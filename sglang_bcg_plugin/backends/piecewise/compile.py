@@ -19,6 +19,7 @@ from typing import Any, Literal
 import torch
 from torch.utils._pytree import tree_map_only
 
+from ...engines.recorder import untracked
 from .inductor import InductorPieces
 from .split import SplitProgram, SplitSummary, split_graph
 
@@ -134,7 +135,9 @@ class PiecewiseCompiled:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         args, kwargs = tree_map_only(torch.Tensor, self._mark, (args, kwargs))
         calls, start = self.compiler.calls, time.perf_counter()
-        with _size_oblivious() if self.dynamic == "size_oblivious" else contextlib.nullcontext():
+        # On the eager engine the pieces record their own replay: the open segment's op tape
+        # pauses for the compiled call (and dynamo sees no dispatch mode).
+        with untracked(), _size_oblivious() if self.dynamic == "size_oblivious" else contextlib.nullcontext():
             out = self.compiled(*args, **kwargs)
         if self.compiler.calls != calls:  # this call compiled: charge it, kernels finished
             if torch.cuda.is_initialized():  # pragma: no cover - CUDA only

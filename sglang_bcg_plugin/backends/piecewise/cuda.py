@@ -30,11 +30,11 @@ class PiecewiseCudaEngine(CudaGraphEngine):
         stream = self._capture_stream(request)
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
-            run_warmups(request)
+            warmed = run_warmups(request)
         torch.cuda.synchronize()
         segments = CudaSegments(self.pool(request.partition))
         recorder = PieceRecorder(request.key, segments, self.bridges(request.partition), request.static_inputs)
         with gc_safe_capture(), torch.cuda.stream(stream):
-            graph = record(recorder, request.forward_fn, request.finalize)
+            graph = record(recorder, request.forward_fn, warmed.finalize(request))
         torch.cuda.synchronize()
         return graph

@@ -70,11 +70,6 @@ def _value_of_leaves(result: Any, n: int, life: Lifetimes | None) -> list[int]:
     return [-1] * n
 
 
-def _copy_pairs(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-    for src, dst in pairs:
-        dst.copy_(src)
-
-
 @dataclass(frozen=True, slots=True)
 class Lifetimes:
     """Liveness around one piece or splitting call, from the split graph: ``multi``: it returns
@@ -130,11 +125,10 @@ class PieceRecorder(Recorder):
     """Records the pieces and splitting calls of one key (set active while its forward runs)."""
 
     def __init__(
-        self, key: object, segments: Segments, bridges: SlotStore, known_inputs: frozenset[tuple[str, int]] = frozenset()
+        self, key: object, segments: Segments, bridges: SlotStore, static_inputs: frozenset[tuple[str, int]] = frozenset()
     ) -> None:
         super().__init__(key, segments)
-        self.known: set[tuple[str, int]] = set(known_inputs)
-        self.inputs: set[tuple[str, int]] = set(known_inputs)
+        self.inputs: set[tuple[str, int]] = set(static_inputs)
         self.slots: set[tuple[str, int]] = set()
         self.regs = Registers(bridges)
         self.graph_calls = 0
@@ -143,7 +137,6 @@ class PieceRecorder(Recorder):
     def note_inputs(self, args: tuple[Any, ...]) -> None:
         self.graph_calls += 1
         self.inputs.update(storage_key(t) for t in _tensors(args))
-        self.known.update(self.inputs)
         self.held.append(args)
 
     def run_piece(
@@ -176,8 +169,11 @@ class PieceRecorder(Recorder):
     def finish(self, output: Any, finalize: Callable[[Any], Any]) -> Any:
         """Apply the output policy inside the last segment; returns the static output.
 
-        :raises RuntimeError: the forward never ran a compiled callable, or returned a tensor the
-            pieces did not produce (it would not be refreshed at replay).
+        Work the forward does outside the compiled callable (before it, ``fn(x[:n] * 2)``, or
+        after it, ``fn(x) * 2``) is in the open segments like the pieces' work: captured on CUDA,
+        on the eager segments' op tape otherwise; so is the output policy's copy.
+
+        :raises RuntimeError: the forward never ran a compiled callable.
         """
         if self.graph_calls == 0:
             msg = (
@@ -187,23 +183,11 @@ class PieceRecorder(Recorder):
             raise RuntimeError(msg)
         node, leaves = flatten(output)
         owned = []
-        for path, t in leaves:
+        for _, t in leaves:
             sk = storage_key(t)
-            if sk not in self.known:
-                msg = (
-                    f"forward_fn of {self.key!r} returned a tensor at {path} that the compiled "
-                    "pieces did not produce (work outside the compiled callable is not replayed); "
-                    "return the compiled callable's output"
-                )
-                raise RuntimeError(msg)
             # Bridge slots are shared by every key, inputs by the caller: the output owns a copy.
             owned.append(t.clone() if sk in self.slots or sk in self.inputs else t)
-        final = finalize(unflatten(node, owned))
-        _, final_leaves = flatten(final)
-        pairs = [(r, f) for (_, r), (_, f) in zip(leaves, final_leaves, strict=True) if f is not r]
-        if pairs:
-            self.segments.record(functools.partial(_copy_pairs, pairs))
-        return final
+        return finalize(unflatten(node, owned))
 
     # -- helpers ------------------------------------------------------------------------------
     def _bridge(
@@ -217,12 +201,7 @@ class PieceRecorder(Recorder):
         regs, pins = self.regs, life.pinned if life is not None else ()
         groups = _value_of_leaves(result, len(leaves), life)
         in_args = {storage_key(t) for t in _tensors(args)}
-        aliased: dict[int, set[Reg]] = {}
-        for leaf, j in zip(leaves, groups, strict=True):
-            if isinstance(leaf, torch.Tensor) and (k := storage_key(leaf)) in in_args and k in regs.of:
-                aliased.setdefault(j, set()).add(regs.of[k])
-        for j, rs in aliased.items():
-            regs.hold(rs, j < 0 or pins[j])
+        self._hold_aliases(leaves, groups, in_args, pins)
         if life is not None and len(life.dying) == len(args):
             for arg in (a for a, dying in zip(args, life.dying, strict=True) if dying):
                 regs.drop({regs.of[k] for k in map(storage_key, _tensors(arg)) if k in regs.of})
@@ -238,6 +217,17 @@ class PieceRecorder(Recorder):
                 targets.append(leaf)  # not a tensor, or aliases an input: already stable
         return targets
 
+    def _hold_aliases(
+        self, leaves: list[Any], groups: list[int], in_args: set[tuple[str, int]], pins: tuple[bool, ...]
+    ) -> None:
+        """Outputs aliasing an argument that sits in a register hold that register."""
+        regs = self.regs
+        aliased: dict[int, set[Reg]] = {}
+        for leaf, j in zip(leaves, groups, strict=True):
+            if isinstance(leaf, torch.Tensor) and (k := storage_key(leaf)) in in_args and k in regs.of:
+                aliased.setdefault(j, set()).add(regs.of[k])
+        for j, rs in aliased.items():
+            regs.hold(rs, j < 0 or pins[j])
+
     def _hold(self, args: tuple[Any, ...], targets: list[Any], *, keep_targets: bool = True) -> None:
-        self.known.update(storage_key(t) for t in _tensors((args, targets)))
         self.held.append((args, targets) if keep_targets else (args,))

@@ -17,7 +17,8 @@ recorded forward (:mod:`.record`) through the shared segment recorder:
 from __future__ import annotations
 
 from ...engines.base import CaptureRequest, run_warmups
-from ...engines.recorder import EagerSegments, SegmentedGraph, record
+from ...engines.recorder import SegmentedGraph, record
+from ...engines.tape import EagerSegments
 from ...storage import PartitionStores
 from .record import PieceRecorder
 
@@ -34,9 +35,9 @@ class PiecewiseEagerEngine:
         return self.bridges.nbytes()
 
     def capture(self, request: CaptureRequest) -> SegmentedGraph:
-        run_warmups(request)
+        warmed = run_warmups(request)
         recorder = PieceRecorder(request.key, EagerSegments(), self.bridges(request.partition), request.static_inputs)
-        return record(recorder, request.forward_fn, request.finalize)
+        return record(recorder, request.forward_fn, warmed.finalize(request))
 
     def release(self) -> None:
         self.bridges.clear()

@@ -124,6 +124,22 @@ def _matcher(ops: tuple[torch._ops.OpOverload, ...]) -> Callable[[torch.fx.Node]
     return is_split
 
 
+def _returned_values(split_gm: torch.fx.GraphModule, n: torch.fx.Node) -> tuple[bool, list[torch.fx.Node | None]]:
+    """Whether call ``n`` returns a tuple, and the node reading each value it returns (``None``:
+    unknown, e.g. the tuple is read whole, so every value escapes)."""
+    out = next((o for o in getattr(split_gm, str(n.target)).graph.nodes if o.op == "output"), None)
+    multi = out is not None and isinstance(out.args[0], (tuple, list))
+    if not multi:
+        return False, [n] if out is not None else []
+    values: list[torch.fx.Node | None] = [None] * len(out.args[0])  # type: ignore[union-attr, arg-type]
+    for u in n.users:
+        i = u.args[1] if u.target is operator.getitem and len(u.args) == 2 else None
+        if not (isinstance(i, int) and 0 <= i < len(values)):
+            return True, [None] * len(values)  # read whole: every value escapes
+        values[i] = u
+    return True, values
+
+
 def _lifetimes(split_gm: torch.fx.GraphModule) -> dict[str, Lifetimes]:
     """Per call of ``split_gm``: which values it returns are pinned, which arguments it reads last.
 
@@ -135,18 +151,7 @@ def _lifetimes(split_gm: torch.fx.GraphModule) -> dict[str, Lifetimes]:
     last: dict[torch.fx.Node, int | None] = {}  # value -> position of its last reader; None: pinned
     shapes: dict[str, tuple[bool, list[torch.fx.Node | None]]] = {}
     for n in calls:
-        out = next((o for o in getattr(split_gm, str(n.target)).graph.nodes if o.op == "output"), None)
-        multi = out is not None and isinstance(out.args[0], (tuple, list))
-        values: list[torch.fx.Node | None] = [n] if out is not None and not multi else []
-        if multi:
-            values = [None] * len(out.args[0])  # type: ignore[union-attr, arg-type]
-            for u in n.users:
-                i = u.args[1] if u.target is operator.getitem and len(u.args) == 2 else None
-                if isinstance(i, int) and 0 <= i < len(values):
-                    values[i] = u
-                else:  # read whole: every value escapes
-                    values = [None] * len(values)
-                    break
+        multi, values = _returned_values(split_gm, n)
         for v in values:
             if v is not None:
                 readers = list(v.users)
