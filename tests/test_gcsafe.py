@@ -10,7 +10,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from sglang_bcg_plugin.engines.cuda import CudaGraphEngine, FullGraph
+from sglang_bcg_plugin.engines.cuda import FullCudaEngine, FullGraph
 from sglang_bcg_plugin.engines.gcsafe import capture_in_progress, defer_release, gc_safe_capture, parked_count
 from sglang_bcg_plugin.engines.graphs import CudaSegments
 
@@ -63,7 +63,7 @@ def _owners() -> list[tuple[object, weakref.ref[Graph]]]:
     segments = CudaSegments(pool=None)
     segments.graphs.append(g2)  # type: ignore[arg-type]
     segments._current = g3  # type: ignore[assignment]  # a capture was open when it was dropped
-    engine = CudaGraphEngine(segmented=True)
+    engine = FullCudaEngine()
     engine._anchors.append(g4)  # type: ignore[arg-type]
     return [(full, weakref.ref(g1)), (segments, weakref.ref(g2)), (segments, weakref.ref(g3)), (engine, weakref.ref(g4))]
 

@@ -343,7 +343,7 @@ def test_bridge_slots_are_shared_by_every_key_of_a_partition() -> None:
     for sizes in ([16], SIZES):
         setup = Setup(make(False), Net(3), sizes=sizes)
         setup.capture()
-        arena_bytes[len(sizes)] = setup.backend._get_engine().bridges(None).nbytes()  # type: ignore[attr-defined]
+        arena_bytes[len(sizes)] = setup.backend.memory_report().bridge_bytes[None]
     # one max-size slot per value crossing a boundary, whatever the number of keys
     assert arena_bytes[1] == arena_bytes[len(SIZES)] > 0
 
@@ -368,7 +368,7 @@ class SkipNet(torch.nn.Module):
 
 
 def arena_of(backend: PiecewiseBackend) -> Any:
-    return backend._get_engine().bridges(None)  # type: ignore[attr-defined]
+    return backend._get_engine().front.bridges(None)  # type: ignore[attr-defined]
 
 
 @pytest.mark.parametrize("share", [False, True], ids=["share-off", "share-on"])
@@ -410,11 +410,12 @@ def test_decoder_bridge_arena_does_not_grow_with_layers() -> None:
 
 def test_cuda_engine_requires_a_warmup() -> None:
     from sglang_bcg_plugin.engines.base import CaptureRequest
-    from sglang_bcg_plugin.backends.piecewise.cuda import PiecewiseCudaEngine
+    from sglang_bcg_plugin.backends.piecewise.record import PieceFront
+    from sglang_bcg_plugin.engines.cuda import SegmentCudaEngine
 
     request = CaptureRequest(ShapeKey(4), lambda: None, lambda o: o, 0, None, None)
     with pytest.raises(ValueError, match=r"needs num_warmups >= 1 \(got 0\)"):
-        PiecewiseCudaEngine().capture(request)  # raises before touching CUDA
+        SegmentCudaEngine(PieceFront()).capture(request)  # raises before touching CUDA
 
 
 def test_eager_engine_compiles_inside_the_recorded_run_without_warmups() -> None:

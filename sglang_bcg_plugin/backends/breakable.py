@@ -9,7 +9,8 @@ between them, as on CUDA.
 from __future__ import annotations
 
 from ..engines.base import Engine
-from ..engines.eager import EagerSegmentEngine
+from ..engines.breakable import BreakableFront
+from ..engines.segmented import EagerSegmentEngine
 from ..manager import hookimpl
 from ..registry import BackendRegistry
 from .base import CaptureBackend
@@ -21,12 +22,12 @@ class BreakableBackend(CaptureBackend):
     name = "breakable"
 
     def _make_eager_engine(self) -> Engine:
-        return EagerSegmentEngine()
+        return EagerSegmentEngine(BreakableFront())
 
     def _make_cuda_engine(self) -> Engine:
-        from ..engines.cuda import CudaGraphEngine
+        from ..engines.cuda import SegmentCudaEngine
 
-        return CudaGraphEngine(segmented=True)
+        return SegmentCudaEngine(BreakableFront())
 
 
 @hookimpl

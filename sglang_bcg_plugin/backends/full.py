@@ -14,9 +14,9 @@ class FullBackend(CaptureBackend):
     name = "full"
 
     def _make_cuda_engine(self) -> Engine:
-        from ..engines.cuda import CudaGraphEngine
+        from ..engines.cuda import FullCudaEngine
 
-        return CudaGraphEngine(segmented=False)
+        return FullCudaEngine()
 
 
 @hookimpl

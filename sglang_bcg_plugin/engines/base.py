@@ -93,6 +93,27 @@ class Warmed:
         return finalize
 
 
+class Front(Protocol):
+    """A segmented capture's front-end: where breaks are and what crosses them.
+
+    Two siblings: the Breakable front (``engines/breakable.py``: ``@graph_break`` functions) and
+    the Piecewise front (``backends/piecewise/record.py``: FX pieces split at splitting ops). The
+    one segmented engine (:mod:`.segmented`) runs either over CUDA-graph or eager segments.
+    """
+
+    #: Fewest warmups a CUDA capture needs (Piecewise: 1, so ``torch.compile`` runs first).
+    min_cuda_warmups: int
+
+    def recorder(self, key: object, segments: Any, partition: int | None, static_inputs: frozenset[tuple[str, int]]) -> Any:
+        """A :class:`~.recorder.Recorder` for one key over ``segments``."""
+
+    def bridge_bytes(self) -> dict[int | None, int]:
+        """Bytes of bridge storage per partition."""
+
+    def release(self) -> None:
+        """Drop bridge storage (after every graph was released)."""
+
+
 def run_warmups(request: CaptureRequest) -> Warmed:
     """Eager warmup runs, each followed by ``post_warmup_hook``; then ``reserve`` on the last
     output. Keep the result alive until the capture finished (see :class:`Warmed`)."""

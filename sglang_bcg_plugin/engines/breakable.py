@@ -32,7 +32,7 @@ import torch
 
 from ..released import maybe_alias
 from ..trees import flatten, storage_key, unflatten
-from .recorder import Recorder, refresh
+from .recorder import Recorder, Segments, refresh
 
 
 def _capturing(t: torch.Tensor) -> bool:
@@ -88,3 +88,20 @@ class _Step:
             raise RuntimeError(msg)
         for view, (path, t) in zip(self.ret_views, new, strict=True):
             refresh(view, t, f"break {self.fn.__qualname__} at {path}")
+
+
+class BreakableFront:
+    """The Breakable front of the segmented engine: no bridges (arguments pass as they are)."""
+
+    min_cuda_warmups = 0
+
+    def recorder(
+        self, key: object, segments: Segments, partition: int | None, static_inputs: frozenset[tuple[str, int]]
+    ) -> BreakableRecorder:
+        return BreakableRecorder(key, segments)
+
+    def bridge_bytes(self) -> dict[int | None, int]:
+        return {}
+
+    def release(self) -> None:
+        """Nothing held between keys."""

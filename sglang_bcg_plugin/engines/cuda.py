@@ -1,4 +1,4 @@
-"""CUDA engines: whole-forward graphs (Full) and segmented breakable graphs.
+"""CUDA engines: whole-forward graphs (Full) and the segmented engine over CUDA graphs.
 
 One private graph pool, one bridge store and one capture stream per stream partition: graphs
 of one partition never replay concurrently, so they may reuse each other's intermediate memory;
@@ -9,14 +9,11 @@ the capture stream, each followed by ``post_warmup_hook``.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from ..storage import PartitionStores
-from .base import CaptureRequest, run_warmups
-from .breakable import BreakableRecorder
+from .base import CaptureRequest, Finalize, Front, run_warmups
 from .gcsafe import defer_release, gc_safe_capture
 from .graphs import CudaSegments, abort_capture, end_capture
 from .recorder import SegmentedGraph, record
@@ -48,15 +45,13 @@ class FullGraph:
 
 
 class CudaGraphEngine:
-    """Captures ``torch.cuda.CUDAGraph`` objects; ``segmented`` enables graph breaks."""
+    """What every CUDA engine shares: per partition a private pool and a capture stream; warmups
+    on that stream, then :meth:`_record` inside the capture (Full or segmented)."""
 
     name = "cuda"
 
-    def __init__(self, *, segmented: bool) -> None:
-        self.segmented = segmented
+    def __init__(self) -> None:
         self._pools: dict[int | None, Any] = {}
-        #: The bridge storage of each partition (tensors crossing breaks or splitting ops).
-        self.bridges = PartitionStores()
         self._streams: dict[int | None, torch.cuda.Stream] = {}
         self._anchors: list[torch.cuda.CUDAGraph] = []
 
@@ -87,7 +82,7 @@ class CudaGraphEngine:
         return self._streams[partition]
 
     def bridge_bytes(self) -> dict[int | None, int]:
-        return self.bridges.nbytes()
+        return {}
 
     def _capture_stream(self, request: CaptureRequest) -> torch.cuda.Stream:
         if request.stream is not None:
@@ -101,27 +96,13 @@ class CudaGraphEngine:
             warmed = run_warmups(request)
         torch.cuda.synchronize()
         pool = self.pool(request.partition)
-        finalize = warmed.finalize(request)
         with gc_safe_capture(), torch.cuda.stream(stream):
-            if self.segmented:
-                recorder = BreakableRecorder(request.key, CudaSegments(pool))
-                graph: FullGraph | SegmentedGraph = record(recorder, request.forward_fn, finalize)
-            else:
-                graph = self._capture_full(request.forward_fn, finalize, pool)
+            graph = self._record(request, warmed.finalize(request), pool)
         torch.cuda.synchronize()
         return graph
 
-    @staticmethod
-    def _capture_full(forward_fn: Callable[[], Any], finalize: Callable[[Any], Any], pool: Any) -> FullGraph:
-        g = torch.cuda.CUDAGraph()
-        g.capture_begin(pool=pool)
-        try:
-            output = finalize(forward_fn())
-        except BaseException:
-            abort_capture(g)
-            raise
-        end_capture(g)
-        return FullGraph(g, output)
+    def _record(self, request: CaptureRequest, finalize: Finalize, pool: Any) -> FullGraph | SegmentedGraph:
+        raise NotImplementedError
 
     def __del__(self) -> None:
         defer_release(getattr(self, "_anchors", ()))
@@ -131,5 +112,50 @@ class CudaGraphEngine:
             anchor.reset()
         self._anchors.clear()
         self._pools.clear()
-        self.bridges.clear()
         self._streams.clear()
+
+
+class FullCudaEngine(CudaGraphEngine):
+    """One ``torch.cuda.CUDAGraph`` per key, the output policy inside it."""
+
+    def _record(self, request: CaptureRequest, finalize: Finalize, pool: Any) -> FullGraph:
+        g = torch.cuda.CUDAGraph()
+        g.capture_begin(pool=pool)
+        try:
+            output = finalize(request.forward_fn())
+        except BaseException:
+            abort_capture(g)
+            raise
+        end_capture(g)
+        return FullGraph(g, output)
+
+
+class SegmentCudaEngine(CudaGraphEngine):
+    """The segmented engine over CUDA graphs: the front's recorder, one graph per segment in the
+    partition's pool (CPU machines: :class:`~.segmented.EagerSegmentEngine`)."""
+
+    def __init__(self, front: Front) -> None:
+        super().__init__()
+        self.front = front
+
+    def capture(self, request: CaptureRequest) -> FullGraph | SegmentedGraph:
+        if request.num_warmups < self.front.min_cuda_warmups:
+            # dynamo (re)compiles on a call that misses its cache, and compiling reads the CUDA
+            # RNG state, which is illegal inside a capture: a warmup must make that call first.
+            msg = (
+                f"this backend on CUDA needs num_warmups >= {self.front.min_cuda_warmups} (got "
+                f"{request.num_warmups}) so torch.compile runs before the capture of {request.key!r}"
+            )
+            raise ValueError(msg)
+        return super().capture(request)
+
+    def _record(self, request: CaptureRequest, finalize: Finalize, pool: Any) -> SegmentedGraph:
+        recorder = self.front.recorder(request.key, CudaSegments(pool), request.partition, request.static_inputs)
+        return record(recorder, request.forward_fn, finalize)
+
+    def bridge_bytes(self) -> dict[int | None, int]:
+        return self.front.bridge_bytes()
+
+    def release(self) -> None:
+        super().release()
+        self.front.release()

@@ -15,9 +15,7 @@ import torch
 
 from ..trees import diff, flatten
 from .base import CaptureRequest, run_warmups
-from .breakable import BreakableRecorder
-from .recorder import SegmentedGraph, record, refresh
-from .tape import EagerSegments
+from .recorder import refresh
 
 
 class EagerGraph:
@@ -54,7 +52,7 @@ class EagerGraph:
 
 
 class EagerEngine:
-    """Engine for CPU machines and debugging."""
+    """Full's engine for CPU machines and debugging (segmented backends: :mod:`.segmented`)."""
 
     name = "eager"
 
@@ -70,22 +68,3 @@ class EagerEngine:
         """No breaks on this engine (a break is a plain call): no bridges."""
         return {}
 
-
-class EagerSegmentEngine:
-    """The segment recorder on the eager engine (CPU machines): each segment is the ops run while
-    it was open (:class:`~.recorder.EagerSegments`), breaks run eagerly between them, exactly
-    the structure the CUDA engine captures. The Breakable backend's eager engine."""
-
-    name = "eager"
-
-    def capture(self, request: CaptureRequest) -> SegmentedGraph:
-        warmed = run_warmups(request)
-        recorder = BreakableRecorder(request.key, EagerSegments())
-        return record(recorder, request.forward_fn, warmed.finalize(request))
-
-    def release(self) -> None:
-        """Nothing to release."""
-
-    def bridge_bytes(self) -> dict[int | None, int]:
-        """Break arguments pass as they are: no bridges."""
-        return {}

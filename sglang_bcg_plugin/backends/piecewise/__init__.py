@@ -4,7 +4,7 @@ vLLM's design, with our output policy: ``backend.compile(model)`` compiles the m
 every size (dim 0 dynamic) with our compile backend (:mod:`.compile`), which cuts the FX
 graph at the splitting ops (attention). ``capture_one`` captures each piece of the forward as a
 CUDA graph in the partition's pool and runs the splitting ops eagerly between them
-(:mod:`.record`, :mod:`.replay`); ``replay`` replays the pieces in order. The last piece's output follows
+(:mod:`.record`, the front of the segmented engine); ``replay`` replays the pieces in order. The last piece's output follows
 the output-sharing policy like every backend's (the copy is recorded in the last piece's graph).
 
 Usage::
@@ -26,6 +26,7 @@ import pluggy
 import torch
 
 from ...engines.base import Engine
+from ...engines.segmented import EagerSegmentEngine
 from ...manager import hookimpl
 from ...options import BackendOptions
 from ...registry import BackendRegistry
@@ -33,8 +34,8 @@ from ..base import CaptureBackend
 from .compile import DynamicMode, PiecewiseCompiled, PiecewiseCompiler
 from .inductor import InductorPieces
 from .ops import resolve_splitting_ops
+from .record import PieceFront
 from .split import SplitSummary
-from .replay import PiecewiseEagerEngine
 
 
 class PiecewiseBackend(CaptureBackend):
@@ -131,12 +132,12 @@ class PiecewiseBackend(CaptureBackend):
 
     # -- engine ---------------------------------------------------------------------------------
     def _make_eager_engine(self) -> Engine:
-        return PiecewiseEagerEngine()
+        return EagerSegmentEngine(PieceFront())
 
     def _make_cuda_engine(self) -> Engine:
-        from .cuda import PiecewiseCudaEngine
+        from ...engines.cuda import SegmentCudaEngine
 
-        return PiecewiseCudaEngine()
+        return SegmentCudaEngine(PieceFront())
 
 
 @hookimpl

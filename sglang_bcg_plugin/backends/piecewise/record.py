@@ -37,7 +37,7 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
 
 from ...engines.recorder import Recorder, Segments, active_recorder, refresh
-from ...storage import SlotStore
+from ...storage import PartitionStores, SlotStore
 from ...trees import flatten, storage_key, unflatten
 
 
@@ -231,3 +231,24 @@ class PieceRecorder(Recorder):
 
     def _hold(self, args: tuple[Any, ...], targets: list[Any], *, keep_targets: bool = True) -> None:
         self.held.append((args, targets) if keep_targets else (args,))
+
+
+class PieceFront:
+    """The Piecewise front of the segmented engine: a :class:`PieceRecorder` per key over the
+    partition's bridge registers. On CUDA a warmup must run first (it compiles)."""
+
+    min_cuda_warmups = 1
+
+    def __init__(self) -> None:
+        self.bridges = PartitionStores()
+
+    def recorder(
+        self, key: object, segments: Segments, partition: int | None, static_inputs: frozenset[tuple[str, int]]
+    ) -> PieceRecorder:
+        return PieceRecorder(key, segments, self.bridges(partition), static_inputs)
+
+    def bridge_bytes(self) -> dict[int | None, int]:
+        return self.bridges.nbytes()
+
+    def release(self) -> None:
+        self.bridges.clear()

@@ -1,0 +1,34 @@
+"""The one segmented engine: a front-end's recorder over eager segments (CPU machines).
+
+Breakable and Piecewise captures are the same thing — ``segment, step, ..., segment`` per key —
+told apart only by their front-end (:class:`~.base.Front`): where the breaks are and what
+crosses them. :class:`EagerSegmentEngine` records them over the eager segments' op tape
+(:mod:`.tape`); :class:`~.cuda.SegmentCudaEngine` over CUDA graphs. Full graphs have no
+segments: :class:`~.eager.EagerEngine` and :class:`~.cuda.FullCudaEngine`.
+"""
+
+from __future__ import annotations
+
+from .base import CaptureRequest, Front, run_warmups
+from .recorder import SegmentedGraph, record
+from .tape import EagerSegments
+
+
+class EagerSegmentEngine:
+    """Segments of ops recorded on the eager tape; the front's breaks run eagerly between them."""
+
+    name = "eager"
+
+    def __init__(self, front: Front) -> None:
+        self.front = front
+
+    def capture(self, request: CaptureRequest) -> SegmentedGraph:
+        warmed = run_warmups(request)
+        recorder = self.front.recorder(request.key, EagerSegments(), request.partition, request.static_inputs)
+        return record(recorder, request.forward_fn, warmed.finalize(request))
+
+    def release(self) -> None:
+        self.front.release()
+
+    def bridge_bytes(self) -> dict[int | None, int]:
+        return self.front.bridge_bytes()
