@@ -86,8 +86,7 @@ def _load_entry_points(pm: _Manager) -> None:
                 continue
             try:
                 pm.load_setuptools_entrypoints(NAME, name=ep.name)
-                if pm.has_plugin(ep.name):
-                    _check_known_hooks(pm, ep.name)
+                _check_known_hooks(pm, ep.name)
             except Exception as exc:  # noqa: BLE001 - any failure of a third-party plugin is reported
                 if pm.has_plugin(ep.name):
                     pm.unregister(name=ep.name)

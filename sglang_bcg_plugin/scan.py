@@ -30,12 +30,9 @@ def cut(text: str, limit: int = 200) -> str:
 
 
 def short_repr(value: object, limit: int = 200) -> str:
-    """``repr(value)`` cut to ``limit`` characters (containers are cut lazily by ``reprlib``)."""
-    try:
-        text = _repr.repr(value)
-    except Exception:  # noqa: BLE001 - a broken __repr__ must not hide the real message
-        text = f"<{type(value).__qualname__} object>"
-    return cut(text, limit)
+    """``repr(value)`` cut to ``limit`` characters (containers are cut lazily by ``reprlib``;
+    a ``__repr__`` that raises gives ``<Type instance at 0x...>``)."""
+    return cut(_repr.repr(value), limit)
 
 
 def _members(obj: object) -> list[tuple[str, object]]:

@@ -15,7 +15,9 @@ Rules (docs/index.md, "Output sharing"):
   engine's allocator layout (docs/index.md);
 * a key that does not fit (structure, type, dtype, device, changed non-tensor value, or more
   elements than the buffer holds) keeps its own output — one warning naming key, leaf path and
-  reason — or, in strict mode, raises :class:`OutputStructureError`.
+  reason — or, in strict mode, raises :class:`OutputStructureError`;
+* a leaf that requires grad while autograd is on raises ``ValueError`` (a shared buffer holds
+  values, not autograd history: capture under ``torch.no_grad()``).
 
 ``prepare`` runs inside the capture (its copies are recorded into the graph); the partition is
 only created by ``Prepared.commit`` once the capture succeeded, so a failed capture leaves the
@@ -32,8 +34,8 @@ from typing import Literal
 import torch
 
 from .errors import OutputStructureError, warn_user
-from .storage import SlotStore, flat_of, view_of
 from .scan import cut
+from .storage import SlotStore, flat_of, view_of
 from .trees import Node, diff, flatten, storage_key, unflatten
 
 BufferSource = Literal["adopt", "reserve"]

@@ -220,7 +220,7 @@ class Slotted:
 
 
 class SubSlotted(Slotted):
-    __slots__ = "c"
+    __slots__ = ("c", "__weakref__")
 
     def __init__(self, c: Any) -> None:
         super().__init__(None)
