@@ -337,6 +337,14 @@ def test_graph_break_rejects_non_names(kwargs: dict[str, Any], match: str) -> No
         graph_break(**kwargs)
 
 
+def test_bare_graph_break_decorates() -> None:
+    @graph_break
+    def double(x: torch.Tensor) -> torch.Tensor:
+        return x * 2
+
+    assert double(torch.ones(1)).item() == 2.0 and double.__sglang_bcg_break__  # type: ignore[attr-defined]
+
+
 def test_graph_break_positional_string_is_a_type_error() -> None:
     with pytest.raises(TypeError, match=r"pass names as keywords: @graph_break\(reads=\('out',\)\)"):
         graph_break("out")  # type: ignore[call-overload]
