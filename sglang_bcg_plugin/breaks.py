@@ -30,22 +30,42 @@ F = TypeVar("F", bound=Callable[..., Any])
 def graph_break(fn: F) -> F: ...
 @overload
 def graph_break(
-    fn: None = None, *, reads: Iterable[str] = (), writes: Iterable[str] = ()
+    fn: None = None, *, reads: str | Iterable[str] = (), writes: str | Iterable[str] = ()
 ) -> Callable[[F], F]: ...
 
 
+def _names(field: str, value: str | Iterable[str]) -> frozenset[str]:
+    """``reads``/``writes`` as a set of names: one string is one name (``reads="out"``)."""
+    if isinstance(value, str):
+        return frozenset((value,))
+    try:
+        names = tuple(value)
+    except TypeError:
+        names = (value,)
+    bad = [n for n in names if not isinstance(n, str)]
+    if bad:
+        msg = (
+            f"graph_break({field}=...) takes parameter names (a str or an iterable of str, e.g. "
+            f"{field}=('out',)), got {value!r} with {bad[0]!r} of type {type(bad[0]).__name__}"
+        )
+        raise TypeError(msg)
+    return frozenset(names)
+
+
 def graph_break(
-    fn: F | None = None, *, reads: Iterable[str] = (), writes: Iterable[str] = ()
+    fn: F | None = None, *, reads: str | Iterable[str] = (), writes: str | Iterable[str] = ()
 ) -> F | Callable[[F], F]:
     """Decorate ``fn`` as an eager break point.
 
-    :param reads: parameter names of activation tensors the function reads (bridged in).
+    :param reads: parameter names of activation tensors the function reads (bridged in): one
+        name (``reads="out"``) or several (``reads=("q", "k")``).
     :param writes: parameter names of activation tensors the function writes in place
-        (bridged out). Tensor arguments named in neither are held as they are, strongly, per
-        key: right for weights, caches and static inputs.
+        (bridged out), spelled like ``reads``. Tensor arguments named in neither are held as
+        they are, strongly, per key: right for weights, caches and static inputs.
+    :raises TypeError: ``reads``/``writes`` is not a str or an iterable of str.
     :raises ValueError: a name in ``reads``/``writes`` is not a parameter of ``fn``.
     """
-    read_set, write_set = frozenset(reads), frozenset(writes)
+    read_set, write_set = _names("reads", reads), _names("writes", writes)
 
     def decorate(func: F) -> F:
         sig = inspect.signature(func)
@@ -71,5 +91,8 @@ def graph_break(
         return wrapper  # type: ignore[return-value]
 
     if fn is not None:
+        if not callable(fn):
+            msg = f"graph_break takes a function, got {fn!r}; pass names as keywords: @graph_break(reads=('out',))"
+            raise TypeError(msg)
         return decorate(fn)
     return decorate

@@ -2,6 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
+import sys
+import warnings
+
+import pluggy
+
 
 class OutputStructureError(ValueError):
     """A captured output does not fit its partition's shared buffer (strict mode).
@@ -39,3 +46,28 @@ class PluginLoadWarning(UserWarning):
 
 class UsageError(ValueError):
     """A command-line input is invalid; ``sglang-bcg`` prints it as one ``error:`` line."""
+
+
+#: Frames a warning skips to reach the caller's line: this package, pluggy (hook calls) and
+#: ``contextlib`` (``with backend.capture_session():``).
+_INTERNAL = (
+    os.path.dirname(os.path.abspath(__file__)) + os.sep,
+    os.path.dirname(os.path.abspath(pluggy.__file__)) + os.sep,
+    os.path.abspath(contextlib.__file__),
+)
+
+
+def user_stacklevel() -> int:
+    """The ``stacklevel`` that makes a ``warnings.warn`` called by this function's caller point at
+    the first frame outside this package, pluggy and ``contextlib`` (the user's call)."""
+    frame = sys._getframe(1)
+    level = 1
+    while frame.f_back is not None and os.path.abspath(frame.f_code.co_filename).startswith(_INTERNAL):
+        frame = frame.f_back
+        level += 1
+    return level
+
+
+def warn_user(message: str, category: type[Warning]) -> None:
+    """``warnings.warn`` attributed to the user's line, not to this package's internals."""
+    warnings.warn(message, category, stacklevel=user_stacklevel())

@@ -2,18 +2,19 @@
 
 from __future__ import annotations
 
+import difflib
 import importlib
 import importlib.metadata
 import os
+import re
 import threading
-import warnings
 from dataclasses import dataclass
 
 import pluggy
 
 from . import hookspecs
 from ._constants import ENV_BLOCK_PLUGINS, NAME
-from .errors import PluginLoadWarning
+from .errors import PluginLoadWarning, warn_user
 
 hookimpl = pluggy.HookimplMarker(NAME)
 
@@ -55,9 +56,29 @@ class _Manager(pluggy.PluginManager):
         self.broken_plugins: list[BrokenPlugin] = []
 
 
+def _one_line(exc: BaseException) -> str:
+    """``Type: message`` on one line (pluggy's validation errors span several)."""
+    return re.sub(r"\s*\n\s*", " ", f"{type(exc).__name__}: {exc}").strip()
+
+
+def _check_known_hooks(pm: pluggy.PluginManager, name: str) -> None:
+    """Raise for a hookimpl of plugin ``name`` that no hookspec declares (a typo'd hook name
+    would otherwise never be called, and ``check_pending`` would fail the whole manager)."""
+    plugin = pm.get_plugin(name)
+    for caller in pm.get_hookcallers(plugin) or ():
+        if caller.has_spec() or all(impl.optionalhook for impl in caller.get_hookimpls() if impl.plugin is plugin):
+            continue
+        known = sorted(n for n in dir(hookspecs) if n.startswith(f"{NAME}_"))
+        close = difflib.get_close_matches(caller.name, known, n=1)
+        hint = f"did you mean {close[0]!r}? " if close else ""
+        msg = f"unknown hook {caller.name!r} in plugin {name!r}: {hint}known hooks: {', '.join(known)}"
+        raise pluggy.PluginValidationError(plugin, msg)
+
+
 def _load_entry_points(pm: _Manager) -> None:
     """Load each entry point of group ``sglang_bcg`` on its own, as pluggy would; one that
-    raises is unregistered, recorded and warned about instead of failing the whole manager."""
+    raises, or implements a hook no hookspec declares, is unregistered, recorded and warned
+    about instead of failing the whole manager."""
     failed: set[str] = set()
     for dist in list(importlib.metadata.distributions()):
         for ep in dist.entry_points:
@@ -65,19 +86,19 @@ def _load_entry_points(pm: _Manager) -> None:
                 continue
             try:
                 pm.load_setuptools_entrypoints(NAME, name=ep.name)
+                _check_known_hooks(pm, ep.name)
             except Exception as exc:  # noqa: BLE001 - any failure of a third-party plugin is reported
                 if pm.has_plugin(ep.name):
                     pm.unregister(name=ep.name)
                 failed.add(ep.name)
                 broken = BrokenPlugin(
-                    ep.name, ep.value, dist.metadata["Name"] or "?", dist.version, f"{type(exc).__name__}: {exc}"
+                    ep.name, ep.value, dist.metadata["Name"] or "?", dist.version, _one_line(exc)
                 )
                 pm.broken_plugins.append(broken)
-                warnings.warn(
+                warn_user(
                     f"{broken.describe()}; its backends are unavailable, the others work "
                     f"(fix or uninstall {broken.distribution}, or set {ENV_BLOCK_PLUGINS}={ep.name})",
                     PluginLoadWarning,
-                    stacklevel=4,
                 )
 
 

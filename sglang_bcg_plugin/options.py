@@ -11,7 +11,24 @@ from .output_mode import OFF, bool_word, check_share_output, resolve_output_mode
 
 EngineName = Literal["auto", "cuda", "eager"]
 SharedBufferSource = Literal["auto", "adopt", "reserve"]
+SHARED_BUFFER_SOURCES: tuple[SharedBufferSource, ...] = ("auto", "adopt", "reserve")
 
+
+def parse_shared_buffer(raw: object, *, what: str = "BackendOptions.shared_buffer") -> SharedBufferSource:
+    """One rule for a buffer-source name, option or environment variable: ``auto``, ``adopt`` or
+    ``reserve``, any case, surrounding whitespace allowed; returned lowercase.
+
+    :raises TypeError: ``raw`` is not a str.
+    :raises ValueError: not one of the names (``what`` and the value are named).
+    """
+    if not isinstance(raw, str):
+        msg = f"{what} must be 'auto', 'adopt' or 'reserve', got {raw!r} of type {type(raw).__name__}"
+        raise TypeError(msg)
+    value = raw.strip().lower()
+    if value not in SHARED_BUFFER_SOURCES:
+        msg = f"{what} must be 'auto', 'adopt' or 'reserve' (any case), got {raw!r}"
+        raise ValueError(msg)
+    return value  # type: ignore[return-value]
 
 
 def _check_bool(field: str, value: object) -> None:
@@ -43,7 +60,8 @@ class BackendOptions:
     :param shared_buffer: where a partition's shared output buffer comes from when sharing is
         on: ``"adopt"`` the first (largest) capture's own output storage, ``"reserve"`` a buffer
         allocated before the first capture from the last warmup's output, or ``"auto"`` (the
-        one measured best for the engine: docs/index.md, "Output sharing").
+        one measured best for the engine: docs/index.md, "Output sharing"); any case, stored
+        lowercase (``"ADOPT"`` is ``"adopt"``, as in ``SGLANG_BCG_SHARED_BUFFER``).
     :raises TypeError: a field of the wrong type (``strict_outputs="no"``, ``num_warmups=2.0``).
     :raises ValueError: ``engine`` or ``shared_buffer`` not one of its names, ``num_warmups < 0``.
     """
@@ -57,9 +75,8 @@ class BackendOptions:
 
     def __post_init__(self) -> None:
         check_share_output(self.share_output)
-        if self.shared_buffer not in ("auto", "adopt", "reserve"):
-            msg = f"BackendOptions.shared_buffer must be 'auto', 'adopt' or 'reserve', got {self.shared_buffer!r}"
-            raise TypeError(msg) if not isinstance(self.shared_buffer, str) else ValueError(msg)
+        # Frozen: normalise through object.__setattr__ ("ADOPT" == "adopt", as the env variable).
+        object.__setattr__(self, "shared_buffer", parse_shared_buffer(self.shared_buffer))
         _check_bool("strict_outputs", self.strict_outputs)
         _check_bool("stale_output_guard", self.stale_output_guard)
         if not isinstance(self.engine, str):

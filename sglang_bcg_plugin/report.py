@@ -107,8 +107,9 @@ class MemoryReport:
     def format(self) -> str:
         """A short human-readable summary."""
         mib = 1024 * 1024
+        n = len(self.keys)
         lines = [
-            f"{self.backend} backend ({self.engine} engine): {len(self.keys)} keys, "
+            f"{self.backend} backend ({self.engine} engine): {n} {'key' if n == 1 else 'keys'}, "
             f"logical {self.logical_output_bytes / mib:.2f} MiB, "
             f"resident {self.resident_output_bytes / mib:.2f} MiB, "
             f"saved {self.saved_bytes / mib:.2f} MiB"

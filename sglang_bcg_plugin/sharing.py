@@ -15,7 +15,9 @@ Rules (docs/index.md, "Output sharing"):
   engine's allocator layout (docs/index.md);
 * a key that does not fit (structure, type, dtype, device, changed non-tensor value, or more
   elements than the buffer holds) keeps its own output — one warning naming key, leaf path and
-  reason — or, in strict mode, raises :class:`OutputStructureError`.
+  reason — or, in strict mode, raises :class:`OutputStructureError`;
+* a leaf that requires grad while autograd is on raises ``ValueError`` (a shared buffer holds
+  values, not autograd history: capture under ``torch.no_grad()``).
 
 ``prepare`` runs inside the capture (its copies are recorded into the graph); the partition is
 only created by ``Prepared.commit`` once the capture succeeded, so a failed capture leaves the
@@ -25,14 +27,14 @@ policy as it was.
 from __future__ import annotations
 
 import math
-import warnings
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
 
-from .errors import OutputStructureError
+from .errors import OutputStructureError, warn_user
+from .scan import cut
 from .storage import SlotStore, flat_of, view_of
 from .trees import Node, diff, flatten, storage_key, unflatten
 
@@ -85,6 +87,21 @@ def _leaf_misfit(leaf: torch.Tensor, buf: torch.Tensor) -> str | None:
             f"{_nbytes(buf)} bytes (capture was not largest-first)"
         )
     return None
+
+
+def _check_no_grad(key: Hashable, leaves: list[tuple[str, torch.Tensor]]) -> None:
+    """A shared buffer cannot carry autograd history: refuse a leaf that requires grad."""
+    if not torch.is_grad_enabled():
+        return
+    for path, leaf in leaves:
+        if leaf.requires_grad:
+            msg = (
+                f"output of {key!r} at leaf {path} requires grad (the forward ran with autograd on, "
+                "over parameters that require grad); shared output buffers hold values, not autograd "
+                "history: capture under torch.no_grad() or torch.inference_mode() (as SGLang does), "
+                f"or return {path}.detach()"
+            )
+            raise ValueError(msg)
 
 
 class OutputSharer:
@@ -150,6 +167,7 @@ class OutputSharer:
         logical = sum(_nbytes(t) for _, t in leaves)
         if not self.enabled:
             return Prepared(output, shared=False, logical_bytes=logical)
+        _check_no_grad(key, leaves)
         stream = getattr(key, "stream_idx", None)
         part = self.partitions.get(stream)
         if part is None:
@@ -237,6 +255,6 @@ class OutputSharer:
     def _fallback(self, key: Hashable, output: object, logical: int, path: str, reason: str) -> Prepared:
         if self.strict:
             raise OutputStructureError(key, path, reason)
-        msg = f"{key!r} keeps its own output (no sharing): leaf {path}: {reason}"
-        warnings.warn(msg, SharedOutputFallbackWarning, stacklevel=4)
+        msg = f"{key!r} keeps its own output (no sharing): leaf {cut(path)}: {reason}"
+        warn_user(msg, SharedOutputFallbackWarning)
         return Prepared(output, shared=False, fallback=f"{path}: {reason}", logical_bytes=logical)

@@ -1,8 +1,13 @@
 """Output trees: flatten a forward output into tensor leaves and rebuild it.
 
-Supported nodes: tensors, ``None`` and other plain values (compared by equality), tuples,
-lists, named tuples, dicts (any ``dict`` subclass), dataclasses, and objects that hold their
-tensors in a ``tensors`` dict (SGLang's ``PPProxyTensors``).
+Supported nodes: strided (dense) tensors, ``None`` and other plain values (compared by equality,
+NaN equal to NaN), tuples, lists, named tuples, dicts (any ``dict`` subclass), dataclasses, and
+objects that hold their tensors in a ``tensors`` dict (SGLang's ``PPProxyTensors``).
+
+Rejected with a ``TypeError`` at capture (:func:`flatten`), never replayed stale: a plain value
+that holds tensors anywhere a bounded scan reaches (attributes, ``__slots__``, set members and
+the containers inside them), a sparse or other non-strided tensor, and nesting deeper than
+:data:`MAX_DEPTH` levels.
 
 Why not ``torch.utils._pytree``: it only walks dataclasses after a process-wide
 ``register_dataclass`` call. Registering SGLang's own output classes from a plugin would change
@@ -15,11 +20,14 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from .scan import cut, short_repr, tensor_inside, walk_tensors
 
 
 @dataclass(frozen=True, eq=False, slots=True)
@@ -38,49 +46,71 @@ def _is_namedtuple(obj: object) -> bool:
     return isinstance(obj, tuple) and hasattr(type(obj), "_fields")
 
 
-def _holds_tensors(obj: object) -> bool:
-    found = False
-    for v in getattr(obj, "__dict__", {}).values():
-        found = found or isinstance(v, torch.Tensor)
-    return found
+#: Deepest output nesting :func:`flatten` walks (a 100-deep output is a bug, not a model).
+MAX_DEPTH = 100
+
+#: What every "unsupported output" error lists.
+SUPPORTED_TEXT = (
+    "tensors, None and plain values, tuples, lists, named tuples, dicts, dataclasses, "
+    "and objects holding a 'tensors' dict"
+)
 
 
 def flatten(obj: object, path: str = "output") -> tuple[Node, list[tuple[str, torch.Tensor]]]:
     """Flatten ``obj`` into a structure node and its tensor leaves ``(path, tensor)``.
 
-    :raises TypeError: an object holds tensors but is none of the supported node types (its
-        tensors could not be tracked, so replay could return stale values).
+    :raises TypeError: the output cannot be tracked, so replay could return stale values: a
+        plain value holds a tensor (an object with tensors in attributes, ``__slots__`` or a
+        list attribute, a set of tensors), a tensor is sparse or otherwise not strided, or the
+        nesting is deeper than :data:`MAX_DEPTH`.
     """
     leaves: list[tuple[str, torch.Tensor]] = []
-    node = _flatten(obj, path, leaves)
+    node = _flatten(obj, path, leaves, 0)
     return node, leaves
 
 
-def _flatten(obj: object, path: str, leaves: list[tuple[str, torch.Tensor]]) -> Node:
+def _flatten(obj: object, path: str, leaves: list[tuple[str, torch.Tensor]], depth: int) -> Node:
+    if depth > MAX_DEPTH:
+        msg = (
+            f"output nested deeper than {MAX_DEPTH} levels at {cut(path)}: outputs are walked "
+            "level by level; return a flatter structure (a list of tensors, not a list inside a list ...)"
+        )
+        raise TypeError(msg)
     if isinstance(obj, torch.Tensor):
+        if obj.layout != torch.strided or obj.is_nested:
+            kind = "nested" if obj.is_nested else str(obj.layout).removeprefix("torch.")
+            msg = (
+                f"unsupported output tensor at {path}: layout {kind}; only strided (dense) tensors "
+                "can be captured and shared (sparse and other non-strided layouts are not supported); "
+                "return a dense tensor (.to_dense()) or its parts (indices and values)"
+            )
+            raise TypeError(msg)
         leaves.append((path, obj))
         return Node("tensor", type(obj))
+    depth += 1
     if _is_namedtuple(obj) or isinstance(obj, (tuple, list)):
         seq = list(obj)  # type: ignore[call-overload]
-        kids = tuple(_flatten(v, f"{path}[{i}]", leaves) for i, v in enumerate(seq))
+        kids = tuple(_flatten(v, f"{path}[{i}]", leaves, depth) for i, v in enumerate(seq))
         return Node("seq", type(obj), tuple(range(len(seq))), kids)
     if isinstance(obj, dict):
         keys = tuple(obj)
-        kids = tuple(_flatten(obj[k], f"{path}[{k!r}]", leaves) for k in keys)
+        kids = tuple(_flatten(obj[k], f"{path}[{k!r}]", leaves, depth) for k in keys)
         return Node("map", type(obj), keys, kids, template=obj)
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         names = tuple(f.name for f in dataclasses.fields(obj))
-        kids = tuple(_flatten(getattr(obj, n), f"{path}.{n}", leaves) for n in names)
+        kids = tuple(_flatten(getattr(obj, n), f"{path}.{n}", leaves, depth) for n in names)
         return Node("attrs", type(obj), names, kids, template=obj)
     tensors = getattr(obj, "tensors", None)
     if isinstance(tensors, dict):
-        kid = _flatten(tensors, f"{path}.tensors", leaves)
+        kid = _flatten(tensors, f"{path}.tensors", leaves, depth)
         return Node("holder", type(obj), ("tensors",), (kid,), template=obj)
-    if _holds_tensors(obj):
+    inside = tensor_inside(obj, path)
+    if inside is not None:
         msg = (
-            f"unsupported output type {type(obj).__qualname__} at {path}: it holds tensors but is "
-            "not a tuple, list, dict, dataclass, named tuple or object with a 'tensors' dict; "
-            "return one of those so every tensor can be tracked"
+            f"unsupported output type {type(obj).__qualname__} at {path}: it holds a tensor "
+            f"(at {cut(inside)}) that cannot be tracked, so replay would return it stale; "
+            f"supported: {SUPPORTED_TEXT}; return one of those (a set or an object with tensors in "
+            "attributes, __slots__ or a list attribute is not)"
         )
         raise TypeError(msg)
     return Node("value", type(obj), value=obj)
@@ -112,8 +142,14 @@ def _unflatten(node: Node, it: Iterator[torch.Tensor]) -> Any:
     return new
 
 
+def _is_nan(v: object) -> bool:
+    return (isinstance(v, float) and math.isnan(v)) or (isinstance(v, complex) and math.isnan(abs(v)))
+
+
 def _values_equal(a: object, b: object) -> bool:
-    if a is b:
+    """Equality of two non-tensor leaf values; NaN equals NaN (a forward returning ``nan``
+    returns the same value every time)."""
+    if a is b or (_is_nan(a) and _is_nan(b)):
         return True
     try:
         return bool(a == b)
@@ -126,7 +162,7 @@ def describe(node: Node) -> str:
     if node.kind == "tensor":
         return "a tensor"
     if node.kind == "value":
-        return "None" if node.value is None else f"{type(node.value).__name__} {node.value!r}"
+        return "None" if node.value is None else f"{type(node.value).__name__} {short_repr(node.value)}"
     return node.type.__qualname__
 
 
@@ -138,7 +174,7 @@ def diff(a: Node, b: Node, path: str = "output") -> tuple[str, str] | None:
         return path, f"type changed: expected {describe(a)}, got {describe(b)}"
     if a.kind == "value":
         if not _values_equal(a.value, b.value):
-            return path, f"non-tensor leaf value changed: expected {a.value!r}, got {b.value!r}"
+            return path, f"non-tensor leaf value changed: expected {short_repr(a.value)}, got {short_repr(b.value)}"
         return None
     if a.kind == "tensor":
         return None
@@ -171,26 +207,11 @@ def tensor_bytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def collect_tensors(obj: object, limit: int = 10_000) -> list[torch.Tensor]:
-    """Every tensor reachable from ``obj`` through containers, dataclasses and ``__dict__``.
+def collect_tensors(obj: object) -> list[torch.Tensor]:
+    """Every tensor reachable from ``obj`` (containers, dataclasses, ``__dict__``, ``__slots__``).
 
-    Lenient (never raises, cycle-safe, bounded): used for ``capture_inputs``, which may be any
-    object (SGLang passes its forward batch), to know which storages are static inputs.
+    Lenient (never raises, cycle-safe, bounded: :mod:`~sglang_bcg_plugin.scan`): used for
+    ``capture_inputs``, which may be any object (SGLang passes its forward batch), to know which
+    storages are static inputs.
     """
-    found: list[torch.Tensor] = []
-    seen: set[int] = set()
-    stack = [obj]
-    while stack and len(seen) < limit:
-        cur = stack.pop()
-        if id(cur) in seen:
-            continue
-        seen.add(id(cur))
-        if isinstance(cur, torch.Tensor):
-            found.append(cur)
-        elif isinstance(cur, (list, tuple, set, frozenset)):
-            stack.extend(cur)
-        elif isinstance(cur, dict):
-            stack.extend(cur.values())
-        elif hasattr(cur, "__dict__") and not isinstance(cur, type):
-            stack.extend(vars(cur).values())
-    return found
+    return [t for _, t in walk_tensors(obj)]

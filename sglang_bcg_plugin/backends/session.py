@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Hashable
 from dataclasses import dataclass
 from typing import Any
@@ -10,6 +9,7 @@ from typing import Any
 import torch
 
 from ..engines.base import CapturedGraph, Engine
+from ..errors import warn_user
 from ..guard import StaleOutputGuard, guard_supported
 from ..output_mode import OutputMode
 from ..report import KeyReport, MemoryReport, claim_resident_bytes
@@ -71,12 +71,11 @@ def make_guard(enabled: bool, current: StaleOutputGuard | None) -> StaleOutputGu
         return None
     if not guard_supported():
         if current is None:
-            warnings.warn(
+            warn_user(
                 "stale_output_guard is on but this torch build cannot poison storages "
                 "(needs torch._C._set_storage_access_error_msg, present in CUDA builds); "
                 "the guard does nothing",
                 RuntimeWarning,
-                stacklevel=5,
             )
         return None
     return current if current is not None else StaleOutputGuard()

@@ -6,6 +6,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+import torch
+
 from ..trees import collect_tensors, storage_key
 
 Finalize = Callable[..., Any]
@@ -81,7 +83,8 @@ class Warmed:
         """Storages of the last warmup output; ``None`` when no warmup ran (nothing is known)."""
         if not self._ran:
             return None
-        return frozenset(storage_key(t) for t in collect_tensors(self._output))
+        # strided tensors only: any other layout is refused by the output policy itself
+        return frozenset(storage_key(t) for t in collect_tensors(self._output) if t.layout == torch.strided)
 
     def finalize(self, request: CaptureRequest) -> Finalize:
         """``request.finalize`` told which storages are foreign."""

@@ -1,0 +1,77 @@
+"""A bounded search for tensors inside any object, and short reprs for messages.
+
+Two users: :func:`~sglang_bcg_plugin.trees.flatten` refuses a plain output value that holds a
+tensor (an object with tensors in attributes, ``__slots__`` or a list attribute, a set of
+tensors: replay could not refresh them), and ``capture_inputs`` (any object: SGLang passes its
+forward batch) are scanned for the storages of static inputs. The walk looks into lists, tuples,
+sets, frozensets, dict values, instance ``__dict__`` and ``__slots__``; it is iterative,
+cycle-safe and stops after :data:`SCAN_LIMIT` objects (a scan never raises).
+"""
+
+from __future__ import annotations
+
+import itertools
+import reprlib
+from collections.abc import Iterator
+
+import torch
+
+#: Objects one scan visits (and members it reads per container) before it gives up.
+SCAN_LIMIT = 10_000
+
+_ATOMS = (str, bytes, int, float, complex, bool, type(None), type)
+_repr = reprlib.Repr()
+_repr.maxstring = _repr.maxother = 200
+
+
+def cut(text: str, limit: int = 200) -> str:
+    """``text`` cut to ``limit`` characters, ``...`` marking the cut."""
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def short_repr(value: object, limit: int = 200) -> str:
+    """``repr(value)`` cut to ``limit`` characters (containers are cut lazily by ``reprlib``;
+    a ``__repr__`` that raises gives ``<Type instance at 0x...>``)."""
+    return cut(_repr.repr(value), limit)
+
+
+def _members(obj: object) -> list[tuple[str, object]]:
+    """The ``(sub-path, value)`` pairs a scan looks into."""
+    if isinstance(obj, (list, tuple)):
+        return [(f"[{i}]", v) for i, v in enumerate(itertools.islice(obj, SCAN_LIMIT))]
+    if isinstance(obj, (set, frozenset)):
+        return [("{...}", v) for v in itertools.islice(obj, SCAN_LIMIT)]
+    if isinstance(obj, dict):
+        return [(f"[{short_repr(k, 40)}]", v) for k, v in itertools.islice(obj.items(), SCAN_LIMIT)]
+    found = [(f".{k}", v) for k, v in itertools.islice(getattr(obj, "__dict__", {}).items(), SCAN_LIMIT)]
+    for cls in type(obj).__mro__:
+        slots = cls.__dict__.get("__slots__", ())
+        for name in (slots,) if isinstance(slots, str) else slots:
+            if name in ("__dict__", "__weakref__"):
+                continue
+            try:
+                found.append((f".{name}", getattr(obj, name)))
+            except Exception:  # noqa: BLE001, S112 - an unset slot holds nothing
+                continue
+    return found
+
+
+def walk_tensors(obj: object, path: str = "") -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor reachable from ``obj`` with its path (``path`` + ``.attr`` / ``[i]`` /
+    ``{...}`` for a set member), depth first, each object visited once, bounded."""
+    seen: set[int] = set()
+    stack: list[tuple[str, object]] = [(path, obj)]
+    while stack and len(seen) < SCAN_LIMIT:
+        where, cur = stack.pop()
+        if id(cur) in seen or isinstance(cur, _ATOMS):
+            continue
+        seen.add(id(cur))
+        if isinstance(cur, torch.Tensor):
+            yield where, cur
+            continue
+        stack.extend((where + sub, v) for sub, v in reversed(_members(cur)))
+
+
+def tensor_inside(obj: object, path: str) -> str | None:
+    """The path of the first tensor held anywhere inside ``obj``, else ``None``."""
+    return next((where for where, _ in walk_tensors(obj, path)), None)
