@@ -338,18 +338,17 @@ def test_bad_splitting_ops_are_named(ops: Any, error: type[Exception], match: st
         create_backend("piecewise", options=BackendOptions(engine="eager"), splitting_ops=ops)
 
 
-def test_bridge_slots_are_shared_by_every_key_of_a_partition() -> None:
-    arena_bytes = {}
+def test_values_crossing_a_split_pass_as_they_are() -> None:
+    """Zero-copy: no bridge storage, whatever the number of keys or layers."""
     for sizes in ([16], SIZES):
         setup = Setup(make(False), Net(3), sizes=sizes)
         setup.capture()
-        arena_bytes[len(sizes)] = setup.backend.memory_report().bridge_bytes[None]
-    # one max-size slot per value crossing a boundary, whatever the number of keys
-    assert arena_bytes[1] == arena_bytes[len(SIZES)] > 0
+        assert setup.backend.memory_report().bridge_bytes == {}
+        assert setup.backend.memory_report().total_bridge_bytes == 0
 
 
 class SkipNet(torch.nn.Module):
-    """Values living across splitting calls: bridge registers must not be reused under them."""
+    """Values living across splitting calls, views of a split's output, a value returned as it is."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -357,55 +356,46 @@ class SkipNet(torch.nn.Module):
 
     def forward(self, x: torch.Tensor, pos: torch.Tensor) -> dict[str, torch.Tensor]:
         r = torch.relu(x @ self.w[0]) + pos[:, None]  # read by the next two pieces
-        early = r * 3.0  # returned as it is: its register is never reused
-        h = mix(r * 2.0)  # the argument dies here: the fresh output may take its register
+        early = r * 3.0  # returned as it is
+        h = mix(r * 2.0)  # the argument dies here; the fresh output gets pool memory
         g = h @ self.w[1] + r
-        half = h[:, : H // 2]  # a view of h's register, read by the next piece: holds it
+        half = h[:, : H // 2]  # a view of the split's output, read by the next piece
         out = torch.empty_like(g)
         write_softmax(g, out)
         y = out + r + half.sum(-1, keepdim=True)
         return {"y": y @ self.w[2], "early": early}
 
 
-def arena_of(backend: PiecewiseBackend) -> Any:
-    return backend._get_engine().front.bridges(None)  # type: ignore[attr-defined]
-
-
 @pytest.mark.parametrize("share", [False, True], ids=["share-off", "share-on"])
-def test_values_living_across_splitting_calls_keep_their_bridge_slots(share: bool) -> None:
+def test_values_living_across_splitting_calls_replay_right(share: bool) -> None:
     setup = Setup(make(share), SkipNet())
     setup.capture()
-    # 6 bridged values (r, early, r * 2, h, g, out) in fewer slots: r * 2 and h share one
-    assert len(arena_of(setup.backend)._slots) < 6
+    assert setup.backend.memory_report().total_bridge_bytes == 0
     for _ in range(2):
         setup.refill()
         for s in [1, 16, 5, 8, 2]:
             assert_same(setup.backend.replay(setup.key(s)), setup.expected(s))
 
 
-def test_decoder_bridge_arena_does_not_grow_with_layers() -> None:
+@pytest.mark.parametrize("layers", [2, 4])
+def test_decoder_replays_right_with_no_bridges(layers: int) -> None:
     from sglang_bcg_plugin.bench.model import DecoderConfig, SyntheticDecoder, attention_op
 
-    arena_bytes = {}
-    for layers in (2, 4):
-        torch._dynamo.reset()
-        cfg = DecoderConfig(
-            hidden=64, layers=layers, heads=4, kv_heads=2, intermediate=64, dtype=torch.float32, device="cpu"
-        )
-        model = SyntheticDecoder(cfg, attention=attention_op)
-        backend = make(True, [torch.ops.sglang_bcg_bench.attention.default])
-        fn = backend.compile(model)
-        x = torch.randn(16, cfg.hidden)
-        with torch.no_grad(), backend.capture_session():
-            for s in (16, 8, 1):
-                backend.capture_one(ShapeKey(s), lambda s=s: fn(x[:s]), capture_inputs=x)
-        arena_bytes[layers] = arena_of(backend).nbytes()
-        x.copy_(torch.randn_like(x))
-        for s in (1, 16, 8):
-            with torch.no_grad():
-                torch.testing.assert_close(backend.replay(ShapeKey(s)), model(x[:s].clone()))
-    # one layer's live values (q, k, v, out, residual) x 16 rows, however many layers
-    assert arena_bytes[2] == arena_bytes[4] == 16 * (3 * 64 + 2 * 32) * 4
+    torch._dynamo.reset()
+    cfg = DecoderConfig(hidden=64, layers=layers, heads=4, kv_heads=2, intermediate=64, dtype=torch.float32, device="cpu")
+    model = SyntheticDecoder(cfg, attention=attention_op)
+    backend = make(True, [torch.ops.sglang_bcg_bench.attention.default])
+    fn = backend.compile(model)
+    x = torch.randn(16, cfg.hidden)
+    with torch.no_grad(), backend.capture_session():
+        for s in (16, 8, 1):
+            backend.capture_one(ShapeKey(s), lambda s=s: fn(x[:s]), capture_inputs=x)
+    assert backend.memory_report().total_bridge_bytes == 0
+    assert backend.num_segments(ShapeKey(16)) == layers + 1
+    x.copy_(torch.randn_like(x))
+    for s in (1, 16, 8):
+        with torch.no_grad():
+            torch.testing.assert_close(backend.replay(ShapeKey(s)), model(x[:s].clone()))
 
 
 def test_cuda_engine_requires_a_warmup() -> None:
