@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -11,8 +10,9 @@ import pytest
 import torch
 
 import sglang_bcg_plugin
-from sglang_bcg_plugin.bench import budget, config, runner
+from sglang_bcg_plugin.bench import budget, config, outdir, runner
 from sglang_bcg_plugin.cli import main
+from sglang_bcg_plugin.bench.sizes import capture_size_stats
 from sglang_bcg_plugin.errors import UsageError
 
 TINY = ["--hidden", "16", "--layers", "1", "--max-tokens", "8", "--repeats", "1", "--no-progress"]
@@ -81,7 +81,7 @@ def test_unwritable_out_is_caught_up_front(
     def denied(*args: Any, **kwargs: Any) -> Any:
         raise PermissionError(13, "Permission denied")
 
-    monkeypatch.setattr(tempfile, "TemporaryFile", denied)  # root ignores chmod; simulate it
+    monkeypatch.setattr(outdir, "_probe", denied)  # root ignores chmod; simulate it
     assert main(["bench", "--out", str(tmp_path / "new")]) == 2
     assert "not a writable directory (Permission denied)" in _one_error_line(capsys)
 
@@ -119,16 +119,19 @@ def test_nothing_fits_and_unknown_memory(monkeypatch: pytest.MonkeyPatch, capsys
     monkeypatch.setattr(budget.os, "sysconf", no_sysconf)
     assert budget.available_bytes("cpu") is None
     model = config.ModelShape(16, 1, 4, 2, 4, 16, torch.float32, "cpu")
-    budget.check_fits(model, [4, 8], ["off"])  # unknown memory: no check
+    budget.check_fits(model, 8, ["off"])  # unknown memory: no check
 
 
 def test_budget_suggests_what_fits_and_reads_cuda_free_memory(monkeypatch: pytest.MonkeyPatch) -> None:
     model = config.ModelShape(128, 2, 4, 2, 32, 128, torch.float32, "cpu")
     need = budget.estimate_bytes(model, config.prefill_capture_sizes(1024), ["off", "on"])
+    assert need == budget.estimate_bytes(model, capture_size_stats(1024), ["off", "on"])
     monkeypatch.setattr(budget, "available_bytes", lambda device: (int(need / budget.FRACTION) + 1, "here"))
-    budget.check_fits(model, config.prefill_capture_sizes(1024), ["off", "on"])
-    with pytest.raises(UsageError, match="use --max-tokens 1024 or less"):
-        budget.check_fits(model, config.prefill_capture_sizes(2048), ["off", "on"])
+    budget.check_fits(model, 1024, ["off", "on"])
+    with pytest.raises(UsageError, match=r"--max-tokens 2048 needs at least .* \(42 capture sizes: .*use --max-tokens 1024 or less"):
+        budget.check_fits(model, 2048, ["off", "on"])
+    with pytest.raises(UsageError, match=r"\(1 capture size: "):  # one size: no plural
+        budget.check_fits(config.ModelShape(2**20, 64, 4, 2, 2**18, 2**20, torch.float32, "cpu"), 4, ["off"])
     assert budget.estimate_bytes(model, [8, 4], ["floor"]) < budget.estimate_bytes(model, [8, 4], ["on"])
     assert budget.estimate_bytes(model, [8, 4], ["on"]) < budget.estimate_bytes(model, [8, 4], ["off"])
     monkeypatch.undo()
@@ -148,7 +151,7 @@ def test_argparse_errors_are_one_line(capsys: pytest.CaptureFixture[str]) -> Non
         main(["bench", "--max-tokens", "0"])
     assert info.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert err == ["sglang-bcg bench: error: argument --max-tokens: expected a positive integer, got '0' (see sglang-bcg bench --help)"]
+    assert err == ["error: argument --max-tokens: expected a positive integer, got '0' (see sglang-bcg bench --help)"]
 
 
 def test_version(capsys: pytest.CaptureFixture[str]) -> None:
