@@ -124,10 +124,11 @@ def llama_config(
             max_position_embeddings=max(max_tokens, 16),
             use_cache=False,
         )
-    except (ValueError, TypeError) as exc:
+    except Exception as exc:  # ValueError, TypeError, huggingface_hub's StrictDataclassError (5.x)
+        cause = exc.__cause__ if isinstance(exc.__cause__, ValueError) else exc
         msg = (
             f"transformers' LlamaConfig rejects --hidden {hidden} --heads {heads} --kv-heads {kv_heads} "
-            f"--head-dim {head_dim} --intermediate {intermediate} ({' '.join(str(exc).split())}); change them"
+            f"--head-dim {head_dim} --intermediate {intermediate} ({' '.join(str(cause).split())}); change them"
         )
         raise UsageError(msg) from None
 
