@@ -157,7 +157,7 @@ def _parser() -> argparse.ArgumentParser:
     backends = sub.add_parser("backends", help="list registered backends and the plugin of each; exit 1 if a plugin is broken")
     _debug_flags(backends, argparse.SUPPRESS)
     doctor = sub.add_parser("doctor", help="check the SGLang integration (version, hook targets, entry point, flag)")
-    doctor.add_argument("rest", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
+    _debug_flags(doctor, argparse.SUPPRESS)  # it takes no other argument: a stray one is one error: line here
     return parser
 
 
@@ -182,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
             return _backends(args)
         from .integration.doctor import doctor_main
 
-        return doctor_main(args.rest)
+        return doctor_main([])
     except (UsageError, BackendRegistrationError) as exc:
         if debug:
             raise

@@ -309,3 +309,35 @@ def test_ctrl_c_with_debug_keeps_the_traceback(monkeypatch: pytest.MonkeyPatch) 
     monkeypatch.setattr(runner, "warm_up", interrupt)
     with pytest.raises(KeyboardInterrupt):
         main([*TINY, "--debug"])
+
+
+def test_ctrl_c_without_debug_in_process(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from sglang_bcg_plugin.bench import runner
+
+    def interrupt(*args: Any, **kwargs: Any) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(runner, "warm_up", interrupt)
+    assert main([*TINY, "--out", str(tmp_path)]) == 130
+    assert _error_lines(capsys.readouterr().err) == ["error: interrupted"]
+    _no_leftovers(tmp_path)  # the lock released
+
+
+def test_a_lock_taken_from_us_is_left_alone(tmp_path: Path) -> None:
+    with hold(tmp_path):
+        (tmp_path / LOCK).write_text("1\n")  # removed by hand and taken by another run
+    assert (tmp_path / LOCK).read_text() == "1\n"
+
+
+def test_a_failure_with_no_old_pair_leaves_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    real = os.replace
+
+    def replace(src: Any, dst: Any) -> None:
+        if Path(dst).name == "bench.json":
+            raise OSError(errno.EIO, "Input/output error")
+        real(src, dst)
+
+    monkeypatch.setattr(outdir.os, "replace", replace)
+    with pytest.raises(OutputWriteError, match="Input/output error"):
+        write_pair(tmp_path, *_writers())
+    assert list(tmp_path.iterdir()) == []

@@ -76,6 +76,10 @@ def test_bad_env_value_is_an_error(monkeypatch: pytest.MonkeyPatch, capsys: pyte
     assert main(["bench"]) == 2
     line = _one_error_line(capsys)
     assert "SGLANG_ENABLE_BCG_SHARED_OUTPUT='maybe' is not an output mode" in line and "released" in line and "unset it" in line
+    monkeypatch.setenv("SGLANG_ENABLE_BCG_SHARED_OUTPUT", "y" * 100_000)
+    assert main(["bench"]) == 2
+    line = _one_error_line(capsys)
+    assert "='" + "y" * 80 + "'… (100000 characters) is not an output mode" in line and len(line) < 400
 
 
 def test_unwritable_out_is_caught_up_front(
@@ -313,3 +317,18 @@ def test_help_and_getting_started_list_every_bench_option() -> None:
     assert [b for b in [*available_backends(), GRAPH_TREES] if f"`{b}`" not in doc] == []
     help_text = " ".join(bench.format_help().split())
     assert f"comma-separated of {','.join(VARIANTS)}" in help_text and "released" in help_text
+
+
+def test_doctor_takes_no_argument(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(["doctor", "foo"])
+    assert info.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines() == ["error: unrecognized arguments: foo (see sglang-bcg --help)"]
+
+
+def test_doctor_runs_the_doctor(monkeypatch: pytest.MonkeyPatch) -> None:
+    from sglang_bcg_plugin.integration import doctor
+
+    seen: list[object] = []
+    monkeypatch.setattr(doctor, "doctor_main", lambda argv: seen.append(argv) or 3)
+    assert main(["doctor"]) == 3 and seen == [[]]

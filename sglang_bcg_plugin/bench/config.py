@@ -181,10 +181,11 @@ def _max_tokens(max_tokens: int) -> list[str]:
 
 
 def _env_notes(variants: list[str]) -> list[str]:
+    raw = os.environ.get(ENV_SHARE_OUTPUT)
     try:
-        value = parse_mode_text(os.environ.get(ENV_SHARE_OUTPUT))
+        value = parse_mode_text(raw)
     except ValueError as exc:
-        msg = f"{exc} (or unset it: bench sets sharing per --variants)"
+        msg = f"{str(exc).replace(repr(raw), shown(raw), 1)} (or unset it: bench sets sharing per --variants)"
         raise UsageError(msg) from None
     if value is None:
         return []

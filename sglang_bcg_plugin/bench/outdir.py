@@ -114,7 +114,7 @@ def _alive(pid: int) -> bool:
 def _in_use(out: Path, lock: Path, pid: int | None) -> UsageError:
     who = f"pid {pid}" if pid is not None else "a run starting now"
     msg = (
-        f"--out {shown(str(out))} is in use by another sglang-bcg bench ({who}, lock file {lock}); "
+        f"--out {shown(str(out))} is in use by another sglang-bcg bench ({who}, lock file {lock.name}); "
         f"wait for it to finish or give another --out (remove {lock.name} only if no bench runs there)"
     )
     return UsageError(msg)
