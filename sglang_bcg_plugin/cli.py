@@ -1,40 +1,52 @@
 """``sglang-bcg``: ``bench`` (the main job), ``backends``, ``doctor``.
 
 Exit codes: 0 success; 1 ``backends`` found a plugin that failed to load, or the benchmark ran
-out of memory; 2 a bad argument (one ``error:`` line on stderr, before any benchmark work);
-``doctor`` has its own (docs/sglang.md). ``--debug`` (or ``-v``) shows tracebacks.
+out of memory; 2 a bad argument (one ``error:`` line on stderr, before any benchmark work), or
+``--out`` could not take the results (its previous pair is kept); 130 interrupted (Ctrl-C, one
+``error: interrupted`` line); ``doctor`` has its own (docs/sglang.md). ``--debug`` (or ``-v``)
+shows tracebacks.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import re
 import sys
 import time
 import warnings
-from pathlib import Path
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import torch
 
 from ._version import __version__
 from .errors import BackendRegistrationError, UsageError
 
+if TYPE_CHECKING:
+    from .bench.config import BenchConfig
+
+
+#: A quoted value in an argparse message, longer than a message should echo.
+_LONG_QUOTED = re.compile(r"'([^'\n]{80})[^'\n]+'")
+
 
 class _Parser(argparse.ArgumentParser):
-    """argparse, with its errors on one line."""
+    """argparse, with its errors as every other error of the command: one ``error:`` line."""
 
     def error(self, message: str) -> NoReturn:
-        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+        message = _LONG_QUOTED.sub(lambda m: f"'{m.group(1)}…'", " ".join(message.split()))
+        self.exit(2, f"error: {message} (see {self.prog} --help)\n")
 
 
 def _positive(value: str) -> int:
+    from .bench.text import shown
+
     try:
         n = int(value)
-    except ValueError:
+    except ValueError:  # not a number, or more digits than Python converts
         n = 0
     if n < 1:
-        msg = f"expected a positive integer, got {value!r}"
+        msg = f"expected a positive integer, got {shown(value)}"
         raise argparse.ArgumentTypeError(msg)
     return n
 
@@ -46,6 +58,7 @@ def _debug_flags(p: argparse.ArgumentParser, default: object) -> None:
 
 def _bench_parser(sub: argparse._SubParsersAction[Any]) -> None:
     from .bench.config import DTYPES
+    from .bench.runner import VARIANTS
 
     p = sub.add_parser("bench", help="capture a model at SGLang's prefill sizes with each backend, sharing off and on")
     _debug_flags(p, argparse.SUPPRESS)
@@ -53,7 +66,7 @@ def _bench_parser(sub: argparse._SubParsersAction[Any]) -> None:
                    help="synthetic: our tokens-first decoder (default); llama: transformers' LlamaModel, random weights")
     p.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda when available)")
     p.add_argument("--backends", default="breakable,full,piecewise", help="comma-separated backend names; graph-trees: torch.compile's reduce-overhead reference row")
-    p.add_argument("--variants", default=None, help="comma-separated of off,on,floor,guard,adopt,reserve,inductor (default: off,on; plus floor,guard on CUDA)")
+    p.add_argument("--variants", default=None, help=f"comma-separated of {','.join(VARIANTS)} (default: off,on; plus floor,guard on CUDA)")
     p.add_argument("--hidden", type=_positive, default=None, help="hidden size (default: 2880 on CUDA, 128 on CPU)")
     p.add_argument("--layers", type=_positive, default=None, help="decoder layers (default: 4 on CUDA, 2 on CPU)")
     p.add_argument("--heads", type=_positive, default=None, help="attention heads, dividing --hidden (default: 45 on CUDA, 4 on CPU; llama: 64 / 4)")
@@ -63,18 +76,27 @@ def _bench_parser(sub: argparse._SubParsersAction[Any]) -> None:
     p.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="default: bfloat16 on CUDA, float32 on CPU")
     p.add_argument("--max-tokens", type=_positive, default=None, help="largest capture size, >= 4 and fitting in memory (default: 16384 on CUDA, 256 on CPU)")
     p.add_argument("--repeats", type=_positive, default=None, help="replays timed at the largest size (default: 50 on CUDA, 10 on CPU)")
-    p.add_argument("--out", type=Path, default=None, help="directory for bench.json and bench.png (created up front)")
+    p.add_argument("--out", default=None, help="directory for bench.json and bench.png (created and locked up front; the pair is replaced as one)")
     p.add_argument("--no-progress", action="store_true", help="hide the capture progress bar")
 
 
 def _bench(args: argparse.Namespace) -> int:
     from .bench.config import build_config
-    from .bench.output import PLOT_SKIPPED, format_table, write_json, write_plot
-    from .bench.reference import GRAPH_TREES, graph_trees_row, variants_for
-    from .bench.runner import run_variant, warm_up
+    from .bench.outdir import hold
+    from .bench.reference import GRAPH_TREES
     from .registry import available_backends
 
     cfg = build_config(args, [*available_backends(), GRAPH_TREES])  # every check, before any work
+    with hold(cfg.out):  # refused when another live run holds --out
+        return _run_bench(cfg)
+
+
+def _run_bench(cfg: BenchConfig) -> int:
+    from .bench.outdir import write_pair
+    from .bench.output import PLOT_SKIPPED, format_table, write_json, write_plot
+    from .bench.reference import GRAPH_TREES, graph_trees_row, variants_for
+    from .bench.runner import run_variant, warm_up
+
     if ":" in cfg.device:  # pragma: no cover - CUDA only: streams and pools on the chosen GPU
         torch.cuda.set_device(torch.device(cfg.device))
     config = cfg.summary()
@@ -96,11 +118,13 @@ def _bench(args: argparse.Namespace) -> int:
     print(format_table(rows, timings_meaningful=cfg.gpu))
     print(f"({time.perf_counter() - start:.1f} s)", file=sys.stderr)
     if cfg.out is not None:
-        write_json(cfg.out / "bench.json", cfg.device_name, config, rows, timings_meaningful=cfg.gpu)
-        wrote = [cfg.out / "bench.json"]
-        if write_plot(cfg.out / "bench.png", cfg.device_name, config, rows, timings_meaningful=cfg.gpu):
-            wrote.append(cfg.out / "bench.png")
-        else:
+        meaningful = cfg.gpu
+        wrote = write_pair(
+            cfg.out,
+            lambda p: write_json(p, cfg.device_name, config, rows, timings_meaningful=meaningful),
+            lambda p: write_plot(p, cfg.device_name, config, rows, timings_meaningful=meaningful),
+        )
+        if len(wrote) == 1:
             print(PLOT_SKIPPED, file=sys.stderr)
         print("wrote " + " and ".join(str(p) for p in wrote), file=sys.stderr)
     return 0
@@ -133,7 +157,7 @@ def _parser() -> argparse.ArgumentParser:
     backends = sub.add_parser("backends", help="list registered backends and the plugin of each; exit 1 if a plugin is broken")
     _debug_flags(backends, argparse.SUPPRESS)
     doctor = sub.add_parser("doctor", help="check the SGLang integration (version, hook targets, entry point, flag)")
-    doctor.add_argument("rest", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
+    _debug_flags(doctor, argparse.SUPPRESS)  # it takes no other argument: a stray one is one error: line here
     return parser
 
 
@@ -158,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
             return _backends(args)
         from .integration.doctor import doctor_main
 
-        return doctor_main(args.rest)
+        return doctor_main([])
     except (UsageError, BackendRegistrationError) as exc:
         if debug:
             raise
@@ -170,6 +194,11 @@ def main(argv: list[str] | None = None) -> int:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         print(f"error: out of memory ({first}); lower --max-tokens, --hidden or --layers (--debug: traceback)", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        if debug:
+            raise
+        print("error: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":  # pragma: no cover

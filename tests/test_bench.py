@@ -192,3 +192,71 @@ def test_bench_llama_model(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -
 def test_bench_head_dim_is_for_llama_only(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["bench", "--head-dim", "16"]) == 2
     assert "--head-dim applies to --model llama only" in capsys.readouterr().err
+
+
+def test_size_stats_match_the_schedule_without_building_it() -> None:
+    from sglang_bcg_plugin.bench.sizes import capture_size_stats
+
+    for m in [*range(4, 600), 1023, 1024, 1025, 1279, 1280, 4095, 4096, 4097, 4607, 4608, 4609, 8192, 16384, 20000]:
+        sizes = prefill_capture_sizes(m)
+        assert capture_size_stats(m) == (len(sizes), sum(sizes), max(sizes)), m
+    big = capture_size_stats(10**22)  # constant time: the list would not fit in any memory
+    assert big.largest == 4608 + (10**22 - 4608) // 512 * 512 and big.count > 10**19
+    with pytest.raises(ValueError, match="max_tokens"):
+        capture_size_stats(True)
+
+
+def test_split_attention_fake_has_the_value_head_size() -> None:
+    """The fake (dynamo's shapes) agrees with the op when query and value head sizes differ."""
+    pytest.importorskip("transformers")
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from sglang_bcg_plugin.bench.llama import split_attention_op
+
+    q, k, v = torch.randn(1, 4, 6, 2), torch.randn(1, 2, 6, 2), torch.randn(1, 2, 6, 3)
+    real = split_attention_op(q, k, v, 0.5)
+    with FakeTensorMode() as mode:
+        fake = split_attention_op(mode.from_tensor(q), mode.from_tensor(k), mode.from_tensor(v), 0.5)
+    assert tuple(fake.shape) == tuple(real.shape) == (1, 6, 4, 3)
+
+
+def test_llama_config_rejection_is_a_usage_error() -> None:
+    pytest.importorskip("transformers")
+    from sglang_bcg_plugin.bench.llama import llama_config
+    from sglang_bcg_plugin.errors import UsageError
+
+    assert llama_config(hidden=32, layers=1, heads=2, kv_heads=1, head_dim=16, intermediate=32, max_tokens=8, vocab=64).head_dim == 16
+    with pytest.raises(UsageError, match=r"transformers' LlamaConfig rejects --hidden 63 --heads 4 .*\(The hidden size \(63\) is not a multiple"):
+        llama_config(hidden=63, layers=1, heads=4, kv_heads=1, head_dim=8, intermediate=32, max_tokens=8, vocab=64)
+
+
+def test_json_ratios_follow_the_table() -> None:
+    """On CPU the table prints timing ratios as n/m and bench.json holds null for them."""
+    from sglang_bcg_plugin.bench.output import TIMING_RATIOS, format_table, ratios
+    from sglang_bcg_plugin.bench.runner import BenchRow
+
+    rows = [BenchRow("full", "off", False, 2, 8, 100, 200, None, 1.0, 2.0, 0.0, 0),
+            BenchRow("full", "on", True, 2, 8, 50, 200, None, 0.5, 9.0, 0.0, 0)]
+    cpu = ratios(rows, timings_meaningful=False)["full"]
+    assert all(cpu[k] is None for k in TIMING_RATIOS) and cpu["resident_on_over_off"] == 0.5
+    assert ratios(rows)["full"]["replay_on_over_off"] == 4.5
+    text = format_table(rows, timings_meaningful=False)
+    assert "full: resident on/off 0.500, replay on/off n/m, capture on/off n/m" in text
+
+
+def test_per_size_capture_seconds_leave_compile_time_out(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A row's and its sizes' ``capture_s`` both leave compile time out; ``compile_s`` adds up."""
+    rc = main(["bench", "--backends", "piecewise,full", "--variants", "on", "--max-tokens", "8", "--hidden", "16",
+               "--layers", "1", "--repeats", "1", "--out", str(tmp_path), "--no-progress"])
+    assert rc == 0
+    capsys.readouterr()
+    doc = json.loads((tmp_path / "bench.json").read_text())
+    rows = {r["backend"]: r for r in doc["rows"]}
+    pw, full = rows["piecewise"], rows["full"]
+    assert pw["compile_s"] > 0 and pw["compile_s"] == pytest.approx(sum(s["compile_s"] for s in pw["per_size"]))
+    assert pw["per_size"][0]["compile_s"] > 0  # the first, largest capture compiles
+    for row in (pw, full):
+        assert sum(s["capture_s"] for s in row["per_size"]) <= row["capture_s"]
+        assert all(s["capture_s"] > 0 for s in row["per_size"])
+    assert full["compile_s"] is None and all(s["compile_s"] is None for s in full["per_size"])
+    assert doc["ratios"] == {}  # one variant: no on/off ratio

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-import tempfile
+import os
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -11,8 +13,9 @@ import pytest
 import torch
 
 import sglang_bcg_plugin
-from sglang_bcg_plugin.bench import budget, config, runner
+from sglang_bcg_plugin.bench import budget, config, outdir, runner
 from sglang_bcg_plugin.cli import main
+from sglang_bcg_plugin.bench.sizes import capture_size_stats
 from sglang_bcg_plugin.errors import UsageError
 
 TINY = ["--hidden", "16", "--layers", "1", "--max-tokens", "8", "--repeats", "1", "--no-progress"]
@@ -73,6 +76,10 @@ def test_bad_env_value_is_an_error(monkeypatch: pytest.MonkeyPatch, capsys: pyte
     assert main(["bench"]) == 2
     line = _one_error_line(capsys)
     assert "SGLANG_ENABLE_BCG_SHARED_OUTPUT='maybe' is not an output mode" in line and "released" in line and "unset it" in line
+    monkeypatch.setenv("SGLANG_ENABLE_BCG_SHARED_OUTPUT", "y" * 100_000)
+    assert main(["bench"]) == 2
+    line = _one_error_line(capsys)
+    assert "='" + "y" * 80 + "'… (100000 characters) is not an output mode" in line and len(line) < 400
 
 
 def test_unwritable_out_is_caught_up_front(
@@ -81,7 +88,7 @@ def test_unwritable_out_is_caught_up_front(
     def denied(*args: Any, **kwargs: Any) -> Any:
         raise PermissionError(13, "Permission denied")
 
-    monkeypatch.setattr(tempfile, "TemporaryFile", denied)  # root ignores chmod; simulate it
+    monkeypatch.setattr(outdir, "_probe", denied)  # root ignores chmod; simulate it
     assert main(["bench", "--out", str(tmp_path / "new")]) == 2
     assert "not a writable directory (Permission denied)" in _one_error_line(capsys)
 
@@ -119,16 +126,19 @@ def test_nothing_fits_and_unknown_memory(monkeypatch: pytest.MonkeyPatch, capsys
     monkeypatch.setattr(budget.os, "sysconf", no_sysconf)
     assert budget.available_bytes("cpu") is None
     model = config.ModelShape(16, 1, 4, 2, 4, 16, torch.float32, "cpu")
-    budget.check_fits(model, [4, 8], ["off"])  # unknown memory: no check
+    budget.check_fits(model, 8, ["off"])  # unknown memory: no check
 
 
 def test_budget_suggests_what_fits_and_reads_cuda_free_memory(monkeypatch: pytest.MonkeyPatch) -> None:
     model = config.ModelShape(128, 2, 4, 2, 32, 128, torch.float32, "cpu")
     need = budget.estimate_bytes(model, config.prefill_capture_sizes(1024), ["off", "on"])
+    assert need == budget.estimate_bytes(model, capture_size_stats(1024), ["off", "on"])
     monkeypatch.setattr(budget, "available_bytes", lambda device: (int(need / budget.FRACTION) + 1, "here"))
-    budget.check_fits(model, config.prefill_capture_sizes(1024), ["off", "on"])
-    with pytest.raises(UsageError, match="use --max-tokens 1024 or less"):
-        budget.check_fits(model, config.prefill_capture_sizes(2048), ["off", "on"])
+    budget.check_fits(model, 1024, ["off", "on"])
+    with pytest.raises(UsageError, match=r"--max-tokens 2048 needs at least .* \(42 capture sizes: .*use --max-tokens 1024 or less"):
+        budget.check_fits(model, 2048, ["off", "on"])
+    with pytest.raises(UsageError, match=r"\(1 capture size: "):  # one size: no plural
+        budget.check_fits(config.ModelShape(2**20, 64, 4, 2, 2**18, 2**20, torch.float32, "cpu"), 4, ["off"])
     assert budget.estimate_bytes(model, [8, 4], ["floor"]) < budget.estimate_bytes(model, [8, 4], ["on"])
     assert budget.estimate_bytes(model, [8, 4], ["on"]) < budget.estimate_bytes(model, [8, 4], ["off"])
     monkeypatch.undo()
@@ -148,7 +158,7 @@ def test_argparse_errors_are_one_line(capsys: pytest.CaptureFixture[str]) -> Non
         main(["bench", "--max-tokens", "0"])
     assert info.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert err == ["sglang-bcg bench: error: argument --max-tokens: expected a positive integer, got '0' (see sglang-bcg bench --help)"]
+    assert err == ["error: argument --max-tokens: expected a positive integer, got '0' (see sglang-bcg bench --help)"]
 
 
 def test_version(capsys: pytest.CaptureFixture[str]) -> None:
@@ -213,3 +223,112 @@ def test_registration_error_is_one_line(capsys: pytest.CaptureFixture[str]) -> N
     get_plugin_manager().register(Dup(), name="dup")
     assert main(["backends"]) == 2
     assert "backend name 'full' is claimed by two plugins" in _one_error_line(capsys)
+
+
+def _fifo(t: Path) -> list[str]:
+    os.mkfifo(t / "bench.json")
+    return ["--out", str(t)]
+
+
+def _dev_full(t: Path) -> list[str]:
+    (t / "bench.json").symlink_to("/dev/full")
+    return ["--out", str(t)]
+
+
+#: Inputs that crashed, hung or were killed before: each is one error line before any work.
+CRASHERS: list[tuple[Callable[[Path], list[str]], str]] = [
+    (lambda t: ["--max-tokens", "99999999999999999999999"], "--max-tokens 99999999999999999999999 is beyond any machine's memory"),
+    (lambda t: ["--max-tokens", "1000000000000"], "--max-tokens 1000000000000 needs at least"),
+    (lambda t: ["--model", "llama", "--hidden", "63"], "--hidden 63 is not a multiple of --heads 4 (default) (transformers' LlamaConfig requires it"),
+    (lambda t: ["--model", "llama", "--hidden", "63", "--head-dim", "7"], "use --heads among 1, 3, 7, 9, 21, 63"),
+    (lambda t: ["--model", "llama", "--heads", "4096", "--kv-heads", "1", "--head-dim", "1"], "--hidden 64 (default) is not a multiple of --heads 4096"),
+    (lambda t: ["--model", "llama", "--head-dim", "3"], "--head-dim 3 is odd; transformers' rotary embedding"),
+    (lambda t: ["--model", "llama", "--head-dim", "1", "--backends", "piecewise"], "needs an even head size: use --head-dim 2"),
+    (lambda t: ["--out", str(t / ("a" * 300))], "characters) is not a writable directory (File name too long)"),
+    (lambda t: ["--out", ""], "--out is empty; give a directory"),
+    (_fifo, "bench.json is not a regular file (a FIFO, socket or device); remove it or give another --out"),
+    (_dev_full, "bench.json is not a regular file"),
+    (lambda t: ["--backends", "x" * 100_000], "… (100004 characters); give a comma-separated list of"),
+]
+
+
+@pytest.mark.parametrize(("argv", "expected"), CRASHERS)
+def test_former_crashes_are_one_line_before_any_work(
+    argv: Callable[[Path], list[str]], expected: str, tmp_path: Path, capsys: pytest.CaptureFixture[str], no_work: None
+) -> None:
+    assert main(["bench", *argv(tmp_path)]) == 2
+    line = _one_error_line(capsys)
+    assert expected in line and len(line) < 400
+
+
+def test_former_crashes_through_the_real_command(tmp_path: Path) -> None:
+    """The real ``python -m sglang_bcg_plugin`` (run concurrently): exit 2, stderr exactly one
+    ``error:`` line, nothing on stdout; argparse's own errors in the same format."""
+    root = str(Path(__file__).resolve().parents[1])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
+    cases = [CRASHERS[i] for i in (0, 6, 9)]  # OverflowError, a dynamo traceback, a hang (FIFO) before
+    cases.append((lambda t: ["--model", "m" * 5000], "argument --model: invalid choice: '" + "m" * 80 + "…'"))
+    procs = []
+    for i, (argv, expected) in enumerate(cases):
+        (tmp_path / str(i)).mkdir()
+        cmd = [sys.executable, "-m", "sglang_bcg_plugin", "bench", *argv(tmp_path / str(i))]
+        procs.append((subprocess.Popen(cmd, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE), expected))
+    for proc, expected in procs:
+        out, err = proc.communicate(timeout=120)
+        assert proc.returncode == 2 and out == "", (expected, err)
+        lines = err.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("error: ") and expected in lines[0], err
+
+
+def test_full_out_folder_is_refused(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str], no_work: None) -> None:
+    class Full:
+        f_bavail, f_frsize = 3, 4096
+
+    monkeypatch.setattr(outdir.os, "statvfs", lambda path: Full())
+    assert main(["bench", "--out", str(tmp_path)]) == 2
+    assert "has 12.0 KiB free; bench.json and bench.png need up to 1.0 MiB" in _one_error_line(capsys)
+
+
+def test_max_tokens_between_sizes_is_noted(capsys: pytest.CaptureFixture[str]) -> None:
+    from sglang_bcg_plugin.cli import _parser
+
+    cfg = config.build_config(_parser().parse_args(["bench", "--max-tokens", "300"]), ["breakable", "full", "piecewise"])
+    note = "note: --max-tokens 300 is not one of SGLang's prefill capture sizes; the largest below it, 288, is captured"
+    assert cfg.notes == [note] and max(cfg.sizes) == 288 and cfg.summary()["max_tokens"] == 288
+    assert config.build_config(_parser().parse_args(["bench", "--max-tokens", "288"]), ["breakable", "full", "piecewise"]).notes == []
+    assert main(["bench", "--backends", "full", "--variants", "on", "--max-tokens", "5", "--hidden", "16",
+                 "--layers", "1", "--repeats", "1", "--no-progress"]) == 0
+    assert "note: --max-tokens 5 is not one of SGLang's prefill capture sizes; the largest below it, 4, is captured" in capsys.readouterr().err
+
+
+def test_help_and_getting_started_list_every_bench_option() -> None:
+    """Every bench flag, variant and backend is in ``--help`` and in docs/getting-started.md."""
+    from sglang_bcg_plugin.bench.reference import GRAPH_TREES
+    from sglang_bcg_plugin.bench.runner import VARIANTS
+    from sglang_bcg_plugin.cli import _parser
+    from sglang_bcg_plugin.registry import available_backends
+
+    bench = _parser()._subparsers._group_actions[0].choices["bench"]  # type: ignore[union-attr]
+    flags = [s for a in bench._actions for s in a.option_strings if s not in ("-h", "--help")]
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "getting-started.md").read_text()
+    assert "--model" in flags and "-v" in flags and "--debug" in flags
+    assert [f for f in flags if f"`{f}" not in doc] == []
+    assert [v for v in VARIANTS if f"`{v}`" not in doc] == []
+    assert [b for b in [*available_backends(), GRAPH_TREES] if f"`{b}`" not in doc] == []
+    help_text = " ".join(bench.format_help().split())
+    assert f"comma-separated of {','.join(VARIANTS)}" in help_text and "released" in help_text
+
+
+def test_doctor_takes_no_argument(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(["doctor", "foo"])
+    assert info.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines() == ["error: unrecognized arguments: foo (see sglang-bcg --help)"]
+
+
+def test_doctor_runs_the_doctor(monkeypatch: pytest.MonkeyPatch) -> None:
+    from sglang_bcg_plugin.integration import doctor
+
+    seen: list[object] = []
+    monkeypatch.setattr(doctor, "doctor_main", lambda argv: seen.append(argv) or 3)
+    assert main(["doctor"]) == 3 and seen == [[]]

@@ -6,7 +6,9 @@ own output with sharing off, one max-size buffer with sharing on, none for ``flo
 forwards' activations at the largest size (the capture's and the eager reference's). It is
 compared with 90 % of the free memory of the CUDA device (``torch.cuda.mem_get_info``) or of
 this machine's physical RAM on CPU. A run that passes can still run out of memory; one that
-fails would certainly have, after minutes of capturing.
+fails would certainly have, after minutes of capturing. The estimate needs only the count, sum
+and largest of the capture sizes (:func:`~.sizes.capture_size_stats`), so a ``--max-tokens`` of
+any size is checked without building its size list.
 """
 
 from __future__ import annotations
@@ -17,7 +19,8 @@ import torch
 
 from ..errors import UsageError
 from .workload import ModelShape
-from .sizes import MIN_CAPTURE_SIZE, prefill_capture_sizes
+from .sizes import MIN_CAPTURE_SIZE, SizeStats, capture_size_stats
+from .text import plural
 
 #: Share of the available memory a run may plan to use.
 FRACTION = 0.9
@@ -31,20 +34,25 @@ def human_bytes(n: float) -> str:
     return f"{n:,.1f} PiB"
 
 
-def estimate_bytes(model: ModelShape, sizes: list[int], variants: list[str]) -> int:
-    """Peak bytes of the heaviest of ``variants`` capturing ``sizes`` (see the module doc)."""
+def estimate_bytes(model: ModelShape, sizes: SizeStats | list[int], variants: list[str]) -> int:
+    """Peak bytes of the heaviest of ``variants`` capturing ``sizes`` (see the module doc).
+
+    :param sizes: the capture sizes, or their :class:`~.sizes.SizeStats`.
+    """
+    if not isinstance(sizes, SizeStats):
+        sizes = SizeStats(len(sizes), sum(sizes), max(sizes))
     b = torch.empty((), dtype=model.dtype).element_size()
     h, inter = model.hidden, model.intermediate
     q = model.heads * model.head_dim
     kv = model.kv_heads * model.head_dim
-    t = max(sizes)
+    t = sizes.largest
     weights = model.layers * ((q + 2 * kv) * h + h * q + 3 * inter * h) * b
     if "off" in variants:
-        outputs = sum(sizes) * h * b  # every key keeps its own output
+        outputs = sizes.total * h * b  # every key keeps its own output
     elif {"on", "guard", "adopt", "reserve", "inductor"} & set(variants):
         outputs = t * h * b  # one shared buffer per leaf
     else:
-        outputs = 0  # floor: outputs released inside the graphs
+        outputs = 0  # floor, released: outputs left in graph memory
     # Live at once in one layer: residual, normed input, qkv, k/v repeated to all heads, the
     # attention output and its copy, o_proj, gate_up (2x), the activation.
     activations = t * b * (4 * h + 2 * kv + 4 * q + 3 * inter)
@@ -66,34 +74,35 @@ def available_bytes(device: str) -> tuple[int, str] | None:
 def _largest_fitting(model: ModelShape, below: int, variants: list[str], limit: int) -> int | None:
     """The largest ``--max-tokens`` below ``below`` whose estimate is within ``limit``."""
     lo, hi = MIN_CAPTURE_SIZE, below - 1
-    if hi < lo or estimate_bytes(model, prefill_capture_sizes(lo), variants) > limit:
+    if hi < lo or estimate_bytes(model, capture_size_stats(lo), variants) > limit:
         return None
     while lo < hi:  # the estimate grows with max_tokens
         mid = (lo + hi + 1) // 2
-        if estimate_bytes(model, prefill_capture_sizes(mid), variants) <= limit:
+        if estimate_bytes(model, capture_size_stats(mid), variants) <= limit:
             lo = mid
         else:
             hi = mid - 1
-    return max(prefill_capture_sizes(lo))
+    return capture_size_stats(lo).largest
 
 
-def check_fits(model: ModelShape, sizes: list[int], variants: list[str], max_tokens: int | None = None) -> None:
-    """:param max_tokens: the ``--max-tokens`` asked for (default: the largest size).
+def check_fits(model: ModelShape, max_tokens: int, variants: list[str]) -> None:
+    """:param max_tokens: the ``--max-tokens`` asked for (its sizes are never built here).
     :raises UsageError: the estimate exceeds the available memory (says what would fit)."""
     found = available_bytes(model.device)
     if found is None:
         return
     avail, where = found
     limit = int(avail * FRACTION)
-    need = estimate_bytes(model, sizes, variants)
+    stats = capture_size_stats(max_tokens)
+    need = estimate_bytes(model, stats, variants)
     if need <= limit:
         return
-    best = _largest_fitting(model, max(sizes), variants, limit)
+    best = _largest_fitting(model, stats.largest, variants, limit)
     todo = (
         f"use --max-tokens {best} or less" if best is not None else "lower --hidden, --layers or --intermediate"
     )
     msg = (
-        f"--max-tokens {max_tokens or max(sizes)} needs at least {human_bytes(need)} ({len(sizes)} capture sizes: weights, "
-        f"inputs, captured outputs, activations of the largest) but {where}; {todo}"
+        f"--max-tokens {max_tokens} needs at least {human_bytes(need)} ({plural(stats.count, 'capture size')}: "
+        f"weights, inputs, captured outputs, activations of the largest) but {where}; {todo}"
     )
     raise UsageError(msg)

@@ -2,7 +2,9 @@
 
 Every problem is a :class:`~sglang_bcg_plugin.errors.UsageError` saying what is wrong and what to
 do; the CLI prints it as one ``error:`` line. Checks run cheapest first and ``--out`` last, so a
-bad argument never leaves a new directory behind.
+bad argument never leaves a new directory behind. Nothing here builds a model or a size list
+before its numbers are known to fit (``--max-tokens`` is checked against memory from the size
+schedule's closed form).
 """
 
 from __future__ import annotations
@@ -10,7 +12,6 @@ from __future__ import annotations
 import argparse
 import os
 import re
-import tempfile
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,15 +23,19 @@ from .._constants import ENV_SHARE_OUTPUT
 from ..errors import UsageError
 from ..output_mode import parse_mode_text
 from .budget import check_fits
+from .outdir import check_out_dir
 from .workload import WORKLOADS, ModelShape, Workload
 from .runner import VARIANTS
-from .sizes import MIN_CAPTURE_SIZE, prefill_capture_sizes
+from .sizes import MIN_CAPTURE_SIZE, capture_size_stats, prefill_capture_sizes
+from .text import shown
 
 DTYPES = {
     "float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
     "float16": torch.float16, "fp16": torch.float16,
 }
 _DEVICE = re.compile(r"cpu|cuda(:\d+)?")
+#: The largest ``--max-tokens`` accepted before the memory check (2**40 tokens).
+MAX_TOKENS_LIMIT = 1 << 40
 
 
 @dataclass(frozen=True)
@@ -69,7 +74,7 @@ def _device(raw: str | None) -> str:
     if raw is None:
         return "cuda" if torch.cuda.is_available() else "cpu"
     if not _DEVICE.fullmatch(raw):
-        msg = f"--device {raw!r} is not supported; use cpu, cuda or cuda:N"
+        msg = f"--device {shown(raw)} is not supported; use cpu, cuda or cuda:N"
         raise UsageError(msg)
     if raw.startswith("cuda"):
         if not torch.cuda.is_available():
@@ -92,15 +97,15 @@ def _names(flag: str, raw: str, choices: Iterable[str], *, unknown: str) -> list
         raise UsageError(msg)
     names = [n.strip() for n in raw.split(",")]
     if "" in names:
-        msg = f"{flag} {raw!r} has an empty entry; {hint}"
+        msg = f"{flag} {shown(raw)} has an empty entry; {hint}"
         raise UsageError(msg)
     twice = sorted({n for n in names if names.count(n) > 1})
     if twice:
-        msg = f"{flag} {raw!r} lists {', '.join(twice)} more than once; give each once"
+        msg = f"{flag} {shown(raw)} lists {shown(', '.join(twice), quote=False)} more than once; give each once"
         raise UsageError(msg)
     bad = sorted(set(names) - set(choices))
     if bad:
-        msg = f"{unknown} {bad}; {hint}"
+        msg = f"{unknown} {shown(bad)}; {hint}"
         raise UsageError(msg)
     return names
 
@@ -113,20 +118,14 @@ def _flag(name: str, value: int, given: object) -> str:
     return f"{name} {value}" + ("" if given else " (default)")
 
 
-def _model(args: argparse.Namespace, device: str) -> ModelShape:
-    gpu = device.startswith("cuda")
-    llama = args.model == "llama"
-    hidden = args.hidden or (2880 if gpu else (64 if llama else 128))
-    heads = args.heads or ((64 if llama else 45) if gpu else 4)
-    kv_heads = args.kv_heads or ((8 if llama else 5) if gpu else 2)
-    if not llama and hidden % heads:
+def _check_heads(args: argparse.Namespace, hidden: int, heads: int, kv_heads: int, llama: bool) -> None:
+    """Head counts that the model (ours, or transformers' LlamaConfig) accepts."""
+    if hidden % heads:
+        why = "transformers' LlamaConfig requires it, whatever --head-dim" if llama else "head size = hidden / heads"
         msg = (
             f"{_flag('--hidden', hidden, args.hidden)} is not a multiple of {_flag('--heads', heads, args.heads)} "
-            f"(head size = hidden / heads); use --heads among {_divisors(hidden)}"
+            f"({why}); use --heads among {_divisors(hidden)}"
         )
-        raise UsageError(msg)
-    if llama and args.head_dim is None and not gpu and hidden % heads:
-        msg = f"{_flag('--hidden', hidden, args.hidden)}: give --head-dim (hidden is not a multiple of --heads {heads})"
         raise UsageError(msg)
     if not llama and args.head_dim is not None:
         msg = "--head-dim applies to --model llama only (the synthetic decoder's head size is hidden / heads)"
@@ -138,52 +137,60 @@ def _model(args: argparse.Namespace, device: str) -> ModelShape:
             f"use --kv-heads among {_divisors(heads)}"
         )
         raise UsageError(msg)
+
+
+def _model(args: argparse.Namespace, device: str) -> ModelShape:
+    gpu = device.startswith("cuda")
+    llama = args.model == "llama"
+    hidden = args.hidden or (2880 if gpu else (64 if llama else 128))
+    heads = args.heads or ((64 if llama else 45) if gpu else 4)
+    kv_heads = args.kv_heads or ((8 if llama else 5) if gpu else 2)
+    _check_heads(args, hidden, heads, kv_heads, llama)
+    head_dim = args.head_dim or ((64 if gpu else 16) if llama else hidden // heads)
+    if llama and head_dim % 2:
+        msg = (
+            f"--head-dim {head_dim} is odd; transformers' rotary embedding rotates the two halves of each "
+            f"head, so it needs an even head size: use --head-dim {head_dim + 1}"
+        )
+        raise UsageError(msg)
     return ModelShape(
         hidden=hidden,
         layers=args.layers or (4 if gpu else 2),
         heads=heads,
         kv_heads=kv_heads,
-        head_dim=args.head_dim or ((64 if gpu else 16) if llama else hidden // heads),
+        head_dim=head_dim,
         intermediate=args.intermediate or hidden,
         dtype=DTYPES[args.dtype or ("bfloat16" if gpu else "float32")],
         device=device,
     )
 
 
-def _sizes(max_tokens: int) -> list[int]:
+def _max_tokens(max_tokens: int) -> list[str]:
+    """Check ``--max-tokens`` without building its sizes; a note when it is not a capture size."""
     if max_tokens < MIN_CAPTURE_SIZE:
         msg = (
             f"--max-tokens {max_tokens} is below {MIN_CAPTURE_SIZE}, the smallest prefill capture size; "
             f"use --max-tokens {MIN_CAPTURE_SIZE} or more"
         )
         raise UsageError(msg)
-    return prefill_capture_sizes(max_tokens)
-
-
-def _out_dir(out: Path) -> Path:
-    """Create ``out`` (parents too) and prove it writable, so a bad path fails before the bench."""
-    if out.exists() and not out.is_dir():
-        msg = f"--out {out} is an existing file; give a directory (bench.json and bench.png are written into it)"
+    if max_tokens > MAX_TOKENS_LIMIT:
+        msg = (
+            f"--max-tokens {shown(max_tokens)} is beyond any machine's memory (at most {MAX_TOKENS_LIMIT} is "
+            "accepted); SGLang captures prefill up to 16384 tokens by default: use --max-tokens 16384 or less"
+        )
         raise UsageError(msg)
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryFile(dir=out):
-            pass
-    except OSError as exc:
-        msg = f"--out {out} is not a writable directory ({exc.strerror or exc}); give one you can write to"
-        raise UsageError(msg) from None
-    for name in ("bench.json", "bench.png"):
-        if (out / name).is_dir():
-            msg = f"--out {out}: {out / name} is a directory; remove it or give another --out"
-            raise UsageError(msg)
-    return out
+    largest = capture_size_stats(max_tokens).largest
+    if largest == max_tokens:
+        return []
+    return [f"note: --max-tokens {max_tokens} is not one of SGLang's prefill capture sizes; the largest below it, {largest}, is captured"]
 
 
 def _env_notes(variants: list[str]) -> list[str]:
+    raw = os.environ.get(ENV_SHARE_OUTPUT)
     try:
-        value = parse_mode_text(os.environ.get(ENV_SHARE_OUTPUT))
+        value = parse_mode_text(raw)
     except ValueError as exc:
-        msg = f"{exc} (or unset it: bench sets sharing per --variants)"
+        msg = f"{str(exc).replace(repr(raw), shown(raw), 1)} (or unset it: bench sets sharing per --variants)"
         raise UsageError(msg) from None
     if value is None:
         return []
@@ -204,9 +211,10 @@ def build_config(args: argparse.Namespace, available_backends: list[str]) -> Ben
     model = _model(args, device)
     workload = WORKLOADS[args.model](model)  # llama without transformers: a UsageError naming the extra
     max_tokens = args.max_tokens or (16384 if gpu else (64 if args.model == "llama" else 256))
-    sizes = _sizes(max_tokens)
-    check_fits(model, sizes, variants, max_tokens)
-    out = None if args.out is None else _out_dir(args.out)
+    notes += _max_tokens(max_tokens)
+    check_fits(model, max_tokens, variants)
+    sizes = prefill_capture_sizes(max_tokens)
+    out = None if args.out is None else check_out_dir(args.out)
     return BenchConfig(
         device=device,
         device_name=torch.cuda.get_device_name(device) if gpu else "cpu",

@@ -78,7 +78,8 @@ def split_attention_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
 
 @split_attention_op.register_fake
 def _(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float) -> torch.Tensor:
-    return query.new_empty(query.shape[0], query.shape[2], query.shape[1], query.shape[3])
+    # SDPA's output has the query's heads and length and the value's head size.
+    return query.new_empty(query.shape[0], query.shape[2], query.shape[1], value.shape[3])
 
 
 def split_attention(
@@ -103,6 +104,35 @@ def attention_for(backend: str) -> str:
     return {"breakable": BREAK_ATTENTION, "piecewise": SPLIT_ATTENTION}.get(backend, FULL_ATTENTION)
 
 
+def llama_config(
+    *, hidden: int, layers: int, heads: int, kv_heads: int, head_dim: int, intermediate: int, max_tokens: int, vocab: int
+) -> Any:
+    """transformers' ``LlamaConfig`` of these sizes (no cache).
+
+    :raises UsageError: transformers rejects it (the bench checks its known rules first).
+    """
+    tf = _transformers()
+    try:
+        return tf.LlamaConfig(
+            hidden_size=hidden,
+            intermediate_size=intermediate,
+            num_hidden_layers=layers,
+            num_attention_heads=heads,
+            num_key_value_heads=kv_heads,
+            head_dim=head_dim,
+            vocab_size=vocab,
+            max_position_embeddings=max(max_tokens, 16),
+            use_cache=False,
+        )
+    except Exception as exc:  # ValueError, TypeError, huggingface_hub's StrictDataclassError (5.x)
+        cause = exc.__cause__ if isinstance(exc.__cause__, ValueError) else exc
+        msg = (
+            f"transformers' LlamaConfig rejects --hidden {hidden} --heads {heads} --kv-heads {kv_heads} "
+            f"--head-dim {head_dim} --intermediate {intermediate} ({' '.join(str(cause).split())}); change them"
+        )
+        raise UsageError(msg) from None
+
+
 def build_llama(
     *,
     hidden: int,
@@ -121,16 +151,9 @@ def build_llama(
     """A ``LlamaModel`` with random weights (seeded: the same weights for every attention name)."""
     tf = _transformers()
     register_attention()
-    config = tf.LlamaConfig(
-        hidden_size=hidden,
-        intermediate_size=intermediate,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=kv_heads,
-        head_dim=head_dim,
-        vocab_size=vocab,
-        max_position_embeddings=max(max_tokens, 16),
-        use_cache=False,
+    config = llama_config(
+        hidden=hidden, layers=layers, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
+        intermediate=intermediate, max_tokens=max_tokens, vocab=vocab,
     )
     config._attn_implementation = attention
     with torch.random.fork_rng(devices=[]):

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from .._version import __version__
-from .runner import BenchRow
+from .rows import BenchRow
 
 MIB = 1024 * 1024
 
@@ -43,8 +43,12 @@ def _mib(v: int | None) -> str:
     return "-" if v is None else f"{v / MIB:,.1f}"
 
 
-def ratios(rows: list[BenchRow]) -> dict[str, dict[str, float | None]]:
-    """Per backend: sharing-on / sharing-off ratios of graph memory, replay and capture time."""
+def ratios(rows: list[BenchRow], *, timings_meaningful: bool = True) -> dict[str, dict[str, float | None]]:
+    """Per backend: sharing-on / sharing-off ratios of graph memory, replay and capture time.
+
+    :param timings_meaningful: ``False`` on CPU: the timing ratios are ``None`` (the table's
+        ``n/m``, ``null`` in ``bench.json``).
+    """
     out: dict[str, dict[str, float | None]] = {}
     by = {(r.backend, r.variant): r for r in rows}
     for backend in dict.fromkeys(r.backend for r in rows):
@@ -60,6 +64,8 @@ def ratios(rows: list[BenchRow]) -> dict[str, dict[str, float | None]]:
             "replay_on_over_off": on.replay_ms / off.replay_ms if off.replay_ms else None,
             "capture_on_over_off": on.capture_s / off.capture_s if off.capture_s else None,
         }
+        if not timings_meaningful:
+            out[backend].update(dict.fromkeys(TIMING_RATIOS))
     return out
 
 
@@ -90,13 +96,12 @@ def format_table(rows: list[BenchRow], *, timings_meaningful: bool = True) -> st
     widths = [max(len(c) for c in col) for col in zip(head, *body)]
     lines = ["  ".join(c.rjust(w) for c, w in zip(line, widths)) for line in [head, *body]]
     lines.insert(1, "  ".join("-" * w for w in widths))
-    rs_all = ratios(rows)
+    rs_all = ratios(rows, timings_meaningful=timings_meaningful)
     for backend, rs in rs_all.items():
         parts = [
-            f"{k.replace('_on_over_off', '')} on/off "
-            + ("n/m" if k in TIMING_RATIOS and not timings_meaningful else f"{v:.3f}")
+            f"{k.replace('_on_over_off', '')} on/off " + ("n/m" if v is None else f"{v:.3f}")
             for k, v in rs.items()
-            if v is not None
+            if v is not None or (k in TIMING_RATIOS and not timings_meaningful)
         ]
         lines.append(f"{backend}: " + ", ".join(parts))
     if rs_all and not timings_meaningful:
@@ -107,7 +112,8 @@ def format_table(rows: list[BenchRow], *, timings_meaningful: bool = True) -> st
 def write_json(
     path: Path, device: str, config: dict[str, Any], rows: list[BenchRow], *, timings_meaningful: bool = True
 ) -> None:
-    """``bench.json``: versions, UTC timestamp, config, rows (with per-size rows), ratios."""
+    """``bench.json``: versions, UTC timestamp, config, rows (with per-size rows), ratios (the
+    timing ratios ``null`` when not ``timings_meaningful``, as the table's ``n/m``)."""
     doc = {
         "package_version": __version__,
         "torch_version": torch.__version__,
@@ -116,7 +122,7 @@ def write_json(
         "timings_meaningful": timings_meaningful,
         "config": config,
         "rows": [r.to_dict() for r in rows],
-        "ratios": ratios(rows),
+        "ratios": ratios(rows, timings_meaningful=timings_meaningful),
     }
     path.write_text(json.dumps(doc, indent=2) + "\n")
 
@@ -182,6 +188,6 @@ def write_plot(
         fontsize=10,
     )
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=120, format="png")  # path may be a temporary name
     plt.close(fig)
     return True

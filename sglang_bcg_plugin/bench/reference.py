@@ -30,7 +30,8 @@ from ..shape_key import ShapeKey
 from ..trees import flatten, tensor_bytes
 from .progress import progress as progress_bar
 from .clock import CompileClock
-from .runner import BenchRow, _free_bytes, _sync, _time_replay, max_abs_error
+from .rows import BenchRow
+from .runner import _free_bytes, _sync, _time_replay, max_abs_error
 from .workload import Workload
 
 GRAPH_TREES = "graph-trees"
@@ -81,13 +82,15 @@ def graph_trees_row(
     start = time.perf_counter()
     with torch.no_grad():
         bar = progress_bar(len(keys), f"{GRAPH_TREES}/{REFERENCE_VARIANT}", progress)
-        for key in keys:
-            for _ in range(1 + num_warmups):
-                out = step(key.size)
-            logical += sum(tensor_bytes(t) for _, t in flatten(out)[1])
-            del out
-            bar.update(1)
-        bar.close()
+        try:
+            for key in keys:
+                for _ in range(1 + num_warmups):
+                    out = step(key.size)
+                logical += sum(tensor_bytes(t) for _, t in flatten(out)[1])
+                del out
+                bar.update(1)
+        finally:
+            bar.close()  # a clean stderr line for an error or Ctrl-C
     _sync(device)
     compile_s = compiled.seconds
     capture_s = time.perf_counter() - start - compile_s

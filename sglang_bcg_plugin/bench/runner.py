@@ -7,18 +7,18 @@ import logging
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
 
 from ..options import BackendOptions
 from ..registry import create_backend
-from ..report import MemoryReport
 from ..shape_key import ShapeKey
 from ..trees import flatten
 from .clock import CompileClock
 from .progress import progress as progress_bar
+from .rows import BenchRow, per_size_rows
 from .sizes import prefill_capture_sizes
 from .workload import Workload
 
@@ -51,65 +51,6 @@ VARIANTS = {
     "released": Variant("released"),
     "inductor": Variant(True, inductor=True),
 }
-
-
-@dataclass
-class BenchRow:
-    backend: str
-    variant: str
-    share_output: bool | Literal["released"]
-    num_sizes: int
-    max_tokens: int
-    resident_output_bytes: int
-    logical_output_bytes: int
-    graph_memory_bytes: int | None
-    capture_s: float
-    replay_ms: float
-    max_abs_err: float | None
-    fallbacks: int
-    bridge_bytes: int = 0
-    model: str = "synthetic"
-    #: fastest and slowest of the timed replays (the spread of ``replay_ms``, the median).
-    replay_ms_min: float = 0.0
-    replay_ms_max: float = 0.0
-    #: one dict per captured key, largest first: ``size``, ``stream_idx``, output bytes
-    #: (logical/resident), ``shared``, ``fallback``, ``capture_s``, ``graph_memory_bytes``
-    #: (reserved-memory growth on CUDA, ``None`` on CPU) and ``num_segments``.
-    per_size: list[dict[str, Any]] = field(default_factory=list)
-    #: seconds of the calls that compiled (dynamo, Inductor, first run), not in ``capture_s``;
-    #: ``None`` where nothing is compiled.
-    compile_s: float | None = None
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-    def summary(self) -> str:
-        """One line for the progress log (the table has everything)."""
-        graph = "-" if self.graph_memory_bytes is None else f"{self.graph_memory_bytes / 2**20:,.1f}"
-        err = "-" if self.max_abs_err is None else f"{self.max_abs_err:.3g}"
-        return (
-            f"resident {self.resident_output_bytes / 2**20:,.2f} MiB, graph {graph} MiB, "
-            f"bridges {self.bridge_bytes / 2**20:,.1f} MiB, capture {self.capture_s:.2f} s, "
-            f"replay {self.replay_ms:.3f} ms, max abs err {err}, fallbacks {self.fallbacks}"
-        )
-
-
-def per_size_rows(report: MemoryReport) -> list[dict[str, Any]]:
-    """``bench.json``'s per-size rows, from a backend's ``memory_report().keys``."""
-    return [
-        {
-            "size": getattr(k.key, "size", None),
-            "stream_idx": getattr(k.key, "stream_idx", None),
-            "logical_output_bytes": k.logical_output_bytes,
-            "resident_output_bytes": k.resident_output_bytes,
-            "shared": k.shared,
-            "fallback": k.fallback,
-            "capture_s": k.capture_seconds,
-            "graph_memory_bytes": k.graph_memory_bytes,
-            "num_segments": k.num_segments,
-        }
-        for k in report.keys
-    ]
 
 
 def _sync(device: str) -> None:
@@ -195,17 +136,27 @@ def run_variant(
             return lambda: workload.call(fn, static, s)
         return lambda: (workload.call(fn, static, s), None)[1]
 
+    def compiled_s() -> float | None:
+        """Seconds compiling so far (``None``: nothing is compiled)."""
+        return getattr(backend, "compile_seconds", fn.seconds if isinstance(fn, CompileClock) else None)
+
     free_before = _free_bytes(device)
     start = time.perf_counter()
     keys = [ShapeKey(s) for s in sorted(sizes, reverse=True)]
+    per_key_compile: dict[Any, float] = {}
     with torch.no_grad(), backend.capture_session():
         bar = progress_bar(len(keys), f"{backend_name}/{variant}", progress)
-        for key in keys:
-            backend.capture_one(key, forward_for(key.size), capture_inputs=static)
-            bar.update(1)
-        bar.close()
+        try:
+            for key in keys:
+                before = compiled_s()
+                backend.capture_one(key, forward_for(key.size), capture_inputs=static)
+                if before is not None:
+                    per_key_compile[key] = compiled_s() - before  # type: ignore[operator]
+                bar.update(1)
+        finally:
+            bar.close()  # a clean stderr line for an error or Ctrl-C
     _sync(device)
-    compile_s: float | None = getattr(backend, "compile_seconds", fn.seconds if isinstance(fn, CompileClock) else None)
+    compile_s = compiled_s()
     capture_s = time.perf_counter() - start - (compile_s or 0.0)
     free_after = _free_bytes(device)
     graph_bytes = None if free_before is None or free_after is None else free_before - free_after
@@ -238,7 +189,7 @@ def run_variant(
         model=workload.name,
         replay_ms_min=replay_min,
         replay_ms_max=replay_max,
-        per_size=per_size_rows(report),
+        per_size=per_size_rows(report, per_key_compile if compile_s is not None else None),
         compile_s=compile_s,
     )
     log.info("%s", row)

@@ -1,26 +1,58 @@
-"""SGLang's prefill capture sizes (``generate_prefill_cuda_graph_batch_sizes``, 0.5.23)."""
+"""SGLang's prefill capture sizes (``generate_prefill_cuda_graph_batch_sizes``, 0.5.23).
+
+The schedule is a few arithmetic runs, so its length, sum and largest size up to any
+``max_tokens`` are computed without building the list (:func:`capture_size_stats`): the bench
+checks a ``--max-tokens`` of any size against memory before it builds anything.
+"""
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 #: The smallest prefill capture size of SGLang's schedule.
 MIN_CAPTURE_SIZE = 4
+
+#: (start, stop or None for unbounded, step) of each run of the schedule.
+_RUNS = ((4, 33, 4), (48, 257, 16), (288, 513, 32), (576, 1025, 64), (1280, 4097, 256), (4608, None, 512))
+
+
+class SizeStats(NamedTuple):
+    """Count, sum and largest of the capture sizes up to a ``max_tokens``."""
+
+    count: int
+    total: int
+    largest: int
+
+
+def _check(max_tokens: int) -> None:
+    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < MIN_CAPTURE_SIZE:
+        msg = f"max_tokens must be an int >= {MIN_CAPTURE_SIZE} (the smallest prefill capture size), got {max_tokens!r}"
+        raise ValueError(msg)
+
+
+def _runs(max_tokens: int) -> list[range]:
+    """The schedule's runs, each cut at ``max_tokens`` (lazy ``range`` objects)."""
+    return [range(start, min(stop or max_tokens + 1, max_tokens + 1), step) for start, stop, step in _RUNS]
+
+
+def capture_size_stats(max_tokens: int) -> SizeStats:
+    """:func:`prefill_capture_sizes`' length, sum and maximum, in constant time."""
+    _check(max_tokens)
+    count = total = largest = 0
+    for r in _runs(max_tokens):
+        n = (r.stop - r.start + r.step - 1) // r.step if r.stop > r.start else 0  # len() overflows past 2**63
+        if n:
+            last = r.start + (n - 1) * r.step
+            count, total, largest = count + n, total + n * (r.start + last) // 2, last
+    return SizeStats(count, total, largest)
 
 
 def prefill_capture_sizes(max_tokens: int) -> list[int]:
     """Token counts SGLang 0.5.23 captures for prefill, ascending, up to ``max_tokens``.
 
     58 sizes up to 8192, 74 up to 16384. Mirrors SGLang's schedule (checked on the 0.5.23
-    wheel) so the benchmark needs no SGLang install.
+    wheel) so the benchmark needs no SGLang install. Builds the whole list: check
+    :func:`capture_size_stats` first for a ``max_tokens`` from a user.
     """
-    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < MIN_CAPTURE_SIZE:
-        msg = f"max_tokens must be an int >= {MIN_CAPTURE_SIZE} (the smallest prefill capture size), got {max_tokens!r}"
-        raise ValueError(msg)
-    sizes = (
-        list(range(4, 33, 4))
-        + list(range(48, 257, 16))
-        + list(range(288, 513, 32))
-        + list(range(576, 1025, 64))
-        + list(range(1280, 4097, 256))
-        + list(range(4608, max_tokens + 1, 512))
-    )
-    return [s for s in sizes if s <= max_tokens]
+    _check(max_tokens)
+    return [s for r in _runs(max_tokens) for s in r]

@@ -89,6 +89,10 @@ class LlamaWorkload(Workload):
         from . import llama
 
         llama.register_attention()  # raises TransformersMissingError naming the extra
+        llama.llama_config(  # transformers' own checks, before any work (a UsageError)
+            hidden=shape.hidden, layers=shape.layers, heads=shape.heads, kv_heads=shape.kv_heads,
+            head_dim=shape.head_dim, intermediate=shape.intermediate, max_tokens=16, vocab=self.vocab,
+        )
         self.splitting_ops = (torch.ops.sglang_bcg_bench.llama_attention.default,)
 
     def model_for(self, backend: str, max_tokens: int) -> Callable[..., Any]:
