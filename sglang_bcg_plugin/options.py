@@ -4,10 +4,20 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
+import warnings
 from dataclasses import dataclass
 from typing import Literal
 
-from .output_mode import OFF, bool_word, check_share_output, resolve_output_mode
+from .output_mode import (
+    OFF,
+    OutputMode,
+    bool_word,
+    check_share_output,
+    mode_of_option,
+    parse_output_mode,
+    resolve_output_mode,
+    share_output_of,
+)
 
 EngineName = Literal["auto", "cuda", "eager"]
 SharedBufferSource = Literal["auto", "adopt", "reserve"]
@@ -37,16 +47,16 @@ def _check_bool(field: str, value: object) -> None:
         raise TypeError(msg)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, init=False)
 class BackendOptions:
     """Settings of one backend instance; every field is type-checked on construction.
 
-    :param share_output: the output mode: ``True`` shares one output buffer per stream
-        partition across all capture sizes, ``"released"`` hands out zero-copy outputs that
-        live in graph-pool memory (:mod:`sglang_bcg_plugin.output_mode`), ``False`` keeps one
-        output per key. ``None`` (the default) follows the switch: the SGLang flag stash, then
-        the environment variable ``SGLANG_ENABLE_BCG_SHARED_OUTPUT``, then the default (off
-        standalone), resolved at the start of every capture session.
+    :param output_mode: ``"on"`` shares one output buffer per stream partition across all
+        capture sizes, ``"released"`` hands out zero-copy outputs that live in graph-pool memory
+        (:mod:`sglang_bcg_plugin.output_mode`), ``"off"`` keeps one output per key (any case).
+        ``None`` (the default) follows the switch: the SGLang flag stash, then the environment
+        variable ``SGLANG_ENABLE_BCG_SHARED_OUTPUT``, then the default (off standalone),
+        resolved at the start of every capture session.
     :param strict_outputs: raise :class:`OutputStructureError` when a key's output does not fit
         the shared buffer, instead of letting that key keep its own output with a warning.
         Risky in serving: one odd shape key aborts the whole capture.
@@ -63,18 +73,58 @@ class BackendOptions:
         one measured best for the engine: docs/index.md, "Output sharing"); any case, stored
         lowercase (``"ADOPT"`` is ``"adopt"``, as in ``SGLANG_BCG_SHARED_BUFFER``).
     :raises TypeError: a field of the wrong type (``strict_outputs="no"``, ``num_warmups=2.0``).
-    :raises ValueError: ``engine`` or ``shared_buffer`` not one of its names, ``num_warmups < 0``.
+    :param share_output: deprecated boolean alias of ``output_mode`` (``True`` = ``"on"``,
+        ``False`` = ``"off"``, ``"released"``), kept for one release with a ``DeprecationWarning``;
+        reading ``options.share_output`` gives the same spelling of ``output_mode``.
+    :raises ValueError: ``engine`` or ``shared_buffer`` not one of its names, ``num_warmups < 0``,
+        or ``share_output`` and ``output_mode`` both given and different.
     """
 
-    share_output: bool | Literal["released"] | None = None
+    output_mode: OutputMode | None = None
     strict_outputs: bool = False
     engine: EngineName = "auto"
     num_warmups: int = 2
     stale_output_guard: bool = False
     shared_buffer: SharedBufferSource = "auto"
 
-    def __post_init__(self) -> None:
-        check_share_output(self.share_output)
+    def __init__(
+        self,
+        output_mode: OutputMode | None = None,
+        strict_outputs: bool = False,
+        engine: EngineName = "auto",
+        num_warmups: int = 2,
+        stale_output_guard: bool = False,
+        shared_buffer: SharedBufferSource = "auto",
+        *,
+        share_output: bool | str | None = None,
+    ) -> None:
+        for name, value in (
+            ("output_mode", output_mode), ("strict_outputs", strict_outputs), ("engine", engine),
+            ("num_warmups", num_warmups), ("stale_output_guard", stale_output_guard), ("shared_buffer", shared_buffer),
+        ):
+            object.__setattr__(self, name, value)
+        self._check(share_output)
+
+    @property
+    def share_output(self) -> bool | str | None:
+        """Deprecated: ``output_mode`` spelt as the old boolean option (read ``output_mode``)."""
+        return share_output_of(self.output_mode)
+
+    def _check(self, share_output: bool | str | None) -> None:
+        mode = parse_output_mode(self.output_mode)
+        if share_output is not None:
+            warnings.warn(
+                "BackendOptions(share_output=...) is deprecated; use output_mode='on', 'off' or 'released'",
+                DeprecationWarning,
+                stacklevel=3,
+            )
+            check_share_output(share_output)
+            legacy = mode_of_option(share_output)
+            if mode is not None and mode != legacy:
+                msg = f"BackendOptions: share_output={share_output!r} and output_mode={mode!r} disagree; give output_mode only"
+                raise ValueError(msg)
+            mode = legacy
+        object.__setattr__(self, "output_mode", mode)
         # Frozen: normalise through object.__setattr__ ("ADOPT" == "adopt", as the env variable).
         object.__setattr__(self, "shared_buffer", parse_shared_buffer(self.shared_buffer))
         _check_bool("strict_outputs", self.strict_outputs)
@@ -122,13 +172,12 @@ def resolve_share_output(
     server_args: object | None = None,
     environ: Mapping[str, str] | None = None,
 ) -> bool:
-    """Resolve whether the output mode is anything but off (``on`` or ``released``).
-
-    Precedence: ``explicit`` > ``server_args._bcg_shared_output`` (set by the SGLang
-    integration when ``--enable-bcg-shared-output`` was parsed) > environment variable
-    ``SGLANG_ENABLE_BCG_SHARED_OUTPUT`` > ``False`` (the standalone default). Callers that
-    handle ``released`` use :func:`~sglang_bcg_plugin.output_mode.resolve_output_mode`.
+    """Deprecated: ``resolve_output_mode(...) != "off"``; kept one release with a
+    ``DeprecationWarning``. Use :func:`~sglang_bcg_plugin.output_mode.resolve_output_mode`.
 
     :raises ValueError: the environment variable holds something that is not a mode.
     """
+    warnings.warn(
+        "resolve_share_output() is deprecated; use resolve_output_mode(...) != 'off'", DeprecationWarning, stacklevel=2
+    )
     return resolve_output_mode(explicit, server_args=server_args, environ=environ) != OFF

@@ -10,11 +10,11 @@ Why three modes: a CUDA graph's output lives at a fixed address that its next re
   resident; valid until the next replay of *any* graph of the same pool; see
   :mod:`sglang_bcg_plugin.released`).
 
-The one switch is ``share_output`` / ``--enable-bcg-shared-output`` /
+The one switch is ``output_mode`` / ``--enable-bcg-shared-output`` /
 ``SGLANG_ENABLE_BCG_SHARED_OUTPUT``; its values:
 
-* ``BackendOptions(share_output=False | True | "released" | None)`` (``None``: follow the
-  flag / environment);
+* ``BackendOptions(output_mode="off" | "on" | "released" | None)`` (``None``: follow the
+  flag / environment; the boolean ``share_output=`` is its deprecated alias);
 * the environment variable: ``1/0``, ``true/false``, ``yes/no``, ``on/off`` or ``released``
   (any case, surrounding whitespace allowed; empty means unset);
 * the SGLang flag (``integration.flag``) stores ``True``, ``False`` or ``"released"`` in
@@ -46,11 +46,28 @@ _FALSE = frozenset({"0", "false", "no", "off"})
 ACCEPTED_TEXT = "1/0, true/false, yes/no, on/off (sharing on/off) or released"
 
 
-def check_share_output(value: object, *, name: str = "BackendOptions.share_output") -> None:
-    """Validate one ``share_output`` option value: ``False``, ``True``, ``"released"`` or ``None``.
+def parse_output_mode(value: object, *, name: str = "BackendOptions.output_mode") -> OutputMode | None:
+    """Validate an ``output_mode`` option: ``"off"``, ``"on"``, ``"released"`` (any case,
+    surrounding whitespace allowed; returned lowercase) or ``None`` (follow the switch).
 
-    The single validation point for the option (``BackendOptions`` and anything else that
-    accepts it call this).
+    :raises TypeError: anything else, naming ``name``, the value and what is accepted (a bool
+        says which mode it meant: ``share_output`` was boolean).
+    """
+    if value is None:
+        return None
+    if isinstance(value, str) and value.strip().lower() in MODES:
+        return value.strip().lower()  # type: ignore[return-value]
+    hint = f" (use {name.rsplit('.', 1)[-1]}={'on' if value else 'off'!r})" if isinstance(value, bool) else ""
+    msg = (
+        f"{name} must be 'off', 'on', 'released' or None (follow --enable-bcg-shared-output / "
+        f"{ENV_SHARE_OUTPUT}), got {value!r} of type {type(value).__name__}{hint}"
+    )
+    raise TypeError(msg)
+
+
+def check_share_output(value: object, *, name: str = "BackendOptions.share_output") -> None:
+    """Validate a value of the deprecated boolean option ``share_output``: ``False``, ``True``,
+    ``"released"`` or ``None``.
 
     :raises TypeError: anything else, naming ``name``, the value and what is accepted.
     """
@@ -64,13 +81,16 @@ def check_share_output(value: object, *, name: str = "BackendOptions.share_outpu
 
 
 def mode_of_option(value: bool | str | None) -> OutputMode | None:
-    """The mode an already-validated option value selects (``None``: not set)."""
-    check_share_output(value)
-    if value is None:
-        return None
-    if value is True:
-        return ON
-    return OFF if value is False else RELEASED
+    """The mode an option value selects (``None``: not set): an ``output_mode`` string, or a
+    value of the deprecated ``share_output`` (``True``/``False``/``"released"``)."""
+    if isinstance(value, bool):
+        return ON if value else OFF
+    return parse_output_mode(value)
+
+
+def share_output_of(mode: OutputMode | None) -> bool | str | None:
+    """The deprecated ``share_output`` spelling of ``mode``."""
+    return None if mode is None else {OFF: False, ON: True, RELEASED: RELEASED}[mode]
 
 
 def bool_word(raw: str) -> bool | None:
@@ -136,7 +156,7 @@ def explain_output_mode(
     """
     mode = mode_of_option(explicit)
     if mode is not None:
-        return Resolution(mode, f"BackendOptions.share_output={explicit!r}")
+        return Resolution(mode, f"BackendOptions.output_mode={mode!r}")
     stash = getattr(server_args, SERVER_ARGS_STASH, None) if server_args is not None else None
     if stash is not None:
         return Resolution(_mode_of_stash(stash), f"--enable-bcg-shared-output (server_args.{SERVER_ARGS_STASH}={stash!r})")

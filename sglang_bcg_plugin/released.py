@@ -68,7 +68,7 @@ def release_output(output: Any) -> Any:
     if not released_supported():
         msg = (
             "output mode 'released' needs torch._C._construct_storage_from_data_pointer, which "
-            f"this torch build ({torch.__version__}) lacks; use share_output=True instead"
+            f"this torch build ({torch.__version__}) lacks; use output_mode='on' instead"
         )
         raise RuntimeError(msg)
     spec, leaves = flatten(output)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from sglang_bcg_plugin.output_mode import mode_of_option
+
 import torch
 
 from sglang_bcg_plugin import BackendOptions, create_backend
@@ -9,7 +11,7 @@ from sglang_bcg_plugin.backends.base import CaptureBackend
 
 
 def make_backend(name: str, share: bool, **opts: object) -> CaptureBackend:
-    return create_backend(name, options=BackendOptions(share_output=share, engine="eager", **opts))  # type: ignore[arg-type]
+    return create_backend(name, options=BackendOptions(output_mode=mode_of_option(share), engine="eager", **opts))  # type: ignore[arg-type]
 
 
 class Model:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from sglang_bcg_plugin.output_mode import mode_of_option
+
 import dataclasses
 import math
 import sys
@@ -28,7 +30,7 @@ SIZES = (8, 4, 2)
 
 def _capture(forward_of: Callable[[int], Callable[[], Any]], share: bool | str = True, sizes: tuple[int, ...] = SIZES,
              backend: str = "full", **opts: Any) -> Any:
-    b = create_backend(backend, options=BackendOptions(share_output=share, engine="eager", **opts))  # type: ignore[arg-type]
+    b = create_backend(backend, options=BackendOptions(output_mode=mode_of_option(share), engine="eager", **opts))  # type: ignore[arg-type]
     with torch.no_grad(), b.capture_session():
         for n in sizes:
             b.capture_one(ShapeKey(n), forward_of(n))
@@ -137,7 +139,7 @@ def test_backends_command_prints_one_broken_line(
 
 def test_grad_requiring_output_with_sharing_is_a_named_error_at_capture() -> None:
     emb = torch.nn.Embedding(16, 4)
-    b = create_backend("full", options=BackendOptions(share_output=True, engine="eager"))
+    b = create_backend("full", options=BackendOptions(output_mode="on", engine="eager"))
     with b.capture_session(), pytest.raises(ValueError, match=r"ShapeKey\(size=8.* at leaf output requires grad") as info:
         b.capture_one(ShapeKey(8), lambda: emb.weight[:8])
     assert "torch.no_grad()" in str(info.value) and "output.detach()" in str(info.value)
@@ -148,7 +150,7 @@ def test_grad_requiring_output_is_fine_under_no_grad_and_with_sharing_off() -> N
     emb = torch.nn.Embedding(16, 4)
     b = _capture(lambda n: lambda: emb.weight[:n] * 2)
     torch.testing.assert_close(b.replay(ShapeKey(4)), emb.weight[:4].detach() * 2)
-    off = create_backend("full", options=BackendOptions(share_output=False, engine="eager"))
+    off = create_backend("full", options=BackendOptions(output_mode="off", engine="eager"))
     with off.capture_session():
         out = off.capture_one(ShapeKey(8), lambda: emb.weight[:8] * 2)
     assert out.requires_grad  # sharing off hands out the output as the forward made it
@@ -271,7 +273,7 @@ def test_set_of_plain_values_is_a_value_leaf() -> None:
 
 def test_fallback_warning_cuts_object_reprs_and_points_at_the_caller() -> None:
     x = torch.randn(8)
-    b = create_backend("full", options=BackendOptions(share_output=True, engine="eager"))
+    b = create_backend("full", options=BackendOptions(output_mode="on", engine="eager"))
     with torch.no_grad(), b.capture_session():
         b.capture_one(ShapeKey(8), lambda: (x * 1, Plain()))
         with pytest.warns(SharedOutputFallbackWarning) as caught:

@@ -156,7 +156,7 @@ def test_backend_dropped_in_a_cycle_without_cleanup_is_freed(backend_name: str) 
 
     from sglang_bcg_plugin import BackendOptions, ShapeKey, create_backend
 
-    backend = create_backend(backend_name, options=BackendOptions(share_output=True, engine="eager"))
+    backend = create_backend(backend_name, options=BackendOptions(output_mode="on", engine="eager"))
     x = torch.randn(8, 4)
     with backend.capture_session():
         for n in (8, 4):

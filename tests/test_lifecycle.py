@@ -80,7 +80,7 @@ def test_toggle_between_sessions_and_old_graphs_keep_working(backend_name: str) 
         assert backend.share_output_active is False
         backend.capture_one(ShapeKey(8), lambda: x8 * 2)
         backend.capture_one(ShapeKey(4), lambda: x4 * 2)
-    backend.configure(share_output=True)
+    backend.configure(output_mode="on")
     assert backend.options.share_output is True
     with backend.capture_session():
         assert backend.share_output_active is True
@@ -114,7 +114,7 @@ def test_server_args_stash_is_used(backend_name: str) -> None:
     class ServerArgs:
         _bcg_shared_output = True
 
-    backend = create_backend(backend_name, options=BackendOptions(share_output=None, engine="eager"), server_args=ServerArgs())
+    backend = create_backend(backend_name, options=BackendOptions(output_mode=None, engine="eager"), server_args=ServerArgs())
     with backend.capture_session():
         assert backend.share_output_active is True
 

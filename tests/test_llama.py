@@ -10,6 +10,8 @@ of the same module computes after the input ids changed. CPU: the eager engine (
 
 from __future__ import annotations
 
+from sglang_bcg_plugin.output_mode import mode_of_option
+
 from typing import Any
 
 import pytest
@@ -32,7 +34,7 @@ def capture(backend_name: str, share: bool) -> tuple[Any, LlamaWorkload, Any, to
     model = workload.model_for(backend_name, max(SIZES))
     static = workload.static_input(max(SIZES))
     kwargs: dict[str, Any] = {"splitting_ops": list(workload.splitting_ops)} if backend_name == "piecewise" else {}
-    backend = create_backend(backend_name, options=BackendOptions(share_output=share, strict_outputs=True), **kwargs)
+    backend = create_backend(backend_name, options=BackendOptions(output_mode=mode_of_option(share), strict_outputs=True), **kwargs)
     fn = backend.compile(model, dynamic_dim=1) if backend_name == "piecewise" else model
     with torch.no_grad(), backend.capture_session():
         for s in SIZES:

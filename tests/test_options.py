@@ -3,31 +3,38 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sglang_bcg_plugin import BackendOptions, resolve_share_output
+from sglang_bcg_plugin import BackendOptions
 from sglang_bcg_plugin.options import parse_bool_env
+
+
+def _shares(*args: object, **kwargs: object) -> bool:
+    """Sharing on (``on`` or ``released``): what the deprecated ``resolve_share_output`` said."""
+    from sglang_bcg_plugin.output_mode import resolve_output_mode
+
+    return resolve_output_mode(*args, **kwargs) != "off"  # type: ignore[arg-type]
 
 ENV = "SGLANG_ENABLE_BCG_SHARED_OUTPUT"
 
 
 @pytest.mark.parametrize("raw", ["1", "true", "TRUE", "Yes", "on", " On "])
 def test_env_true(raw: str) -> None:
-    assert resolve_share_output(environ={ENV: raw}) is True
+    assert _shares(environ={ENV: raw}) is True
 
 
 @pytest.mark.parametrize("raw", ["0", "false", "False", "NO", "off"])
 def test_env_false(raw: str) -> None:
-    assert resolve_share_output(environ={ENV: raw}) is False
+    assert _shares(environ={ENV: raw}) is False
 
 
 @pytest.mark.parametrize("raw", ["2", "maybe", "enable", "tru"])
 def test_env_garbage_names_variable(raw: str) -> None:
     with pytest.raises(ValueError, match=ENV):
-        resolve_share_output(environ={ENV: raw})
+        _shares(environ={ENV: raw})
 
 
 def test_unset_or_empty_is_default_false() -> None:
-    assert resolve_share_output(environ={}) is False
-    assert resolve_share_output(environ={ENV: ""}) is False
+    assert _shares(environ={}) is False
+    assert _shares(environ={ENV: ""}) is False
     assert parse_bool_env(ENV, {ENV: "  "}) is None
 
 
@@ -39,21 +46,23 @@ def test_precedence() -> None:
         _bcg_shared_output = False
 
     env_off = {ENV: "0"}
-    assert resolve_share_output(False, server_args=Args(), environ={ENV: "1"}) is False
-    assert resolve_share_output(None, server_args=Args(), environ=env_off) is True
-    assert resolve_share_output(None, server_args=Off(), environ={ENV: "1"}) is False
-    assert resolve_share_output(None, server_args=object(), environ={ENV: "1"}) is True
+    assert _shares(False, server_args=Args(), environ={ENV: "1"}) is False
+    assert _shares(None, server_args=Args(), environ=env_off) is True
+    assert _shares(None, server_args=Off(), environ={ENV: "1"}) is False
+    assert _shares(None, server_args=object(), environ={ENV: "1"}) is True
 
 
 def test_process_env_is_read(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(ENV, "on")
-    assert resolve_share_output() is True
+    assert _shares() is True
 
 
 def test_options_validation() -> None:
-    assert BackendOptions().share_output is None
+    assert BackendOptions().output_mode is None
     assert BackendOptions().strict_outputs is False
-    with pytest.raises(TypeError, match="share_output"):
+    with pytest.raises(TypeError, match="output_mode"):
+        BackendOptions(output_mode="yes")  # type: ignore[arg-type]
+    with pytest.warns(DeprecationWarning), pytest.raises(TypeError, match="share_output"):
         BackendOptions(share_output="yes")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="engine"):
         BackendOptions(engine="tpu")  # type: ignore[arg-type]
@@ -67,7 +76,7 @@ def test_default_follows_the_switch(monkeypatch: pytest.MonkeyPatch) -> None:
     """``BackendOptions()`` follows the env var (one switch); standalone default is off."""
     from sglang_bcg_plugin import ShapeKey, create_backend
 
-    assert BackendOptions().share_output is None
+    assert BackendOptions().output_mode is None
     backend = create_backend("full", options=BackendOptions(engine="eager"))
     with backend.capture_session():
         assert backend.share_output_active is False
@@ -77,7 +86,7 @@ def test_default_follows_the_switch(monkeypatch: pytest.MonkeyPatch) -> None:
         with backend.capture_session():
             assert backend.share_output_active is True
             backend.capture_one(ShapeKey(2), lambda: torch.ones(2, 2))
-    explicit = create_backend("full", options=BackendOptions(share_output=False))
+    explicit = create_backend("full", options=BackendOptions(output_mode="off"))
     with explicit.capture_session():
         assert explicit.share_output_active is False  # an explicit setting beats the env var
 
@@ -85,8 +94,8 @@ def test_default_follows_the_switch(monkeypatch: pytest.MonkeyPatch) -> None:
 @pytest.mark.parametrize(
     ("kwargs", "error", "match"),
     [
-        ({"share_output": "no"}, TypeError, "share_output must be False \\(off\\), True \\(on\\), 'released' or None.*'no' of type str"),
-        ({"share_output": 1}, TypeError, "share_output .* got 1 of type int"),
+        ({"output_mode": "no"}, TypeError, "output_mode must be 'off', 'on', 'released' or None.*'no' of type str"),
+        ({"output_mode": 1}, TypeError, "output_mode .* got 1 of type int"),
         ({"strict_outputs": "no"}, TypeError, "strict_outputs must be True or False, got 'no' of type str"),
         ({"strict_outputs": None}, TypeError, "strict_outputs"),
         ({"stale_output_guard": 1}, TypeError, "stale_output_guard must be True or False, got 1 of type int"),
@@ -104,3 +113,21 @@ def test_create_backend_rejects_non_options() -> None:
 
     with pytest.raises(TypeError, match=r"options must be a BackendOptions or None, got dict .*BackendOptions\(\.\.\.\)"):
         create_backend("full", options={"share_output": True})  # type: ignore[arg-type]
+
+
+def test_share_output_is_a_deprecated_alias_of_output_mode() -> None:
+    import dataclasses
+
+    from sglang_bcg_plugin import resolve_share_output
+
+    with pytest.warns(DeprecationWarning, match="use output_mode='on', 'off' or 'released'"):
+        legacy = BackendOptions(share_output=True)
+    assert legacy == BackendOptions(output_mode="on") and legacy.share_output is True
+    assert dataclasses.replace(legacy, output_mode="released").output_mode == "released"  # no warning
+    assert BackendOptions(output_mode=" Released ").output_mode == "released"
+    with pytest.raises(TypeError, match=r"got True of type bool \(use output_mode='on'\)"):
+        BackendOptions(output_mode=True)  # type: ignore[arg-type]
+    with pytest.warns(DeprecationWarning), pytest.raises(ValueError, match="disagree"):
+        BackendOptions(output_mode="on", share_output=False)
+    with pytest.warns(DeprecationWarning, match="resolve_share_output"):
+        assert resolve_share_output("released", environ={}) is True

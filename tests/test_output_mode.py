@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from sglang_bcg_plugin import BackendOptions, resolve_share_output
+from sglang_bcg_plugin import BackendOptions
 from sglang_bcg_plugin.output_mode import (
     ACCEPTED_TEXT,
     check_share_output,
@@ -14,6 +14,13 @@ from sglang_bcg_plugin.output_mode import (
     resolve_output_mode,
 )
 
+
+def _shares(*args: object, **kwargs: object) -> bool:
+    """Sharing on (``on`` or ``released``): what the deprecated ``resolve_share_output`` said."""
+    from sglang_bcg_plugin.output_mode import resolve_output_mode
+
+    return resolve_output_mode(*args, **kwargs) != "off"  # type: ignore[arg-type]
+
 ENV = "SGLANG_ENABLE_BCG_SHARED_OUTPUT"
 
 
@@ -22,7 +29,7 @@ ENV = "SGLANG_ENABLE_BCG_SHARED_OUTPUT"
 def test_text_spellings(raw: str, mode: str | None) -> None:
     assert parse_mode_text(raw) == mode
     assert resolve_output_mode(environ={ENV: raw}) == (mode or "off")
-    assert resolve_share_output(environ={ENV: raw}) is (mode in ("on", "released"))
+    assert _shares(environ={ENV: raw}) is (mode in ("on", "released"))
 
 
 @pytest.mark.parametrize("raw", ["2", "release", "releasedd", "maybe"])
@@ -34,10 +41,11 @@ def test_bad_text_names_the_source_and_the_choices(raw: str) -> None:
 
 def test_option_values() -> None:
     assert [mode_of_option(v) for v in (None, True, False, "released")] == [None, "on", "off", "released"]
-    assert BackendOptions(share_output="released").share_output == "released"
-    for bad in ("on", "Released", 1, 0.0, "yes"):
-        with pytest.raises(TypeError, match=r"BackendOptions\.share_output must be False \(off\), True \(on\), 'released' or None"):
-            BackendOptions(share_output=bad)  # type: ignore[arg-type]
+    assert [mode_of_option(v) for v in ("on", " OFF ", "Released")] == ["on", "off", "released"]
+    assert BackendOptions(output_mode="released").share_output == "released"
+    for bad in (1, 0.0, "yes", "share"):
+        with pytest.raises(TypeError, match=r"BackendOptions\.output_mode must be 'off', 'on', 'released' or None"):
+            BackendOptions(output_mode=bad)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="my_option must be"):
         check_share_output([], name="my_option")
 
@@ -48,7 +56,7 @@ def test_precedence_and_reasons() -> None:
             self._bcg_shared_output = value
 
     env = {ENV: "released"}
-    assert explain_output_mode(True, server_args=Stash(False), environ=env).source == "BackendOptions.share_output=True"
+    assert explain_output_mode(True, server_args=Stash(False), environ=env).source == "BackendOptions.output_mode='on'"
     r = explain_output_mode(None, server_args=Stash("released"), environ={ENV: "0"})
     assert (r.mode, r.source) == ("released", "--enable-bcg-shared-output (server_args._bcg_shared_output='released')")
     assert explain_output_mode(None, server_args=Stash(False), environ=env).mode == "off"
@@ -61,4 +69,4 @@ def test_precedence_and_reasons() -> None:
             explain_output_mode(None, server_args=Stash(bad), environ={})
     with pytest.raises(ValueError, match="is not an output mode"):  # a stash string that parses badly
         explain_output_mode(None, server_args=Stash("maybe"), environ={})
-    assert resolve_share_output("released", environ={}) is True
+    assert _shares("released", environ={}) is True

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from sglang_bcg_plugin.output_mode import mode_of_option
+
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -75,7 +77,7 @@ def fresh_dynamo() -> Iterator[None]:
 
 def make(share: bool, ops: list[Any] = OPS, **opts: Any) -> PiecewiseBackend:
     backend = create_backend(
-        "piecewise", options=BackendOptions(engine="eager", share_output=share, **opts), splitting_ops=ops
+        "piecewise", options=BackendOptions(engine="eager", output_mode=mode_of_option(share), **opts), splitting_ops=ops
     )
     assert isinstance(backend, PiecewiseBackend)
     return backend

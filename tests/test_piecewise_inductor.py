@@ -59,7 +59,7 @@ class Captured:
         torch._dynamo.reset()
         self.backend = create_backend(
             "piecewise",
-            options=BackendOptions(engine="eager", share_output=True),
+            options=BackendOptions(engine="eager", output_mode="on"),
             splitting_ops=[mix, write_softmax],
             inductor=True,
         )

@@ -32,11 +32,17 @@ from sglang_bcg_plugin import (
     OutputStructureError,
     ShapeKey,
     SharedOutputFallbackWarning,
-    resolve_share_output,
 )
 from sglang_bcg_plugin.options import parse_bool_env
 from sglang_bcg_plugin.shape_key import check_key
 from sglang_bcg_plugin.trees import flatten
+
+
+def _shares(*args: object, **kwargs: object) -> bool:
+    """Sharing on (``on`` or ``released``): what the deprecated ``resolve_share_output`` said."""
+    from sglang_bcg_plugin.output_mode import resolve_output_mode
+
+    return resolve_output_mode(*args, **kwargs) != "off"  # type: ignore[arg-type]
 
 H = 4
 FAST = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -447,18 +453,18 @@ def test_env_parser_hostile_values(raw: str) -> None:
         assert ENV_SHARE_OUTPUT in str(err) and "1/0, true/false, yes/no, on/off" in str(err)
         assert raw.strip() and raw.strip().lower() not in _TRUE | _FALSE
         if raw.strip().lower() == "released":  # not a boolean, but the third output mode: it shares
-            assert resolve_share_output(None, environ=env) is True
+            assert _shares(None, environ=env) is True
             return
         with pytest.raises(ValueError, match=ENV_SHARE_OUTPUT):
-            resolve_share_output(None, environ=env)
+            _shares(None, environ=env)
         # an explicit setting never consults the broken variable
-        assert resolve_share_output(True, environ=env) is True
+        assert _shares(True, environ=env) is True
         return
     if not raw.strip():
-        assert value is None and resolve_share_output(None, environ=env) is False
+        assert value is None and _shares(None, environ=env) is False
     else:
         assert value is (raw.strip().lower() in _TRUE)
-        assert resolve_share_output(None, environ=env) is value
+        assert _shares(None, environ=env) is value
 
 
 os_env_text = st.text(

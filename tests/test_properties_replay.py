@@ -15,6 +15,8 @@ property on real CUDA graphs.
 
 from __future__ import annotations
 
+from sglang_bcg_plugin.output_mode import mode_of_option
+
 import warnings
 from typing import Any
 
@@ -124,7 +126,7 @@ def check_case(case: dict[str, Any], device: str, engine: str) -> None:
     fwd = {k: Forward(case["desc"], x, k.size, w, kept, brk) for k in keys}
     backend = create_backend(
         case["backend"],
-        options=BackendOptions(share_output=case["mode"], engine=engine, shared_buffer=case["source"]),
+        options=BackendOptions(output_mode=mode_of_option(case["mode"]), engine=engine, shared_buffer=case["source"]),
     )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", SharedOutputFallbackWarning)

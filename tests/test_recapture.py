@@ -8,6 +8,8 @@ cycle 20 is not above the number after cycle 2 (same sharing setting; warm cache
 
 from __future__ import annotations
 
+from sglang_bcg_plugin.output_mode import mode_of_option
+
 import gc
 from collections import Counter
 import weakref
@@ -73,7 +75,7 @@ def test_twenty_recapture_cycles_toggling_sharing(backend_name: str) -> None:
 
     for cycle in range(1, CYCLES + 1):
         share = cycle % 2 == 1
-        backend.configure(share_output=share)
+        backend.configure(output_mode=mode_of_option(share))
         with backend.capture_session():
             assert backend.share_output_active is share
             for key, x in inputs.items():

@@ -42,7 +42,7 @@ def test_release_output_keeps_non_pool_leaves() -> None:
 def test_release_needs_the_alias_primitive(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delattr(torch._C, "_construct_storage_from_data_pointer")
     assert not rel.released_supported()
-    with pytest.raises(RuntimeError, match="lacks; use share_output=True"):
+    with pytest.raises(RuntimeError, match="lacks; use output_mode='on'"):
         rel.release_output(torch.ones(1))
 
 
@@ -75,7 +75,7 @@ def _capture(backend: Any, xs: dict[ShapeKey, torch.Tensor]) -> None:
 
 @pytest.mark.parametrize("name", ["breakable", "full"])
 def test_backends_released_on_the_eager_engine_keep_strong_outputs(name: str) -> None:
-    backend = create_backend(name, options=BackendOptions(share_output="released", engine="eager"))
+    backend = create_backend(name, options=BackendOptions(output_mode="released", engine="eager"))
     xs = {ShapeKey(8): torch.randn(8, 2), ShapeKey(4): torch.randn(4, 2)}
     _capture(backend, xs)
     report = backend.memory_report()
@@ -90,7 +90,7 @@ def test_backend_released_on_a_pool_engine_hands_out_aliases(cpu_is_pool_memory:
     from sglang_bcg_plugin import accounting
 
     monkeypatch.setattr(accounting, "_reserved", lambda backend: None)  # no CUDA to measure
-    backend = create_backend("breakable", options=BackendOptions(share_output="released", engine="eager"))
+    backend = create_backend("breakable", options=BackendOptions(output_mode="released", engine="eager"))
     backend._get_engine().name = "cuda"  # type: ignore[misc]
     xs = {ShapeKey(8): torch.randn(8, 2), ShapeKey(4): torch.randn(4, 2)}
     with backend.capture_session():

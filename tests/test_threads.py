@@ -10,6 +10,8 @@ and never corrupts an in-flight replay.
 
 from __future__ import annotations
 
+from sglang_bcg_plugin.output_mode import mode_of_option
+
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -117,7 +119,7 @@ def test_sharing_toggle_during_replays_applies_at_next_session(backend_name: str
             stop.wait(0.001)
         while not stop.is_set() and len(sessions) < 40:
             share = not share
-            backend.configure(share_output=share)
+            backend.configure(output_mode=mode_of_option(share))
             keys = [ShapeKey(s, 2, f"t{len(sessions)}") for s in SIZES]
             with backend.capture_session():
                 active = backend.share_output_active
@@ -163,7 +165,7 @@ def test_configure_from_another_thread_mid_session_does_not_change_it(backend_na
     keys = [ShapeKey(s, 0) for s in SIZES]
     with backend.capture_session():
         backend.capture_one(keys[0], lambda: model.forward(keys[0]), capture_inputs=model.x[keys[0]])
-        _run_threads([lambda: backend.configure(share_output=False)])
+        _run_threads([lambda: backend.configure(output_mode="off")])
         assert backend.options.share_output is False
         assert backend.share_output_active is True
         for key in keys[1:]:

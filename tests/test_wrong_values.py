@@ -14,6 +14,8 @@ held to what a caller sees.
 
 from __future__ import annotations
 
+from sglang_bcg_plugin.output_mode import mode_of_option
+
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -29,7 +31,7 @@ SOURCES = ["auto", "adopt", "reserve"]
 
 
 def _backend(name: str, mode: Any, engine: str, **opts: Any) -> Any:
-    return create_backend(name, options=BackendOptions(share_output=mode, engine=engine, **opts))
+    return create_backend(name, options=BackendOptions(output_mode=mode_of_option(mode), engine=engine, **opts))
 
 
 def user_view_case(name: str, mode: Any, source: str, warmups: int, device: str, engine: str) -> None:
@@ -96,7 +98,7 @@ def piecewise_prologue_case(mode: Any, device: str, engine: str) -> None:
     model = _Attn(device)
     backend = create_backend(
         "piecewise",
-        options=BackendOptions(share_output=mode, engine=engine),
+        options=BackendOptions(output_mode=mode_of_option(mode), engine=engine),
         splitting_ops=[torch.ops.sglang_bcg_test.write_softmax.default],
     )
     fn = backend.compile(model)

@@ -66,6 +66,9 @@ class CaptureBackend:
     def configure(self, **changes: Any) -> BackendOptions:
         """Replace option fields; they apply from the next capture session on."""
         with self._lock:
+            if "share_output" in changes:  # the deprecated alias (BackendOptions warns)
+                legacy = BackendOptions(share_output=changes.pop("share_output"))
+                changes.setdefault("output_mode", legacy.output_mode)
             self._options = dataclasses.replace(self._options, **changes)
             if "engine" in changes and not self._entries and self._engine is not None:
                 self._engine.release()
@@ -99,7 +102,7 @@ class CaptureBackend:
             if self._session is not None:
                 msg = f"{self.name} backend: capture_session() is already open; sessions do not nest"
                 raise CaptureStateError(msg)
-            mode = resolve_output_mode(self._options.share_output, server_args=self._server_args)
+            mode = resolve_output_mode(self._options.output_mode, server_args=self._server_args)
             share = mode == ON
             self._guard = make_guard(self._options.stale_output_guard, self._guard)
             engine = self._get_engine()

@@ -13,6 +13,7 @@ from typing import Any, Literal
 import torch
 
 from ..options import BackendOptions
+from ..output_mode import mode_of_option
 from ..registry import create_backend
 from ..shape_key import ShapeKey
 from ..trees import flatten
@@ -114,7 +115,7 @@ def run_variant(
     v = VARIANTS[variant]
     device = workload.shape.device
     options = BackendOptions(
-        share_output=v.share,
+        output_mode=mode_of_option(v.share),
         engine="cuda" if device.startswith("cuda") else "eager",
         stale_output_guard=v.guard,
         shared_buffer=v.shared_buffer,  # type: ignore[arg-type]

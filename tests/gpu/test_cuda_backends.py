@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from sglang_bcg_plugin.output_mode import mode_of_option
+
 import dataclasses
 from collections.abc import Callable
 from typing import Any
@@ -94,7 +96,7 @@ def share(request: pytest.FixtureRequest) -> bool:
 
 
 def _backend(name: str, share: bool, **kw: Any) -> Any:
-    return create_backend(name, options=BackendOptions(share_output=share, engine="cuda", **kw))
+    return create_backend(name, options=BackendOptions(output_mode=mode_of_option(share), engine="cuda", **kw))
 
 
 def test_replay_equals_eager_every_size(name: str, share: bool) -> None:

@@ -66,7 +66,7 @@ class Setup:
 
     def __init__(self, name: str, hook: Callable[[], None] = lambda: None) -> None:
         kwargs: dict[str, Any] = {"splitting_ops": [mix]} if name == "piecewise" else {}
-        self.backend = create_backend(name, options=BackendOptions(share_output=True, engine="cuda"), **kwargs)
+        self.backend = create_backend(name, options=BackendOptions(output_mode="on", engine="cuda"), **kwargs)
         self.model = Net(name)
         self.fn = self.backend.compile(self.model) if name == "piecewise" else self.model  # type: ignore[attr-defined]
         self.x = torch.randn(max(SIZES), H, device="cuda")

@@ -14,7 +14,7 @@ pytestmark = pytest.mark.cuda
 @pytest.mark.parametrize("name", ["breakable", "full"])
 def test_stale_view_raises_naming_both_keys(name: str) -> None:
     assert guard_supported()
-    backend = create_backend(name, options=BackendOptions(share_output=True, engine="cuda", stale_output_guard=True))
+    backend = create_backend(name, options=BackendOptions(output_mode="on", engine="cuda", stale_output_guard=True))
     xs = {s: torch.randn(s, 64, device="cuda") for s in (256, 128)}
     with backend.capture_session():
         for s, x in xs.items():

@@ -9,6 +9,8 @@ resident, and the Breakable bridges hold one layer's attention inputs (not one p
 
 from __future__ import annotations
 
+from sglang_bcg_plugin.output_mode import mode_of_option
+
 from typing import Any
 
 import pytest
@@ -31,7 +33,7 @@ def _capture(backend_name: str, share: bool, source: str = "auto") -> tuple[Any,
     model = workload.model_for(backend_name, max(SIZES))
     static = workload.static_input(max(SIZES))
     kwargs: dict[str, Any] = {"splitting_ops": list(workload.splitting_ops)} if backend_name == "piecewise" else {}
-    options = BackendOptions(share_output=share, strict_outputs=True, engine="cuda", shared_buffer=source)  # type: ignore[arg-type]
+    options = BackendOptions(output_mode=mode_of_option(share), strict_outputs=True, engine="cuda", shared_buffer=source)  # type: ignore[arg-type]
     backend = create_backend(backend_name, options=options, **kwargs)
     fn = backend.compile(model, dynamic_dim=1) if backend_name == "piecewise" else model
     with torch.no_grad(), backend.capture_session():

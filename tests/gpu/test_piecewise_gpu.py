@@ -7,6 +7,8 @@ when that variable is set).
 
 from __future__ import annotations
 
+from sglang_bcg_plugin.output_mode import mode_of_option
+
 import gc
 import json
 import os
@@ -83,7 +85,7 @@ def share(request: pytest.FixtureRequest) -> bool:
 
 
 def _backend(share: bool, ops: list[Any] = OPS) -> PiecewiseBackend:
-    backend = create_backend("piecewise", options=BackendOptions(share_output=share, engine="cuda"), splitting_ops=ops)
+    backend = create_backend("piecewise", options=BackendOptions(output_mode=mode_of_option(share), engine="cuda"), splitting_ops=ops)
     assert isinstance(backend, PiecewiseBackend)
     return backend
 

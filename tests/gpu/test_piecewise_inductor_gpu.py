@@ -8,6 +8,8 @@ changed. Errors are printed (and written to ``$SGLANG_BCG_GPU_RESULTS_DIR`` when
 
 from __future__ import annotations
 
+from sglang_bcg_plugin.output_mode import mode_of_option
+
 import json
 import os
 from collections.abc import Iterator
@@ -74,7 +76,7 @@ def fresh_dynamo() -> Iterator[None]:
 @pytest.mark.parametrize("share", [False, True], ids=["share_off", "share_on"])
 def test_inductor_pieces_on_cuda_graphs(share: bool) -> None:
     backend = create_backend(
-        "piecewise", options=BackendOptions(share_output=share, engine="cuda"), splitting_ops=[mix, write_softmax], inductor=True
+        "piecewise", options=BackendOptions(output_mode=mode_of_option(share), engine="cuda"), splitting_ops=[mix, write_softmax], inductor=True
     )
     assert isinstance(backend, PiecewiseBackend)
     model = Mixed()
@@ -116,7 +118,7 @@ def test_llama_inductor_pieces_bf16() -> None:
     static = workload.static_input(max(sizes))
     backend = create_backend(
         "piecewise",
-        options=BackendOptions(share_output=True, strict_outputs=True, engine="cuda"),
+        options=BackendOptions(output_mode="on", strict_outputs=True, engine="cuda"),
         splitting_ops=list(workload.splitting_ops),
         inductor=True,
     )

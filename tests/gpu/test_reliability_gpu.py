@@ -14,6 +14,8 @@ Results (the memory series) go to ``$SGLANG_BCG_GPU_RESULTS_DIR/reliability_*.js
 
 from __future__ import annotations
 
+from sglang_bcg_plugin.output_mode import mode_of_option
+
 import gc
 import json
 import os
@@ -138,7 +140,7 @@ def _storages(out: Any) -> set[int]:
 
 
 def _backend(name: str, share: bool, **kw: Any) -> Any:
-    return create_backend(name, options=BackendOptions(share_output=share, engine="cuda", num_warmups=NUM_WARMUPS, **kw))
+    return create_backend(name, options=BackendOptions(output_mode=mode_of_option(share), engine="cuda", num_warmups=NUM_WARMUPS, **kw))
 
 
 @pytest.fixture(params=["breakable", "full"])
@@ -256,7 +258,7 @@ def test_twenty_recapture_cycles_memory_returns(name: str) -> None:
     stream = torch.cuda.Stream()  # one capture stream for the process, as SGLang's runner
 
     def cycle(share: bool) -> None:
-        backend.configure(share_output=share)
+        backend.configure(output_mode=mode_of_option(share))
         with backend.capture_session(stream=stream):
             assert backend.share_output_active is share
             for key in keys:
@@ -315,7 +317,7 @@ def test_replays_from_threads_with_concurrent_toggle(name: str) -> None:
         t.start()
     flips = 0
     while any(t.is_alive() for t in threads) and flips < 100_000:
-        backend.configure(share_output=flips % 2 == 0)
+        backend.configure(output_mode=mode_of_option(flips % 2 == 0))
         flips += 1
         time.sleep(0.0002)
     for t in threads:

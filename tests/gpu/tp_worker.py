@@ -3,7 +3,7 @@
 ``torchrun --nproc-per-node 2 tests/gpu/tp_worker.py``. Each rank holds a column/row-parallel
 shard of the bench decoder (attention heads and MLP columns split across ranks; ``o_proj`` and
 ``down`` row-parallel followed by ``dist.all_reduce`` *inside the captured forward*). For the
-Breakable and Full backends with ``share_output=True`` it captures several sizes largest first,
+Breakable and Full backends with ``output_mode="on"`` it captures several sizes largest first,
 with ``post_warmup_hook=dist.barrier`` between warmup and capture, changes the inputs, and checks
 on each rank: replay == eager, both ranks hold the same output, no fallbacks, and the ranks
 report the same ``memory_report().saved_bytes`` (the analytic value). Rank 0 writes
@@ -93,7 +93,7 @@ def run_backend(name: str, rank: int, world: int, device: str, engine: str, fail
     model = TPDecoder(rank, world, device, attention_break if name == "breakable" else attention_op)
     g = torch.Generator().manual_seed(1)  # replicated activations: the same input on every rank
     x_max = torch.randn(SIZES[0], HIDDEN, generator=g).to(device)
-    backend = create_backend(name, options=BackendOptions(share_output=True, engine=engine))
+    backend = create_backend(name, options=BackendOptions(output_mode="on", engine=engine))
     barriers = {"n": 0}
 
     def barrier() -> None:
