@@ -5,13 +5,13 @@ Full graphs, normal eager execution). Inside one, the current CUDA-graph segment
 function runs eagerly, a new segment begins, and at replay the function runs again between
 the two segments' replays.
 
-Tensors crossing a break are held by strong references (a weak reference lets a later capture
-re-carve their blocks: SGLang #37606). Activations named in ``reads``/``writes`` are *bridged*
-through a per-partition arena instead of being held per key: inside the segment before the
-break they are copied into an arena slot (``reads``), the function runs on the slot views, and
-inside the segment after it the slots are copied back (``writes``). One arena serves every break
-of every key of a partition, so bridges cost one max-size slot per argument name, not
-``layers x keys`` activations. Returned tensors (allocated by the function) are always bridged.
+What crosses a break costs no copy and no bridge memory (``docs/breakable.md``): arguments pass
+as they are. Activations named in ``reads``/``writes`` are kept by the replay step through
+non-owning aliases on CUDA, so the pool reuses their memory once the model drops them (the
+alias only ever points at memory this key's own segment wrote just before the step reads it);
+every other tensor argument (weights, caches, static inputs) is held strongly for the graph's
+life (a weak reference lets a later capture re-carve it: SGLang #37606). A tensor the function
+returns gets graph-pool memory of the next segment, refreshed by the step at every replay.
 """
 
 from __future__ import annotations
@@ -57,10 +57,10 @@ def graph_break(
 ) -> F | Callable[[F], F]:
     """Decorate ``fn`` as an eager break point.
 
-    :param reads: parameter names of activation tensors the function reads (bridged in): one
-        name (``reads="out"``) or several (``reads=("q", "k")``).
-    :param writes: parameter names of activation tensors the function writes in place
-        (bridged out), spelled like ``reads``. Tensor arguments named in neither are held as
+    :param reads: parameter names of activation tensors the function reads (kept by non-owning
+        alias): one name (``reads="out"``) or several (``reads=("q", "k")``).
+    :param writes: parameter names of activation tensors the function writes in place (kept by
+        non-owning alias), spelled like ``reads``. Tensor arguments named in neither are held as
         they are, strongly, per key: right for weights, caches and static inputs.
     :raises TypeError: ``reads``/``writes`` is not a str or an iterable of str.
     :raises ValueError: a name in ``reads``/``writes`` is not a parameter of ``fn``.

@@ -20,7 +20,8 @@ from typing import TYPE_CHECKING, Any, NoReturn
 import torch
 
 from ._version import __version__
-from .errors import BackendRegistrationError, UsageError
+from .bench.usage import UsageError
+from .errors import BackendRegistrationError
 
 if TYPE_CHECKING:
     from .bench.config import BenchConfig

@@ -44,10 +44,6 @@ class PluginLoadWarning(UserWarning):
     """
 
 
-class UsageError(ValueError):
-    """A command-line input is invalid; ``sglang-bcg`` prints it as one ``error:`` line."""
-
-
 #: Frames a warning skips to reach the caller's line: this package, pluggy (hook calls) and
 #: ``contextlib`` (``with backend.capture_session():``).
 _INTERNAL = (

@@ -48,8 +48,9 @@ class MemoryReport:
     capture_seconds: Mapping[Hashable, float] = field(
         default_factory=lambda: MappingProxyType({})
     )
-    #: Bytes of bridge storage (tensors crossing breaks / splitting ops) per partition
-    #: (``stream_idx``); empty for engines without breaks.
+    #: Bytes of bridge storage (copies of tensors crossing breaks / splitting ops) per partition
+    #: (``stream_idx``); empty for our backends, whose values cross as they are. A third-party
+    #: front (``engines.base.Front``) reports its own here.
     bridge_bytes: Mapping[int | None, int] = field(default_factory=lambda: MappingProxyType({}))
 
     @property

@@ -35,7 +35,7 @@ import torch
 
 from .errors import OutputStructureError, warn_user
 from .scan import cut
-from .storage import SlotStore, flat_of, view_of
+from .storage import flat_of, view_of
 from .trees import Node, diff, flatten, storage_key, unflatten
 
 BufferSource = Literal["adopt", "reserve"]
@@ -112,13 +112,7 @@ class OutputSharer:
         self.strict = strict
         self.source = source
         self.partitions: dict[int | None, Partition] = {}
-        self.stores: dict[int | None, SlotStore] = {}
         self._reserved: dict[int | None, Partition] = {}
-
-    def output_bytes(self, stream: int | None) -> int:
-        """Bytes of the shared output buffers of partition ``stream``."""
-        part = self.partitions.get(stream)
-        return 0 if part is None else sum(_nbytes(b) for b in part.buffers)
 
     def reserve(self, key: Hashable, output: object, capacity_rows: int | None = None) -> None:
         """Allocate ``key``'s partition's buffers now (outside any capture) from ``output``.
@@ -138,15 +132,13 @@ class OutputSharer:
             return
         node, leaves = flatten(output)
         padded = max((t.shape[0] for _, t in leaves if t.dim() > 0), default=None)
-        store = SlotStore()
         buffers = []
         for path, t in leaves:
             numel = t.numel()
             if capacity_rows is not None and t.dim() > 0 and t.shape[0] == padded and capacity_rows > padded:
                 numel = math.prod(t.shape[1:]) * capacity_rows
-            buffers.append(store.add(path, torch.empty(max(numel, 1), dtype=t.dtype, device=t.device)))
+            buffers.append(torch.empty(max(numel, 1), dtype=t.dtype, device=t.device))
         self._reserved[stream] = Partition(stream, None, node, tuple(p for p, _ in leaves), tuple(buffers))
-        self.stores[stream] = store
 
     def prepare(
         self,
@@ -227,7 +219,6 @@ class OutputSharer:
         # another leaf's storage at another path would be overwritten by smaller keys' copies,
         # and a non-contiguous leaf has no flat view: those get a private buffer (a contiguous
         # copy) instead.
-        store = SlotStore()
         seen: set[tuple[str, int]] = set()
         buffers, outs = [], []
         for path, leaf in leaves:
@@ -242,12 +233,11 @@ class OutputSharer:
                 outs.append(view)
             else:
                 outs.append(leaf)
-            buffers.append(store.add(path, flat))
+            buffers.append(flat)
         part = Partition(stream, key, node, tuple(p for p, _ in leaves), tuple(buffers))
 
         def commit() -> None:
             self.partitions[stream] = part
-            self.stores[stream] = store
             self._reserved.pop(stream, None)
 
         return Prepared(unflatten(node, outs), shared=True, logical_bytes=logical, _commit=commit)

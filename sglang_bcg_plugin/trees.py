@@ -202,11 +202,6 @@ def storage_key(t: torch.Tensor) -> tuple[str, int]:
     return (str(t.device), t.untyped_storage().data_ptr())
 
 
-def tensor_bytes(t: torch.Tensor) -> int:
-    """Bytes of the tensor's own elements (what a consumer reads)."""
-    return t.numel() * t.element_size()
-
-
 def collect_tensors(obj: object) -> list[torch.Tensor]:
     """Every tensor reachable from ``obj`` (containers, dataclasses, ``__dict__``, ``__slots__``).
 

@@ -223,7 +223,7 @@ def test_split_attention_fake_has_the_value_head_size() -> None:
 def test_llama_config_rejection_is_a_usage_error() -> None:
     pytest.importorskip("transformers")
     from sglang_bcg_plugin.bench.llama import llama_config
-    from sglang_bcg_plugin.errors import UsageError
+    from sglang_bcg_plugin.bench.usage import UsageError
 
     assert llama_config(hidden=32, layers=1, heads=2, kv_heads=1, head_dim=16, intermediate=32, max_tokens=8, vocab=64).head_dim == 16
     with pytest.raises(UsageError, match=r"transformers' LlamaConfig rejects --hidden 63 --heads 4 .*\(The hidden size \(63\) is not a multiple"):

@@ -18,7 +18,7 @@ import pytest
 from sglang_bcg_plugin.bench import outdir
 from sglang_bcg_plugin.bench.outdir import LOCK, OutputWriteError, hold, write_pair
 from sglang_bcg_plugin.cli import main
-from sglang_bcg_plugin.errors import UsageError
+from sglang_bcg_plugin.bench.usage import UsageError
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ["bench", "--backends", "full", "--variants", "on", "--max-tokens", "8", "--hidden", "16", "--layers", "1",

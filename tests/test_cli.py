@@ -16,7 +16,7 @@ import sglang_bcg_plugin
 from sglang_bcg_plugin.bench import budget, config, outdir, runner
 from sglang_bcg_plugin.cli import main
 from sglang_bcg_plugin.bench.sizes import capture_size_stats
-from sglang_bcg_plugin.errors import UsageError
+from sglang_bcg_plugin.bench.usage import UsageError
 
 TINY = ["--hidden", "16", "--layers", "1", "--max-tokens", "8", "--repeats", "1", "--no-progress"]
 

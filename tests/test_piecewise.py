@@ -299,7 +299,7 @@ def test_a_forward_that_never_calls_the_compiled_callable_is_rejected() -> None:
     with torch.no_grad(), backend.capture_session():
         with pytest.raises(RuntimeError, match="never called a callable compiled by this backend"):
             backend.capture_one(setup.key(4), lambda: setup.model(x, pos))
-        assert not backend.has_shape(setup.key(4))
+        assert not backend.can_run(setup.key(4))
         backend.capture_one(setup.key(4), setup.forward(4))  # the backend is still usable
     assert backend.can_run(setup.key(4))
 
@@ -309,7 +309,7 @@ def test_cleanup_releases_and_allows_recapture() -> None:
     setup.capture()
     old = setup.backend.replay(setup.key(4))
     setup.backend.cleanup()
-    assert not setup.backend.has_shape(setup.key(4))
+    assert not setup.backend.can_run(setup.key(4))
     setup.capture()
     assert setup.backend.num_compilations == 1  # the compiled callable is reused
     assert old is not setup.backend.replay(setup.key(4))

@@ -280,7 +280,7 @@ def test_misfit_strict_raises(backend_name: str, case: str) -> None:
     assert isinstance(err, ValueError)
     assert err.shape_key == ShapeKey(8) and reason in err.reason and err.path.startswith("output")
     assert reason in str(err)
-    assert not backend.has_shape(ShapeKey(8)) and backend.has_shape(ShapeKey(16))
+    assert not backend.can_run(ShapeKey(8)) and backend.can_run(ShapeKey(16))
 
 
 def test_device_mismatch_falls_back(backend_name: str) -> None:
@@ -329,7 +329,7 @@ def test_unsupported_output_type_is_a_clear_error(backend_name: str) -> None:
     x = torch.randn(4, 4)
     with backend.capture_session(), pytest.raises(TypeError, match="unsupported output type"):
         backend.capture_one(ShapeKey(4), lambda: Opaque(x))
-    assert not backend.has_shape(ShapeKey(4))
+    assert not backend.can_run(ShapeKey(4))
 
 
 def test_reserved_buffer_serves_every_key(backend_name: str) -> None:

@@ -238,10 +238,6 @@ class CaptureBackend:
             return guard.hand_out(shape_key, out)
         return out
 
-    def has_shape(self, shape_key: Hashable) -> bool:
-        """Whether a graph for exactly this key exists."""
-        return shape_key in self._entries
-
     def can_run(self, shape_key: Hashable) -> bool:
         """Whether ``replay(shape_key)`` would run a captured graph."""
         return shape_key in self._entries

@@ -17,7 +17,7 @@ import os
 
 import torch
 
-from ..errors import UsageError
+from .usage import UsageError
 from .workload import ModelShape
 from .sizes import MIN_CAPTURE_SIZE, SizeStats, capture_size_stats
 from .text import plural

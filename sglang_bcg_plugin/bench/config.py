@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from .._constants import ENV_SHARE_OUTPUT
-from ..errors import UsageError
+from .usage import UsageError
 from ..output_mode import parse_mode_text
 from .budget import check_fits
 from .outdir import check_out_dir

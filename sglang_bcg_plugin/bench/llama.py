@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from ..breaks import graph_break
-from ..errors import UsageError
+from .usage import UsageError
 
 FULL_ATTENTION = "sglang_bcg_sdpa"
 BREAK_ATTENTION = "sglang_bcg_break"

@@ -26,7 +26,7 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from ..errors import UsageError
+from .usage import UsageError
 from .budget import human_bytes
 from .text import shown
 

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from ..shape_key import ShapeKey
-from ..trees import flatten, tensor_bytes
+from ..trees import flatten
 from .progress import progress as progress_bar
 from .clock import CompileClock
 from .rows import BenchRow
@@ -86,7 +86,7 @@ def graph_trees_row(
             for key in keys:
                 for _ in range(1 + num_warmups):
                     out = step(key.size)
-                logical += sum(tensor_bytes(t) for _, t in flatten(out)[1])
+                logical += sum(t.numel() * t.element_size() for _, t in flatten(out)[1])
                 del out
                 bar.update(1)
         finally:

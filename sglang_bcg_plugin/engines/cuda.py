@@ -1,6 +1,6 @@
 """CUDA engines: whole-forward graphs (Full) and the segmented engine over CUDA graphs.
 
-One private graph pool, one bridge store and one capture stream per stream partition: graphs
+One private graph pool and one capture stream per stream partition: graphs
 of one partition never replay concurrently, so they may reuse each other's intermediate memory;
 graphs of different partitions may, so they share neither a pool nor a capture stream (cuBLAS
 workspaces are per stream). A session's ``stream`` overrides the capture stream. Warmups run on

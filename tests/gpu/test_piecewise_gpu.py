@@ -220,7 +220,7 @@ def test_failed_capture_leaves_no_capture_open() -> None:
         with pytest.raises(RuntimeError, match="boom"):
             setup.backend.capture_one(ShapeKey(32), flaky)
         assert not torch.cuda.is_current_stream_capturing()
-        assert not setup.backend.has_shape(ShapeKey(32))
+        assert not setup.backend.can_run(ShapeKey(32))
         setup.backend.capture_one(ShapeKey(32), setup.forward(32), capture_inputs=(setup.x, setup.pos))
     setup.refill()
     for s in (64, 32):
