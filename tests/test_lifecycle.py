@@ -163,6 +163,11 @@ def test_configure_engine_resets_unused_engine(backend_name: str) -> None:
     assert backend.engine_name == "eager"
     backend.configure(engine="eager", strict_outputs=True)
     assert backend.engine_name == "eager" and backend.options.strict_outputs
+    if not torch.cuda.is_available():
+        # nothing captured: the eager engine is dropped, so the next one follows the new option
+        backend.configure(engine="cuda")
+        with pytest.raises(RuntimeError, match="engine='cuda' but CUDA is not available"):
+            _ = backend.engine_name
 
 
 def test_eager_replay_detects_changed_structure() -> None:
