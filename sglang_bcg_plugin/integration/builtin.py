@@ -82,18 +82,3 @@ def inspect_runner(cls: type) -> BuiltinPolicy:
     if any(n in source for n in SHARING_NAMES):
         return BuiltinPolicy(None, f"{name} shares outputs in a way this plugin does not know; assuming off")
     return BuiltinPolicy(False, f"{name}._capture_all keeps one output_buffers entry per size")
-
-
-def sglang_builtin_policy() -> BuiltinPolicy:
-    """The installed SGLang's policy (probed once per process, :func:`.compat.installed`)."""
-    from .compat import installed
-
-    try:
-        return installed().builtin
-    except Exception as exc:  # noqa: BLE001 - any import failure means "cannot tell"
-        return BuiltinPolicy(None, f"SGLang's breakable graph does not import ({type(exc).__name__}: {exc})")
-
-
-def sglang_builtin_shares() -> bool | None:
-    """Whether the installed SGLang's built-in BCG shares outputs (``None``: cannot tell)."""
-    return sglang_builtin_policy().shares

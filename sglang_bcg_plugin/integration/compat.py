@@ -101,16 +101,16 @@ def release() -> str:
 
 
 def seam_kind() -> SeamKind:
-    """Which seam the installed SGLang has, by file presence (imports no SGLang module body)."""
+    """Which seam the installed SGLang has, by file presence (imports no SGLang module)."""
+    try:
+        spec = importlib.util.find_spec("sglang")
+    except (ImportError, ValueError):
+        spec = None
+    roots = list(spec.submodule_search_locations or []) if spec is not None else []
     for kind, module in (("backend", BACKEND_MODULE), ("runner", RUNNER_MODULE)):
-        parent, _, leaf = module.rpartition(".")
-        try:
-            spec = importlib.util.find_spec(parent)
-        except (ImportError, ValueError):
-            continue
-        for location in (spec.submodule_search_locations or []) if spec is not None else []:
-            if (Path(location) / f"{leaf}.py").is_file():
-                return kind  # type: ignore[return-value]
+        rel = Path(*module.split(".")[1:]).with_suffix(".py")
+        if any((Path(root) / rel).is_file() for root in roots):
+            return kind  # type: ignore[return-value]
     return "none"
 
 
@@ -240,3 +240,16 @@ def runner_rows(runner: Any, output: Any) -> tuple[object, object]:
 def pool_borrowing_exists() -> bool:
     """Whether this SGLang lends free graph-pool blocks to eager tensors (``borrow_graph_pool``)."""
     return _has(f"{POOL_MODULE}.borrow_graph_pool")
+
+
+def sglang_builtin_policy() -> BuiltinPolicy:
+    """What the installed SGLang's own breakable graph does with outputs (our default there)."""
+    try:
+        return installed().builtin
+    except Exception as exc:  # noqa: BLE001 - any import failure means "cannot tell"
+        return BuiltinPolicy(None, f"SGLang's breakable graph does not import ({type(exc).__name__}: {exc})")
+
+
+def sglang_builtin_shares() -> bool | None:
+    """Whether the installed SGLang's built-in BCG shares outputs (``None``: cannot tell)."""
+    return sglang_builtin_policy().shares

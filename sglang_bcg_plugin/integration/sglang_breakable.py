@@ -151,8 +151,10 @@ class SharingPolicyMixin:
             if self._debug_eager:
                 # The whole forward is one eager break; its output (held by the break) is what
                 # the policy copies from. The model's own breaks inside it run inline.
-                whole = functools.partial(run_outside_capture, mod.BreakableCUDAGraphCapture, forward_fn)
-                out = eager_break(mod, whole, seam.eager_form)()
+                def whole_forward() -> Any:  # a named function: releases <= 0.5.21 log its __name__
+                    return run_outside_capture(mod.BreakableCUDAGraphCapture, forward_fn)
+
+                out = eager_break(mod, whole_forward, seam.eager_form)()
             else:
                 out = forward_fn()
             out = apply_runner_rows(out, runner_rows(self._cuda_graph_runner, out)[0])

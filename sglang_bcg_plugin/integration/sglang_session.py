@@ -25,8 +25,7 @@ from ..output_mode import RELEASED, OutputMode, Resolution, explain_output_mode
 from ..released import released_supported
 from ..sharing import BufferSource
 from ..trees import flatten, unflatten
-from .builtin import sglang_builtin_policy
-from .compat import Seam, installed, pool_borrowing_exists, runner_rows
+from .compat import Seam, installed, pool_borrowing_exists, runner_rows, sglang_builtin_policy
 
 #: SGLang's switch for eager tensors borrowing free graph-pool memory between replays.
 BORROW_ENV = "SGLANG_ENABLE_GRAPH_POOL_BORROW"

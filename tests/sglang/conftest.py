@@ -26,12 +26,14 @@ import pytest
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
 
-#: Warnings importing SGLang 0.5.23 emits on a CPU-only machine with torch 2.13 (quantization
-#: backends, torch.jit deprecation in its dependencies, SWIG types in sentencepiece).
+#: Warnings importing SGLang emits on a CPU-only machine with torch 2.13 (quantization backends,
+#: Triton on CPU, torch.jit deprecation in its dependencies, SWIG types in sentencepiece); the
+#: subprocess tests filter these.
 SGLANG_IMPORT_WARNINGS = (
     r"Only CUDA, (HIP and XPU support AWQ|MUSA and NPU support GGUF)"
     r"|`torch\.jit\.script_method` is deprecated"
     r"|builtin type Swig\w+ has no __module__ attribute"
+    r"|Triton is not supported on current platform"
 )
 #: Every SGLang module the tests import (imported once, warnings filtered, before any test), per
 #: seam of the installed release (``sglang_bcg_plugin.integration.compat.seam_kind``).
@@ -67,7 +69,9 @@ def sglang_problem() -> str | None:
     torchvision_standin.install()
     try:
         with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=SGLANG_IMPORT_WARNINGS)
+            # Import-time warnings of SGLang and its dependencies differ per release (quantization
+            # backends and Triton on CPU, deprecations): none of them is ours.
+            warnings.simplefilter("ignore")
             from sglang_bcg_plugin.integration.compat import seam_kind
 
             for name in (*SGLANG_MODULES, *SEAM_MODULES[seam_kind()]):
@@ -199,5 +203,14 @@ def cpu_bcg(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     from cpu_graph_standin import FakeGroup, SegmentGraph
 
     monkeypatch.setattr(torch.cuda, "CUDAGraph", SegmentGraph)
+    # Releases up to 0.5.22 ask torch.cuda (0.5.23: the device module) for the current stream.
+    monkeypatch.setattr(torch.cuda, "current_stream", torch.cpu.current_stream)
+    # Releases up to 0.5.22 weak-ref every break argument, which raises on CPU; 0.5.23 keeps CPU
+    # tensors as they are: the stand-in does what 0.5.23 does.
+    engine = bcg_module()
+    original = engine._weak_ref_if_tensor
+    monkeypatch.setattr(
+        engine, "_weak_ref_if_tensor", lambda x: x if torch.is_tensor(x) and x.device.type == "cpu" else original(x)
+    )
     with tp_group_installed(FakeGroup()):
         yield

@@ -9,6 +9,10 @@ What is stood in, and nothing else:
 * the TP group (``get_parallel().tp_group`` from 0.5.22, ``model_runner.tp_group`` before):
   unset in a process that never initialised distributed; a :class:`FakeGroup` whose
   ``barrier()`` does nothing (one rank).
+* ``torch.cuda.current_stream``: ``torch.cpu.current_stream`` (releases up to 0.5.22 ask
+  ``torch.cuda`` for the stream a capture starts on; 0.5.23 asks the device module).
+* the segment engine's ``_weak_ref_if_tensor`` keeps CPU tensors as they are (what 0.5.23's
+  does; earlier releases call ``weak_ref_tensors``, which raises on CPU).
 * the runner's ``device_module``: ``torch.cpu`` has no ``graph_pool_handle``;
   :class:`FakeDeviceModule` returns the ``(0, 0)`` pool id SGLang uses as "no pool".
 

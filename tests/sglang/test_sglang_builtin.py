@@ -6,8 +6,9 @@ import sys
 
 import pytest
 
-from sglang_bcg_plugin.integration import builtin
-from sglang_bcg_plugin.integration.builtin import BuiltinPolicy, inspect_builtin, sglang_builtin_policy, sglang_builtin_shares
+from sglang_bcg_plugin.integration import compat as builtin
+from sglang_bcg_plugin.integration.builtin import BuiltinPolicy, inspect_builtin
+from sglang_bcg_plugin.integration.compat import sglang_builtin_policy, sglang_builtin_shares
 
 pytestmark = pytest.mark.sglang
 
