@@ -247,7 +247,8 @@ def sglang_builtin_policy() -> BuiltinPolicy:
     try:
         return installed().builtin
     except Exception as exc:  # noqa: BLE001 - any import failure means "cannot tell"
-        return BuiltinPolicy(None, f"SGLang's breakable graph does not import ({type(exc).__name__}: {exc})")
+        first = next((line.strip() for line in str(exc).splitlines() if line.strip()), "")
+        return BuiltinPolicy(None, f"SGLang's breakable graph does not import ({type(exc).__name__}: {first})")
 
 
 def sglang_builtin_shares() -> bool | None:

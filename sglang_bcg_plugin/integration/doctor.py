@@ -16,6 +16,7 @@ import importlib
 import importlib.metadata
 import importlib.util
 import pkgutil
+import re
 import sys
 from collections import Counter
 from dataclasses import dataclass
@@ -53,6 +54,15 @@ class Problem:
     dependency: str | None = None
 
 
+#: How transformers words a missing optional dependency in an ``ImportError``.
+_REQUIRES = re.compile(r"requires the (\w+) library but it was not found")
+
+
+def one_line(exc: BaseException) -> str:
+    """The first non-empty line of an exception's text."""
+    return next((line.strip() for line in str(exc).splitlines() if line.strip()), "")
+
+
 def _diagnose(target: str) -> Problem | None:
     """``None`` when ``target`` resolves, else why not.
 
@@ -79,7 +89,11 @@ def _diagnose(target: str) -> Problem | None:
                 return Problem("dependency", detail, missing)
             return Problem("import", detail)
         except Exception as exc:  # noqa: BLE001 - reported, the check continues
-            return Problem("import", f"cannot import {module}: {type(exc).__name__}: {exc}")
+            detail = f"cannot import {module}: {type(exc).__name__}: {one_line(exc)}"
+            named = _REQUIRES.search(str(exc)) if isinstance(exc, ImportError) else None
+            if named is not None:  # transformers' "requires the Torchvision library but it was not found"
+                return Problem("dependency", detail, named.group(1).lower())
+            return Problem("import", detail)
     return Problem("moved", f"{type(error).__name__}: {error}")
 
 

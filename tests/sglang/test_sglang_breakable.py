@@ -274,7 +274,7 @@ def test_server_args_published_in_process(monkeypatch: pytest.MonkeyPatch) -> No
     from sglang_bcg_plugin.integration.sglang_session import runner_server_args
 
     published = object()
-    monkeypatch.setattr(runtime_context, "get_server_args", lambda: published)
+    monkeypatch.setattr(runtime_context, "get_server_args", lambda: published, raising=False)  # <= 0.5.14: absent
     assert runner_server_args(FakeRunner()) is published  # the runner's model_runner has none
     mine = object()
     assert runner_server_args(FakeRunner(server_args=mine)) is mine
