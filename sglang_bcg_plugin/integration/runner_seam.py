@@ -86,7 +86,8 @@ def around_capture_one(
     key = RunnerKey(num_tokens)
     state.begin(key)
     var = capture_var(_capture_cls())
-    forward = runner._run_forward  # the bound method (an earlier shadow was removed below)
+    shadowed = runner.__dict__.get("_run_forward")  # an instance's own, restored below
+    forward = runner._run_forward
     placed: list[Any] = []
 
     def run_forward(*fargs: Any, **fkwargs: Any) -> Any:
@@ -103,7 +104,10 @@ def around_capture_one(
     try:
         graph, _ = original_fn(runner, num_tokens, pool, stream, *args, **kwargs)
     finally:
-        del runner._run_forward
+        if shadowed is None:
+            del runner._run_forward
+        else:
+            runner._run_forward = shadowed
     if len(placed) != 1:
         msg = (
             f"BreakableCudaGraphRunner._capture_one({num_tokens}) ran the forward {len(placed)} times "
