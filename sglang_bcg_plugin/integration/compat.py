@@ -189,7 +189,7 @@ def installed() -> Seam:
             "runner", version, "model_executor.BreakableCudaGraphRunner._capture_all/_capture_one, wrapped",
             inspect_runner(module.BreakableCudaGraphRunner),
             eager_form=_first_param(bcg.eager_on_graph) or "enable",
-            global_pool=_has(f"{POOL_MODULE}.get_global_graph_memory_pool"),
+            global_pool=hasattr(module, "get_global_graph_memory_pool"),
         )
     return Seam("none", version, f"neither {BACKEND_MODULE} nor {RUNNER_MODULE} exists",
                 BuiltinPolicy(None, "no breakable CUDA graph in this SGLang"))

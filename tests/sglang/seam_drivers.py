@@ -13,6 +13,7 @@ Only the CUDA primitives are stood in (``cpu_graph_standin``, fixture ``cpu_bcg`
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -67,11 +68,16 @@ class RunnerDriver:
         original_all, original_one = cls._capture_all, cls._capture_one
         # As HookRegistry's AROUND hooks wrap them (tests/sglang/test_sglang_hooks_applied.py
         # checks load_plugins() installs exactly these).
-        monkeypatch.setattr(cls, "_capture_all", lambda self: runner_seam.around_capture_all(original_all, self))
-        monkeypatch.setattr(
-            cls, "_capture_one",
-            lambda self, n, pool, stream: runner_seam.around_capture_one(original_one, self, n, pool, stream),
-        )
+        @functools.wraps(original_all)
+        def capture_all(self: Any) -> Any:
+            return runner_seam.around_capture_all(capture_all.__wrapped__, self)  # type: ignore[attr-defined]
+
+        @functools.wraps(original_one)
+        def capture_one(self: Any, n: int, pool: Any, stream: Any) -> Any:
+            return runner_seam.around_capture_one(capture_one.__wrapped__, self, n, pool, stream)  # type: ignore[attr-defined]
+
+        monkeypatch.setattr(cls, "_capture_all", capture_all)
+        monkeypatch.setattr(cls, "_capture_one", capture_one)
 
         @contextlib.contextmanager
         def graph_capture() -> Iterator[Any]:

@@ -129,3 +129,52 @@ def test_default_is_the_release_behaviour(monkeypatch: pytest.MonkeyPatch) -> No
     shares = seam().builtin.shares
     assert all(k.shared is bool(shares) for k in driver.report().keys)
     assert len(storages(driver.outputs())) == (1 if shares else len(SIZES))
+
+
+def _break_what_capture_calls(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Change one thing our capture calls, as a later SGLang might."""
+    import importlib
+
+    from conftest import seam
+
+    if seam().kind == "runner":
+        cls = importlib.import_module("sglang.srt.model_executor.breakable_cuda_graph_runner").BreakableCudaGraphRunner
+
+        hooked = cls._capture_one  # our hook around SGLang's, as the driver installed it
+
+        def _capture_one(self: Any, num_tokens: int, pool: Any, stream: Any) -> Any:  # no forward inside a capture
+            return None, None
+
+        monkeypatch.setattr(hooked, "__wrapped__", _capture_one)
+        return
+    module = importlib.import_module("sglang.srt.model_executor.runner_backend.breakable_cuda_graph_backend")
+    original = module.BreakableCUDAGraphCapture
+
+    class Capture(original):  # type: ignore[misc, valid-type]
+        def __init__(self, cuda_graph: Any, stream: Any = None) -> None:  # `pool` is gone
+            super().__init__(cuda_graph=cuda_graph, pool=None, stream=stream)
+
+    monkeypatch.setattr(module, "BreakableCUDAGraphCapture", Capture)
+
+
+@pytest.mark.parametrize("broken", [False, True])
+def test_doctor_agrees_with_a_real_capture(monkeypatch: pytest.MonkeyPatch, dist_dir: Any, broken: bool) -> None:
+    """Doctor says ok exactly when a real capture through our plugin works on this release."""
+    import io
+
+    from sglang_bcg_plugin.integration.doctor import doctor_main
+
+    monkeypatch.syspath_prepend(str(dist_dir))
+    driver, model = make_driver(monkeypatch), Model(1, lambda h: h)
+    if broken:
+        _break_what_capture_calls(monkeypatch)
+    out = io.StringIO()
+    verdict = doctor_main([], out=out)
+    try:
+        driver.capture({driver.key(n): model.forward_for(n) for n in SIZES})
+    except (TypeError, RuntimeError) as exc:
+        captured: BaseException | None = exc
+    else:
+        captured = None
+    assert (verdict == 0) is (captured is None), (out.getvalue(), captured)
+    assert ("[MISSING]" in out.getvalue()) is broken
