@@ -40,7 +40,7 @@ HELP = (
     "graph-pool memory until any other graph of the pool replays (opt-in; read the plugin's "
     "docs first); =off or --no-enable-bcg-shared-output: one output per size. When neither is "
     f"given, {ENV_SHARE_OUTPUT} decides (1/0/released), else the installed SGLang's own "
-    "default (0.5.23: on). Engine(...) users set that variable."
+    "default (0.5.14+: on; 0.5.13: off). Engine(...) users set that variable."
 )
 
 #: What the parsed value becomes: the env var's text and the stash's value.
@@ -100,10 +100,10 @@ def refuse_unsupported(server_args: object) -> None:
     from .sglang_session import refusal, resolve_mode
 
     env = os.environ
-    guard = parse_bool_env(ENV_STALE_OUTPUT_GUARD, env)
-    if getattr(server_args, SERVER_ARGS_STASH, None) is None and not (env.get(ENV_SHARE_OUTPUT) or "").strip() and not guard:
-        return
     try:
+        guard = parse_bool_env(ENV_STALE_OUTPUT_GUARD, env)
+        if getattr(server_args, SERVER_ARGS_STASH, None) is None and not (env.get(ENV_SHARE_OUTPUT) or "").strip() and not guard:
+            return
         resolution = resolve_mode(server_args, env)
     except ValueError as exc:
         raise SystemExit(f"sglang_bcg: {exc}") from None

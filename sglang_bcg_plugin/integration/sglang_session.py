@@ -66,7 +66,7 @@ def refusal(seam: Seam, mode: OutputMode, guard: bool, environ: Mapping[str, str
             f"{mode!r} has nothing to apply to: unset {ENV_SHARE_OUTPUT} / --enable-bcg-shared-output"
         )
     if mode == RELEASED and not released_supported():
-        return f"output mode 'released' needs torch._C._construct_storage_from_data_pointer, which this torch lacks; use on"
+        return "output mode 'released' needs torch._C._construct_storage_from_data_pointer, which this torch lacks; use on"
     if mode == RELEASED and parse_bool_env(BORROW_ENV, environ) and pool_borrowing_exists():
         return (
             f"output mode 'released' cannot run with {BORROW_ENV}=1: released outputs live in free "
