@@ -98,3 +98,22 @@ def test_small_probes() -> None:
 def test_seam_kind_without_sglang(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(compat.importlib.util, "find_spec", lambda name: None)
     assert compat.seam_kind() == "none"
+
+
+def test_checks_per_seam_kind() -> None:
+    from sglang_bcg_plugin.integration.calls import runner_checks, seam_checks
+
+    assert seam_checks(seam("none")) == []
+    labels = [label for label, _ in runner_checks(seam("runner"))]
+    assert labels == [label for label, _ in seam_checks(seam("runner"))] and len(labels) == 5
+    assert any("_capture_one runs self._run_forward inside BreakableCUDAGraphCapture" in label for label in labels)
+
+
+def test_runner_policy_reads_the_class() -> None:
+    from sglang_bcg_plugin.integration.builtin import inspect_runner
+
+    class KeepsOne:
+        def _capture_all(self) -> None:
+            self.output_buffers: dict[int, object] = {}
+
+    assert inspect_runner(KeepsOne) == BuiltinPolicy(False, "KeepsOne._capture_all keeps one output_buffers entry per size")
