@@ -116,4 +116,5 @@ def test_runner_policy_reads_the_class() -> None:
         def _capture_all(self) -> None:
             self.output_buffers: dict[int, object] = {}
 
-    assert inspect_runner(KeepsOne) == BuiltinPolicy(False, "KeepsOne._capture_all keeps one output_buffers entry per size")
+    policy = inspect_runner(KeepsOne)
+    assert policy.shares is False and policy.reason.endswith("KeepsOne._capture_all keeps one output_buffers entry per size")
