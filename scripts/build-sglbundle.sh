@@ -51,6 +51,9 @@ with zipfile.ZipFile(whl) as z:
             z.extract(name, b)
 PYEOF
 rm -rf "$B/.src"
+# Wheels over 32 MiB (xgrammar) apart, so a bundle can travel in pieces of at most 64 MiB.
+mkdir -p "$B/wheels-large"
+find "$B/wheels" -maxdepth 1 -name '*.whl' -size +32M -exec mv {} "$B/wheels-large/" \;
 cp "$HERE/sglbundle/install.sh" "$HERE/sglbundle/check_imports.py" "$B/"
 cp -R "$HERE/sglbundle/standins" "$B/standins"
 # The torchvision import stand-in is the test suite's own (one copy in the repository).
