@@ -4,7 +4,8 @@
 #   GPU_TESTS   what pytest runs (default tests/gpu)      BENCH_ARGS  extra bench flags
 #   SKIP_TESTS=1 / SKIP_BENCH=1                            skip either part
 #   SGLBUNDLE   the offline SGLang bundle (default .sglbundle): reused when present, built
-#               with scripts/build-sglbundle.sh when missing (needs PyPI), unless SGLang is
+#               with scripts/build-sglbundle.sh "${SGLANG_RELEASE:-0.5.23}" when missing
+#               (needs PyPI), unless SGLang is
 #               already importable; without any, tests/gpu/test_sglang_gpu.py skips.
 set -uo pipefail
 OUT="${OUT:-out}"
@@ -18,7 +19,7 @@ if python3 -c "import sglang" >/dev/null 2>&1; then
   echo "sglang: installed $(python3 -c 'import importlib.metadata as m; print(m.version("sglang"))')" | tee -a "$OUT/gpu.txt"
 else
   if [ ! -f "$SGLBUNDLE/install.sh" ]; then
-    bash scripts/build-sglbundle.sh "$SGLBUNDLE" || echo "sglang: bundle build failed (no PyPI?); SGLang GPU tests skip"
+    bash scripts/build-sglbundle.sh "${SGLANG_RELEASE:-0.5.23}" "$SGLBUNDLE" || echo "sglang: bundle build failed (no PyPI?); SGLang GPU tests skip"
   fi
   if [ -f "$SGLBUNDLE/install.sh" ]; then
     # shellcheck disable=SC1091

@@ -5,9 +5,13 @@ Installing the plugin must not change SGLang's memory behaviour by itself, so wi
 backend shares exactly when the installed SGLang's built-in ``BreakableCudaGraphBackend``
 would. That is *detected* from the installed class, not assumed from a version number:
 
-* SGLang 0.5.23: ``__init__`` creates ``_shared_output_buffer`` and ``capture_one`` fills it
-  (``_alloc_full_buffer``) and copies every key's output into it (``_copy_output_to_buffer``)
-  with no switch around it: it **always** shares, so our default is ``on``;
+* 0.5.16 to 0.5.23: ``__init__`` creates ``_shared_output_buffer`` and ``capture_one`` allocates
+  it from the warmup (``_alloc_full_buffer``) and copies every key's output into it
+  (``_copy_output_to_buffer``), with no switch around it: it **always** shares, so ``on``;
+* 0.5.14 and 0.5.15: ``capture_one`` adopts the first capture's output as
+  ``_shared_output_buffer`` and copies later outputs into it: sharing too, so ``on``;
+* 0.5.13's ``BreakableCudaGraphRunner`` keeps one ``output_buffers[num_tokens]`` per size
+  (:func:`inspect_runner`): ``off``;
 * a class without those names does not share: ``off``;
 * the names present but the source also mentions a switch (a later SGLang that made sharing
   optional), or no source to read: unknown, so ``off`` (the safe value: one output per key),
@@ -18,14 +22,15 @@ Only this backend follows SGLang's default; our standalone backends stay ``off``
 
 from __future__ import annotations
 
-import functools
 import inspect
 from dataclasses import dataclass
 
 from ..output_mode import OFF, ON, OutputMode
 
 #: Names whose presence in SGLang's ``capture_one`` means "copies every output into one buffer".
-SHARING_NAMES = ("_shared_output_buffer", "_alloc_full_buffer", "_copy_output_to_buffer")
+SHARING_NAMES = ("_shared_output_buffer", "_copy_output_to_buffer")
+#: Present too when the buffer comes from the warmup (0.5.16+); without it the first output is adopted.
+WARMUP_BUFFER = "_alloc_full_buffer"
 #: Words that would make that sharing conditional (then we cannot tell what SGLang does).
 SWITCH_WORDS = ("share_output", "enable_bcg", "reuse_output")
 
@@ -60,19 +65,20 @@ def inspect_builtin(cls: type) -> BuiltinPolicy:
         return BuiltinPolicy(
             None, f"{name}.capture_one shares under a switch ({', '.join(switches)}) this plugin does not know; assuming off"
         )
-    return BuiltinPolicy(True, f"{name}.capture_one always copies outputs into one _shared_output_buffer")
+    if WARMUP_BUFFER in capture:
+        return BuiltinPolicy(True, f"{name}.capture_one always copies outputs into one _shared_output_buffer")
+    return BuiltinPolicy(
+        True, f"{name}.capture_one adopts the first capture's output as one _shared_output_buffer and copies the others into it"
+    )
 
 
-@functools.cache
-def sglang_builtin_policy() -> BuiltinPolicy:
-    """The installed SGLang's policy (read once per process)."""
+def inspect_runner(cls: type) -> BuiltinPolicy:
+    """Read SGLang 0.5.13's ``BreakableCudaGraphRunner`` (or a stand-in) for its output policy."""
+    name = cls.__qualname__
     try:
-        from sglang.srt.model_executor.runner_backend.breakable_cuda_graph_backend import BreakableCudaGraphBackend
-    except Exception as exc:  # noqa: BLE001 - any import failure means "cannot tell"
-        return BuiltinPolicy(None, f"SGLang's breakable backend does not import ({type(exc).__name__}: {exc})")
-    return inspect_builtin(BreakableCudaGraphBackend)
-
-
-def sglang_builtin_shares() -> bool | None:
-    """Whether the installed SGLang's built-in BCG shares outputs (``None``: cannot tell)."""
-    return sglang_builtin_policy().shares
+        source = inspect.getsource(cls)
+    except (OSError, TypeError) as exc:
+        return BuiltinPolicy(None, f"cannot read {name}'s source ({type(exc).__name__}); assuming it does not share")
+    if any(n in source for n in SHARING_NAMES):
+        return BuiltinPolicy(None, f"{name} shares outputs in a way this plugin does not know; assuming off")
+    return BuiltinPolicy(False, f"{name}._capture_all keeps one output_buffers entry per size")

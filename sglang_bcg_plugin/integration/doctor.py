@@ -16,34 +16,28 @@ import importlib
 import importlib.metadata
 import importlib.util
 import pkgutil
+import re
 import sys
 from collections import Counter
 from dataclasses import dataclass
+from collections.abc import Callable
 from typing import TextIO
 
-from .hooks import HOOKS
-from .sglang_breakable import SGLANG_BCG_CLASS
-from .sglang_session import CAPTURE_VAR
+from .calls import seam_checks
+from .compat import BACKEND_CLASS, RUNNER_CLASS, Seam, installed, seam_kind
+from .hooks import hooks_for
 
-#: The SGLang versions this integration was checked against (the ``[sglang]`` extra pins it).
-SUPPORTED_SGLANG = ("0.5.23",)
+#: The SGLang releases this integration was checked against (the ``[sglang]`` extra allows them).
+SUPPORTED_SGLANG = tuple(f"0.5.{n}" for n in range(13, 24))
 ENTRY_POINT_GROUP = "sglang.srt.plugins"
 ENTRY_POINT_VALUE = "sglang_bcg_plugin.integration:register"
-#: How to install the plugin with the supported SGLang (the package is not on PyPI).
+#: How to install the plugin with a supported SGLang (the package is not on PyPI).
 INSTALL = "from a checkout of sglang_bcg_plugin: pip install -e '.[sglang]'"
+#: Dependencies built against one torch: installing one from PyPI may replace torch itself.
+TORCH_BOUND = frozenset({"torchvision", "torchaudio", "sgl_kernel", "triton", "xformers", "flashinfer"})
 
-_BCG_MODULE = SGLANG_BCG_CLASS.rsplit(".", 1)[0]
-#: Names our breakable backend reads besides the hook targets (a moved one breaks capture).
-SEAM_NAMES = (
-    SGLANG_BCG_CLASS,
-    *(
-        f"{_BCG_MODULE}.{n}"
-        for n in ("BreakableCUDAGraph", "BreakableCUDAGraphCapture", "eager_on_graph", "graph_pool_capture_scope")
-    ),
-    "sglang.srt.model_executor.runner_backend.base_cuda_graph_backend.BaseCudaGraphBackend",
-    "sglang.srt.plugins.hook_registry.HookRegistry",
-    CAPTURE_VAR,
-)
+#: Names every seam needs besides its own (``calls``).
+COMMON_NAMES = ("sglang.srt.plugins.hook_registry.HookRegistry",)
 
 
 @dataclass(frozen=True)
@@ -58,6 +52,15 @@ class Problem:
     kind: str
     detail: str
     dependency: str | None = None
+
+
+#: How transformers words a missing optional dependency in an ``ImportError``.
+_REQUIRES = re.compile(r"requires the (\w+) library but it was not found")
+
+
+def one_line(exc: BaseException) -> str:
+    """The first non-empty line of an exception's text."""
+    return next((line.strip() for line in str(exc).splitlines() if line.strip()), "")
 
 
 def _diagnose(target: str) -> Problem | None:
@@ -86,7 +89,11 @@ def _diagnose(target: str) -> Problem | None:
                 return Problem("dependency", detail, missing)
             return Problem("import", detail)
         except Exception as exc:  # noqa: BLE001 - reported, the check continues
-            return Problem("import", f"cannot import {module}: {type(exc).__name__}: {exc}")
+            detail = f"cannot import {module}: {type(exc).__name__}: {one_line(exc)}"
+            named = _REQUIRES.search(str(exc)) if isinstance(exc, ImportError) else None
+            if named is not None:  # transformers' "requires the Torchvision library but it was not found"
+                return Problem("dependency", detail, named.group(1).lower())
+            return Problem("import", detail)
     return Problem("moved", f"{type(error).__name__}: {error}")
 
 
@@ -144,10 +151,7 @@ def _summary(problems: list[Problem], entry_point_found: bool) -> tuple[list[str
         lines.append(f"doctor: entry point not discoverable: reinstall the plugin into this environment ({INSTALL})")
         code = EXIT_MOVED
     for dep, n in Counter(p.dependency for p in problems if p.kind == "dependency").items():
-        lines.append(
-            f"doctor: SGLang could not be imported: dependency {dep!r} is missing "
-            f"(install it into this environment, e.g. pip install {dep}); {n} name(s) could not be checked"
-        )
+        lines.append(f"doctor: SGLang could not be imported: dependency {dep!r} is missing ({_advice(dep)}); {n} name(s) could not be checked")
         code = code or EXIT_IMPORT
     for p in problems:
         if p.kind == "import":
@@ -155,6 +159,44 @@ def _summary(problems: list[Problem], entry_point_found: bool) -> tuple[list[str
             code = code or EXIT_IMPORT
             break
     return lines or ["doctor: ok"], code
+
+
+def _advice(dep: str | None) -> str:
+    if dep in TORCH_BOUND:
+        import torch
+
+        return (
+            f"install the {dep} build made for the installed torch {torch.__version__} into this environment, "
+            f"keeping that torch (a {dep} built for another torch makes pip replace torch)"
+        )
+    return "install it into this environment: SGLang imports it"
+
+
+def _seam_lines(say: Callable[[str], None], problems: list[Problem]) -> Seam | None:
+    """Probe the seam and print each call our capture makes; ``None`` when it cannot be probed."""
+    try:
+        seam = installed()
+    except Exception as exc:  # noqa: BLE001 - reported: the probe imports SGLang
+        problems.append(Problem("import", f"probing the breakable graph: {type(exc).__name__}: {exc}"))
+        say(f"  [NOT CHECKED] the breakable graph ({type(exc).__name__}: {exc})")
+        return None
+    say(f"seam: {seam.describe()}")
+    if seam.kind == "none":
+        problems.append(Problem("moved", seam.why))
+        return seam
+    say("what the capture calls:")
+    for label, check in seam_checks(seam):
+        try:
+            why = check()
+        except Exception as exc:  # noqa: BLE001 - a check that cannot run is a failed check
+            why = f"{type(exc).__name__}: {exc}"
+        if why is None:
+            say(f"  [ok] {label}")
+        else:
+            problems.append(Problem("moved", f"{label}: {why}"))
+            say(f"  [MISSING] {label}  ({why})")
+    say("features: " + ", ".join(f"{name}={value!r}" for name, value in seam.features().items()))
+    return seam
 
 
 def doctor_main(argv: list[str] | None = None, *, out: TextIO | None = None) -> int:
@@ -174,7 +216,7 @@ def doctor_main(argv: list[str] | None = None, *, out: TextIO | None = None) -> 
     if version is None:
         say(f"SGLang not installed: install it into the serving environment ({INSTALL})")
         return EXIT_NO_SGLANG
-    supported = "supported" if version in SUPPORTED_SGLANG else f"untested; supported: {', '.join(SUPPORTED_SGLANG)}"
+    supported = "supported" if version in SUPPORTED_SGLANG else f"untested; supported: {SUPPORTED_SGLANG[0]} to {SUPPORTED_SGLANG[-1]}"
     say(f"SGLang {version} ({supported})")
     problems: list[Problem] = []
 
@@ -187,12 +229,15 @@ def doctor_main(argv: list[str] | None = None, *, out: TextIO | None = None) -> 
         tag = {"moved": "MISSING", "dependency": "NOT CHECKED", "import": "NOT CHECKED"}[problem.kind]
         say(f"  [{tag}] {prefix}{name}  ({problem.detail})")
 
+    kind = seam_kind()
     say("hook targets:")
-    for target, _, kind in HOOKS:
-        report(f"{kind:<6} ", target)
+    for target, _, hook_kind in hooks_for(kind):
+        report(f"{hook_kind:<6} ", target)
     say("seam names:")
-    for name in SEAM_NAMES:
+    for name in (*COMMON_NAMES, *({"backend": (BACKEND_CLASS,), "runner": (RUNNER_CLASS,)}.get(kind, ()))):
         report("", name)
+    if not problems:  # the names import: probe what the capture calls
+        _seam_lines(say, problems)
     ep = _entry_point()
     say(f"entry point ({ENTRY_POINT_GROUP}): " + (ep or f"NOT FOUND (expected {ENTRY_POINT_VALUE})"))
     say(f"--enable-bcg-shared-output (resolved now): {_flag()}")

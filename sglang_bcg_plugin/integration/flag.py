@@ -22,7 +22,8 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
-from .._constants import ENV_SHARE_OUTPUT, SERVER_ARGS_STASH
+from .._constants import ENV_SHARE_OUTPUT, ENV_STALE_OUTPUT_GUARD, SERVER_ARGS_STASH
+from ..options import parse_bool_env
 from ..output_mode import OFF, ON, RELEASED, OutputMode, parse_mode_text
 
 FLAG = "--enable-bcg-shared-output"
@@ -39,7 +40,7 @@ HELP = (
     "graph-pool memory until any other graph of the pool replays (opt-in; read the plugin's "
     "docs first); =off or --no-enable-bcg-shared-output: one output per size. When neither is "
     f"given, {ENV_SHARE_OUTPUT} decides (1/0/released), else the installed SGLang's own "
-    "default (0.5.23: on). Engine(...) users set that variable."
+    "default (0.5.14+: on; 0.5.13: off). Engine(...) users set that variable."
 )
 
 #: What the parsed value becomes: the env var's text and the stash's value.
@@ -79,9 +80,37 @@ def after_from_cli_args(result: Any, cls: type, args: argparse.Namespace, *rest:
     set by the operator still decides (then the installed SGLang's default).
     """
     value = getattr(args, DEST, None)
-    if value is None:
-        return result
-    mode: OutputMode = value
-    os.environ[ENV_SHARE_OUTPUT] = _ENV_TEXT[mode]
-    setattr(result, SERVER_ARGS_STASH, _STASH[mode])
+    if value is not None:
+        mode: OutputMode = value
+        os.environ[ENV_SHARE_OUTPUT] = _ENV_TEXT[mode]
+        setattr(result, SERVER_ARGS_STASH, _STASH[mode])
+    refuse_unsupported(result)
     return result
+
+
+def refuse_unsupported(server_args: object) -> None:
+    """At startup: stop with one line when the installed release cannot run what was asked.
+
+    Only an explicit choice is checked (the flag, ``SGLANG_ENABLE_BCG_SHARED_OUTPUT`` or the
+    guard): the default is the release's own behaviour, which it can always run.
+
+    :raises SystemExit: naming the release and the reason (no traceback).
+    """
+    from .compat import installed
+    from .sglang_session import refusal, resolve_mode
+
+    env = os.environ
+    try:
+        guard = parse_bool_env(ENV_STALE_OUTPUT_GUARD, env)
+        if getattr(server_args, SERVER_ARGS_STASH, None) is None and not (env.get(ENV_SHARE_OUTPUT) or "").strip() and not guard:
+            return
+        resolution = resolve_mode(server_args, env)
+    except ValueError as exc:
+        raise SystemExit(f"sglang_bcg: {exc}") from None
+    try:
+        seam = installed()
+    except Exception:  # noqa: BLE001 - SGLang does not fully import here: `sglang-bcg doctor` says why
+        return
+    reason = refusal(seam, resolution.mode, guard, env)
+    if reason is not None:
+        raise SystemExit(f"sglang_bcg: {reason}")

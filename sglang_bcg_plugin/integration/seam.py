@@ -49,7 +49,9 @@ def swap_backend(phase: str, backend: Any, cuda_graph_runner: Any) -> Any:
         "enable_memory_saver": bool(getattr(adapter, "enabled", False)),
         "debug_eager": bool(getattr(backend, "_debug_eager", False)),
     }
-    backend.close()  # SGLang's instance captured nothing; drop its (empty) dedup registries
+    close = getattr(backend, "close", None)  # the dedup mixin's (SGLang 0.5.15+)
+    if close is not None:
+        close()  # SGLang's instance captured nothing; drop its (empty) dedup registries
     server_args = runner_server_args(cuda_graph_runner)
     pm = get_plugin_manager()
     name = pm.hook.sglang_bcg_select_backend(phase=phase, server_args=server_args)

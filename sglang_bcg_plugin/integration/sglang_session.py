@@ -1,12 +1,13 @@
-"""Per-session settings of the SGLang-integrated backend, and its pool housekeeping.
+"""What a capture session of the SGLang-integrated backend reads from SGLang, and its pool housekeeping.
 
-Kept apart from :mod:`.sglang_breakable` so the backend class reads as SGLang's capture
-sequence plus our policy; everything here is a plain function of SGLang state.
+The capture state itself (output policy, guard, per-key records, report) is the core's
+:class:`~sglang_bcg_plugin.backends.state.CaptureState`; this module only translates SGLang's
+switches and hooks into it:
 
-* :func:`open_session` resolves the output mode (flag stash > env > the installed SGLang's
-  own default, :mod:`.builtin`), the shared-buffer strategy and the stale-output guard;
-* :func:`reserve_from_warmup` allocates a partition's shared buffer from the last warmup output,
-  outside the graph pool (``reserve``), honouring the runner's row hooks;
+* :func:`open_state` resolves the output mode (flag stash > env > the installed SGLang's own
+  default, :mod:`.builtin`), the shared-buffer strategy and the guard, refuses what the installed
+  release cannot serve (:func:`refusal`), and opens the state's session;
+* :func:`apply_runner_rows` / :func:`reserve_from_warmup` translate the runner's row hooks;
 * :func:`drop_global_pool` makes ``cleanup()`` leave SGLang's process-global graph pool in a
   state a new capture session can use (see its docstring).
 """
@@ -14,35 +15,20 @@ sequence plus our policy; everything here is a plain function of SGLang state.
 from __future__ import annotations
 
 import os
-import warnings
-from collections.abc import Callable, Hashable, Mapping
-from dataclasses import dataclass
+from collections.abc import Hashable, Mapping
 from typing import Any
 
-from .._constants import ENV_SHARED_BUFFER, ENV_STALE_OUTPUT_GUARD
-from ..guard import StaleOutputGuard, guard_supported
+from .._constants import ENV_SHARE_OUTPUT, ENV_SHARED_BUFFER, ENV_STALE_OUTPUT_GUARD
+from ..backends.state import CaptureState
 from ..options import parse_bool_env
-from ..output_mode import ON, RELEASED, Resolution, explain_output_mode
-from ..sharing import BufferSource, OutputSharer
-from ..trees import collect_tensors, flatten, storage_key, unflatten
-from .builtin import sglang_builtin_policy
+from ..output_mode import RELEASED, OutputMode, Resolution, explain_output_mode
+from ..released import released_supported
+from ..sharing import BufferSource
+from ..trees import flatten, unflatten
+from .compat import Seam, installed, pool_borrowing_exists, runner_rows, sglang_builtin_policy
 
 #: SGLang's switch for eager tensors borrowing free graph-pool memory between replays.
 BORROW_ENV = "SGLANG_ENABLE_GRAPH_POOL_BORROW"
-
-
-@dataclass(eq=False)
-class SessionSettings:
-    """What one capture session of the SGLang-integrated backend runs with."""
-
-    resolution: Resolution
-    sharer: OutputSharer
-    strategy: BufferSource
-    guard: StaleOutputGuard | None
-
-    @property
-    def released(self) -> bool:
-        return self.resolution.mode == RELEASED
 
 
 def resolve_mode(server_args: object | None, environ: Mapping[str, str] | None = None) -> Resolution:
@@ -70,46 +56,49 @@ def shared_buffer(environ: Mapping[str, str] | None = None) -> BufferSource:
     raise ValueError(msg)
 
 
-def _check_released_allowed(environ: Mapping[str, str]) -> None:
-    if parse_bool_env(BORROW_ENV, environ):
-        msg = (
+def refusal(seam: Seam, mode: OutputMode, guard: bool, environ: Mapping[str, str]) -> str | None:
+    """Why the installed release cannot run ``mode`` (with the guard if ``guard``), in one line;
+    ``None`` when it can. Checked at startup (the flag hook) and at every capture session."""
+    where = f"SGLang {seam.release}"
+    if seam.kind == "none":
+        return (
+            f"{where} has no breakable CUDA graph this plugin can hook ({seam.why}); output mode "
+            f"{mode!r} has nothing to apply to: unset {ENV_SHARE_OUTPUT} / --enable-bcg-shared-output"
+        )
+    if mode == RELEASED and not released_supported():
+        return "output mode 'released' needs torch._C._construct_storage_from_data_pointer, which this torch lacks; use on"
+    if mode == RELEASED and parse_bool_env(BORROW_ENV, environ) and pool_borrowing_exists():
+        return (
             f"output mode 'released' cannot run with {BORROW_ENV}=1: released outputs live in free "
             "graph-pool memory, which SGLang's graph-pool borrowing hands to eager tensors between "
             "replays (sglang/srt/model_executor/runner_utils/pool.py, borrow_graph_pool); use "
             f"--enable-bcg-shared-output=on or unset {BORROW_ENV}"
         )
-        raise ValueError(msg)
-
-
-def _guard(previous: StaleOutputGuard | None, environ: Mapping[str, str]) -> StaleOutputGuard | None:
-    if not parse_bool_env(ENV_STALE_OUTPUT_GUARD, environ):
-        return None
-    if not guard_supported():
-        warnings.warn(
-            f"{ENV_STALE_OUTPUT_GUARD} is on but this torch build cannot poison storages "
-            "(needs torch._C._set_storage_access_error_msg, present in CUDA builds); the guard does nothing",
-            RuntimeWarning,
-            stacklevel=5,
+    if guard and seam.kind == "runner":
+        return (
+            f"{ENV_STALE_OUTPUT_GUARD}=1 needs replays that go through this plugin, and {where}'s "
+            "BreakableCudaGraphRunner.replay reads output_buffers itself (the runner seam); "
+            f"unset {ENV_STALE_OUTPUT_GUARD}"
         )
-        return None
-    return previous or StaleOutputGuard()
+    return None
 
 
-def open_session(
-    server_args: object | None, previous_guard: StaleOutputGuard | None, environ: Mapping[str, str] | None = None
-) -> SessionSettings:
-    """Resolve everything a capture session fixes (read at every session, so it can change).
+def open_state(
+    state: CaptureState, server_args: object | None, environ: Mapping[str, str] | None = None, seam: Seam | None = None
+) -> Resolution:
+    """Resolve everything a capture session fixes (read at every session) and open ``state``.
 
-    :raises ValueError: a switch holds an invalid value, or ``released`` meets graph-pool
-        borrowing.
+    :raises ValueError: a switch holds an invalid value, or the installed release cannot run the
+        resolved mode (:func:`refusal`).
     """
     env = os.environ if environ is None else environ
     resolution = resolve_mode(server_args, env)
-    if resolution.mode == RELEASED:
-        _check_released_allowed(env)
-    strategy = shared_buffer(env)
-    sharer = OutputSharer(enabled=resolution.mode == ON, strict=False, source=strategy)
-    return SessionSettings(resolution, sharer, strategy, _guard(previous_guard, env))
+    guard = parse_bool_env(ENV_STALE_OUTPUT_GUARD, env)
+    reason = refusal(seam or installed(), resolution.mode, guard, env)
+    if reason is not None:
+        raise ValueError(reason)
+    state.open(resolution, source=shared_buffer(env), guard=guard)
+    return resolution
 
 
 def apply_runner_rows(output: Any, rows: object) -> Any:
@@ -135,23 +124,26 @@ def apply_runner_rows(output: Any, rows: object) -> Any:
     return unflatten(node, [t[:rows] if t.dim() > 0 and t.shape[0] == padded else t for _, t in leaves])
 
 
-def reserve_from_warmup(sharer: OutputSharer, key: Hashable, runner: Any, warmup_out: Any) -> None:
+def _check_rows(name: str, rows: object) -> int | None:
+    if rows is not None and (isinstance(rows, bool) or not isinstance(rows, int)):
+        msg = f"{name}() returned {rows!r}; expected None or an int >= 0"
+        raise TypeError(msg)
+    return rows
+
+
+def reserve_from_warmup(state: CaptureState, key: Hashable, runner: Any, warmup_out: Any) -> None:
     """``reserve``: the partition's buffer from the last warmup's output, outside the pool.
 
     Rows as the capture will hand them out (``cuda_graph_output_rows``), grown to
-    ``cuda_graph_output_capacity_rows`` when the runner asks for more (SGLang's own capacity hook).
+    ``cuda_graph_output_capacity_rows`` when the runner asks for more (SGLang's own capacity hook);
+    a release or runner without the hooks: the output's own rows.
     """
-    if not sharer.enabled or warmup_out is None:
+    sharer = state.sharer
+    if sharer is None or not sharer.enabled or warmup_out is None:
         return
-    trimmed = apply_runner_rows(warmup_out, runner.cuda_graph_output_rows(warmup_out))
-    capacity = runner.cuda_graph_output_capacity_rows(warmup_out)
-    if capacity is not None and (isinstance(capacity, bool) or not isinstance(capacity, int)):
-        msg = f"cuda_graph_output_capacity_rows() returned {capacity!r}; expected None or an int >= 0"
-        raise TypeError(msg)
-    try:
-        sharer.reserve(key, trimmed, capacity_rows=capacity)
-    except TypeError:
-        return  # an unsupported tensor holder: the capture's own policy raises the real TypeError
+    rows, capacity = runner_rows(runner, warmup_out)
+    trimmed = apply_runner_rows(warmup_out, rows)
+    state.reserve(key, trimmed, _check_rows("cuda_graph_output_capacity_rows", capacity))
 
 
 def drop_global_pool(pool: Any) -> bool:
@@ -188,27 +180,3 @@ def runner_server_args(cuda_graph_runner: object) -> object | None:
         return published
     except (ImportError, ValueError, AttributeError):  # not published in this process
         return None
-
-
-def input_storages(capture_inputs: object) -> frozenset[tuple[str, int]]:
-    """Storages of static inputs (any object, e.g. a ForwardBatch), never adopted as a buffer."""
-    return frozenset(storage_key(t) for t in collect_tensors(capture_inputs))
-
-
-#: SGLang's "capture in progress" context variable (read by every ``eager_on_graph`` wrapper).
-CAPTURE_VAR = (
-    "sglang.srt.model_executor.runner_backend_utils.breakable_cuda_graph.breakable_cuda_graph"
-    "._current_capture_var"
-)
-
-
-def run_outside_capture(forward_fn: Callable[[], Any]) -> Any:
-    """Run ``forward_fn`` with SGLang's capture variable unset (its breaks run inline)."""
-    import pkgutil
-
-    var = pkgutil.resolve_name(CAPTURE_VAR)
-    token = var.set(None)
-    try:
-        return forward_fn()
-    finally:
-        var.reset(token)

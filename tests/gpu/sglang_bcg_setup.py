@@ -1,4 +1,4 @@
-"""SGLang 0.5.23's BCG engine on one GPU without a server: the stand-ins it needs, a decoder,
+"""SGLang's BCG engine (any backend-seam release, 0.5.14 to 0.5.23) on one GPU without a server: the stand-ins it needs, a decoder,
 and the measurements (shared by ``sglang_gpu_driver.py`` and ``test_sglang_gpu.py``).
 
 Stand-ins, and nothing else: a one-rank TP group (``get_parallel().override_permanently``)
@@ -45,9 +45,12 @@ def import_sglang() -> None:
 
             torchvision_standin.install()
         import sglang.srt.layers.logits_processor  # noqa: F401
-        import sglang.srt.model_executor.runner.shape_key  # noqa: F401
-        import sglang.srt.model_executor.runner_backend.breakable_cuda_graph_backend  # noqa: F401
         import sglang.srt.server_args  # noqa: F401
+        from sglang_bcg_plugin.integration.compat import installed
+
+        if installed().kind != "backend":  # 0.5.13: the runner seam (tests/sglang covers it on CPU)
+            msg = f"{installed().describe()}: this GPU driver runs the backend seam (SGLang 0.5.14+)"
+            raise ImportError(msg)
 
 
 class OneRankGroup:
@@ -65,7 +68,8 @@ class Runner:
     """What SGLang's BCG backend reads from a graph runner (``base_cuda_graph_runner``)."""
 
     def __init__(self, server_args: Any, device_module: Any, device: str, rows: Callable[[Any], int | None] | None = None) -> None:
-        self.model_runner = SimpleNamespace(device=device, gpu_id=0, server_args=server_args)
+        # tp_group: where releases up to 0.5.21 read it (0.5.22+: get_parallel(), install_sglang)
+        self.model_runner = SimpleNamespace(device=device, gpu_id=0, server_args=server_args, tp_group=OneRankGroup(device == "cuda"))
         self.device_module = device_module
         self.rows = rows
 
@@ -79,20 +83,26 @@ class Runner:
 def shape_key(size: int, stream_idx: int | None = None) -> Any:
     from sglang.srt.model_executor.runner.shape_key import ShapeKey
 
-    return ShapeKey(size=size, stream_idx=stream_idx, variant_label=None, attention_variant=None)
+    return ShapeKey(size=size, stream_idx=stream_idx)  # the other fields differ per release
 
 
 def install_sglang(cuda: bool) -> Any:
     """Publish ``ServerArgs``, install the one-rank group; returns the ``ServerArgs``."""
     import_sglang()
-    from sglang.srt.runtime_context import get_parallel
-    from sglang.srt.server_args import prepare_server_args, set_global_server_args_for_scheduler
+    from sglang.srt import server_args as sa
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        server_args = prepare_server_args(["--model-path", "dummy"])
-    set_global_server_args_for_scheduler(server_args)
-    get_parallel().override_permanently(tp_group=OneRankGroup(cuda))
+        server_args = sa.prepare_server_args(["--model-path", "dummy"])
+    if hasattr(sa, "set_global_server_args_for_scheduler"):
+        sa.set_global_server_args_for_scheduler(server_args)
+    try:  # 0.5.22+ read the TP group from the runtime context; older ones from the runner
+        from sglang.srt.runtime_context import get_parallel
+    except ImportError:
+        get_parallel = None
+    parallel = get_parallel() if get_parallel is not None else None
+    if hasattr(parallel, "override_permanently"):
+        parallel.override_permanently(tp_group=OneRankGroup(cuda))
     if not cuda:
         sys.path.insert(0, str(SGLANG_TESTS))
         from cpu_graph_standin import SegmentGraph
@@ -104,15 +114,15 @@ def install_sglang(cuda: bool) -> Any:
 def sglang_attention() -> Callable[..., None]:
     """The bench decoder's attention as an SGLang ``eager_on_graph`` break (RadixAttention-like:
     the output is allocated by the caller inside the segment, the break writes it)."""
-    from sglang.srt.model_executor.runner_backend_utils.breakable_cuda_graph import eager_on_graph
+    import importlib
 
     from sglang_bcg_plugin.bench.model import attention_op
+    from sglang_bcg_plugin.integration.compat import BACKEND_MODULE, eager_break, installed
 
-    @eager_on_graph
     def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, num_heads: int, num_kv_heads: int) -> None:
         attention_op(q, k, v, out, num_heads, num_kv_heads)
 
-    return attention
+    return eager_break(importlib.import_module(BACKEND_MODULE), attention, installed().eager_form)
 
 
 class Setup:

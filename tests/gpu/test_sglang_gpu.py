@@ -1,4 +1,4 @@
-"""Our backend on SGLang 0.5.23's real BCG engine with real CUDA graphs (skipped without SGLang).
+"""Our backend on the installed SGLang's (0.5.14 to 0.5.23) real BCG engine with real CUDA graphs (skipped without SGLang).
 
 Functional tests run in this process at small shapes (``sglang_bcg_setup``: SGLang's own
 ``BreakableCudaGraphBackend`` machinery, a one-rank TP group, a runner stand-in); the memory
@@ -26,10 +26,20 @@ SIZES = [512, 256, 128, 64, 8]
 SMALL = {"device": "cuda", "hidden": 256, "layers": 2, "heads": 4, "kv_heads": 2, "intermediate": 256,
          "dtype": "float32", "max_tokens": 512, "repeats": 3, "cycles": 2}
 
+def _seam_kind() -> str:
+    from sglang_bcg_plugin.integration.compat import seam_kind
+
+    return seam_kind()
+
+
 pytestmark = [
     pytest.mark.cuda,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run on the H200 machine)"),
     pytest.mark.skipif(importlib.util.find_spec("sglang") is None, reason="needs SGLang (source .sglbundle/install.sh)"),
+    pytest.mark.skipif(
+        importlib.util.find_spec("sglang") is not None and _seam_kind() != "backend",
+        reason="SGLang 0.5.13 has the runner seam; this GPU test drives the backend seam (0.5.14+)",
+    ),
     pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::FutureWarning", r"ignore::UserWarning:sglang\."),
 ]
 

@@ -6,6 +6,7 @@ loudly instead of skipping it.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 import importlib.metadata
@@ -18,31 +19,41 @@ import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
 
-#: Warnings importing SGLang 0.5.23 emits on a CPU-only machine with torch 2.13 (quantization
-#: backends, torch.jit deprecation in its dependencies, SWIG types in sentencepiece).
+#: Warnings importing SGLang emits on a CPU-only machine with torch 2.13 (quantization backends,
+#: Triton on CPU, torch.jit deprecation in its dependencies, SWIG types in sentencepiece); the
+#: subprocess tests filter these.
 SGLANG_IMPORT_WARNINGS = (
     r"Only CUDA, (HIP and XPU support AWQ|MUSA and NPU support GGUF)"
     r"|`torch\.jit\.script_method` is deprecated"
     r"|builtin type Swig\w+ has no __module__ attribute"
+    r"|Triton is not supported on current platform"
 )
-#: Every SGLang module the tests import (imported once, warnings filtered, before any test).
+#: Every SGLang module the tests import (imported once, warnings filtered, before any test), per
+#: seam of the installed release (``sglang_bcg_plugin.integration.compat.seam_kind``).
 SGLANG_MODULES = (
     "sglang.srt.plugins",
     "sglang.srt.plugins.hook_registry",
     "sglang.srt.server_args",
-    "sglang.srt.runtime_context",
-    "sglang.srt.model_executor.runner_backend.utils",
-    "sglang.srt.model_executor.runner_backend.breakable_cuda_graph_backend",
-    "sglang.srt.model_executor.runner.shape_key",
-    "sglang.srt.model_executor.runner.prefill_cuda_graph_runner",
     "sglang.srt.layers.logits_processor",
+    "sglang.srt.model_executor.forward_batch_info",
 )
+SEAM_MODULES = {
+    "backend": (
+        "sglang.srt.model_executor.runner_backend.utils",
+        "sglang.srt.model_executor.runner_backend.breakable_cuda_graph_backend",
+        "sglang.srt.model_executor.runner.shape_key",
+        "sglang.srt.model_executor.runner.prefill_cuda_graph_runner",
+    ),
+    "runner": ("sglang.srt.model_executor.breakable_cuda_graph_runner",),
+    "none": (),
+}
 
 
 @functools.cache
@@ -58,8 +69,12 @@ def sglang_problem() -> str | None:
     torchvision_standin.install()
     try:
         with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=SGLANG_IMPORT_WARNINGS)
-            for name in SGLANG_MODULES:
+            # Import-time warnings of SGLang and its dependencies differ per release (quantization
+            # backends and Triton on CPU, deprecations): none of them is ours.
+            warnings.simplefilter("ignore")
+            from sglang_bcg_plugin.integration.compat import seam_kind
+
+            for name in (*SGLANG_MODULES, *SEAM_MODULES[seam_kind()]):
                 importlib.import_module(name)
     except Exception as exc:  # noqa: BLE001 - reported as the skip/fail reason
         return f"SGLang does not import: {type(exc).__name__}: {exc}"
@@ -123,14 +138,79 @@ def report(**kw):
     return SimpleNamespace(result=json.loads(lines[-1][len("RESULT="):]), stdout=proc.stdout, stderr=proc.stderr)
 
 
+def seam() -> Any:
+    """The installed release's seam, as the plugin probes it."""
+    from sglang_bcg_plugin.integration.compat import installed
+
+    return installed()
+
+
+@pytest.fixture
+def backend_seam() -> None:
+    """Skip unless the installed SGLang has the backend seam (0.5.14+)."""
+    if sglang_problem() is None and seam().kind != "backend":
+        pytest.skip(f"{seam().describe()}: these tests drive the backend seam")
+
+
+@pytest.fixture
+def runner_seam() -> None:
+    """Skip unless the installed SGLang has the runner seam (0.5.13)."""
+    if sglang_problem() is None and seam().kind != "runner":
+        pytest.skip(f"{seam().describe()}: these tests drive the runner seam")
+
+
+def bcg_module() -> Any:
+    """The module of the installed release's segment engine (``eager_on_graph``, ``BreakableCUDAGraph``)."""
+    from sglang_bcg_plugin.integration.compat import BACKEND_MODULE, RUNNER_MODULE
+
+    name = BACKEND_MODULE if seam().kind == "backend" else RUNNER_MODULE
+    module = importlib.import_module(name)
+    return sys.modules[module.BreakableCUDAGraphCapture.__module__]
+
+
+def eager_break(fn: Any) -> Any:
+    """``fn`` as an eager break point of SGLang's segment engine, in the installed form."""
+    from sglang_bcg_plugin.integration.compat import eager_break as wrap
+
+    return wrap(bcg_module(), fn, seam().eager_form)
+
+
+@contextlib.contextmanager
+def tp_group_installed(group: object, *, permanently: bool = False) -> Iterator[None]:
+    """Publish ``group`` as SGLang's TP group where the release reads it from ``get_parallel()``
+    (0.5.22+; older releases read ``model_runner.tp_group``, which ``FakeRunner`` carries)."""
+    try:
+        from sglang.srt.runtime_context import get_parallel
+    except ImportError:  # 0.5.13: no runtime context
+        yield
+        return
+    parallel = get_parallel()
+    if permanently and hasattr(parallel, "override_permanently"):
+        parallel.override_permanently(tp_group=group)
+        yield
+    elif hasattr(parallel, "override"):
+        with parallel.override(tp_group=group):
+            yield
+    else:  # pragma: no cover - a release without either form
+        yield
+
+
 @pytest.fixture
 def cpu_bcg(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """Swap only BCG's CUDA-graph primitives for the CPU stand-ins (see cpu_graph_standin)."""
     import torch
-    from sglang.srt.runtime_context import get_parallel
 
     from cpu_graph_standin import FakeGroup, SegmentGraph
 
     monkeypatch.setattr(torch.cuda, "CUDAGraph", SegmentGraph)
-    with get_parallel().override(tp_group=FakeGroup()):
+    # Releases up to 0.5.22 ask torch.cuda (0.5.23: the device module) for the current stream.
+    monkeypatch.setattr(torch.cuda, "current_stream", torch.cpu.current_stream)
+    # Releases up to 0.5.22 weak-ref every break argument, which raises on CPU; 0.5.23 keeps CPU
+    # tensors as they are: the stand-in does what 0.5.23 does.
+    engine = bcg_module()
+    original = engine._weak_ref_if_tensor
+    monkeypatch.setattr(
+        engine, "_weak_ref_if_tensor", lambda x: x if torch.is_tensor(x) and x.device.type == "cpu" else original(x)
+    )
+    with tp_group_installed(FakeGroup()):
         yield

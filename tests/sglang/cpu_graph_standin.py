@@ -6,8 +6,13 @@ What is stood in, and nothing else:
   constructing it raises ("dummy base class"). :class:`SegmentGraph` replaces it for the
   duration of a test (``monkeypatch.setattr(torch.cuda, "CUDAGraph", SegmentGraph)``; SGLang's
   ``BreakableCUDAGraphCapture._begin_new_segment`` looks the name up at call time).
-* ``get_parallel().tp_group``: unset in a process that never initialised distributed; a
-  :class:`FakeGroup` whose ``barrier()`` does nothing (one rank).
+* the TP group (``get_parallel().tp_group`` from 0.5.22, ``model_runner.tp_group`` before):
+  unset in a process that never initialised distributed; a :class:`FakeGroup` whose
+  ``barrier()`` does nothing (one rank).
+* ``torch.cuda.current_stream``: ``torch.cpu.current_stream`` (releases up to 0.5.22 ask
+  ``torch.cuda`` for the stream a capture starts on; 0.5.23 asks the device module).
+* the segment engine's ``_weak_ref_if_tensor`` keeps CPU tensors as they are (what 0.5.23's
+  does; earlier releases call ``weak_ref_tensors``, which raises on CPU).
 * the runner's ``device_module``: ``torch.cpu`` has no ``graph_pool_handle``;
   :class:`FakeDeviceModule` returns the ``(0, 0)`` pool id SGLang uses as "no pool".
 
@@ -105,7 +110,8 @@ class FakeRunner:
     """What SGLang's BCG backend reads from a graph runner (``base_cuda_graph_runner``)."""
 
     def __init__(self, *, rows: int | None = None, server_args: object = None, device: str = "cuda") -> None:
-        self.model_runner = type("ModelRunner", (), {"device": device, "server_args": server_args})()
+        attrs = {"device": device, "server_args": server_args, "tp_group": FakeGroup()}  # tp_group: <= 0.5.21
+        self.model_runner = type("ModelRunner", (), attrs)()
         self.device_module = FakeDeviceModule()
         self.rows = rows
 

@@ -5,14 +5,17 @@ from __future__ import annotations
 import os
 from typing import Any
 
+import torchvision_standin
+
+# At import, before the pickled ServerArgs is loaded: releases up to 0.5.21 import torchvision
+# while unpickling it.
+torchvision_standin.install()
+
 
 def scheduler_like(server_args: Any, queue: Any) -> None:
     """What an SGLang scheduler process does first: load plugins; then read our switch."""
     import warnings
 
-    import torchvision_standin
-
-    torchvision_standin.install()
     warnings.simplefilter("ignore")
     from sglang.srt.plugins import load_plugins
     from sglang.srt.plugins.hook_registry import HookRegistry

@@ -1,9 +1,9 @@
-"""Our breakable backend driven through SGLang 0.5.23's real BCG machinery, on CPU.
+"""Our breakable backend driven through the installed SGLang's real BCG machinery, on CPU.
 
 Only the CUDA graph primitive (``torch.cuda.CUDAGraph``, one BCG segment), the TP group's
 ``barrier`` and the runner's ``graph_pool_handle`` are stood in (``cpu_graph_standin``: each
 segment records its aten ops and replays them with our eager engine's semantics, writing the
-storage it captured). Keys are SGLang's real four-field ``ShapeKey``; the forward has a real
+storage it captured). Keys are the release's real ``ShapeKey``; the forward has a real
 ``eager_on_graph`` break point, so every key has two segments and one break function.
 """
 
@@ -19,7 +19,7 @@ import torch
 from cpu_graph_standin import FakeRunner
 from sglang_bcg_plugin import CaptureStateError, MemoryReport, SharedOutputFallbackWarning
 
-pytestmark = [pytest.mark.sglang, pytest.mark.usefixtures("cpu_bcg")]
+pytestmark = [pytest.mark.sglang, pytest.mark.usefixtures("backend_seam", "cpu_bcg")]
 
 HIDDEN = 8
 SIZES = (16, 8, 4)
@@ -29,12 +29,12 @@ class Model:
     """Static inputs per key; ``x @ w`` (segment 1), an eager break (``tanh``), ``* 2`` (segment 2)."""
 
     def __init__(self) -> None:
-        from sglang.srt.model_executor.runner_backend_utils.breakable_cuda_graph import eager_on_graph
+        from conftest import eager_break
 
         g = torch.Generator().manual_seed(0)
         self.w = torch.randn(HIDDEN, HIDDEN, generator=g)
         self.inputs: dict[Any, torch.Tensor] = {}
-        self.attention = eager_on_graph(lambda h: torch.tanh(h))
+        self.attention = eager_break(lambda h: torch.tanh(h))
 
     def forward_for(self, key: Any, rows: int | None = None, make: Callable[[torch.Tensor], Any] | None = None) -> Callable[[], Any]:
         x = self.inputs.setdefault(key, torch.randn(rows or key.size, HIDDEN))
@@ -56,7 +56,7 @@ class Model:
 def shape_key(size: int, stream_idx: int | None = None) -> Any:
     from sglang.srt.model_executor.runner.shape_key import ShapeKey
 
-    return ShapeKey(size=size, stream_idx=stream_idx, variant_label=None, attention_variant=None)
+    return ShapeKey(size=size, stream_idx=stream_idx)  # the other fields differ per release
 
 
 def make_backend(runner: Any = None, **kwargs: Any) -> Any:
@@ -183,11 +183,17 @@ def test_not_largest_first_falls_back_per_key(monkeypatch: pytest.MonkeyPatch) -
 
 
 def test_server_args_stash_beats_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    from sglang.srt.model_executor.runner_backend import cuda_graph_dedup_mixin
+    import importlib
 
-    # With server_args present, SGLang's dedup mixin reads get_exec(); nothing is published here.
-    features = type("Exec", (), {"features": type("F", (), {"enable_memory_saver": False})()})()
-    monkeypatch.setattr(cuda_graph_dedup_mixin, "get_exec", lambda: features)
+    # With server_args present, SGLang's dedup mixin (where the release has one that reads
+    # get_exec()) needs the runtime context; nothing is published here.
+    try:
+        dedup = importlib.import_module("sglang.srt.model_executor.runner_backend.cuda_graph_dedup_mixin")
+    except ImportError:
+        dedup = None
+    if hasattr(dedup, "get_exec"):
+        features = type("Exec", (), {"features": type("F", (), {"enable_memory_saver": False})()})()
+        monkeypatch.setattr(dedup, "get_exec", lambda: features)
     monkeypatch.setenv("SGLANG_ENABLE_BCG_SHARED_OUTPUT", "1")
     server_args = type("ServerArgs", (), {"_bcg_shared_output": False})()
     backend, model = make_backend(FakeRunner(server_args=server_args)), Model()
@@ -222,7 +228,8 @@ def test_lifecycle_errors_and_cleanup() -> None:
 
 
 def test_helpers() -> None:
-    from sglang_bcg_plugin.integration.sglang_session import apply_runner_rows, input_storages as _input_storages, runner_server_args
+    from sglang_bcg_plugin.backends.state import input_storages as _input_storages
+    from sglang_bcg_plugin.integration.sglang_session import apply_runner_rows, runner_server_args
 
     t = torch.zeros(4, 2)
     with pytest.raises(TypeError, match="expected None or an int"):
@@ -255,19 +262,19 @@ def test_static_inputs_never_become_the_shared_buffer(monkeypatch: pytest.Monkey
         backend.capture_one(big, lambda: x_big, capture_inputs={"x": x_big}, post_warmup_hook=lambda: hooks.append(big))
         backend.capture_one(small, model.forward_for(small), post_warmup_hook=lambda: hooks.append(small))
     assert hooks == [big, big, small, small]  # two warmups per key, each followed by the hook
-    assert backend._capture_inputs[big] == {"x": x_big}  # held strongly with the graph
+    assert backend._bcg_state._entries[big].capture_inputs == {"x": x_big}  # held strongly with the graph
     replay(backend, small)
     torch.testing.assert_close(x_big, before, rtol=0, atol=0)
     assert backend._outputs[big].untyped_storage().data_ptr() != x_big.untyped_storage().data_ptr()
 
 
 def test_server_args_published_in_process(monkeypatch: pytest.MonkeyPatch) -> None:
-    from sglang.srt import runtime_context
+    runtime_context = pytest.importorskip("sglang.srt.runtime_context")
 
     from sglang_bcg_plugin.integration.sglang_session import runner_server_args
 
     published = object()
-    monkeypatch.setattr(runtime_context, "get_server_args", lambda: published)
+    monkeypatch.setattr(runtime_context, "get_server_args", lambda: published, raising=False)  # <= 0.5.14: absent
     assert runner_server_args(FakeRunner()) is published  # the runner's model_runner has none
     mine = object()
     assert runner_server_args(FakeRunner(server_args=mine)) is mine

@@ -6,19 +6,32 @@ import sys
 
 import pytest
 
-from sglang_bcg_plugin.integration import builtin
-from sglang_bcg_plugin.integration.builtin import BuiltinPolicy, inspect_builtin, sglang_builtin_policy, sglang_builtin_shares
+from sglang_bcg_plugin.integration import compat as builtin
+from sglang_bcg_plugin.integration.builtin import BuiltinPolicy, inspect_builtin
+from sglang_bcg_plugin.integration.compat import sglang_builtin_policy, sglang_builtin_shares
 
 pytestmark = pytest.mark.sglang
 
 
-def test_installed_sglang_0_5_23_always_shares() -> None:
+#: What each release's own breakable graph does (read from the wheels), as the probe must find it.
+EXPECTED = {
+    "0.5.13": (False, "BreakableCudaGraphRunner._capture_all keeps one output_buffers entry per size"),
+    "0.5.14": (True, "BreakableCudaGraphBackend.capture_one adopts the first capture's output"),
+    "0.5.15": (True, "BreakableCudaGraphBackend.capture_one adopts the first capture's output"),
+    **{
+        f"0.5.{n}": (True, "BreakableCudaGraphBackend.capture_one always copies outputs into one _shared_output_buffer")
+        for n in range(16, 24)
+    },
+}
+
+
+def test_installed_sglang_default_is_its_own_behaviour() -> None:
+    import importlib.metadata
+
+    shares, reason = EXPECTED[importlib.metadata.version("sglang")]
     policy = sglang_builtin_policy()
-    assert sglang_builtin_shares() is True and policy.default_mode == "on"
-    assert policy.default_reason() == (
-        "default: on, the installed SGLang's own behaviour: "
-        "BreakableCudaGraphBackend.capture_one always copies outputs into one _shared_output_buffer"
-    )
+    assert sglang_builtin_shares() is shares and policy.default_mode == ("on" if shares else "off")
+    assert policy.default_reason().startswith(f"default: {policy.default_mode}, the installed SGLang's own behaviour: {reason}")
 
 
 class KeepsOwn:
@@ -49,11 +62,25 @@ def test_other_policies_are_off_with_a_reason() -> None:
 
 
 def test_sglang_that_does_not_import_means_off(monkeypatch: pytest.MonkeyPatch) -> None:
-    sglang_builtin_policy.cache_clear()
-    monkeypatch.setitem(sys.modules, "sglang.srt.model_executor.runner_backend.breakable_cuda_graph_backend", None)
+    from sglang_bcg_plugin.integration import compat
+
+    compat.installed.cache_clear()
+    for name in (compat.BACKEND_MODULE, compat.RUNNER_MODULE):
+        monkeypatch.setitem(sys.modules, name, None)
     try:
         policy = sglang_builtin_policy()
-        assert policy.shares is None and policy.reason.startswith("SGLang's breakable backend does not import")
+        assert policy.shares is None and policy.reason.startswith("SGLang's breakable graph does not import")
         assert builtin.sglang_builtin_shares() is None
     finally:
-        sglang_builtin_policy.cache_clear()
+        compat.installed.cache_clear()
+
+
+def test_runner_policies() -> None:
+    from sglang_bcg_plugin.integration.builtin import inspect_runner
+
+    class Sharing:
+        def _capture_all(self) -> None:
+            self._shared_output_buffer = None
+
+    assert inspect_runner(Sharing).shares is None
+    assert inspect_runner(type("NoSource", (), {})).shares is None

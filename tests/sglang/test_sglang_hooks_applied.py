@@ -15,18 +15,13 @@ from conftest import run_child
 
 pytestmark = [pytest.mark.sglang, pytest.mark.slow]
 
-TARGETS = [
-    "sglang.srt.model_executor.runner_backend.utils.resolve_decode_backend",
-    "sglang.srt.model_executor.runner_backend.utils.resolve_prefill_backend",
-    "sglang.srt.server_args.ServerArgs.add_cli_args",
-    "sglang.srt.server_args.ServerArgs.from_cli_args",
-]
-
 APPLY_AND_RESOLVE = """
-import os
+import os, pkgutil
 from types import SimpleNamespace as NS
 from sglang.srt.plugins import load_plugins
 from sglang.srt.plugins.hook_registry import HookRegistry
+from sglang_bcg_plugin.integration.compat import seam_kind
+from sglang_bcg_plugin.integration.hooks import hooks_for
 load_plugins()
 patched = sorted(HookRegistry._patched)
 hook_counts = {t: len(h) for t, h in HookRegistry._hooks.items()}
@@ -34,25 +29,21 @@ import sglang_bcg_plugin.integration as integration
 integration.register()
 load_plugins()
 again = {t: len(h) for t, h in HookRegistry._hooks.items()}
+kind = seam_kind()
+targets = sorted(t for t, _, _ in hooks_for(kind))
+
+def is_wrapped(target):
+    owner, _, name = target.rpartition(".")
+    obj = pkgutil.resolve_name(owner)
+    attr = obj.__dict__.get(name) if isinstance(obj, type) else getattr(obj, name)
+    return hasattr(getattr(attr, "__func__", attr), "__wrapped__")
+wrapped = {t: is_wrapped(t) for t in targets}
 
 from sglang.srt.server_args import ServerArgs, prepare_server_args
-import sglang.srt.model_executor.runner_backend.utils as u
-import sglang.srt.model_executor.runner_backend as rb
-import sglang.srt.model_executor.runner.prefill_cuda_graph_runner as pr
-import sglang.srt.model_executor.runner.decode_cuda_graph_runner as dr
-wrapped = {
-    "add_cli_args": hasattr(ServerArgs.__dict__["add_cli_args"].__func__, "__wrapped__"),
-    "from_cli_args": hasattr(ServerArgs.__dict__["from_cli_args"].__func__, "__wrapped__"),
-    "prefill": hasattr(u.resolve_prefill_backend, "__wrapped__"),
-    "decode": hasattr(u.resolve_decode_backend, "__wrapped__"),
-}
-propagated = [pr.resolve_prefill_backend is u.resolve_prefill_backend is rb.resolve_prefill_backend,
-              dr.resolve_decode_backend is u.resolve_decode_backend]
-
 flags = {}
 for argv in ([], ["--enable-bcg-shared-output"], ["--no-enable-bcg-shared-output"],
              ["--enable-bcg-shared-output=released"], ["--enable-bcg-shared-output", "OFF"]):
-    os.environ["SGLANG_ENABLE_BCG_SHARED_OUTPUT"] = "unchanged"
+    os.environ["SGLANG_ENABLE_BCG_SHARED_OUTPUT"] = "Off" if not argv else "unchanged"
     sa = prepare_server_args(["--model-path", "dummy", *argv])
     flags[" ".join(argv) or "none"] = [getattr(sa, "_bcg_shared_output", None), os.environ["SGLANG_ENABLE_BCG_SHARED_OUTPUT"]]
 import contextlib, io
@@ -63,32 +54,42 @@ with contextlib.redirect_stderr(err):
     except SystemExit as exc:
         flags["bad"] = [exc.code, err.getvalue().strip().splitlines()[-1]]
 
-# SGLang's resolver, as its runners call it (config stubbed: nothing is published here).
-from sglang.srt.model_executor.cuda_graph_config import Backend
-from sglang.srt.runtime_context import get_parallel
-from cpu_graph_standin import FakeGroup, FakeRunner
-get_parallel().override_permanently(tp_group=FakeGroup())
-def config(prefill, decode, debug=False):
-    cfg = NS(prefill=NS(backend=prefill), decode=NS(backend=decode))
-    u.get_exec = lambda: NS(graph=NS(cuda_graph_config=cfg, debug_cuda_graph=debug), features=NS(enable_memory_saver=False))
-resolved = {}
-for prefill, decode, debug in ((Backend.BREAKABLE, Backend.FULL, False), (Backend.FULL, Backend.BREAKABLE, True)):
-    config(prefill, decode, debug)
-    for name, fn in (("prefill", pr.resolve_prefill_backend), ("decode", dr.resolve_decode_backend)):
-        b = fn(FakeRunner())
-        resolved[f"{name}-{prefill if name == 'prefill' else decode}"] = [type(b).__name__, [c.__name__ for c in type(b).__mro__][:3], b.__dict__.get("_debug_eager")]
-report(patched=patched, hook_counts=hook_counts, again=again, wrapped=wrapped, propagated=propagated, flags=flags, resolved=resolved)
+propagated, resolved = [], {}
+if kind == "backend":
+    import sglang.srt.model_executor.runner_backend.utils as u
+    import sglang.srt.model_executor.runner_backend as rb
+    import sglang.srt.model_executor.runner.prefill_cuda_graph_runner as pr
+    import sglang.srt.model_executor.runner.decode_cuda_graph_runner as dr
+    propagated = [pr.resolve_prefill_backend is u.resolve_prefill_backend is rb.resolve_prefill_backend,
+                  dr.resolve_decode_backend is u.resolve_decode_backend]
+    # SGLang's resolver, as its runners call it (config stubbed: nothing is published here).
+    from sglang.srt.model_executor.cuda_graph_config import Backend
+    from conftest import tp_group_installed
+    from cpu_graph_standin import FakeGroup, FakeRunner
+    tp_group_installed(FakeGroup(), permanently=True).__enter__()
+    for prefill, decode, debug in ((Backend.BREAKABLE, Backend.FULL, False), (Backend.FULL, Backend.BREAKABLE, True)):
+        cfg = NS(prefill=NS(backend=prefill), decode=NS(backend=decode))
+        exec_ = NS(graph=NS(cuda_graph_config=cfg, debug_cuda_graph=debug), features=NS(enable_memory_saver=False))
+        u.get_exec = lambda: exec_  # 0.5.19+ read the published config; older ones the server args
+        server_args = NS(cuda_graph_config=cfg, enable_memory_saver=False, debug_cuda_graph=debug)
+        for name, fn in (("prefill", pr.resolve_prefill_backend), ("decode", dr.resolve_decode_backend)):
+            try:
+                b = fn(FakeRunner(server_args=server_args))
+            except Exception as exc:  # SGLang's own non-breakable backends need a real runner
+                resolved[f"{name}-{prefill if name == 'prefill' else decode}"] = [f"error: {type(exc).__name__}", [], None]
+                continue
+            resolved[f"{name}-{prefill if name == 'prefill' else decode}"] = [type(b).__name__, [c.__name__ for c in type(b).__mro__][:3], b.__dict__.get("_debug_eager")]
+report(kind=kind, targets=targets, patched=patched, hook_counts=hook_counts, again=again, wrapped=wrapped, propagated=propagated, flags=flags, resolved=resolved)
 """
 
 
 def test_load_plugins_applies_every_hook(dist_dir: Path) -> None:
     r = run_child(APPLY_AND_RESOLVE, dist_dir).result
-    assert r["patched"] == TARGETS
-    assert r["hook_counts"] == r["again"] == {t: 1 for t in TARGETS}  # register()/load_plugins() again: no-op
+    assert r["patched"] == r["targets"] and len(r["targets"]) == 4
+    assert r["hook_counts"] == r["again"] == {t: 1 for t in r["targets"]}  # register()/load_plugins() again: no-op
     assert all(r["wrapped"].values()), r["wrapped"]
-    assert r["propagated"] == [True, True]  # the runners call the wrapper
     assert r["flags"] == {
-        "none": [None, "unchanged"],  # not given: env var left to the operator
+        "none": [None, "Off"],  # not given: env var left to the operator
         "--enable-bcg-shared-output": [True, "1"],
         "--no-enable-bcg-shared-output": [False, "0"],
         "--enable-bcg-shared-output=released": ["released", "released"],
@@ -96,10 +97,14 @@ def test_load_plugins_applies_every_hook(dist_dir: Path) -> None:
         "bad": [2, r["flags"]["bad"][1]],
     }
     assert "--enable-bcg-shared-output='sometimes' is not an output mode" in r["flags"]["bad"][1]
+    if r["kind"] == "runner":  # 0.5.13: BreakableCudaGraphRunner's two methods, no resolver
+        assert [t.rsplit(".", 1)[1] for t in r["targets"][:2]] == ["_capture_all", "_capture_one"]
+        return
+    assert r["propagated"] == [True, True]  # the runners call the wrapper
     bcg = ["SGLangBreakableBackend", "SharingPolicyMixin", "BreakableCudaGraphBackend"]
     assert r["resolved"]["prefill-breakable"][:2] == ["SGLangBreakableBackend", bcg]
     assert r["resolved"]["decode-breakable"] == ["SGLangBreakableBackend", bcg, True]  # debug_eager kept
-    assert r["resolved"]["decode-full"][0] == r["resolved"]["prefill-full"][0] == "FullCudaGraphBackend"
+    assert "SGLangBreakableBackend" not in (r["resolved"]["decode-full"][0], r["resolved"]["prefill-full"][0])
 
 
 def test_launch_server_help_lists_flag(dist_dir: Path) -> None:

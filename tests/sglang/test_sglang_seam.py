@@ -13,7 +13,7 @@ import torch
 from cpu_graph_standin import FakeRunner
 from sglang_bcg_plugin import BackendRegistrationError, get_plugin_manager, hookimpl
 
-pytestmark = [pytest.mark.sglang, pytest.mark.usefixtures("cpu_bcg")]
+pytestmark = [pytest.mark.sglang, pytest.mark.usefixtures("backend_seam", "cpu_bcg")]
 
 
 def sglang_bcg(runner: Any, **kw: Any) -> Any:

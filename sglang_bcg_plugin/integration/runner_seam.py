@@ -1,0 +1,132 @@
+"""SGLang 0.5.13: our output policy on ``BreakableCudaGraphRunner`` (the runner seam).
+
+0.5.13 has no ``runner_backend``: its breakable graph is
+``model_executor/breakable_cuda_graph_runner.py``'s ``BreakableCudaGraphRunner`` (prefill only,
+``--enable-breakable-cuda-graph``). ``_capture_all`` captures every size, largest first, as
+``graph, output = self._capture_one(num_tokens, pool, stream)`` and keeps
+``output_buffers[num_tokens] = output``: one output per size, no sharing (SGLang #27659 tried to
+add sharing there and was reverted, #27758). ``replay`` returns ``output_buffers[static]`` to the
+model's eager tail.
+
+Two AROUND hooks (HookRegistry) put the core's
+:class:`~sglang_bcg_plugin.backends.state.CaptureState` around that loop, changing nothing else:
+
+* ``_capture_all``: one capture session (mode resolved as everywhere: flag stash > env > the
+  release's own default, ``off`` here);
+* ``_capture_one``: for the duration of one size, the runner's ``_run_forward`` is shadowed by
+  an instance attribute that sees each of SGLang's calls: a warmup's output (outside the capture)
+  reserves the shared buffer, the captured call's output goes through the policy *inside* the
+  capture (the in-graph copy), and after SGLang's ``_capture_one`` returns ``(graph, output)`` the
+  hook returns ``(graph, ours)``, which ``_capture_all`` stores in ``output_buffers``.
+
+What #27659 got wrong is the core's job here: rows come from each output leaf (never from
+``num_tokens``), any output tree works (tuples, dataclasses such as ``LogitsProcessorOutput``,
+``PPProxyTensors``, ``None`` leaves), a size whose output does not fit keeps its own output with
+one warning, and a failed capture leaves the policy as it was. Not available on this seam: the
+stale-output guard (``replay`` is SGLang's own), the decode phase (0.5.13's breakable graph is
+prefill only) and ``sglang_bcg_select_backend`` routing.
+"""
+
+from __future__ import annotations
+
+import importlib
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from ..backends.state import CaptureState
+from ..engines.gcsafe import gc_safe_capture
+from .compat import RUNNER_MODULE, capture_var, num_segments
+from .sglang_session import open_state
+
+#: HookRegistry targets of the two AROUND hooks (SGLang 0.5.13).
+CAPTURE_ALL_TARGET = "sglang.srt.model_executor.breakable_cuda_graph_runner.BreakableCudaGraphRunner._capture_all"
+CAPTURE_ONE_TARGET = "sglang.srt.model_executor.breakable_cuda_graph_runner.BreakableCudaGraphRunner._capture_one"
+
+#: The attribute our state lives in on the runner.
+STATE_ATTR = "_bcg_state"
+
+
+@dataclass(frozen=True, slots=True)
+class RunnerKey:
+    """The key of one size of the runner (prefill tokens; one stream)."""
+
+    size: int
+    stream_idx: int | None = None
+
+
+def runner_state(runner: Any) -> CaptureState:
+    """The runner's capture state (created on first use)."""
+    state: CaptureState | None = runner.__dict__.get(STATE_ATTR)
+    if state is None:
+        state = CaptureState("breakable", "sglang-bcg-runner")
+        setattr(runner, STATE_ATTR, state)
+    return state
+
+
+def around_capture_all(original_fn: Callable[..., Any], runner: Any, *args: Any, **kwargs: Any) -> Any:
+    """AROUND hook of ``BreakableCudaGraphRunner._capture_all``: one capture session."""
+    state = runner_state(runner)
+    open_state(state, getattr(runner.model_runner, "server_args", None))
+    try:
+        with gc_safe_capture():
+            return original_fn(runner, *args, **kwargs)
+    finally:
+        state.close()
+
+
+def around_capture_one(
+    original_fn: Callable[..., Any], runner: Any, num_tokens: int, pool: Any, stream: Any, *args: Any, **kwargs: Any
+) -> Any:
+    """AROUND hook of ``BreakableCudaGraphRunner._capture_one``: the policy on one size's output."""
+    state: CaptureState | None = runner.__dict__.get(STATE_ATTR)
+    if state is None or state.mode_active is None:  # called outside _capture_all: SGLang's own
+        return original_fn(runner, num_tokens, pool, stream, *args, **kwargs)
+    key = RunnerKey(num_tokens)
+    state.begin(key)
+    var = capture_var(_capture_cls())
+    shadowed = runner.__dict__.get("_run_forward")  # an instance's own, restored below
+    forward = runner._run_forward
+    placed: list[Any] = []
+
+    def run_forward(*fargs: Any, **fkwargs: Any) -> Any:
+        out = forward(*fargs, **fkwargs)
+        if var.get() is None:  # a warmup: the buffer comes from its output, outside the pool
+            state.reserve(key, out)
+            return out
+        prepared = state.place(key, out)
+        placed.append(prepared)
+        return prepared.output
+
+    start = time.perf_counter()
+    runner._run_forward = run_forward
+    try:
+        graph, _ = original_fn(runner, num_tokens, pool, stream, *args, **kwargs)
+    finally:
+        if shadowed is None:
+            del runner._run_forward
+        else:
+            runner._run_forward = shadowed
+    if len(placed) != 1:
+        msg = (
+            f"BreakableCudaGraphRunner._capture_one({num_tokens}) ran the forward {len(placed)} times "
+            "inside its capture; expected once (the runner seam of SGLang 0.5.13)"
+        )
+        raise RuntimeError(msg)
+    output = state.commit(
+        key, placed.pop(), graph=graph, num_segments=num_segments(graph), seconds=time.perf_counter() - start
+    )
+    return graph, output
+
+
+def _capture_cls() -> type:
+    cls: type = importlib.import_module(RUNNER_MODULE).BreakableCUDAGraphCapture
+    return cls
+
+
+def runner_report(runner: Any) -> Any:
+    """The memory report of a runner's last capture (``None`` before one)."""
+    state: CaptureState | None = runner.__dict__.get(STATE_ATTR)
+    return None if state is None else state.report()
+
