@@ -1,37 +1,35 @@
-"""Per-key capture time and memory accounting, as a plugin on ``sglang_bcg_capture_one``."""
+"""Per-key capture accounting: wall time, and the growth of reserved device memory on CUDA."""
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Generator
-from typing import TYPE_CHECKING
+from types import TracebackType
 
 import torch
 
-from .manager import hookimpl
 
-if TYPE_CHECKING:
-    from .backends.base import CaptureBackend
-
-
-def _reserved(backend: CaptureBackend) -> int | None:
-    if backend.engine_name != "cuda":
+def _reserved(engine: str) -> int | None:
+    if engine != "cuda":
         return None
     torch.cuda.synchronize()
     return int(torch.cuda.memory_reserved())
 
 
-@hookimpl(wrapper=True)
-def sglang_bcg_capture_one(
-    backend: CaptureBackend, shape_key: object, capture: Callable[[], object]
-) -> Generator[None, object, object]:
-    """Time the capture (and the reserved-memory growth on CUDA) and hand it to the backend."""
-    before = _reserved(backend)
-    start = time.perf_counter()
-    result = yield
-    seconds = time.perf_counter() - start
-    after = _reserved(backend)
-    grown = None if before is None or after is None else after - before
-    backend.record_capture_stats(shape_key, seconds=seconds, memory_bytes=grown)
-    return result
+class Measure:
+    """``with Measure(engine_name) as m:`` times the block; ``m.memory_bytes`` is the growth of
+    ``torch.cuda.memory_reserved()`` across it on the CUDA engine (``None`` elsewhere)."""
 
+    def __init__(self, engine: str) -> None:
+        self.engine = engine
+        self.seconds: float | None = None
+        self.memory_bytes: int | None = None
+
+    def __enter__(self) -> Measure:
+        self._before = _reserved(self.engine)
+        self._start = time.perf_counter()
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+        self.seconds = time.perf_counter() - self._start
+        after = _reserved(self.engine) if kind is None else None
+        self.memory_bytes = None if self._before is None or after is None else after - self._before

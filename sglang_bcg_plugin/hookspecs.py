@@ -6,7 +6,6 @@ is its exact signature (a test keeps the two in step).
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import pluggy
@@ -16,6 +15,7 @@ from ._constants import NAME
 if TYPE_CHECKING:
     from .backends.base import CaptureBackend
     from .registry import BackendRegistry
+    from .report import KeyReport
 
 hookspec = pluggy.HookspecMarker(NAME)
 
@@ -33,23 +33,33 @@ def sglang_bcg_register_backends(registry: BackendRegistry) -> None:
     """
 
 
-@hookspec(firstresult=True)
-def sglang_bcg_capture_one(
-    backend: CaptureBackend, shape_key: object, capture: Callable[[], object]
-) -> object | None:
-    """Capture one shape key; wrap it to observe or account for captures.
+@hookspec
+def sglang_bcg_capture_started(backend: CaptureBackend, shape_key: object) -> None:
+    """Observe: a capture of ``shape_key`` begins (checks passed, warmups not yet run).
 
-    The built-in implementation (``trylast``) returns ``capture()``. Wrappers
-    (``@hookimpl(wrapper=True)``) see every capture of every backend: the per-key capture time
-    and memory accounting is such a wrapper (``sglang_bcg_plugin.accounting``).
-
-    Stops at first non-None result.
+    Called for every capture of every backend; the capture itself is the backend's and runs
+    with every plugin blocked.
 
     :param backend: the backend capturing.
     :param shape_key: the key being captured.
-    :param capture: performs warmups and capture and registers the graph; returns the static
-        output. Call it exactly once.
-    :returns: the static output of the captured graph.
+    """
+
+
+@hookspec
+def sglang_bcg_capture_finished(
+    backend: CaptureBackend, shape_key: object, report: KeyReport | None, error: BaseException | None
+) -> None:
+    """Observe: a capture of ``shape_key`` ended.
+
+    On success ``report`` is the key's :class:`~sglang_bcg_plugin.report.KeyReport` (capture
+    seconds, graph memory growth on CUDA, output bytes, sharing, fallback) and ``error`` is
+    ``None``; on failure ``report`` is ``None`` and ``error`` the exception, which propagates to
+    the caller after the observers ran (nothing of the key was kept).
+
+    :param backend: the backend that captured.
+    :param shape_key: the key.
+    :param report: the key's report, or ``None`` on failure.
+    :param error: the exception, or ``None`` on success.
     """
 
 

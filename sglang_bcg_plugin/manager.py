@@ -23,8 +23,6 @@ BUILTIN_PLUGINS = (
     "sglang_bcg_plugin.backends.full",
     "sglang_bcg_plugin.backends.breakable",
     "sglang_bcg_plugin.backends.piecewise",
-    "sglang_bcg_plugin.accounting",
-    "sglang_bcg_plugin.backends.base",
 )
 
 _lock = threading.Lock()

@@ -19,7 +19,7 @@ class KeyReport:
         (the partition owner carries the shared buffer; sharing keys carry 0).
     :param shared: the key hands out views of its partition's shared buffer.
     :param fallback: why the key keeps its own output although sharing was on, else ``None``.
-    :param capture_seconds: wall time of warmups plus capture (the accounting plugin).
+    :param capture_seconds: wall time of warmups plus capture.
     :param graph_memory_bytes: growth of reserved device memory during the capture (CUDA
         engines; ``None`` on the eager engine).
     :param num_segments: CUDA-graph segments of the key (breakable: breaks + 1).

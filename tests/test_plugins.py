@@ -8,6 +8,7 @@ from collections.abc import Callable, Generator, Iterator
 from pathlib import Path
 from typing import Any
 
+import pluggy
 import pytest
 import torch
 
@@ -142,16 +143,17 @@ def test_bad_registrations(name: str, factory: Any, match: str) -> None:
     assert "'bad'" in str(info.value)
 
 
-def test_capture_hook_is_wrappable_and_accounts(backend_name: str) -> None:
-    seen: list[tuple[str, object]] = []
+def test_observers_see_every_capture(backend_name: str) -> None:
+    seen: list[tuple[str, object, object]] = []
 
     class Observer:
-        @hookimpl(wrapper=True)
-        def sglang_bcg_capture_one(self, backend: Any, shape_key: Any, capture: Any) -> Generator[None, Any, Any]:
-            seen.append(("before", shape_key))
-            out = yield
-            seen.append(("after", shape_key))
-            return out
+        @hookimpl
+        def sglang_bcg_capture_started(self, backend: Any, shape_key: Any) -> None:
+            seen.append(("started", shape_key, backend.name))
+
+        @hookimpl
+        def sglang_bcg_capture_finished(self, backend: Any, shape_key: Any, report: Any, error: Any) -> None:
+            seen.append(("finished", shape_key, report if error is None else error))
 
     get_plugin_manager().register(Observer(), name="observer")
     backend = create_backend(backend_name, options=BackendOptions(engine="eager"))
@@ -159,45 +161,50 @@ def test_capture_hook_is_wrappable_and_accounts(backend_name: str) -> None:
     with backend.capture_session():
         out = backend.capture_one(ShapeKey(4), lambda: x * 2)
     torch.testing.assert_close(out, x * 2)
-    assert seen == [("before", ShapeKey(4)), ("after", ShapeKey(4))]
     report = backend.memory_report()
+    assert seen == [("started", ShapeKey(4), backend_name), ("finished", ShapeKey(4), report.keys[0])]
     assert report.capture_seconds[ShapeKey(4)] > 0
     assert report.keys[0].graph_memory_bytes is None  # eager engine: no device memory
 
 
-def test_accounting_is_a_plugin_that_can_be_removed(backend_name: str) -> None:
-    pm = get_plugin_manager()
-    pm.unregister(name="sglang_bcg_plugin.accounting")
-    backend = create_backend(backend_name, options=BackendOptions(engine="eager"))
+def test_capture_needs_no_plugin(backend_name: str) -> None:
+    """The capture is the backend's own: with a plugin manager holding no plugin at all it
+    captures, replays and accounts as usual."""
+    from sglang_bcg_plugin import hookspecs
+    from sglang_bcg_plugin.backends.breakable import BreakableBackend
+    from sglang_bcg_plugin.backends.full import FullBackend
+
+    empty = pluggy.PluginManager("sglang_bcg")
+    empty.add_hookspecs(hookspecs)
+    assert empty.get_plugins() == set()
+    cls = {"breakable": BreakableBackend, "full": FullBackend}[backend_name]
+    backend = cls(options=BackendOptions(engine="eager"), plugin_manager=empty)
     x = torch.randn(4, 3)
     with backend.capture_session():
         backend.capture_one(ShapeKey(4), lambda: x * 2)
-    assert dict(backend.memory_report().capture_seconds) == {}
+    x.copy_(torch.randn(4, 3))
+    torch.testing.assert_close(backend.replay(ShapeKey(4)), x * 2)
+    assert backend.memory_report().capture_seconds[ShapeKey(4)] > 0
 
 
-def test_hook_that_skips_capture_is_an_error(backend_name: str) -> None:
-    class Skipper:
-        @hookimpl(tryfirst=True)
-        def sglang_bcg_capture_one(self, backend: Any, shape_key: Any, capture: Any) -> Any:
-            return "not captured"
+def test_an_observer_that_raises_aborts_the_capture(backend_name: str) -> None:
+    class Refuser:
+        @hookimpl
+        def sglang_bcg_capture_started(self, backend: Any, shape_key: Any) -> None:
+            msg = "not this one"
+            raise RuntimeError(msg)
 
-    get_plugin_manager().register(Skipper(), name="skipper")
+    pm = get_plugin_manager()
+    refuser = Refuser()
+    pm.register(refuser, name="refuser")
     backend = create_backend(backend_name, options=BackendOptions(engine="eager"))
-    with backend.capture_session(), pytest.raises(RuntimeError, match="without calling capture"):
-        backend.capture_one(ShapeKey(4), lambda: torch.zeros(4))
-
-
-def test_capture_called_twice_by_a_hook_is_an_error(backend_name: str) -> None:
-    class Twice:
-        @hookimpl(tryfirst=True)
-        def sglang_bcg_capture_one(self, backend: Any, shape_key: Any, capture: Any) -> Any:
-            capture()
-            return capture()
-
-    get_plugin_manager().register(Twice(), name="twice")
-    backend = create_backend(backend_name, options=BackendOptions(engine="eager"))
-    with backend.capture_session(), pytest.raises(RuntimeError, match="called twice"):
-        backend.capture_one(ShapeKey(4), lambda: torch.zeros(4))
+    with backend.capture_session():
+        with pytest.raises(RuntimeError, match="not this one"):
+            backend.capture_one(ShapeKey(4), lambda: torch.zeros(4))
+        assert backend.captured_keys() == []
+        pm.unregister(refuser)
+        backend.capture_one(ShapeKey(4), lambda: torch.zeros(4))  # still usable
+    assert backend.captured_keys() == [ShapeKey(4)]
 
 
 def _write_ep(tmp_path: Path, dist: str, ep_line: str) -> Path:

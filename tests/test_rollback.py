@@ -199,7 +199,7 @@ def test_post_warmup_hook_failure_rolls_back(backend_name: str) -> None:
 
 
 def test_failure_leaves_no_pending_stats_and_session_closes(backend_name: str) -> None:
-    """The accounting plugin records nothing for a failed key; leaving the session by an
+    """Nothing is recorded for a failed key; leaving the session by an
     exception closes it (the next session opens), and the captured keys stay."""
     net = Net()
     backend = make_backend(backend_name, True)
@@ -208,7 +208,6 @@ def test_failure_leaves_no_pending_stats_and_session_closes(backend_name: str) -
         backend.capture_one(big, net.fn(big), capture_inputs=net.x(big))
         backend.capture_one(failed, net.failing(failed, NUM_WARMUPS + 1), capture_inputs=net.x(failed))
     assert backend.share_output_active is None
-    assert backend._pending_stats == {}
     report = backend.memory_report()
     assert set(report.capture_seconds) == {big}
     with backend.capture_session():
@@ -218,23 +217,18 @@ def test_failure_leaves_no_pending_stats_and_session_closes(backend_name: str) -
 
 
 class _Observer:
-    """A third-party plugin wrapping every capture: it must see the failure propagate."""
+    """A third-party plugin observing every capture: it must see the failure before it propagates."""
 
     def __init__(self) -> None:
         self.seen: list[tuple[object, str]] = []
 
-    @hookimpl(wrapper=True)
-    def sglang_bcg_capture_one(self, backend: Any, shape_key: object, capture: Callable[[], object]) -> Any:
-        try:
-            result = yield
-        except BaseException as exc:
-            self.seen.append((shape_key, type(exc).__name__))
-            raise
-        self.seen.append((shape_key, "ok"))
-        return result
+    @hookimpl
+    def sglang_bcg_capture_finished(self, backend: Any, shape_key: object, report: Any, error: Any) -> None:
+        self.seen.append((shape_key, "ok" if error is None else type(error).__name__))
+        assert (report is None) == (error is not None)
 
 
-def test_failure_propagates_through_capture_hook_wrappers(backend_name: str) -> None:
+def test_failure_reaches_observers_then_propagates(backend_name: str) -> None:
     net = Net()
     obs = _Observer()
     pm = get_plugin_manager()

@@ -2,9 +2,10 @@
 
 Lifecycle: 1. ``backend = create_backend(name, options=...)``.
 2. ``with backend.capture_session(stream=None):`` resolves the output mode (``off``, ``on``,
-   ``released``: docs/index.md, "The switch") and starts a fresh set of shared partitions.
+   ``released``: docs/index.md, "The switch") and opens the capture state (:mod:`.state`).
 3. ``backend.capture_one(key, forward_fn, capture_inputs, post_warmup_hook)`` per key, largest
-   first: warmups, capture, output policy, through the ``sglang_bcg_capture_one`` hook.
+   first, top-down in one method: check → observers told → warmups and reserve → record with
+   the output placed inside the capture (the engine) → commit → observers told.
 4. ``backend.replay(key)`` returns the static output. 5. ``cleanup()`` drops every graph.
 
 Changing options (``configure``) takes effect at the next session (captured graphs keep their storage).
@@ -19,21 +20,44 @@ from collections.abc import Callable, Hashable, Iterator
 from typing import Any, ClassVar
 
 import pluggy
+import torch
 
+from ..accounting import Measure
 from ..engines.base import CaptureRequest, Engine
 from ..engines.eager import EagerEngine
 from ..engines.gcsafe import gc_safe_capture
 from ..errors import CaptureStateError
-from ..guard import StaleOutputGuard
-from ..manager import get_plugin_manager, hookimpl
+from ..manager import get_plugin_manager
 from ..options import BackendOptions
-from ..output_mode import ON, RELEASED, OutputMode, resolve_output_mode
-from ..released import release_output
+from ..output_mode import ON, OutputMode, explain_output_mode
 from ..report import MemoryReport
 from ..shape_key import check_key
-from ..sharing import OutputSharer
-from ..trees import collect_tensors, storage_key
-from .session import _Entry, _Session, buffer_source, make_guard, report_of, use_cuda
+from ..sharing import BufferSource
+from .state import CaptureState, KeyPlacement, input_storages
+
+
+def use_cuda(engine: str, backend: str) -> bool:
+    """Whether a backend with option ``engine`` captures real CUDA graphs here."""
+    if engine == "eager":
+        return False
+    if engine == "cuda" and not torch.cuda.is_available():
+        msg = f"{backend} backend: engine='cuda' but CUDA is not available; use 'auto' or 'eager'"
+        raise RuntimeError(msg)
+    return torch.cuda.is_available()
+
+
+def buffer_source(choice: str, engine: Engine) -> BufferSource:
+    """Where shared output buffers come from: the option; with ``"auto"``, a buffer reserved
+    before capture on CUDA and adoption on the eager engine (no pool to fragment there).
+
+    Measured on an H200 (docs/benchmarks.md), a reserved buffer costs exactly one output over
+    the floor on every engine and model; adopting the largest output costs anywhere from nothing
+    to 1.4 outputs, depending on where the allocator placed it among the largest forward's
+    activations — so ``"auto"`` takes the bound that always holds.
+    """
+    if choice in ("adopt", "reserve"):
+        return choice  # type: ignore[return-value]
+    return "reserve" if engine.name == "cuda" else "adopt"
 
 
 class CaptureBackend:
@@ -52,11 +76,9 @@ class CaptureBackend:
         self._pm = plugin_manager or get_plugin_manager()
         self._server_args = server_args
         self._lock = threading.RLock()
-        self._entries: dict[Hashable, _Entry] = {}
-        self._session: _Session | None = None
+        self._state = CaptureState(self.name, "none")
+        self._stream: Any = None
         self._engine: Engine | None = None
-        self._pending_stats: dict[Hashable, tuple[float, int | None]] = {}
-        self._guard: StaleOutputGuard | None = None
         self._capturing: Hashable | None = None  # the key being captured (re-entrancy check)
 
     @property
@@ -70,7 +92,7 @@ class CaptureBackend:
                 legacy = BackendOptions(share_output=changes.pop("share_output"))
                 changes.setdefault("output_mode", legacy.output_mode)
             self._options = dataclasses.replace(self._options, **changes)
-            if "engine" in changes and not self._entries and self._engine is not None:
+            if "engine" in changes and not self._state.keys() and self._engine is not None:
                 self._engine.release()
                 self._engine = None
             return self._options
@@ -86,6 +108,7 @@ class CaptureBackend:
     def _get_engine(self) -> Engine:
         if self._engine is None:
             self._engine = self._make_cuda_engine() if self._use_cuda() else self._make_eager_engine()
+            self._state.engine = self._engine.name
         return self._engine
 
     def _make_eager_engine(self) -> Engine:
@@ -97,35 +120,36 @@ class CaptureBackend:
 
     @contextlib.contextmanager
     def capture_session(self, stream: Any = None) -> Iterator[None]:
-        """Open a capture session; sharing is resolved now and fixed until it closes."""
+        """Open a capture session; the output mode is resolved now and fixed until it closes."""
         with self._lock:
-            if self._session is not None:
+            if self._state.mode_active is not None:
                 msg = f"{self.name} backend: capture_session() is already open; sessions do not nest"
                 raise CaptureStateError(msg)
-            mode = resolve_output_mode(self._options.output_mode, server_args=self._server_args)
-            share = mode == ON
-            self._guard = make_guard(self._options.stale_output_guard, self._guard)
+            opts = self._options
+            resolution = explain_output_mode(opts.output_mode, server_args=self._server_args)
             engine = self._get_engine()
-            source = buffer_source(self._options.shared_buffer, engine)
-            sharer = OutputSharer(enabled=share, strict=self._options.strict_outputs, source=source)
-            self._session = _Session(share, sharer, stream, mode)
+            source = buffer_source(opts.shared_buffer, engine)
+            self._state.open(resolution, source=source, guard=opts.stale_output_guard, strict=opts.strict_outputs)
+            self._stream = stream
         try:
             # GC safety: one collection per session, not per key; graphs only on CUDA engines.
             with gc_safe_capture() if engine.name != "eager" else contextlib.nullcontext():
                 yield
         finally:
             with self._lock:
-                self._session = None
+                self._state.close()
+                self._stream = None
 
     @property
     def share_output_active(self) -> bool | None:
         """Whether the open session shares outputs (mode ``on``; ``None`` outside a session)."""
-        return None if self._session is None else self._session.share_output
+        mode = self._state.mode_active
+        return None if mode is None else mode == ON
 
     @property
     def output_mode_active(self) -> OutputMode | None:
         """The output mode of the open session (``None`` outside a session)."""
-        return None if self._session is None else self._session.mode
+        return self._state.mode_active
 
     def capture_one(
         self,
@@ -137,139 +161,110 @@ class CaptureBackend:
         """Warm up, capture ``forward_fn`` for ``shape_key`` and return its static output.
 
         ``forward_fn`` takes no arguments and reads static inputs; ``capture_inputs`` (any
-        tree) is kept alive with the graph, whose kernels hold its addresses.
+        tree) is kept alive with the graph, whose kernels hold its addresses. Observers
+        (``sglang_bcg_capture_started`` / ``sglang_bcg_capture_finished``) see every capture.
         """
         key = check_key(shape_key)
         if not callable(forward_fn):
             msg = f"capture_one({key!r}): forward_fn must be callable, got {forward_fn!r}"
             raise TypeError(msg)
         with self._lock:
-            session = self._session
-            if session is None:
-                msg = f"{self.name} backend: capture_one({key!r}) must run inside `with backend.capture_session():`"
-                raise CaptureStateError(msg)
-            if self._capturing is not None:
-                msg = (
-                    f"{self.name} backend: re-entrant capture: capture_one({key!r}) was called while "
-                    f"{self._capturing!r} is being captured (from inside its forward_fn or a hook); "
-                    "capture keys one after another"
-                )
-                raise CaptureStateError(msg)
-            if key in self._entries:
-                msg = f"{key!r} is already captured by the {self.name} backend; cleanup() first to capture it again"
-                raise ValueError(msg)
-
-            def capture() -> Any:
-                return self._capture(key, forward_fn, capture_inputs, post_warmup_hook, session)
-
+            self._check_can_capture(key)
             self._capturing = key
             try:
-                result = self._pm.hook.sglang_bcg_capture_one(backend=self, shape_key=key, capture=capture)
+                self._pm.hook.sglang_bcg_capture_started(backend=self, shape_key=key)
+                engine = self._get_engine()
+                placement = KeyPlacement(self._state, key, capture_inputs)
+                request = CaptureRequest(
+                    key=key,
+                    forward_fn=forward_fn,
+                    policy=placement,
+                    num_warmups=self._options.num_warmups,
+                    post_warmup_hook=post_warmup_hook,
+                    partition=getattr(key, "stream_idx", None),
+                    stream=self._stream,
+                    static_inputs=input_storages(capture_inputs),
+                )
+                with Measure(engine.name) as measured:
+                    graph = engine.capture(request)
+                assert placement.prepared is not None, "the engine never placed the output"
+                output = self._state.commit(
+                    key,
+                    placement.prepared,
+                    graph=graph,
+                    capture_inputs=capture_inputs,
+                    seconds=measured.seconds,
+                    memory_bytes=measured.memory_bytes,
+                    # released: the output's blocks go back to the pool (the eager engine has
+                    # no pool: its outputs stay owned)
+                    can_release=engine.name == "cuda",
+                )
+            except BaseException as exc:
+                self._pm.hook.sglang_bcg_capture_finished(backend=self, shape_key=key, report=None, error=exc)
+                raise
             finally:
                 self._capturing = None
-            if key not in self._entries:
-                msg = f"a sglang_bcg_capture_one hook returned without calling capture() for {key!r}"
-                raise RuntimeError(msg)
-            stats = self._pending_stats.pop(key, None)
-            if stats is not None:
-                self._entries[key].seconds, self._entries[key].memory_bytes = stats
-            return result
+            report = self._state.report().keys[-1]
+            self._pm.hook.sglang_bcg_capture_finished(backend=self, shape_key=key, report=report, error=None)
+            return output
 
-    def _capture(
-        self,
-        key: Hashable,
-        forward_fn: Callable[[], Any],
-        capture_inputs: Any,
-        post_warmup_hook: Callable[[], None] | None,
-        session: _Session,
-    ) -> Any:
-        if key in self._entries:
-            msg = f"capture() for {key!r} was called twice"
-            raise RuntimeError(msg)
-        protected = frozenset(storage_key(t) for t in collect_tensors(capture_inputs))
-        prepared: list[Any] = []
-
-        def finalize(output: Any, foreign: frozenset[tuple[str, int]] | None = None) -> Any:
-            p = session.sharer.prepare(key, output, protected, foreign)
-            prepared.append(p)
-            return p.output
-
-        request = CaptureRequest(
-            key=key,
-            forward_fn=forward_fn,
-            finalize=finalize,
-            num_warmups=self._options.num_warmups,
-            post_warmup_hook=post_warmup_hook,
-            partition=getattr(key, "stream_idx", None),
-            stream=session.stream,
-            reserve=lambda out: session.sharer.reserve(key, out),
-            static_inputs=protected,
-        )
-        graph = self._get_engine().capture(request)
-        p = prepared.pop()
-        p.commit()
-        # released: non-owning aliases, the output's blocks go back to the pool (the eager engine
-        # has no pool: its outputs stay owned).
-        released = session.mode == RELEASED and self._get_engine().name == "cuda"
-        if released:
-            graph.output, p.output = release_output(graph.output), None
-        self._entries[key] = _Entry(
-            key, graph, capture_inputs, p.shared, session.share_output, p.fallback, p.logical_bytes, released=released
-        )
-        return graph.output
-
-    def record_capture_stats(self, shape_key: Hashable, *, seconds: float, memory_bytes: int | None) -> None:
-        """Called by the accounting plugin after each capture."""
-        self._pending_stats[shape_key] = (seconds, memory_bytes)
+    def _check_can_capture(self, key: Hashable) -> None:
+        if self._state.mode_active is None:
+            msg = f"{self.name} backend: capture_one({key!r}) must run inside `with backend.capture_session():`"
+            raise CaptureStateError(msg)
+        if self._capturing is not None:
+            msg = (
+                f"{self.name} backend: re-entrant capture: capture_one({key!r}) was called while "
+                f"{self._capturing!r} is being captured (from inside its forward_fn or a hook); "
+                "capture keys one after another"
+            )
+            raise CaptureStateError(msg)
+        if self._state.entry(key) is not None:
+            msg = f"{key!r} is already captured by the {self.name} backend; cleanup() first to capture it again"
+            raise ValueError(msg)
 
     def replay(self, shape_key: Hashable) -> Any:
         """Replay the graph of ``shape_key`` and return its static output."""
-        entry = self._entries.get(shape_key)
+        entry = self._state.entry(shape_key)
         if entry is None:
-            sizes = sorted({getattr(k, "size", 0) for k in self._entries})
+            sizes = sorted({getattr(k, "size", 0) for k in self._state.keys()})
             msg = (
                 f"{shape_key!r} was never captured by the {self.name} backend; "
                 f"captured sizes: {sizes or 'none'}"
             )
             raise KeyError(msg)
         out = entry.graph.replay()
-        guard = self._guard
+        guard = self._state.guard
         if guard is not None:
             return guard.hand_out(shape_key, out)
         return out
 
     def can_run(self, shape_key: Hashable) -> bool:
         """Whether ``replay(shape_key)`` would run a captured graph."""
-        return shape_key in self._entries
+        return self._state.entry(shape_key) is not None
 
     def captured_keys(self) -> list[Hashable]:
-        return list(self._entries)
+        return self._state.keys()
 
     def num_segments(self, shape_key: Hashable) -> int:
-        return self._entries[shape_key].graph.num_segments
+        entry = self._state.entry(shape_key)
+        if entry is None:
+            msg = f"{shape_key!r} was never captured by the {self.name} backend"
+            raise KeyError(msg)
+        return int(entry.graph.num_segments)
 
     def memory_report(self) -> MemoryReport:
         """Logical vs resident output bytes, fallbacks, capture seconds per key; bridges per partition."""
-        return report_of(self.name, self._engine, list(self._entries.values()))
+        bridges = None if self._engine is None else self._engine.bridge_bytes()
+        return self._state.report(bridge_bytes=bridges)
 
     def cleanup(self) -> None:
         """Release every graph, shared buffer and pool; the backend can capture again."""
         with self._lock:
-            if self._session is not None:
+            if self._state.mode_active is not None:
                 msg = f"{self.name} backend: cleanup() inside an open capture_session()"
                 raise CaptureStateError(msg)
-            for entry in self._entries.values():
-                entry.graph.release()
-            self._entries.clear()
-            self._pending_stats.clear()
-            if self._guard is not None:
-                self._guard.clear()
+            self._state.clear()
             if self._engine is not None:
                 self._engine.release()
                 self._engine = None
-
-
-@hookimpl(trylast=True)
-def sglang_bcg_capture_one(backend: CaptureBackend, shape_key: object, capture: Callable[[], object]) -> object:
-    """Built-in capture: just capture (wrappers around it observe)."""
-    return capture()

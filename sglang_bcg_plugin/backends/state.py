@@ -1,11 +1,8 @@
-"""``CaptureState``: the capture core for a backend whose graphs another engine records.
+"""``CaptureState``: the one capture core — sessions, output policy, guard, per-key records, report.
 
-:class:`~.base.CaptureBackend` owns its engine; an integration that captures through someone
-else's engine (SGLang's breakable segment engine, or SGLang 0.5.13's breakable runner) still
-needs the same output policy, guard, per-key records and report. This class is that state, built
-from the same pieces :mod:`.session` gives :class:`~.base.CaptureBackend` (``_Entry``,
-``make_guard``, ``report_of``) and :class:`~sglang_bcg_plugin.sharing.OutputSharer`, in the order
-capture runs:
+Every backend uses it: :class:`~.base.CaptureBackend` around its own engines, and the SGLang
+integration around SGLang's engine (the breakable segment engine, or SGLang 0.5.13's breakable
+runner), which only translates SGLang's keys, rows, pool and warmups. In the order capture runs:
 
 1. :meth:`open` a session with a resolved mode (``off``/``on``/``released``);
 2. per key: :meth:`reserve` (the last warmup's output, outside the capture), then inside the
@@ -14,30 +11,82 @@ capture runs:
    alias in mode ``released``);
 3. :meth:`close`; at replay :meth:`hand_out` (the stale-output guard); :meth:`report`; :meth:`clear`.
 
-Nothing here knows which engine recorded the graph: the caller passes the graph object and its
-segment count.
+Nothing here knows which engine recorded the graph: the caller passes the graph object (its
+segment count for another engine's graph). :class:`KeyPlacement` is one key's policy as our
+engines drive it (``engines.base.OutputPolicy``).
 """
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Hashable
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..errors import CaptureStateError
-from ..guard import StaleOutputGuard
+from ..errors import CaptureStateError, warn_user
+from ..guard import StaleOutputGuard, guard_supported
 from ..output_mode import ON, RELEASED, OutputMode, Resolution
 from ..released import POOL_GUARD, release_output
-from ..report import MemoryReport
+from ..report import KeyReport, MemoryReport, claim_resident_bytes
 from ..sharing import BufferSource, OutputSharer, Prepared
 from ..trees import collect_tensors, storage_key
-from .session import _Entry, make_guard, report_of
+
+
+@dataclass(eq=False)
+class _Entry:
+    """The record of one captured key."""
+
+    key: Hashable
+    graph: Any  # engines.base.CapturedGraph, or a ForeignGraph
+    capture_inputs: Any
+    shared: bool
+    share_output: bool
+    fallback: str | None
+    logical_bytes: int
+    seconds: float | None = None
+    memory_bytes: int | None = None
+    released: bool = False  # outputs are non-owning aliases of pool memory: nothing resident
+
+
+def make_guard(enabled: bool, current: StaleOutputGuard | None) -> StaleOutputGuard | None:
+    """The stale-output guard for a new session (kept across sessions while enabled).
+
+    Where this torch build cannot poison storages the guard warns once and does nothing.
+    """
+    if not enabled:
+        return None
+    if not guard_supported():
+        if current is None:
+            warn_user(
+                "stale_output_guard is on but this torch build cannot poison storages "
+                "(needs torch._C._set_storage_access_error_msg, present in CUDA builds); "
+                "the guard does nothing",
+                RuntimeWarning,
+            )
+        return None
+    return current if current is not None else StaleOutputGuard()
+
+
+def key_reports(entries: list[_Entry]) -> list[KeyReport]:
+    """One report per captured key (a storage is charged to the first key holding it)."""
+    seen: set[tuple[str, int]] = set()
+    return [
+        KeyReport(
+            key=entry.key,
+            logical_output_bytes=entry.logical_bytes,
+            resident_output_bytes=0 if entry.released else claim_resident_bytes(entry.graph.output, seen),
+            shared=entry.shared,
+            fallback=entry.fallback,
+            capture_seconds=entry.seconds,
+            graph_memory_bytes=entry.memory_bytes,
+            num_segments=entry.graph.num_segments,
+        )
+        for entry in entries
+    ]
 
 
 @dataclass(eq=False)
 class ForeignGraph:
-    """A graph recorded by another engine, as :func:`.session.report_of` reads it."""
+    """A graph recorded by another engine, as :func:`key_reports` reads it."""
 
     graph: Any
     output: Any
@@ -61,6 +110,24 @@ class _Open:
 def input_storages(capture_inputs: object) -> frozenset[tuple[str, int]]:
     """Storages of static inputs (any object), never adopted as a shared buffer."""
     return frozenset(storage_key(t) for t in collect_tensors(capture_inputs))
+
+
+class KeyPlacement:
+    """One key's output policy as an engine drives it (``engines.base.OutputPolicy``): the
+    engine reserves from the last warmup's output, then places the output inside the capture;
+    the backend commits :attr:`prepared` once the capture succeeded."""
+
+    def __init__(self, state: CaptureState, key: Hashable, capture_inputs: Any) -> None:
+        self.state, self.key, self.capture_inputs = state, key, capture_inputs
+        self.foreign: frozenset[tuple[str, int]] | None = frozenset()
+        self.prepared: Prepared | None = None
+
+    def reserve(self, warmup_output: Any) -> None:
+        self.state.reserve(self.key, warmup_output)
+
+    def place(self, output: Any) -> Any:
+        self.prepared = self.state.place(self.key, output, self.capture_inputs, self.foreign)
+        return self.prepared.output
 
 
 class CaptureState:
@@ -121,9 +188,15 @@ class CaptureState:
         except TypeError:
             return  # an unsupported tensor holder: place() raises the real TypeError
 
-    def place(self, key: Hashable, output: Any, capture_inputs: Any = None) -> Prepared:
-        """Inside the capture: how ``key``'s output is held (in-graph copy, adopt or own)."""
-        return self._session(key).sharer.prepare(key, output, input_storages(capture_inputs))
+    def place(
+        self, key: Hashable, output: Any, capture_inputs: Any = None, foreign: frozenset[tuple[str, int]] | None = frozenset()
+    ) -> Prepared:
+        """Inside the capture: how ``key``'s output is held (in-graph copy, adopt or own).
+
+        :param foreign: storages the forward returned but did not allocate (never adopted);
+            ``None``: unknown, so nothing is adopted (``engines.base.run_warmups``).
+        """
+        return self._session(key).sharer.prepare(key, output, input_storages(capture_inputs), foreign)
 
     def commit(
         self,
@@ -131,28 +204,41 @@ class CaptureState:
         prepared: Prepared,
         *,
         graph: Any,
-        num_segments: int,
+        num_segments: int | None = None,
         capture_inputs: Any = None,
         seconds: float | None = None,
+        memory_bytes: int | None = None,
+        can_release: bool = True,
     ) -> Any:
         """After a successful capture: record ``key``; return the output to hand out.
 
-        In mode ``released`` that is a non-owning alias; the caller must drop its own references
-        to ``prepared.output`` for the memory to return to the pool.
+        ``graph`` is another engine's graph (give ``num_segments``) or one of ours, an
+        ``engines.base.CapturedGraph`` (``num_segments=None``: it replays and hands out the output
+        itself). In mode ``released`` (where ``can_release``: graph-pool memory) the output is a
+        non-owning alias and ``prepared.output`` is dropped; the caller must drop its own
+        references too for the memory to return to the pool.
         """
         session = self._session(key)
         prepared.commit()
-        released = session.resolution.mode == RELEASED
+        released = session.resolution.mode == RELEASED and can_release
         output = release_output(prepared.output) if released else prepared.output
+        if released:
+            prepared.output = None
+        if num_segments is None:
+            graph.output = output
+            held = graph
+        else:
+            held = ForeignGraph(graph, None if released else output, num_segments)
         self._entries[key] = _Entry(
             key,
-            ForeignGraph(graph, None if released else output, num_segments),
+            held,
             capture_inputs,
             prepared.shared,
             session.resolution.mode == ON,
             prepared.fallback,
             prepared.logical_bytes,
             seconds=seconds,
+            memory_bytes=memory_bytes,
             released=released,
         )
         return output
@@ -174,9 +260,14 @@ class CaptureState:
     def keys(self) -> list[Hashable]:
         return list(self._entries)
 
-    def report(self) -> MemoryReport:
+    def entry(self, key: Hashable) -> _Entry | None:
+        """The record of ``key`` (``None``: not captured)."""
+        return self._entries.get(key)
+
+    def report(self, bridge_bytes: dict[int | None, int] | None = None) -> MemoryReport:
         """Logical vs resident output bytes, fallbacks and capture seconds, per key."""
-        return dataclasses.replace(report_of(self.name, None, list(self._entries.values())), engine=self.engine)
+        entries = list(self._entries.values())
+        return MemoryReport.from_keys(self.name, self.engine, key_reports(entries), bridge_bytes=bridge_bytes)
 
     def clear(self, owner: object = None) -> None:
         """Forget every record (the graphs are the engine's to destroy)."""

@@ -1,4 +1,4 @@
-"""The engine seam: backends hand an engine a forward and a finalizer, get a graph back."""
+"""The engine seam: backends hand an engine a forward and its output policy, get a graph back."""
 
 from __future__ import annotations
 
@@ -10,10 +10,22 @@ import torch
 
 from ..trees import collect_tensors, storage_key
 
-Finalize = Callable[..., Any]
-"""``finalize(output, foreign=...)`` runs inside the capture on the forward's output; returns the
-static output to hand out (the output-sharing policy: adopt, copy into a shared view, or keep).
-``foreign``: storages the forward returns but did not allocate (see :func:`run_warmups`)."""
+class OutputPolicy(Protocol):
+    """One key's output policy, as an engine drives it (``backends.state.KeyPlacement``).
+
+    1. :func:`run_warmups` calls :meth:`reserve` with the last warmup's output, outside any
+       capture, and sets :attr:`foreign`;
+    2. the engine calls :meth:`place` on the forward's output *inside* the capture (its copies
+       are recorded into the graph) and keeps what it returns as the graph's static output.
+    """
+
+    #: Storages the forward returns but did not allocate (the last warmup's output shares them);
+    #: ``None``: unknown (no warmup ran). Never adopted as a shared buffer.
+    foreign: frozenset[tuple[str, int]] | None
+
+    def reserve(self, warmup_output: Any) -> None: ...
+
+    def place(self, output: Any) -> Any: ...
 
 
 class CapturedGraph(Protocol):
@@ -33,20 +45,18 @@ class CapturedGraph(Protocol):
 class CaptureRequest:
     """Everything an engine needs to capture one key.
 
-    :param reserve: called with the last warmup's output, outside any capture, before the
-        capture begins (the output policy allocates a reserved shared buffer there).
+    :param policy: the key's output policy: reserve after the warmups, place inside the capture.
     :param static_inputs: storages of the static inputs (``capture_inputs``): the output policy
-        never adopts them, and the piecewise recorder counts them as produced storage.
+        never adopts them, and the piecewise recorder clones an output that is one.
     """
 
     key: object
     forward_fn: Callable[[], Any]
-    finalize: Finalize
+    policy: OutputPolicy
     num_warmups: int
     post_warmup_hook: Callable[[], None] | None
     partition: int | None
     stream: Any = None
-    reserve: Callable[[Any], None] | None = None
     static_inputs: frozenset[tuple[str, int]] = frozenset()
 
 
@@ -62,38 +72,6 @@ class Engine(Protocol):
 
     def bridge_bytes(self) -> dict[int | None, int]:
         """Bytes of bridge storage per partition (0 for engines without breaks)."""
-
-
-class Warmed:
-    """What the warmups leave for the capture: the last warmup's output, kept alive until the
-    capture's ``finalize`` ran, so no storage the capture allocates can reuse its memory.
-
-    A storage that the capture's output shares with the last warmup's output was not allocated
-    by the forward: it is memory the forward *returns* (a view of a static input, a weight, a
-    cache, a tensor the model keeps). Such storage must never become a shared output buffer —
-    smaller keys would write into it (docs/index.md, "Output sharing", rule 5).
-    """
-
-    def __init__(self, output: Any, ran: bool) -> None:
-        self._output = output
-        self._ran = ran
-
-    @property
-    def foreign(self) -> frozenset[tuple[str, int]] | None:
-        """Storages of the last warmup output; ``None`` when no warmup ran (nothing is known)."""
-        if not self._ran:
-            return None
-        # strided tensors only: any other layout is refused by the output policy itself
-        return frozenset(storage_key(t) for t in collect_tensors(self._output) if t.layout == torch.strided)
-
-    def finalize(self, request: CaptureRequest) -> Finalize:
-        """``request.finalize`` told which storages are foreign."""
-        foreign = self.foreign
-
-        def finalize(output: Any) -> Any:
-            return request.finalize(output, foreign=foreign)
-
-        return finalize
 
 
 class Front(Protocol):
@@ -117,15 +95,29 @@ class Front(Protocol):
         """Drop bridge storage (after every graph was released)."""
 
 
-def run_warmups(request: CaptureRequest) -> Warmed:
-    """Eager warmup runs, each followed by ``post_warmup_hook``; then ``reserve`` on the last
-    output. Keep the result alive until the capture finished (see :class:`Warmed`)."""
+def run_warmups(request: CaptureRequest) -> Any:
+    """Eager warmup runs, each followed by ``post_warmup_hook``; then the policy reserves from the
+    last output and learns which storages are foreign.
+
+    A storage that the capture's output shares with the last warmup's output was not allocated
+    by the forward: memory the forward *returns* (a view of a static input, a weight, a cache, a
+    tensor the model keeps). It must never become a shared output buffer — smaller keys would
+    write into it (docs/index.md, "Output sharing", rule 5). Returns the last warmup's output:
+    **keep it alive until the capture ended**, so no storage the capture allocates can reuse its
+    memory and pass for foreign.
+    """
     out = None
     for _ in range(request.num_warmups):
         out = None  # the previous output is not kept: peak memory stays one output
         out = request.forward_fn()
         if request.post_warmup_hook is not None:
             request.post_warmup_hook()
-    if request.reserve is not None and request.num_warmups > 0:
-        request.reserve(out)
-    return Warmed(out, request.num_warmups > 0)
+    if request.num_warmups > 0:
+        request.policy.reserve(out)
+        # strided tensors only: any other layout is refused by the output policy itself
+        request.policy.foreign = frozenset(
+            storage_key(t) for t in collect_tensors(out) if t.layout == torch.strided
+        )
+    else:
+        request.policy.foreign = None
+    return out

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from .base import CaptureRequest, Finalize, Front, run_warmups
+from .base import CaptureRequest, Front, run_warmups
 from .gcsafe import defer_release, gc_safe_capture
 from .graphs import CudaSegments, abort_capture, end_capture
 from .recorder import SegmentedGraph, record
@@ -93,15 +93,16 @@ class CudaGraphEngine:
         stream = self._capture_stream(request)
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
-            warmed = run_warmups(request)
+            warm = run_warmups(request)  # kept alive until the capture ended (foreign storages)
         torch.cuda.synchronize()
         pool = self.pool(request.partition)
         with gc_safe_capture(), torch.cuda.stream(stream):
-            graph = self._record(request, warmed.finalize(request), pool)
+            graph = self._record(request, pool)
         torch.cuda.synchronize()
+        del warm
         return graph
 
-    def _record(self, request: CaptureRequest, finalize: Finalize, pool: Any) -> FullGraph | SegmentedGraph:
+    def _record(self, request: CaptureRequest, pool: Any) -> FullGraph | SegmentedGraph:
         raise NotImplementedError
 
     def __del__(self) -> None:
@@ -118,11 +119,11 @@ class CudaGraphEngine:
 class FullCudaEngine(CudaGraphEngine):
     """One ``torch.cuda.CUDAGraph`` per key, the output policy inside it."""
 
-    def _record(self, request: CaptureRequest, finalize: Finalize, pool: Any) -> FullGraph:
+    def _record(self, request: CaptureRequest, pool: Any) -> FullGraph:
         g = torch.cuda.CUDAGraph()
         g.capture_begin(pool=pool)
         try:
-            output = finalize(request.forward_fn())
+            output = request.policy.place(request.forward_fn())
         except BaseException:
             abort_capture(g)
             raise
@@ -149,9 +150,9 @@ class SegmentCudaEngine(CudaGraphEngine):
             raise ValueError(msg)
         return super().capture(request)
 
-    def _record(self, request: CaptureRequest, finalize: Finalize, pool: Any) -> SegmentedGraph:
+    def _record(self, request: CaptureRequest, pool: Any) -> SegmentedGraph:
         recorder = self.front.recorder(request.key, CudaSegments(pool), request.partition, request.static_inputs)
-        return record(recorder, request.forward_fn, finalize)
+        return record(recorder, request.forward_fn, request.policy.place)
 
     def bridge_bytes(self) -> dict[int | None, int]:
         return self.front.bridge_bytes()

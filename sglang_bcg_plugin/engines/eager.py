@@ -1,6 +1,6 @@
 """The eager engine: CUDA-graph static-output semantics without CUDA graphs.
 
-Capture runs the forward once and keeps the (finalized) output storage; replay runs the
+Capture runs the forward once and keeps the (placed) output storage; replay runs the
 forward again and copies every tensor leaf into that storage, exactly as a graph replay
 rewrites the memory it owns. CPU machines use it, and so can anyone debugging a graph
 (``BackendOptions(engine="eager")``, like SGLang's ``--debug-cuda-graph``).
@@ -57,8 +57,9 @@ class EagerEngine:
     name = "eager"
 
     def capture(self, request: CaptureRequest) -> EagerGraph:
-        warmed = run_warmups(request)
-        output = warmed.finalize(request)(request.forward_fn())
+        warm = run_warmups(request)  # kept alive until the output is placed (foreign storages)
+        output = request.policy.place(request.forward_fn())
+        del warm
         return EagerGraph(request.key, request.forward_fn, output)
 
     def release(self) -> None:

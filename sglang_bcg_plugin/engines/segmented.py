@@ -23,9 +23,11 @@ class EagerSegmentEngine:
         self.front = front
 
     def capture(self, request: CaptureRequest) -> SegmentedGraph:
-        warmed = run_warmups(request)
+        warm = run_warmups(request)  # kept alive until the output is placed (foreign storages)
         recorder = self.front.recorder(request.key, EagerSegments(), request.partition, request.static_inputs)
-        return record(recorder, request.forward_fn, warmed.finalize(request))
+        graph = record(recorder, request.forward_fn, request.policy.place)
+        del warm
+        return graph
 
     def release(self) -> None:
         self.front.release()
