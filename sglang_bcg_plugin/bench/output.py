@@ -147,7 +147,10 @@ def write_plot(
     variants = list(dict.fromkeys(r.variant for r in rows))
     by = {(r.backend, r.variant): r for r in rows}
     use_graph = all(r.graph_memory_bytes is not None for r in rows)
-    colors = {"off": "#c0504d", "on": "#4f81bd", "floor": "#9bbb59", "guard": "#8064a2", "inductor": "#f79646", "reference": "#4bacc6"}
+    colors = {
+        "off": "#c0504d", "on": "#4f81bd", "floor": "#9bbb59", "guard": "#8064a2", "inductor": "#f79646",
+        "reference": "#4bacc6", "released": "#77933c", "adopt": "#95b3d7", "reserve": "#1f497d",
+    }
     fig, (ax_mem, ax_rep) = plt.subplots(1, 2, figsize=(11, 4.2))
     width = 0.8 / max(len(variants), 1)
     for i, variant in enumerate(variants):
@@ -167,6 +170,9 @@ def write_plot(
             "floor": "outputs released (floor)",
             "guard": "sharing on + stale-output guard",
             "inductor": "sharing on, Inductor-compiled",
+            "released": "outputs released (zero-copy)",
+            "adopt": "sharing on, buffer adopted",
+            "reserve": "sharing on, buffer reserved",
             "reference": "torch.compile reduce-overhead (Graph Trees)",
         }.get(variant, variant)
         bars = ax_mem.bar(xs, mem, width, label=label, color=colors.get(variant))
