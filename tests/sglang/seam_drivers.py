@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import importlib
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -60,12 +61,15 @@ class BackendDriver:
 class RunnerDriver:
     """SGLang 0.5.13's ``BreakableCudaGraphRunner`` capture loop with our hooks around it."""
 
-    def __init__(self, monkeypatch: Any) -> None:
+    def __init__(self, monkeypatch: Any, *, cuda: bool = False, hooked: bool = True) -> None:
+        """``cuda``: real CUDA graphs on a side stream in a fresh pool (the GPU test);
+        ``hooked=False``: SGLang's own capture loop without our hooks (the built-in to compare)."""
         from sglang_bcg_plugin.integration import runner_seam
 
         module = importlib.import_module("sglang.srt.model_executor.breakable_cuda_graph_runner")
         cls = module.BreakableCudaGraphRunner
-        original_all, original_one = cls._capture_all, cls._capture_one
+        # SGLang's own methods, also when an earlier driver of this test wrapped them
+        original_all, original_one = inspect.unwrap(cls._capture_all), inspect.unwrap(cls._capture_one)
         # As HookRegistry's AROUND hooks wrap them (tests/sglang/test_sglang_hooks_applied.py
         # checks load_plugins() installs exactly these).
         @functools.wraps(original_all)
@@ -76,16 +80,24 @@ class RunnerDriver:
         def capture_one(self: Any, n: int, pool: Any, stream: Any) -> Any:
             return runner_seam.around_capture_one(capture_one.__wrapped__, self, n, pool, stream)  # type: ignore[attr-defined]
 
-        monkeypatch.setattr(cls, "_capture_all", capture_all)
-        monkeypatch.setattr(cls, "_capture_one", capture_one)
+        monkeypatch.setattr(cls, "_capture_all", capture_all if hooked else original_all)
+        monkeypatch.setattr(cls, "_capture_one", capture_one if hooked else original_one)
+        stream = torch.cuda.Stream() if cuda else None
+        pool = torch.cuda.graph_pool_handle() if cuda else (0, 0)
 
         @contextlib.contextmanager
         def graph_capture() -> Iterator[Any]:
-            yield type("GraphCaptureContext", (), {"stream": None})()
+            if stream is None:
+                yield type("GraphCaptureContext", (), {"stream": None})()
+                return
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                yield type("GraphCaptureContext", (), {"stream": stream})()
+            torch.cuda.current_stream().wait_stream(stream)
 
         monkeypatch.setattr(module, "graph_capture", graph_capture)
         monkeypatch.setattr(module, "get_tensor_model_parallel_rank", lambda: 1)  # no tqdm / memory query
-        monkeypatch.setattr(module, "get_global_graph_memory_pool", lambda: (0, 0))
+        monkeypatch.setattr(module, "get_global_graph_memory_pool", lambda: pool)
         self.module = module
         self.runner = object.__new__(cls)
         from cpu_graph_standin import FakeGroup
@@ -94,7 +106,7 @@ class RunnerDriver:
         self.runner.model_runner = type(
             "ModelRunner", (), {"server_args": server_args, "tp_group": FakeGroup(), "attn_backend": None}
         )()
-        self.runner.device_module = FakeDeviceModule()
+        self.runner.device_module = torch.cuda if cuda else FakeDeviceModule()
         self.runner.graphs, self.runner.output_buffers = {}, {}
         self.forwards: dict[int, Forward] = {}
         self.runner._build_capture_forward_batch = lambda n: n

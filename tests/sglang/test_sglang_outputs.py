@@ -178,3 +178,23 @@ def test_doctor_agrees_with_a_real_capture(monkeypatch: pytest.MonkeyPatch, dist
         captured = None
     assert (verdict == 0) is (captured is None), (out.getvalue(), captured)
     assert ("[MISSING]" in out.getvalue()) is broken
+
+
+@pytest.mark.usefixtures("runner_seam")
+def test_builtin_runner_keeps_one_output_per_size_ours_shares(monkeypatch: pytest.MonkeyPatch) -> None:
+    """0.5.13: SGLang's own loop (no hooks) against ours with ``on``, in one test, as the GPU
+    test measures them (tests/gpu/test_sglang_runner_gpu.py)."""
+    from seam_drivers import RunnerDriver
+
+    model = Model(1, lambda h: h)
+    builtin = RunnerDriver(monkeypatch, hooked=False)
+    builtin.capture({builtin.key(n): model.forward_for(n) for n in SIZES})
+    assert len(storages(builtin.outputs())) == len(SIZES) and builtin.report() is None
+    monkeypatch.setenv(ENV, "on")
+    ours = RunnerDriver(monkeypatch)
+    ours.capture({ours.key(n): model.forward_for(n) for n in SIZES})
+    assert len(storages(ours.outputs())) == 1
+    model.refill()
+    for n in SIZES:
+        close(builtin.replay(builtin.key(n)), model.expected(n))
+        close(ours.replay(ours.key(n)), model.expected(n))
