@@ -34,6 +34,7 @@ from sglang_bcg_plugin import (
     SharedOutputFallbackWarning,
 )
 from sglang_bcg_plugin.options import parse_bool_env
+from sglang_bcg_plugin.output_mode import parse_mode_text
 from sglang_bcg_plugin.shape_key import check_key
 from sglang_bcg_plugin.trees import flatten
 
@@ -480,7 +481,7 @@ def test_bad_env_refuses_session_and_leaves_backend_usable(raw: str, backend: st
     b = make_backend(backend, None)  # type: ignore[arg-type]
     with mock.patch.dict(os.environ, {ENV_SHARE_OUTPUT: raw}):
         try:
-            expected = parse_bool_env(ENV_SHARE_OUTPUT)
+            expected = parse_mode_text(raw)  # a boolean word or "released", any case
         except ValueError:
             with pytest.raises(ValueError, match=ENV_SHARE_OUTPUT), b.capture_session():
                 pass  # pragma: no cover
@@ -488,7 +489,8 @@ def test_bad_env_refuses_session_and_leaves_backend_usable(raw: str, backend: st
             expected = None
         else:
             with b.capture_session():
-                assert b.share_output_active is bool(expected)
+                assert b.output_mode_active == (expected or "off")
+                assert b.share_output_active is (expected == "on")
                 b.capture_one(ShapeKey(4), lambda: torch.ones(4, 2))
             b.cleanup()
     with mock.patch.dict(os.environ, {ENV_SHARE_OUTPUT: "1"}), b.capture_session():
