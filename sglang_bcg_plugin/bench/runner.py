@@ -128,7 +128,7 @@ def run_variant(
     model = workload.model_for(backend_name, max_tokens)
     static = workload.static_input(max_tokens)
     backend = create_backend(backend_name, options=options, **kwargs)
-    fn = backend.compile(model, dynamic_dim=workload.dynamic_dim) if backend_name == "piecewise" else model  # type: ignore[attr-defined]
+    fn = backend.compile(model, dynamic_dim=workload.dynamic_dim)
     if v.inductor and backend_name != "piecewise":  # Inductor, no cudagraphs: the backend captures it
         fn = CompileClock(torch.compile(model, dynamic=True), device)
 

@@ -79,7 +79,7 @@ class PiecewiseBackend(CaptureBackend):
         """The resolved splitting ops (packets expanded to their overloads)."""
         return self._splitting_ops
 
-    def compile(
+    def compile(  # type: ignore[override]
         self, model: Callable[..., Any], *, dynamic: DynamicMode = "unbacked", dynamic_dim: int = 0
     ) -> PiecewiseCompiled:
         """Compile ``model`` (a module or function) with this backend's piecewise compile backend.

@@ -1,0 +1,45 @@
+"""The plugin-author API: what a package that adds a backend, an engine or an observer uses.
+
+Users create and drive backends through :mod:`sglang_bcg_plugin` (``create_backend``,
+``BackendOptions``, ``ShapeKey``, ``graph_break``); plugin authors subclass and register through
+this namespace (``docs/writing-a-backend.md``, ``docs/hooks.md``).
+"""
+
+from __future__ import annotations
+
+from .backends.base import CaptureBackend
+from .backends.breakable import BreakableBackend
+from .backends.full import FullBackend
+from .backends.piecewise import PiecewiseBackend
+from .backends.piecewise.record import PieceFront
+from .backends.state import CaptureState, KeyPlacement
+from .engines.base import CapturedGraph, CaptureRequest, Engine, Front, OutputPolicy, run_warmups
+from .engines.breakable import BreakableFront
+from .engines.cuda import FullCudaEngine, SegmentCudaEngine
+from .engines.eager import EagerEngine
+from .engines.segmented import EagerSegmentEngine
+from .manager import hookimpl
+from .registry import BackendRegistry
+
+__all__ = [
+    "BackendRegistry",
+    "BreakableBackend",
+    "BreakableFront",
+    "CaptureBackend",
+    "CaptureRequest",
+    "CaptureState",
+    "CapturedGraph",
+    "EagerEngine",
+    "EagerSegmentEngine",
+    "Engine",
+    "Front",
+    "FullBackend",
+    "FullCudaEngine",
+    "KeyPlacement",
+    "OutputPolicy",
+    "PieceFront",
+    "PiecewiseBackend",
+    "SegmentCudaEngine",
+    "hookimpl",
+    "run_warmups",
+]
