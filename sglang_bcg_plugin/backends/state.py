@@ -19,7 +19,7 @@ engines drive it (``engines.base.OutputPolicy``).
 from __future__ import annotations
 
 from collections.abc import Hashable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from ..errors import CaptureStateError, warn_user
@@ -104,7 +104,6 @@ class ForeignGraph:
 class _Open:
     resolution: Resolution
     sharer: OutputSharer
-    protected: dict[Hashable, frozenset[tuple[str, int]]] = field(default_factory=dict)
 
 
 def input_storages(capture_inputs: object) -> frozenset[tuple[str, int]]:
