@@ -1,5 +1,13 @@
-"""SGLang's BCG engine (any backend-seam release, 0.5.14 to 0.5.23) on one GPU without a server: the stand-ins it needs, a decoder,
+"""SGLang's BCG engine (any release 0.5.13 to 0.5.23) on one GPU without a server: the stand-ins it needs, a decoder,
 and the measurements (shared by ``sglang_gpu_driver.py`` and ``test_sglang_gpu.py``).
+
+Releases 0.5.14+ run SGLang's ``BreakableCudaGraphBackend`` (the backend seam). 0.5.13 runs its
+``BreakableCudaGraphRunner``'s own ``_capture_all`` / ``_capture_one`` (the runner seam) through
+:class:`RunnerBackend`, with our hooks around them for ``ours`` and without them for
+``builtin`` (one output per size, what 0.5.13 ships); the runner stand-ins are those of
+``tests/sglang/seam_drivers.py``'s ``RunnerDriver`` (a model runner with ``server_args`` and a
+one-rank group, the build-batch / metadata / forward calls routed to our decoder, a side stream
+and a fresh graph pool for ``graph_capture``).
 
 Stand-ins, and nothing else: a one-rank TP group (``get_parallel().override_permanently``)
 whose ``barrier()`` synchronizes the device; a graph runner exposing ``model_runner`` (with
@@ -46,11 +54,58 @@ def import_sglang() -> None:
             torchvision_standin.install()
         import sglang.srt.layers.logits_processor  # noqa: F401
         import sglang.srt.server_args  # noqa: F401
-        from sglang_bcg_plugin.integration.compat import installed
 
-        if installed().kind != "backend":  # 0.5.13: the runner seam (tests/sglang covers it on CPU)
-            msg = f"{installed().describe()}: this GPU driver runs the backend seam (SGLang 0.5.14+)"
-            raise ImportError(msg)
+def runner_seam() -> bool:
+    """SGLang 0.5.13: the breakable graph is a runner (``BreakableCudaGraphRunner``)."""
+    from sglang_bcg_plugin.integration.compat import installed
+
+    return installed().kind == "runner"
+
+
+class RunnerBackend:
+    """0.5.13's ``BreakableCudaGraphRunner`` behind the calls :class:`Setup` makes of a backend.
+
+    ``capture_one`` only collects the forwards; the session's end runs the runner's real
+    ``_capture_all`` over them (largest first, SGLang's two warmups per size, its segment engine).
+    """
+
+    def __init__(self, cuda: bool, hooked: bool) -> None:
+        import pytest
+
+        sys.path.insert(0, str(SGLANG_TESTS))
+        from seam_drivers import RunnerDriver
+
+        self.driver = RunnerDriver(pytest.MonkeyPatch(), cuda=cuda, hooked=hooked)
+        self.hooked = hooked
+        self._pending: dict[Any, Callable[[], Any]] = {}
+
+    @contextlib.contextmanager
+    def capture_session(self, stream: Any = None) -> Iterator[None]:
+        self._pending = {}
+        yield
+        self.driver.capture(self._pending)
+
+    def capture_one(self, key: Any, forward: Callable[[], Any], capture_inputs: Any = None) -> None:
+        self._pending[self.driver.key(key.size)] = forward
+
+    @contextlib.contextmanager
+    def replay_session(self) -> Iterator[None]:
+        yield
+
+    def replay(self, key: Any, forward_batch: Any = None) -> Any:
+        return self.driver.replay(self.driver.key(key.size))
+
+    def memory_report(self) -> Any:
+        return self.driver.report()
+
+    @property
+    def last_output_mode(self) -> Any:
+        from sglang_bcg_plugin.integration.runner_seam import runner_state
+
+        return runner_state(self.driver.runner).resolution if self.hooked else None
+
+    def cleanup(self) -> None:
+        self.driver.cleanup()
 
 
 class OneRankGroup:
@@ -81,6 +136,8 @@ class Runner:
 
 
 def shape_key(size: int, stream_idx: int | None = None) -> Any:
+    if runner_seam():  # 0.5.13 keys its graphs by the token count
+        return SimpleNamespace(size=size, stream_idx=stream_idx)
     from sglang.srt.model_executor.runner.shape_key import ShapeKey
 
     return ShapeKey(size=size, stream_idx=stream_idx)  # the other fields differ per release
@@ -103,11 +160,16 @@ def install_sglang(cuda: bool) -> Any:
     parallel = get_parallel() if get_parallel is not None else None
     if hasattr(parallel, "override_permanently"):
         parallel.override_permanently(tp_group=OneRankGroup(cuda))
-    if not cuda:
+    if not cuda:  # the dry run: tests/sglang's CPU stand-ins (cpu_graph_standin's docstring)
         sys.path.insert(0, str(SGLANG_TESTS))
+        from conftest import bcg_module
         from cpu_graph_standin import SegmentGraph
 
         torch.cuda.CUDAGraph = SegmentGraph  # type: ignore[misc,assignment]
+        torch.cuda.current_stream = torch.cpu.current_stream  # type: ignore[assignment]
+        engine = bcg_module()
+        original = engine._weak_ref_if_tensor
+        engine._weak_ref_if_tensor = lambda x: x if torch.is_tensor(x) and x.device.type == "cpu" else original(x)
     return server_args
 
 
@@ -117,12 +179,14 @@ def sglang_attention() -> Callable[..., None]:
     import importlib
 
     from sglang_bcg_plugin.bench.model import attention_op
-    from sglang_bcg_plugin.integration.compat import BACKEND_MODULE, eager_break, installed
+    from sglang_bcg_plugin.integration.compat import BACKEND_MODULE, RUNNER_MODULE, eager_break, installed
 
     def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, num_heads: int, num_kv_heads: int) -> None:
         attention_op(q, k, v, out, num_heads, num_kv_heads)
 
-    return eager_break(importlib.import_module(BACKEND_MODULE), attention, installed().eager_form)
+    seam = importlib.import_module(RUNNER_MODULE if runner_seam() else BACKEND_MODULE)
+    engine = sys.modules[seam.BreakableCUDAGraphCapture.__module__]  # the segment engine's module
+    return eager_break(engine, attention, installed().eager_form)
 
 
 class Setup:
@@ -192,6 +256,8 @@ class Setup:
         return Runner(self.server_args, self.device_module(), self.device, rows)
 
     def backend(self, kind: str, runner: Runner | None = None) -> Any:
+        if runner_seam():
+            return RunnerBackend(self.cuda, hooked=kind != "builtin")
         from sglang.srt.model_executor.runner_backend.breakable_cuda_graph_backend import BreakableCudaGraphBackend
 
         from sglang_bcg_plugin.integration import sglang_breakable_backend_class

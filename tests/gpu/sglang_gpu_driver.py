@@ -2,7 +2,8 @@
 
 ``python tests/gpu/sglang_gpu_driver.py VARIANT [--max-tokens N ...]`` prints one line
 ``RESULT={json}``. SGLang's graph pool and hooks are per process, so every SGLang variant runs
-in a fresh interpreter (:func:`run_variants` spawns them one after another). What runs is
+in a fresh interpreter (:func:`run_variants` starts them together for their imports, then lets
+them measure one after another). What runs is
 SGLang's own code: ``BreakableCudaGraphBackend`` (warmups, global graph pool, dedup plumbing,
 ``BreakableCUDAGraph`` segments, ``eager_on_graph`` breaks); the stand-ins are a one-rank TP
 group (``barrier()`` synchronizes), a runner exposing ``model_runner.server_args``,
@@ -30,8 +31,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import queue
 import subprocess
 import sys
+import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -44,7 +48,7 @@ sys.path[:0] = [str(ROOT), str(HERE)]
 
 import torch  # noqa: E402
 
-from sglang_bcg_setup import ENV_BUF, ENV_SHARE, Setup, one_output_bytes  # noqa: E402
+from sglang_bcg_setup import ENV_BUF, ENV_SHARE, Setup, import_sglang, one_output_bytes  # noqa: E402
 
 #: variant -> (backend class "builtin"/"ours", env, keep the output, output kind, sizes limit)
 CAPTURE_VARIANTS: dict[str, tuple[str, dict[str, str], bool, str, int | None]] = {
@@ -100,7 +104,9 @@ def recapture(setup: Setup, cycles: int) -> dict[str, Any]:
     """``cycles`` x (capture every size, check, cleanup); the mode changes every cycle."""
     modes = ("on", "off", "released")
     backend = setup.backend("ours")
-    base = setup.memory()
+    first = setup.memory()  # before this process captured any CUDA graph
+    one_time = plain_torch_graphs(setup)
+    base = setup.memory()  # the baseline: after plain torch graphs, before any of ours
     rows = []
     probe = [setup.sizes[0], setup.sizes[len(setup.sizes) // 2], setup.sizes[-1]]
     for i in range(cycles):
@@ -126,8 +132,51 @@ def recapture(setup: Setup, cycles: int) -> dict[str, Any]:
     again = setup.max_error(backend, small, _leaf)
     backend.cleanup()
     return {"variant": "recapture", "cycles": rows, "recapture_without_empty_cache_err": again,
+            "one_time": {**one_time, "before_any_graph_free_bytes": first["free"],
+                         "plain_torch_graphs_drift_free_bytes": first["free"] - base["free"],
+                         "plain_torch_graphs_drift_reserved_bytes": base["reserved"] - first["reserved"]},
             "max_drift_free_bytes": max(abs(r["drift_free_bytes"]) for r in rows),
             "max_drift_reserved_bytes": max(abs(r["drift_reserved_bytes"]) for r in rows)}
+
+
+def plain_torch_graphs(setup: Setup) -> dict[str, Any]:
+    """What the process's first CUDA graphs cost outside any capture backend, step by step.
+
+    Free memory after (1) one trivial graph (``x.add_(1)``) captured, replayed and destroyed;
+    (2) a plain ``torch.cuda.graph`` of the decoder at the largest size, then at the smallest,
+    destroyed; (3) CUDA's graph-memory attributes (memory-node allocations, which torch's graphs
+    do not use) before and after ``cudaDeviceGraphMemTrim``. The recapture cycles are measured
+    from the level after these: what stays behind here is the driver's, not a backend's.
+    """
+    if not setup.cuda:
+        return {}
+    steps: dict[str, Any] = {"start_free": setup.memory()["free"]}
+    x = torch.zeros(16, device="cuda")
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        x.add_(1)
+    g.replay()
+    del g
+    steps["after_trivial_graph_free"] = setup.memory()["free"]
+    for size in (setup.sizes[0], setup.sizes[-1]):
+        g = torch.cuda.CUDAGraph()
+        with torch.no_grad(), torch.cuda.graph(g, stream=setup.stream):
+            out = setup.model(setup.x[:size])
+        g.replay()
+        del g, out
+        steps[f"after_plain_graph_{size}_free"] = setup.memory()["free"]
+    try:
+        from cuda.bindings import runtime as rt
+
+        attr = rt.cudaGraphMemAttributeType.cudaGraphMemAttrReservedMemCurrent
+        steps["graph_mem_reserved_bytes"] = int(rt.cudaDeviceGetGraphMemAttribute(0, attr)[1])
+        rt.cudaDeviceGraphMemTrim(0)
+        steps["graph_mem_reserved_after_trim_bytes"] = int(rt.cudaDeviceGetGraphMemAttribute(0, attr)[1])
+        steps["after_trim_free"] = setup.memory()["free"]
+    except Exception as exc:  # noqa: BLE001 - a diagnostic only
+        steps["graph_mem_error"] = f"{type(exc).__name__}: {exc}"[:200]
+    steps["cuda_module_loading"] = os.environ.get("CUDA_MODULE_LOADING", "")
+    return steps
 
 
 def builtin_recapture(setup: Setup) -> dict[str, Any]:
@@ -167,10 +216,21 @@ def engines(setup: Setup) -> list[dict[str, Any]]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("variant", choices=ALL)
+    ap.add_argument("--wait-go", action="store_true",
+                    help="after the imports print READY and wait for a line on stdin (run_variants)")
     Setup.add_arguments(ap)
     args = ap.parse_args(argv)
     for var in (ENV_SHARE, ENV_BUF):
         os.environ.pop(var, None)
+    if args.wait_go:
+        if args.variant != "engines":
+            import_sglang()
+        import sglang_bcg_plugin.bench.runner  # noqa: F401
+        import sglang_bcg_plugin.integration  # noqa: F401
+
+        print("READY", flush=True)
+        if not sys.stdin.readline():
+            return 1
     setup = Setup.from_args(args, needs_sglang=args.variant != "engines")
     ready = time.perf_counter() - STARTED
     if args.variant == "recapture":
@@ -187,27 +247,90 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def run_variants(variants: list[str], extra: list[str], *, timeout: float = 120, env: dict[str, str] | None = None) -> dict[str, Any]:
-    """Run each variant in its own fresh interpreter, one after another; ``{variant: result}``."""
-    out: dict[str, Any] = {}
+def run_variants(variants: list[str], extra: list[str], *, timeout: float = 180, env: dict[str, str] | None = None) -> dict[str, Any]:
+    """Each variant in its own fresh interpreter; ``{variant: result}``.
+
+    SGLang's import costs about 28 s a process, so every child is started at once and imports
+    side by side (``--wait-go``: it prints ``READY`` after its imports, before it touches the
+    device); only when all are ready does the parent let them run, one at a time, each after the
+    previous one exited. A child's memory figures are deltas over its own capture, and while it
+    measures every other child is either gone or blocked on its stdin with nothing allocated.
+    """
     child_env = {k: v for k, v in os.environ.items() if k not in (ENV_SHARE, ENV_BUF)}
     child_env.update(env or {})
+    procs: dict[str, subprocess.Popen[str]] = {}
+    logs: dict[str, Any] = {}
     for variant in variants:
-        proc = subprocess.run(
-            [sys.executable, str(Path(__file__)), variant, *extra],
-            capture_output=True, text=True, timeout=timeout, env=child_env, cwd=str(ROOT), check=False,
+        logs[variant] = tempfile.TemporaryFile("w+")
+        procs[variant] = subprocess.Popen(
+            [sys.executable, str(Path(__file__)), variant, "--wait-go", *extra],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=logs[variant], text=True, env=child_env,
+            cwd=str(ROOT),
         )
-        lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT=")]
-        if proc.returncode != 0 or not lines:
-            out[variant] = {"variant": variant, "error": f"rc={proc.returncode}", "stderr": proc.stderr[-3000:]}
-            continue
-        out[variant] = json.loads(lines[-1][len("RESULT="):])
-        results_dir = os.environ.get("SGLANG_BCG_GPU_RESULTS_DIR")
-        if results_dir:  # as it goes, so a run cut short still leaves what it measured
-            with Path(results_dir, "sglang_engine.jsonl").open("a") as f:
-                f.write(json.dumps({variant: out[variant]}) + "\n")
-        print(f"sglang_gpu_driver: {variant}: {json.dumps(out[variant])[:600]}", file=sys.stderr, flush=True)
+    readers = {v: _LineReader(p) for v, p in procs.items()}
+    ready = {v: readers[v].wait_for("READY", timeout) for v in variants}  # all imported first
+    out: dict[str, Any] = {}
+    try:
+        for variant in variants:
+            proc = procs[variant]
+            line = None
+            if ready[variant] is not None:
+                assert proc.stdin is not None
+                proc.stdin.write("go\n")
+                proc.stdin.flush()
+                line = readers[variant].wait_for("RESULT=", timeout)
+            try:
+                rc = proc.wait(timeout=30 if line is not None else 1)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                rc = proc.wait()
+            if line is None or rc != 0:
+                logs[variant].seek(0)
+                out[variant] = {"variant": variant, "error": f"rc={rc}", "stderr": logs[variant].read()[-3000:]}
+                continue
+            out[variant] = json.loads(line[len("RESULT="):])
+            results_dir = os.environ.get("SGLANG_BCG_GPU_RESULTS_DIR")
+            if results_dir:  # as it goes, so a run cut short still leaves what it measured
+                with Path(results_dir, "sglang_engine.jsonl").open("a") as f:
+                    f.write(json.dumps({variant: out[variant]}) + "\n")
+            print(f"sglang_gpu_driver: {variant}: {json.dumps(out[variant])[:600]}", file=sys.stderr, flush=True)
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        for log in logs.values():
+            log.close()
     return out
+
+
+class _LineReader:
+    """A child's stdout, read on a thread, so the parent can wait for a line with a timeout."""
+
+    def __init__(self, proc: subprocess.Popen[str]) -> None:
+        self.lines: queue.Queue[str | None] = queue.Queue()
+        self._thread = threading.Thread(target=self._pump, args=(proc,), daemon=True)
+        self._thread.start()
+
+    def _pump(self, proc: subprocess.Popen[str]) -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            self.lines.put(line.rstrip("\n"))
+        self.lines.put(None)
+
+    def wait_for(self, prefix: str, timeout: float) -> str | None:
+        """The first line starting with ``prefix``; ``None`` at end of output or after ``timeout``."""
+        deadline = time.monotonic() + timeout
+        while (left := deadline - time.monotonic()) > 0:
+            try:
+                line = self.lines.get(timeout=left)
+            except queue.Empty:
+                return None
+            if line is None:
+                return None
+            if line.startswith(prefix):
+                return line
+        return None
 
 
 if __name__ == "__main__":

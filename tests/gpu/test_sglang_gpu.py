@@ -226,9 +226,15 @@ def test_dataclass_output_vs_sglang_builtin() -> None:
 
 
 def test_recapture_cycles_return_memory() -> None:
-    """10 cycles (mode on/off/released in turn): back to the level before the first capture."""
+    """10 cycles (mode on/off/released in turn): back to the level before our first capture.
+
+    The baseline is taken after the process's first plain ``torch.cuda.graph`` captures (no
+    backend involved, ``sglang_gpu_driver.plain_torch_graphs``): what those leave behind is a
+    one-time cost of the CUDA driver, reported as ``one_time`` and not charged to the cycles.
+    """
     row, _ = _variants(["recapture", "builtin-recapture"])
     cycles = row["recapture"]
+    print(json.dumps(cycles["one_time"]))
     assert cycles["max_drift_free_bytes"] <= POOL_BLOCK and cycles["max_drift_reserved_bytes"] <= POOL_BLOCK, cycles
     assert all(c["max_abs_err"] == 0 for c in cycles["cycles"]) and cycles["recapture_without_empty_cache_err"] == 0
 
