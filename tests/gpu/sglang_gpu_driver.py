@@ -143,10 +143,13 @@ def plain_torch_graphs(setup: Setup) -> dict[str, Any]:
     """What the process's first CUDA graphs cost outside any capture backend, step by step.
 
     Free memory after (1) one trivial graph (``x.add_(1)``) captured, replayed and destroyed;
-    (2) a plain ``torch.cuda.graph`` of the decoder at the largest size, then at the smallest,
-    destroyed; (3) CUDA's graph-memory attributes (memory-node allocations, which torch's graphs
-    do not use) before and after ``cudaDeviceGraphMemTrim``. The recapture cycles are measured
-    from the level after these: what stays behind here is the driver's, not a backend's.
+    (2) one eager forward at every size of the schedule, on the capture stream (the kernels a
+    shape needs are loaded on first use, ``CUDA_MODULE_LOADING=LAZY`` being torch's default, and
+    stay loaded); (3) a plain ``torch.cuda.graph`` of the decoder at the largest size, then at
+    the smallest, destroyed; (4) CUDA's graph-memory attributes (memory-node allocations, which
+    torch's graphs do not use) before and after ``cudaDeviceGraphMemTrim``. The recapture
+    cycles are measured from the level after these: what stays behind here is the driver's and
+    the kernel libraries', not a backend's.
     """
     if not setup.cuda:
         return {}
@@ -158,6 +161,10 @@ def plain_torch_graphs(setup: Setup) -> dict[str, Any]:
     g.replay()
     del g
     steps["after_trivial_graph_free"] = setup.memory()["free"]
+    with torch.no_grad(), setup.on_stream():
+        for size in setup.sizes:
+            setup.model(setup.x[:size])
+    steps["after_eager_every_size_free"] = setup.memory()["free"]
     for size in (setup.sizes[0], setup.sizes[-1]):
         g = torch.cuda.CUDAGraph()
         with torch.no_grad(), torch.cuda.graph(g, stream=setup.stream):
@@ -165,6 +172,19 @@ def plain_torch_graphs(setup: Setup) -> dict[str, Any]:
         g.replay()
         del g, out
         steps[f"after_plain_graph_{size}_free"] = setup.memory()["free"]
+    # (3b) the whole schedule as plain graphs alive at once in one pool (largest first), as
+    # many graphs as a capture session holds; then all destroyed.
+    pool = torch.cuda.graph_pool_handle()
+    held = []
+    with torch.no_grad():
+        for size in setup.sizes:
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g, pool=pool, stream=setup.stream):
+                setup.model(setup.x[:size])
+            held.append(g)
+    steps["plain_schedule_graphs"] = len(held)
+    del held, g
+    steps["after_plain_schedule_free"] = setup.memory()["free"]
     try:
         from cuda.bindings import runtime as rt
 
@@ -180,11 +200,13 @@ def plain_torch_graphs(setup: Setup) -> dict[str, Any]:
 
 
 def builtin_recapture(setup: Setup) -> dict[str, Any]:
-    """SGLang's own class: capture, cleanup, capture again in the same process."""
+    """SGLang's own class: capture the schedule, cleanup (free-memory drift), capture again."""
     backend = setup.backend("builtin")
     small = setup.sizes[:8]
-    setup.capture(backend, small, keep=True, output="tensor")
+    before = setup.memory()
+    setup.capture(backend, setup.sizes, keep=True, output="tensor")  # the whole schedule, as ours
     backend.cleanup()
+    after = setup.memory()
     errors = []
     for _ in range(2):
         try:
@@ -192,7 +214,9 @@ def builtin_recapture(setup: Setup) -> dict[str, Any]:
             errors.append(None)
         except Exception as exc:  # noqa: BLE001 - the finding
             errors.append(f"{type(exc).__name__}: {exc}"[:300])
-    return {"variant": "builtin-recapture", "second_capture": errors[0], "third_capture": errors[1]}
+    return {"variant": "builtin-recapture", "second_capture": errors[0], "third_capture": errors[1],
+            "first_capture_drift_free_bytes": before["free"] - after["free"],
+            "first_capture_drift_reserved_bytes": after["reserved"] - before["reserved"]}
 
 
 def engines(setup: Setup) -> list[dict[str, Any]]:
@@ -299,6 +323,9 @@ def run_variants(variants: list[str], extra: list[str], *, timeout: float = 180,
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
+            for pipe in (proc.stdin, proc.stdout):
+                if pipe is not None:
+                    pipe.close()
         for log in logs.values():
             log.close()
     return out
