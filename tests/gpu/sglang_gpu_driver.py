@@ -100,13 +100,16 @@ def capture_variant(setup: Setup, name: str) -> dict[str, Any]:
     return row
 
 
-def recapture(setup: Setup, cycles: int) -> dict[str, Any]:
-    """``cycles`` x (capture every size, check, cleanup); the mode changes every cycle."""
+def recapture(setup: Setup, cycles: int, probe: bool = False) -> dict[str, Any]:
+    """``cycles`` x (capture every size, check, cleanup); the mode changes every cycle.
+
+    ``probe``: first run :func:`plain_torch_graphs` and measure the cycles from the level after it.
+    """
     modes = ("on", "off", "released")
     backend = setup.backend("ours")
     first = setup.memory()  # before this process captured any CUDA graph
-    one_time = plain_torch_graphs(setup)
-    base = setup.memory()  # the baseline: after plain torch graphs, before any of ours
+    one_time = plain_torch_graphs(setup) if probe else {}
+    base = setup.memory()  # before any of ours (after the plain graphs when probing)
     rows = []
     probe = [setup.sizes[0], setup.sizes[len(setup.sizes) // 2], setup.sizes[-1]]
     for i in range(cycles):
@@ -242,6 +245,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("variant", choices=ALL)
     ap.add_argument("--wait-go", action="store_true",
                     help="after the imports print READY and wait for a line on stdin (run_variants)")
+    ap.add_argument("--one-time-probe", action="store_true",
+                    help="recapture: plain torch graphs first, measured step by step (plain_torch_graphs)")
     Setup.add_arguments(ap)
     args = ap.parse_args(argv)
     for var in (ENV_SHARE, ENV_BUF):
@@ -258,7 +263,7 @@ def main(argv: list[str] | None = None) -> int:
     setup = Setup.from_args(args, needs_sglang=args.variant != "engines")
     ready = time.perf_counter() - STARTED
     if args.variant == "recapture":
-        result: Any = recapture(setup, args.cycles)
+        result: Any = recapture(setup, args.cycles, probe=args.one_time_probe)
     elif args.variant == "builtin-recapture":
         result = builtin_recapture(setup)
     elif args.variant == "engines":

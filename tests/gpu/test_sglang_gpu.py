@@ -226,16 +226,23 @@ def test_dataclass_output_vs_sglang_builtin() -> None:
 
 
 def test_recapture_cycles_return_memory() -> None:
-    """10 cycles (mode on/off/released in turn): back to the level before our first capture.
+    """10 cycles (mode on/off/released in turn) of capture, check, cleanup in one process.
 
-    The baseline is taken after the process's first plain ``torch.cuda.graph`` captures (no
-    backend involved, ``sglang_gpu_driver.plain_torch_graphs``): what those leave behind is a
-    one-time cost of the CUDA driver, reported as ``one_time`` and not charged to the cycles.
+    Reserved memory returns exactly. Free memory (device-wide) returns to a level that is the
+    same after every cycle and no lower than after SGLang's own first capture and cleanup of the
+    same schedule in a fresh process: the CUDA driver keeps the graph resources of the largest
+    number of graphs that were alive at once (measured on the H200: 46 MiB after the schedule's
+    ~370 segment graphs, by SGLang's class and ours alike; 18 MiB after 74 plain
+    ``torch.cuda.graph`` captures alive at once; none after one graph at a time, nor after an
+    eager forward at every size, nor with ``CUDA_MODULE_LOADING=EAGER``). That one-time cost is
+    the driver's, so the cycles are held to it, not to zero.
     """
     row, _ = _variants(["recapture", "builtin-recapture"])
-    cycles = row["recapture"]
-    print(json.dumps(cycles["one_time"]))
-    assert cycles["max_drift_free_bytes"] <= POOL_BLOCK and cycles["max_drift_reserved_bytes"] <= POOL_BLOCK, cycles
+    cycles, builtin = row["recapture"], row["builtin-recapture"]
+    drift = [c["drift_free_bytes"] for c in cycles["cycles"]]
+    assert max(abs(c["drift_reserved_bytes"]) for c in cycles["cycles"]) <= POOL_BLOCK, cycles
+    assert max(drift) - min(drift) <= POOL_BLOCK, drift  # nothing accumulates across cycles
+    assert drift[0] <= builtin["first_capture_drift_free_bytes"] + POOL_BLOCK, (drift, builtin)
     assert all(c["max_abs_err"] == 0 for c in cycles["cycles"]) and cycles["recapture_without_empty_cache_err"] == 0
 
 
