@@ -70,3 +70,38 @@ def test_precedence_and_reasons() -> None:
     with pytest.raises(ValueError, match="is not an output mode"):  # a stash string that parses badly
         explain_output_mode(None, server_args=Stash("maybe"), environ={})
     assert _shares("released", environ={}) is True
+
+
+_UNSET = object()
+
+
+def _explain(explicit: str | None, stash: object, env: str | None) -> tuple[str, str]:
+    """The mode and reason for an explicit option, the server flag's stash (``_UNSET``: not
+    set) and the environment variable (``None``: unset)."""
+
+    class ServerArgs:
+        pass
+
+    server_args = ServerArgs()
+    if stash is not _UNSET:
+        setattr(server_args, "_bcg_shared_output", stash)  # noqa: B010 - the flag's private stash
+    r = explain_output_mode(explicit, server_args=server_args, environ={} if env is None else {ENV: env})
+    return r.mode, r.source
+
+
+@pytest.mark.parametrize("explicit", [None, "off", "on", "released"])
+@pytest.mark.parametrize("stash", [_UNSET, False, True, "released"])
+@pytest.mark.parametrize("env", [None, "0", "1", "released"])
+def test_precedence_pinned(explicit: str | None, stash: object, env: str | None) -> None:
+    """Explicit option > the server flag's stash > the environment variable > the default,
+    with the reason each one gives (quoted by ``sglang-bcg doctor`` and the docs)."""
+    modes: dict[object, str] = {False: "off", True: "on", "released": "released", "0": "off", "1": "on"}
+    if explicit is not None:
+        expected = (explicit, f"BackendOptions.output_mode={explicit!r}")
+    elif stash is not _UNSET:
+        expected = (modes[stash], f"--enable-bcg-shared-output (server_args._bcg_shared_output={stash!r})")
+    elif env is not None:
+        expected = (modes[env], f"{ENV}={env!r}")
+    else:
+        expected = ("off", "default: off")
+    assert _explain(explicit, stash, env) == expected
