@@ -98,6 +98,24 @@ def test_select_routes_to_registered_backend_via_adapter(select: list[Any], monk
     assert not backend.can_run(None, ShapeKey(8))
 
 
+@pytest.mark.parametrize("select", ["full"], indirect=True)
+def test_a_routed_backend_gets_the_flag_as_its_output_mode(select: list[Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    """The seam resolves the flag's stash and hands it over (``output_mode=``): it beats the
+    environment variable, with the flag's reason; no stash, no keyword (the env decides)."""
+    from sglang_bcg_plugin.integration import seam
+
+    monkeypatch.setenv("SGLANG_ENABLE_BCG_SHARED_OUTPUT", "1")
+    server_args = type("ServerArgs", (), {"_bcg_shared_output": False})()
+    backend = seam.around_resolve_decode_backend(lambda r: sglang_bcg(r), FakeRunner(server_args=server_args))
+    with backend.capture_session(None):
+        assert backend.backend.output_mode_active == "off"
+    assert backend.backend.last_output_mode.describe() == "off (--enable-bcg-shared-output (server_args._bcg_shared_output=False))"
+    plain = seam.around_resolve_decode_backend(lambda r: sglang_bcg(r), FakeRunner())
+    with plain.capture_session(None):
+        assert plain.backend.last_output_mode.describe() == "on (SGLANG_ENABLE_BCG_SHARED_OUTPUT='1')"
+    assert [p for p, _ in select] == ["decode", "decode"]
+
+
 def test_select_routes_to_registered_sglang_subclass() -> None:
     from sglang_bcg_plugin.integration import seam, sglang_breakable_backend_class
 
