@@ -71,7 +71,7 @@ class BackendOptions:
         on: ``"adopt"`` the first (largest) capture's own output storage, ``"reserve"`` a buffer
         allocated before the first capture from the last warmup's output, or ``"auto"`` (the
         one measured best for the engine: docs/index.md, "Output sharing"); any case, stored
-        lowercase (``"ADOPT"`` is ``"adopt"``, as in ``SGLANG_BCG_SHARED_BUFFER``).
+        lowercase (``"ADOPT"`` is ``"adopt"``, as in the SGLang integration's variable).
     :raises TypeError: a field of the wrong type (``strict_outputs="no"``, ``num_warmups=2.0``).
     :param share_output: deprecated boolean alias of ``output_mode`` (``True`` = ``"on"``,
         ``False`` = ``"off"``, ``"released"``), kept for one release with a ``DeprecationWarning``;
@@ -173,11 +173,18 @@ def resolve_share_output(
     environ: Mapping[str, str] | None = None,
 ) -> bool:
     """Deprecated: ``resolve_output_mode(...) != "off"``; kept one release with a
-    ``DeprecationWarning``. Use :func:`~sglang_bcg_plugin.output_mode.resolve_output_mode`.
+    ``DeprecationWarning``. Use :func:`~sglang_bcg_plugin.output_mode.resolve_output_mode`
+    (for ``server_args``: ``explicit=sglang_bcg_plugin.integration.flag_resolution(server_args)``).
 
     :raises ValueError: the environment variable holds something that is not a mode.
     """
+    hint = "" if server_args is None else "; for server_args=, pass explicit=sglang_bcg_plugin.integration.flag_resolution(server_args)"
     warnings.warn(
-        "resolve_share_output() is deprecated; use resolve_output_mode(...) != 'off'", DeprecationWarning, stacklevel=2
+        f"resolve_share_output() is deprecated; use resolve_output_mode(...) != 'off'{hint}", DeprecationWarning, stacklevel=2
     )
-    return resolve_output_mode(explicit, server_args=server_args, environ=environ) != OFF
+    flag = None
+    if server_args is not None and explicit is None:  # the deprecated path: the integration reads the flag
+        from .integration.stash import flag_resolution
+
+        flag = flag_resolution(server_args)
+    return resolve_output_mode(explicit if flag is None else flag, environ=environ) != OFF

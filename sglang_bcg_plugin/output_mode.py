@@ -17,11 +17,13 @@ The one switch is ``output_mode`` / ``--enable-bcg-shared-output`` /
   flag / environment; the boolean ``share_output=`` is its deprecated alias);
 * the environment variable: ``1/0``, ``true/false``, ``yes/no``, ``on/off`` or ``released``
   (any case, surrounding whitespace allowed; empty means unset);
-* the SGLang flag (``integration.flag``) stores ``True``, ``False`` or ``"released"`` in
-  ``server_args._bcg_shared_output``.
+* a host's choice already resolved, with its reason: a :class:`Resolution` given as
+  ``explicit`` (the SGLang integration resolves its flag into one,
+  ``integration.stash.flag_resolution``; this module knows nothing of SGLang).
 
-Precedence: explicit option > the flag's stash > the environment variable > the backend's
-default (off for our standalone backends; the installed SGLang's own behaviour for the
+Precedence: explicit option > the flag (the integration hands it over as an explicit
+:class:`Resolution` when no option is set) > the environment variable > the backend's default
+(off for our standalone backends; the installed SGLang's own behaviour for the
 SGLang-integrated backend, see ``integration.builtin``).
 """
 
@@ -32,7 +34,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Literal
 
-from ._constants import ENV_SHARE_OUTPUT, SERVER_ARGS_STASH
+from ._constants import ENV_SHARE_OUTPUT
 
 OutputMode = Literal["off", "on", "released"]
 OFF: OutputMode = "off"
@@ -116,20 +118,6 @@ def parse_mode_text(raw: str | None, *, what: str = ENV_SHARE_OUTPUT) -> OutputM
     raise ValueError(msg)
 
 
-def _mode_of_stash(stash: object) -> OutputMode:
-    if isinstance(stash, bool):
-        return ON if stash else OFF
-    if isinstance(stash, str):
-        mode = parse_mode_text(stash, what=f"server_args.{SERVER_ARGS_STASH}")
-        if mode is not None:
-            return mode
-    msg = (
-        f"server_args.{SERVER_ARGS_STASH}={stash!r} is not an output mode; expected True, "
-        "False or 'released' (set by --enable-bcg-shared-output)"
-    )
-    raise ValueError(msg)
-
-
 @dataclass(frozen=True, slots=True)
 class Resolution:
     """A resolved output mode and where it came from (for logs and ``sglang-bcg doctor``)."""
@@ -137,29 +125,41 @@ class Resolution:
     mode: OutputMode
     source: str
 
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            msg = f"Resolution.mode must be one of {', '.join(map(repr, MODES))}, got {self.mode!r}"
+            raise ValueError(msg)
+
     def describe(self) -> str:
         return f"{self.mode} ({self.source})"
 
 
 def explain_output_mode(
-    explicit: bool | str | None = None,
+    explicit: bool | str | Resolution | None = None,
     *,
-    server_args: object | None = None,
     environ: Mapping[str, str] | None = None,
     default: OutputMode = OFF,
     default_reason: str = "default: off",
+    server_args: object | None = None,
 ) -> Resolution:
     """Resolve the output mode and say why (see the module docstring for the precedence).
 
+    ``explicit``: an option value (``BackendOptions.output_mode``, or the deprecated boolean
+    ``share_output``), a :class:`Resolution` resolved already (returned as it is: the SGLang
+    flag, ``integration.stash.flag_resolution``), or ``None`` (follow the environment, then
+    ``default``). ``server_args=`` is deprecated (one release): pass the flag's resolution
+    as ``explicit`` instead.
+
     :raises TypeError: ``explicit`` is not a valid option value.
-    :raises ValueError: the flag's stash or the environment variable is not a mode.
+    :raises ValueError: the environment variable (or the deprecated flag stash) is not a mode.
     """
+    if server_args is not None:
+        explicit = _deprecated_flag(explicit, server_args, "explain_output_mode()")
+    if isinstance(explicit, Resolution):
+        return explicit
     mode = mode_of_option(explicit)
     if mode is not None:
         return Resolution(mode, f"BackendOptions.output_mode={mode!r}")
-    stash = getattr(server_args, SERVER_ARGS_STASH, None) if server_args is not None else None
-    if stash is not None:
-        return Resolution(_mode_of_stash(stash), f"--enable-bcg-shared-output (server_args.{SERVER_ARGS_STASH}={stash!r})")
     env = os.environ if environ is None else environ
     raw = env.get(ENV_SHARE_OUTPUT)
     from_env = parse_mode_text(raw)
@@ -169,11 +169,23 @@ def explain_output_mode(
 
 
 def resolve_output_mode(
-    explicit: bool | str | None = None,
+    explicit: bool | str | Resolution | None = None,
     *,
-    server_args: object | None = None,
     environ: Mapping[str, str] | None = None,
     default: OutputMode = OFF,
+    server_args: object | None = None,
 ) -> OutputMode:
-    """:func:`explain_output_mode` without the reason."""
-    return explain_output_mode(explicit, server_args=server_args, environ=environ, default=default).mode
+    """:func:`explain_output_mode` without the reason (``server_args=``: deprecated, likewise)."""
+    if server_args is not None:
+        explicit = _deprecated_flag(explicit, server_args, "resolve_output_mode()")
+    return explain_output_mode(explicit, environ=environ, default=default).mode
+
+
+def _deprecated_flag(explicit: bool | str | Resolution | None, server_args: object, where: str) -> bool | str | Resolution | None:
+    """The deprecated ``server_args=`` keyword (one release): the SGLang flag's stash, resolved
+    by the integration (imported here, never at module level), stands in for a missing
+    ``explicit``; an explicit option still wins and then the stash is not read, as before."""
+    from .integration.stash import deprecated_server_args
+
+    flag = deprecated_server_args(server_args, where, "pass it as explicit= (when no option is set)")
+    return flag() if explicit is None else explicit

@@ -10,12 +10,15 @@ not graph replay itself, which ``tests/gpu`` covers on the H200.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import pytest
 import torch
 
 from sglang_bcg_plugin import graph_break
 from sglang_bcg_plugin.engines.breakable import BreakableRecorder
-from sglang_bcg_plugin.engines.recorder import record
+from sglang_bcg_plugin.engines.recorder import SegmentedGraph, record
 from sglang_bcg_plugin.engines.tape import EagerSegments
 from sglang_bcg_plugin.trees import storage_key
 
@@ -39,10 +42,10 @@ def head(q: torch.Tensor) -> torch.Tensor:
     return q[..., :4]  # a view of its argument
 
 
-def _record(fn: object, *args: object) -> tuple[object, object]:
+def _record(fn: Callable[..., Any], *args: object) -> tuple[SegmentedGraph, Any]:
     rec = BreakableRecorder("key", EagerSegments())
-    graph = record(rec, lambda: fn(*args), lambda out: out)  # type: ignore[operator]
-    return graph, graph.output  # type: ignore[attr-defined]
+    graph = record(rec, lambda: fn(*args), lambda out: out)
+    return graph, graph.output
 
 
 def test_arguments_are_passed_as_they_are_and_returns_get_memory_of_their_own() -> None:
@@ -52,25 +55,27 @@ def test_arguments_are_passed_as_they_are_and_returns_get_memory_of_their_own() 
     assert seen[0][0] is q and seen[0][1] is k  # no bridge copy in
     assert isinstance(out, torch.Tensor)
     torch.testing.assert_close(out, (q * 2 + k.sum()).transpose(1, 2))
-    assert graph.num_segments == 2 and len(graph._steps) == 1  # type: ignore[attr-defined]
+    assert graph.num_segments == 2 and len(graph.steps) == 1
     static = out.clone()
     q.add_(1)  # the segment before the break rewrites q in place at every replay
-    graph.replay()  # type: ignore[attr-defined]
+    graph.replay()
     torch.testing.assert_close(out, (q * 2 + k.sum()).transpose(1, 2))  # refreshed in place
     assert not torch.equal(out, static)
+    graph.release()
+    assert graph.steps == ()
 
 
 def test_return_aliasing_an_argument_is_passed_as_is() -> None:
     q = torch.randn(1, 4, 8, 8)
     expect = q * 3
     graph, out = _record(in_place, q)
-    assert storage_key(out) == storage_key(q)  # type: ignore[arg-type]
+    assert storage_key(out) == storage_key(q)
     torch.testing.assert_close(out, expect)
-    graph.replay()  # type: ignore[attr-defined]  # writes q in place again, no copy over itself
+    graph.replay()  # writes q in place again, no copy over itself
     torch.testing.assert_close(q, expect * 3)
     q2 = torch.randn(1, 4, 8, 8)
     _, view = _record(head, q2)
-    assert storage_key(view) == storage_key(q2)  # type: ignore[arg-type]
+    assert storage_key(view) == storage_key(q2)
 
 
 def test_on_a_gpu_the_step_keeps_named_arguments_and_returns_through_non_owning_aliases(
@@ -82,13 +87,13 @@ def test_on_a_gpu_the_step_keeps_named_arguments_and_returns_through_non_owning_
     monkeypatch.setattr(released, "ALIAS_DEVICE_TYPES", frozenset({"cpu", "cuda"}))
     q, k = torch.randn(1, 4, 16, 8), torch.randn(1, 8)
     graph, out = _record(attend, q, k)
-    step = graph._steps[0]  # type: ignore[attr-defined]
+    step: Any = graph.steps[0]  # a break's step: its call and what it keeps
     kept_q = step.args[0]
     assert kept_q is not q and kept_q.data_ptr() == q.data_ptr()  # same memory ...
     assert kept_q.untyped_storage() is not q.untyped_storage()  # ... through a storage that owns nothing
-    assert step.ret_views[0].data_ptr() == out.data_ptr() and step.ret_views[0] is not out  # type: ignore[union-attr]
+    assert step.ret_views[0].data_ptr() == out.data_ptr() and step.ret_views[0] is not out
     q.add_(1)
-    graph.replay()  # type: ignore[attr-defined]
+    graph.replay()
     torch.testing.assert_close(out, (q * 2 + k.sum()).transpose(1, 2))
 
 
@@ -99,10 +104,10 @@ def test_unnamed_tensor_arguments_and_plain_values_are_held_as_they_are() -> Non
 
     q, w = torch.randn(4, 8), torch.randn(8, 8)
     graph, out = _record(scaled, q, w, 2.0)
-    step = graph._steps[0]  # type: ignore[attr-defined]
+    step: Any = graph.steps[0]  # a break's step: its call and what it keeps
     assert step.args[1] is w and step.args[2] == 2.0 and "extra" not in step.kwargs
     w.mul_(-1)
-    graph.replay()  # type: ignore[attr-defined]
+    graph.replay()
     torch.testing.assert_close(out, q @ w * 2.0)
 
 
@@ -116,7 +121,7 @@ def test_replay_step_rejects_a_changed_return_shape() -> None:
 
     graph, _ = _record(moody, torch.randn(1, 2, 4, 8))
     with pytest.raises(RuntimeError, match=r"break .*moody at output returned shape \(1, 2, 2, 8\) on replay"):
-        graph.replay()  # type: ignore[attr-defined]
+        graph.replay()
 
 
 def test_replay_step_rejects_a_changed_number_of_returned_tensors() -> None:
@@ -129,7 +134,7 @@ def test_replay_step_rejects_a_changed_number_of_returned_tensors() -> None:
 
     graph, _ = _record(fickle, torch.randn(2, 4))
     with pytest.raises(RuntimeError, match="fickle returned 2 tensors on replay, captured 1"):
-        graph.replay()  # type: ignore[attr-defined]
+        graph.replay()
 
 
 def test_nested_break_runs_inline_and_non_tensors_pass() -> None:
@@ -142,7 +147,7 @@ def test_nested_break_runs_inline_and_non_tensors_pass() -> None:
         return widen(q) * scale, 7  # a break inside a break is a plain call
 
     x = torch.randn(1, 2, 4, 8)
-    graph, (out, seven) = _record(outer, x, 2.0, None)  # type: ignore[misc]
+    graph, (out, seven) = _record(outer, x, 2.0, None)
     torch.testing.assert_close(out, torch.cat([x, x], dim=-1) * 2.0)
-    assert seven == 7 and len(graph._steps) == 1  # type: ignore[attr-defined]
-    graph.replay()  # type: ignore[attr-defined]
+    assert seven == 7 and len(graph.steps) == 1
+    graph.replay()

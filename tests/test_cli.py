@@ -308,6 +308,7 @@ def test_help_and_getting_started_list_every_bench_option() -> None:
     from sglang_bcg_plugin.cli import _parser
     from sglang_bcg_plugin.registry import available_backends
 
+    # private: argparse has no public API that lists a parser's subcommands and their options
     bench = _parser()._subparsers._group_actions[0].choices["bench"]  # type: ignore[union-attr]
     flags = [s for a in bench._actions for s in a.option_strings if s not in ("-h", "--help")]
     doc = (Path(__file__).resolve().parents[1] / "docs" / "getting-started.md").read_text()

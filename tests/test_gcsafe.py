@@ -62,6 +62,7 @@ def _owners() -> list[tuple[object, weakref.ref[Graph]]]:
     full = FullGraph(g1, None)  # type: ignore[arg-type]
     segments = CudaSegments(pool=None)
     segments.graphs.append(g2)  # type: ignore[arg-type]
+    # private: only a real CUDA capture opens a segment or anchors a pool; the stand-ins set both
     segments._current = g3  # type: ignore[assignment]  # a capture was open when it was dropped
     engine = FullCudaEngine()
     engine._anchors.append(g4)  # type: ignore[arg-type]
@@ -83,6 +84,7 @@ def test_graph_owners_dropped_inside_a_capture_park_their_graphs_until_it_ends()
         assert all(r() is None for r in owner_refs)  # the owners are gone ...
         # ... their graphs are not destroyed: parked (the GC clears weak references to objects it
         # found unreachable even when a finalizer resurrects them, so look at the parking lot)
+        # private: parked_count() is the public read; which graphs are parked is not public
         assert sorted(g.name for g in gcsafe._parked) == ["anchor", "full", "open segment", "segment"]
     assert parked_count() == 0  # destroyed after the last capture ended
 

@@ -5,11 +5,16 @@ function-level ``import``/``from`` statements, relative or absolute; imports und
 ``if TYPE_CHECKING:`` are skipped (they never run). ``manager.BUILTIN_PLUGINS`` loads the
 built-in backends by name through ``importlib`` (tox's registry pattern), which is not an import
 edge.
+
+The core (every module but ``integration/``, ``cli.py``, ``bench/`` and ``__main__.py``) knows
+nothing of SGLang or the CLI: it names no SGLang-only switch and imports neither SGLang nor those
+packages, except where :data:`CORE_MAY_NAME_SGLANG` says why.
 """
 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import sglang_bcg_plugin
@@ -19,6 +24,37 @@ PKG = "sglang_bcg_plugin"
 #: The complexity budget: no function above radon's grade C (cyclomatic complexity 11-20).
 #: Modules are split by responsibility, not by length.
 MAX_COMPLEXITY = 20
+
+#: Outside the core (``cli`` also stands for ``cli*``, see :func:`_is_core`).
+NOT_CORE = (f"{PKG}.integration", f"{PKG}.cli", f"{PKG}.bench")
+#: Names that belong to SGLang's server or to the command line, never to the core.
+SGLANG_OR_CLI_NAMES = re.compile(
+    r"server_args|SERVER_ARGS_STASH|_bcg_shared_output|SGLANG_BCG_STALE_OUTPUT_GUARD|SGLANG_BCG_SHARED_BUFFER|UsageError"
+)
+#: The only core functions that may name those (or import the integration, inside the function),
+#: ``module:qualname`` -> why.
+CORE_MAY_NAME_SGLANG = {
+    f"{PKG}.hookspecs:sglang_bcg_select_backend": "the SGLang routing hookspec: plugin authors implement "
+    "it with this exact signature (docs/hooks.md), so its parameter keeps SGLang's name",
+    f"{PKG}.backends.base:CaptureBackend.__init__": "deprecated server_args= keyword, kept one release",
+    f"{PKG}.backends.base:_deprecated_server_args": "the deprecated server_args= shim: imports the "
+    "integration's flag resolver lazily",
+    f"{PKG}.backends.piecewise:PiecewiseBackend.__init__": "forwards the deprecated server_args= keyword",
+    f"{PKG}.output_mode:explain_output_mode": "deprecated server_args= keyword, kept one release",
+    f"{PKG}.output_mode:resolve_output_mode": "deprecated server_args= keyword, kept one release",
+    f"{PKG}.output_mode:_deprecated_flag": "the deprecated server_args= shim: imports the integration's "
+    "flag resolver lazily",
+    f"{PKG}.options:resolve_share_output": "deprecated function with its deprecated server_args= keyword; "
+    "imports the integration's flag resolver lazily",
+}
+#: Import edges that exist only inside the deprecated shims above (function-level, checked by
+#: ``test_core_does_not_import_sglang_the_integration_or_the_cli``); they close no cycle at
+#: import time, so the cycle check leaves them out.
+DEPRECATED_SHIM_EDGES = {
+    (f"{PKG}.backends.base", f"{PKG}.integration.stash"),
+    (f"{PKG}.output_mode", f"{PKG}.integration.stash"),
+    (f"{PKG}.options", f"{PKG}.integration.stash"),
+}
 
 
 def _module_name(path: Path) -> str:
@@ -78,7 +114,7 @@ def _graph() -> dict[str, set[str]]:
 
 
 def test_no_import_cycles() -> None:
-    graph = _graph()
+    graph = {m: {d for d in deps if (m, d) not in DEPRECATED_SHIM_EDGES} for m, deps in _graph().items()}
     state: dict[str, int] = {}
     stack: list[str] = []
     cycles: list[list[str]] = []
@@ -116,3 +152,102 @@ def test_no_function_above_complexity_grade_c() -> None:
         if block.complexity > MAX_COMPLEXITY
     }
     assert not over, f"functions above radon grade C (complexity > {MAX_COMPLEXITY}): {over}"
+
+
+def _is_core(module: str) -> bool:
+    """Not ``integration``, ``bench``, ``cli*`` or ``__main__`` (the CLI's ``python -m``)."""
+    top = module.removeprefix(f"{PKG}.").split(".")[0]
+    return module == PKG or not (top in ("integration", "bench", "__main__") or top.startswith("cli"))
+
+
+def _import_targets(node: ast.Import | ast.ImportFrom, package: str) -> list[str]:
+    if isinstance(node, ast.Import):
+        return [a.name for a in node.names]
+    if not node.level:
+        return [node.module or ""]
+    base = package.split(".")[: len(package.split(".")) - node.level + 1]
+    target = ".".join(base + ([node.module] if node.module else []))
+    return [f"{target}.{a.name}" for a in node.names]
+
+
+def _scopes(tree: ast.Module) -> list[tuple[str, int, int]]:
+    """(qualname, first line, last line) of every function, decorators included."""
+    out: list[tuple[str, int, int]] = []
+
+    def visit(node: ast.AST, prefix: str) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                name = f"{prefix}{child.name}"
+                if not isinstance(child, ast.ClassDef):
+                    first = min([child.lineno, *(d.lineno for d in child.decorator_list)])
+                    out.append((name, first, child.end_lineno or child.lineno))
+                visit(child, name + ".")
+            else:
+                visit(child, prefix)
+
+    visit(tree, "")
+    return out
+
+
+def _allowed(module: str, scopes: list[tuple[str, int, int]], line: int) -> bool:
+    return any(f"{module}:{q}" in CORE_MAY_NAME_SGLANG and a <= line <= b for q, a, b in scopes)
+
+
+def _core_files() -> list[tuple[str, Path]]:
+    files = [(_module_name(p), p) for p in sorted(ROOT.rglob("*.py"))]
+    return [(m, p) for m, p in files if _is_core(m)]
+
+
+def test_core_names_no_sglang_or_cli_switch() -> None:
+    """``server_args``, the flag's stash, the integration's env vars, the CLI's ``UsageError``."""
+    offenders = []
+    for module, path in _core_files():
+        text = path.read_text()
+        scopes = _scopes(ast.parse(text))
+        for number, line in enumerate(text.splitlines(), 1):
+            if SGLANG_OR_CLI_NAMES.search(line) and not _allowed(module, scopes, number):
+                offenders.append(f"{path.relative_to(ROOT)}:{number}: {line.strip()}")
+    assert not offenders, "the core names SGLang's server or the CLI:\n" + "\n".join(offenders)
+
+
+def test_core_does_not_import_sglang_the_integration_or_the_cli() -> None:
+    """Never SGLang; ``integration``/``cli``/``bench`` never at module level, and inside a function
+    only in an allow-listed deprecated shim."""
+    offenders = []
+    for module, path in _core_files():
+        tree = ast.parse(path.read_text())
+        scopes = _scopes(tree)
+        package = module if path.name == "__init__.py" else module.rsplit(".", 1)[0]
+        for node in ast.walk(tree):
+            if not isinstance(node, (ast.Import, ast.ImportFrom)):
+                continue
+            for target in _import_targets(node, package):
+                where = f"{path.relative_to(ROOT)}:{node.lineno}: {target}"
+                if target == "sglang" or target.startswith("sglang."):
+                    offenders.append(f"{where} (SGLang)")
+                elif any(target == n or target.startswith(n + ".") for n in NOT_CORE):
+                    inside = any(a <= node.lineno <= b for _, a, b in scopes)
+                    if not inside or not _allowed(module, scopes, node.lineno):
+                        offenders.append(where + (" (inside a function not allow-listed)" if inside else " (module level)"))
+    assert not offenders, "the core imports SGLang or the outer packages:\n" + "\n".join(offenders)
+
+
+def test_layout_checks_catch_what_they_claim() -> None:
+    """The checks above on a made-up core module: a module-level import of the integration, a
+    ``server_args`` outside the allow-list, ``import sglang`` inside a function."""
+    source = (
+        "from .integration import flag\n"
+        "def f(server_args):\n"
+        "    import sglang.srt\n"
+        "    return server_args\n"
+    )
+    tree = ast.parse(source)
+    scopes = _scopes(tree)
+    assert scopes == [("f", 2, 4)]
+    assert not _allowed(f"{PKG}.made_up", scopes, 2)
+    assert _allowed(f"{PKG}.hookspecs", [("sglang_bcg_select_backend", 1, 9)], 5)
+    imports = [t for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom)) for t in _import_targets(n, PKG)]
+    assert imports == [f"{PKG}.integration.flag", "sglang.srt"]
+    assert _is_core(PKG) and _is_core(f"{PKG}.backends.base") and _is_core(f"{PKG}.registry")
+    outer = ("integration", "integration.flag", "bench.usage", "cli", "cli_helpers", "__main__")
+    assert not any(_is_core(f"{PKG}.{m}") for m in outer)

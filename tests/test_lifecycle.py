@@ -111,12 +111,42 @@ def test_none_option_follows_env_at_each_session(backend_name: str, monkeypatch:
 
 
 def test_server_args_stash_is_used(backend_name: str) -> None:
+    from sglang_bcg_plugin.integration import flag_resolution
+
     class ServerArgs:
         _bcg_shared_output = True
 
-    backend = create_backend(backend_name, options=BackendOptions(output_mode=None, engine="eager"), server_args=ServerArgs())
+    options = BackendOptions(output_mode=None, engine="eager")
+    backend = create_backend(backend_name, options=options, output_mode=flag_resolution(ServerArgs()))
     with backend.capture_session():
         assert backend.share_output_active is True
+    assert backend.last_output_mode is not None
+    assert backend.last_output_mode.describe() == "on (--enable-bcg-shared-output (server_args._bcg_shared_output=True))"
+    backend.configure(output_mode="off")  # an explicit option still wins
+    with backend.capture_session():
+        assert backend.share_output_active is False
+    with pytest.warns(DeprecationWarning, match=rf"{backend_name} backend: server_args= is deprecated.*output_mode=flag_resolution"):
+        legacy = create_backend(backend_name, options=options, server_args=ServerArgs())
+    with legacy.capture_session():
+        assert legacy.share_output_active is True
+    assert legacy.last_output_mode is not None
+    assert legacy.last_output_mode.describe() == "on (--enable-bcg-shared-output (server_args._bcg_shared_output=True))"
+
+
+def test_output_mode_keyword_takes_a_resolution(backend_name: str) -> None:
+    from sglang_bcg_plugin.integration import flag_resolution
+    from sglang_bcg_plugin.output_mode import Resolution
+
+    with pytest.raises(TypeError, match=r"output_mode= takes a Resolution .*give a mode as options=BackendOptions\(output_mode=\.\.\.\)"):
+        create_backend(backend_name, output_mode="on")
+    with pytest.raises(TypeError, match="give output_mode= only"):
+        create_backend(backend_name, output_mode=Resolution("on", "mine"), server_args=object())
+    backend = create_backend(backend_name, options=BackendOptions(engine="eager"), output_mode=Resolution("released", "mine"))
+    assert backend.last_output_mode is None  # before the first session
+    with backend.capture_session():
+        assert backend.output_mode_active == "released"
+    assert backend.last_output_mode == Resolution("released", "mine")
+    assert flag_resolution(object()) is None
 
 
 def test_cleanup_then_recapture(backend_name: str) -> None:

@@ -79,7 +79,7 @@ def test_llama_attention_names_compute_the_same_model() -> None:
     with torch.no_grad():
         outs = [workload.call(workload.model_for(b, 24), ids, 24).last_hidden_state for b in ("full", "breakable", "piecewise")]
         sdpa = workload.model_for("full", 24)
-        sdpa.config._attn_implementation = "sdpa"
+        sdpa.set_attn_implementation("sdpa")
         outs.append(workload.call(sdpa, ids, 24).last_hidden_state)
     for o in outs[1:]:
         torch.testing.assert_close(o, outs[0])

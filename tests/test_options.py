@@ -45,11 +45,32 @@ def test_precedence() -> None:
     class Off:
         _bcg_shared_output = False
 
+    from sglang_bcg_plugin.integration import flag_resolution
+
+    def flag_or(explicit: bool | None, server_args: object, environ: dict[str, str]) -> bool:
+        """The integration's rule: the flag stands in for a missing explicit option."""
+        return _shares(explicit if explicit is not None else flag_resolution(server_args), environ=environ)
+
     env_off = {ENV: "0"}
-    assert _shares(False, server_args=Args(), environ={ENV: "1"}) is False
-    assert _shares(None, server_args=Args(), environ=env_off) is True
-    assert _shares(None, server_args=Off(), environ={ENV: "1"}) is False
-    assert _shares(None, server_args=object(), environ={ENV: "1"}) is True
+    assert flag_or(False, Args(), {ENV: "1"}) is False
+    assert flag_or(None, Args(), env_off) is True
+    assert flag_or(None, Off(), {ENV: "1"}) is False
+    assert flag_or(None, object(), {ENV: "1"}) is True
+
+
+def test_resolve_share_output_keeps_its_deprecated_server_args() -> None:
+    from sglang_bcg_plugin import resolve_share_output
+
+    class Args:
+        _bcg_shared_output = "released"
+
+    match = r"resolve_share_output\(\) is deprecated.*for server_args=, pass explicit=sglang_bcg_plugin\.integration\.flag_resolution"
+    with pytest.warns(DeprecationWarning, match=match):
+        assert resolve_share_output(None, server_args=Args(), environ={ENV: "0"}) is True
+    with pytest.warns(DeprecationWarning, match=match):
+        assert resolve_share_output(False, server_args=Args(), environ={}) is False
+    with pytest.warns(DeprecationWarning, match=match):
+        assert resolve_share_output(None, server_args=object(), environ={ENV: "1"}) is True
 
 
 def test_process_env_is_read(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
-from sglang_bcg_plugin import BackendOptions
+from sglang_bcg_plugin import BackendOptions, create_backend
+from sglang_bcg_plugin.integration import flag_resolution
 from sglang_bcg_plugin.output_mode import (
     ACCEPTED_TEXT,
+    Resolution,
     check_share_output,
     explain_output_mode,
     mode_of_option,
@@ -50,23 +54,108 @@ def test_option_values() -> None:
         check_share_output([], name="my_option")
 
 
-def test_precedence_and_reasons() -> None:
-    class Stash:
-        def __init__(self, value: object) -> None:
-            self._bcg_shared_output = value
+NOT_A_MODE: Any = "ON"
 
+
+class Stash:
+    """A stand-in for SGLang's ``ServerArgs`` carrying the flag's stash."""
+
+    def __init__(self, value: object) -> None:
+        self._bcg_shared_output = value
+
+
+def test_precedence_and_reasons() -> None:
     env = {ENV: "released"}
-    assert explain_output_mode(True, server_args=Stash(False), environ=env).source == "BackendOptions.output_mode='on'"
-    r = explain_output_mode(None, server_args=Stash("released"), environ={ENV: "0"})
+    assert explain_output_mode(True, environ=env).source == "BackendOptions.output_mode='on'"
+    r = explain_output_mode(flag_resolution(Stash("released")), environ={ENV: "0"})
     assert (r.mode, r.source) == ("released", "--enable-bcg-shared-output (server_args._bcg_shared_output='released')")
-    assert explain_output_mode(None, server_args=Stash(False), environ=env).mode == "off"
-    assert explain_output_mode(None, server_args=object(), environ=env).describe() == f"released ({ENV}='released')"
+    assert explain_output_mode(flag_resolution(Stash(False)), environ=env).mode == "off"
+    assert flag_resolution(object()) is None and flag_resolution(None) is None
+    assert explain_output_mode(flag_resolution(object()), environ=env).describe() == f"released ({ENV}='released')"
     d = explain_output_mode(None, environ={}, default="on", default_reason="default: SGLang shares")
     assert d.describe() == "on (default: SGLang shares)"
     assert resolve_output_mode(environ={}, default="released") == "released"
+    assert resolve_output_mode(Resolution("on", "a host's choice"), environ=env) == "on"
     for bad in ("", 3):
         with pytest.raises(ValueError, match=r"server_args\._bcg_shared_output=.*expected True, False or 'released'"):
-            explain_output_mode(None, server_args=Stash(bad), environ={})
+            flag_resolution(Stash(bad))
     with pytest.raises(ValueError, match="is not an output mode"):  # a stash string that parses badly
-        explain_output_mode(None, server_args=Stash("maybe"), environ={})
+        flag_resolution(Stash("maybe"))
+    with pytest.raises(ValueError, match=r"Resolution\.mode must be one of 'off', 'on', 'released', got 'ON'"):
+        Resolution(NOT_A_MODE, "not lowercase")
     assert _shares("released", environ={}) is True
+
+
+def test_server_args_keyword_is_deprecated_and_resolves_as_before() -> None:
+    """``explain_output_mode``/``resolve_output_mode(server_args=...)``: one release, same answers."""
+    match = r"server_args= is deprecated; resolve the flag with sglang_bcg_plugin\.integration\.flag_resolution"
+    with pytest.warns(DeprecationWarning, match=match):
+        r = explain_output_mode(None, server_args=Stash("released"), environ={ENV: "0"})
+    assert r.describe() == "released (--enable-bcg-shared-output (server_args._bcg_shared_output='released'))"
+    with pytest.warns(DeprecationWarning, match=r"resolve_output_mode\(\): server_args= is deprecated"):
+        assert resolve_output_mode(None, server_args=Stash(True), environ={}) == "on"
+    with pytest.warns(DeprecationWarning, match=match):  # an explicit option wins: the stash is not read
+        assert resolve_output_mode("off", server_args=Stash("bogus"), environ={}) == "off"
+    with pytest.warns(DeprecationWarning, match=match), pytest.raises(ValueError, match="expected True, False"):
+        explain_output_mode(None, server_args=Stash(3), environ={})
+
+
+_UNSET = object()
+ROUTES = ("resolver", "backend", "deprecated resolver", "deprecated backend")
+
+
+def _server_args(stash: object) -> object:
+    class ServerArgs:
+        pass
+
+    server_args = ServerArgs()
+    if stash is not _UNSET:
+        setattr(server_args, "_bcg_shared_output", stash)  # noqa: B010 - the flag's private stash
+    return server_args
+
+
+def _explain(route: str, explicit: str | None, stash: object, env: str | None, monkeypatch: pytest.MonkeyPatch) -> tuple[str, str]:
+    """The mode and reason for an explicit option, the server flag's stash (``_UNSET``: not
+    set) and the environment variable (``None``: unset), by one of :data:`ROUTES`: the
+    integration's resolution handed to the core's resolver or to a backend, or the deprecated
+    ``server_args=`` keyword of either."""
+    server_args = _server_args(stash)
+    environ = {} if env is None else {ENV: env}
+    if route == "resolver":  # what the integration does: the flag stands in for a missing option
+        r = explain_output_mode(explicit if explicit is not None else flag_resolution(server_args), environ=environ)
+    elif route == "deprecated resolver":
+        with pytest.warns(DeprecationWarning, match="server_args= is deprecated"):
+            r = explain_output_mode(explicit, server_args=server_args, environ=environ)
+    else:
+        monkeypatch.delenv(ENV, raising=False)
+        for name, value in environ.items():
+            monkeypatch.setenv(name, value)
+        options = BackendOptions(output_mode=explicit, engine="eager")
+        if route == "backend":
+            backend = create_backend("full", options=options, output_mode=flag_resolution(server_args))
+        else:
+            with pytest.warns(DeprecationWarning, match="full backend: server_args= is deprecated"):
+                backend = create_backend("full", options=options, server_args=server_args)
+        with backend.capture_session():
+            assert backend.last_output_mode is not None
+            r = backend.last_output_mode
+    return r.mode, r.source
+
+
+@pytest.mark.parametrize("route", ROUTES)
+@pytest.mark.parametrize("explicit", [None, "off", "on", "released"])
+@pytest.mark.parametrize("stash", [_UNSET, False, True, "released"])
+@pytest.mark.parametrize("env", [None, "0", "1", "released"])
+def test_precedence_pinned(route: str, explicit: str | None, stash: object, env: str | None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Explicit option > the server flag's stash > the environment variable > the default,
+    with the reason each one gives (quoted by ``sglang-bcg doctor`` and the docs)."""
+    modes: dict[object, str] = {False: "off", True: "on", "released": "released", "0": "off", "1": "on"}
+    if explicit is not None:
+        expected = (explicit, f"BackendOptions.output_mode={explicit!r}")
+    elif stash is not _UNSET:
+        expected = (modes[stash], f"--enable-bcg-shared-output (server_args._bcg_shared_output={stash!r})")
+    elif env is not None:
+        expected = (modes[env], f"{ENV}={env!r}")
+    else:
+        expected = ("off", "default: off")
+    assert _explain(route, explicit, stash, env, monkeypatch) == expected

@@ -330,7 +330,7 @@ def test_packets_and_custom_ops_resolve_to_overloads() -> None:
         (["sglang_bcg_test::mix"], TypeError, r"splitting_ops\[0\] = 'sglang_bcg_test::mix' \(str\).*strings"),
         ([mix, 3], TypeError, r"splitting_ops\[1\] = 3 \(int\) is not a torch op: expected"),
         ([torch.tanh], TypeError, r"splitting_ops\[0\].*builtin_function_or_method"),
-        (mix._opoverload, TypeError, "wrap a single op in a list"),
+        (torch.ops.sglang_bcg_test.mix.default, TypeError, "wrap a single op in a list"),
         ("sglang_bcg_test::mix", TypeError, "must be a list of torch op overloads"),
         (42, TypeError, "must be a list of torch op overloads"),
     ],

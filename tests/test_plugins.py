@@ -79,6 +79,7 @@ def test_manager_is_cached_and_lazy() -> None:
 
     assert get_plugin_manager() is get_plugin_manager()
     reset_plugin_manager()
+    # private: no public "is a manager loaded" read; laziness is the fact tested
     assert manager._manager is None  # nothing is loaded until asked for
     pm = get_plugin_manager()
     assert manager._manager is pm

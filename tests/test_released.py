@@ -64,7 +64,7 @@ def test_pool_guard_poisons_other_graphs_of_the_pool(cpu_is_pool_memory: None, m
     guard.forget(b_owner)
     guard.replayed("pool", a_owner, "k3")
     assert len(poisoned) == 1  # b's records (both pools) were forgotten
-    assert guard._last.keys() == set()
+    assert guard._last.keys() == set()  # private: PoolGuard has no read API; forget() dropped every record
 
 
 def _capture(backend: Any, xs: dict[ShapeKey, torch.Tensor]) -> None:
@@ -91,7 +91,7 @@ def test_backend_released_on_a_pool_engine_hands_out_aliases(cpu_is_pool_memory:
 
     monkeypatch.setattr(accounting, "_reserved", lambda backend: None)  # no CUDA to measure
     backend = create_backend("breakable", options=BackendOptions(output_mode="released", engine="eager"))
-    backend._get_engine().name = "cuda"  # type: ignore[misc]
+    backend._get_engine().name = "cuda"  # type: ignore[misc]  # private: engine_name is read-only; a stand-in pool engine
     xs = {ShapeKey(8): torch.randn(8, 2), ShapeKey(4): torch.randn(4, 2)}
     with backend.capture_session():
         assert backend.output_mode_active == "released" and backend.share_output_active is False

@@ -278,7 +278,7 @@ def test_failure_after_output_policy_ran_commits_nothing(backend_name: str) -> N
     backend = make_backend(backend_name, True)
     big, mid, small = ShapeKey(32), ShapeKey(16), ShapeKey(8)
     with backend.capture_session():
-        backend._engine = _FailsAfterFinalize(backend._engine)
+        backend._engine = _FailsAfterFinalize(backend._engine)  # private: fault injection, no public engine seam
         with pytest.raises(Boom, match="capture_end"):
             backend.capture_one(big, net.fn(big), capture_inputs=net.x(big))
         assert backend.captured_keys() == []

@@ -76,7 +76,7 @@ def test_eager_break_forms_and_capture_var() -> None:
 
     var: contextvars.ContextVar[Any] = contextvars.ContextVar("capture", default="capturing")
     capture_module = types.ModuleType("bcg_capture_standin")
-    capture_module._current_capture_var = var  # type: ignore[attr-defined]
+    capture_module._current_capture_var = var  # type: ignore[attr-defined]  # private: SGLang's name, on a stand-in module
     Capture = type("Capture", (), {"__module__": "bcg_capture_standin"})
     sys.modules["bcg_capture_standin"] = capture_module
     try:

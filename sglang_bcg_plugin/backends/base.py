@@ -29,7 +29,7 @@ from ..engines.gcsafe import gc_safe_capture
 from ..errors import CaptureStateError
 from ..manager import get_plugin_manager
 from ..options import BackendOptions
-from ..output_mode import ON, OutputMode, explain_output_mode
+from ..output_mode import ON, OutputMode, Resolution, explain_output_mode
 from ..report import MemoryReport
 from ..shape_key import check_key
 from ..sharing import BufferSource
@@ -60,6 +60,28 @@ def buffer_source(choice: str, engine: Engine) -> BufferSource:
     return "reserve" if engine.name == "cuda" else "adopt"
 
 
+def _host_mode(backend: str, output_mode: object) -> Callable[[], Resolution | None]:
+    """The ``output_mode=`` keyword, checked: read at every session, after the options."""
+    if output_mode is not None and not isinstance(output_mode, Resolution):
+        msg = (
+            f"{backend} backend: output_mode= takes a Resolution (a mode with its reason), got "
+            f"{output_mode!r}; give a mode as options=BackendOptions(output_mode=...)"
+        )
+        raise TypeError(msg)
+    return lambda: output_mode
+
+
+def _deprecated_server_args(backend: str, output_mode: object, server_args: object) -> Callable[[], Resolution | None]:
+    """The deprecated ``server_args=`` keyword (one release): the SGLang integration reads the
+    flag's stash at every session (imported here, never at module level)."""
+    if output_mode is not None:
+        msg = f"{backend} backend: give output_mode= only (server_args= is its deprecated spelling)"
+        raise TypeError(msg)
+    from ..integration.stash import deprecated_server_args
+
+    return deprecated_server_args(server_args, f"{backend} backend", "pass output_mode=flag_resolution(server_args)")
+
+
 class CaptureBackend:
     """Base class of the Full, Breakable and Piecewise backends."""
 
@@ -70,11 +92,23 @@ class CaptureBackend:
         *,
         options: BackendOptions | None = None,
         plugin_manager: pluggy.PluginManager | None = None,
+        output_mode: Resolution | None = None,
         server_args: object | None = None,
     ) -> None:
+        """:param output_mode: an output mode resolved outside the options, with its reason
+            (inside SGLang, ``sglang_bcg_plugin.integration.flag_resolution(server_args)``:
+            the flag). An explicit ``options.output_mode`` wins over it; it wins over the
+            environment variable and the default (docs/index.md, "The switch").
+        :param server_args: deprecated, kept one release with a ``DeprecationWarning``: pass
+            ``output_mode=sglang_bcg_plugin.integration.flag_resolution(server_args)``.
+        :raises TypeError: ``output_mode`` is not a ``Resolution`` (a mode string belongs in
+            ``BackendOptions(output_mode=...)``), or both keywords are given.
+        """
         self._options = options or BackendOptions()
         self._pm = plugin_manager or get_plugin_manager()
-        self._server_args = server_args
+        self._host_mode = _host_mode(self.name, output_mode)
+        if server_args is not None:
+            self._host_mode = _deprecated_server_args(self.name, output_mode, server_args)
         self._lock = threading.RLock()
         self._state = CaptureState(self.name, "none")
         self._stream: Any = None
@@ -132,7 +166,7 @@ class CaptureBackend:
                 msg = f"{self.name} backend: capture_session() is already open; sessions do not nest"
                 raise CaptureStateError(msg)
             opts = self._options
-            resolution = explain_output_mode(opts.output_mode, server_args=self._server_args)
+            resolution = explain_output_mode(opts.output_mode if opts.output_mode is not None else self._host_mode())
             engine = self._get_engine()
             source = buffer_source(opts.shared_buffer, engine)
             self._state.open(resolution, source=source, guard=opts.stale_output_guard, strict=opts.strict_outputs)
@@ -156,6 +190,11 @@ class CaptureBackend:
     def output_mode_active(self) -> OutputMode | None:
         """The output mode of the open session (``None`` outside a session)."""
         return self._state.mode_active
+
+    @property
+    def last_output_mode(self) -> Resolution | None:
+        """The output mode of the latest capture session and why (``None`` before the first)."""
+        return self._state.resolution
 
     def capture_one(
         self,

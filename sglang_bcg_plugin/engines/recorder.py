@@ -80,6 +80,13 @@ class SegmentedGraph:
         self._held = held  # strong references to everything crossing a segment boundary
         self.num_segments = len(self._runners)
 
+    @property
+    def steps(self) -> tuple[Action, ...]:
+        """The eager steps replayed between segments, in order (step ``i`` runs after segment
+        ``i``): a break's or a splitting op's call with what it keeps (read-only; empty once
+        released)."""
+        return tuple(self._steps)
+
     def replay(self) -> Any:
         if self._segments is None:
             msg = f"graph of {self.key!r} was released; capture it again"

@@ -12,7 +12,8 @@ drops unknown argparse attributes), so the parsed value travels two ways, both o
 spawned scheduler processes: the environment variable ``SGLANG_ENABLE_BCG_SHARED_OUTPUT``
 (inherited: ``1``, ``0`` or ``released``) and the underscore attribute
 ``server_args._bcg_shared_output`` (survives pickling: ``True``, ``False`` or ``"released"``).
-:func:`~sglang_bcg_plugin.output_mode.resolve_output_mode` reads the attribute, then the env var.
+:func:`~.stash.flag_resolution` reads the attribute (handed to the core's resolver as an explicit
+choice), then the core reads the env var.
 """
 
 from __future__ import annotations
@@ -22,9 +23,10 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
-from .._constants import ENV_SHARE_OUTPUT, ENV_STALE_OUTPUT_GUARD, SERVER_ARGS_STASH
+from .._constants import ENV_SHARE_OUTPUT
 from ..options import parse_bool_env
 from ..output_mode import OFF, ON, RELEASED, OutputMode, parse_mode_text
+from ._names import ENV_STALE_OUTPUT_GUARD, SERVER_ARGS_STASH
 
 FLAG = "--enable-bcg-shared-output"
 NO_FLAG = "--no-enable-bcg-shared-output"

@@ -18,14 +18,16 @@ import os
 from collections.abc import Hashable, Mapping
 from typing import Any
 
-from .._constants import ENV_SHARE_OUTPUT, ENV_SHARED_BUFFER, ENV_STALE_OUTPUT_GUARD
+from .._constants import ENV_SHARE_OUTPUT
 from ..backends.state import CaptureState
 from ..options import parse_bool_env
 from ..output_mode import RELEASED, OutputMode, Resolution, explain_output_mode
 from ..released import released_supported
 from ..sharing import BufferSource
 from ..trees import flatten, unflatten
+from ._names import ENV_SHARED_BUFFER, ENV_STALE_OUTPUT_GUARD
 from .compat import Seam, installed, pool_borrowing_exists, runner_rows, sglang_builtin_policy
+from .stash import flag_resolution
 
 #: SGLang's switch for eager tensors borrowing free graph-pool memory between replays.
 BORROW_ENV = "SGLANG_ENABLE_GRAPH_POOL_BORROW"
@@ -35,7 +37,7 @@ def resolve_mode(server_args: object | None, environ: Mapping[str, str] | None =
     """Flag stash > ``SGLANG_ENABLE_BCG_SHARED_OUTPUT`` > the installed SGLang's own default."""
     policy = sglang_builtin_policy()
     return explain_output_mode(
-        None, server_args=server_args, environ=environ, default=policy.default_mode, default_reason=policy.default_reason()
+        flag_resolution(server_args), environ=environ, default=policy.default_mode, default_reason=policy.default_reason()
     )
 
 

@@ -208,7 +208,7 @@ def cpu_bcg(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     # Releases up to 0.5.22 weak-ref every break argument, which raises on CPU; 0.5.23 keeps CPU
     # tensors as they are: the stand-in does what 0.5.23 does.
     engine = bcg_module()
-    original = engine._weak_ref_if_tensor
+    original = engine._weak_ref_if_tensor  # private: SGLang's helper, patched for CPU tensors
     monkeypatch.setattr(
         engine, "_weak_ref_if_tensor", lambda x: x if torch.is_tensor(x) and x.device.type == "cpu" else original(x)
     )

@@ -52,7 +52,7 @@ class BackendDriver:
         return self.backend.memory_report()
 
     def outputs(self) -> list[Any]:
-        return list(self.backend._outputs.values())
+        return list(self.backend._outputs.values())  # private: SGLang's outputs, no public read
 
     def cleanup(self) -> None:
         self.backend.cleanup()
@@ -109,6 +109,7 @@ class RunnerDriver:
         self.runner.device_module = torch.cuda if cuda else FakeDeviceModule()
         self.runner.graphs, self.runner.output_buffers = {}, {}
         self.forwards: dict[int, Forward] = {}
+        # private: 0.5.13's runner loop calls these SGLang methods; the stand-in replaces them
         self.runner._build_capture_forward_batch = lambda n: n
         self.runner._init_forward_metadata_for_capture = lambda fb, n: None
         self.runner._run_forward = self._run_forward
@@ -125,7 +126,7 @@ class RunnerDriver:
     def capture(self, forwards: dict[Any, Forward]) -> None:
         self.forwards = {key.size: f for key, f in forwards.items()}
         self.runner.capture_num_tokens = sorted(self.forwards)  # _capture_all goes largest first
-        self.runner._capture_all()
+        self.runner._capture_all()  # private: the SGLang method the runner seam hooks
 
     def replay(self, key: Any) -> Any:
         from sglang.srt.model_executor.breakable_cuda_graph.context import enable_breakable_cuda_graph

@@ -25,6 +25,7 @@ def scheduler_like(server_args: Any, queue: Any) -> None:
     load_plugins()
     env = os.environ.get("SGLANG_ENABLE_BCG_SHARED_OUTPUT")
     result = {
+        # private: SGLang's HookRegistry has no public read of what it patched
         "plugins_patched": "sglang.srt.server_args.ServerArgs.from_cli_args" in HookRegistry._patched,
         "env": env,
         "stash": getattr(server_args, "_bcg_shared_output", None),

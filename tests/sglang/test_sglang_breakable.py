@@ -77,6 +77,7 @@ def replay(backend: Any, key: Any) -> Any:
 
 
 def storages(backend: Any) -> set[int]:
+    # private: SGLang's backend keeps its outputs in _outputs; replay needs a forward batch
     return {t.untyped_storage().data_ptr() for out in backend._outputs.values() for t in _leaves(out)}
 
 
@@ -91,7 +92,7 @@ def test_is_sglang_bcg_subclass_with_sglang_constructor() -> None:
 
     backend = make_backend(enable_memory_saver=False, debug_eager=False)
     assert isinstance(backend, BreakableCudaGraphBackend)
-    assert backend._debug_eager is False and backend.share_output_active is None
+    assert backend._debug_eager is False and backend.share_output_active is None  # private: SGLang keeps the argument only there
 
 
 @pytest.mark.parametrize(("env", "expect_storages"), [("1", 1), ("0", len(SIZES))])
@@ -102,6 +103,7 @@ def test_flag_decides_output_storages_and_replay_is_correct(
     backend, model = make_backend(), Model()
     keys = [shape_key(n) for n in SIZES]  # largest first, as SGLang's runners capture
     capture_all(backend, model, keys)
+    # private: SGLang's graphs and their segments and breaks have no public read
     assert [len(backend._graphs[k]._segments) for k in keys] == [2, 2, 2]
     assert [len(backend._graphs[k]._break_fns) for k in keys] == [1, 1, 1]
     assert len(storages(backend)) == expect_storages
@@ -165,6 +167,7 @@ def test_streams_never_share(monkeypatch: pytest.MonkeyPatch) -> None:
     backend, model = make_backend(), Model()
     keys = [shape_key(n, stream_idx=s) for s in (0, 1) for n in SIZES]
     capture_all(backend, model, keys)
+    # private: SGLang's backend keeps its outputs in _outputs; replay needs a forward batch
     by_stream = {s: {backend._outputs[k].untyped_storage().data_ptr() for k in keys if k.stream_idx == s} for s in (0, 1)}
     assert len(by_stream[0]) == len(by_stream[1]) == 1
     assert by_stream[0].isdisjoint(by_stream[1])
@@ -209,7 +212,7 @@ def test_debug_eager_runs_forward_as_one_break(monkeypatch: pytest.MonkeyPatch) 
     backend, model = make_backend(debug_eager=True), Model()
     keys = [shape_key(n) for n in SIZES]
     capture_all(backend, model, keys)
-    assert all(len(backend._graphs[k]._break_fns) == 1 for k in keys)
+    assert all(len(backend._graphs[k]._break_fns) == 1 for k in keys)  # private: SGLang's graphs' breaks
     assert len(storages(backend)) == 1
     model.refill()
     for key in keys:
@@ -262,10 +265,12 @@ def test_static_inputs_never_become_the_shared_buffer(monkeypatch: pytest.Monkey
         backend.capture_one(big, lambda: x_big, capture_inputs={"x": x_big}, post_warmup_hook=lambda: hooks.append(big))
         backend.capture_one(small, model.forward_for(small), post_warmup_hook=lambda: hooks.append(small))
     assert hooks == [big, big, small, small]  # two warmups per key, each followed by the hook
-    assert backend._bcg_state._entries[big].capture_inputs == {"x": x_big}  # held strongly with the graph
+    # private: what a key's record holds is not public (CaptureState.entry is, behind _bcg_state)
+    entry = backend._bcg_state.entry(big)
+    assert entry is not None and entry.capture_inputs == {"x": x_big}  # held strongly with the graph
     replay(backend, small)
     torch.testing.assert_close(x_big, before, rtol=0, atol=0)
-    assert backend._outputs[big].untyped_storage().data_ptr() != x_big.untyped_storage().data_ptr()
+    assert backend._outputs[big].untyped_storage().data_ptr() != x_big.untyped_storage().data_ptr()  # private: SGLang's outputs
 
 
 def test_server_args_published_in_process(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -74,6 +74,7 @@ def test_reserve_honours_the_capacity_hook() -> None:
     backend, model = make_backend(CapacityRunner(32)), Model()
     keys = [shape_key(n) for n in SIZES]
     capture_all(backend, model, keys)
+    # private: SGLang's backend keeps its outputs in _outputs; replay needs a forward batch
     (buffer_rows,) = {out.untyped_storage().nbytes() // (8 * 4) for out in backend._outputs.values()}
     assert buffer_rows == 32
     with pytest.raises(TypeError, match="cuda_graph_output_capacity_rows"):
@@ -95,7 +96,7 @@ def test_reservation_of_a_failed_capture_is_not_kept() -> None:
     with backend.capture_session(None):
         with pytest.raises(RuntimeError, match="boom"):
             backend.capture_one(big, failing)
-        assert backend._bcg_state.sharer.partitions == {}
+        assert backend._bcg_state.sharer.partitions == {}  # private: a reservation is not in memory_report()
         backend.capture_one(small, model.forward_for(small))
     assert backend.memory_report().resident_output_bytes == 4 * 8 * 4
 
@@ -138,7 +139,7 @@ def test_guard_poisons_released_outputs_across_backends_of_the_pool(monkeypatch:
     prefill, decode = make_backend(), make_backend()
     capture_all(prefill, model, [shape_key(16), shape_key(8)])
     capture_all(decode, model, [shape_key(4)])
-    assert prefill._pool == decode._pool  # SGLang's process-global pool
+    assert prefill._pool == decode._pool  # SGLang's process-global pool  # private: SGLang's attribute
     a = replay(prefill, shape_key(16))
     again = replay(prefill, shape_key(16))
     assert poison == [] and again.data_ptr() == a.data_ptr() and again is not a
@@ -156,7 +157,7 @@ def test_guard_on_shared_outputs_poisons_within_the_partition(monkeypatch: pytes
     replay(backend, shape_key(8))
     assert [p[0] for p in poison] == [id(a)] and "same partition" in poison[0][1]
     backend.cleanup()
-    assert backend._bcg_state.guard._last == {}
+    assert backend._bcg_state.guard._last == {}  # private: the guard has no read API; cleanup() forgot it all
 
 
 def test_guard_unsupported_warns(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -165,7 +166,7 @@ def test_guard_unsupported_warns(monkeypatch: pytest.MonkeyPatch) -> None:
     backend = make_backend()
     with pytest.warns(RuntimeWarning, match="cannot poison storages"), backend.capture_session(None):
         pass
-    assert backend._bcg_state.guard is None
+    assert backend._bcg_state.guard is None  # private: no public "guard active" read
 
 
 def test_cleanup_leaves_the_global_pool_usable(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -180,7 +181,7 @@ def test_cleanup_leaves_the_global_pool_usable(monkeypatch: pytest.MonkeyPatch) 
         monkeypatch.setenv(ENV, env)
         capture_all(backend, model, [shape_key(8), shape_key(4)])
         if seam().global_pool:  # 0.5.15+: one pool per process; 0.5.14: one per backend
-            assert pool.get_global_graph_memory_pool() == backend._pool
+            assert pool.get_global_graph_memory_pool() == backend._pool  # private: SGLang's attribute
         backend.cleanup()
         assert pool.get_global_graph_memory_pool() is None  # the next session gets a fresh handle
     pool.set_global_graph_memory_pool(("other", 1))

@@ -75,7 +75,7 @@ def loop(monkeypatch: pytest.MonkeyPatch) -> Any:
 def test_hooks_put_the_policy_around_the_loop(monkeypatch: pytest.MonkeyPatch, loop: Any, mode: str) -> None:
     monkeypatch.setenv(ENV, mode)
     runner = loop(lambda h: (h, None))
-    runner._capture_all()
+    runner._capture_all()  # private: the SGLang method the runner seam hooks
     report = runner_seam.runner_report(runner)
     assert [k.key.size for k in report.keys] == list(SIZES)
     storages = {out[0].untyped_storage().data_ptr() for out in runner.output_buffers.values()}
@@ -103,6 +103,7 @@ def _null() -> Any:
 def test_outside_capture_all_and_a_loop_that_never_captures(monkeypatch: pytest.MonkeyPatch, loop: Any) -> None:
     monkeypatch.setenv(ENV, "on")
     runner = loop()
+    # private: _capture_one/_capture_all/_run_forward are the SGLang methods the runner seam hooks
     graph, output = runner._capture_one(4, (0, 0), None)  # not inside _capture_all: SGLang's own
     assert runner_seam.runner_report(runner) is None and output.shape == (4, 4)
     runner._run_forward = lambda fb, n: runner.inputs[n] + 1  # an instance's own forward is kept

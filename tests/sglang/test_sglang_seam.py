@@ -54,6 +54,7 @@ def test_breakable_becomes_ours_with_same_arguments(phase: str, select: list[Any
 
     backend = hook(original, runner)
     assert calls == [runner]  # SGLang's resolver ran, with the runner
+    # private: SGLang keeps its constructor's arguments only there
     assert type(backend) is sglang_breakable_backend_class() and backend._debug_eager is True
     assert backend._cuda_graph_runner is runner
     assert select == [(phase, None)]  # the pluggy hook was consulted for this phase
@@ -98,6 +99,24 @@ def test_select_routes_to_registered_backend_via_adapter(select: list[Any], monk
     assert not backend.can_run(None, ShapeKey(8))
 
 
+@pytest.mark.parametrize("select", ["full"], indirect=True)
+def test_a_routed_backend_gets_the_flag_as_its_output_mode(select: list[Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    """The seam resolves the flag's stash and hands it over (``output_mode=``): it beats the
+    environment variable, with the flag's reason; no stash, no keyword (the env decides)."""
+    from sglang_bcg_plugin.integration import seam
+
+    monkeypatch.setenv("SGLANG_ENABLE_BCG_SHARED_OUTPUT", "1")
+    server_args = type("ServerArgs", (), {"_bcg_shared_output": False})()
+    backend = seam.around_resolve_decode_backend(lambda r: sglang_bcg(r), FakeRunner(server_args=server_args))
+    with backend.capture_session(None):
+        assert backend.backend.output_mode_active == "off"
+    assert backend.backend.last_output_mode.describe() == "off (--enable-bcg-shared-output (server_args._bcg_shared_output=False))"
+    plain = seam.around_resolve_decode_backend(lambda r: sglang_bcg(r), FakeRunner())
+    with plain.capture_session(None):
+        assert plain.backend.last_output_mode.describe() == "on (SGLANG_ENABLE_BCG_SHARED_OUTPUT='1')"
+    assert [p for p, _ in select] == ["decode", "decode"]
+
+
 def test_select_routes_to_registered_sglang_subclass() -> None:
     from sglang_bcg_plugin.integration import seam, sglang_breakable_backend_class
 
@@ -118,7 +137,7 @@ def test_select_routes_to_registered_sglang_subclass() -> None:
     try:
         runner = FakeRunner()
         backend = seam.around_resolve_prefill_backend(lambda r: sglang_bcg(r), runner)
-        assert type(backend) is Mine and backend._cuda_graph_runner is runner
+        assert type(backend) is Mine and backend._cuda_graph_runner is runner  # private: SGLang's attribute
         with pytest.raises(BackendRegistrationError, match="unknown backend 'nope'"):
             seam.around_resolve_decode_backend(lambda r: sglang_bcg(r), runner)
     finally:
@@ -126,7 +145,9 @@ def test_select_routes_to_registered_sglang_subclass() -> None:
 
 
 def test_flag_hooks(monkeypatch: pytest.MonkeyPatch) -> None:
+    from sglang_bcg_plugin.integration import flag_resolution
     from sglang_bcg_plugin.integration.flag import HELP, after_add_cli_args, after_from_cli_args
+    from sglang_bcg_plugin.output_mode import Resolution
 
     parser = argparse.ArgumentParser()
     after_add_cli_args(None, parser)
@@ -145,12 +166,15 @@ def test_flag_hooks(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("SGLANG_ENABLE_BCG_SHARED_OUTPUT", "1")
     untouched = after_from_cli_args(Result(), Result, parser.parse_args([]))
     assert not hasattr(untouched, "_bcg_shared_output") and os.environ["SGLANG_ENABLE_BCG_SHARED_OUTPUT"] == "1"
+    # the stash, read by its public reader: the reason quotes its value (True, False or "released")
+    stash = "--enable-bcg-shared-output (server_args._bcg_shared_output={})"
     off = after_from_cli_args(Result(), Result, parser.parse_args(["--no-enable-bcg-shared-output"]))
-    assert off._bcg_shared_output is False and os.environ["SGLANG_ENABLE_BCG_SHARED_OUTPUT"] == "0"
+    assert flag_resolution(off) == Resolution("off", stash.format(False)) and os.environ["SGLANG_ENABLE_BCG_SHARED_OUTPUT"] == "0"
     on = after_from_cli_args(Result(), Result, parser.parse_args(["--enable-bcg-shared-output"]))
-    assert on._bcg_shared_output is True and os.environ["SGLANG_ENABLE_BCG_SHARED_OUTPUT"] == "1"
+    assert flag_resolution(on) == Resolution("on", stash.format(True)) and os.environ["SGLANG_ENABLE_BCG_SHARED_OUTPUT"] == "1"
     released = after_from_cli_args(Result(), Result, parser.parse_args(["--enable-bcg-shared-output=released"]))
-    assert released._bcg_shared_output == "released" and os.environ["SGLANG_ENABLE_BCG_SHARED_OUTPUT"] == "released"
+    assert flag_resolution(released) == Resolution("released", stash.format("'released'"))
+    assert os.environ["SGLANG_ENABLE_BCG_SHARED_OUTPUT"] == "released"
 
 
 def test_register_is_idempotent(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -160,6 +184,7 @@ def test_register_is_idempotent(monkeypatch: pytest.MonkeyPatch) -> None:
 
     from sglang_bcg_plugin.integration import HOOKS, hooks, register
 
+    # private: SGLang's HookRegistry has no public read of what is registered or patched
     monkeypatch.setattr(HookRegistry, "_hooks", defaultdict(list))
     monkeypatch.setattr(hooks, "_registered", False)
     register()
