@@ -1,7 +1,9 @@
-"""Per-key capture accounting: wall time, and the growth of reserved device memory on CUDA."""
+"""Capture accounting: per key, wall time and the growth of reserved device memory on CUDA; per
+session, the device memory it took (:func:`device_free_bytes` before and after)."""
 
 from __future__ import annotations
 
+import gc
 import time
 from types import TracebackType
 
@@ -33,3 +35,11 @@ class Measure:
         self.seconds = time.perf_counter() - self._start
         after = _reserved(self.engine) if kind is None else None
         self.memory_bytes = None if self._before is None or after is None else after - self._before
+
+
+def device_free_bytes() -> int:
+    """Free device memory once cached blocks went back to the device (``empty_cache``)."""
+    gc.collect()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    return int(torch.cuda.mem_get_info()[0])

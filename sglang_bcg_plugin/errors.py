@@ -67,3 +67,8 @@ def user_stacklevel() -> int:
 def warn_user(message: str, category: type[Warning]) -> None:
     """``warnings.warn`` attributed to the user's line, not to this package's internals."""
     warnings.warn(message, category, stacklevel=user_stacklevel())
+
+
+class ForecastError(RuntimeError):
+    """A graph-memory forecast cannot be made (the forward's memory does not scale as one
+    pattern, or the engine has no graph pool to forecast)."""

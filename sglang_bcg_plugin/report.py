@@ -52,6 +52,18 @@ class MemoryReport:
     #: (``stream_idx``); empty for our backends, whose values cross as they are. A third-party
     #: front (``engines.base.Front``) reports its own here.
     bridge_bytes: Mapping[int | None, int] = field(default_factory=lambda: MappingProxyType({}))
+    #: The forecast made before the capture (``CaptureBackend.forecast``), else ``None``.
+    forecast: Any = None
+    #: Device memory the capture session took (free memory before minus after, each after
+    #: ``empty_cache``); measured only for a session a forecast preceded, else ``None``.
+    measured_graph_bytes: int | None = None
+
+    @property
+    def forecast_error(self) -> float | None:
+        """(forecast − measured) / measured for the session's mode; ``None`` without both."""
+        if self.forecast is None or not self.measured_graph_bytes:
+            return None
+        return (self.forecast.bytes_for() - self.measured_graph_bytes) / self.measured_graph_bytes
 
     @property
     def saved_bytes(self) -> int:
@@ -90,6 +102,9 @@ class MemoryReport:
             "saved_bytes": self.saved_bytes,
             "fallbacks": {repr(k): v for k, v in self.fallbacks.items()},
             "bridge_bytes": {str(p): b for p, b in self.bridge_bytes.items()},
+            "forecast": None if self.forecast is None else self.forecast.to_dict(),
+            "measured_graph_bytes": self.measured_graph_bytes,
+            "forecast_error": self.forecast_error,
             "keys": [
                 {
                     "key": repr(k.key),
@@ -119,6 +134,10 @@ class MemoryReport:
             f"  bridges of partition {p}: {b / mib:.2f} MiB" for p, b in self.bridge_bytes.items() if b
         )
         lines.extend(f"  fallback {k!r}: {why}" for k, why in self.fallbacks.items())
+        if self.forecast is not None:
+            measured = "not measured" if self.measured_graph_bytes is None else f"measured {self.measured_graph_bytes / mib:.1f} MiB"
+            err = "" if self.forecast_error is None else f", error {self.forecast_error * 100:+.1f} %"
+            lines.append(f"  graph memory: forecast {self.forecast.bytes_for() / mib:.1f} MiB ({self.forecast.mode}), {measured}{err}")
         return "\n".join(lines)
 
 

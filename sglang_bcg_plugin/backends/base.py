@@ -16,13 +16,13 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import threading
-from collections.abc import Callable, Hashable, Iterator
-from typing import Any, ClassVar
+from collections.abc import Callable, Hashable, Iterable, Iterator
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import pluggy
 import torch
 
-from ..accounting import Measure
+from ..accounting import Measure, device_free_bytes
 from ..engines.base import CaptureRequest, Engine
 from ..engines.eager import EagerEngine
 from ..engines.gcsafe import gc_safe_capture
@@ -34,6 +34,9 @@ from ..report import MemoryReport
 from ..shape_key import check_key
 from ..sharing import BufferSource
 from .state import CaptureState, KeyPlacement, input_storages
+
+if TYPE_CHECKING:
+    from ..forecast.probe import GraphMemoryForecast
 
 
 def use_cuda(engine: str, backend: str) -> bool:
@@ -166,11 +169,13 @@ class CaptureBackend:
                 msg = f"{self.name} backend: capture_session() is already open; sessions do not nest"
                 raise CaptureStateError(msg)
             opts = self._options
-            resolution = explain_output_mode(opts.output_mode if opts.output_mode is not None else self._host_mode())
+            resolution = self._next_output_mode()
             engine = self._get_engine()
             source = buffer_source(opts.shared_buffer, engine)
             self._state.open(resolution, source=source, guard=opts.stale_output_guard, strict=opts.strict_outputs)
             self._stream = stream
+        # After a forecast, the session's device-memory cost is measured to compare with it.
+        free_before = device_free_bytes() if self._state.forecast is not None and engine.name == "cuda" else None
         try:
             # GC safety: one collection per session, not per key; graphs only on CUDA engines.
             with gc_safe_capture() if engine.name != "eager" else contextlib.nullcontext():
@@ -179,6 +184,40 @@ class CaptureBackend:
             with self._lock:
                 self._state.close()
                 self._stream = None
+            if free_before is not None:
+                self._state.measured_graph_bytes = free_before - device_free_bytes()
+
+    def _next_output_mode(self) -> Resolution:
+        """The output mode the next capture session resolves to, and why."""
+        opts = self._options
+        return explain_output_mode(opts.output_mode if opts.output_mode is not None else self._host_mode())
+
+    def forecast(
+        self,
+        sizes: Iterable[int],
+        forward_for: Callable[[int], Callable[[], Any]],
+        capture_inputs: Any = None,
+    ) -> GraphMemoryForecast:
+        """Forecast the graph memory of capturing ``sizes``, per output mode, before capturing them.
+
+        Captures the largest and the smallest size once (outputs kept, the allocator recording
+        its requests), releases them, and models every size of the schedule in one pool with
+        PyTorch's allocator rules (``docs/forecast.md``). ``forward_for(size)`` returns the
+        ``forward_fn`` that ``capture_one`` would get for that size. The backend must have
+        captured nothing yet; afterwards it is as before (its options unchanged, no graphs).
+
+        :raises ForecastError: fewer than two sizes, not the CUDA engine, or a forward whose
+            allocations at the two sizes are not one pattern.
+        :raises CaptureStateError: keys are captured already, or a session is open.
+        """
+        from ..forecast.probe import forecast_schedule
+
+        if self._state.mode_active is not None:
+            msg = f"{self.name} backend: forecast() inside an open capture_session()"
+            raise CaptureStateError(msg)
+        result = forecast_schedule(self, sizes, forward_for, capture_inputs)
+        self._state.forecast = result
+        return result
 
     @property
     def share_output_active(self) -> bool | None:

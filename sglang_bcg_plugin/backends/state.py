@@ -18,6 +18,8 @@ engines drive it (``engines.base.OutputPolicy``).
 
 from __future__ import annotations
 
+import dataclasses
+
 from collections.abc import Hashable
 from dataclasses import dataclass
 from typing import Any
@@ -139,6 +141,8 @@ class CaptureState:
         self._entries: dict[Hashable, _Entry] = {}
         self.guard: StaleOutputGuard | None = None
         self.resolution: Resolution | None = None  # of the latest session
+        self.forecast: Any = None  # forecast.probe.GraphMemoryForecast of the next/last schedule
+        self.measured_graph_bytes: int | None = None  # device memory the last session took
 
     # -- session ---------------------------------------------------------------------------
     def open(self, resolution: Resolution, *, source: BufferSource, guard: bool, strict: bool = False) -> None:
@@ -266,13 +270,18 @@ class CaptureState:
     def report(self, bridge_bytes: dict[int | None, int] | None = None) -> MemoryReport:
         """Logical vs resident output bytes, fallbacks and capture seconds, per key."""
         entries = list(self._entries.values())
-        return MemoryReport.from_keys(self.name, self.engine, key_reports(entries), bridge_bytes=bridge_bytes)
+        report = MemoryReport.from_keys(self.name, self.engine, key_reports(entries), bridge_bytes=bridge_bytes)
+        if self.forecast is None:
+            return report
+        return dataclasses.replace(report, forecast=self.forecast, measured_graph_bytes=self.measured_graph_bytes)
 
     def clear(self, owner: object = None) -> None:
         """Forget every record (the graphs are the engine's to destroy)."""
         for entry in self._entries.values():
             entry.graph.release()
         self._entries.clear()
+        self.forecast = None
+        self.measured_graph_bytes = None
         if self.guard is not None:
             self.guard.clear()
         if owner is not None:

@@ -1,0 +1,150 @@
+"""A model of PyTorch's CUDA caching allocator for one memory pool (no CUDA needed).
+
+What a CUDA-graph schedule costs is decided by the caching allocator: every graph of a schedule
+allocates from one private pool, blocks freed inside a capture are reused by the next one, and
+what stays allocated (outputs with sharing off) fragments the pool. :class:`PoolModel` replays
+a sequence of ``malloc`` / ``free`` calls with the allocator's rules and reports the bytes of
+the device segments it had to create (``reserved_bytes``), which is what the pool holds.
+
+The rules (PyTorch's ``CUDACachingAllocator``, ``expandable_segments`` off, no
+``max_split_size_mb``, ``roundup_power2_divisions`` unset):
+
+* a request is rounded up to a multiple of 512 bytes (at least 512);
+* requests up to 1 MiB come from the *small* blocks, larger ones from the *large* blocks;
+* a free block is chosen best-fit: the smallest free block of the right kind and stream that
+  is at least as large, the lowest address among equal sizes;
+* a chosen block is split when what remains is at least 512 bytes (small) or more than 1 MiB
+  (large): the allocation takes the low addresses, the rest stays free;
+* with no block free, a new segment is created: 2 MiB for small requests, 20 MiB for requests
+  under 10 MiB, else the request rounded up to 2 MiB;
+* a freed block merges with free neighbours of its segment; segments are never returned
+  (``empty_cache`` is outside the schedule).
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, field
+
+KB = 1024
+MB = 1024 * KB
+MIN_BLOCK = 512
+SMALL_SIZE = 1 * MB
+SMALL_BUFFER = 2 * MB
+LARGE_BUFFER = 20 * MB
+MIN_LARGE_ALLOC = 10 * MB
+ROUND_LARGE = 2 * MB
+
+
+def round_size(size: int) -> int:
+    """The bytes a request of ``size`` takes from a block."""
+    if size < MIN_BLOCK:
+        return MIN_BLOCK
+    return MIN_BLOCK * ((size + MIN_BLOCK - 1) // MIN_BLOCK)
+
+
+def segment_size(size: int) -> int:
+    """The bytes of the segment created for a rounded request of ``size`` that found no block."""
+    if size <= SMALL_SIZE:
+        return SMALL_BUFFER
+    if size < MIN_LARGE_ALLOC:
+        return LARGE_BUFFER
+    return ROUND_LARGE * ((size + ROUND_LARGE - 1) // ROUND_LARGE)
+
+
+@dataclass(eq=False)
+class _Block:
+    addr: int
+    size: int
+    small: bool
+    stream: int
+    free: bool = True
+    prev: _Block | None = None
+    next: _Block | None = None
+
+
+@dataclass
+class PoolModel:
+    """One pool's segments and blocks; ``malloc`` returns a handle for ``free``."""
+
+    segments: list[int] = field(default_factory=list)  # sizes, in creation order
+    _free: list[tuple[bool, int, int, int]] = field(default_factory=list)  # (small, stream, size, addr), sorted
+    _by_addr: dict[int, _Block] = field(default_factory=dict)
+    _next_addr: int = 0
+    allocated_bytes: int = 0
+    peak_allocated_bytes: int = 0
+
+    @property
+    def reserved_bytes(self) -> int:
+        return sum(self.segments)
+
+    def malloc(self, size: int, stream: int = 0) -> int:
+        """Allocate ``size`` bytes; returns the block's address (the handle for :meth:`free`)."""
+        need = round_size(size)
+        small = need <= SMALL_SIZE
+        block = self._take(small, stream, need)
+        if block is None:
+            block = self._new_segment(small, stream, segment_size(need))
+        remaining = block.size - need
+        if remaining >= MIN_BLOCK if small else remaining > SMALL_SIZE:
+            rest = _Block(block.addr + need, remaining, small, stream, True, block, block.next)
+            if block.next is not None:
+                block.next.prev = rest
+            block.next = rest
+            block.size = need
+            self._put(rest)
+        block.free = False
+        self.allocated_bytes += block.size
+        self.peak_allocated_bytes = max(self.peak_allocated_bytes, self.allocated_bytes)
+        return block.addr
+
+    def free(self, addr: int) -> None:
+        """Return the block at ``addr``; it merges with free neighbours of its segment."""
+        block = self._by_addr[addr]
+        if block.free:
+            msg = f"double free of the block at {addr}"
+            raise ValueError(msg)
+        self.allocated_bytes -= block.size
+        block.free = True
+        for neighbour in (block.prev, block.next):
+            if neighbour is not None and neighbour.free:
+                self._drop(neighbour)
+                block = self._merge(block, neighbour)
+        self._put(block)
+
+    def _merge(self, block: _Block, other: _Block) -> _Block:
+        low, high = (block, other) if block.addr < other.addr else (other, block)
+        low.size += high.size
+        low.next = high.next
+        if high.next is not None:
+            high.next.prev = low
+        del self._by_addr[high.addr]
+        self._by_addr[low.addr] = low
+        low.free = True
+        return low
+
+    def _take(self, small: bool, stream: int, size: int) -> _Block | None:
+        i = bisect.bisect_left(self._free, (small, stream, size, -1))
+        if i == len(self._free):
+            return None
+        s, st, _, addr = self._free[i]
+        if s != small or st != stream:
+            return None
+        del self._free[i]
+        return self._by_addr[addr]
+
+    def _put(self, block: _Block) -> None:
+        self._by_addr[block.addr] = block
+        bisect.insort(self._free, (block.small, block.stream, block.size, block.addr))
+
+    def _drop(self, block: _Block) -> None:
+        i = bisect.bisect_left(self._free, (block.small, block.stream, block.size, block.addr))
+        del self._free[i]
+
+    def _new_segment(self, small: bool, stream: int, size: int) -> _Block:
+        addr = self._next_addr
+        self._next_addr += size + ROUND_LARGE  # segments are never adjacent: no merging across them
+        self.segments.append(size)
+        block = _Block(addr, size, small, stream, False)
+        self._by_addr[addr] = block
+        return block

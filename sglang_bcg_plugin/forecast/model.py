@@ -1,0 +1,102 @@
+"""The graph memory of a schedule, per output mode, from a :class:`~.trace.ScaledTrace`.
+
+Every size of the schedule is captured largest first into one pool (:class:`~.allocator.PoolModel`),
+each capture making its scaled trace's requests. What differs between the modes is what a
+capture leaves allocated: with ``off`` every graph keeps its output in the pool; with ``on`` and
+``released`` the output's blocks go back to the pool (``on`` copies it into one buffer the size
+of the largest output, outside the pool; ``released`` hands out an alias). Anything else a
+capture keeps (the forward holding a tensor across calls) stays in every mode.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from .allocator import PoolModel, round_size, segment_size
+from .trace import ScaledTrace
+
+MODES = ("off", "on", "released")
+
+
+@dataclass(frozen=True, slots=True)
+class ModeForecast:
+    """The forecast graph memory of one output mode, in parts (bytes).
+
+    :param total_bytes: everything below, summed: the figure to compare with the device memory
+        a capture session takes (``torch.cuda.mem_get_info`` before and after).
+    :param working_set_bytes: the pool with every output released: the largest forward's
+        activations, as the allocator's blocks and segments fall (``released`` is this alone).
+    :param outputs_bytes: what holding the outputs adds: with ``off`` every size's output in the
+        pool (fragmentation included), with ``on`` the one shared buffer, with ``released`` 0.
+    :param stream_bytes: device memory a capture stream costs once (its cuBLAS workspace), as
+        the probe measured it.
+    :param bridge_bytes: copies of values crossing a break or splitting op (0 for our backends).
+    """
+
+    mode: str
+    total_bytes: int
+    working_set_bytes: int
+    outputs_bytes: int
+    stream_bytes: int = 0
+    bridge_bytes: int = 0
+
+    def to_dict(self) -> dict[str, int | str]:
+        return {"mode": self.mode, "total_bytes": self.total_bytes, "working_set_bytes": self.working_set_bytes,
+                "outputs_bytes": self.outputs_bytes, "stream_bytes": self.stream_bytes,
+                "bridge_bytes": self.bridge_bytes}
+
+
+def simulate(trace: ScaledTrace, sizes: Iterable[int], *, keep_outputs: str, outputs: frozenset[int]) -> PoolModel:
+    """Capture every size (largest first) into one modelled pool.
+
+    ``outputs``: indices of the trace's allocs that are the forward's output, freed at the end of
+    each capture unless ``keep_outputs`` is ``"all"`` (``off``) or ``"first"`` (the largest
+    output adopted as the shared buffer); other allocs a capture never frees stay allocated.
+    """
+    pool = PoolModel()
+    for rank, size in enumerate(sorted(set(sizes), reverse=True)):
+        key = trace.at(size)
+        handles: dict[int, int] = {}
+        for i, (kind, value) in enumerate(key.ops):
+            if kind == 0:
+                handles[i] = pool.malloc(value)
+            else:
+                pool.free(handles.pop(value))
+        if keep_outputs == "none" or (keep_outputs == "first" and rank > 0):
+            for i in outputs:
+                if i in handles:
+                    pool.free(handles.pop(i))
+    return pool
+
+
+def forecast_modes(
+    trace: ScaledTrace,
+    sizes: Iterable[int],
+    *,
+    outputs: frozenset[int],
+    largest_output_bytes: int,
+    stream_bytes: int = 0,
+    bridge_bytes: int = 0,
+    adopt: bool = False,
+) -> dict[str, ModeForecast]:
+    """:class:`ModeForecast` of ``off``, ``on`` and ``released`` for the schedule ``sizes``.
+
+    ``on`` with a reserved buffer (the CUDA default) holds the largest output outside the pool,
+    in a segment of its own when it is 10 MiB or more; with ``adopt`` the largest capture's own
+    output stays in the pool as the buffer.
+    """
+    sizes = list(sizes)
+    released = simulate(trace, sizes, keep_outputs="none", outputs=outputs).reserved_bytes
+    kept = simulate(trace, sizes, keep_outputs="all", outputs=outputs).reserved_bytes
+    if adopt:
+        on = simulate(trace, sizes, keep_outputs="first", outputs=outputs).reserved_bytes
+    else:
+        need = round_size(largest_output_bytes) if largest_output_bytes else 0
+        on = released + (segment_size(need) if need >= 10 * 1024 * 1024 else need)
+    extra = stream_bytes + bridge_bytes
+    return {
+        "off": ModeForecast("off", kept + extra, released, kept - released, stream_bytes, bridge_bytes),
+        "on": ModeForecast("on", on + extra, released, on - released, stream_bytes, bridge_bytes),
+        "released": ModeForecast("released", released + extra, released, 0, stream_bytes, bridge_bytes),
+    }

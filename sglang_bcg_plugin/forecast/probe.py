@@ -1,0 +1,165 @@
+"""Two probe captures, their allocator traces, and the forecast built from them (CUDA only).
+
+:func:`forecast_schedule` runs on a backend that has captured nothing yet: it captures the
+schedule's largest and smallest sizes with outputs kept (mode ``off``) while PyTorch's
+allocator records its events, reads each capture's requests to its graph pool
+(:func:`~.trace.pool_trace`), fits them (:class:`~.trace.ScaledTrace`), releases the probes
+(``cleanup()``), and models every size of the schedule in one pool per output mode
+(:func:`~.model.forecast_modes`). What a capture stream costs once (its cuBLAS workspace) is
+measured as the device memory the probes leave behind after ``empty_cache``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ..accounting import device_free_bytes
+from ..errors import CaptureStateError, ForecastError
+from ..shape_key import ShapeKey
+from ..trees import flatten
+from .model import MODES, ModeForecast, forecast_modes
+from .trace import KeyTrace, ScaledTrace, pool_trace
+
+if TYPE_CHECKING:
+    from ..backends.base import CaptureBackend
+
+
+MIB = 1 << 20
+
+
+@dataclass(frozen=True)
+class GraphMemoryForecast:
+    """The forecast graph memory of one schedule, per output mode (see ``docs/forecast.md``).
+
+    :param backend: the backend's name. :param sizes: the schedule, largest first.
+    :param mode: the output mode the backend's next session resolves to (the one to compare).
+    :param modes: ``off`` / ``on`` / ``released`` → :class:`~.model.ModeForecast`.
+    :param probe_sizes: the two sizes captured to make it. :param seconds: what it took.
+    """
+
+    backend: str
+    sizes: tuple[int, ...]
+    mode: str
+    modes: MappingProxyType[str, ModeForecast] = field(default_factory=lambda: MappingProxyType({}))
+    probe_sizes: tuple[int, int] = (0, 0)
+    seconds: float = 0.0
+
+    def bytes_for(self, mode: str | None = None) -> int:
+        """The forecast total of ``mode`` (default: :attr:`mode`)."""
+        return self.modes[mode or self.mode].total_bytes
+
+    def frees_against(self, other: str) -> int:
+        """Bytes the configured mode holds less than ``other`` (negative: more)."""
+        return self.bytes_for(other) - self.bytes_for()
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"backend": self.backend, "mode": self.mode, "num_sizes": len(self.sizes),
+                "max_tokens": self.sizes[0] if self.sizes else 0, "probe_sizes": list(self.probe_sizes),
+                "seconds": self.seconds, "modes": {m: f.to_dict() for m, f in self.modes.items()}}
+
+    def format(self) -> str:
+        lines = [f"{self.backend}: graph memory forecast for {len(self.sizes)} sizes up to "
+                 f"{self.sizes[0] if self.sizes else 0} tokens (probes {self.probe_sizes[0]} and "
+                 f"{self.probe_sizes[1]}, {self.seconds:.1f} s):"]
+        for m in MODES:
+            f = self.modes[m]
+            mark = " <- configured" if m == self.mode else ""
+            lines.append(f"  {m:8} {f.total_bytes / MIB:9.1f} MiB = working set {f.working_set_bytes / MIB:.1f} "
+                         f"+ outputs {f.outputs_bytes / MIB:.1f} + stream {f.stream_bytes / MIB:.1f} "
+                         f"+ bridges {f.bridge_bytes / MIB:.1f}{mark}")
+        return "\n".join(lines)
+
+
+def _new_pool_segments(before: set[tuple[int, int]]) -> list[tuple[int, int]]:
+    out = []
+    for seg in torch.cuda.memory._snapshot()["segments"]:
+        pool = tuple(seg.get("segment_pool_id", (0, 0)))
+        if pool != (0, 0) and pool not in before:
+            out.append((int(seg["address"]), int(seg["total_size"])))
+    return out
+
+
+def _pools() -> set[tuple[int, int]]:
+    return {tuple(s.get("segment_pool_id", (0, 0))) for s in torch.cuda.memory._snapshot()["segments"]}  # type: ignore[misc]
+
+
+def _probe(backend: CaptureBackend, sizes: Sequence[int], forward_for: Callable[[int], Callable[[], Any]],
+           capture_inputs: Any) -> tuple[list[KeyTrace], list[int], int]:
+    """Capture the probe sizes in mode ``off``: their pool traces, the bytes of the first (largest)
+    probe's output storages, and the bridge bytes."""
+    pools = _pools()
+    torch.cuda.memory._record_memory_history(enabled="all", context=None, stacks="python", max_entries=1_000_000)
+    events: list[list[dict[str, Any]]] = []
+    largest_output: list[int] = []
+    try:
+        cursor = len(torch.cuda.memory._snapshot()["device_traces"][0])
+        with torch.no_grad(), backend.capture_session():
+            for n in sizes:
+                out = backend.capture_one(ShapeKey(n), forward_for(n), capture_inputs=capture_inputs)
+                trace = torch.cuda.memory._snapshot()["device_traces"][0]
+                events.append(trace[cursor:])
+                cursor = len(trace)
+                if not largest_output:
+                    largest_output = [t.untyped_storage().nbytes() for _, t in flatten(out)[1]]
+        segments = _new_pool_segments(pools)
+        bridges = backend.memory_report().total_bridge_bytes
+    finally:
+        torch.cuda.memory._record_memory_history(enabled=None)
+    return [pool_trace(n, ev, segments) for n, ev in zip(sizes, events, strict=True)], largest_output, bridges
+
+
+def forecast_schedule(
+    backend: CaptureBackend,
+    sizes: Iterable[int],
+    forward_for: Callable[[int], Callable[[], Any]],
+    capture_inputs: Any = None,
+) -> GraphMemoryForecast:
+    """See :meth:`CaptureBackend.forecast`."""
+    start = time.perf_counter()
+    schedule = sorted({int(s) for s in sizes}, reverse=True)
+    if len(schedule) < 2:
+        msg = f"{backend.name} backend: forecast() needs at least two sizes, got {schedule}"
+        raise ForecastError(msg)
+    if backend.captured_keys():
+        msg = f"{backend.name} backend: forecast() runs before the schedule is captured; cleanup() first"
+        raise CaptureStateError(msg)
+    if backend.engine_name != "cuda":
+        msg = (f"{backend.name} backend: forecast() needs the CUDA engine (graph pools); this backend "
+               f"captures with the {backend.engine_name} engine")
+        raise ForecastError(msg)
+    options = backend.options
+    configured = backend._next_output_mode().mode  # noqa: SLF001 - the package's own backend
+    probe_sizes = (schedule[0], schedule[-1])
+    free_before = device_free_bytes()
+    backend.configure(output_mode="off", stale_output_guard=False)
+    try:
+        traces, largest_output, bridges = _probe(backend, probe_sizes, forward_for, capture_inputs)
+    finally:
+        backend.cleanup()
+        backend.configure(output_mode=options.output_mode, stale_output_guard=options.stale_output_guard)
+    stream_bytes = max(0, free_before - device_free_bytes())
+    large, small = traces
+    modes = forecast_modes(ScaledTrace.fit(large, small), schedule, outputs=output_allocs(large, largest_output),
+                           largest_output_bytes=sum(largest_output), stream_bytes=stream_bytes,
+                           bridge_bytes=bridges, adopt=options.shared_buffer == "adopt")
+    return GraphMemoryForecast(backend.name, tuple(schedule), configured, MappingProxyType(modes), probe_sizes,
+                               time.perf_counter() - start)
+
+
+def output_allocs(trace: KeyTrace, output_bytes: Sequence[int]) -> frozenset[int]:
+    """The allocs ``trace`` keeps that hold the output: matched by bytes (a storage's bytes are
+    the bytes its allocation asked for), first kept alloc first."""
+    wanted = list(output_bytes)
+    found = []
+    for i in trace.kept:
+        size = trace.ops[i][1]
+        if size in wanted:
+            found.append(i)
+            wanted.remove(size)
+    return frozenset(found)

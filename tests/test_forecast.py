@@ -1,0 +1,210 @@
+"""Graph-memory forecast: the allocator model, scaled traces, and the forecast from two probes.
+
+The real-data tests replay allocator traces recorded on an H200 (``tests/gpu/forecast_trace.py``,
+kept in ``tests/data/forecast``): the model must make the real allocator's decisions, and a
+forecast from the largest and smallest key alone must land on what each mode really took.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from sglang_bcg_plugin import BackendOptions, ShapeKey, create_backend
+from sglang_bcg_plugin.errors import CaptureStateError, ForecastError
+from sglang_bcg_plugin.forecast import KeyTrace, ModeForecast, PoolModel, ScaledTrace, forecast_modes, pool_trace
+from sglang_bcg_plugin.forecast.allocator import MB, round_size, segment_size
+from sglang_bcg_plugin.forecast.probe import GraphMemoryForecast, output_allocs
+from sglang_bcg_plugin.report import MemoryReport
+
+DATA = Path(__file__).parent / "data" / "forecast"
+
+
+def _load(name: str) -> Any:
+    with gzip.open(DATA / name, "rt") as f:
+        return json.load(f)
+
+
+def _events(raw: list[list[Any]]) -> list[dict[str, Any]]:
+    return [{"action": a, "addr": addr, "size": size} for a, addr, size in raw]
+
+
+# -- the allocator model ------------------------------------------------------------------------
+def test_rounding_and_segment_sizes() -> None:
+    assert [round_size(n) for n in (1, 511, 512, 513, 1024)] == [512, 512, 512, 1024, 1024]
+    assert segment_size(512) == 2 * MB and segment_size(MB) == 2 * MB
+    assert segment_size(MB + 512) == 20 * MB and segment_size(10 * MB - 512) == 20 * MB
+    assert segment_size(10 * MB) == 10 * MB and segment_size(10 * MB + 1) == 12 * MB
+
+
+def test_best_fit_split_and_merge() -> None:
+    pool = PoolModel()
+    a = pool.malloc(30 * MB)  # a 30 MiB segment, taken whole
+    b = pool.malloc(12 * MB)
+    assert pool.segments == [30 * MB, 12 * MB]
+    pool.free(a)
+    c = pool.malloc(11 * MB)  # best fit: the 12 MiB segment is busy, the 30 MiB one is split
+    assert pool.segments == [30 * MB, 12 * MB] and c == a
+    d = pool.malloc(19 * MB)  # the 19 MiB left of it, exactly
+    assert d == a + 11 * MB and len(pool.segments) == 2
+    pool.free(c)
+    pool.free(d)  # merges back into one 30 MiB block
+    assert pool.malloc(30 * MB) == a
+    pool.free(b)
+    with pytest.raises(ValueError, match="double free"):
+        pool.free(b)
+
+
+def test_small_and_large_blocks_never_mix() -> None:
+    pool = PoolModel()
+    small = pool.malloc(4096)
+    assert pool.segments == [2 * MB]
+    pool.free(small)
+    pool.malloc(2 * MB)  # a large request does not take the free small segment
+    assert pool.segments == [2 * MB, 20 * MB]
+
+
+def test_large_remainder_of_one_mib_is_not_split_off() -> None:
+    pool = PoolModel()
+    a = pool.malloc(20 * MB)  # 20 MiB segment exactly
+    pool.free(a)
+    pool.malloc(19 * MB)  # 1 MiB would remain: not split (large blocks split above 1 MiB)
+    assert pool.allocated_bytes == 20 * MB
+
+
+@pytest.mark.parametrize(("name", "tolerance"), [("h200_synthetic_full_off_pool.json.gz", 0.0),
+                                                  ("h200_llama_breakable_off_pool.json.gz", 0.01)])
+def test_model_makes_the_real_allocators_decisions(name: str, tolerance: float) -> None:
+    """Every pool request of a 74-size capture (sharing off) replayed through the model: the
+    segments it creates are the real allocator's (the Llama run's differ only where two free
+    blocks of equal size tie and the real ones' device addresses decided)."""
+    data = _load(name)
+    pool, live, real = PoolModel(), {}, []
+    for key in data["keys"]:
+        for action, addr, size in key:
+            if action == "segment_alloc":
+                real.append(size)
+            elif action == "alloc":
+                live[addr] = pool.malloc(size)
+            elif addr in live:
+                pool.free(live.pop(addr))
+    assert abs(pool.reserved_bytes - sum(real)) <= tolerance * sum(real), (pool.segments, real)
+    if tolerance == 0:
+        assert pool.segments == real
+
+
+# -- traces ---------------------------------------------------------------------------------------
+def test_pool_trace_keeps_the_pools_events_and_finds_what_stays() -> None:
+    events = _events([["alloc", 100, 64], ["alloc", 5000, 8], ["alloc", 104, 32], ["free_completed", 100, 64],
+                      ["free_requested", 104, 32], ["free_completed", 5000, 8]])
+    trace = pool_trace(8, events, [(100, 1000)])
+    assert trace.ops == ((0, 64), (0, 32), (1, 0))
+    assert trace.kept == (1,) and trace.kept_bytes() == 32
+
+
+def test_scaled_trace_is_exact_on_lines_and_refuses_other_patterns() -> None:
+    large = KeyTrace(1000, ((0, 4000 + 64), (0, 2000), (1, 0)))
+    small = KeyTrace(10, ((0, 40 + 64), (0, 20), (1, 0)))
+    fitted = ScaledTrace.fit(large, small)
+    assert fitted.at(100).ops == ((0, 464), (0, 200), (1, 0))
+    with pytest.raises(ForecastError, match="differ in sequence"):
+        ScaledTrace.fit(large, KeyTrace(10, ((0, 104), (1, 0))))
+    with pytest.raises(ForecastError, match="must differ"):
+        ScaledTrace.fit(large, large)
+
+
+def test_output_allocs_match_by_bytes() -> None:
+    trace = KeyTrace(4, ((0, 10), (0, 512), (0, 96), (1, 0)))
+    assert output_allocs(trace, [96]) == frozenset({2})
+    assert output_allocs(trace, [96, 512]) == frozenset({1, 2})
+    assert output_allocs(trace, [7]) == frozenset()
+
+
+# -- the forecast from two probes, against what the H200 measured ------------------------------
+CASES = ["synthetic/full", "synthetic/breakable", "llama/full", "llama/breakable"]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_forecast_from_two_probes_matches_the_h200(case: str) -> None:
+    data = _load("h200_probes.json.gz")["cases"][case]
+    sizes = data["sizes"]
+    segments = [tuple(s) for s in data["pool_segments"]]
+    large, small = (pool_trace(int(n), _events(data["probes"][str(n)]), segments) for n in (sizes[0], sizes[-1]))
+    out_bytes = data["largest_output_bytes"]
+    measured = data["measured"]
+    # what a capture stream costs once (cuBLAS workspace): measured beside the pool in the off run
+    stream = measured["off"]["reserved_bytes"] - measured["off"]["pool_bytes"]
+    modes = forecast_modes(ScaledTrace.fit(large, small), sizes, outputs=output_allocs(large, [out_bytes]),
+                           largest_output_bytes=out_bytes, stream_bytes=stream)
+    for mode, f in modes.items():
+        real = measured[mode]["reserved_bytes"]
+        assert abs(f.total_bytes - real) <= 0.01 * real, (case, mode, f, real)
+        assert f.total_bytes == f.working_set_bytes + f.outputs_bytes + f.stream_bytes + f.bridge_bytes
+    assert modes["released"].outputs_bytes == 0
+    assert modes["on"].outputs_bytes == round_size(out_bytes)  # 90 MiB: its own segment
+    assert modes["off"].outputs_bytes > 10 * modes["on"].outputs_bytes  # every size's output
+
+
+def test_adopt_keeps_the_largest_output_in_the_pool() -> None:
+    trace = ScaledTrace.fit(KeyTrace(1024, ((0, 1024 * MB // 64), (0, 16 * MB), (1, 1))),
+                            KeyTrace(8, ((0, 8 * MB // 64), (0, 16 * MB), (1, 1))))
+    sizes = [1024, 512, 8]
+    adopt = forecast_modes(trace, sizes, outputs=frozenset({0}), largest_output_bytes=16 * MB, adopt=True)
+    reserve = forecast_modes(trace, sizes, outputs=frozenset({0}), largest_output_bytes=16 * MB)
+    assert adopt["on"].total_bytes == adopt["released"].total_bytes + 16 * MB  # the first output stays
+    assert reserve["on"].outputs_bytes == 16 * MB  # a buffer of its own
+    assert adopt["off"].total_bytes >= adopt["on"].total_bytes  # off keeps every output
+
+
+# -- the API --------------------------------------------------------------------------------------
+def _forward_for(n: int) -> Any:
+    x = torch.randn(64, 8)
+    return lambda: x[:n] * 2
+
+
+def test_forecast_needs_the_cuda_engine_and_two_sizes() -> None:
+    backend = create_backend("full", options=BackendOptions(engine="eager"))
+    with pytest.raises(ForecastError, match="at least two sizes"):
+        backend.forecast([8], _forward_for)
+    with pytest.raises(ForecastError, match="needs the CUDA engine"):
+        backend.forecast([8, 4], _forward_for)
+
+
+def test_forecast_refused_after_capture_and_inside_a_session() -> None:
+    backend = create_backend("breakable", options=BackendOptions(engine="eager"))
+    with backend.capture_session():
+        backend.capture_one(ShapeKey(8), _forward_for(8))
+        with pytest.raises(CaptureStateError, match="inside an open capture_session"):
+            backend.forecast([8, 4], _forward_for)
+    with pytest.raises(CaptureStateError, match="before the schedule is captured"):
+        backend.forecast([8, 4], _forward_for)
+
+
+def _forecast(mode: str = "on") -> GraphMemoryForecast:
+    from types import MappingProxyType
+
+    mib = 1 << 20
+    modes = {"off": ModeForecast("off", 900 * mib, 400 * mib, 500 * mib),
+             "on": ModeForecast("on", 490 * mib, 400 * mib, 90 * mib),
+             "released": ModeForecast("released", 400 * mib, 400 * mib, 0)}
+    return GraphMemoryForecast("full", (16, 8, 4), mode, MappingProxyType(modes), (16, 4), 0.5)
+
+
+def test_report_carries_the_forecast_and_its_error() -> None:
+    fc = _forecast()
+    assert fc.bytes_for() == 490 << 20 and fc.frees_against("off") == 410 << 20
+    report = MemoryReport.from_keys("full", "cuda", [])
+    assert report.forecast is None and report.forecast_error is None and "forecast" not in report.format()
+    import dataclasses
+
+    report = dataclasses.replace(report, forecast=fc, measured_graph_bytes=500 << 20)
+    assert report.forecast_error == pytest.approx(-0.02)
+    assert "forecast 490.0 MiB (on), measured 500.0 MiB, error -2.0 %" in report.format()
+    d = report.to_dict()
+    assert d["forecast"]["modes"]["off"]["outputs_bytes"] == 500 << 20 and d["forecast_error"] == pytest.approx(-0.02)
+    assert "<- configured" in fc.format() and "released" in fc.format()
