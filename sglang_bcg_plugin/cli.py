@@ -57,17 +57,32 @@ def _debug_flags(p: argparse.ArgumentParser, default: object) -> None:
     p.add_argument("--debug", action="store_true", default=default, help="show tracebacks of errors")
 
 
+def _variants_epilog() -> str:
+    """``bench --help``'s last paragraph: one line per variant, then the reference row."""
+    from .bench.reference import GRAPH_TREES, REFERENCE_VARIANT
+    from .bench.runner import VARIANT_MEANINGS
+
+    width = max(map(len, VARIANT_MEANINGS))
+    lines = [f"  {name.ljust(width)}  {meaning}" for name, meaning in VARIANT_MEANINGS.items()]
+    return "\n".join([
+        "variants (--variants; each one a row per backend, measured in the same run):",
+        *lines,
+        f"{GRAPH_TREES} has no output modes: it ignores --variants and adds one row ({REFERENCE_VARIANT}).",
+    ])
+
+
 def _bench_parser(sub: argparse._SubParsersAction[Any]) -> None:
     from .bench.config import DTYPES
     from .bench.runner import VARIANTS
 
-    p = sub.add_parser("bench", help="capture a model at SGLang's prefill sizes with each backend, sharing off and on")
+    p = sub.add_parser("bench", help="capture a model at SGLang's prefill sizes with each backend, sharing off and on",
+                       epilog=_variants_epilog(), formatter_class=argparse.RawDescriptionHelpFormatter)
     _debug_flags(p, argparse.SUPPRESS)
     p.add_argument("--model", choices=("synthetic", "llama"), default="synthetic",
                    help="synthetic: our tokens-first decoder (default); llama: transformers' LlamaModel, random weights")
     p.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda when available)")
     p.add_argument("--backends", default="breakable,full,piecewise", help="comma-separated backend names; graph-trees: torch.compile's reduce-overhead reference row")
-    p.add_argument("--variants", default=None, help=f"comma-separated of {','.join(VARIANTS)} (default: off,on; plus floor,guard on CUDA)")
+    p.add_argument("--variants", default=None, help=f"comma-separated of {','.join(VARIANTS)} (default: off,on; plus floor,guard on CUDA; each is explained below)")
     p.add_argument("--hidden", type=_positive, default=None, help="hidden size (default: 2880 on CUDA, 128 on CPU)")
     p.add_argument("--layers", type=_positive, default=None, help="decoder layers (default: 4 on CUDA, 2 on CPU)")
     p.add_argument("--heads", type=_positive, default=None, help="attention heads, dividing --hidden (default: 45 on CUDA, 4 on CPU; llama: 64 / 4)")

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from sglang_bcg_plugin.bench.model import DecoderConfig, SyntheticDecoder, attention_break, attention_op
+from sglang_bcg_plugin.bench.rows import BenchRow
 from sglang_bcg_plugin.bench.sizes import prefill_capture_sizes
 from sglang_bcg_plugin.cli import main
 
@@ -160,6 +161,82 @@ def test_plot_labels_keep_two_significant_digits() -> None:
 
     got = [sig2(v) for v in (0.125, 1.11, 90.4, 1634.0, 99.7, 0.0996, 0.0, 12345.0)]
     assert got == ["0.12", "1.1", "90", "1600", "100", "0.10", "0", "12000"]
+
+
+def test_released_is_measured_on_every_backend_in_the_same_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``--variants ...,released``: every backend gets its ``released`` row, beside off and on,
+    and the plot has one group per backend with every row's bar."""
+    from sglang_bcg_plugin.bench.output import plot_groups
+
+    rc = main(["bench", "--backends", "breakable,full,piecewise", "--variants", "off,on,released", "--max-tokens", "16",
+               "--hidden", "16", "--layers", "1", "--repeats", "1", "--out", str(tmp_path), "--no-progress"])
+    assert rc == 0
+    assert "released" in capsys.readouterr().out  # the table has the rows
+    doc = json.loads((tmp_path / "bench.json").read_text())
+    rows = {(r["backend"], r["variant"]): r for r in doc["rows"]}
+    assert set(rows) == {(b, v) for b in ("breakable", "full", "piecewise") for v in ("off", "on", "released")}
+    for b in ("breakable", "full", "piecewise"):
+        released = rows[(b, "released")]
+        assert released["share_output"] == "released" and released["max_abs_err"] == 0.0 and released["fallbacks"] == 0
+        # the eager engine has no graph pool: released outputs stay owned, as with off
+        assert released["resident_output_bytes"] == rows[(b, "off")]["resident_output_bytes"]
+    assert (tmp_path / "bench.png").read_bytes()[:4] == b"\x89PNG"
+    groups = plot_groups([BenchRow(**r) for r in doc["rows"]], graph_memory=False)
+    assert [(g.backend, g.reference, [b.variant for b in g.bars]) for g in groups] == [
+        (b, False, ["off", "on", "released"]) for b in ("breakable", "full", "piecewise")
+    ]
+
+
+def _row(backend: str, variant: str, graph_mib: int | None, replay: float) -> BenchRow:
+    resident = 0 if backend == "graph-trees" else 2 * 2**20
+    graph = None if graph_mib is None else graph_mib * 2**20
+    return BenchRow(backend, variant, False, 2, 8, resident, 4 * 2**20, graph, 1.0, replay, 0.0, 0,
+                    replay_ms_min=replay - 0.5, replay_ms_max=replay + 1.0)
+
+
+@pytest.mark.parametrize("graph_memory", [True, False])
+def test_plot_gives_graph_trees_its_own_group_with_the_same_metrics(graph_memory: bool, tmp_path: Path) -> None:
+    """Graph Trees is its own group, after ours wherever --backends lists it, with the same
+    metric keys; a metric that does not apply (resident output, CPU) is ``None``, not 0."""
+    from sglang_bcg_plugin.bench.output import (
+        GRAPH_TREES_CPU_LABEL, GRAPH_TREES_LABEL, PLOT_METRICS, plot_groups, write_plot,
+    )
+
+    def mib(n: int) -> int | None:
+        return n if graph_memory else None
+
+    rows = [
+        _row("graph-trees", "reference", mib(816), 32.0),
+        _row("breakable", "off", mib(2000), 33.0), _row("breakable", "released", mib(620), 32.5),
+        _row("full", "off", mib(1700), 31.0), _row("full", "released", mib(710), 31.5),
+    ]
+    groups = plot_groups(rows, graph_memory=graph_memory)
+    assert [(g.backend, g.reference) for g in groups] == [("breakable", False), ("full", False), ("graph-trees", True)]
+    trees = groups[-1]
+    assert "Graph Trees" in trees.tick and [b.variant for b in trees.bars] == ["reference"]
+    for g in groups:
+        for bar in g.bars:
+            assert tuple(bar.values) == PLOT_METRICS
+    (ref,) = trees.bars
+    assert ref.values["replay_ms"] == 32.0 and ref.replay_spread == (0.5, 1.0)
+    if graph_memory:
+        assert ref.values["memory_mib"] == 816 and ref.label == GRAPH_TREES_LABEL
+        assert [b.values["memory_mib"] for b in groups[0].bars] == [2000, 620]
+    else:
+        assert ref.values["memory_mib"] is None and ref.label == GRAPH_TREES_CPU_LABEL  # left out, not 0
+        assert [b.values["memory_mib"] for b in groups[0].bars] == [2.0, 2.0]
+    assert [b.label for b in groups[0].bars] == ["sharing off", "outputs released (zero-copy)"]
+    config = {"max_tokens": 8, "layers": 1, "hidden": 16, "dtype": "float32", "num_sizes": 2}
+    assert write_plot(tmp_path / "bench.png", "test", config, rows, timings_meaningful=graph_memory)
+    assert (tmp_path / "bench.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_plot_groups_without_graph_trees_or_rows() -> None:
+    from sglang_bcg_plugin.bench.output import plot_groups
+
+    assert plot_groups([], graph_memory=False) == []
+    only = plot_groups([_row("graph-trees", "reference", 816, 32.0)], graph_memory=True)
+    assert [(g.backend, g.reference) for g in only] == [("graph-trees", True)]
 
 
 def test_gpu_table_prints_timing_ratios() -> None:

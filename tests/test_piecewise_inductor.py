@@ -20,7 +20,9 @@ from sglang_bcg_plugin import BackendOptions, ShapeKey, create_backend
 from sglang_bcg_plugin.backends.piecewise import PiecewiseBackend
 from sglang_bcg_plugin.backends.piecewise.compile import _canonical
 from sglang_bcg_plugin.backends.piecewise.inductor import CompiledPiece, InductorPieces, dense_fresh
+from sglang_bcg_plugin.bench.output import plot_groups
 from sglang_bcg_plugin.bench.reference import variants_for
+from sglang_bcg_plugin.bench.rows import BenchRow
 from sglang_bcg_plugin.cli import main
 from sglang_bcg_plugin.trees import flatten
 
@@ -142,6 +144,11 @@ def test_bench_llama_inductor_variants_and_graph_trees_row(tmp_path: Path, capsy
         assert row["max_abs_err"] < 1e-4  # fp32 on CPU: Inductor vs the uncompiled model
     assert rows[("piecewise", "inductor")]["share_output"] is True
     assert rows[("graph-trees", "reference")]["resident_output_bytes"] == 0
+    # the plot: Graph Trees (run for real, on CPU the compile without mode) is its own group
+    groups = plot_groups([BenchRow(**r) for r in rows.values()], graph_memory=False)
+    assert [(g.backend, g.reference) for g in groups] == [("piecewise", False), ("full", False), ("graph-trees", True)]
+    assert groups[-1].bars[0].values["memory_mib"] is None and groups[-1].bars[0].values["replay_ms"] > 0
+    assert (tmp_path / "bench.png").read_bytes()[:4] == b"\x89PNG"
 
 
 def test_variants_for() -> None:

@@ -5,12 +5,14 @@ from __future__ import annotations
 import datetime
 import json
 import math
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from .._version import __version__
+from .reference import GRAPH_TREES
 from .rows import BenchRow
 
 MIB = 1024 * 1024
@@ -127,13 +129,122 @@ def write_json(
     path.write_text(json.dumps(doc, indent=2) + "\n")
 
 
+#: The metrics of every bar of ``bench.png``, one panel each, in panel order: memory (graph pool
+#: memory on CUDA, resident output memory on CPU) and the median replay time.
+PLOT_METRICS = ("memory_mib", "replay_ms")
+#: Legend label of each variant's bars.
+VARIANT_LABELS = {
+    "off": "sharing off",
+    "on": "sharing on",
+    "floor": "outputs released (floor)",
+    "guard": "sharing on + stale-output guard",
+    "inductor": "sharing on, Inductor-compiled",
+    "released": "outputs released (zero-copy)",
+    "adopt": "sharing on, buffer adopted",
+    "reserve": "sharing on, buffer reserved",
+}
+VARIANT_COLORS = {
+    "off": "#c0504d", "on": "#4f81bd", "floor": "#9bbb59", "guard": "#8064a2", "inductor": "#f79646",
+    "reference": "#4bacc6", "released": "#77933c", "adopt": "#95b3d7", "reserve": "#1f497d",
+}
+#: Graph Trees' legend label: torch's own CUDA graphs (on CPU the same compile, without graphs).
+GRAPH_TREES_LABEL = "torch's CUDA Graph Trees (torch.compile reduce-overhead)"
+GRAPH_TREES_CPU_LABEL = "torch.compile without mode (CPU stand-in: Graph Trees need CUDA)"
+#: Caption under the plot when the memory panel shows resident outputs (CPU): Graph Trees' bar is
+#: left out, not drawn as 0.
+NO_RESIDENT_CAPTION = (
+    "graph-trees: no memory bar: resident output does not apply (Graph Trees keep no output "
+    "past the next step); graph memory is measured on CUDA only"
+)
+
+
+@dataclass(frozen=True)
+class PlotBar:
+    """One bar per panel: a row's ``values`` (``PLOT_METRICS`` keys; ``None``: the metric does
+    not apply, no bar is drawn) and its replay spread (below, above the median)."""
+
+    variant: str
+    label: str
+    values: dict[str, float | None]
+    replay_spread: tuple[float, float]
+
+
+@dataclass(frozen=True)
+class PlotGroup:
+    """The bars of one backend, side by side; ``reference``: torch's Graph Trees, its own group."""
+
+    backend: str
+    tick: str
+    reference: bool
+    bars: list[PlotBar]
+
+
+def _bar(row: BenchRow, *, graph_memory: bool, reference: bool) -> PlotBar:
+    if graph_memory:
+        held = row.graph_memory_bytes
+        label = GRAPH_TREES_LABEL if reference else VARIANT_LABELS.get(row.variant, row.variant)
+    else:  # resident output: ours hold outputs, Graph Trees hold none past the next step
+        held = None if reference else row.resident_output_bytes
+        label = GRAPH_TREES_CPU_LABEL if reference else VARIANT_LABELS.get(row.variant, row.variant)
+    lo, hi = min(row.replay_ms_min, row.replay_ms), max(row.replay_ms_max, row.replay_ms)
+    values = {"memory_mib": None if held is None else held / MIB, "replay_ms": row.replay_ms}
+    return PlotBar(row.variant, label, values, (row.replay_ms - lo, hi - row.replay_ms))
+
+
+def plot_groups(rows: list[BenchRow], *, graph_memory: bool) -> list[PlotGroup]:
+    """``bench.png``'s bar groups: one per backend of ours, in row order, then Graph Trees' own
+    group (its one ``reference`` row), with the same ``PLOT_METRICS`` per bar.
+
+    :param graph_memory: the memory panel shows graph memory (CUDA); else resident output
+        memory, which does not apply to Graph Trees (``None``: no bar).
+    """
+    ours = [b for b in dict.fromkeys(r.backend for r in rows) if b != GRAPH_TREES]
+    groups = [
+        PlotGroup(b, b, False, [_bar(r, graph_memory=graph_memory, reference=False) for r in rows if r.backend == b])
+        for b in ours
+    ]
+    reference = [_bar(r, graph_memory=graph_memory, reference=True) for r in rows if r.backend == GRAPH_TREES]
+    if reference:
+        groups.append(PlotGroup(GRAPH_TREES, "graph-trees\n(torch's CUDA\nGraph Trees)", True, reference))
+    return groups
+
+
+def _draw(axes: dict[str, Any], groups: list[PlotGroup]) -> bool:
+    """Draw every group's bars on ``axes`` (one per ``PLOT_METRICS`` key); ``True`` when a
+    metric was left out (its place is marked ``n/a``)."""
+    width = 0.8 / max((len(g.bars) for g in groups), default=1)
+    seen: set[str] = set()
+    left_out = False
+    for j, group in enumerate(groups):
+        for i, bar in enumerate(group.bars):
+            x = j + (i - (len(group.bars) - 1) / 2) * width
+            style = {"color": VARIANT_COLORS.get(bar.variant), "hatch": "//" if group.reference else None,
+                     "edgecolor": "white" if group.reference else None,
+                     "label": bar.label if bar.label not in seen else "_nolegend_"}
+            seen.add(bar.label)
+            for metric, ax in axes.items():
+                value = bar.values[metric]
+                if value is None:
+                    ax.annotate("n/a\n(see below)", (x, 0), ha="center", va="bottom", fontsize=8, color="#555555")
+                    left_out = True
+                    continue
+                yerr = [[bar.replay_spread[0]], [bar.replay_spread[1]]] if metric == "replay_ms" else None
+                drawn = ax.bar([x], [value], width, yerr=yerr, capsize=3, **style)
+                if metric == "memory_mib":  # upright labels overlap once a group has five bars
+                    ax.bar_label(drawn, labels=[sig2(value)], fontsize=8, rotation=90 if width < 0.18 else 0)
+    return left_out
+
+
 def write_plot(
     path: Path, device: str, config: dict[str, Any], rows: list[BenchRow], *, timings_meaningful: bool = True
 ) -> bool:
     """Write ``bench.png``; ``False`` (nothing written) when matplotlib is not installed.
 
-    Replay bars carry min–max error bars; on CPU (``timings_meaningful=False``) their title
-    says they are not meaningful.
+    Two panels (memory, replay time at the largest size), one bar group per backend of ours and,
+    beside them, Graph Trees' own group (:func:`plot_groups`), set apart by a dashed line and
+    hatched. Replay bars carry min–max error bars; on CPU (``timings_meaningful=False``) their
+    title says they are not meaningful. A metric that does not apply to a bar (Graph Trees'
+    resident output on CPU) is left out, marked ``n/a`` and explained under the plot.
     """
     try:
         import matplotlib
@@ -143,57 +254,35 @@ def write_plot(
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    backends = list(dict.fromkeys(r.backend for r in rows))
-    variants = list(dict.fromkeys(r.variant for r in rows))
-    by = {(r.backend, r.variant): r for r in rows}
     use_graph = all(r.graph_memory_bytes is not None for r in rows)
-    colors = {
-        "off": "#c0504d", "on": "#4f81bd", "floor": "#9bbb59", "guard": "#8064a2", "inductor": "#f79646",
-        "reference": "#4bacc6", "released": "#77933c", "adopt": "#95b3d7", "reserve": "#1f497d",
-    }
-    fig, (ax_mem, ax_rep) = plt.subplots(1, 2, figsize=(11, 4.2))
-    width = 0.8 / max(len(variants), 1)
-    for i, variant in enumerate(variants):
-        xs, mem, rep, spread = [], [], [], []
-        for j, backend in enumerate(backends):
-            r = by.get((backend, variant))
-            if r is None:
-                continue
-            xs.append(j + (i - (len(variants) - 1) / 2) * width)
-            mem.append((r.graph_memory_bytes if use_graph else r.resident_output_bytes) / MIB)  # type: ignore[operator]
-            rep.append(r.replay_ms)
-            lo, hi = min(r.replay_ms_min, r.replay_ms), max(r.replay_ms_max, r.replay_ms)
-            spread.append((r.replay_ms - lo, hi - r.replay_ms))
-        label = {
-            "off": "sharing off",
-            "on": "sharing on",
-            "floor": "outputs released (floor)",
-            "guard": "sharing on + stale-output guard",
-            "inductor": "sharing on, Inductor-compiled",
-            "released": "outputs released (zero-copy)",
-            "adopt": "sharing on, buffer adopted",
-            "reserve": "sharing on, buffer reserved",
-            "reference": "torch.compile reduce-overhead (Graph Trees)",
-        }.get(variant, variant)
-        bars = ax_mem.bar(xs, mem, width, label=label, color=colors.get(variant))
-        ax_mem.bar_label(bars, labels=[sig2(v) for v in mem], fontsize=8)
-        yerr = [[lo for lo, _ in spread], [hi for _, hi in spread]]
-        ax_rep.bar(xs, rep, width, label=label, color=colors.get(variant), yerr=yerr, capsize=3)
+    groups = plot_groups(rows, graph_memory=use_graph)
+    fig, (ax_mem, ax_rep) = plt.subplots(1, 2, figsize=(12, 5.2))
+    left_out = _draw({"memory_mib": ax_mem, "replay_ms": ax_rep}, groups)
     for ax in (ax_mem, ax_rep):
-        ax.set_xticks(range(len(backends)), backends)
+        ax.set_xticks(range(len(groups)), [g.tick for g in groups])
+        ax.set_xlim(-0.5, len(groups) - 0.5)  # a group without a bar keeps its place
+        if groups and groups[-1].reference and len(groups) > 1:
+            ax.axvline(len(groups) - 1.5, color="#888888", linestyle="--", linewidth=0.8)
     ax_mem.set_ylabel("graph pool memory (MiB)" if use_graph else "resident output memory (MiB)")
     ax_mem.set_title("Memory held by captured graphs" if use_graph else "Output memory held (eager engine)")
     ax_rep.set_ylabel(f"replay at {config.get('max_tokens')} tokens (ms, median)")
     ax_rep.set_title("Replay time at the largest size" + ("" if timings_meaningful else " (CPU: not meaningful)"))
     top = max((b.get_height() for b in ax_mem.patches), default=0.0)
-    ax_mem.set_ylim(0, top * 1.35 if top > 0 else 1.0)
-    ax_mem.legend(fontsize=8, loc="upper left", ncol=2)
+    ax_mem.set_ylim(0, top * 1.15 if top > 0 else 1.0)
+    # every bar has a replay bar (memory may be left out): the legend comes from the replay panel
+    handles, labels = ax_rep.get_legend_handles_labels()
+    ncol = min(len(labels), 3) or 1
+    legend_rows = -(-len(labels) // ncol)
+    caption = 0.035 if left_out else 0.0
+    fig.legend(handles, labels, loc="lower center", ncol=ncol, fontsize=8, bbox_to_anchor=(0.5, caption), frameon=False)
     fig.suptitle(
         f"sglang-bcg bench on {device}: {config.get('layers')} layers, hidden {config.get('hidden')}, "
         f"{config.get('dtype')}, {config.get('num_sizes')} sizes up to {config.get('max_tokens')} tokens",
         fontsize=10,
     )
-    fig.tight_layout()
+    if left_out:
+        fig.text(0.5, 0.01, NO_RESIDENT_CAPTION, ha="center", va="bottom", fontsize=8, style="italic")
+    fig.tight_layout(rect=(0, caption + 0.045 * legend_rows, 1, 1))
     fig.savefig(path, dpi=120, format="png")  # path may be a temporary name
     plt.close(fig)
     return True

@@ -52,6 +52,18 @@ VARIANTS = {
     "released": Variant("released"),
     "inductor": Variant(True, inductor=True),
 }
+#: One line per variant: ``sglang-bcg bench --help`` prints them and docs/getting-started.md
+#: lists the same words (tests/test_cli.py checks both).
+VARIANT_MEANINGS = {
+    "off": "sharing off: every size keeps its own output",
+    "on": "sharing on: one output buffer per stream, shared by every size",
+    "floor": "every output released inside its graph: the memory floor (no output to check)",
+    "guard": "sharing on, with the stale-output guard",
+    "adopt": "sharing on, the first capture's own output adopted as the buffer",
+    "reserve": "sharing on, the buffer reserved before the first capture",
+    "released": "zero-copy outputs left in graph-pool memory, valid until the next replay",
+    "inductor": "sharing on, the model compiled by Inductor first (piecewise and full only)",
+}
 
 
 def _sync(device: str) -> None:
