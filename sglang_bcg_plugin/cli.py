@@ -120,7 +120,7 @@ def _run_bench(cfg: BenchConfig) -> int:
         print(note, file=sys.stderr)
     print(f"sglang-bcg bench on {cfg.device_name}: {config}", file=sys.stderr)
     start = time.perf_counter()
-    warm_up(cfg.workload, [b for b in cfg.backends if b != GRAPH_TREES])  # the reference compiles afresh
+    warm_up(cfg.workload, [b for b in cfg.backends if b != GRAPH_TREES], cfg.sizes)  # the reference compiles afresh
     rows = []
     for backend in cfg.backends:
         for variant in variants_for(backend, cfg.variants):

@@ -49,18 +49,23 @@ def use_cuda(engine: str, backend: str) -> bool:
     return torch.cuda.is_available()
 
 
-def buffer_source(choice: str, engine: Engine) -> BufferSource:
-    """Where shared output buffers come from: the option; with ``"auto"``, a buffer reserved
-    before capture on CUDA and adoption on the eager engine (no pool to fragment there).
+def buffer_source(choice: str, engine: Engine, forecast: Any = None) -> BufferSource:
+    """Where shared output buffers come from: the option; with ``"auto"``, adoption on the eager
+    engine (no pool to fragment there) and on CUDA the source a forecast of this schedule found
+    cheaper (``forecast.buffer_source``), else a buffer reserved before capture.
 
-    Measured on an H200 (docs/benchmarks.md), a reserved buffer costs exactly one output over
-    the floor on every engine and model; adopting the largest output costs anywhere from nothing
-    to 1.4 outputs, depending on where the allocator placed it among the largest forward's
-    activations — so ``"auto"`` takes the bound that always holds.
+    Measured on an H200 (docs/benchmarks.md, docs/forecast.md), a reserved buffer costs exactly
+    one output over the floor on every engine and model; adopting the largest output costs
+    anywhere from nothing (synthetic decoder, Full) to 1.4 outputs (Breakable), depending on
+    where the allocator placed it among the largest forward's activations. The forecast models
+    exactly that placement, so after ``forecast()`` ``"auto"`` takes the cheaper; without one it
+    takes the bound that always holds.
     """
     if choice in ("adopt", "reserve"):
         return choice  # type: ignore[return-value]
-    return "reserve" if engine.name == "cuda" else "adopt"
+    if engine.name != "cuda":
+        return "adopt"
+    return "adopt" if getattr(forecast, "buffer_source", "reserve") == "adopt" else "reserve"
 
 
 def _host_mode(backend: str, output_mode: object) -> Callable[[], Resolution | None]:
@@ -171,7 +176,7 @@ class CaptureBackend:
             opts = self._options
             resolution = self._next_output_mode()
             engine = self._get_engine()
-            source = buffer_source(opts.shared_buffer, engine)
+            source = buffer_source(opts.shared_buffer, engine, self._state.forecast)
             self._state.open(resolution, source=source, guard=opts.stale_output_guard, strict=opts.strict_outputs)
             self._stream = stream
         # After a forecast, the session's device-memory cost is measured to compare with it.
@@ -215,7 +220,7 @@ class CaptureBackend:
         if self._state.mode_active is not None:
             msg = f"{self.name} backend: forecast() inside an open capture_session()"
             raise CaptureStateError(msg)
-        result = forecast_schedule(self, sizes, forward_for, capture_inputs)
+        result = forecast_schedule(self, sizes, forward_for, capture_inputs, configured_mode=self._next_output_mode().mode)
         self._state.forecast = result
         return result
 

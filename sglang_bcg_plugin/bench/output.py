@@ -76,7 +76,7 @@ def format_table(rows: list[BenchRow], *, timings_meaningful: bool = True) -> st
 
     :param timings_meaningful: ``False`` on CPU: timing ratios print as ``n/m`` with a footnote.
     """
-    head = ["backend", "variant", "sizes", "max_tokens", "resident MiB", "logical MiB", "graph MiB", "bridges MiB", "capture s", "compile s", "replay ms", "max abs err", "fallbacks"]
+    head = ["backend", "variant", "sizes", "max_tokens", "resident MiB", "logical MiB", "graph MiB", "forecast MiB", "error %", "bridges MiB", "capture s", "compile s", "replay ms", "max abs err", "fallbacks"]
     body = [
         [
             r.backend,
@@ -86,6 +86,8 @@ def format_table(rows: list[BenchRow], *, timings_meaningful: bool = True) -> st
             _mib(r.resident_output_bytes),
             _mib(r.logical_output_bytes),
             _mib(r.graph_memory_bytes),
+            _mib(r.forecast_bytes),
+            "-" if r.forecast_error is None else f"{r.forecast_error * 100:+.1f}",
             _mib(r.bridge_bytes),
             f"{r.capture_s:.2f}",
             "-" if r.compile_s is None else f"{r.compile_s:.2f}",
@@ -149,6 +151,7 @@ VARIANT_COLORS = {
 }
 #: Graph Trees' legend label: torch's own CUDA graphs (on CPU the same compile, without graphs).
 GRAPH_TREES_LABEL = "torch's CUDA Graph Trees (torch.compile reduce-overhead)"
+FORECAST_LABEL = "forecast before capture (CaptureBackend.forecast)"
 GRAPH_TREES_CPU_LABEL = "torch.compile without mode (CPU stand-in: Graph Trees need CUDA)"
 #: Caption under the plot when the memory panel shows resident outputs (CPU): Graph Trees' bar is
 #: left out, not drawn as 0.
@@ -167,6 +170,7 @@ class PlotBar:
     label: str
     values: dict[str, float | None]
     replay_spread: tuple[float, float]
+    forecast_mib: float | None = None  # the forecast made before capture (graph memory only)
 
 
 @dataclass(frozen=True)
@@ -188,7 +192,8 @@ def _bar(row: BenchRow, *, graph_memory: bool, reference: bool) -> PlotBar:
         label = GRAPH_TREES_CPU_LABEL if reference else VARIANT_LABELS.get(row.variant, row.variant)
     lo, hi = min(row.replay_ms_min, row.replay_ms), max(row.replay_ms_max, row.replay_ms)
     values = {"memory_mib": None if held is None else held / MIB, "replay_ms": row.replay_ms}
-    return PlotBar(row.variant, label, values, (row.replay_ms - lo, hi - row.replay_ms))
+    forecast = row.forecast_bytes / MIB if graph_memory and row.forecast_bytes is not None else None
+    return PlotBar(row.variant, label, values, (row.replay_ms - lo, hi - row.replay_ms), forecast)
 
 
 def plot_groups(rows: list[BenchRow], *, graph_memory: bool) -> list[PlotGroup]:
@@ -232,6 +237,10 @@ def _draw(axes: dict[str, Any], groups: list[PlotGroup]) -> bool:
                 drawn = ax.bar([x], [value], width, yerr=yerr, capsize=3, **style)
                 if metric == "memory_mib":  # upright labels overlap once a group has five bars
                     ax.bar_label(drawn, labels=[sig2(value)], fontsize=8, rotation=90 if width < 0.18 else 0)
+                    if bar.forecast_mib is not None:  # the forecast made before the capture
+                        ax.plot([x - width / 2, x + width / 2], [bar.forecast_mib] * 2, color="black", linewidth=1.5,
+                                label=FORECAST_LABEL if "forecast" not in seen else "_nolegend_")
+                        seen.add("forecast")
     return left_out
 
 
@@ -271,6 +280,10 @@ def write_plot(
     ax_mem.set_ylim(0, top * 1.15 if top > 0 else 1.0)
     # every bar has a replay bar (memory may be left out): the legend comes from the replay panel
     handles, labels = ax_rep.get_legend_handles_labels()
+    for handle, label in zip(*ax_mem.get_legend_handles_labels()):
+        if label == FORECAST_LABEL:  # drawn on the memory panel only
+            handles.append(handle)
+            labels.append(label)
     ncol = min(len(labels), 3) or 1
     legend_rows = -(-len(labels) // ncol)
     caption = 0.035 if left_out else 0.0

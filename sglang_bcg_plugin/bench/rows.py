@@ -36,6 +36,13 @@ class BenchRow:
     #: seconds of the calls that compiled (dynamo, Inductor, first run), not in ``capture_s``;
     #: ``None`` where nothing is compiled.
     compile_s: float | None = None
+    #: ``CaptureBackend.forecast`` before the capture (CUDA): the configured mode's total, its
+    #: error against ``graph_memory_bytes`` ((forecast − measured) / measured), the seconds the
+    #: forecast took, and every mode's parts (``GraphMemoryForecast.to_dict``); ``None`` elsewhere.
+    forecast_bytes: int | None = None
+    forecast_error: float | None = None
+    forecast_s: float | None = None
+    forecast: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -48,6 +55,7 @@ class BenchRow:
             f"resident {self.resident_output_bytes / 2**20:,.2f} MiB, graph {graph} MiB, "
             f"bridges {self.bridge_bytes / 2**20:,.1f} MiB, capture {self.capture_s:.2f} s, "
             f"replay {self.replay_ms:.3f} ms, max abs err {err}, fallbacks {self.fallbacks}"
+            + ("" if self.forecast_bytes is None else f", forecast {self.forecast_bytes / 2**20:,.1f} MiB")
         )
 
 

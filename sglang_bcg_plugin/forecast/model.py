@@ -70,6 +70,17 @@ def simulate(trace: ScaledTrace, sizes: Iterable[int], *, keep_outputs: str, out
     return pool
 
 
+def on_bytes_by_source(trace: ScaledTrace, sizes: list[int], *, outputs: frozenset[int], released: int,
+                       largest_output_bytes: int) -> dict[str, int]:
+    """The pool plus buffer of ``on`` for each buffer source: ``reserve`` (the largest output's
+    bytes outside the pool, a segment of their own from 10 MiB) and ``adopt`` (the largest
+    capture's own output kept in the pool as the buffer)."""
+    need = round_size(largest_output_bytes) if largest_output_bytes else 0
+    reserve = released + (segment_size(need) if need >= 10 * 1024 * 1024 else need)
+    adopt = simulate(trace, sizes, keep_outputs="first", outputs=outputs).reserved_bytes
+    return {"adopt": adopt, "reserve": reserve}
+
+
 def forecast_modes(
     trace: ScaledTrace,
     sizes: Iterable[int],
@@ -78,25 +89,26 @@ def forecast_modes(
     largest_output_bytes: int,
     stream_bytes: int = 0,
     bridge_bytes: int = 0,
-    adopt: bool = False,
+    source: str = "reserve",
 ) -> dict[str, ModeForecast]:
-    """:class:`ModeForecast` of ``off``, ``on`` and ``released`` for the schedule ``sizes``.
-
-    ``on`` with a reserved buffer (the CUDA default) holds the largest output outside the pool,
-    in a segment of its own when it is 10 MiB or more; with ``adopt`` the largest capture's own
-    output stays in the pool as the buffer.
+    """:class:`ModeForecast` of ``off``, ``on`` and ``released`` for the schedule ``sizes``;
+    ``on`` with the buffer ``source`` (``"adopt"``, ``"reserve"``, or ``"auto"``: the smaller).
     """
     sizes = list(sizes)
     released = simulate(trace, sizes, keep_outputs="none", outputs=outputs).reserved_bytes
     kept = simulate(trace, sizes, keep_outputs="all", outputs=outputs).reserved_bytes
-    if adopt:
-        on = simulate(trace, sizes, keep_outputs="first", outputs=outputs).reserved_bytes
-    else:
-        need = round_size(largest_output_bytes) if largest_output_bytes else 0
-        on = released + (segment_size(need) if need >= 10 * 1024 * 1024 else need)
+    by_source = on_bytes_by_source(trace, sizes, outputs=outputs, released=released,
+                                   largest_output_bytes=largest_output_bytes)
+    on = min(by_source.values()) if source == "auto" else by_source[source]
     extra = stream_bytes + bridge_bytes
     return {
         "off": ModeForecast("off", kept + extra, released, kept - released, stream_bytes, bridge_bytes),
         "on": ModeForecast("on", on + extra, released, on - released, stream_bytes, bridge_bytes),
         "released": ModeForecast("released", released + extra, released, 0, stream_bytes, bridge_bytes),
     }
+
+
+def cheaper_source(by_source: dict[str, int]) -> str:
+    """The buffer source whose ``on`` forecast is smaller (``reserve`` on a tie: its cost is the
+    bound that always holds, one output)."""
+    return "adopt" if by_source["adopt"] < by_source["reserve"] else "reserve"

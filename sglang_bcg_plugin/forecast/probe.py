@@ -13,9 +13,10 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
@@ -23,11 +24,26 @@ from ..accounting import device_free_bytes
 from ..errors import CaptureStateError, ForecastError
 from ..shape_key import ShapeKey
 from ..trees import flatten
-from .model import MODES, ModeForecast, forecast_modes
+from .model import MODES, ModeForecast, cheaper_source, forecast_modes, on_bytes_by_source, simulate
 from .trace import KeyTrace, ScaledTrace, pool_trace
 
-if TYPE_CHECKING:
-    from ..backends.base import CaptureBackend
+
+
+class ProbeTarget(Protocol):
+    """What the probes use of a backend (``CaptureBackend`` has it all)."""
+
+    name: str
+
+    @property
+    def engine_name(self) -> str: ...
+    @property
+    def options(self) -> Any: ...
+    def captured_keys(self) -> list[Any]: ...
+    def configure(self, **changes: Any) -> Any: ...
+    def capture_session(self, stream: Any = None) -> AbstractContextManager[None]: ...
+    def capture_one(self, shape_key: Any, forward_fn: Callable[[], Any], capture_inputs: Any = None) -> Any: ...
+    def memory_report(self) -> Any: ...
+    def cleanup(self) -> None: ...
 
 
 MIB = 1 << 20
@@ -49,6 +65,11 @@ class GraphMemoryForecast:
     modes: MappingProxyType[str, ModeForecast] = field(default_factory=lambda: MappingProxyType({}))
     probe_sizes: tuple[int, int] = (0, 0)
     seconds: float = 0.0
+    #: the shared buffer's source ``on`` is forecast with (and, for ``shared_buffer="auto"``,
+    #: the one the next session uses: the cheaper of ``on_by_source``).
+    buffer_source: str = "reserve"
+    #: pool plus buffer of ``on`` per source (``adopt``, ``reserve``), without the stream's bytes.
+    on_by_source: MappingProxyType[str, int] = field(default_factory=lambda: MappingProxyType({}))
 
     def bytes_for(self, mode: str | None = None) -> int:
         """The forecast total of ``mode`` (default: :attr:`mode`)."""
@@ -61,12 +82,13 @@ class GraphMemoryForecast:
     def to_dict(self) -> dict[str, Any]:
         return {"backend": self.backend, "mode": self.mode, "num_sizes": len(self.sizes),
                 "max_tokens": self.sizes[0] if self.sizes else 0, "probe_sizes": list(self.probe_sizes),
-                "seconds": self.seconds, "modes": {m: f.to_dict() for m, f in self.modes.items()}}
+                "seconds": self.seconds, "buffer_source": self.buffer_source, "on_by_source": dict(self.on_by_source),
+                "modes": {m: f.to_dict() for m, f in self.modes.items()}}
 
     def format(self) -> str:
         lines = [f"{self.backend}: graph memory forecast for {len(self.sizes)} sizes up to "
                  f"{self.sizes[0] if self.sizes else 0} tokens (probes {self.probe_sizes[0]} and "
-                 f"{self.probe_sizes[1]}, {self.seconds:.1f} s):"]
+                 f"{self.probe_sizes[1]}, {self.seconds:.1f} s; on with the {self.buffer_source} buffer):"]
         for m in MODES:
             f = self.modes[m]
             mark = " <- configured" if m == self.mode else ""
@@ -89,7 +111,7 @@ def _pools() -> set[tuple[int, int]]:
     return {tuple(s.get("segment_pool_id", (0, 0))) for s in torch.cuda.memory._snapshot()["segments"]}  # type: ignore[misc]
 
 
-def _probe(backend: CaptureBackend, sizes: Sequence[int], forward_for: Callable[[int], Callable[[], Any]],
+def _probe(backend: ProbeTarget, sizes: Sequence[int], forward_for: Callable[[int], Callable[[], Any]],
            capture_inputs: Any) -> tuple[list[KeyTrace], list[int], int]:
     """Capture the probe sizes in mode ``off``: their pool traces, the bytes of the first (largest)
     probe's output storages, and the bridge bytes."""
@@ -98,11 +120,11 @@ def _probe(backend: CaptureBackend, sizes: Sequence[int], forward_for: Callable[
     events: list[list[dict[str, Any]]] = []
     largest_output: list[int] = []
     try:
-        cursor = len(torch.cuda.memory._snapshot()["device_traces"][0])
+        cursor = len(torch.cuda.memory._snapshot()["device_traces"][torch.cuda.current_device()])
         with torch.no_grad(), backend.capture_session():
             for n in sizes:
                 out = backend.capture_one(ShapeKey(n), forward_for(n), capture_inputs=capture_inputs)
-                trace = torch.cuda.memory._snapshot()["device_traces"][0]
+                trace = torch.cuda.memory._snapshot()["device_traces"][torch.cuda.current_device()]
                 events.append(trace[cursor:])
                 cursor = len(trace)
                 if not largest_output:
@@ -115,12 +137,14 @@ def _probe(backend: CaptureBackend, sizes: Sequence[int], forward_for: Callable[
 
 
 def forecast_schedule(
-    backend: CaptureBackend,
+    backend: ProbeTarget,
     sizes: Iterable[int],
     forward_for: Callable[[int], Callable[[], Any]],
     capture_inputs: Any = None,
+    *,
+    configured_mode: str,
 ) -> GraphMemoryForecast:
-    """See :meth:`CaptureBackend.forecast`."""
+    """See :meth:`CaptureBackend.forecast`; ``configured_mode``: the mode its next session resolves to."""
     start = time.perf_counter()
     schedule = sorted({int(s) for s in sizes}, reverse=True)
     if len(schedule) < 2:
@@ -134,7 +158,6 @@ def forecast_schedule(
                f"captures with the {backend.engine_name} engine")
         raise ForecastError(msg)
     options = backend.options
-    configured = backend._next_output_mode().mode  # noqa: SLF001 - the package's own backend
     probe_sizes = (schedule[0], schedule[-1])
     free_before = device_free_bytes()
     backend.configure(output_mode="off", stale_output_guard=False)
@@ -145,11 +168,15 @@ def forecast_schedule(
         backend.configure(output_mode=options.output_mode, stale_output_guard=options.stale_output_guard)
     stream_bytes = max(0, free_before - device_free_bytes())
     large, small = traces
-    modes = forecast_modes(ScaledTrace.fit(large, small), schedule, outputs=output_allocs(large, largest_output),
-                           largest_output_bytes=sum(largest_output), stream_bytes=stream_bytes,
-                           bridge_bytes=bridges, adopt=options.shared_buffer == "adopt")
-    return GraphMemoryForecast(backend.name, tuple(schedule), configured, MappingProxyType(modes), probe_sizes,
-                               time.perf_counter() - start)
+    fitted, outputs = ScaledTrace.fit(large, small), output_allocs(large, largest_output)
+    released = simulate(fitted, schedule, keep_outputs="none", outputs=outputs).reserved_bytes
+    by_source = on_bytes_by_source(fitted, schedule, outputs=outputs, released=released,
+                                   largest_output_bytes=sum(largest_output))
+    source = cheaper_source(by_source) if options.shared_buffer == "auto" else options.shared_buffer
+    modes = forecast_modes(fitted, schedule, outputs=outputs, largest_output_bytes=sum(largest_output),
+                           stream_bytes=stream_bytes, bridge_bytes=bridges, source=source)
+    return GraphMemoryForecast(backend.name, tuple(schedule), configured_mode, MappingProxyType(modes), probe_sizes,
+                               time.perf_counter() - start, source, MappingProxyType(by_source))
 
 
 def output_allocs(trace: KeyTrace, output_bytes: Sequence[int]) -> frozenset[int]:
