@@ -5,8 +5,9 @@ schedule's largest and smallest sizes with outputs kept (mode ``off``) while PyT
 allocator records its events, reads each capture's requests to its graph pool
 (:func:`~.trace.pool_trace`), fits them (:class:`~.trace.ScaledTrace`), releases the probes
 (``cleanup()``), and models every size of the schedule in one pool per output mode
-(:func:`~.model.forecast_modes`). What a capture stream costs once (its cuBLAS workspace) is
-measured as the device memory the probes leave behind after ``empty_cache``.
+(:func:`~.model.forecast_modes`). What a capture stream costs (its cuBLAS workspace, about
+34 MiB on an H200, released with the engine) is measured as the device memory the probe session
+took outside its graph pool.
 """
 
 from __future__ import annotations
@@ -112,10 +113,13 @@ def _pools() -> set[tuple[int, int]]:
 
 
 def _probe(backend: ProbeTarget, sizes: Sequence[int], forward_for: Callable[[int], Callable[[], Any]],
-           capture_inputs: Any) -> tuple[list[KeyTrace], list[int], int]:
+           capture_inputs: Any) -> tuple[list[KeyTrace], list[int], int, int]:
     """Capture the probe sizes in mode ``off``: their pool traces, the bytes of the first (largest)
-    probe's output storages, and the bridge bytes."""
+    probe's output storages, the bridge bytes, and the device memory the session took outside
+    its graph pool (what a capture stream costs: its cuBLAS workspace; released with the engine,
+    so it is measured while the probes still hold it)."""
     pools = _pools()
+    free_before = device_free_bytes()
     torch.cuda.memory._record_memory_history(enabled="all", context=None, stacks="python", max_entries=1_000_000)
     events: list[list[dict[str, Any]]] = []
     largest_output: list[int] = []
@@ -133,7 +137,9 @@ def _probe(backend: ProbeTarget, sizes: Sequence[int], forward_for: Callable[[in
         bridges = backend.memory_report().total_bridge_bytes
     finally:
         torch.cuda.memory._record_memory_history(enabled=None)
-    return [pool_trace(n, ev, segments) for n, ev in zip(sizes, events, strict=True)], largest_output, bridges
+    outside_pool = max(0, free_before - device_free_bytes() - sum(n for _, n in segments))
+    traces = [pool_trace(n, ev, segments) for n, ev in zip(sizes, events, strict=True)]
+    return traces, largest_output, bridges, outside_pool
 
 
 def forecast_schedule(
@@ -159,14 +165,12 @@ def forecast_schedule(
         raise ForecastError(msg)
     options = backend.options
     probe_sizes = (schedule[0], schedule[-1])
-    free_before = device_free_bytes()
     backend.configure(output_mode="off", stale_output_guard=False)
     try:
-        traces, largest_output, bridges = _probe(backend, probe_sizes, forward_for, capture_inputs)
+        traces, largest_output, bridges, stream_bytes = _probe(backend, probe_sizes, forward_for, capture_inputs)
     finally:
         backend.cleanup()
         backend.configure(output_mode=options.output_mode, stale_output_guard=options.stale_output_guard)
-    stream_bytes = max(0, free_before - device_free_bytes())
     large, small = traces
     fitted, outputs = ScaledTrace.fit(large, small), output_allocs(large, largest_output)
     released = simulate(fitted, schedule, keep_outputs="none", outputs=outputs).reserved_bytes
