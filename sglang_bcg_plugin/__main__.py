@@ -4,6 +4,6 @@ from __future__ import annotations
 
 import sys
 
-from .cli import main
+from .cli import run
 
-sys.exit(main())
+sys.exit(run())
