@@ -150,6 +150,33 @@ def test_forecast_from_two_probes_matches_the_h200(case: str) -> None:
     assert modes["off"].outputs_bytes > 10 * modes["on"].outputs_bytes  # every size's output
 
 
+@pytest.mark.parametrize("case", CASES)
+def test_forecast_beats_the_estimates_in_use(case: str) -> None:
+    """On every mode the forecast is closer to the H200's figure than vLLM's extrapolation (first
+    capture + (N - 1) x the second's, at least 1 MiB) and SGLang's fixed 8 MiB per size."""
+    from sglang_bcg_plugin.forecast.model import reference_estimates
+
+    data = _load("h200_probes.json.gz")["cases"][case]
+    sizes = data["sizes"]
+    segments = [tuple(s) for s in data["pool_segments"]]
+    large, small = (pool_trace(int(n), _events(data["probes"][str(n)]), segments) for n in (sizes[0], sizes[-1]))
+    out_bytes = data["largest_output_bytes"]
+    stream = data["measured"]["off"]["reserved_bytes"] - data["measured"]["off"]["pool_bytes"]
+    fitted, outputs = ScaledTrace.fit(large, small), output_allocs(large, [out_bytes])
+    modes = forecast_modes(fitted, sizes, outputs=outputs, largest_output_bytes=out_bytes, stream_bytes=stream)
+    refs = reference_estimates(modes, fitted, sizes, outputs=outputs)
+    worst_reference = 0.0
+    for mode, f in modes.items():
+        real = data["measured"][mode]["reserved_bytes"]
+        ours = abs(f.total_bytes - real) / real
+        for name, value in refs[mode].items():
+            error = abs(value - real) / real
+            worst_reference = max(worst_reference, error)
+            assert ours <= error, (case, mode, name, value, real)
+        assert refs[mode]["sglang_fixed_reserve"] == len(sizes) * (8 << 20)
+    assert worst_reference > 0.5  # the estimates in use miss by half or more somewhere
+
+
 def test_adopt_keeps_the_largest_output_in_the_pool() -> None:
     trace = ScaledTrace.fit(KeyTrace(1024, ((0, 1024 * MB // 64), (0, 16 * MB), (1, 1))),
                             KeyTrace(8, ((0, 8 * MB // 64), (0, 16 * MB), (1, 1))))

@@ -112,3 +112,35 @@ def cheaper_source(by_source: dict[str, int]) -> str:
     """The buffer source whose ``on`` forecast is smaller (``reserve`` on a tie: its cost is the
     bound that always holds, one output)."""
     return "adopt" if by_source["adopt"] < by_source["reserve"] else "reserve"
+
+
+#: vLLM's floor for the per-graph cost of its extrapolation (1 MiB, "driver overhead per graph").
+VLLM_MIN_PER_GRAPH = 1 << 20
+#: SGLang 0.5.23's reserve for prefill graphs: a fixed 8 MiB per capture size, whatever the
+#: model or the output mode (``arg_groups/memory_hook.py``).
+SGLANG_RESERVE_PER_SIZE = 8 << 20
+
+
+def reference_estimates(mode_forecasts: dict[str, ModeForecast], trace: ScaledTrace, sizes: Iterable[int], *,
+                        outputs: frozenset[int]) -> dict[str, dict[str, int]]:
+    """What two estimates in use would say of the same schedule, per mode, for comparison.
+
+    ``vllm_extrapolation``: vLLM's rule (``profile_cudagraph_memory``): capture the two largest
+    sizes into one pool and take the first capture's cost plus ``(N - 1)`` times the second's
+    (at least 1 MiB), applied here to the modelled captures: the first capture's cost is its
+    pool with the mode's buffer and stream, the second's what the second capture added to it.
+    ``sglang_fixed_reserve``: SGLang's 8 MiB per capture size.
+    """
+    order = sorted(set(sizes), reverse=True)
+    n = len(order)
+    out: dict[str, dict[str, int]] = {}
+    for mode, f in mode_forecasts.items():
+        keep = "all" if mode == "off" else "none"
+        first = simulate(trace, order[:1], keep_outputs=keep, outputs=outputs).reserved_bytes
+        two = simulate(trace, order[:2], keep_outputs=keep, outputs=outputs).reserved_bytes
+        outside = f.total_bytes - f.working_set_bytes - (f.outputs_bytes if mode == "off" else 0)
+        first_cost = first + (outside if mode != "off" else f.stream_bytes + f.bridge_bytes)
+        per_graph = max(two - first, VLLM_MIN_PER_GRAPH)
+        out[mode] = {"vllm_extrapolation": first_cost + (n - 1) * per_graph,
+                     "sglang_fixed_reserve": n * SGLANG_RESERVE_PER_SIZE}
+    return out

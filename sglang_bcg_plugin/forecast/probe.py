@@ -25,7 +25,15 @@ from ..accounting import device_free_bytes
 from ..errors import CaptureStateError, ForecastError
 from ..shape_key import ShapeKey
 from ..trees import flatten
-from .model import MODES, ModeForecast, cheaper_source, forecast_modes, on_bytes_by_source, simulate
+from .model import (
+    MODES,
+    ModeForecast,
+    cheaper_source,
+    forecast_modes,
+    on_bytes_by_source,
+    reference_estimates,
+    simulate,
+)
 from .trace import KeyTrace, ScaledTrace, pool_trace
 
 
@@ -71,6 +79,9 @@ class GraphMemoryForecast:
     buffer_source: str = "reserve"
     #: pool plus buffer of ``on`` per source (``adopt``, ``reserve``), without the stream's bytes.
     on_by_source: MappingProxyType[str, int] = field(default_factory=lambda: MappingProxyType({}))
+    #: per mode, what vLLM's extrapolation and SGLang's fixed reserve would say of the same
+    #: schedule (:func:`~.model.reference_estimates`), for comparison.
+    references: MappingProxyType[str, dict[str, int]] = field(default_factory=lambda: MappingProxyType({}))
 
     def bytes_for(self, mode: str | None = None) -> int:
         """The forecast total of ``mode`` (default: :attr:`mode`)."""
@@ -84,6 +95,7 @@ class GraphMemoryForecast:
         return {"backend": self.backend, "mode": self.mode, "num_sizes": len(self.sizes),
                 "max_tokens": self.sizes[0] if self.sizes else 0, "probe_sizes": list(self.probe_sizes),
                 "seconds": self.seconds, "buffer_source": self.buffer_source, "on_by_source": dict(self.on_by_source),
+                "references": {m: dict(r) for m, r in self.references.items()},
                 "modes": {m: f.to_dict() for m, f in self.modes.items()}}
 
     def format(self) -> str:
@@ -179,8 +191,10 @@ def forecast_schedule(
     source = cheaper_source(by_source) if options.shared_buffer == "auto" else options.shared_buffer
     modes = forecast_modes(fitted, schedule, outputs=outputs, largest_output_bytes=sum(largest_output),
                            stream_bytes=stream_bytes, bridge_bytes=bridges, source=source)
+    references = reference_estimates(modes, fitted, schedule, outputs=outputs)
     return GraphMemoryForecast(backend.name, tuple(schedule), configured_mode, MappingProxyType(modes), probe_sizes,
-                               time.perf_counter() - start, source, MappingProxyType(by_source))
+                               time.perf_counter() - start, source, MappingProxyType(by_source),
+                               MappingProxyType(references))
 
 
 def output_allocs(trace: KeyTrace, output_bytes: Sequence[int]) -> frozenset[int]:
