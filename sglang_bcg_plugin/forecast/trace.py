@@ -89,6 +89,22 @@ class ScaledTrace:
             lines.append((bs - b * small.size, b))
         return cls(tuple(kinds_l), tuple(lines))
 
+    @classmethod
+    def proportional(cls, trace: KeyTrace, constant_below: int = 64 * 1024) -> ScaledTrace:
+        """One trace alone (the largest size's): requests of ``constant_below`` bytes or more
+        scale with the size (``b * n``), smaller ones stay as they are. What a capture path that
+        sees only its first size can fit (inside SGLang); on the H200 traces it forecasts as
+        closely as two probes do."""
+        if trace.size <= 0:
+            msg = f"forecast: the probe size must be positive, got {trace.size}"
+            raise ForecastError(msg)
+        shape = tuple((k, v if k == 1 else 0) for k, v in trace.ops)
+        lines = tuple(
+            (0.0, 0.0) if k == 1 else ((float(v), 0.0) if v < constant_below else (0.0, v / trace.size))
+            for k, v in trace.ops
+        )
+        return cls(shape, lines)
+
     def at(self, size: int) -> KeyTrace:
         """The trace at ``size`` tokens (bytes rounded up to whole bytes, at least 1)."""
         ops = []

@@ -17,3 +17,6 @@ ENV_STALE_OUTPUT_GUARD = "SGLANG_BCG_STALE_OUTPUT_GUARD"
 #: comes from (``adopt`` or ``reserve``); unset: ``reserve``. Our own backends take
 #: ``BackendOptions(shared_buffer=...)``.
 ENV_SHARED_BUFFER = "SGLANG_BCG_SHARED_BUFFER"
+
+#: Environment variable that turns the forecast log line inside SGLang off (``0``); on by default.
+ENV_FORECAST = "SGLANG_BCG_FORECAST"

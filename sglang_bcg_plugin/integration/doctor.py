@@ -15,14 +15,16 @@ import argparse
 import importlib
 import importlib.metadata
 import importlib.util
+import os
 import pkgutil
 import re
 import sys
 from collections import Counter
 from dataclasses import dataclass
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import TextIO
 
+from ._names import ENV_FORECAST
 from .calls import seam_checks
 from .compat import BACKEND_CLASS, RUNNER_CLASS, Seam, installed, seam_kind
 from .hooks import hooks_for
@@ -199,6 +201,20 @@ def _seam_lines(say: Callable[[str], None], problems: list[Problem]) -> Seam | N
     return seam
 
 
+def forecast_line(kind: str | None, environ: Mapping[str, str] | None = None) -> str:
+    """How to read the forecast lines in SGLang's log (docs/sglang.md), or why there are none."""
+    env = os.environ if environ is None else environ
+    if env.get(ENV_FORECAST, "1").strip().lower() in ("0", "false", "no", "off"):
+        return f"off ({ENV_FORECAST}={env.get(ENV_FORECAST)!r})"
+    if kind != "backend":
+        return "not on this release's seam (the runner seam of 0.5.13 logs none)"
+    return ("on: after each capture session's first (largest) graph, one INFO line 'sglang_bcg: graph memory "
+            "forecast for N sizes up to M: X MiB with --enable-bcg-shared-output=MODE' says what the whole "
+            "schedule will hold and what that frees against the other modes (MiB, and KV-cache tokens at "
+            "the KV pool's bytes per token); after the session 'graph memory after capture' gives what the "
+            f"graph pool grew by, beside it. Needs CUDA; {ENV_FORECAST}=0 turns it off")
+
+
 def doctor_main(argv: list[str] | None = None, *, out: TextIO | None = None) -> int:
     """Run the checks, print a report and return the exit code.
 
@@ -241,6 +257,7 @@ def doctor_main(argv: list[str] | None = None, *, out: TextIO | None = None) -> 
     ep = _entry_point()
     say(f"entry point ({ENTRY_POINT_GROUP}): " + (ep or f"NOT FOUND (expected {ENTRY_POINT_VALUE})"))
     say(f"--enable-bcg-shared-output (resolved now): {_flag()}")
+    say(f"graph memory forecast: {forecast_line(kind)}")
     lines, code = _summary(problems, ep is not None)
     for line in lines:
         say(line)

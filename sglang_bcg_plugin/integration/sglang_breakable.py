@@ -38,8 +38,17 @@ from ..engines.gcsafe import defer_release, gc_safe_capture
 from ..output_mode import ON, OutputMode, Resolution
 from ..report import MemoryReport
 from ..shape_key import check_key
+from ..trees import flatten
 from .compat import BACKEND_CLASS, BACKEND_MODULE, Seam, eager_break, installed, num_segments, run_outside_capture, runner_rows
-from .sglang_session import apply_runner_rows, drop_global_pool, open_state, reserve_from_warmup, runner_server_args
+from .forecast_log import SessionForecast
+from .sglang_session import (
+    apply_runner_rows,
+    drop_global_pool,
+    open_state,
+    reserve_from_warmup,
+    runner_server_args,
+    shared_buffer,
+)
 
 __all__ = ["SGLANG_BCG_CLASS", "SharingPolicyMixin", "apply_runner_rows", "sglang_breakable_backend_class"]
 
@@ -85,9 +94,13 @@ class SharingPolicyMixin:
     def capture_session(self, stream: Any) -> Iterator[None]:
         """SGLang's session (pool, dedup, BCG mode) plus a freshly resolved output policy."""
         open_state(self._bcg_state, runner_server_args(self._cuda_graph_runner), seam=self._seam)
+        mode = self._bcg_state.mode_active or "off"
+        self._bcg_forecast = SessionForecast(self._cuda_graph_runner, mode, lambda: getattr(self, "_pool", None))
         try:  # gc: one collection per session, not per key (docs/index.md "GC safety")
             with gc_safe_capture(), super().capture_session(stream):  # type: ignore[misc]
                 yield
+            reserved = mode == ON and shared_buffer() == "reserve"
+            self._bcg_forecast.close(self._bcg_state.report().resident_output_bytes if reserved else 0)
         finally:
             self._bcg_state.close()
 
@@ -137,7 +150,15 @@ class SharingPolicyMixin:
         post_warmup_hook: Callable[[], None] | None = None,
     ) -> None:
         """SGLang's warmups and segment capture; the output goes through the core's policy."""
-        key, state, seam = check_key(shape_key), self._bcg_state, self._seam
+        key, state = check_key(shape_key), self._bcg_state
+        output_bytes: list[int] = []  # the first capture's output storages, for the forecast
+        forecast = getattr(self, "_bcg_forecast", None)
+        with forecast.first_capture(key.size, output_bytes) if forecast is not None else contextlib.nullcontext():
+            self._capture_one(key, state, forward_fn, capture_inputs, post_warmup_hook, output_bytes)
+
+    def _capture_one(self, key: Any, state: CaptureState, forward_fn: Callable[[], Any], capture_inputs: Any,
+                     post_warmup_hook: Callable[[], None] | None, output_bytes: list[int]) -> None:
+        seam = self._seam
         state.begin(key)
         mod = _bcg_module()
         start = time.perf_counter()
@@ -157,6 +178,7 @@ class SharingPolicyMixin:
                 out = eager_break(mod, whole_forward, seam.eager_form)()
             else:
                 out = forward_fn()
+            output_bytes.extend(t.untyped_storage().nbytes() for _, t in flatten(out)[1])
             out = apply_runner_rows(out, runner_rows(self._cuda_graph_runner, out)[0])
             prepared = state.place(key, out, capture_inputs)  # in-graph copy into the shared slice
         del out

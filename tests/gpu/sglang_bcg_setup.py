@@ -253,7 +253,9 @@ class Setup:
         return FakeDeviceModule()
 
     def runner(self, rows: Callable[[Any], int | None] | None = None) -> Runner:
-        return Runner(self.server_args, self.device_module(), self.device, rows)
+        runner = Runner(self.server_args, self.device_module(), self.device, rows)
+        runner.capture_num_tokens = sorted(self.sizes)  # type: ignore[attr-defined]  # as SGLang's prefill runner: the schedule
+        return runner
 
     def backend(self, kind: str, runner: Runner | None = None) -> Any:
         if runner_seam():

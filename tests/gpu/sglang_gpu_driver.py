@@ -92,6 +92,9 @@ def capture_variant(setup: Setup, name: str) -> dict[str, Any]:
         report = backend.memory_report()
         row.update(resident_output_bytes=report.resident_output_bytes, logical_output_bytes=report.logical_output_bytes,
                    fallbacks=len(report.fallbacks))
+        fc = getattr(backend, "_bcg_forecast", None)  # the forecast logged inside SGLang (0.5.14+)
+        if fc is not None and fc.forecast is not None and limit is None:
+            row.update(forecast_bytes=fc.forecast["modes"][fc.mode].total_bytes, forecast_measured_bytes=fc.measured)
     if keep:
         setup.refill()
         row["max_abs_err"] = setup.max_error(backend, sizes, _leaf)

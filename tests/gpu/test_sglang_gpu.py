@@ -276,3 +276,8 @@ def test_graph_memory_vs_sglang_builtin() -> None:
     for v in set(row) - {"floor"}:
         assert row[v]["max_abs_err"] == 0, (v, row[v])
     assert row["on"]["resident_output_bytes"] == one and row["released"]["resident_output_bytes"] == 0
+    # the forecast SGLang's log carries (from the first capture alone) against the pool's growth
+    for v in ("on", "released"):
+        fc, measured = row[v].get("forecast_bytes"), row[v].get("forecast_measured_bytes")
+        assert fc is not None and measured, (v, row[v])
+        assert abs(fc - measured) <= 0.05 * measured, (v, fc, measured)

@@ -1,0 +1,159 @@
+"""Inside SGLang: the graph-memory forecast of the whole schedule, logged after its first capture.
+
+SGLang hands a backend one size at a time, largest first, so no probe can run before the
+schedule; the session's first capture is the probe. While it runs (warmups and capture), PyTorch's
+allocator records its events; the requests that went to SGLang's graph pool are fitted with one
+line per request (:meth:`~sglang_bcg_plugin.forecast.trace.ScaledTrace.proportional`) and every
+size of the runner's schedule (``capture_num_tokens``, or ``capture_bs``) is modelled per output
+mode (docs/forecast.md). One INFO line says the configured mode's forecast and what it frees
+against the others, in MiB and in KV-cache tokens (the KV pool's bytes per token); at the
+session's end a second line gives the graph pool SGLang's allocator really holds, beside it.
+
+Off with ``SGLANG_BCG_FORECAST=0``; skipped (one DEBUG line) without CUDA, without a schedule on
+the runner, or when the allocator's history is already being recorded (someone else's).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
+
+import torch
+
+from ..forecast.model import MODES, forecast_modes, reference_estimates
+from ..forecast.trace import ScaledTrace, pool_trace
+from ._names import ENV_FORECAST
+
+log = logging.getLogger("sglang_bcg_plugin")
+MIB = 1 << 20
+
+
+def schedule_sizes(cuda_graph_runner: object) -> list[int] | None:
+    """The runner's capture sizes, largest first (``None``: none found)."""
+    for name in ("capture_num_tokens", "capture_bs"):
+        sizes = getattr(cuda_graph_runner, name, None)
+        if isinstance(sizes, Sequence) and sizes and all(isinstance(s, int) and s > 0 for s in sizes):
+            return sorted(set(sizes), reverse=True)
+    return None
+
+
+def kv_bytes_per_token(cuda_graph_runner: object) -> int | None:
+    """Bytes of KV cache per token (the KV pool's bytes over its tokens; ``None``: unknown)."""
+    runner = getattr(cuda_graph_runner, "model_runner", None)
+    pool = getattr(runner, "token_to_kv_pool", None)
+    tokens = getattr(runner, "max_total_num_tokens", None)
+    try:
+        sizes = pool.get_kv_size_bytes()  # type: ignore[union-attr]
+        total = sum(int(s) for s in (sizes if isinstance(sizes, tuple | list) else (sizes,)))
+    except Exception:  # noqa: BLE001 - any pool kind: no figure rather than no log line
+        return None
+    if not isinstance(tokens, int) or tokens <= 0 or total <= 0:
+        return None
+    return total // tokens
+
+
+def format_forecast(modes: Mapping[str, Any], mode: str, sizes: Sequence[int], kv_per_token: int | None) -> str:
+    """The log line: the configured mode's forecast and what it frees against the others."""
+    mine = modes[mode].total_bytes
+    parts = []
+    for other in MODES:
+        if other == mode:
+            continue
+        delta = modes[other].total_bytes - mine
+        tokens = f" = {delta // kv_per_token:,} KV tokens" if kv_per_token and delta > 0 else ""
+        verb = "frees" if delta >= 0 else "costs"
+        parts.append(f"against {other} ({modes[other].total_bytes / MIB:,.1f} MiB) it {verb} {abs(delta) / MIB:,.1f} MiB{tokens}")
+    per_token = f"; KV cache {kv_per_token / 1024:,.1f} KiB/token" if kv_per_token else ""
+    return (f"sglang_bcg: graph memory forecast for {len(sizes)} sizes up to {sizes[0]}: {mine / MIB:,.1f} MiB "
+            f"with --enable-bcg-shared-output={mode}; " + "; ".join(parts) + per_token)
+
+
+class SessionForecast:
+    """One capture session's forecast: :meth:`first_capture` around the first ``capture_one``,
+    :meth:`close` at the session's end. ``pool`` returns SGLang's graph pool handle (read late:
+    SGLang's session sets it)."""
+
+    def __init__(self, cuda_graph_runner: object, mode: str, pool: Callable[[], Any],
+                 environ: Mapping[str, str] | None = None) -> None:
+        env = os.environ if environ is None else environ
+        self.runner, self.mode, self.pool = cuda_graph_runner, mode, pool
+        self.sizes = schedule_sizes(cuda_graph_runner)
+        self.enabled = env.get(ENV_FORECAST, "1").strip().lower() not in ("0", "false", "no", "off")
+        self.done = False
+        self.forecast: dict[str, Any] | None = None
+        self.held_at_start = 0
+        self.measured: int | None = None  # what close() found
+
+    def skip_reason(self) -> str | None:
+        """Why no forecast is made (``None``: one is)."""
+        if not self.enabled:
+            return f"{ENV_FORECAST}=0"
+        if not torch.cuda.is_available():
+            return "no CUDA"
+        if self.sizes is None or len(self.sizes) < 2:
+            return "the runner names no schedule of two sizes or more"
+        if torch.cuda.memory._snapshot()["device_traces"][torch.cuda.current_device()]:
+            return "the allocator's history is already being recorded"
+        return None
+
+    @contextlib.contextmanager
+    def first_capture(self, size: int, output_bytes: list[int]) -> Iterator[None]:
+        """Record the first capture's allocator events (later calls pass through); after it,
+        log the forecast. The caller fills ``output_bytes`` with the output's storage bytes."""
+        if self.done:
+            yield
+            return
+        self.done = True
+        why = self.skip_reason()
+        if why is not None:
+            log.debug("sglang_bcg: no graph memory forecast: %s", why)
+            yield
+            return
+        self.held_at_start = sum(n for _, n in self._pool_segments())
+        torch.cuda.memory._record_memory_history(enabled="all", context=None, stacks="python", max_entries=1_000_000)
+        try:
+            yield
+            events = torch.cuda.memory._snapshot()["device_traces"][torch.cuda.current_device()]
+            segments = self._pool_segments()
+        finally:
+            torch.cuda.memory._record_memory_history(enabled=None)
+        self._forecast(size, events, segments, output_bytes)
+
+    def _pool_segments(self) -> list[tuple[int, int]]:
+        handle = self.pool()
+        pool = tuple(handle) if isinstance(handle, tuple | list) else None
+        return [(int(s["address"]), int(s["total_size"])) for s in torch.cuda.memory._snapshot()["segments"]
+                if tuple(s.get("segment_pool_id", (0, 0))) != (0, 0)
+                and (pool is None or tuple(s.get("segment_pool_id", ())) == pool)]
+
+    def _forecast(self, size: int, events: Any, segments: list[tuple[int, int]], output_bytes: list[int]) -> None:
+        from ..forecast.probe import output_allocs
+
+        assert self.sizes is not None
+        trace = pool_trace(size, events, segments)
+        if not trace.ops:
+            log.debug("sglang_bcg: no graph memory forecast: the first capture made no request to the pool")
+            return
+        fitted = ScaledTrace.proportional(trace)
+        outputs = output_allocs(trace, output_bytes) or frozenset(trace.kept)
+        modes = forecast_modes(fitted, self.sizes, outputs=outputs, largest_output_bytes=sum(output_bytes))
+        self.forecast = {"modes": modes, "references": reference_estimates(modes, fitted, self.sizes, outputs=outputs)}
+        log.info("%s", format_forecast(modes, self.mode, self.sizes, kv_bytes_per_token(self.runner)))
+
+    def close(self, outside_pool_bytes: int = 0) -> int | None:
+        """Log what the session added to SGLang's graph pool (plus ``outside_pool_bytes``: a
+        reserved shared buffer) beside the forecast; those bytes (``None``: no forecast)."""
+        if self.forecast is None:
+            return None
+        added = sum(n for _, n in self._pool_segments()) - self.held_at_start
+        measured = added + outside_pool_bytes
+        forecast = self.forecast["modes"][self.mode].total_bytes
+        error = (forecast - measured) / measured if measured else 0.0
+        log.info("sglang_bcg: graph memory after capture: %.1f MiB (graph pool %.1f MiB + shared buffer %.1f MiB); "
+                 "forecast %.1f MiB, error %+.1f %%", measured / MIB, added / MIB, outside_pool_bytes / MIB,
+                 forecast / MIB, error * 100)
+        self.measured = measured
+        return measured

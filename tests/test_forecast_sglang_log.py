@@ -1,0 +1,114 @@
+"""The forecast inside SGLang (``integration/forecast_log.py``): the runner's schedule, the KV
+cache's bytes per token, the log line, when it is skipped, and the one-probe fit it uses,
+checked on the H200 allocator traces (the recording itself needs CUDA: tests/gpu)."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import logging
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+
+from sglang_bcg_plugin.forecast import ModeForecast, ScaledTrace, forecast_modes, pool_trace
+from sglang_bcg_plugin.forecast.probe import output_allocs
+from sglang_bcg_plugin.integration.doctor import forecast_line
+from sglang_bcg_plugin.integration.forecast_log import (
+    SessionForecast,
+    format_forecast,
+    kv_bytes_per_token,
+    schedule_sizes,
+)
+
+MIB = 1 << 20
+DATA = Path(__file__).parent / "data" / "forecast" / "h200_probes.json.gz"
+
+
+def test_schedule_from_the_runner() -> None:
+    assert schedule_sizes(SimpleNamespace(capture_num_tokens=[4, 16, 8, 16])) == [16, 8, 4]
+    assert schedule_sizes(SimpleNamespace(capture_bs=[1, 2, 4])) == [4, 2, 1]
+    assert schedule_sizes(SimpleNamespace(capture_num_tokens=[], capture_bs=[2, 1])) == [2, 1]
+    assert schedule_sizes(SimpleNamespace(capture_num_tokens=[4, "8"])) is None
+    assert schedule_sizes(object()) is None
+
+
+def test_kv_bytes_per_token_from_the_pool() -> None:
+    pool = SimpleNamespace(get_kv_size_bytes=lambda: (3000 * 1024, 3000 * 1024))
+    runner = SimpleNamespace(model_runner=SimpleNamespace(token_to_kv_pool=pool, max_total_num_tokens=1000))
+    assert kv_bytes_per_token(runner) == 6144
+    broken = SimpleNamespace(get_kv_size_bytes=lambda: 1 / 0)
+    assert kv_bytes_per_token(SimpleNamespace(model_runner=SimpleNamespace(token_to_kv_pool=broken, max_total_num_tokens=1))) is None
+    assert kv_bytes_per_token(SimpleNamespace(model_runner=SimpleNamespace(token_to_kv_pool=pool, max_total_num_tokens=0))) is None
+    assert kv_bytes_per_token(object()) is None
+
+
+def _modes() -> dict[str, ModeForecast]:
+    return {"off": ModeForecast("off", 1790 * MIB, 464 * MIB, 1326 * MIB),
+            "on": ModeForecast("on", 554 * MIB, 464 * MIB, 90 * MIB),
+            "released": ModeForecast("released", 464 * MIB, 464 * MIB, 0)}
+
+
+def test_the_log_line_says_what_the_mode_frees() -> None:
+    line = format_forecast(_modes(), "on", [16384, 4], 30 * 1024)
+    assert line.startswith("sglang_bcg: graph memory forecast for 2 sizes up to 16384: 554.0 MiB with --enable-bcg-shared-output=on")
+    assert "against off (1,790.0 MiB) it frees 1,236.0 MiB = 42,188 KV tokens" in line
+    assert "against released (464.0 MiB) it costs 90.0 MiB" in line and "KV cache 30.0 KiB/token" in line
+    assert "KV tokens" not in format_forecast(_modes(), "on", [16384, 4], None)
+
+
+def test_skipped_when_off_or_without_cuda(caplog: pytest.LogCaptureFixture) -> None:
+    runner = SimpleNamespace(capture_num_tokens=[16, 8])
+    off = SessionForecast(runner, "on", lambda: None, environ={"SGLANG_BCG_FORECAST": "0"})
+    assert off.skip_reason() == "SGLANG_BCG_FORECAST=0"
+    if torch.cuda.is_available():  # pragma: no cover - the GPU machine runs tests/gpu
+        pytest.skip("the CPU path")
+    fc = SessionForecast(runner, "on", lambda: None, environ={})
+    assert fc.skip_reason() == "no CUDA"
+    with caplog.at_level(logging.DEBUG, logger="sglang_bcg_plugin"):
+        with fc.first_capture(16, []):
+            pass
+        with fc.first_capture(8, []):  # only the first capture is looked at
+            pass
+    assert [r.getMessage() for r in caplog.records] == ["sglang_bcg: no graph memory forecast: no CUDA"]
+    assert fc.close(90 * MIB) is None and fc.forecast is None
+    none = SessionForecast(object(), "on", lambda: None, environ={})
+    assert none.sizes is None
+
+
+def test_doctor_says_how_to_read_it() -> None:
+    assert forecast_line("backend", {}).startswith("on: after each capture session's first (largest) graph")
+    assert forecast_line("backend", {"SGLANG_BCG_FORECAST": "off"}) == "off (SGLANG_BCG_FORECAST='off')"
+    assert "runner seam" in forecast_line("runner", {})
+
+
+@pytest.mark.parametrize("case", ["synthetic/full", "synthetic/breakable", "llama/full", "llama/breakable"])
+def test_one_probe_forecast_matches_the_h200(case: str) -> None:
+    """What SGLang's first (largest) capture alone gives: within 1 % of every mode's pool."""
+    with gzip.open(DATA, "rt") as f:
+        data: Any = json.load(f)["cases"][case]
+    sizes = data["sizes"]
+    segments = [tuple(s) for s in data["pool_segments"]]
+    events = [{"action": a, "addr": x, "size": n} for a, x, n in data["probes"][str(sizes[0])]]
+    large = pool_trace(sizes[0], events, segments)
+    out = data["largest_output_bytes"]
+    modes = forecast_modes(ScaledTrace.proportional(large), sizes, outputs=output_allocs(large, [out]),
+                           largest_output_bytes=out)
+    measured = data["measured"]
+    stream = measured["off"]["reserved_bytes"] - measured["off"]["pool_bytes"]  # not in SGLang's pool
+    for mode, f in modes.items():
+        real = measured[mode]["reserved_bytes"] - stream
+        assert abs(f.total_bytes - real) <= 0.01 * real, (case, mode, f.total_bytes, real)
+
+
+def test_proportional_fit_keeps_small_requests_constant() -> None:
+    from sglang_bcg_plugin.errors import ForecastError
+    from sglang_bcg_plugin.forecast import KeyTrace
+
+    fitted = ScaledTrace.proportional(KeyTrace(1000, ((0, 1000 * 4096), (0, 512), (1, 0))))
+    assert fitted.at(10).ops == ((0, 10 * 4096), (0, 512), (1, 0))
+    with pytest.raises(ForecastError, match="positive"):
+        ScaledTrace.proportional(KeyTrace(0, ()))
