@@ -1,0 +1,211 @@
+"""The forecast's CUDA path end to end, with PyTorch's allocator stood in by what it recorded.
+
+What is stood in, and only that: ``torch.cuda.memory._record_memory_history`` / ``_snapshot``
+(the allocator's event history and segments) replay the events an H200 recorded while our
+backends captured the bench schedule (``tests/data/forecast``, from ``tests/gpu/forecast_trace.py``),
+and free device memory comes from the same run's figures. Everything after that is the real
+code: ``forecast_schedule`` (probe session, option swap and restore, cleanup, fit, model,
+buffer source, references) and, inside SGLang, ``SessionForecast`` (first capture, log lines,
+the pool's growth after the session). On the GPU ``tests/gpu/test_forecast_gpu.py`` runs them
+on real captures.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import gzip
+import json
+import logging
+from collections.abc import Iterator
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+
+from sglang_bcg_plugin import BackendOptions
+from sglang_bcg_plugin.forecast import probe
+from sglang_bcg_plugin.integration.forecast_log import SessionForecast
+
+DATA = Path(__file__).parent / "data" / "forecast" / "h200_probes.json.gz"
+POOL = (0, 9)
+
+
+def _case(name: str) -> dict[str, Any]:
+    with gzip.open(DATA, "rt") as f:
+        return json.load(f)["cases"][name]  # type: ignore[no-any-return]
+
+
+class RecordedAllocator:
+    """The allocator's history API over recorded events (see the module doc)."""
+
+    def __init__(self, segments: list[list[int]]) -> None:
+        self.recording = False
+        self.trace: list[dict[str, Any]] = []
+        self.pool_segments = [{"address": a, "total_size": n, "segment_pool_id": POOL} for a, n in segments]
+        self.shown: list[dict[str, Any]] = []  # segments the snapshot shows (the pool appears with its captures)
+
+    def record(self, enabled: Any = "all", **_: Any) -> None:
+        self.recording = enabled is not None
+        if not self.recording:
+            self.trace = []
+
+    def snapshot(self) -> dict[str, Any]:
+        return {"device_traces": [list(self.trace)], "segments": list(self.shown)}
+
+    def replay(self, events: list[list[Any]]) -> None:
+        self.shown = self.pool_segments
+        if self.recording:
+            self.trace.extend({"action": a, "addr": x, "size": n} for a, x, n in events)
+
+
+@pytest.fixture
+def allocator(monkeypatch: pytest.MonkeyPatch) -> Iterator[RecordedAllocator]:
+    fake = RecordedAllocator([])
+    monkeypatch.setattr(torch.cuda.memory, "_record_memory_history", fake.record)
+    monkeypatch.setattr(torch.cuda.memory, "_snapshot", fake.snapshot)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    yield fake
+
+
+class RecordedBackend:
+    """A backend whose captures replay the H200's recorded events (``ProbeTarget``)."""
+
+    name = "full"
+    engine_name = "cuda"
+
+    def __init__(self, case: dict[str, Any], allocator: RecordedAllocator, options: BackendOptions) -> None:
+        self.case, self.allocator, self.options = case, allocator, options
+        self.captured: list[int] = []
+        self.sessions: list[str | None] = []
+        self.cleaned = 0
+
+    def captured_keys(self) -> list[Any]:
+        return list(self.captured)
+
+    def configure(self, **changes: Any) -> BackendOptions:
+        self.options = dataclasses.replace(self.options, **changes)
+        return self.options
+
+    @contextlib.contextmanager
+    def capture_session(self, stream: Any = None) -> Iterator[None]:
+        self.sessions.append(self.options.output_mode)
+        yield
+
+    def capture_one(self, shape_key: Any, forward_fn: Any, capture_inputs: Any = None) -> Any:
+        self.allocator.replay(self.case["probes"][str(shape_key.size)])
+        self.captured.append(shape_key.size)
+        return torch.empty(self.case["largest_output_bytes"] if len(self.captured) == 1 else 1, dtype=torch.uint8)
+
+    def memory_report(self) -> Any:
+        return SimpleNamespace(total_bridge_bytes=0)
+
+    def cleanup(self) -> None:
+        self.captured.clear()
+        self.cleaned += 1
+
+
+@pytest.mark.parametrize("name", ["synthetic/full", "llama/breakable"])
+def test_forecast_schedule_on_recorded_captures(name: str, allocator: RecordedAllocator, monkeypatch: pytest.MonkeyPatch) -> None:
+    case = _case(name)
+    allocator.pool_segments = RecordedAllocator(case["pool_segments"]).pool_segments
+    measured = case["measured"]
+    stream = measured["off"]["reserved_bytes"] - measured["off"]["pool_bytes"]
+    pool = sum(n for _, n in case["pool_segments"])
+    free = iter([100 << 30, (100 << 30) - pool - stream])  # before the probes; with them alive
+    monkeypatch.setattr(probe, "device_free_bytes", lambda: next(free))
+    options = BackendOptions(output_mode="released", stale_output_guard=True, shared_buffer="reserve")
+    backend = RecordedBackend(case, allocator, options)
+    fc = probe.forecast_schedule(backend, case["sizes"], lambda n: lambda: None, configured_mode="released")
+    assert backend.sessions == ["off"] and backend.cleaned == 1 and backend.options == options  # restored
+    assert not allocator.recording  # history recording is off again
+    assert fc.probe_sizes == (case["sizes"][0], case["sizes"][-1]) and fc.mode == "released"
+    for mode, f in fc.modes.items():  # the measured runs reserved their buffer
+        assert f.stream_bytes == stream
+        real = measured[mode]["reserved_bytes"]
+        assert abs(f.total_bytes - real) <= 0.01 * real, (name, mode, f.total_bytes, real)
+    assert fc.buffer_source == "reserve" and set(fc.references) == {"off", "on", "released"}
+    assert fc.to_dict()["modes"]["released"]["total_bytes"] == fc.bytes_for()
+    # shared_buffer="auto": on is the cheaper source (adopt: the floor itself on the synthetic Full graphs)
+    free = iter([100 << 30, (100 << 30) - pool - stream])
+    allocator.shown = []  # the probes' pool went with their cleanup
+    backend = RecordedBackend(case, allocator, dataclasses.replace(options, shared_buffer="auto"))
+    auto = probe.forecast_schedule(backend, case["sizes"], lambda n: lambda: None, configured_mode="on")
+    assert auto.buffer_source == ("adopt" if name == "synthetic/full" else "reserve")
+    assert auto.bytes_for() == min(auto.on_by_source.values()) + stream
+
+
+def test_probe_failure_restores_the_backend(allocator: RecordedAllocator, monkeypatch: pytest.MonkeyPatch) -> None:
+    case = _case("synthetic/full")
+    monkeypatch.setattr(probe, "device_free_bytes", lambda: 0)
+    options = BackendOptions(output_mode="on")
+    backend = RecordedBackend(case, allocator, options)
+
+    def boom(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("capture failed")
+
+    backend.capture_one = boom  # type: ignore[method-assign]
+    with pytest.raises(RuntimeError, match="capture failed"):
+        probe.forecast_schedule(backend, case["sizes"], lambda n: lambda: None, configured_mode="on")
+    assert backend.options == options and backend.cleaned == 1 and not allocator.recording
+
+
+def test_sglang_session_forecast_logs_before_and_after(allocator: RecordedAllocator, monkeypatch: pytest.MonkeyPatch,
+                                                       caplog: pytest.LogCaptureFixture) -> None:
+    case = _case("synthetic/breakable")
+    allocator.pool_segments = RecordedAllocator(case["pool_segments"]).pool_segments
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    kv_pool = SimpleNamespace(get_kv_size_bytes=lambda: (15 << 30, 15 << 30))
+    runner = SimpleNamespace(capture_num_tokens=case["sizes"],
+                             model_runner=SimpleNamespace(token_to_kv_pool=kv_pool, max_total_num_tokens=1 << 20))
+    session = SessionForecast(runner, "on", lambda: POOL, environ={})
+    largest = case["sizes"][0]
+    with caplog.at_level(logging.INFO, logger="sglang_bcg_plugin"):
+        with session.first_capture(largest, [case["largest_output_bytes"]]):
+            allocator.replay(case["probes"][str(largest)])
+        with session.first_capture(case["sizes"][1], []):  # later captures are not recorded
+            assert not allocator.recording
+        measured = session.close(outside_pool_bytes=case["largest_output_bytes"])
+    first, after = (r.getMessage() for r in caplog.records)
+    assert first.startswith(f"sglang_bcg: graph memory forecast for {len(case['sizes'])} sizes up to {largest}: ")
+    assert "with --enable-bcg-shared-output=on" in first and "KV tokens" in first and "KV cache 30.0 KiB/token" in first
+    forecast = session.forecast["modes"]["on"].total_bytes  # type: ignore[index]
+    real = case["measured"]["on"]["reserved_bytes"] - (case["measured"]["off"]["reserved_bytes"] - case["measured"]["off"]["pool_bytes"])
+    assert abs(forecast - real) <= 0.01 * real
+    assert measured == sum(n for _, n in case["pool_segments"]) + case["largest_output_bytes"] == session.measured
+    assert after.startswith("sglang_bcg: graph memory after capture: ") and "error" in after
+
+
+def test_sglang_session_forecast_skips_when_history_is_someone_elses(allocator: RecordedAllocator,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    allocator.trace = [{"action": "alloc", "addr": 1, "size": 1}]
+    session = SessionForecast(SimpleNamespace(capture_num_tokens=[8, 4]), "on", lambda: POOL, environ={})
+    assert session.skip_reason() == "the allocator's history is already being recorded"
+    allocator.trace = []
+    assert session.skip_reason() is None
+    with session.first_capture(8, []):
+        pass  # nothing reached the pool: no forecast, no error
+    assert session.forecast is None and session.close() is None
+
+
+def test_bench_forecasts_on_cuda_and_warns_when_it_cannot(caplog: pytest.LogCaptureFixture) -> None:
+    from sglang_bcg_plugin.bench.runner import _forecast
+    from sglang_bcg_plugin.errors import ForecastError
+
+    compiled = iter([1.0, 3.5])
+    made = object()
+    ok = SimpleNamespace(name="piecewise", engine_name="cuda", forecast=lambda sizes, fwd, capture_inputs: made)
+    assert _forecast(ok, [8, 4], lambda n: lambda: None, None, lambda: next(compiled)) == (made, 2.5)
+
+    def refuse(*args: Any, **kwargs: Any) -> Any:
+        raise ForecastError("not one pattern")
+
+    bad = SimpleNamespace(name="full", engine_name="cuda", forecast=refuse)
+    with caplog.at_level(logging.WARNING):
+        assert _forecast(bad, [8, 4], lambda n: lambda: None, None, lambda: None) == (None, 0.0)
+    assert "full: no forecast: not one pattern" in caplog.text
+    eager = SimpleNamespace(name="full", engine_name="eager", forecast=refuse)
+    assert _forecast(eager, [8, 4], lambda n: lambda: None, None, lambda: None) == (None, 0.0)
