@@ -4,6 +4,6 @@ from __future__ import annotations
 
 import sys
 
-from .cli import run
+from .cli import main
 
-sys.exit(run())
+sys.exit(main())

@@ -12,9 +12,7 @@ from __future__ import annotations
 import argparse
 import logging
 import re
-import signal
 import sys
-import threading
 import time
 import warnings
 from typing import TYPE_CHECKING, Any, NoReturn
@@ -219,16 +217,5 @@ def main(argv: list[str] | None = None) -> int:
         return 130
 
 
-def run(argv: list[str] | None = None) -> int:
-    """The command's entry point (the ``sglang-bcg`` script, ``python -m sglang_bcg_plugin``):
-    :func:`main`; once it reports an interrupt (130) the process is ending, so a Ctrl-C still
-    pending or one more during the interpreter's teardown is ignored, which would otherwise end
-    the process by the signal (status -2) after the ``error: interrupted`` line."""
-    code = main(argv)
-    if code == 130 and threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-    return code
-
-
 if __name__ == "__main__":  # pragma: no cover
-    sys.exit(run())
+    sys.exit(main())

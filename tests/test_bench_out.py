@@ -341,24 +341,3 @@ def test_a_failure_with_no_old_pair_leaves_nothing(tmp_path: Path, monkeypatch: 
     with pytest.raises(OutputWriteError, match="Input/output error"):
         write_pair(tmp_path, *_writers())
     assert list(tmp_path.iterdir()) == []
-
-
-def test_run_ignores_a_late_ctrl_c_after_an_interrupt(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    """The entry point: once ``main`` reported 130, a further SIGINT cannot turn the exit status
-    into -2 (killed by the signal); a normal exit leaves the handler alone."""
-    from sglang_bcg_plugin.bench import runner
-    from sglang_bcg_plugin.cli import run
-
-    before = signal.getsignal(signal.SIGINT)
-    try:
-        assert run(["backends"]) == 0 and signal.getsignal(signal.SIGINT) is before
-
-        def interrupt(*args: Any, **kwargs: Any) -> None:
-            raise KeyboardInterrupt
-
-        monkeypatch.setattr(runner, "warm_up", interrupt)
-        assert run([*TINY, "--out", str(tmp_path)]) == 130
-        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
-        signal.raise_signal(signal.SIGINT)  # ignored: no KeyboardInterrupt here
-    finally:
-        signal.signal(signal.SIGINT, before)
