@@ -341,3 +341,21 @@ def test_a_failure_with_no_old_pair_leaves_nothing(tmp_path: Path, monkeypatch: 
     with pytest.raises(OutputWriteError, match="Input/output error"):
         write_pair(tmp_path, *_writers())
     assert list(tmp_path.iterdir()) == []
+
+
+def test_ctrl_c_during_code_run_from_a_string_still_exits_130(tmp_path: Path) -> None:
+    """Under ``python -m`` CPython ends the process by SIGINT (status -2) after a clean exit when
+    the caught KeyboardInterrupt came through ``exec`` of source (dataclasses and namedtuples do
+    that while modules import, where a real Ctrl-C often lands): the command still exits 130."""
+    (tmp_path / "sitecustomize.py").write_text(
+        "import sglang_bcg_plugin.bench.runner as r\n"
+        "def warm_up(*args, **kwargs):\n"
+        "    exec('raise KeyboardInterrupt')\n"
+        "r.warm_up = warm_up\n"
+    )
+    env = _env()
+    env["PYTHONPATH"] = os.pathsep.join([str(tmp_path), env["PYTHONPATH"]])
+    proc = subprocess.run([sys.executable, "-m", "sglang_bcg_plugin", *TINY], env=env, text=True,
+                          capture_output=True, timeout=120, check=False)
+    assert proc.returncode == 130, (proc.returncode, proc.stderr)
+    assert _error_lines(proc.stderr) == ["error: interrupted"]
