@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import errno
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -276,24 +277,38 @@ def test_a_folder_another_live_run_holds_is_refused(tmp_path: Path) -> None:
     _no_leftovers(out)
 
 
+def _stderr_until(proc: subprocess.Popen[str], text: str, timeout: float = 180) -> str:
+    """Read the child's stderr (progress bars rewrite one line: no newline to wait for) until
+    ``text`` shows; what was read."""
+    assert proc.stderr is not None
+    fd, seen, deadline = proc.stderr.fileno(), b"", time.monotonic() + timeout
+    while text.encode() not in seen:
+        left = deadline - time.monotonic()
+        assert left > 0 and proc.poll() is None, seen
+        if select.select([fd], [], [], left)[0]:
+            chunk = os.read(fd, 4096)
+            assert chunk, seen
+            seen += chunk
+    return seen.decode()
+
+
 def test_ctrl_c_is_one_line_and_exit_130(tmp_path: Path) -> None:
-    """A real SIGINT during the bench: `error: interrupted`, exit 130, the lock released."""
+    """A real SIGINT during the bench: `error: interrupted`, exit 130, the lock released.
+
+    Sent once the measured variant has started capturing (its progress bar shows), not while
+    the warm-up still imports: a Ctrl-C that lands in a finalizer there is lost by CPython
+    itself ("Exception ignored"), which would leave this test waiting."""
     proc = _cli("bench", "--backends", "full", "--variants", "off", "--max-tokens", "64", "--hidden", "16",
-                "--layers", "1", "--repeats", "100000000", "--no-progress", "--out", str(tmp_path))
+                "--layers", "1", "--repeats", "100000000", "--out", str(tmp_path))
     try:
-        assert proc.stderr is not None
-        seen = ""
-        while "sglang-bcg bench on" not in seen:  # the benchmark has started
-            line = proc.stderr.readline()
-            assert line, seen
-            seen += line
+        _stderr_until(proc, "full/off")  # the measured variant is capturing
         time.sleep(0.5)
         proc.send_signal(signal.SIGINT)
         _, err = proc.communicate(timeout=60)
     finally:
         if proc.poll() is None:  # pragma: no cover - only when an assertion failed
             proc.kill()
-            proc.wait()
+            proc.communicate()  # its pipes closed too
     assert proc.returncode == 130, err
     assert _error_lines(err) == ["error: interrupted"] and err.strip().splitlines()[-1] == "error: interrupted"
     assert not (tmp_path / "bench.json").exists()
