@@ -160,7 +160,7 @@ def test_sglang_session_forecast_logs_before_and_after(allocator: RecordedAlloca
     kv_pool = SimpleNamespace(get_kv_size_bytes=lambda: (15 << 30, 15 << 30))
     runner = SimpleNamespace(capture_num_tokens=case["sizes"],
                              model_runner=SimpleNamespace(token_to_kv_pool=kv_pool, max_total_num_tokens=1 << 20))
-    session = SessionForecast(runner, "on", lambda: POOL, environ={})
+    session = SessionForecast(runner, "on", lambda: POOL, environ={"SGLANG_BCG_FORECAST": "1"})
     largest = case["sizes"][0]
     with caplog.at_level(logging.INFO, logger="sglang_bcg_plugin"):
         with session.first_capture(largest, [case["largest_output_bytes"]]):
@@ -182,7 +182,8 @@ def test_sglang_session_forecast_skips_when_history_is_someone_elses(allocator: 
                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     allocator.trace = [{"action": "alloc", "addr": 1, "size": 1}]
-    session = SessionForecast(SimpleNamespace(capture_num_tokens=[8, 4]), "on", lambda: POOL, environ={})
+    session = SessionForecast(SimpleNamespace(capture_num_tokens=[8, 4]), "on", lambda: POOL,
+                               environ={"SGLANG_BCG_FORECAST": "1"})
     assert session.skip_reason() == "the allocator's history is already being recorded"
     allocator.trace = []
     assert session.skip_reason() is None

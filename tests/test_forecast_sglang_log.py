@@ -62,11 +62,12 @@ def test_the_log_line_says_what_the_mode_frees() -> None:
 
 def test_skipped_when_off_or_without_cuda(caplog: pytest.LogCaptureFixture) -> None:
     runner = SimpleNamespace(capture_num_tokens=[16, 8])
-    off = SessionForecast(runner, "on", lambda: None, environ={"SGLANG_BCG_FORECAST": "0"})
-    assert off.skip_reason() == "SGLANG_BCG_FORECAST=0"
+    off = SessionForecast(runner, "on", lambda: None, environ={})  # opt-in: nothing changes until asked
+    assert off.skip_reason() == "SGLANG_BCG_FORECAST is not 1"
+    assert SessionForecast(runner, "on", lambda: None, environ={"SGLANG_BCG_FORECAST": "0"}).skip_reason() == off.skip_reason()
     if torch.cuda.is_available():  # pragma: no cover - the GPU machine runs tests/gpu
         pytest.skip("the CPU path")
-    fc = SessionForecast(runner, "on", lambda: None, environ={})
+    fc = SessionForecast(runner, "on", lambda: None, environ={"SGLANG_BCG_FORECAST": "1"})
     assert fc.skip_reason() == "no CUDA"
     with caplog.at_level(logging.DEBUG, logger="sglang_bcg_plugin"):
         with fc.first_capture(16, []):
@@ -80,9 +81,11 @@ def test_skipped_when_off_or_without_cuda(caplog: pytest.LogCaptureFixture) -> N
 
 
 def test_doctor_says_how_to_read_it() -> None:
-    assert forecast_line("backend", {}).startswith("on: after each capture session's first (largest) graph")
-    assert forecast_line("backend", {"SGLANG_BCG_FORECAST": "off"}) == "off (SGLANG_BCG_FORECAST='off')"
-    assert "runner seam" in forecast_line("runner", {})
+    on = {"SGLANG_BCG_FORECAST": "1"}
+    assert forecast_line("backend", on).startswith("on: after each capture session's first (largest) graph")
+    assert forecast_line("backend", {}).startswith("off (SGLANG_BCG_FORECAST=''); SGLANG_BCG_FORECAST=1 logs")
+    assert forecast_line("backend", {"SGLANG_BCG_FORECAST": "off"}).startswith("off (SGLANG_BCG_FORECAST='off')")
+    assert "runner seam" in forecast_line("runner", on)
 
 
 @pytest.mark.parametrize("case", ["synthetic/full", "synthetic/breakable", "llama/full", "llama/breakable"])

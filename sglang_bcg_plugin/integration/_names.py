@@ -18,5 +18,6 @@ ENV_STALE_OUTPUT_GUARD = "SGLANG_BCG_STALE_OUTPUT_GUARD"
 #: ``BackendOptions(shared_buffer=...)``.
 ENV_SHARED_BUFFER = "SGLANG_BCG_SHARED_BUFFER"
 
-#: Environment variable that turns the forecast log line inside SGLang off (``0``); on by default.
+#: Environment variable that turns the graph memory forecast lines inside SGLang on (``1``); off
+#: by default.
 ENV_FORECAST = "SGLANG_BCG_FORECAST"

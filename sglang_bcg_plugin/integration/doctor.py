@@ -26,6 +26,7 @@ from typing import TextIO
 
 from ._names import ENV_FORECAST
 from .calls import seam_checks
+from .forecast_log import forecast_enabled
 from .compat import BACKEND_CLASS, RUNNER_CLASS, Seam, installed, seam_kind
 from .hooks import hooks_for
 
@@ -204,15 +205,16 @@ def _seam_lines(say: Callable[[str], None], problems: list[Problem]) -> Seam | N
 def forecast_line(kind: str | None, environ: Mapping[str, str] | None = None) -> str:
     """How to read the forecast lines in SGLang's log (docs/sglang.md), or why there are none."""
     env = os.environ if environ is None else environ
-    if env.get(ENV_FORECAST, "1").strip().lower() in ("0", "false", "no", "off"):
-        return f"off ({ENV_FORECAST}={env.get(ENV_FORECAST)!r})"
+    if not forecast_enabled(env):
+        return (f"off ({ENV_FORECAST}={env.get(ENV_FORECAST, '')!r}); {ENV_FORECAST}=1 logs, after each capture "
+                "session's first graph, the schedule's graph memory per output mode (docs/sglang.md)")
     if kind != "backend":
         return "not on this release's seam (the runner seam of 0.5.13 logs none)"
     return ("on: after each capture session's first (largest) graph, one INFO line 'sglang_bcg: graph memory "
             "forecast for N sizes up to M: X MiB with --enable-bcg-shared-output=MODE' says what the whole "
             "schedule will hold and what that frees against the other modes (MiB, and KV-cache tokens at "
             "the KV pool's bytes per token); after the session 'graph memory after capture' gives what the "
-            f"graph pool grew by, beside it. Needs CUDA; {ENV_FORECAST}=0 turns it off")
+            "graph pool grew by, beside it. Needs CUDA")
 
 
 def doctor_main(argv: list[str] | None = None, *, out: TextIO | None = None) -> int:

@@ -9,8 +9,9 @@ mode (docs/forecast.md). One INFO line says the configured mode's forecast and w
 against the others, in MiB and in KV-cache tokens (the KV pool's bytes per token); at the
 session's end a second line gives the graph pool SGLang's allocator really holds, beside it.
 
-Off with ``SGLANG_BCG_FORECAST=0``; skipped (one DEBUG line) without CUDA, without a schedule on
-the runner, or when the allocator's history is already being recorded (someone else's).
+Opt-in, ``SGLANG_BCG_FORECAST=1`` (installing the plugin changes nothing until asked); skipped
+(one DEBUG line) without CUDA, without a schedule on the runner, or when the allocator's history
+is already being recorded (someone else's).
 """
 
 from __future__ import annotations
@@ -29,6 +30,11 @@ from ._names import ENV_FORECAST
 
 log = logging.getLogger("sglang_bcg_plugin")
 MIB = 1 << 20
+
+
+def forecast_enabled(environ: Mapping[str, str]) -> bool:
+    """Whether ``SGLANG_BCG_FORECAST`` asks for the forecast lines (``1``, ``true``, ``yes``, ``on``)."""
+    return environ.get(ENV_FORECAST, "").strip().lower() in ("1", "true", "yes", "on")
 
 
 def schedule_sizes(cuda_graph_runner: object) -> list[int] | None:
@@ -81,7 +87,7 @@ class SessionForecast:
         env = os.environ if environ is None else environ
         self.runner, self.mode, self.pool = cuda_graph_runner, mode, pool
         self.sizes = schedule_sizes(cuda_graph_runner)
-        self.enabled = env.get(ENV_FORECAST, "1").strip().lower() not in ("0", "false", "no", "off")
+        self.enabled = forecast_enabled(env)
         self.done = False
         self.forecast: dict[str, Any] | None = None
         self.held_at_start = 0
@@ -90,7 +96,7 @@ class SessionForecast:
     def skip_reason(self) -> str | None:
         """Why no forecast is made (``None``: one is)."""
         if not self.enabled:
-            return f"{ENV_FORECAST}=0"
+            return f"{ENV_FORECAST} is not 1"
         if not torch.cuda.is_available():
             return "no CUDA"
         if self.sizes is None or len(self.sizes) < 2:

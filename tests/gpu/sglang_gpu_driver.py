@@ -289,6 +289,7 @@ def run_variants(variants: list[str], extra: list[str], *, timeout: float = 180,
     measures every other child is either gone or blocked on its stdin with nothing allocated.
     """
     child_env = {k: v for k, v in os.environ.items() if k not in (ENV_SHARE, ENV_BUF)}
+    child_env["SGLANG_BCG_FORECAST"] = "1"  # the forecast lines (opt-in), checked by test_graph_memory_vs_sglang_builtin
     child_env.update(env or {})
     procs: dict[str, subprocess.Popen[str]] = {}
     logs: dict[str, Any] = {}
