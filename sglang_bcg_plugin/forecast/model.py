@@ -94,18 +94,36 @@ def forecast_modes(
     """:class:`ModeForecast` of ``off``, ``on`` and ``released`` for the schedule ``sizes``;
     ``on`` with the buffer ``source`` (``"adopt"``, ``"reserve"``, or ``"auto"``: the smaller).
     """
+    return schedule_forecast(trace, sizes, outputs=outputs, largest_output_bytes=largest_output_bytes,
+                             stream_bytes=stream_bytes, bridge_bytes=bridge_bytes, source=source)[0]
+
+
+def schedule_forecast(
+    trace: ScaledTrace,
+    sizes: Iterable[int],
+    *,
+    outputs: frozenset[int],
+    largest_output_bytes: int,
+    stream_bytes: int = 0,
+    bridge_bytes: int = 0,
+    source: str = "reserve",
+) -> tuple[dict[str, ModeForecast], dict[str, int], str]:
+    """:func:`forecast_modes`, with ``on``'s pool plus buffer per source and the source taken
+    (``"auto"`` resolved to the cheaper), each simulation run once."""
     sizes = list(sizes)
     released = simulate(trace, sizes, keep_outputs="none", outputs=outputs).reserved_bytes
     kept = simulate(trace, sizes, keep_outputs="all", outputs=outputs).reserved_bytes
     by_source = on_bytes_by_source(trace, sizes, outputs=outputs, released=released,
                                    largest_output_bytes=largest_output_bytes)
-    on = min(by_source.values()) if source == "auto" else by_source[source]
+    chosen = cheaper_source(by_source) if source == "auto" else source
+    on = by_source[chosen]
     extra = stream_bytes + bridge_bytes
-    return {
+    modes = {
         "off": ModeForecast("off", kept + extra, released, kept - released, stream_bytes, bridge_bytes),
         "on": ModeForecast("on", on + extra, released, on - released, stream_bytes, bridge_bytes),
         "released": ModeForecast("released", released + extra, released, 0, stream_bytes, bridge_bytes),
     }
+    return modes, by_source, chosen
 
 
 def cheaper_source(by_source: dict[str, int]) -> str:

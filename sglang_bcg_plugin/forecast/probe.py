@@ -25,17 +25,8 @@ from ..accounting import device_free_bytes
 from ..errors import CaptureStateError, ForecastError
 from ..shape_key import ShapeKey
 from ..trees import flatten
-from .model import (
-    MODES,
-    ModeForecast,
-    cheaper_source,
-    forecast_modes,
-    on_bytes_by_source,
-    reference_estimates,
-    simulate,
-)
-from .trace import KeyTrace, ScaledTrace, pool_trace
-
+from .model import MODES, ModeForecast, reference_estimates, schedule_forecast
+from .trace import KeyTrace, ScaledTrace, output_allocs, pool_trace
 
 
 class ProbeTarget(Protocol):
@@ -185,26 +176,10 @@ def forecast_schedule(
         backend.configure(output_mode=options.output_mode, stale_output_guard=options.stale_output_guard)
     large, small = traces
     fitted, outputs = ScaledTrace.fit(large, small), output_allocs(large, largest_output)
-    released = simulate(fitted, schedule, keep_outputs="none", outputs=outputs).reserved_bytes
-    by_source = on_bytes_by_source(fitted, schedule, outputs=outputs, released=released,
-                                   largest_output_bytes=sum(largest_output))
-    source = cheaper_source(by_source) if options.shared_buffer == "auto" else options.shared_buffer
-    modes = forecast_modes(fitted, schedule, outputs=outputs, largest_output_bytes=sum(largest_output),
-                           stream_bytes=stream_bytes, bridge_bytes=bridges, source=source)
+    modes, by_source, source = schedule_forecast(fitted, schedule, outputs=outputs, largest_output_bytes=sum(largest_output),
+                                                 stream_bytes=stream_bytes, bridge_bytes=bridges,
+                                                 source=options.shared_buffer)
     references = reference_estimates(modes, fitted, schedule, outputs=outputs)
     return GraphMemoryForecast(backend.name, tuple(schedule), configured_mode, MappingProxyType(modes), probe_sizes,
                                time.perf_counter() - start, source, MappingProxyType(by_source),
                                MappingProxyType(references))
-
-
-def output_allocs(trace: KeyTrace, output_bytes: Sequence[int]) -> frozenset[int]:
-    """The allocs ``trace`` keeps that hold the output: matched by bytes (a storage's bytes are
-    the bytes its allocation asked for), first kept alloc first."""
-    wanted = list(output_bytes)
-    found = []
-    for i in trace.kept:
-        size = trace.ops[i][1]
-        if size in wanted:
-            found.append(i)
-            wanted.remove(size)
-    return frozenset(found)

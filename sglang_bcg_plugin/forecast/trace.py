@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from ..errors import ForecastError
 
-ALLOC, FREE_COMPLETED, SEGMENT_ALLOC = "alloc", "free_completed", "segment_alloc"
+ALLOC, FREE_COMPLETED = "alloc", "free_completed"
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,3 +111,16 @@ class ScaledTrace:
         for (kind, v), (a, b) in zip(self.shape, self.lines, strict=True):
             ops.append((kind, v) if kind == 1 else (0, max(1, int(-(-(a + b * size) // 1)))))
         return KeyTrace(size, tuple(ops))
+
+
+def output_allocs(trace: KeyTrace, output_bytes: Sequence[int]) -> frozenset[int]:
+    """The allocs ``trace`` keeps that hold the output: matched by bytes (a storage's bytes are
+    the bytes its allocation asked for), first kept alloc first."""
+    wanted = list(output_bytes)
+    found = []
+    for i in trace.kept:
+        size = trace.ops[i][1]
+        if size in wanted:
+            found.append(i)
+            wanted.remove(size)
+    return frozenset(found)

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from ..forecast.model import MODES, forecast_modes, reference_estimates
-from ..forecast.trace import ScaledTrace, pool_trace
+from ..forecast.trace import ScaledTrace, output_allocs, pool_trace
 from ._names import ENV_FORECAST
 
 log = logging.getLogger("sglang_bcg_plugin")
@@ -136,8 +136,6 @@ class SessionForecast:
                 and (pool is None or tuple(s.get("segment_pool_id", ())) == pool)]
 
     def _forecast(self, size: int, events: Any, segments: list[tuple[int, int]], output_bytes: list[int]) -> None:
-        from ..forecast.probe import output_allocs
-
         assert self.sizes is not None
         trace = pool_trace(size, events, segments)
         if not trace.ops:
