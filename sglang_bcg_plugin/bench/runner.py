@@ -121,9 +121,11 @@ def run_variant(
     repeats: int,
     progress: bool = True,
     forecast: bool = True,
+    after_capture: Callable[[ShapeKey], None] | None = None,
 ) -> BenchRow:
     """Capture every size with one backend and variant; measure memory, time and error. On
-    CUDA (``forecast``) the backend forecasts the schedule's graph memory first."""
+    CUDA (``forecast``) the backend forecasts the schedule's graph memory first;
+    ``after_capture(key)`` runs after each size's capture (a probe of the memory it took)."""
     # Every variant compiles afresh, and dynamo's recompile limit (8 entries per code object,
     # whatever the backend) would otherwise count the entries of every earlier variant.
     torch._dynamo.reset()
@@ -169,6 +171,8 @@ def run_variant(
                 backend.capture_one(key, forward_for(key.size), capture_inputs=static)
                 if before is not None:
                     per_key_compile[key] = compiled_s() - before  # type: ignore[operator]
+                if after_capture is not None:
+                    after_capture(key)
                 bar.update(1)
         finally:
             bar.close()  # a clean stderr line for an error or Ctrl-C
