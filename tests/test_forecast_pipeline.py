@@ -115,12 +115,14 @@ def test_forecast_schedule_on_recorded_captures(name: str, allocator: RecordedAl
     stream = measured["off"]["reserved_bytes"] - measured["off"]["pool_bytes"]
     pool = sum(n for _, n in case["pool_segments"])
     free = iter([100 << 30, (100 << 30) - pool - stream])  # before the probes; with them alive
-    monkeypatch.setattr(probe, "device_free_bytes", lambda: next(free))
+    collects: list[bool] = []
+    monkeypatch.setattr(probe, "device_free_bytes", lambda *, collect=True: (collects.append(collect), next(free))[1])
     options = BackendOptions(output_mode="released", stale_output_guard=True, shared_buffer="reserve")
     backend = RecordedBackend(case, allocator, options)
     fc = probe.forecast_schedule(backend, case["sizes"], lambda n: lambda: None, configured_mode="released")
     assert backend.sessions == ["off"] and backend.cleaned == 1 and backend.options == options  # restored
     assert not allocator.recording  # history recording is off again
+    assert collects == [False, False]  # measured inside the session: its one collection suffices
     assert fc.probe_sizes == (case["sizes"][0], case["sizes"][-1]) and fc.mode == "released"
     for mode, f in fc.modes.items():  # the measured runs reserved their buffer
         assert f.stream_bytes == stream
@@ -139,7 +141,7 @@ def test_forecast_schedule_on_recorded_captures(name: str, allocator: RecordedAl
 
 def test_probe_failure_restores_the_backend(allocator: RecordedAllocator, monkeypatch: pytest.MonkeyPatch) -> None:
     case = _case("synthetic/full")
-    monkeypatch.setattr(probe, "device_free_bytes", lambda: 0)
+    monkeypatch.setattr(probe, "device_free_bytes", lambda *, collect=True: 0)
     options = BackendOptions(output_mode="on")
     backend = RecordedBackend(case, allocator, options)
 

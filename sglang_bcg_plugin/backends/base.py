@@ -179,18 +179,21 @@ class CaptureBackend:
             source = buffer_source(opts.shared_buffer, engine, self._state.forecast)
             self._state.open(resolution, source=source, guard=opts.stale_output_guard, strict=opts.strict_outputs)
             self._stream = stream
-        # After a forecast, the session's device-memory cost is measured to compare with it.
-        free_before = device_free_bytes() if self._state.forecast is not None and engine.name == "cuda" else None
+        # After a forecast, the session's device-memory cost is measured to compare with it:
+        # inside the GC-safe block, after its one collection, with the GC off (no second one).
+        measure = self._state.forecast is not None and engine.name == "cuda"
+        free_before: int | None = None
         try:
             # GC safety: one collection per session, not per key; graphs only on CUDA engines.
             with gc_safe_capture() if engine.name != "eager" else contextlib.nullcontext():
+                free_before = device_free_bytes(collect=False) if measure else None
                 yield
+                if free_before is not None:
+                    self._state.measured_graph_bytes = free_before - device_free_bytes(collect=False)
         finally:
             with self._lock:
                 self._state.close()
                 self._stream = None
-            if free_before is not None:
-                self._state.measured_graph_bytes = free_before - device_free_bytes()
 
     def _next_output_mode(self) -> Resolution:
         """The output mode the next capture session resolves to, and why."""
