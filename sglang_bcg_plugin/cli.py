@@ -82,7 +82,7 @@ def _bench_parser(sub: argparse._SubParsersAction[Any]) -> None:
                    help="synthetic: our tokens-first decoder (default); llama: transformers' LlamaModel, random weights")
     p.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda when available)")
     p.add_argument("--backends", default="breakable,full,piecewise", help="comma-separated backend names; graph-trees: torch.compile's reduce-overhead reference row")
-    p.add_argument("--variants", default=None, help=f"comma-separated of {','.join(VARIANTS)} (default: off,on; plus floor,guard on CUDA; each is explained below)")
+    p.add_argument("--variants", default=None, help=f"comma-separated of {', '.join(VARIANTS)} (default: off,on; plus floor,guard on CUDA; each is explained below)")
     p.add_argument("--hidden", type=_positive, default=None, help="hidden size (default: 2880 on CUDA, 128 on CPU)")
     p.add_argument("--layers", type=_positive, default=None, help="decoder layers (default: 4 on CUDA, 2 on CPU)")
     p.add_argument("--heads", type=_positive, default=None, help="attention heads, dividing --hidden (default: 45 on CUDA, 4 on CPU; llama: 64 / 4)")

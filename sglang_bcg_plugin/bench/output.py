@@ -141,12 +141,14 @@ VARIANT_LABELS = {
     "floor": "outputs released (floor)",
     "guard": "sharing on + stale-output guard",
     "inductor": "sharing on, Inductor-compiled",
+    "inductor-released": "outputs released, Inductor-compiled",
     "released": "outputs released (zero-copy)",
     "adopt": "sharing on, buffer adopted",
     "reserve": "sharing on, buffer reserved",
 }
 VARIANT_COLORS = {
     "off": "#c0504d", "on": "#4f81bd", "floor": "#9bbb59", "guard": "#8064a2", "inductor": "#f79646",
+    "inductor-released": "#e46c0a",
     "reference": "#4bacc6", "released": "#77933c", "adopt": "#95b3d7", "reserve": "#1f497d",
 }
 #: Graph Trees' legend label: torch's own CUDA graphs (on CPU the same compile, without graphs).

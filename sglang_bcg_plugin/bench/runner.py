@@ -52,6 +52,7 @@ VARIANTS = {
     "reserve": Variant(True, shared_buffer="reserve"),
     "released": Variant("released"),
     "inductor": Variant(True, inductor=True),
+    "inductor-released": Variant("released", inductor=True),
 }
 #: One line per variant: ``sglang-bcg bench --help`` prints them and docs/getting-started.md
 #: lists the same words (tests/test_cli.py checks both).
@@ -64,6 +65,7 @@ VARIANT_MEANINGS = {
     "reserve": "sharing on, the buffer reserved before the first capture",
     "released": "zero-copy outputs left in graph-pool memory, valid until the next replay",
     "inductor": "sharing on, the model compiled by Inductor first (piecewise and full only)",
+    "inductor-released": "zero-copy outputs (released), the model compiled by Inductor first (piecewise and full only)",
 }
 
 
