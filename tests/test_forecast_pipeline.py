@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import gc
 import gzip
 import json
 import logging
@@ -117,12 +118,14 @@ def test_forecast_schedule_on_recorded_captures(name: str, allocator: RecordedAl
     free = iter([100 << 30, (100 << 30) - pool - stream])  # before the probes; with them alive
     collects: list[bool] = []
     monkeypatch.setattr(probe, "device_free_bytes", lambda *, collect=True: (collects.append(collect), next(free))[1])
+    full_collections: list[int] = []
+    monkeypatch.setattr(gc, "collect", lambda *a: full_collections.append(1) or 0)
     options = BackendOptions(output_mode="released", stale_output_guard=True, shared_buffer="reserve")
     backend = RecordedBackend(case, allocator, options)
     fc = probe.forecast_schedule(backend, case["sizes"], lambda n: lambda: None, configured_mode="released")
     assert backend.sessions == ["off"] and backend.cleaned == 1 and backend.options == options  # restored
     assert not allocator.recording  # history recording is off again
-    assert collects == [False, False]  # measured inside the session: its one collection suffices
+    assert collects == [False, False] and full_collections == []  # the probes' GC is off, no collection
     assert fc.probe_sizes == (case["sizes"][0], case["sizes"][-1]) and fc.mode == "released"
     for mode, f in fc.modes.items():  # the measured runs reserved their buffer
         assert f.stream_bytes == stream

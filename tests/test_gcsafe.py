@@ -56,6 +56,22 @@ def test_collects_before_and_restores_enabled_state() -> None:
         assert gc.get_freeze_count() == 0
 
 
+def test_without_collect_the_gc_is_off_and_nested_entries_do_not_collect() -> None:
+    """``collect=False`` (the forecast's probes): garbage waits, the GC is off, a nested entry
+    (the backend's own session) does not collect; the next outermost entry does."""
+    gc.enable()
+    gc.collect()
+    ref = _cycle()
+    with gc_safe_capture(collect=False):
+        assert not gc.isenabled() and capture_in_progress()
+        with gc_safe_capture():
+            assert ref() is not None  # no collection: the cycle is still there
+        assert ref() is not None
+    assert gc.isenabled()
+    with gc_safe_capture():
+        assert ref() is None
+
+
 def _owners() -> list[tuple[object, weakref.ref[Graph]]]:
     """Each real graph owner (CUDA classes built without CUDA) holding one stand-in graph."""
     g1, g2, g3, g4 = Graph("full"), Graph("segment"), Graph("open segment"), Graph("anchor")

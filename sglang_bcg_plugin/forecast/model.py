@@ -10,11 +10,11 @@ capture keeps (the forward holding a tensor across calls) stays in every mode.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from .allocator import PoolModel, round_size, segment_size
-from .trace import ScaledTrace
+from .trace import KeyTrace, ScaledTrace
 
 MODES = ("off", "on", "released")
 
@@ -47,16 +47,18 @@ class ModeForecast:
                 "bridge_bytes": self.bridge_bytes}
 
 
-def simulate(trace: ScaledTrace, sizes: Iterable[int], *, keep_outputs: str, outputs: frozenset[int]) -> PoolModel:
+def simulate(trace: ScaledTrace, sizes: Iterable[int], *, keep_outputs: str, outputs: frozenset[int],
+             at: Mapping[int, KeyTrace] | None = None) -> PoolModel:
     """Capture every size (largest first) into one modelled pool.
 
     ``outputs``: indices of the trace's allocs that are the forward's output, freed at the end of
     each capture unless ``keep_outputs`` is ``"all"`` (``off``) or ``"first"`` (the largest
     output adopted as the shared buffer); other allocs a capture never frees stay allocated.
+    ``at``: ``trace.at(size)`` of the sizes, computed once for several simulations.
     """
     pool = PoolModel()
     for rank, size in enumerate(sorted(set(sizes), reverse=True)):
-        key = trace.at(size)
+        key = at[size] if at is not None else trace.at(size)
         handles: dict[int, int] = {}
         for i, (kind, value) in enumerate(key.ops):
             if kind == 0:
@@ -71,13 +73,13 @@ def simulate(trace: ScaledTrace, sizes: Iterable[int], *, keep_outputs: str, out
 
 
 def on_bytes_by_source(trace: ScaledTrace, sizes: list[int], *, outputs: frozenset[int], released: int,
-                       largest_output_bytes: int) -> dict[str, int]:
+                       largest_output_bytes: int, at: Mapping[int, KeyTrace] | None = None) -> dict[str, int]:
     """The pool plus buffer of ``on`` for each buffer source: ``reserve`` (the largest output's
     bytes outside the pool, a segment of their own from 10 MiB) and ``adopt`` (the largest
     capture's own output kept in the pool as the buffer)."""
     need = round_size(largest_output_bytes) if largest_output_bytes else 0
     reserve = released + (segment_size(need) if need >= 10 * 1024 * 1024 else need)
-    adopt = simulate(trace, sizes, keep_outputs="first", outputs=outputs).reserved_bytes
+    adopt = simulate(trace, sizes, keep_outputs="first", outputs=outputs, at=at).reserved_bytes
     return {"adopt": adopt, "reserve": reserve}
 
 
@@ -111,10 +113,11 @@ def schedule_forecast(
     """:func:`forecast_modes`, with ``on``'s pool plus buffer per source and the source taken
     (``"auto"`` resolved to the cheaper), each simulation run once."""
     sizes = list(sizes)
-    released = simulate(trace, sizes, keep_outputs="none", outputs=outputs).reserved_bytes
-    kept = simulate(trace, sizes, keep_outputs="all", outputs=outputs).reserved_bytes
+    at = {size: trace.at(size) for size in set(sizes)}
+    released = simulate(trace, sizes, keep_outputs="none", outputs=outputs, at=at).reserved_bytes
+    kept = simulate(trace, sizes, keep_outputs="all", outputs=outputs, at=at).reserved_bytes
     by_source = on_bytes_by_source(trace, sizes, outputs=outputs, released=released,
-                                   largest_output_bytes=largest_output_bytes)
+                                   largest_output_bytes=largest_output_bytes, at=at)
     chosen = cheaper_source(by_source) if source == "auto" else source
     on = by_source[chosen]
     extra = stream_bytes + bridge_bytes

@@ -22,6 +22,7 @@ from typing import Any, Protocol
 import torch
 
 from ..accounting import device_free_bytes
+from ..engines.gcsafe import gc_safe_capture
 from ..errors import CaptureStateError, ForecastError
 from ..shape_key import ShapeKey
 from ..trees import flatten
@@ -126,9 +127,10 @@ def _probe(backend: ProbeTarget, sizes: Sequence[int], forward_for: Callable[[in
     events: list[list[dict[str, Any]]] = []
     largest_output: list[int] = []
     try:
-        with torch.no_grad(), backend.capture_session():
-            # Measured inside the session: after its one garbage collection, with the GC off
-            # until it closes, so no second collection (0.2-0.3 s each) is needed.
+        # The GC off for the probes without a full collection (0.2-0.3 s; the schedule's own
+        # session collects): the session nested inside does not collect either, and free memory
+        # is measured inside it, where nothing can be collected.
+        with gc_safe_capture(collect=False), torch.no_grad(), backend.capture_session():
             free_before = device_free_bytes(collect=False)
             cursor = len(torch.cuda.memory._snapshot()["device_traces"][torch.cuda.current_device()])
             for n in sizes:
