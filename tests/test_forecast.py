@@ -298,6 +298,7 @@ def test_bench_row_table_and_plot_carry_the_forecast() -> None:
     assert fields["forecast_bytes"] == 490 << 20 and fields["forecast_error"] == pytest.approx(-0.02)
     assert fields["forecast"]["modes"]["released"]["total_bytes"] == 400 << 20
     assert _forecast_fields(None, 500 << 20) == {}
+    assert _forecast_fields(_forecast(), 500 << 20, 0.25)["forecast_s"] == pytest.approx(fields["forecast_s"] - 0.25)
     row = _row(**fields)
     table = format_table([row, _row(variant="off")])
     head, _, with_fc, without = table.splitlines()[:4]
