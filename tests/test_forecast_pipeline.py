@@ -81,6 +81,7 @@ class RecordedBackend:
         self.case, self.allocator, self.options = case, allocator, options
         self.captured: list[int] = []
         self.sessions: list[str | None] = []
+        self.warmups: list[int] = []
         self.cleaned = 0
 
     def captured_keys(self) -> list[Any]:
@@ -93,6 +94,7 @@ class RecordedBackend:
     @contextlib.contextmanager
     def capture_session(self, stream: Any = None) -> Iterator[None]:
         self.sessions.append(self.options.output_mode)
+        self.warmups.append(self.options.num_warmups)
         yield
 
     def capture_one(self, shape_key: Any, forward_fn: Any, capture_inputs: Any = None) -> Any:
@@ -124,6 +126,8 @@ def test_forecast_schedule_on_recorded_captures(name: str, allocator: RecordedAl
     backend = RecordedBackend(case, allocator, options)
     fc = probe.forecast_schedule(backend, case["sizes"], lambda n: lambda: None, configured_mode="released")
     assert backend.sessions == ["off"] and backend.cleaned == 1 and backend.options == options  # restored
+    assert backend.warmups == [1] and options.num_warmups == 2  # the probes warm up once; the schedule keeps 2
+    assert 0 < fc.probe_seconds <= fc.seconds and fc.to_dict()["probe_seconds"] == fc.probe_seconds
     assert not allocator.recording  # history recording is off again
     assert collects == [False, False] and full_collections == []  # the probes' GC is off, no collection
     assert fc.probe_sizes == (case["sizes"][0], case["sizes"][-1]) and fc.mode == "released"

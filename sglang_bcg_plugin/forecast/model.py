@@ -57,18 +57,20 @@ def simulate(trace: ScaledTrace, sizes: Iterable[int], *, keep_outputs: str, out
     ``at``: ``trace.at(size)`` of the sizes, computed once for several simulations.
     """
     pool = PoolModel()
+    malloc, free = pool.malloc, pool.free
     for rank, size in enumerate(sorted(set(sizes), reverse=True)):
         key = at[size] if at is not None else trace.at(size)
         handles: dict[int, int] = {}
+        pop = handles.pop
         for i, (kind, value) in enumerate(key.ops):
             if kind == 0:
-                handles[i] = pool.malloc(value)
+                handles[i] = malloc(value)
             else:
-                pool.free(handles.pop(value))
+                free(pop(value))
         if keep_outputs == "none" or (keep_outputs == "first" and rank > 0):
             for i in outputs:
                 if i in handles:
-                    pool.free(handles.pop(i))
+                    free(pop(i))
     return pool
 
 

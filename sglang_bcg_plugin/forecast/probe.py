@@ -74,6 +74,8 @@ class GraphMemoryForecast:
     #: per mode, what vLLM's extrapolation and SGLang's fixed reserve would say of the same
     #: schedule (:func:`~.model.reference_estimates`), for comparison.
     references: MappingProxyType[str, dict[str, int]] = field(default_factory=lambda: MappingProxyType({}))
+    #: of :attr:`seconds`, the probe captures' (warmups, captures, cleanup); the rest is the model.
+    probe_seconds: float = 0.0
 
     def bytes_for(self, mode: str | None = None) -> int:
         """The forecast total of ``mode`` (default: :attr:`mode`)."""
@@ -86,7 +88,7 @@ class GraphMemoryForecast:
     def to_dict(self) -> dict[str, Any]:
         return {"backend": self.backend, "mode": self.mode, "num_sizes": len(self.sizes),
                 "max_tokens": self.sizes[0] if self.sizes else 0, "probe_sizes": list(self.probe_sizes),
-                "seconds": self.seconds, "buffer_source": self.buffer_source, "on_by_source": dict(self.on_by_source),
+                "seconds": self.seconds, "probe_seconds": self.probe_seconds, "buffer_source": self.buffer_source, "on_by_source": dict(self.on_by_source),
                 "references": {m: dict(r) for m, r in self.references.items()},
                 "modes": {m: f.to_dict() for m, f in self.modes.items()}}
 
@@ -173,12 +175,16 @@ def forecast_schedule(
         raise ForecastError(msg)
     options = backend.options
     probe_sizes = (schedule[0], schedule[-1])
-    backend.configure(output_mode="off", stale_output_guard=False)
+    # One warmup per probe (the engine's minimum still applies): lazy state is made by the first
+    # eager run, and the graph pool only sees the capture; the schedule keeps its own warmups.
+    backend.configure(output_mode="off", stale_output_guard=False, num_warmups=min(options.num_warmups, 1))
     try:
         traces, largest_output, bridges, stream_bytes = _probe(backend, probe_sizes, forward_for, capture_inputs)
     finally:
         backend.cleanup()
-        backend.configure(output_mode=options.output_mode, stale_output_guard=options.stale_output_guard)
+        backend.configure(output_mode=options.output_mode, stale_output_guard=options.stale_output_guard,
+                          num_warmups=options.num_warmups)
+    probe_seconds = time.perf_counter() - start
     large, small = traces
     fitted, outputs = ScaledTrace.fit(large, small), output_allocs(large, largest_output)
     modes, by_source, source = schedule_forecast(fitted, schedule, outputs=outputs, largest_output_bytes=sum(largest_output),
@@ -187,4 +193,4 @@ def forecast_schedule(
     references = reference_estimates(modes, fitted, schedule, outputs=outputs)
     return GraphMemoryForecast(backend.name, tuple(schedule), configured_mode, MappingProxyType(modes), probe_sizes,
                                time.perf_counter() - start, source, MappingProxyType(by_source),
-                               MappingProxyType(references))
+                               MappingProxyType(references), probe_seconds)
