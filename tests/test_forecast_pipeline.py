@@ -124,12 +124,16 @@ def test_forecast_schedule_on_recorded_captures(name: str, allocator: RecordedAl
     monkeypatch.setattr(gc, "collect", lambda *a: full_collections.append(1) or 0)
     options = BackendOptions(output_mode="released", stale_output_guard=True, shared_buffer="reserve")
     backend = RecordedBackend(case, allocator, options)
+    gc_on_in_model: list[bool] = []
+    model = probe.schedule_forecast
+    monkeypatch.setattr(probe, "schedule_forecast", lambda *a, **k: (gc_on_in_model.append(gc.isenabled()), model(*a, **k))[1])
     fc = probe.forecast_schedule(backend, case["sizes"], lambda n: lambda: None, configured_mode="released")
     assert backend.sessions == ["off"] and backend.cleaned == 1 and backend.options == options  # restored
     assert backend.warmups == [1] and options.num_warmups == 2  # the probes warm up once; the schedule keeps 2
     assert 0 < fc.probe_seconds <= fc.seconds and fc.to_dict()["probe_seconds"] == fc.probe_seconds
     assert not allocator.recording  # history recording is off again
     assert collects == [False, False] and full_collections == []  # the probes' GC is off, no collection
+    assert gc_on_in_model == [False] and gc.isenabled()  # nor during the model; on again after
     assert fc.probe_sizes == (case["sizes"][0], case["sizes"][-1]) and fc.mode == "released"
     for mode, f in fc.modes.items():  # the measured runs reserved their buffer
         assert f.stream_bytes == stream

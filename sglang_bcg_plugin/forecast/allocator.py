@@ -24,6 +24,7 @@ The rules (PyTorch's ``CUDACachingAllocator``, ``expandable_segments`` off, no
 from __future__ import annotations
 
 import bisect
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 KB = 1024
@@ -34,6 +35,9 @@ SMALL_BUFFER = 2 * MB
 LARGE_BUFFER = 20 * MB
 MIN_LARGE_ALLOC = 10 * MB
 ROUND_LARGE = 2 * MB
+#: Request kinds of :meth:`PoolModel.run`: allocate bytes, free the block an earlier op of the same
+#: run allocated (by its index), free a block by address.
+ALLOC, FREE, FREE_ADDR = 0, 1, 2
 
 
 def round_size(size: int) -> int:
@@ -83,59 +87,71 @@ class PoolModel:
 
     def malloc(self, size: int, stream: int = 0) -> int:
         """Allocate ``size`` bytes; returns the block's address (the handle for :meth:`free`)."""
-        need = MIN_BLOCK if size < MIN_BLOCK else MIN_BLOCK * ((size + MIN_BLOCK - 1) // MIN_BLOCK)
-        small = need <= SMALL_SIZE
-        free = self._free
-        i = bisect.bisect_left(free, (small, stream, need, -1))
-        block: _Block | None = None
-        if i < len(free):
-            s, st, _, addr = free[i]
-            if s == small and st == stream:
-                del free[i]
-                block = self._by_addr[addr]
-        if block is None:
-            block = self._new_segment(small, stream, segment_size(need))
-        remaining = block.size - need
-        if remaining >= MIN_BLOCK if small else remaining > SMALL_SIZE:
-            nxt = block.next
-            rest = _Block(block.addr + need, remaining, small, stream, True, block, nxt)
-            if nxt is not None:
-                nxt.prev = rest
-            block.next = rest
-            block.size = need
-            self._by_addr[rest.addr] = rest
-            bisect.insort(free, (small, stream, remaining, rest.addr))
-        block.free = False
-        allocated = self.allocated_bytes + block.size
-        self.allocated_bytes = allocated
-        if allocated > self.peak_allocated_bytes:
-            self.peak_allocated_bytes = allocated
-        return block.addr
+        return self.run(((ALLOC, size),), stream)[0]
 
     def free(self, addr: int) -> None:
         """Return the block at ``addr``; it merges with free neighbours of its segment."""
-        by_addr = self._by_addr
-        block = by_addr[addr]
-        if block.free:
-            msg = f"double free of the block at {addr}"
-            raise ValueError(msg)
-        self.allocated_bytes -= block.size
-        block.free = True
-        free = self._free
-        for neighbour in (block.prev, block.next):
-            if neighbour is not None and neighbour.free:
-                del free[bisect.bisect_left(free, (neighbour.small, neighbour.stream, neighbour.size, neighbour.addr))]
-                low, high = (block, neighbour) if block.addr < neighbour.addr else (neighbour, block)
-                low.size += high.size
-                low.next = high.next
-                if high.next is not None:
-                    high.next.prev = low
-                del by_addr[high.addr]
-                by_addr[low.addr] = low
-                low.free = True
-                block = low
-        by_addr[block.addr] = block
-        bisect.insort(free, (block.small, block.stream, block.size, block.addr))
+        self.run(((FREE_ADDR, addr),))
+
+    def run(self, ops: Iterable[tuple[int, int]], stream: int = 0) -> dict[int, int]:
+        """Replay a sequence of requests on ``stream``: ``(ALLOC, bytes)``, ``(FREE, i)`` (the block
+        the ``i``-th op allocated) or ``(FREE_ADDR, addr)``; returns the blocks still allocated by
+        op index. One loop with everything local: a forecast replays tens of thousands of requests."""
+        free, by_addr = self._free, self._by_addr
+        bisect_left, insort = bisect.bisect_left, bisect.insort
+        handles: dict[int, int] = {}
+        pop = handles.pop
+        allocated, peak = self.allocated_bytes, self.peak_allocated_bytes
+        for i, (kind, value) in enumerate(ops):
+            if kind == ALLOC:
+                need = MIN_BLOCK if value < MIN_BLOCK else MIN_BLOCK * ((value + MIN_BLOCK - 1) // MIN_BLOCK)
+                small = need <= SMALL_SIZE
+                j = bisect_left(free, (small, stream, need, -1))
+                block: _Block | None = None
+                if j < len(free):
+                    s, st, _, addr = free[j]
+                    if s == small and st == stream:
+                        del free[j]
+                        block = by_addr[addr]
+                if block is None:
+                    block = self._new_segment(small, stream, segment_size(need))
+                remaining = block.size - need
+                if remaining >= MIN_BLOCK if small else remaining > SMALL_SIZE:
+                    nxt = block.next
+                    rest = _Block(block.addr + need, remaining, small, stream, True, block, nxt)
+                    if nxt is not None:
+                        nxt.prev = rest
+                    block.next = rest
+                    block.size = need
+                    by_addr[rest.addr] = rest
+                    insort(free, (small, stream, remaining, rest.addr))
+                block.free = False
+                allocated += block.size
+                if allocated > peak:
+                    peak = allocated
+                handles[i] = block.addr
+                continue
+            block = by_addr[pop(value) if kind == FREE else value]
+            if block.free:
+                self.allocated_bytes, self.peak_allocated_bytes = allocated, peak
+                msg = f"double free of the block at {block.addr}"
+                raise ValueError(msg)
+            allocated -= block.size
+            block.free = True
+            for neighbour in (block.prev, block.next):
+                if neighbour is not None and neighbour.free:
+                    del free[bisect_left(free, (neighbour.small, neighbour.stream, neighbour.size, neighbour.addr))]
+                    low, high = (block, neighbour) if block.addr < neighbour.addr else (neighbour, block)
+                    low.size += high.size
+                    low.next = high.next
+                    if high.next is not None:
+                        high.next.prev = low
+                    del by_addr[high.addr]
+                    by_addr[low.addr] = low
+                    block = low
+            insort(free, (block.small, block.stream, block.size, block.addr))
+        self.allocated_bytes, self.peak_allocated_bytes = allocated, peak
+        return handles
 
     def _new_segment(self, small: bool, stream: int, size: int) -> _Block:
         addr = self._next_addr

@@ -57,20 +57,13 @@ def simulate(trace: ScaledTrace, sizes: Iterable[int], *, keep_outputs: str, out
     ``at``: ``trace.at(size)`` of the sizes, computed once for several simulations.
     """
     pool = PoolModel()
-    malloc, free = pool.malloc, pool.free
     for rank, size in enumerate(sorted(set(sizes), reverse=True)):
         key = at[size] if at is not None else trace.at(size)
-        handles: dict[int, int] = {}
-        pop = handles.pop
-        for i, (kind, value) in enumerate(key.ops):
-            if kind == 0:
-                handles[i] = malloc(value)
-            else:
-                free(pop(value))
+        handles = pool.run(key.ops)
         if keep_outputs == "none" or (keep_outputs == "first" and rank > 0):
             for i in outputs:
                 if i in handles:
-                    free(pop(i))
+                    pool.free(handles.pop(i))
     return pool
 
 

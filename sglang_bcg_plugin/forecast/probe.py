@@ -186,11 +186,15 @@ def forecast_schedule(
                           num_warmups=options.num_warmups)
     probe_seconds = time.perf_counter() - start
     large, small = traces
-    fitted, outputs = ScaledTrace.fit(large, small), output_allocs(large, largest_output)
-    modes, by_source, source = schedule_forecast(fitted, schedule, outputs=outputs, largest_output_bytes=sum(largest_output),
-                                                 stream_bytes=stream_bytes, bridge_bytes=bridges,
-                                                 source=options.shared_buffer)
-    references = reference_estimates(modes, fitted, schedule, outputs=outputs)
+    # The model makes tens of thousands of short-lived objects: with the GC on they trigger
+    # collections, and one full collection (0.2-0.3 s with transformers imported) would cost
+    # more than the model; its garbage goes by reference counting and the next collection.
+    with gc_safe_capture(collect=False):
+        fitted, outputs = ScaledTrace.fit(large, small), output_allocs(large, largest_output)
+        modes, by_source, source = schedule_forecast(fitted, schedule, outputs=outputs,
+                                                     largest_output_bytes=sum(largest_output), stream_bytes=stream_bytes,
+                                                     bridge_bytes=bridges, source=options.shared_buffer)
+        references = reference_estimates(modes, fitted, schedule, outputs=outputs)
     return GraphMemoryForecast(backend.name, tuple(schedule), configured_mode, MappingProxyType(modes), probe_sizes,
                                time.perf_counter() - start, source, MappingProxyType(by_source),
                                MappingProxyType(references), probe_seconds)
