@@ -55,10 +55,15 @@ def _frames(event: dict[str, Any]) -> str:
     return " < ".join(keep[:3]) or "?"
 
 
-def pool_anatomy(run: Any) -> dict[str, Any]:
-    """Run ``run()`` (one capture) with the allocator's history on; the new pool's segments,
-    the peak of the bytes live inside them, and the largest blocks live at that peak."""
-    pools = {tuple(s.get("segment_pool_id", (0, 0))) for s in torch.cuda.memory._snapshot()["segments"]}
+def _pools() -> set[tuple[int, int]]:
+    return {tuple(s.get("segment_pool_id", (0, 0))) for s in torch.cuda.memory._snapshot()["segments"]}  # type: ignore[misc]
+
+
+def pool_anatomy(run: Any, pools: set[tuple[int, int]] | None = None) -> dict[str, Any]:
+    """Run ``run()`` (one capture) with the allocator's history on; the segments of the pools
+    made since ``pools`` (default: now), the peak of the bytes live inside them during ``run``,
+    and the largest blocks live at that peak."""
+    pools = _pools() if pools is None else pools
     torch.cuda.memory._record_memory_history(enabled="all", context="alloc", stacks="python", max_entries=1_000_000)
     try:
         free_before = torch.cuda.mem_get_info()[0]
@@ -122,9 +127,10 @@ def graph_trees(workload: LlamaWorkload, tokens: int) -> dict[str, Any]:
         torch.compiler.cudagraph_mark_step_begin()
         return workload.call(compiled, static, tokens)
 
+    pools = _pools()
     with torch.no_grad():
         step()  # compiles and warms up (Graph Trees record on the next step)
-        anatomy = pool_anatomy(lambda: [step() for _ in range(2)][-1])
+        anatomy = pool_anatomy(lambda: [step() for _ in range(2)][-1], pools)
     del compiled
     torch._dynamo.reset()
     torch._inductor.cudagraph_trees.reset_cudagraph_trees()
