@@ -22,6 +22,28 @@ from .output_mode import (
 EngineName = Literal["auto", "cuda", "eager"]
 SharedBufferSource = Literal["auto", "adopt", "reserve"]
 SHARED_BUFFER_SOURCES: tuple[SharedBufferSource, ...] = ("auto", "adopt", "reserve")
+PoolReserve = Literal["off", "auto"] | int
+
+
+def parse_pool_reserve(raw: object, *, what: str = "BackendOptions.pool_reserve") -> str | int:
+    """``"off"``, ``"auto"`` (any case, whitespace allowed) or bytes as an int >= 0 (0 is ``"off"``).
+
+    :raises TypeError: neither a str nor an int (a bool is refused).
+    :raises ValueError: another word, or a negative int.
+    """
+    if isinstance(raw, bool) or not isinstance(raw, str | int):
+        msg = f"{what} must be 'off', 'auto' or bytes as an int >= 0, got {raw!r} of type {type(raw).__name__}"
+        raise TypeError(msg)
+    if isinstance(raw, int):
+        if raw < 0:
+            msg = f"{what} must be 'off', 'auto' or bytes as an int >= 0, got {raw!r}"
+            raise ValueError(msg)
+        return raw if raw else "off"
+    value = raw.strip().lower()
+    if value not in ("off", "auto"):
+        msg = f"{what} must be 'off', 'auto' or bytes as an int >= 0 (any case), got {raw!r}"
+        raise ValueError(msg)
+    return value
 
 
 def parse_shared_buffer(raw: object, *, what: str = "BackendOptions.shared_buffer") -> SharedBufferSource:
@@ -72,11 +94,16 @@ class BackendOptions:
         allocated before the first capture from the last warmup's output, or ``"auto"`` (the
         one measured best for the engine: docs/index.md, "Output sharing"); any case, stored
         lowercase (``"ADOPT"`` is ``"adopt"``, as in the SGLang integration's variable).
+    :param pool_reserve: on CUDA, a block the graph pool starts with, made before the first
+        capture so the schedule's requests are carved from one segment instead of the many the
+        allocator would cut (docs/forecast.md, "One segment for the pool"): ``"off"`` (the
+        default: nothing changes), ``"auto"`` (the size a forecast of this schedule found to lower
+        the pool, none without a forecast or a saving) or bytes as an int.
     :raises TypeError: a field of the wrong type (``strict_outputs="no"``, ``num_warmups=2.0``).
     :param share_output: deprecated boolean alias of ``output_mode`` (``True`` = ``"on"``,
         ``False`` = ``"off"``, ``"released"``), kept for one release with a ``DeprecationWarning``;
         reading ``options.share_output`` gives the same spelling of ``output_mode``.
-    :raises ValueError: ``engine`` or ``shared_buffer`` not one of its names, ``num_warmups < 0``,
+    :raises ValueError: ``engine``, ``shared_buffer`` or ``pool_reserve`` not one of its names, ``num_warmups < 0``,
         or ``share_output`` and ``output_mode`` both given and different.
     """
 
@@ -86,6 +113,7 @@ class BackendOptions:
     num_warmups: int = 2
     stale_output_guard: bool = False
     shared_buffer: SharedBufferSource = "auto"
+    pool_reserve: PoolReserve = "off"
 
     def __init__(
         self,
@@ -95,12 +123,14 @@ class BackendOptions:
         num_warmups: int = 2,
         stale_output_guard: bool = False,
         shared_buffer: SharedBufferSource = "auto",
+        pool_reserve: PoolReserve = "off",
         *,
         share_output: bool | str | None = None,
     ) -> None:
         for name, value in (
             ("output_mode", output_mode), ("strict_outputs", strict_outputs), ("engine", engine),
             ("num_warmups", num_warmups), ("stale_output_guard", stale_output_guard), ("shared_buffer", shared_buffer),
+            ("pool_reserve", pool_reserve),
         ):
             object.__setattr__(self, name, value)
         self._check(share_output)
@@ -127,6 +157,7 @@ class BackendOptions:
         object.__setattr__(self, "output_mode", mode)
         # Frozen: normalise through object.__setattr__ ("ADOPT" == "adopt", as the env variable).
         object.__setattr__(self, "shared_buffer", parse_shared_buffer(self.shared_buffer))
+        object.__setattr__(self, "pool_reserve", parse_pool_reserve(self.pool_reserve))
         _check_bool("strict_outputs", self.strict_outputs)
         _check_bool("stale_output_guard", self.stale_output_guard)
         if not isinstance(self.engine, str):

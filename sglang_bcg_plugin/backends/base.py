@@ -68,6 +68,17 @@ def buffer_source(choice: str, engine: Engine, forecast: Any = None) -> BufferSo
     return "adopt" if getattr(forecast, "buffer_source", "reserve") == "adopt" else "reserve"
 
 
+def pool_reserve_bytes(choice: str | int, engine: Engine, forecast: Any = None) -> int:
+    """The block a CUDA engine's pool starts with: the option's bytes; with ``"auto"`` the one a
+    forecast of this schedule found to lower the pool (``forecast.pool_reserve_bytes``), else
+    none; nothing on the eager engine (no pool)."""
+    if engine.name != "cuda" or choice == "off":
+        return 0
+    if isinstance(choice, int):
+        return choice
+    return int(getattr(forecast, "pool_reserve_bytes", 0) or 0)
+
+
 def _host_mode(backend: str, output_mode: object) -> Callable[[], Resolution | None]:
     """The ``output_mode=`` keyword, checked: read at every session, after the options."""
     if output_mode is not None and not isinstance(output_mode, Resolution):
@@ -177,6 +188,9 @@ class CaptureBackend:
             resolution = self._next_output_mode()
             engine = self._get_engine()
             source = buffer_source(opts.shared_buffer, engine, self._state.forecast)
+            reserve = pool_reserve_bytes(opts.pool_reserve, engine, self._state.forecast)
+            if reserve and hasattr(engine, "reserve_pool"):  # our CUDA engines (a plugin's may not)
+                engine.reserve_pool(reserve)
             self._state.open(resolution, source=source, guard=opts.stale_output_guard, strict=opts.strict_outputs)
             self._stream = stream
         # After a forecast, the session's device-memory cost is measured to compare with it:

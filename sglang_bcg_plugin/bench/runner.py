@@ -31,13 +31,14 @@ log = logging.getLogger(__name__)
 class Variant:
     """How one bench variant captures: sharing, whether outputs are kept, guard, buffer source;
     ``inductor``: the model compiled by Inductor (piecewise: every piece; full: the model,
-    ``torch.compile(dynamic=True)``) before it is captured."""
+    ``torch.compile(dynamic=True)``) before it is captured; ``pool_reserve``: the option."""
 
     share: bool | Literal["released"]
     keep: bool = True
     guard: bool = False
     shared_buffer: str = "auto"
     inductor: bool = False
+    pool_reserve: str = "off"
 
 
 #: "floor" drops every output inside its graph (the memory floor); "guard" is "on" with the
@@ -53,6 +54,10 @@ VARIANTS = {
     "released": Variant("released"),
     "inductor": Variant(True, inductor=True),
     "inductor-released": Variant("released", inductor=True),
+    "packed": Variant(True, pool_reserve="auto"),
+    "packed-released": Variant("released", pool_reserve="auto"),
+    "inductor-packed": Variant(True, inductor=True, pool_reserve="auto"),
+    "inductor-packed-released": Variant("released", inductor=True, pool_reserve="auto"),
 }
 #: One line per variant: ``sglang-bcg bench --help`` prints them and docs/getting-started.md
 #: lists the same words (tests/test_cli.py checks both).
@@ -66,6 +71,10 @@ VARIANT_MEANINGS = {
     "released": "zero-copy outputs left in graph-pool memory, valid until the next replay",
     "inductor": "sharing on, the model compiled by Inductor first (piecewise and full only)",
     "inductor-released": "zero-copy outputs (released), the model compiled by Inductor first (piecewise and full only)",
+    "packed": "sharing on, the graph pool started as one block the forecast sized (pool_reserve='auto', CUDA)",
+    "packed-released": "zero-copy outputs (released), the pool started as one block the forecast sized (CUDA)",
+    "inductor-packed": "sharing on, Inductor first, the pool started as one block the forecast sized (CUDA)",
+    "inductor-packed-released": "released outputs, Inductor first, the pool started as one block the forecast sized (CUDA)",
 }
 
 
@@ -138,6 +147,7 @@ def run_variant(
         engine="cuda" if device.startswith("cuda") else "eager",
         stale_output_guard=v.guard,
         shared_buffer=v.shared_buffer,  # type: ignore[arg-type]
+        pool_reserve=v.pool_reserve,  # type: ignore[arg-type]
     )
     kwargs: dict[str, Any] = {}
     if backend_name == "piecewise":

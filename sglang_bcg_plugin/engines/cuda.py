@@ -54,6 +54,14 @@ class CudaGraphEngine:
         self._pools: dict[int | None, Any] = {}
         self._streams: dict[int | None, torch.cuda.Stream] = {}
         self._anchors: list[torch.cuda.CUDAGraph] = []
+        self._reserve: dict[int | None, int] = {}
+
+    def reserve_pool(self, nbytes: int, partition: int | None = None) -> None:
+        """Start ``partition``'s pool, when it is made, with one free block of ``nbytes``
+        (``BackendOptions.pool_reserve``): allocated and freed inside the anchor's capture, it
+        is a segment of the pool that the captures carve their requests from."""
+        if nbytes > 0 and partition not in self._pools:
+            self._reserve[partition] = nbytes
 
     def pool(self, partition: int | None) -> Any:
         """The partition's private pool, anchored by an empty graph for the engine's lifetime.
@@ -68,7 +76,13 @@ class CudaGraphEngine:
             anchor = torch.cuda.CUDAGraph()
             with gc_safe_capture(), torch.cuda.stream(self._partition_stream(partition)):
                 anchor.capture_begin(pool=handle)
-                end_capture(anchor)
+                try:
+                    nbytes = self._reserve.pop(partition, 0)
+                    if nbytes:  # a segment of its own, back in the pool's free blocks at once
+                        del_now = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+                        del del_now
+                finally:
+                    end_capture(anchor)
             self._anchors.append(anchor)
             self._pools[partition] = handle
         return self._pools[partition]
@@ -114,6 +128,7 @@ class CudaGraphEngine:
         self._anchors.clear()
         self._pools.clear()
         self._streams.clear()
+        self._reserve.clear()
 
 
 class FullCudaEngine(CudaGraphEngine):

@@ -93,6 +93,11 @@ class PoolModel:
         """Return the block at ``addr``; it merges with free neighbours of its segment."""
         self.run(((FREE_ADDR, addr),))
 
+    def reserve(self, nbytes: int) -> None:
+        """What ``torch.empty(nbytes)`` allocated in the pool and freed at once leaves: from 10 MiB
+        a segment of its own (``nbytes`` rounded up to 2 MiB), then one free block."""
+        self.free(self.malloc(nbytes))
+
     def run(self, ops: Iterable[tuple[int, int]], stream: int = 0) -> dict[int, int]:
         """Replay a sequence of requests on ``stream``: ``(ALLOC, bytes)``, ``(FREE, i)`` (the block
         the ``i``-th op allocated) or ``(FREE_ADDR, addr)``; returns the blocks still allocated by

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-from .allocator import PoolModel, round_size, segment_size
+from .allocator import MB, ROUND_LARGE, PoolModel, round_size, segment_size
 from .trace import KeyTrace, ScaledTrace
 
 MODES = ("off", "on", "released")
@@ -48,8 +48,9 @@ class ModeForecast:
 
 
 def simulate(trace: ScaledTrace, sizes: Iterable[int], *, keep_outputs: str, outputs: frozenset[int],
-             at: Mapping[int, KeyTrace] | None = None) -> PoolModel:
-    """Capture every size (largest first) into one modelled pool.
+             at: Mapping[int, KeyTrace] | None = None, reserve_bytes: int = 0) -> PoolModel:
+    """Capture every size (largest first) into one modelled pool (which starts with a free block
+    of ``reserve_bytes``, :meth:`~.allocator.PoolModel.reserve`, when that is not 0).
 
     ``outputs``: indices of the trace's allocs that are the forward's output, freed at the end of
     each capture unless ``keep_outputs`` is ``"all"`` (``off``) or ``"first"`` (the largest
@@ -57,6 +58,8 @@ def simulate(trace: ScaledTrace, sizes: Iterable[int], *, keep_outputs: str, out
     ``at``: ``trace.at(size)`` of the sizes, computed once for several simulations.
     """
     pool = PoolModel()
+    if reserve_bytes:
+        pool.reserve(reserve_bytes)
     for rank, size in enumerate(sorted(set(sizes), reverse=True)):
         key = at[size] if at is not None else trace.at(size)
         handles = pool.run(key.ops)
@@ -68,14 +71,39 @@ def simulate(trace: ScaledTrace, sizes: Iterable[int], *, keep_outputs: str, out
 
 
 def on_bytes_by_source(trace: ScaledTrace, sizes: list[int], *, outputs: frozenset[int], released: int,
-                       largest_output_bytes: int, at: Mapping[int, KeyTrace] | None = None) -> dict[str, int]:
+                       largest_output_bytes: int, at: Mapping[int, KeyTrace] | None = None,
+                       reserve_bytes: int = 0) -> dict[str, int]:
     """The pool plus buffer of ``on`` for each buffer source: ``reserve`` (the largest output's
     bytes outside the pool, a segment of their own from 10 MiB) and ``adopt`` (the largest
     capture's own output kept in the pool as the buffer)."""
     need = round_size(largest_output_bytes) if largest_output_bytes else 0
     reserve = released + (segment_size(need) if need >= 10 * 1024 * 1024 else need)
-    adopt = simulate(trace, sizes, keep_outputs="first", outputs=outputs, at=at).reserved_bytes
+    adopt = simulate(trace, sizes, keep_outputs="first", outputs=outputs, at=at, reserve_bytes=reserve_bytes).reserved_bytes
     return {"adopt": adopt, "reserve": reserve}
+
+
+#: Sizes tried for the pool's first block, in MiB above the largest capture's peak (rounded to
+#: 2 MiB): each on the two largest captures, the best then on the whole schedule.
+RESERVE_STEPS_MIB = (0, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128)
+
+
+def best_reserve(trace: ScaledTrace, sizes: list[int], *, keep_outputs: str, outputs: frozenset[int],
+                 baseline: int, at: Mapping[int, KeyTrace] | None = None) -> int:
+    """The first block (bytes) that makes the schedule's pool smaller than ``baseline`` (its
+    reserved bytes without one), or 0 when none of :data:`RESERVE_STEPS_MIB` does.
+
+    One segment at least as large as the largest capture's peak lets the allocator carve every
+    request from it where, without it, it cuts a segment per request it cannot place (a pool of
+    many exact-size segments that no later request fits twice). The size is searched on the
+    two largest captures (cheap) and checked on the whole schedule."""
+    order = sorted(set(sizes), reverse=True)
+    peak = simulate(trace, order[:1], keep_outputs=keep_outputs, outputs=outputs, at=at).peak_allocated_bytes
+    start = -(-peak // ROUND_LARGE) * ROUND_LARGE
+    tried = [(simulate(trace, order[:2], keep_outputs=keep_outputs, outputs=outputs, at=at,
+                       reserve_bytes=start + step * MB).reserved_bytes, start + step * MB) for step in RESERVE_STEPS_MIB]
+    candidate = min(tried)[1]
+    whole = simulate(trace, order, keep_outputs=keep_outputs, outputs=outputs, at=at, reserve_bytes=candidate)
+    return candidate if whole.reserved_bytes < baseline else 0
 
 
 def forecast_modes(
@@ -87,12 +115,16 @@ def forecast_modes(
     stream_bytes: int = 0,
     bridge_bytes: int = 0,
     source: str = "reserve",
+    pool_reserve: str | int = "off",
+    configured_mode: str = "released",
 ) -> dict[str, ModeForecast]:
     """:class:`ModeForecast` of ``off``, ``on`` and ``released`` for the schedule ``sizes``;
-    ``on`` with the buffer ``source`` (``"adopt"``, ``"reserve"``, or ``"auto"``: the smaller).
+    ``on`` with the buffer ``source`` (``"adopt"``, ``"reserve"``, or ``"auto"``: the smaller);
+    the pool's first block as :func:`schedule_forecast` decides it.
     """
     return schedule_forecast(trace, sizes, outputs=outputs, largest_output_bytes=largest_output_bytes,
-                             stream_bytes=stream_bytes, bridge_bytes=bridge_bytes, source=source)[0]
+                             stream_bytes=stream_bytes, bridge_bytes=bridge_bytes, source=source,
+                             pool_reserve=pool_reserve, configured_mode=configured_mode)[0]
 
 
 def schedule_forecast(
@@ -104,16 +136,36 @@ def schedule_forecast(
     stream_bytes: int = 0,
     bridge_bytes: int = 0,
     source: str = "reserve",
-) -> tuple[dict[str, ModeForecast], dict[str, int], str]:
-    """:func:`forecast_modes`, with ``on``'s pool plus buffer per source and the source taken
-    (``"auto"`` resolved to the cheaper), each simulation run once."""
+    pool_reserve: str | int = "off",
+    configured_mode: str = "released",
+) -> tuple[dict[str, ModeForecast], dict[str, int], str, int]:
+    """:func:`forecast_modes`, with ``on``'s pool plus buffer per source, the source taken
+    (``"auto"`` resolved to the cheaper) and the pool's first block in bytes (0: none).
+
+    ``pool_reserve``: ``"off"``; bytes; or ``"auto"``: :func:`best_reserve` for what
+    ``configured_mode`` keeps (every output, the adopted one, or none), taken only where it
+    lowers that mode's pool. Every mode is then forecast with the same first block: it is what
+    the next session reserves, whatever its mode."""
     sizes = list(sizes)
     at = {size: trace.at(size) for size in set(sizes)}
-    released = simulate(trace, sizes, keep_outputs="none", outputs=outputs, at=at).reserved_bytes
-    kept = simulate(trace, sizes, keep_outputs="all", outputs=outputs, at=at).reserved_bytes
-    by_source = on_bytes_by_source(trace, sizes, outputs=outputs, released=released,
-                                   largest_output_bytes=largest_output_bytes, at=at)
+
+    def pools(reserve_bytes: int) -> tuple[int, int, dict[str, int]]:
+        released = simulate(trace, sizes, keep_outputs="none", outputs=outputs, at=at, reserve_bytes=reserve_bytes).reserved_bytes
+        kept = simulate(trace, sizes, keep_outputs="all", outputs=outputs, at=at, reserve_bytes=reserve_bytes).reserved_bytes
+        by_source = on_bytes_by_source(trace, sizes, outputs=outputs, released=released,
+                                       largest_output_bytes=largest_output_bytes, at=at, reserve_bytes=reserve_bytes)
+        return released, kept, by_source
+
+    released, kept, by_source = pools(0)
     chosen = cheaper_source(by_source) if source == "auto" else source
+    reserve_bytes = pool_reserve if isinstance(pool_reserve, int) else 0
+    if pool_reserve == "auto":
+        keep = {"off": "all", "released": "none"}.get(configured_mode, "first" if chosen == "adopt" else "none")
+        baseline = {"all": kept, "none": released, "first": by_source["adopt"]}[keep]
+        reserve_bytes = best_reserve(trace, sizes, keep_outputs=keep, outputs=outputs, baseline=baseline, at=at)
+    if reserve_bytes:
+        released, kept, by_source = pools(reserve_bytes)
+        chosen = cheaper_source(by_source) if source == "auto" else source
     on = by_source[chosen]
     extra = stream_bytes + bridge_bytes
     modes = {
@@ -121,7 +173,7 @@ def schedule_forecast(
         "on": ModeForecast("on", on + extra, released, on - released, stream_bytes, bridge_bytes),
         "released": ModeForecast("released", released + extra, released, 0, stream_bytes, bridge_bytes),
     }
-    return modes, by_source, chosen
+    return modes, by_source, chosen, reserve_bytes
 
 
 def cheaper_source(by_source: dict[str, int]) -> str:

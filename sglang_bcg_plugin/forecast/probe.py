@@ -76,6 +76,9 @@ class GraphMemoryForecast:
     references: MappingProxyType[str, dict[str, int]] = field(default_factory=lambda: MappingProxyType({}))
     #: of :attr:`seconds`, the probe captures' (warmups, captures, cleanup); the rest is the model.
     probe_seconds: float = 0.0
+    #: the block the graph pool starts with (``BackendOptions.pool_reserve``; 0: none), with which
+    #: every mode is forecast, and which the next session reserves with ``pool_reserve="auto"``.
+    pool_reserve_bytes: int = 0
 
     def bytes_for(self, mode: str | None = None) -> int:
         """The forecast total of ``mode`` (default: :attr:`mode`)."""
@@ -88,14 +91,16 @@ class GraphMemoryForecast:
     def to_dict(self) -> dict[str, Any]:
         return {"backend": self.backend, "mode": self.mode, "num_sizes": len(self.sizes),
                 "max_tokens": self.sizes[0] if self.sizes else 0, "probe_sizes": list(self.probe_sizes),
-                "seconds": self.seconds, "probe_seconds": self.probe_seconds, "buffer_source": self.buffer_source, "on_by_source": dict(self.on_by_source),
+                "seconds": self.seconds, "probe_seconds": self.probe_seconds, "pool_reserve_bytes": self.pool_reserve_bytes, "buffer_source": self.buffer_source, "on_by_source": dict(self.on_by_source),
                 "references": {m: dict(r) for m, r in self.references.items()},
                 "modes": {m: f.to_dict() for m, f in self.modes.items()}}
 
     def format(self) -> str:
         lines = [f"{self.backend}: graph memory forecast for {len(self.sizes)} sizes up to "
                  f"{self.sizes[0] if self.sizes else 0} tokens (probes {self.probe_sizes[0]} and "
-                 f"{self.probe_sizes[1]}, {self.seconds:.1f} s; on with the {self.buffer_source} buffer):"]
+                 f"{self.probe_sizes[1]}, {self.seconds:.1f} s; on with the {self.buffer_source} buffer"
+                 + (f"; the pool starts with one {self.pool_reserve_bytes / MIB:.0f} MiB block" if self.pool_reserve_bytes else "")
+                 + "):"]
         for m in MODES:
             f = self.modes[m]
             mark = " <- configured" if m == self.mode else ""
@@ -177,13 +182,14 @@ def forecast_schedule(
     probe_sizes = (schedule[0], schedule[-1])
     # One warmup per probe (the engine's minimum still applies): lazy state is made by the first
     # eager run, and the graph pool only sees the capture; the schedule keeps its own warmups.
-    backend.configure(output_mode="off", stale_output_guard=False, num_warmups=min(options.num_warmups, 1))
+    backend.configure(output_mode="off", stale_output_guard=False, num_warmups=min(options.num_warmups, 1),
+                      pool_reserve="off")  # the probes' pool as the allocator cuts it
     try:
         traces, largest_output, bridges, stream_bytes = _probe(backend, probe_sizes, forward_for, capture_inputs)
     finally:
         backend.cleanup()
         backend.configure(output_mode=options.output_mode, stale_output_guard=options.stale_output_guard,
-                          num_warmups=options.num_warmups)
+                          num_warmups=options.num_warmups, pool_reserve=options.pool_reserve)
     probe_seconds = time.perf_counter() - start
     large, small = traces
     # The model makes tens of thousands of short-lived objects: with the GC on they trigger
@@ -191,10 +197,11 @@ def forecast_schedule(
     # more than the model; its garbage goes by reference counting and the next collection.
     with gc_safe_capture(collect=False):
         fitted, outputs = ScaledTrace.fit(large, small), output_allocs(large, largest_output)
-        modes, by_source, source = schedule_forecast(fitted, schedule, outputs=outputs,
-                                                     largest_output_bytes=sum(largest_output), stream_bytes=stream_bytes,
-                                                     bridge_bytes=bridges, source=options.shared_buffer)
+        modes, by_source, source, reserve_bytes = schedule_forecast(
+            fitted, schedule, outputs=outputs, largest_output_bytes=sum(largest_output), stream_bytes=stream_bytes,
+            bridge_bytes=bridges, source=options.shared_buffer, pool_reserve=options.pool_reserve,
+            configured_mode=configured_mode)
         references = reference_estimates(modes, fitted, schedule, outputs=outputs)
     return GraphMemoryForecast(backend.name, tuple(schedule), configured_mode, MappingProxyType(modes), probe_sizes,
                                time.perf_counter() - start, source, MappingProxyType(by_source),
-                               MappingProxyType(references), probe_seconds)
+                               MappingProxyType(references), probe_seconds, reserve_bytes)
