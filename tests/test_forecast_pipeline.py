@@ -82,6 +82,7 @@ class RecordedBackend:
         self.captured: list[int] = []
         self.sessions: list[str | None] = []
         self.warmups: list[int] = []
+        self.reserves: list[str | int] = []
         self.cleaned = 0
 
     def captured_keys(self) -> list[Any]:
@@ -95,6 +96,7 @@ class RecordedBackend:
     def capture_session(self, stream: Any = None) -> Iterator[None]:
         self.sessions.append(self.options.output_mode)
         self.warmups.append(self.options.num_warmups)
+        self.reserves.append(self.options.pool_reserve)
         yield
 
     def capture_one(self, shape_key: Any, forward_fn: Any, capture_inputs: Any = None) -> Any:
@@ -148,6 +150,16 @@ def test_forecast_schedule_on_recorded_captures(name: str, allocator: RecordedAl
     auto = probe.forecast_schedule(backend, case["sizes"], lambda n: lambda: None, configured_mode="on")
     assert auto.buffer_source == ("adopt" if name == "synthetic/full" else "reserve")
     assert auto.bytes_for() == min(auto.on_by_source.values()) + stream
+    assert auto.pool_reserve_bytes == 0  # pool_reserve="off", the default
+    # pool_reserve="auto": the probes' pool is the allocator's own; the forecast sizes the block
+    free = iter([100 << 30, (100 << 30) - pool - stream])
+    allocator.shown = []
+    packed = dataclasses.replace(options, shared_buffer="auto", pool_reserve="auto")
+    backend = RecordedBackend(case, allocator, packed)
+    fc = probe.forecast_schedule(backend, case["sizes"], lambda n: lambda: None, configured_mode="on")
+    assert backend.reserves == ["off"] and backend.options == packed  # restored
+    assert fc.pool_reserve_bytes > 0 and fc.bytes_for() < auto.bytes_for()
+    assert fc.to_dict()["pool_reserve_bytes"] == fc.pool_reserve_bytes and "MiB block" in fc.format()
 
 
 def test_probe_failure_restores_the_backend(allocator: RecordedAllocator, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -152,3 +152,13 @@ def test_share_output_is_a_deprecated_alias_of_output_mode() -> None:
         BackendOptions(output_mode="on", share_output=False)
     with pytest.warns(DeprecationWarning, match="resolve_share_output"):
         assert resolve_share_output("released", environ={}) is True
+
+
+def test_pool_reserve_option() -> None:
+    assert BackendOptions().pool_reserve == "off"  # nothing changes until asked
+    assert BackendOptions(pool_reserve=" AUTO ").pool_reserve == "auto"
+    assert BackendOptions(pool_reserve=0).pool_reserve == "off"
+    assert BackendOptions(pool_reserve=64 << 20).pool_reserve == 64 << 20
+    for bad, exc in ((True, TypeError), (1.5, TypeError), (None, TypeError), (-1, ValueError), ("always", ValueError)):
+        with pytest.raises(exc, match="BackendOptions.pool_reserve must be 'off', 'auto' or bytes"):
+            BackendOptions(pool_reserve=bad)  # type: ignore[arg-type]
