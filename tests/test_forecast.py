@@ -371,3 +371,25 @@ def test_bench_row_table_and_plot_carry_the_forecast() -> None:
     (group,) = plot_groups([row], graph_memory=False)  # CPU: resident memory, no forecast marker
     assert group.bars[0].forecast_mib is None
     assert row.to_dict()["forecast"]["mode"] == "on"
+
+
+def test_session_reserves_the_block_on_an_engine_that_can() -> None:
+    """The session hands the block to a CUDA engine before its first capture (stood in here: an
+    engine that records the call; on the GPU, tests/gpu/test_forecast_gpu.py measures it)."""
+    from types import SimpleNamespace
+
+    calls: list[int] = []
+    backend = create_backend("full", options=BackendOptions(engine="eager", pool_reserve=96 * MB))
+    backend._engine = SimpleNamespace(name="cuda", reserve_pool=calls.append)  # type: ignore[assignment]
+    with backend.capture_session():
+        pass
+    assert calls == [96 * MB]
+    backend._engine = SimpleNamespace(name="cuda")  # a plugin's engine without reserve_pool: skipped
+    with backend.capture_session():
+        pass
+    backend.configure(pool_reserve="off")
+    backend._engine = SimpleNamespace(name="cuda", reserve_pool=calls.append)  # type: ignore[assignment]
+    with backend.capture_session():
+        pass
+    assert calls == [96 * MB]
+    backend._engine = None
