@@ -25,7 +25,8 @@ from typing import Any
 
 import torch
 
-from sglang_bcg_plugin import BackendOptions, ShapeKey, create_backend
+from replay_profile import inductor_backend  # tests/gpu, beside this file
+from sglang_bcg_plugin import ShapeKey
 from sglang_bcg_plugin.bench.workload import LlamaWorkload, ModelShape
 
 MIB = 1 << 20
@@ -98,15 +99,7 @@ def pool_anatomy(run: Any, pools: set[tuple[int, int]] | None = None) -> dict[st
 
 
 def ours(name: str, workload: LlamaWorkload, tokens: int) -> tuple[dict[str, float], dict[str, Any]]:
-    torch._dynamo.reset()
-    kwargs: dict[str, Any] = {}
-    if name == "piecewise":
-        kwargs = {"splitting_ops": list(workload.splitting_ops), "inductor": True}
-    backend = create_backend(name, options=BackendOptions(output_mode="released", engine="cuda"), **kwargs)
-    model, static = workload.model_for(name, tokens), workload.static_input(tokens)
-    fn = backend.compile(model, dynamic_dim=workload.dynamic_dim)
-    if name == "full":
-        fn = torch.compile(model, dynamic=True)
+    backend, fn, static = inductor_backend(name, workload, tokens, mode="released")
     eager = forward_peak(fn, workload, static, tokens)
 
     def run() -> Any:

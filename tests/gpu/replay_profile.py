@@ -27,16 +27,23 @@ from sglang_bcg_plugin.bench.workload import LlamaWorkload, ModelShape
 REPLAYS = 5
 
 
-def capture(name: str, workload: LlamaWorkload, tokens: int) -> tuple[Any, Any]:
+def inductor_backend(name: str, workload: LlamaWorkload, tokens: int, mode: str = "on") -> tuple[Any, Any, Any]:
+    """A fresh backend with the model compiled by Inductor (Piecewise: every piece; Full: the
+    model, ``torch.compile(dynamic=True)``), its compiled callable and the static input."""
     torch._dynamo.reset()
     kwargs: dict[str, Any] = {}
     if name == "piecewise":
         kwargs = {"splitting_ops": list(workload.splitting_ops), "inductor": True}
-    backend = create_backend(name, options=BackendOptions(output_mode="on", engine="cuda"), **kwargs)
+    backend = create_backend(name, options=BackendOptions(output_mode=mode, engine="cuda"), **kwargs)
     model, static = workload.model_for(name, tokens), workload.static_input(tokens)
     fn = backend.compile(model, dynamic_dim=workload.dynamic_dim)
     if name == "full":
         fn = torch.compile(model, dynamic=True)
+    return backend, fn, static
+
+
+def capture(name: str, workload: LlamaWorkload, tokens: int) -> tuple[Any, Any]:
+    backend, fn, static = inductor_backend(name, workload, tokens)
     with torch.no_grad(), backend.capture_session():
         backend.capture_one(ShapeKey(tokens), lambda: workload.call(fn, static, tokens), capture_inputs=static)
     return backend, ShapeKey(tokens)
