@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from .allocator import MB, ROUND_LARGE, PoolModel, round_size, segment_size
 from .trace import KeyTrace, ScaledTrace
@@ -106,25 +107,13 @@ def best_reserve(trace: ScaledTrace, sizes: list[int], *, keep_outputs: str, out
     return candidate if whole.reserved_bytes < baseline else 0
 
 
-def forecast_modes(
-    trace: ScaledTrace,
-    sizes: Iterable[int],
-    *,
-    outputs: frozenset[int],
-    largest_output_bytes: int,
-    stream_bytes: int = 0,
-    bridge_bytes: int = 0,
-    source: str = "reserve",
-    pool_reserve: str | int = "off",
-    configured_mode: str = "released",
-) -> dict[str, ModeForecast]:
-    """:class:`ModeForecast` of ``off``, ``on`` and ``released`` for the schedule ``sizes``;
-    ``on`` with the buffer ``source`` (``"adopt"``, ``"reserve"``, or ``"auto"``: the smaller);
-    the pool's first block as :func:`schedule_forecast` decides it.
+def forecast_modes(trace: ScaledTrace, sizes: Iterable[int], **options: Any) -> dict[str, ModeForecast]:
+    """:class:`ModeForecast` of ``off``, ``on`` and ``released`` for the schedule ``sizes``: the
+    first part of :func:`schedule_forecast`, which takes the same keyword ``options``
+    (``outputs`` and ``largest_output_bytes`` required; ``on`` with the buffer ``source``:
+    ``"adopt"``, ``"reserve"``, or ``"auto"``, the smaller; the pool's first block as it decides).
     """
-    return schedule_forecast(trace, sizes, outputs=outputs, largest_output_bytes=largest_output_bytes,
-                             stream_bytes=stream_bytes, bridge_bytes=bridge_bytes, source=source,
-                             pool_reserve=pool_reserve, configured_mode=configured_mode)[0]
+    return schedule_forecast(trace, sizes, **options)[0]
 
 
 def schedule_forecast(
