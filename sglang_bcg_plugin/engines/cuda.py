@@ -78,9 +78,8 @@ class CudaGraphEngine:
                 anchor.capture_begin(pool=handle)
                 try:
                     nbytes = self._reserve.pop(partition, 0)
-                    if nbytes:  # a segment of its own, back in the pool's free blocks at once
-                        del_now = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-                        del del_now
+                    if nbytes:  # a segment of its own, dropped at once: a free block of the pool
+                        torch.empty(nbytes, dtype=torch.uint8, device="cuda")
                 finally:
                     end_capture(anchor)
             self._anchors.append(anchor)

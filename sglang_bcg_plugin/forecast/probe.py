@@ -91,7 +91,9 @@ class GraphMemoryForecast:
     def to_dict(self) -> dict[str, Any]:
         return {"backend": self.backend, "mode": self.mode, "num_sizes": len(self.sizes),
                 "max_tokens": self.sizes[0] if self.sizes else 0, "probe_sizes": list(self.probe_sizes),
-                "seconds": self.seconds, "probe_seconds": self.probe_seconds, "pool_reserve_bytes": self.pool_reserve_bytes, "buffer_source": self.buffer_source, "on_by_source": dict(self.on_by_source),
+                "seconds": self.seconds, "probe_seconds": self.probe_seconds,
+                "pool_reserve_bytes": self.pool_reserve_bytes, "buffer_source": self.buffer_source,
+                "on_by_source": dict(self.on_by_source),
                 "references": {m: dict(r) for m, r in self.references.items()},
                 "modes": {m: f.to_dict() for m, f in self.modes.items()}}
 
