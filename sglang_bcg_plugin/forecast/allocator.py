@@ -70,8 +70,8 @@ class PoolModel:
     """One pool's segments and blocks; ``malloc`` returns a handle for ``free``.
 
     Free blocks are kept in one list sorted by ``(small, stream, size, addr)``, so best fit is a
-    bisection. The bodies are written out (no helper calls per request): a forecast replays
-    tens of thousands of requests.
+    bisection. ``malloc`` and ``free`` are one-request :meth:`run`\ s: every rule is written
+    once, in its loop, with no helper call per request (a forecast replays tens of thousands).
     """
 
     segments: list[int] = field(default_factory=list)  # sizes, in creation order
