@@ -70,7 +70,7 @@ class PoolModel:
     """One pool's segments and blocks; ``malloc`` returns a handle for ``free``.
 
     Free blocks are kept in one list sorted by ``(small, stream, size, addr)``, so best fit is a
-    bisection. ``malloc`` and ``free`` are one-request :meth:`run`\ s: every rule is written
+    bisection. ``malloc`` and ``free`` are :meth:`run` with one request: every rule is written
     once, in its loop, with no helper call per request (a forecast replays tens of thousands).
     """
 
