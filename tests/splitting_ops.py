@@ -34,3 +34,19 @@ def _(x: torch.Tensor, out: torch.Tensor) -> None:
 
 #: Both ops, the second as the overload a graph calls.
 OPS = [mix, torch.ops.sglang_bcg_test.write_softmax.default]
+
+
+#: What ``heads_mix`` received, in call order: (seq length, contiguous). Tests clear it.
+SEEN_CONTIGUOUS: list[tuple[int, bool]] = []
+
+
+@torch.library.custom_op("sglang_bcg_test::heads_mix", mutates_args=())
+def heads_mix(x: torch.Tensor) -> torch.Tensor:
+    """Splitting op reading a ``[heads, seq, d]`` view as attention does; notes its layout."""
+    SEEN_CONTIGUOUS.append((x.shape[1], x.is_contiguous()))
+    return (torch.tanh(x) + 1.0).transpose(0, 1).contiguous()
+
+
+@heads_mix.register_fake
+def _(x: torch.Tensor) -> torch.Tensor:
+    return x.new_empty(x.shape[1], x.shape[0], x.shape[2])

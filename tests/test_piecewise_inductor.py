@@ -26,7 +26,7 @@ from sglang_bcg_plugin.bench.rows import BenchRow
 from sglang_bcg_plugin.cli import main
 from sglang_bcg_plugin.trees import flatten
 
-from splitting_ops import mix, write_softmax  # tests/splitting_ops.py
+from splitting_ops import SEEN_CONTIGUOUS, heads_mix, mix, write_softmax  # tests/splitting_ops.py
 
 H = 8
 SIZES = [16, 8, 5, 2, 1]  # largest first, 1 included
@@ -175,15 +175,17 @@ def test_inductor_options_are_checked() -> None:
     assert off.compile_seconds == 0.0
 
 
-def test_dense_fresh_makes_only_fresh_strided_outputs_contiguous() -> None:
+def test_dense_fresh_makes_only_fresh_outputs_with_gaps_contiguous() -> None:
     arg = torch.randn(4, 6)
     fresh = torch.randn(4, 6)
-    result = (fresh[:, :3], arg[:, :3], fresh, 7)
+    result = (fresh[:, :3], arg[:, :3], fresh, 7, fresh.t())
     out = dense_fresh(result, (arg,))
     assert out[0].is_contiguous() and torch.equal(out[0], fresh[:, :3])
-    assert out[1] is result[1]  # aliases an argument: the bridge passes it as is
+    assert out[1] is result[1]  # aliases an argument: passed as is
     assert out[2] is fresh and out[3] == 7
-    same = (fresh,)
+    assert out[4] is result[4]  # transposed but dense: empty_like keeps its strides, no copy
+    assert torch.empty_like(result[4]).stride() == result[4].stride()
+    same = (fresh, fresh.t())
     assert dense_fresh(same, (arg,)) is same
 
 
@@ -222,4 +224,46 @@ def test_batch_first_slices_compile_once() -> None:
     assert backend.num_compilations == 1
     with pytest.raises(ValueError, match="dynamic_dim must be an int >= 0"):
         backend.compile(lambda x: x, dynamic_dim=-1)
+    torch._dynamo.reset()
+
+
+class Heads(torch.nn.Module):
+    """Attention's layout change around a splitting op: a ``[seq, heads * d]`` projection viewed
+    as ``[heads, seq, d]`` (a transposed, dense view) crosses the call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(1)
+        self.register_buffer("w", torch.randn(H, 2 * H, generator=g) / H**0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q = (x @ self.w).view(x.shape[0], 2, H).transpose(0, 1) * 0.5  # [heads, seq, d], not contiguous
+        a = heads_mix(q)  # [seq, heads, d]
+        return a.reshape(x.shape[0], 2 * H) * 2.0 + 1.0
+
+
+def test_a_transposed_value_crosses_a_split_without_a_copy() -> None:
+    """A piece's output in the eager layout (dense, transposed) reaches the splitting op as it
+    is, at capture and replay (no dense copy); replay equals the model after the input changed."""
+    torch._dynamo.reset()
+    backend = create_backend(
+        "piecewise", options=BackendOptions(engine="eager", output_mode="on"), splitting_ops=[heads_mix], inductor=True
+    )
+    model = Heads()
+    fn = backend.compile(model)
+    x = torch.randn(max(SIZES), H)
+    SEEN_CONTIGUOUS.clear()
+    with torch.no_grad(), backend.capture_session():
+        for s in SIZES:
+            backend.capture_one(ShapeKey(s), lambda s=s: fn(x[:s]), capture_inputs=x)
+    x.copy_(torch.randn_like(x))
+    for s in SIZES:
+        got = backend.replay(ShapeKey(s)).clone()
+        with torch.no_grad():
+            torch.testing.assert_close(got, model(x[:s]), rtol=1e-5, atol=1e-5)
+    # every capture and replay called the op; each saw the transposed view as it is, except at
+    # size 1 (a [2, 1, H] view is contiguous)
+    assert [n for n, _ in SEEN_CONTIGUOUS if n == 1] and len(SEEN_CONTIGUOUS) >= 2 * len(SIZES)
+    assert not any(contiguous for n, contiguous in SEEN_CONTIGUOUS if n > 1)
+    backend.cleanup()
     torch._dynamo.reset()

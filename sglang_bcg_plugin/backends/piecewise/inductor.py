@@ -11,11 +11,14 @@ through the split graph by :class:`_FakeRun` under dynamo's ``FakeTensorMode``),
 baked in. Inductor's own CUDA graphs stay off (``triton.cudagraphs=False``): we
 capture the compiled pieces ourselves.
 
-Layouts: a compiled piece checks the strides of its inputs (they were fixed at compile time),
-and a value crossing a splitting call reaches the next piece through a contiguous bridge slot
-at capture. So every fresh tensor a bridged piece or a splitting call returns is made dense
-(:func:`dense_fresh`) in the fake run *and* in every plain call, and the compiled pieces see the
-layout the bridges give them, outside a capture and inside one.
+Layouts: a compiled piece checks the strides of its inputs (they were fixed at compile time).
+A piece's outputs cross a splitting call as they are, in the layout Inductor gives them (the
+eager strides: a transposed query stays transposed, so the attention reads it without a copy).
+A tensor a splitting call returns reaches the next piece, at capture, through graph-pool memory
+made by ``torch.empty_like``, which keeps the strides of a dense layout (a permutation) but not
+of one with gaps or overlaps. So every such fresh return is made contiguous (:func:`dense_fresh`)
+in the fake run *and* in every plain call, and the compiled pieces see one layout, outside a
+capture and inside one; a dense return, transposed or not, is never copied.
 """
 
 from __future__ import annotations
@@ -50,20 +53,30 @@ def _contiguous(t: torch.Tensor) -> bool:
     return bool(check(t))
 
 
-def dense_fresh(result: Any, args: Sequence[Any]) -> Any:
-    """``result`` with every non-contiguous tensor that aliases no argument made contiguous.
+def _dense(t: torch.Tensor) -> bool:
+    """Non-overlapping and dense (a permutation of a contiguous layout): ``torch.empty_like``
+    gives the same strides. Undecidable for a fake tensor's unbacked size: no."""
+    check = getattr(torch._prims_common, "is_non_overlapping_and_dense_or_false", None)
+    if check is None:  # pragma: no cover - older torch: only the contiguous layout counts
+        return _contiguous(t)
+    return bool(check(t))
 
-    That is what the recorder's bridge does to a fresh output (copied into a contiguous slot),
-    done outside a capture too, so a compiled piece meets one layout everywhere. (A size-1 dim
-    may keep any stride: Inductor's stride checks skip it, and so does ``is_contiguous``.)
+
+def dense_fresh(result: Any, args: Sequence[Any]) -> Any:
+    """``result`` with every tensor that aliases no argument and has gaps or overlaps made contiguous.
+
+    A splitting call's fresh return reaches the next piece, at capture, through
+    ``torch.empty_like`` pool memory: the same strides for a dense layout, contiguous ones
+    otherwise. Done outside a capture too, so a compiled piece meets one layout everywhere. A
+    dense return (contiguous, transposed, any permutation) passes as it is, never copied.
     """
     leaves, spec = tree_flatten(result)
-    if all(not isinstance(t, torch.Tensor) or _contiguous(t) for t in leaves):
+    if all(not isinstance(t, torch.Tensor) or _dense(t) for t in leaves):
         return result
     inputs = {_fresh_key(a) for a in tree_flatten(list(args))[0] if isinstance(a, torch.Tensor)}
     out = [
         t.clone(memory_format=torch.contiguous_format)
-        if isinstance(t, torch.Tensor) and not _contiguous(t) and _fresh_key(t) not in inputs
+        if isinstance(t, torch.Tensor) and not _dense(t) and _fresh_key(t) not in inputs
         else t
         for t in leaves
     ]
@@ -117,7 +130,8 @@ class InductorPieces:
         """Compile the sub-modules ``pieces`` of ``split_gm`` (before they are wrapped).
 
         :param example_inputs: what dynamo passed the compile backend (one per placeholder).
-        :param dense: sub-modules whose fresh outputs are bridged (made dense, see module doc).
+        :param dense: the splitting calls: their fresh returns with gaps are made contiguous
+            (see module doc).
         """
         start = time.perf_counter()
         run = _FakeRun(split_gm, self, frozenset(pieces), frozenset(dense))

@@ -47,23 +47,20 @@ class SplitSummary:
 class PieceRunner(torch.nn.Module):
     """A piece: plain call outside a capture, recorded/captured inside one.
 
-    :param compiled: the piece compiled by Inductor; runs instead of the FX ``piece``.
-    :param dense: a splitting call follows a compiled piece: its fresh outputs are made dense,
-        inside a capture and outside one alike, so the next compiled piece meets one layout.
+    :param compiled: the piece compiled by Inductor; runs instead of the FX ``piece``. Its
+        outputs keep the layout Inductor gives them (the eager strides): they cross a splitting
+        call as they are, so the next piece meets the same layout inside a capture and outside.
     """
 
-    def __init__(
-        self, piece: torch.fx.GraphModule, tag: str, compiled: Callable[..., Any] | None = None, dense: bool = False
-    ) -> None:
+    def __init__(self, piece: torch.fx.GraphModule, tag: str, compiled: Callable[..., Any] | None = None) -> None:
         super().__init__()
         self.piece = piece
         self.tag = tag
         self.compiled = compiled
-        self.dense = dense
 
     def _run(self, *args: Any) -> Any:
         fn = self.piece if self.compiled is None else self.compiled
-        return dense_fresh(fn(*args), args) if self.dense else fn(*args)
+        return fn(*args)
 
     def forward(self, *args: Any) -> Any:
         recorder = active_piece_recorder()
@@ -161,21 +158,18 @@ def split_graph(
     order = [n.target for n in split_gm.graph.nodes if n.op == "call_module"]
     names = [str(n) for n in order]
     is_call = {name: int(name.rsplit("_", 1)[1]) in split_ids for name in names}
-    # A piece followed by a splitting call hands its values across it.
-    bridged = {name for pos, name in enumerate(names) if any(is_call[later] for later in names[pos + 1 :])}
     pieces = [name for name in names if not is_call[name]]
     compiled = {}
     if inductor is not None:
-        dense = [name for name in names if is_call[name] or name in bridged]
-        compiled = inductor.compile(split_gm, example_inputs or [], pieces, dense)
+        calls = [name for name in names if is_call[name]]
+        compiled = inductor.compile(split_gm, example_inputs or [], pieces, calls)
     for name in names:
         sub = getattr(split_gm, name)
         tag = f"g{graph_id}.{name}"
         if is_call[name]:
             split_gm.add_module(name, SplitRunner(sub, tag, dense=inductor is not None))
         else:
-            runner = PieceRunner(sub, tag, compiled.get(name), dense=name in compiled and name in bridged)
-            split_gm.add_module(name, runner)
+            split_gm.add_module(name, PieceRunner(sub, tag, compiled.get(name)))
     num_pieces = len(pieces)
     summary = SplitSummary(graph_id, num_pieces, len(targets), tuple(targets))
     return split_gm, summary
