@@ -50,3 +50,34 @@ def heads_mix(x: torch.Tensor) -> torch.Tensor:
 @heads_mix.register_fake
 def _(x: torch.Tensor) -> torch.Tensor:
     return x.new_empty(x.shape[1], x.shape[0], x.shape[2])
+
+
+#: Storage weak references of what ``fresh_triple`` returned, and what ``probe_expired`` saw.
+MADE: list[object] = []
+EXPIRED: list[bool] = []
+
+
+@torch.library.custom_op("sglang_bcg_test::fresh_triple", mutates_args=())
+def fresh_triple(x: torch.Tensor) -> torch.Tensor:
+    """Splitting op returning a fresh tensor whose storage it remembers (``MADE``)."""
+    out = x * 3.0
+    MADE.append(torch.multiprocessing.reductions.StorageWeakRef(out.untyped_storage()))
+    return out
+
+
+@fresh_triple.register_fake
+def _(x: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+@torch.library.custom_op("sglang_bcg_test::probe_expired", mutates_args=())
+def probe_expired(x: torch.Tensor) -> torch.Tensor:
+    """Not a splitting op: runs inside a compiled piece and notes whether the last
+    ``fresh_triple`` result is freed by then (``EXPIRED``)."""
+    EXPIRED.append(MADE[-1].expired())  # type: ignore[attr-defined]
+    return x + 1.0
+
+
+@probe_expired.register_fake
+def _(x: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(x)

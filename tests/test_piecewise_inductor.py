@@ -26,7 +26,16 @@ from sglang_bcg_plugin.bench.rows import BenchRow
 from sglang_bcg_plugin.cli import main
 from sglang_bcg_plugin.trees import flatten
 
-from splitting_ops import SEEN_CONTIGUOUS, heads_mix, mix, write_softmax  # tests/splitting_ops.py
+from splitting_ops import (  # tests/splitting_ops.py
+    EXPIRED,
+    MADE,
+    SEEN_CONTIGUOUS,
+    fresh_triple,
+    heads_mix,
+    mix,
+    probe_expired,
+    write_softmax,
+)
 
 H = 8
 SIZES = [16, 8, 5, 2, 1]  # largest first, 1 included
@@ -192,7 +201,12 @@ def test_dense_fresh_makes_only_fresh_outputs_with_gaps_contiguous() -> None:
 def test_compiled_piece_keeps_the_piece_structure() -> None:
     assert CompiledPiece(lambda *a: [a[0], a[1]], returns_tuple=True)(1, 2) == (1, 2)
     t = torch.ones(1)
-    assert CompiledPiece(lambda *a: a[0], returns_tuple=False)(t) is t
+    assert CompiledPiece(lambda *a: [a[0]], returns_tuple=False)(t) is t  # one value: a 1-tuple for Inductor
+    boxed = CompiledPiece(lambda args: [args.pop(), len(args)], returns_tuple=True, boxed=True)
+    args = [t, t]
+    assert boxed.boxed(args) == (t, 1) and args == [t]  # the boxed callable owns the list
+    args = [t, 2]
+    assert CompiledPiece(lambda *a: [a[1]], returns_tuple=False).boxed(args) == 2 and args == []
 
 
 def test_pieces_need_dynamos_fake_mode() -> None:
@@ -266,4 +280,28 @@ def test_a_transposed_value_crosses_a_split_without_a_copy() -> None:
     assert [n for n, _ in SEEN_CONTIGUOUS if n == 1] and len(SEEN_CONTIGUOUS) >= 2 * len(SIZES)
     assert not any(contiguous for n, contiguous in SEEN_CONTIGUOUS if n > 1)
     backend.cleanup()
+    torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("inductor", [True, False], ids=["inductor", "fx"])
+def test_a_compiled_piece_frees_an_input_after_its_last_use(inductor: bool) -> None:
+    """The program hands a piece its arguments boxed and keeps no reference: Inductor's code
+    drops the splitting op's result after its last use, before the rest of the piece runs (a
+    whole-model graph frees it there too); the FX pieces hold it to the end, as before."""
+    torch._dynamo.reset()
+    backend = create_backend(
+        "piecewise", options=BackendOptions(engine="eager"), splitting_ops=[fresh_triple], inductor=inductor
+    )
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        a = fresh_triple(x)
+        return probe_expired(torch.relu(a * 2.0)) * 2.0  # a's last use is before the probe
+
+    fn = backend.compile(forward)
+    x = torch.randn(8, 4)
+    MADE.clear()
+    EXPIRED.clear()
+    with torch.no_grad():
+        torch.testing.assert_close(fn(x), (torch.relu(x * 6.0) + 1.0) * 2.0)
+    assert EXPIRED == [inductor]
     torch._dynamo.reset()

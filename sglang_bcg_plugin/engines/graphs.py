@@ -41,6 +41,9 @@ def abort_capture(graph: torch.cuda.CUDAGraph) -> None:
 class CudaSegments:
     """Each segment is one ``torch.cuda.CUDAGraph`` in the partition's pool (None if empty)."""
 
+    #: The kernels are in the graphs: recorded actions are never re-run, nothing need be kept.
+    reruns_actions = False
+
     def __init__(self, pool: Any) -> None:
         self.pool = pool
         self.graphs: list[torch.cuda.CUDAGraph | None] = []

@@ -33,6 +33,10 @@ Action = Callable[[], None]
 class Segments(Protocol):
     """How segments are made and replayed."""
 
+    #: ``record``-ed actions are re-run at replay (eager segments), so what they read is kept;
+    #: ``False`` (CUDA graphs): nothing need outlive the call that recorded it.
+    reruns_actions: bool
+
     def begin(self) -> None: ...
     def end(self) -> None: ...
     def record(self, action: Action) -> None:

@@ -71,6 +71,9 @@ class EagerSegments:
     (piece re-runs), re-run in order at replay. Only ops are recorded: Python logic of the forward
     runs once, at capture, exactly as with a CUDA graph."""
 
+    #: Recorded actions are re-run at replay: what they read must be kept.
+    reruns_actions = True
+
     def __init__(self) -> None:
         self._done: list[list[Action]] = []
         self._current: list[Action] | None = None

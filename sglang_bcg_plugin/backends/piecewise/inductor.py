@@ -86,22 +86,55 @@ def dense_fresh(result: Any, args: Sequence[Any]) -> Any:
 class CompiledPiece:
     """A piece compiled by Inductor, returning what the FX piece returned.
 
+    Called *boxed* (``piece.boxed(args)``, one list) where the caller holds no other reference to
+    the arguments: Inductor's code empties the list and drops each input after its last use, so
+    a value the piece consumes early (the attention output before ``o_proj``) is freed inside
+    the piece, as a whole-model graph frees it, instead of living until the piece returns.
     Inductor returns a list for a graph that returns a tuple; the recorder and the split graph
     expect the piece's own structure, so a tuple is given back (one value stays one value).
+
+    :param compiled: Inductor's callable; takes one list when ``boxed``, the arguments otherwise.
+    :param returns_tuple: the FX piece returns a tuple (else its one value was made a 1-tuple
+        for Inductor).
     """
 
-    def __init__(self, compiled: Callable[..., Any], returns_tuple: bool) -> None:
+    def __init__(self, compiled: Callable[..., Any], returns_tuple: bool, boxed: bool = False) -> None:
         self.compiled = compiled
         self.returns_tuple = returns_tuple
+        self.is_boxed = boxed
+
+    def boxed(self, args: list[Any]) -> Any:
+        """Run on ``args`` (a list this call empties when Inductor's code is boxed)."""
+        if self.is_boxed:
+            out = self.compiled(args)
+        else:
+            out = self.compiled(*args)
+            args.clear()
+        return tuple(out) if self.returns_tuple else out[0]
 
     def __call__(self, *args: Any) -> Any:
-        out = self.compiled(*args)
-        return tuple(out) if self.returns_tuple else out
+        return self.boxed(list(args))
 
 
 def _returns_tuple(gm: torch.fx.GraphModule) -> bool:
     out = next(n for n in gm.graph.nodes if n.op == "output")
     return isinstance(out.args[0], (tuple, list))
+
+
+def _as_tuple_graph(gm: torch.fx.GraphModule) -> None:
+    """Make ``gm`` (a copy) return its one value as a 1-tuple: a boxed compile expects tuples."""
+    out = next(n for n in gm.graph.nodes if n.op == "output")
+    out.args = ((out.args[0],),)
+    gm.recompile()
+
+
+def _boxed_module(gm: torch.fx.GraphModule) -> torch.nn.Module | None:
+    """``gm`` wrapped so that ``compile_fx`` returns a boxed callable (one list, emptied), or
+    ``None`` where this torch has no such wrapper."""
+    wrapper = getattr(torch._dynamo.utils, "GmWrapper", None)
+    if wrapper is None:  # pragma: no cover - torch < 2.4
+        return None
+    return wrapper(gm, tuple)  # type: ignore[no-any-return]
 
 
 class InductorPieces:
@@ -145,9 +178,12 @@ class InductorPieces:
 
         gm = copy.deepcopy(piece)  # compile_fx may rewrite the graph; the FX piece stays as traced
         returns_tuple = _returns_tuple(gm)
-        compiled = compile_fx(gm, list(fake_args), config_patches=dict(self.config))
+        if not returns_tuple:
+            _as_tuple_graph(gm)
+        boxed = _boxed_module(gm)
+        compiled = compile_fx(gm if boxed is None else boxed, list(fake_args), config_patches=dict(self.config))
         self.num_compilations += 1
-        return CompiledPiece(compiled, returns_tuple)  # type: ignore[arg-type]  # a callable here
+        return CompiledPiece(compiled, returns_tuple, boxed=boxed is not None)  # type: ignore[arg-type]
 
 
 def _fake_inputs(example_inputs: Sequence[Any]) -> list[Any]:

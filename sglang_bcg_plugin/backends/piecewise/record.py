@@ -78,13 +78,15 @@ class PieceRecorder(Recorder):
         self.inputs.update(storage_key(t) for t in _tensors(args))
         self.held.append(args)
 
-    def run_piece(self, tag: str, fn: Callable[..., Any], args: tuple[Any, ...]) -> Any:
-        if self.in_break:  # a compiled callable inside a splitting op: nothing to record
-            return fn(*args)
-        result = fn(*args)
-        # CUDA: the kernels are in the open graph, nothing to keep. Eager segments: the re-run
-        # (it holds its arguments and outputs: CPU memory, not a pool).
-        self.segments.record(functools.partial(_rerun, tag, fn, args, tree_leaves(result)))
+    def run_piece(self, tag: str, fn: Callable[[list[Any]], Any], args: list[Any]) -> Any:
+        """Run a piece *boxed*: ``fn`` empties ``args``, so on CUDA an argument the piece
+        consumes early is freed inside its graph (the pool reuses it), as in a whole graph."""
+        if self.in_break or not self.segments.reruns_actions:
+            # inside a splitting op: nothing to record. CUDA: the kernels are in the open graph.
+            return fn(args)
+        kept = tuple(args)  # eager segments: the re-run holds its arguments and outputs (CPU
+        result = fn(args)  # memory, not a pool)
+        self.segments.record(functools.partial(_rerun, tag, lambda *a: fn(list(a)), kept, tree_leaves(result)))
         return result
 
     def run_split(self, tag: str, fn: Callable[..., Any], args: tuple[Any, ...]) -> Any:

@@ -13,6 +13,7 @@ of the traced FX graph (:mod:`.inductor`).
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -21,7 +22,7 @@ from typing import Any
 import torch
 from torch.fx.passes.split_module import split_module
 
-from .inductor import InductorPieces, dense_fresh
+from .inductor import CompiledPiece, InductorPieces, dense_fresh
 from .record import active_piece_recorder
 
 _graph_ids = itertools.count()
@@ -58,15 +59,23 @@ class PieceRunner(torch.nn.Module):
         self.tag = tag
         self.compiled = compiled
 
-    def _run(self, *args: Any) -> Any:
-        fn = self.piece if self.compiled is None else self.compiled
-        return fn(*args)
+    def _run(self, args: list[Any]) -> Any:
+        if self.compiled is not None:
+            return self.compiled.boxed(args)
+        out = self.piece(*args)
+        args.clear()
+        return out
 
-    def forward(self, *args: Any) -> Any:
+    def boxed(self, args: list[Any]) -> Any:
+        """Run on ``args``, a list this call empties (the caller keeps no other reference: a
+        compiled piece frees each argument after its last use)."""
         recorder = active_piece_recorder()
         if recorder is None:
-            return self._run(*args)
+            return self._run(args)
         return recorder.run_piece(self.tag, self._run, args)
+
+    def forward(self, *args: Any) -> Any:
+        return self.boxed(list(args))
 
 
 class SplitRunner(torch.nn.Module):
@@ -92,16 +101,68 @@ class SplitRunner(torch.nn.Module):
 
 
 class SplitProgram:
-    """What the compile backend returns to dynamo: the split module, noting its inputs."""
+    """What the compile backend returns to dynamo: the split module, run so that a value is
+    dropped by the program as soon as its last user starts (noting the program's inputs).
+
+    FX's generated code holds every argument of a call until the call returns, so a piece's
+    inputs would live through the whole piece. Here each piece gets its arguments in a list and
+    the program's own reference is gone first: a compiled piece frees an input after its last
+    use inside it (the attention output after ``o_proj``), and the graph pool reuses it.
+    """
 
     def __init__(self, module: torch.fx.GraphModule) -> None:
         self.module = module
+        nodes = list(module.graph.nodes)
+        last_user: dict[torch.fx.Node, torch.fx.Node] = {}
+        for node in nodes:
+            for used in node.all_input_nodes:
+                last_user[used] = node
+        dies: dict[torch.fx.Node, list[torch.fx.Node]] = {}
+        for used, user in last_user.items():
+            dies.setdefault(user, []).append(used)
+        self._nodes = nodes
+        self._dies = dies
 
     def __call__(self, *args: Any) -> Any:
         recorder = active_piece_recorder()
         if recorder is not None:
             recorder.note_inputs(args)
-        return self.module(*args)
+        env: dict[torch.fx.Node, Any] = {}
+        inputs = iter(args)
+        del args
+        for node in self._nodes:
+            if node.op == "placeholder":
+                env[node] = next(inputs)
+            elif node.op == "output":
+                return torch.fx.node.map_arg(node.args[0], env.__getitem__)
+            else:
+                env[node] = self._run_node(node, env)
+            for used in self._dies.get(node, ()):
+                env.pop(used, None)
+        msg = "split graph has no output node"
+        raise RuntimeError(msg)
+
+    def _run_node(self, node: torch.fx.Node, env: dict[torch.fx.Node, Any]) -> Any:
+        """One node of the split module (``split_module`` makes only these kinds)."""
+        if node.op == "get_attr":
+            return functools.reduce(getattr, str(node.target).split("."), self.module)
+        if node.op == "call_module":
+            runner = self.module.get_submodule(str(node.target))
+            if isinstance(runner, PieceRunner) and not node.kwargs:
+                boxed = [env[a] if isinstance(a, torch.fx.Node) else a for a in node.args]
+                for used in self._dies.get(node, ()):
+                    del env[used]  # the list holds the only program reference now
+                return runner.boxed(boxed)
+            fn: Callable[..., Any] = runner
+        elif node.op == "call_function":
+            fn = node.target  # type: ignore[assignment]  # getitem of a piece's tuple
+        else:  # pragma: no cover - split_module emits no call_method
+            msg = f"split graph node {node.format_node()} ({node.op}) is not supported"
+            raise RuntimeError(msg)
+        call_args, call_kwargs = torch.fx.node.map_arg((node.args, node.kwargs), env.__getitem__)
+        return fn(*call_args, **call_kwargs)
+        call_args, call_kwargs = torch.fx.node.map_arg((node.args, node.kwargs), env.__getitem__)
+        return fn(*call_args, **call_kwargs)
 
 
 def _matcher(ops: tuple[torch._ops.OpOverload, ...]) -> Callable[[torch.fx.Node], bool]:
