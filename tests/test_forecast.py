@@ -18,8 +18,8 @@ import torch
 from sglang_bcg_plugin import BackendOptions, ShapeKey, create_backend
 from sglang_bcg_plugin.errors import CaptureStateError, ForecastError
 from sglang_bcg_plugin.forecast import KeyTrace, ModeForecast, PoolModel, ScaledTrace, forecast_modes, pool_trace
-from sglang_bcg_plugin.forecast.allocator import MB, round_size, segment_size
-from sglang_bcg_plugin.forecast.probe import GraphMemoryForecast, output_allocs
+from sglang_bcg_plugin.forecast.allocator import MB, expandable_segments, round_size, segment_size
+from sglang_bcg_plugin.forecast.probe import EXPANDABLE_CAVEAT, GraphMemoryForecast, allocator_caveat, output_allocs
 from sglang_bcg_plugin.report import MemoryReport
 
 DATA = Path(__file__).parent / "data" / "forecast"
@@ -339,6 +339,33 @@ def test_report_carries_the_forecast_and_its_error() -> None:
     d = report.to_dict()
     assert d["forecast"]["modes"]["off"]["outputs_bytes"] == 500 << 20 and d["forecast_error"] == pytest.approx(-0.02)
     assert "<- configured" in fc.format() and "released" in fc.format()
+    assert "caveat" not in fc.format() and d["forecast"]["caveat"] == ""
+
+
+@pytest.mark.parametrize(
+    ("environ", "expandable"),
+    [
+        ({}, False),
+        ({"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:False"}, False),
+        ({"PYTORCH_CUDA_ALLOC_CONF": "garbage_collection_threshold:0.6,expandable_segments:True"}, True),
+        ({"PYTORCH_ALLOC_CONF": " expandable_segments : true "}, True),
+        ({"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments"}, False),
+    ],
+)
+def test_expandable_segments_are_read_from_the_allocator_settings(environ: dict[str, str], expandable: bool) -> None:
+    assert expandable_segments(environ) is expandable
+
+
+def test_the_forecast_names_an_allocator_it_does_not_model(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    assert allocator_caveat() == ""
+    monkeypatch.setenv("PYTORCH_ALLOC_CONF", "expandable_segments:True")
+    assert allocator_caveat() == EXPANDABLE_CAVEAT
+    import dataclasses
+
+    fc = dataclasses.replace(_forecast(), caveat=allocator_caveat())
+    assert fc.format().endswith(f"  caveat: {EXPANDABLE_CAVEAT}") and fc.to_dict()["caveat"] == EXPANDABLE_CAVEAT
 
 
 # -- the bench -----------------------------------------------------------------------------------

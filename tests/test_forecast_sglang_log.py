@@ -115,3 +115,11 @@ def test_proportional_fit_keeps_small_requests_constant() -> None:
     assert fitted.at(10).ops == ((0, 10 * 4096), (0, 512), (1, 0))
     with pytest.raises(ForecastError, match="positive"):
         ScaledTrace.proportional(KeyTrace(0, ()))
+
+
+def test_the_log_line_warns_when_the_allocator_runs_expandable_segments(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:512")
+    assert "caveat" not in format_forecast(_modes(), "on", [16384, 4], None)
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:512, expandable_segments:True")
+    assert "(caveat: the CUDA allocator runs with expandable_segments:True" in format_forecast(_modes(), "on", [16384, 4], None)

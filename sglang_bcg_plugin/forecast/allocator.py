@@ -24,6 +24,7 @@ The rules (PyTorch's ``CUDACachingAllocator``, ``expandable_segments`` off, no
 from __future__ import annotations
 
 import bisect
+import os
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -35,6 +36,24 @@ SMALL_BUFFER = 2 * MB
 LARGE_BUFFER = 20 * MB
 MIN_LARGE_ALLOC = 10 * MB
 ROUND_LARGE = 2 * MB
+#: Environment variables of the CUDA allocator's settings (the second is torch >= 2.9's name).
+ALLOC_CONF_VARS = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
+
+
+def expandable_segments(environ: dict[str, str] | None = None) -> bool:
+    """Whether the allocator's settings (``PYTORCH_CUDA_ALLOC_CONF`` / ``PYTORCH_ALLOC_CONF``)
+    turn ``expandable_segments`` on, which this model does not follow: the pool is then one
+    segment that grows in 20 MiB steps, not a segment per request it cannot place. (A setting
+    changed at run time through torch's private ``_set_allocator_settings`` is not seen.)"""
+    env = os.environ if environ is None else environ
+    for var in ALLOC_CONF_VARS:
+        for item in env.get(var, "").split(","):
+            key, _, value = item.partition(":")
+            if key.strip() == "expandable_segments" and value.strip().lower() == "true":
+                return True
+    return False
+
+
 #: Request kinds of :meth:`PoolModel.run`: allocate bytes, free the block an earlier op of the same
 #: run allocated (by its index), free a block by address.
 ALLOC, FREE, FREE_ADDR = 0, 1, 2

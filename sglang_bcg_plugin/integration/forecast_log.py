@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from ..forecast.model import MODES, forecast_modes, reference_estimates
+from ..forecast.probe import allocator_caveat
 from ..forecast.trace import ScaledTrace, output_allocs, pool_trace
 from ._names import ENV_FORECAST
 
@@ -73,8 +74,10 @@ def format_forecast(modes: Mapping[str, Any], mode: str, sizes: Sequence[int], k
         verb = "frees" if delta >= 0 else "costs"
         parts.append(f"against {other} ({modes[other].total_bytes / MIB:,.1f} MiB) it {verb} {abs(delta) / MIB:,.1f} MiB{tokens}")
     per_token = f"; KV cache {kv_per_token / 1024:,.1f} KiB/token" if kv_per_token else ""
+    caveat = allocator_caveat()
     return (f"sglang_bcg: graph memory forecast for {len(sizes)} sizes up to {sizes[0]}: {mine / MIB:,.1f} MiB "
-            f"with --enable-bcg-shared-output={mode}; " + "; ".join(parts) + per_token)
+            f"with --enable-bcg-shared-output={mode}; " + "; ".join(parts) + per_token
+            + (f" (caveat: {caveat})" if caveat else ""))
 
 
 class SessionForecast:
