@@ -77,6 +77,45 @@ def test_large_remainder_of_one_mib_is_not_split_off() -> None:
     assert pool.allocated_bytes == 20 * MB
 
 
+def test_expandable_segments_grow_one_segment_in_20_mib_steps() -> None:
+    pool = PoolModel(expandable=True)
+    a = pool.malloc(30 * MB)  # maps 40 MiB; 10 MiB stay free at the end
+    assert pool.segments == [40 * MB]
+    b = pool.malloc(12 * MB)  # the free 10 MiB at the end plus 20 MiB mapped after it
+    assert pool.segments == [60 * MB] and b == a + 30 * MB
+    c = pool.malloc(18 * MB)  # exactly what is left: no new mapping
+    assert pool.segments == [60 * MB] and c == b + 12 * MB
+    pool.free(b)
+    d = pool.malloc(11 * MB)  # best fit: the freed 12 MiB hole, no growth
+    assert d == b and pool.segments == [60 * MB]
+    pool.free(c)
+    pool.free(d)  # the hole and the end merge into one 30 MiB free block at the end
+    e = pool.malloc(45 * MB)  # takes that block and maps 20 MiB more (not a segment of 46 MiB)
+    assert e == b and pool.segments == [80 * MB] and pool.reserved_bytes == 80 * MB
+    small = pool.malloc(4096)  # small requests grow their own segment in 2 MiB steps
+    assert pool.segments == [80 * MB, 2 * MB] and small not in (a, b, c, d, e)
+    pool.free(e)
+    pool.free(a)
+    assert pool.malloc(80 * MB) == a  # everything merged back into the one mapped range
+
+
+def test_expandable_segments_hold_less_than_fixed_ones_on_a_real_trace() -> None:
+    """On a recorded 74-size capture the growing segment holds less than the fixed segments
+    the real allocator cut, and at least the peak of live bytes."""
+    data = _load("h200_synthetic_full_off_pool.json.gz")
+    fixed, grown = PoolModel(), PoolModel(expandable=True)
+    for pool in (fixed, grown):
+        live: dict[int, int] = {}
+        for key in data["keys"]:
+            for action, addr, size in key:
+                if action == "alloc":
+                    live[addr] = pool.malloc(size)
+                elif action != "segment_alloc" and addr in live:
+                    pool.free(live.pop(addr))
+    assert grown.peak_allocated_bytes <= grown.reserved_bytes < fixed.reserved_bytes
+    assert len(grown.segments) == 2 < len(fixed.segments)  # one large, one small
+
+
 @pytest.mark.parametrize(("name", "tolerance"), [("h200_synthetic_full_off_pool.json.gz", 0.0),
                                                   ("h200_llama_breakable_off_pool.json.gz", 0.01)])
 def test_model_makes_the_real_allocators_decisions(name: str, tolerance: float) -> None:
@@ -276,6 +315,27 @@ def test_pool_reserve_auto_lowers_the_configured_modes_pool(case: str) -> None:
         released, _, _, block = schedule_forecast(fitted, sizes, outputs=outputs, largest_output_bytes=out_bytes,
                                                   pool_reserve="auto", configured_mode="released")
         assert block > 0 and released["released"].working_set_bytes <= 1000 * MB  # 1190 MiB without
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_expandable_segments_forecast_one_growing_pool(case: str) -> None:
+    """With ``expandable_segments`` the schedule's pool is one growing segment per request kind:
+    never more than the fixed segments' pool, at least the largest capture's peak, in 20 MiB
+    steps (plus 2 MiB ones for small requests); no first block is searched (nothing to cut)."""
+    from sglang_bcg_plugin.forecast.model import schedule_forecast, simulate
+
+    fitted, sizes, outputs, out_bytes = _fitted(case)
+    kw: dict[str, Any] = {"outputs": outputs, "largest_output_bytes": out_bytes, "source": "auto"}
+    fixed, _, _, _ = schedule_forecast(fitted, sizes, **kw)
+    grown, by_source, _, block = schedule_forecast(fitted, sizes, pool_reserve="auto", expandable=True, **kw)
+    assert block == 0
+    peak = simulate(fitted, sizes[:1], keep_outputs="none", outputs=outputs).peak_allocated_bytes
+    pool = simulate(fitted, sizes, keep_outputs="none", outputs=outputs, expandable=True)
+    assert grown["released"].working_set_bytes == pool.reserved_bytes
+    assert len(pool.segments) <= 2 and pool.segments[0] % (20 * MB) == 0
+    assert peak <= grown["released"].total_bytes <= fixed["released"].total_bytes
+    assert grown["off"].total_bytes <= fixed["off"].total_bytes
+    assert by_source["reserve"] - grown["released"].working_set_bytes == 20 * MB * -(-out_bytes // (20 * MB))
 
 
 def test_pool_reserve_bytes_follow_the_option_and_the_forecast() -> None:

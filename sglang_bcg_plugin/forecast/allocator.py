@@ -19,6 +19,12 @@ The rules (PyTorch's ``CUDACachingAllocator``, ``expandable_segments`` off, no
   under 10 MiB, else the request rounded up to 2 MiB;
 * a freed block merges with free neighbours of its segment; segments are never returned
   (``empty_cache`` is outside the schedule).
+
+With ``expandable_segments`` (``PoolModel(expandable=True)``) the last two rules change: the
+pool has one segment per stream and request kind, a virtual range mapped as it grows. A request
+no free block fits takes the free block at the end of the mapped range (if the block there is
+free) and maps what it lacks, rounded up to 2 MiB (small) or 20 MiB (large), after it; what the
+request leaves of that is split off as usual. The pool holds what is mapped.
 """
 
 from __future__ import annotations
@@ -93,7 +99,10 @@ class PoolModel:
     once, in its loop, with no helper call per request (a forecast replays tens of thousands).
     """
 
-    segments: list[int] = field(default_factory=list)  # sizes, in creation order
+    segments: list[int] = field(default_factory=list)  # sizes, in creation order (expandable: mapped bytes)
+    #: ``expandable_segments``: one growing segment per (small, stream) (see the module doc).
+    expandable: bool = False
+    _grown: dict[tuple[bool, int], tuple[int, _Block | None]] = field(default_factory=dict)  # segment index, its last block
     _free: list[tuple[bool, int, int, int]] = field(default_factory=list)  # (small, stream, size, addr), sorted
     _by_addr: dict[int, _Block] = field(default_factory=dict)
     _next_addr: int = 0
@@ -138,7 +147,7 @@ class PoolModel:
                         del free[j]
                         block = by_addr[addr]
                 if block is None:
-                    block = self._new_segment(small, stream, segment_size(need))
+                    block = self._grow(small, stream, need) if self.expandable else self._new_segment(small, stream, segment_size(need))
                 remaining = block.size - need
                 if remaining >= MIN_BLOCK if small else remaining > SMALL_SIZE:
                     nxt = block.next
@@ -148,6 +157,8 @@ class PoolModel:
                     block.next = rest
                     block.size = need
                     by_addr[rest.addr] = rest
+                    if nxt is None and self.expandable:
+                        self._grown[small, stream] = (self._grown[small, stream][0], rest)
                     insort(free, (small, stream, remaining, rest.addr))
                 block.free = False
                 allocated += block.size
@@ -170,12 +181,44 @@ class PoolModel:
                     low.next = high.next
                     if high.next is not None:
                         high.next.prev = low
+                    elif self.expandable:
+                        self._grown[low.small, low.stream] = (self._grown[low.small, low.stream][0], low)
                     del by_addr[high.addr]
                     by_addr[low.addr] = low
                     block = low
             insort(free, (block.small, block.stream, block.size, block.addr))
         self.allocated_bytes, self.peak_allocated_bytes = allocated, peak
         return handles
+
+    def _grow(self, small: bool, stream: int, need: int) -> _Block:
+        """Map what ``need`` lacks at the end of the (small, stream) segment; returns the block
+        (taken from the free list) that now holds at least ``need`` bytes."""
+        step = SMALL_BUFFER if small else LARGE_BUFFER
+        index, last = self._grown.get((small, stream), (-1, None))
+        if index < 0:
+            index = len(self.segments)
+            self.segments.append(0)
+            base = self._next_addr
+            self._next_addr += 1 << 48  # a virtual range no schedule fills
+        else:
+            base = last.addr + last.size if last is not None else 0
+        have = 0
+        if last is not None and last.free:
+            del self._free[bisect.bisect_left(self._free, (small, stream, last.size, last.addr))]
+            have = last.size
+        extra = step * ((need - have + step - 1) // step)
+        self.segments[index] += extra
+        if last is not None and last.free:
+            last.size += extra
+            block = last
+        else:
+            block = _Block(base, extra, small, stream, True, last, None)
+            if last is not None:
+                last.next = block
+            self._by_addr[base] = block
+        self._grown[small, stream] = (index, block)
+        block.free = False
+        return block
 
     def _new_segment(self, small: bool, stream: int, size: int) -> _Block:
         addr = self._next_addr

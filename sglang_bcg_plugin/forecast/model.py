@@ -14,7 +14,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from .allocator import MB, ROUND_LARGE, PoolModel, round_size, segment_size
+from .allocator import LARGE_BUFFER, MB, ROUND_LARGE, SMALL_SIZE, PoolModel, round_size, segment_size
 from .trace import KeyTrace, ScaledTrace
 
 MODES = ("off", "on", "released")
@@ -49,7 +49,7 @@ class ModeForecast:
 
 
 def simulate(trace: ScaledTrace, sizes: Iterable[int], *, keep_outputs: str, outputs: frozenset[int],
-             at: Mapping[int, KeyTrace] | None = None, reserve_bytes: int = 0) -> PoolModel:
+             at: Mapping[int, KeyTrace] | None = None, reserve_bytes: int = 0, expandable: bool = False) -> PoolModel:
     """Capture every size (largest first) into one modelled pool (which starts with a free block
     of ``reserve_bytes``, :meth:`~.allocator.PoolModel.reserve`, when that is not 0).
 
@@ -57,8 +57,9 @@ def simulate(trace: ScaledTrace, sizes: Iterable[int], *, keep_outputs: str, out
     each capture unless ``keep_outputs`` is ``"all"`` (``off``) or ``"first"`` (the largest
     output adopted as the shared buffer); other allocs a capture never frees stay allocated.
     ``at``: ``trace.at(size)`` of the sizes, computed once for several simulations.
+    ``expandable``: the allocator runs with ``expandable_segments`` (one growing segment).
     """
-    pool = PoolModel()
+    pool = PoolModel(expandable=expandable)
     if reserve_bytes:
         pool.reserve(reserve_bytes)
     for rank, size in enumerate(sorted(set(sizes), reverse=True)):
@@ -73,13 +74,19 @@ def simulate(trace: ScaledTrace, sizes: Iterable[int], *, keep_outputs: str, out
 
 def on_bytes_by_source(trace: ScaledTrace, sizes: list[int], *, outputs: frozenset[int], released: int,
                        largest_output_bytes: int, at: Mapping[int, KeyTrace] | None = None,
-                       reserve_bytes: int = 0) -> dict[str, int]:
+                       reserve_bytes: int = 0, expandable: bool = False) -> dict[str, int]:
     """The pool plus buffer of ``on`` for each buffer source: ``reserve`` (the largest output's
-    bytes outside the pool, a segment of their own from 10 MiB) and ``adopt`` (the largest
-    capture's own output kept in the pool as the buffer)."""
+    bytes outside the pool, a segment of their own from 10 MiB; with ``expandable`` segments,
+    the 20 MiB steps it maps) and ``adopt`` (the largest capture's own output kept in the pool
+    as the buffer)."""
     need = round_size(largest_output_bytes) if largest_output_bytes else 0
-    reserve = released + (segment_size(need) if need >= 10 * 1024 * 1024 else need)
-    adopt = simulate(trace, sizes, keep_outputs="first", outputs=outputs, at=at, reserve_bytes=reserve_bytes).reserved_bytes
+    if expandable and need > SMALL_SIZE:
+        outside = LARGE_BUFFER * -(-need // LARGE_BUFFER)
+    else:
+        outside = segment_size(need) if need >= 10 * 1024 * 1024 else need
+    reserve = released + outside
+    adopt = simulate(trace, sizes, keep_outputs="first", outputs=outputs, at=at, reserve_bytes=reserve_bytes,
+                     expandable=expandable).reserved_bytes
     return {"adopt": adopt, "reserve": reserve}
 
 
@@ -127,6 +134,7 @@ def schedule_forecast(
     source: str = "reserve",
     pool_reserve: str | int = "off",
     configured_mode: str = "released",
+    expandable: bool = False,
 ) -> tuple[dict[str, ModeForecast], dict[str, int], str, int]:
     """:func:`forecast_modes`, with ``on``'s pool plus buffer per source, the source taken
     (``"auto"`` resolved to the cheaper) and the pool's first block in bytes (0: none).
@@ -134,21 +142,25 @@ def schedule_forecast(
     ``pool_reserve``: ``"off"``; bytes; or ``"auto"``: :func:`best_reserve` for what
     ``configured_mode`` keeps (every output, the adopted one, or none), taken only where it
     lowers that mode's pool. Every mode is then forecast with the same first block: it is what
-    the next session reserves, whatever its mode."""
+    the next session reserves, whatever its mode. ``expandable``: the allocator runs with
+    ``expandable_segments``; the pool is one growing segment, so no first block is searched."""
     sizes = list(sizes)
     at = {size: trace.at(size) for size in set(sizes)}
 
     def pools(reserve_bytes: int) -> tuple[int, int, dict[str, int]]:
-        released = simulate(trace, sizes, keep_outputs="none", outputs=outputs, at=at, reserve_bytes=reserve_bytes).reserved_bytes
-        kept = simulate(trace, sizes, keep_outputs="all", outputs=outputs, at=at, reserve_bytes=reserve_bytes).reserved_bytes
+        released = simulate(trace, sizes, keep_outputs="none", outputs=outputs, at=at, reserve_bytes=reserve_bytes,
+                            expandable=expandable).reserved_bytes
+        kept = simulate(trace, sizes, keep_outputs="all", outputs=outputs, at=at, reserve_bytes=reserve_bytes,
+                        expandable=expandable).reserved_bytes
         by_source = on_bytes_by_source(trace, sizes, outputs=outputs, released=released,
-                                       largest_output_bytes=largest_output_bytes, at=at, reserve_bytes=reserve_bytes)
+                                       largest_output_bytes=largest_output_bytes, at=at, reserve_bytes=reserve_bytes,
+                                       expandable=expandable)
         return released, kept, by_source
 
     released, kept, by_source = pools(0)
     chosen = cheaper_source(by_source) if source == "auto" else source
     reserve_bytes = pool_reserve if isinstance(pool_reserve, int) else 0
-    if pool_reserve == "auto":
+    if pool_reserve == "auto" and not expandable:
         keep = {"off": "all", "released": "none"}.get(configured_mode, "first" if chosen == "adopt" else "none")
         baseline = {"all": kept, "none": released, "first": by_source["adopt"]}[keep]
         reserve_bytes = best_reserve(trace, sizes, keep_outputs=keep, outputs=outputs, baseline=baseline, at=at)
@@ -179,7 +191,7 @@ SGLANG_RESERVE_PER_SIZE = 8 << 20
 
 
 def reference_estimates(mode_forecasts: dict[str, ModeForecast], trace: ScaledTrace, sizes: Iterable[int], *,
-                        outputs: frozenset[int]) -> dict[str, dict[str, int]]:
+                        outputs: frozenset[int], expandable: bool = False) -> dict[str, dict[str, int]]:
     """What two estimates in use would say of the same schedule, per mode, for comparison.
 
     ``vllm_extrapolation``: vLLM's rule (``profile_cudagraph_memory``): capture the two largest
@@ -193,8 +205,8 @@ def reference_estimates(mode_forecasts: dict[str, ModeForecast], trace: ScaledTr
     out: dict[str, dict[str, int]] = {}
     for mode, f in mode_forecasts.items():
         keep = "all" if mode == "off" else "none"
-        first = simulate(trace, order[:1], keep_outputs=keep, outputs=outputs).reserved_bytes
-        two = simulate(trace, order[:2], keep_outputs=keep, outputs=outputs).reserved_bytes
+        first = simulate(trace, order[:1], keep_outputs=keep, outputs=outputs, expandable=expandable).reserved_bytes
+        two = simulate(trace, order[:2], keep_outputs=keep, outputs=outputs, expandable=expandable).reserved_bytes
         outside = f.total_bytes - f.working_set_bytes - (f.outputs_bytes if mode == "off" else 0)
         first_cost = first + (outside if mode != "off" else f.stream_bytes + f.bridge_bytes)
         per_graph = max(two - first, VLLM_MIN_PER_GRAPH)

@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from ..forecast.allocator import expandable_segments
 from ..forecast.model import MODES, forecast_modes, reference_estimates
 from ..forecast.probe import allocator_caveat
 from ..forecast.trace import ScaledTrace, output_allocs, pool_trace
@@ -146,8 +147,11 @@ class SessionForecast:
             return
         fitted = ScaledTrace.proportional(trace)
         outputs = output_allocs(trace, output_bytes) or frozenset(trace.kept)
-        modes = forecast_modes(fitted, self.sizes, outputs=outputs, largest_output_bytes=sum(output_bytes))
-        self.forecast = {"modes": modes, "references": reference_estimates(modes, fitted, self.sizes, outputs=outputs)}
+        expandable = expandable_segments()
+        modes = forecast_modes(fitted, self.sizes, outputs=outputs, largest_output_bytes=sum(output_bytes),
+                               expandable=expandable)
+        self.forecast = {"modes": modes,
+                         "references": reference_estimates(modes, fitted, self.sizes, outputs=outputs, expandable=expandable)}
         log.info("%s", format_forecast(modes, self.mode, self.sizes, kv_bytes_per_token(self.runner)))
 
     def close(self, outside_pool_bytes: int = 0) -> int | None:
