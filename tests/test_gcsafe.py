@@ -146,7 +146,9 @@ def test_someone_elses_freeze_is_left_exactly_as_it_was() -> None:
     ref = _cycle()  # made after their freeze
     with gc_safe_capture():
         assert ref() is None and not gc.isenabled()
-    assert gc.get_freeze_count() == frozen and gc.isenabled()
+    # Never frozen further, never unfrozen (that would empty the permanent generation); a frozen
+    # object freed by reference counting meanwhile leaves it, so the count may drop by a few.
+    assert frozen // 2 < gc.get_freeze_count() <= frozen and gc.isenabled()
 
 
 def test_threads_share_one_depth() -> None:
