@@ -102,7 +102,7 @@ class PoolModel:
     segments: list[int] = field(default_factory=list)  # sizes, in creation order (expandable: mapped bytes)
     #: ``expandable_segments``: one growing segment per (small, stream) (see the module doc).
     expandable: bool = False
-    _grown: dict[tuple[bool, int], tuple[int, _Block | None]] = field(default_factory=dict)  # segment index, its last block
+    _grown: dict[tuple[bool, int], tuple[int, _Block]] = field(default_factory=dict)  # segment index, its first block
     _free: list[tuple[bool, int, int, int]] = field(default_factory=list)  # (small, stream, size, addr), sorted
     _by_addr: dict[int, _Block] = field(default_factory=dict)
     _next_addr: int = 0
@@ -157,8 +157,6 @@ class PoolModel:
                     block.next = rest
                     block.size = need
                     by_addr[rest.addr] = rest
-                    if nxt is None and self.expandable:
-                        self._grown[small, stream] = (self._grown[small, stream][0], rest)
                     insort(free, (small, stream, remaining, rest.addr))
                 block.free = False
                 allocated += block.size
@@ -181,8 +179,6 @@ class PoolModel:
                     low.next = high.next
                     if high.next is not None:
                         high.next.prev = low
-                    elif self.expandable:
-                        self._grown[low.small, low.stream] = (self._grown[low.small, low.stream][0], low)
                     del by_addr[high.addr]
                     by_addr[low.addr] = low
                     block = low
@@ -192,16 +188,23 @@ class PoolModel:
 
     def _grow(self, small: bool, stream: int, need: int) -> _Block:
         """Map what ``need`` lacks at the end of the (small, stream) segment; returns the block
-        (taken from the free list) that now holds at least ``need`` bytes."""
+        (taken from the free list) that now holds at least ``need`` bytes.
+
+        The segment's first block keeps its identity (a split keeps the low part, a merge the low
+        block), so its last block is found from it; growing is rare (20 MiB at a time)."""
         step = SMALL_BUFFER if small else LARGE_BUFFER
-        index, last = self._grown.get((small, stream), (-1, None))
-        if index < 0:
+        grown = self._grown.get((small, stream))
+        last: _Block | None = None
+        if grown is None:
             index = len(self.segments)
             self.segments.append(0)
             base = self._next_addr
             self._next_addr += 1 << 48  # a virtual range no schedule fills
         else:
-            base = last.addr + last.size if last is not None else 0
+            index, last = grown
+            while last.next is not None:
+                last = last.next
+            base = last.addr + last.size
         have = 0
         if last is not None and last.free:
             del self._free[bisect.bisect_left(self._free, (small, stream, last.size, last.addr))]
@@ -216,7 +219,8 @@ class PoolModel:
             if last is not None:
                 last.next = block
             self._by_addr[base] = block
-        self._grown[small, stream] = (index, block)
+        if grown is None:
+            self._grown[small, stream] = (index, block)
         block.free = False
         return block
 
