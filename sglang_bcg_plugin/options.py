@@ -23,6 +23,23 @@ EngineName = Literal["auto", "cuda", "eager"]
 SharedBufferSource = Literal["auto", "adopt", "reserve"]
 SHARED_BUFFER_SOURCES: tuple[SharedBufferSource, ...] = ("auto", "adopt", "reserve")
 PoolReserve = Literal["off", "auto"] | int
+PoolSegments = Literal["fixed", "expandable"]
+POOL_SEGMENTS: tuple[PoolSegments, ...] = ("fixed", "expandable")
+
+
+def parse_pool_segments(raw: object, *, what: str = "BackendOptions.pool_segments") -> str:
+    """``"fixed"`` or ``"expandable"`` (any case, whitespace allowed).
+
+    :raises TypeError: not a str. :raises ValueError: another word.
+    """
+    if not isinstance(raw, str):
+        msg = f"{what} must be 'fixed' or 'expandable', got {raw!r} of type {type(raw).__name__}"
+        raise TypeError(msg)
+    value = raw.strip().lower()
+    if value not in POOL_SEGMENTS:
+        msg = f"{what} must be 'fixed' or 'expandable' (any case), got {raw!r}"
+        raise ValueError(msg)
+    return value
 
 
 def parse_pool_reserve(raw: object, *, what: str = "BackendOptions.pool_reserve") -> str | int:
@@ -99,11 +116,17 @@ class BackendOptions:
         allocator would cut (docs/forecast.md, "One segment for the pool"): ``"off"`` (the
         default: nothing changes), ``"auto"`` (the size a forecast of this schedule found to lower
         the pool, none without a forecast or a saving) or bytes as an int.
+    :param pool_segments: on CUDA, how the allocator grows the graph pool while a capture
+        session is open: ``"fixed"`` (the default: the process's own setting, nothing changes)
+        or ``"expandable"`` (``expandable_segments`` switched on for the session only, then back
+        off: the pool is one segment grown in 20 MiB steps instead of a segment per request it
+        cannot place; docs/forecast.md, "expandable_segments"). Allocations made during the
+        session outside the pool (warmups, eager splitting ops) grow that way too.
     :raises TypeError: a field of the wrong type (``strict_outputs="no"``, ``num_warmups=2.0``).
     :param share_output: deprecated boolean alias of ``output_mode`` (``True`` = ``"on"``,
         ``False`` = ``"off"``, ``"released"``), kept for one release with a ``DeprecationWarning``;
         reading ``options.share_output`` gives the same spelling of ``output_mode``.
-    :raises ValueError: ``engine``, ``shared_buffer`` or ``pool_reserve`` not one of its names, ``num_warmups < 0``,
+    :raises ValueError: ``engine``, ``shared_buffer``, ``pool_reserve`` or ``pool_segments`` not one of its names, ``num_warmups < 0``,
         or ``share_output`` and ``output_mode`` both given and different.
     """
 
@@ -114,6 +137,7 @@ class BackendOptions:
     stale_output_guard: bool = False
     shared_buffer: SharedBufferSource = "auto"
     pool_reserve: PoolReserve = "off"
+    pool_segments: PoolSegments = "fixed"
 
     def __init__(
         self,
@@ -124,13 +148,14 @@ class BackendOptions:
         stale_output_guard: bool = False,
         shared_buffer: SharedBufferSource = "auto",
         pool_reserve: PoolReserve = "off",
+        pool_segments: PoolSegments = "fixed",
         *,
         share_output: bool | str | None = None,
     ) -> None:
         for name, value in (
             ("output_mode", output_mode), ("strict_outputs", strict_outputs), ("engine", engine),
             ("num_warmups", num_warmups), ("stale_output_guard", stale_output_guard), ("shared_buffer", shared_buffer),
-            ("pool_reserve", pool_reserve),
+            ("pool_reserve", pool_reserve), ("pool_segments", pool_segments),
         ):
             object.__setattr__(self, name, value)
         self._check(share_output)
@@ -158,6 +183,7 @@ class BackendOptions:
         # Frozen: normalise through object.__setattr__ ("ADOPT" == "adopt", as the env variable).
         object.__setattr__(self, "shared_buffer", parse_shared_buffer(self.shared_buffer))
         object.__setattr__(self, "pool_reserve", parse_pool_reserve(self.pool_reserve))
+        object.__setattr__(self, "pool_segments", parse_pool_segments(self.pool_segments))
         _check_bool("strict_outputs", self.strict_outputs)
         _check_bool("stale_output_guard", self.stale_output_guard)
         if not isinstance(self.engine, str):

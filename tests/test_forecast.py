@@ -460,6 +460,46 @@ def test_bench_row_table_and_plot_carry_the_forecast() -> None:
     assert row.to_dict()["forecast"]["mode"] == "on"
 
 
+def test_session_switches_expandable_segments_only_while_it_is_open(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``pool_segments="expandable"`` turns the allocator's setting on for the session and off
+    after it, also when the session fails; not on the eager engine, not where the process runs
+    with it already (stood in: the setter records its calls; on the GPU the bench measures it)."""
+    from types import SimpleNamespace
+
+    calls: list[str] = []
+    monkeypatch.setattr(torch.cuda.memory, "_set_allocator_settings", calls.append)
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
+    backend = create_backend("full", options=BackendOptions(engine="eager", pool_segments="expandable"))
+    with backend.capture_session():
+        assert calls == []  # the eager engine has no pool
+    backend._engine = SimpleNamespace(name="cuda")  # type: ignore[assignment]
+    with backend.capture_session():
+        assert calls == ["expandable_segments:True"]
+    assert calls == ["expandable_segments:True", "expandable_segments:False"]
+    with pytest.raises(RuntimeError, match="boom"), backend.capture_session():
+        raise RuntimeError("boom")
+    assert calls[-1] == "expandable_segments:False" and len(calls) == 4
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    with backend.capture_session():
+        pass
+    assert len(calls) == 4  # the process's own setting stands
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF")
+    backend.configure(pool_segments="fixed")
+    with backend.capture_session():
+        pass
+    assert len(calls) == 4
+    backend.configure(pool_segments="expandable")
+    monkeypatch.delattr(torch.cuda.memory, "_set_allocator_settings")
+    with pytest.raises(RuntimeError, match="needs torch.cuda.memory._set_allocator_settings"), backend.capture_session():
+        pass
+    assert backend.capture_session  # the failed session closed: a new one opens
+    backend.configure(pool_segments="fixed")
+    with backend.capture_session():
+        pass
+    backend._engine = None
+
+
 def test_session_reserves_the_block_on_an_engine_that_can() -> None:
     """The session hands the block to a CUDA engine before its first capture (stood in here: an
     engine that records the call; on the GPU, tests/gpu/test_forecast_gpu.py measures it)."""

@@ -83,6 +83,7 @@ class RecordedBackend:
         self.sessions: list[str | None] = []
         self.warmups: list[int] = []
         self.reserves: list[str | int] = []
+        self.segment_modes: list[str] = []
         self.cleaned = 0
 
     def captured_keys(self) -> list[Any]:
@@ -97,6 +98,7 @@ class RecordedBackend:
         self.sessions.append(self.options.output_mode)
         self.warmups.append(self.options.num_warmups)
         self.reserves.append(self.options.pool_reserve)
+        self.segment_modes.append(self.options.pool_segments)
         yield
 
     def capture_one(self, shape_key: Any, forward_fn: Any, capture_inputs: Any = None) -> Any:
@@ -160,6 +162,17 @@ def test_forecast_schedule_on_recorded_captures(name: str, allocator: RecordedAl
     assert backend.reserves == ["off"] and backend.options == packed  # restored
     assert fc.pool_reserve_bytes > 0 and fc.bytes_for() < auto.bytes_for()
     assert fc.to_dict()["pool_reserve_bytes"] == fc.pool_reserve_bytes and "MiB block" in fc.format()
+    assert fc.caveat == ""
+    # pool_segments="expandable": the probes run on the process's allocator, the model grows one segment
+    free = iter([100 << 30, (100 << 30) - pool - stream])
+    allocator.shown = []
+    grown = dataclasses.replace(options, shared_buffer="auto", pool_reserve="auto", pool_segments="expandable")
+    backend = RecordedBackend(case, allocator, grown)
+    fc = probe.forecast_schedule(backend, case["sizes"], lambda n: lambda: None, configured_mode="released")
+    assert backend.segment_modes == ["fixed"] and backend.options == grown  # restored
+    assert fc.pool_reserve_bytes == 0 and fc.caveat == probe.EXPANDABLE_CAVEAT  # nothing to cut; not yet checked
+    assert fc.modes["released"].working_set_bytes % (2 * 1024 * 1024) == 0
+    assert fc.bytes_for("released") <= auto.bytes_for("released")  # one growing segment: never more
 
 
 def test_probe_failure_restores_the_backend(allocator: RecordedAllocator, monkeypatch: pytest.MonkeyPatch) -> None:

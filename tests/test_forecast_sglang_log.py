@@ -122,4 +122,4 @@ def test_the_log_line_warns_when_the_allocator_runs_expandable_segments(monkeypa
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:512")
     assert "caveat" not in format_forecast(_modes(), "on", [16384, 4], None)
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:512, expandable_segments:True")
-    assert "(caveat: the CUDA allocator runs with expandable_segments:True" in format_forecast(_modes(), "on", [16384, 4], None)
+    assert "(caveat: the graph pool grows with expandable_segments" in format_forecast(_modes(), "on", [16384, 4], None)

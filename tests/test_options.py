@@ -162,3 +162,12 @@ def test_pool_reserve_option() -> None:
     for bad, exc in ((True, TypeError), (1.5, TypeError), (None, TypeError), (-1, ValueError), ("always", ValueError)):
         with pytest.raises(exc, match="BackendOptions.pool_reserve must be 'off', 'auto' or bytes"):
             BackendOptions(pool_reserve=bad)  # type: ignore[arg-type]
+
+
+def test_pool_segments_option() -> None:
+    assert BackendOptions().pool_segments == "fixed"  # nothing changes until asked
+    assert BackendOptions(pool_segments=" Expandable ").pool_segments == "expandable"
+    with pytest.raises(TypeError, match="BackendOptions.pool_segments must be 'fixed' or 'expandable', got None"):
+        BackendOptions(pool_segments=None)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="must be 'fixed' or 'expandable' \\(any case\\), got 'grow'"):
+        BackendOptions(pool_segments="grow")  # type: ignore[arg-type]

@@ -27,6 +27,7 @@ from ..engines.base import CaptureRequest, Engine
 from ..engines.eager import EagerEngine
 from ..engines.gcsafe import gc_safe_capture
 from ..errors import CaptureStateError
+from ..forecast.allocator import expandable_segments
 from ..manager import get_plugin_manager
 from ..options import BackendOptions
 from ..output_mode import ON, OutputMode, Resolution, explain_output_mode
@@ -66,6 +67,31 @@ def buffer_source(choice: str, engine: Engine, forecast: Any = None) -> BufferSo
     if engine.name != "cuda":
         return "adopt"
     return "adopt" if getattr(forecast, "buffer_source", "reserve") == "adopt" else "reserve"
+
+
+@contextlib.contextmanager
+def allocator_segments(choice: str, engine: Engine) -> Iterator[None]:
+    """``BackendOptions.pool_segments`` for one capture session: with ``"expandable"`` on a CUDA
+    engine, the allocator's ``expandable_segments`` is on while the session is open and off
+    again after it (torch's ``_set_allocator_settings``, read by the allocator at each new
+    segment: vLLM switches it the same way around its own pool). Nothing changes with
+    ``"fixed"``, on the eager engine, or where the process already runs with it on.
+
+    :raises RuntimeError: this torch cannot switch it at run time.
+    """
+    if choice != "expandable" or engine.name != "cuda" or expandable_segments():
+        yield
+        return
+    setter = getattr(torch.cuda.memory, "_set_allocator_settings", None)
+    if setter is None:
+        msg = ("pool_segments='expandable' needs torch.cuda.memory._set_allocator_settings, which this torch "
+               f"({torch.__version__}) lacks; set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True instead")
+        raise RuntimeError(msg)
+    setter("expandable_segments:True")
+    try:
+        yield
+    finally:
+        setter("expandable_segments:False")
 
 
 def pool_reserve_bytes(choice: str | int, engine: Engine, forecast: Any = None) -> int:
@@ -199,7 +225,8 @@ class CaptureBackend:
         free_before: int | None = None
         try:
             # GC safety: one collection per session, not per key; graphs only on CUDA engines.
-            with gc_safe_capture() if engine.name != "eager" else contextlib.nullcontext():
+            with (allocator_segments(opts.pool_segments, engine),
+                  gc_safe_capture() if engine.name != "eager" else contextlib.nullcontext()):
                 free_before = device_free_bytes(collect=False) if measure else None
                 yield
                 if free_before is not None:

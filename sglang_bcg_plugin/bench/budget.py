@@ -17,6 +17,7 @@ import os
 
 import torch
 
+from .runner import VARIANTS
 from .usage import UsageError
 from .workload import ModelShape
 from .sizes import MIN_CAPTURE_SIZE, SizeStats, capture_size_stats
@@ -49,8 +50,8 @@ def estimate_bytes(model: ModelShape, sizes: SizeStats | list[int], variants: li
     weights = model.layers * ((q + 2 * kv) * h + h * q + 3 * inter * h) * b
     if "off" in variants:
         outputs = sizes.total * h * b  # every key keeps its own output
-    elif {"on", "guard", "adopt", "reserve", "inductor"} & set(variants):
-        outputs = t * h * b  # one shared buffer per leaf
+    elif any(VARIANTS[v].share is True for v in variants if v in VARIANTS):
+        outputs = t * h * b  # sharing on (on, guard, adopt, packed, inductor...): one buffer per leaf
     else:
         outputs = 0  # floor, released: outputs left in graph memory
     # Live at once in one layer: residual, normed input, qkv, k/v repeated to all heads, the

@@ -149,12 +149,16 @@ VARIANT_LABELS = {
     "packed-released": "outputs released, pool as one block",
     "inductor-packed": "sharing on, Inductor, pool as one block",
     "inductor-packed-released": "outputs released, Inductor, pool as one block",
+    "expandable-released": "outputs released, pool as one expandable segment",
+    "inductor-expandable": "sharing on, Inductor, pool as one expandable segment",
+    "inductor-expandable-released": "outputs released, Inductor, pool as one expandable segment",
 }
 VARIANT_COLORS = {
     "off": "#c0504d", "on": "#4f81bd", "floor": "#9bbb59", "guard": "#8064a2", "inductor": "#f79646",
     "inductor-released": "#e46c0a",
     "reference": "#4bacc6", "released": "#77933c", "adopt": "#95b3d7", "reserve": "#1f497d",
     "packed": "#2c4d75", "packed-released": "#4f6228", "inductor-packed": "#984807", "inductor-packed-released": "#632523",
+    "expandable-released": "#b3a2c7", "inductor-expandable": "#fac090", "inductor-expandable-released": "#7f6084",
 }
 #: Graph Trees' legend label: torch's own CUDA graphs (on CPU the same compile, without graphs).
 GRAPH_TREES_LABEL = "torch's CUDA Graph Trees (torch.compile reduce-overhead)"

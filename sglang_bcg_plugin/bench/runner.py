@@ -31,7 +31,8 @@ log = logging.getLogger(__name__)
 class Variant:
     """How one bench variant captures: sharing, whether outputs are kept, guard, buffer source;
     ``inductor``: the model compiled by Inductor (piecewise: every piece; full: the model,
-    ``torch.compile(dynamic=True)``) before it is captured; ``pool_reserve``: the option."""
+    ``torch.compile(dynamic=True)``) before it is captured; ``pool_reserve`` and
+    ``pool_segments``: the options."""
 
     share: bool | Literal["released"]
     keep: bool = True
@@ -39,6 +40,7 @@ class Variant:
     shared_buffer: str = "auto"
     inductor: bool = False
     pool_reserve: str = "off"
+    pool_segments: str = "fixed"
 
 
 #: "floor" drops every output inside its graph (the memory floor); "guard" is "on" with the
@@ -58,6 +60,9 @@ VARIANTS = {
     "packed-released": Variant("released", pool_reserve="auto"),
     "inductor-packed": Variant(True, inductor=True, pool_reserve="auto"),
     "inductor-packed-released": Variant("released", inductor=True, pool_reserve="auto"),
+    "expandable-released": Variant("released", pool_segments="expandable"),
+    "inductor-expandable": Variant(True, inductor=True, pool_segments="expandable"),
+    "inductor-expandable-released": Variant("released", inductor=True, pool_segments="expandable"),
 }
 #: One line per variant: ``sglang-bcg bench --help`` prints them and docs/getting-started.md
 #: lists the same words (tests/test_cli.py checks both).
@@ -75,6 +80,9 @@ VARIANT_MEANINGS = {
     "packed-released": "zero-copy outputs (released), the pool started as one block the forecast sized (CUDA)",
     "inductor-packed": "sharing on, Inductor first, the pool started as one block the forecast sized (CUDA)",
     "inductor-packed-released": "released outputs, Inductor first, the pool started as one block the forecast sized (CUDA)",
+    "expandable-released": "released outputs, the pool grown as one expandable segment while capturing (pool_segments, CUDA)",
+    "inductor-expandable": "sharing on, Inductor first, the pool grown as one expandable segment (CUDA)",
+    "inductor-expandable-released": "released outputs, Inductor first, the pool grown as one expandable segment (CUDA)",
 }
 
 
@@ -148,6 +156,7 @@ def run_variant(
         stale_output_guard=v.guard,
         shared_buffer=v.shared_buffer,  # type: ignore[arg-type]
         pool_reserve=v.pool_reserve,  # type: ignore[arg-type]
+        pool_segments=v.pool_segments,  # type: ignore[arg-type]
     )
     kwargs: dict[str, Any] = {}
     if backend_name == "piecewise":

@@ -193,13 +193,14 @@ def forecast_schedule(
     # One warmup per probe (the engine's minimum still applies): lazy state is made by the first
     # eager run, and the graph pool only sees the capture; the schedule keeps its own warmups.
     backend.configure(output_mode="off", stale_output_guard=False, num_warmups=min(options.num_warmups, 1),
-                      pool_reserve="off")  # the probes' pool as the allocator cuts it
+                      pool_reserve="off", pool_segments="fixed")  # the probes' requests, the process's allocator
     try:
         traces, largest_output, bridges, stream_bytes = _probe(backend, probe_sizes, forward_for, capture_inputs)
     finally:
         backend.cleanup()
         backend.configure(output_mode=options.output_mode, stale_output_guard=options.stale_output_guard,
-                          num_warmups=options.num_warmups, pool_reserve=options.pool_reserve)
+                          num_warmups=options.num_warmups, pool_reserve=options.pool_reserve,
+                          pool_segments=options.pool_segments)
     probe_seconds = time.perf_counter() - start
     large, small = traces
     # The model makes tens of thousands of short-lived objects: with the GC on they trigger
@@ -207,7 +208,7 @@ def forecast_schedule(
     # more than the model; its garbage goes by reference counting and the next collection.
     with gc_safe_capture(collect=False):
         fitted, outputs = ScaledTrace.fit(large, small), output_allocs(large, largest_output)
-        expandable = expandable_segments()
+        expandable = expandable_segments() or options.pool_segments == "expandable"
         modes, by_source, source, reserve_bytes = schedule_forecast(
             fitted, schedule, outputs=outputs, largest_output_bytes=sum(largest_output), stream_bytes=stream_bytes,
             bridge_bytes=bridges, source=options.shared_buffer, pool_reserve=options.pool_reserve,
@@ -215,12 +216,14 @@ def forecast_schedule(
         references = reference_estimates(modes, fitted, schedule, outputs=outputs, expandable=expandable)
     return GraphMemoryForecast(backend.name, tuple(schedule), configured_mode, MappingProxyType(modes), probe_sizes,
                                time.perf_counter() - start, source, MappingProxyType(by_source),
-                               MappingProxyType(references), probe_seconds, reserve_bytes, allocator_caveat())
+                               MappingProxyType(references), probe_seconds, reserve_bytes,
+                               EXPANDABLE_CAVEAT if expandable else "")
 
 
 #: What :attr:`GraphMemoryForecast.caveat` says with ``expandable_segments`` on.
 EXPANDABLE_CAVEAT = (
-    "the CUDA allocator runs with expandable_segments:True; the forecast models the pool as one segment "
+    "the graph pool grows with expandable_segments (the process's setting or pool_segments='expandable'); "
+    "the forecast models it as one segment "
     "growing in 20 MiB steps, a model not yet checked against a GPU run (the fixed-segment model it "
     "replaces was 16-22 % off there)"
 )
