@@ -484,11 +484,24 @@ def test_session_switches_expandable_segments_only_while_it_is_open(monkeypatch:
     with backend.capture_session():
         pass
     assert len(calls) == 4  # the process's own setting stands
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:512")  # the process's other keys stay
+    with backend.capture_session():
+        assert calls[-1] == "max_split_size_mb:512,expandable_segments:True"
+    assert calls[-1] == "max_split_size_mb:512,expandable_segments:False" and len(calls) == 6
     monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF")
+
+    def refuse(conf: str) -> None:
+        raise RuntimeError("Unrecognized key")
+
+    monkeypatch.setattr(torch.cuda.memory, "_set_allocator_settings", refuse)
+    with pytest.raises(RuntimeError, match="torch refused to switch expandable_segments on \\(Unrecognized key\\)"), \
+            backend.capture_session():
+        pass
+    monkeypatch.setattr(torch.cuda.memory, "_set_allocator_settings", calls.append)
     backend.configure(pool_segments="fixed")
     with backend.capture_session():
         pass
-    assert len(calls) == 4
+    assert len(calls) == 6
     backend.configure(pool_segments="expandable")
     monkeypatch.delattr(torch.cuda.memory, "_set_allocator_settings")
     with pytest.raises(RuntimeError, match="needs torch.cuda.memory._set_allocator_settings"), backend.capture_session():

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
 import threading
 from collections.abc import Callable, Hashable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -27,7 +28,7 @@ from ..engines.base import CaptureRequest, Engine
 from ..engines.eager import EagerEngine
 from ..engines.gcsafe import gc_safe_capture
 from ..errors import CaptureStateError
-from ..forecast.allocator import expandable_segments
+from ..forecast.allocator import ALLOC_CONF_VARS, expandable_segments
 from ..manager import get_plugin_manager
 from ..options import BackendOptions
 from ..output_mode import ON, OutputMode, Resolution, explain_output_mode
@@ -87,11 +88,18 @@ def allocator_segments(choice: str, engine: Engine) -> Iterator[None]:
         msg = ("pool_segments='expandable' needs torch.cuda.memory._set_allocator_settings, which this torch "
                f"({torch.__version__}) lacks; set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True instead")
         raise RuntimeError(msg)
-    setter("expandable_segments:True")
+    # The process's other settings are given again with it: a torch whose parser resets the keys
+    # a call leaves out keeps them, and the close restores exactly the process's own string.
+    conf = ",".join(v for v in (os.environ.get(var, "").strip() for var in ALLOC_CONF_VARS) if v)
+    try:
+        setter(f"{conf},expandable_segments:True" if conf else "expandable_segments:True")
+    except RuntimeError as exc:
+        msg = f"pool_segments='expandable': torch refused to switch expandable_segments on ({exc})"
+        raise RuntimeError(msg) from None
     try:
         yield
     finally:
-        setter("expandable_segments:False")
+        setter(f"{conf},expandable_segments:False" if conf else "expandable_segments:False")
 
 
 def pool_reserve_bytes(choice: str | int, engine: Engine, forecast: Any = None) -> int:
