@@ -150,6 +150,11 @@ def run_variant(
     torch._dynamo.reset()
     v = VARIANTS[variant]
     device = workload.shape.device
+    if device.startswith("cuda"):
+        # Every row pays its capture streams' cuBLAS workspaces, as the Graph Trees row does:
+        # torch hands streams out round-robin from a pool of 32, so without this a row's figure
+        # would hold 32 MiB more or less by whether an earlier row had used its stream.
+        torch._C._cuda_clearCublasWorkspaces()
     options = BackendOptions(
         output_mode=mode_of_option(v.share),
         engine="cuda" if device.startswith("cuda") else "eager",
