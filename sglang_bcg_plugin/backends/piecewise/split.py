@@ -53,7 +53,7 @@ class PieceRunner(torch.nn.Module):
         call as they are, so the next piece meets the same layout inside a capture and outside.
     """
 
-    def __init__(self, piece: torch.fx.GraphModule, tag: str, compiled: Callable[..., Any] | None = None) -> None:
+    def __init__(self, piece: torch.fx.GraphModule, tag: str, compiled: CompiledPiece | None = None) -> None:
         super().__init__()
         self.piece = piece
         self.tag = tag
@@ -136,7 +136,10 @@ class SplitProgram:
             elif node.op == "output":
                 return torch.fx.node.map_arg(node.args[0], env.__getitem__)
             else:
-                env[node] = self._run_node(node, env)
+                value = self._run_node(node, env)
+                if node.users:  # a value nothing reads is dropped at once
+                    env[node] = value
+                del value
             for used in self._dies.get(node, ()):
                 env.pop(used, None)
         msg = "split graph has no output node"
@@ -159,8 +162,6 @@ class SplitProgram:
         else:  # pragma: no cover - split_module emits no call_method
             msg = f"split graph node {node.format_node()} ({node.op}) is not supported"
             raise RuntimeError(msg)
-        call_args, call_kwargs = torch.fx.node.map_arg((node.args, node.kwargs), env.__getitem__)
-        return fn(*call_args, **call_kwargs)
         call_args, call_kwargs = torch.fx.node.map_arg((node.args, node.kwargs), env.__getitem__)
         return fn(*call_args, **call_kwargs)
 
