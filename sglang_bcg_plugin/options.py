@@ -27,19 +27,27 @@ PoolSegments = Literal["fixed", "expandable"]
 POOL_SEGMENTS: tuple[PoolSegments, ...] = ("fixed", "expandable")
 
 
-def parse_pool_segments(raw: object, *, what: str = "BackendOptions.pool_segments") -> str:
-    """``"fixed"`` or ``"expandable"`` (any case, whitespace allowed).
+def _one_of(raw: object, names: tuple[str, ...], what: str) -> str:
+    """``raw`` as one of ``names``: any case, surrounding whitespace allowed; returned lowercase.
 
-    :raises TypeError: not a str. :raises ValueError: another word.
+    :raises TypeError: ``raw`` is not a str. :raises ValueError: not one of the names (``what``
+        and the value are named).
     """
+    quoted = [f"'{n}'" for n in names]
+    spelled = f"{', '.join(quoted[:-1])} or {quoted[-1]}"
     if not isinstance(raw, str):
-        msg = f"{what} must be 'fixed' or 'expandable', got {raw!r} of type {type(raw).__name__}"
+        msg = f"{what} must be {spelled}, got {raw!r} of type {type(raw).__name__}"
         raise TypeError(msg)
     value = raw.strip().lower()
-    if value not in POOL_SEGMENTS:
-        msg = f"{what} must be 'fixed' or 'expandable' (any case), got {raw!r}"
+    if value not in names:
+        msg = f"{what} must be {spelled} (any case), got {raw!r}"
         raise ValueError(msg)
     return value
+
+
+def parse_pool_segments(raw: object, *, what: str = "BackendOptions.pool_segments") -> str:
+    """``"fixed"`` or ``"expandable"`` (any case, whitespace allowed)."""
+    return _one_of(raw, POOL_SEGMENTS, what)
 
 
 def parse_pool_reserve(raw: object, *, what: str = "BackendOptions.pool_reserve") -> str | int:
@@ -70,14 +78,7 @@ def parse_shared_buffer(raw: object, *, what: str = "BackendOptions.shared_buffe
     :raises TypeError: ``raw`` is not a str.
     :raises ValueError: not one of the names (``what`` and the value are named).
     """
-    if not isinstance(raw, str):
-        msg = f"{what} must be 'auto', 'adopt' or 'reserve', got {raw!r} of type {type(raw).__name__}"
-        raise TypeError(msg)
-    value = raw.strip().lower()
-    if value not in SHARED_BUFFER_SOURCES:
-        msg = f"{what} must be 'auto', 'adopt' or 'reserve' (any case), got {raw!r}"
-        raise ValueError(msg)
-    return value  # type: ignore[return-value]
+    return _one_of(raw, SHARED_BUFFER_SOURCES, what)  # type: ignore[return-value]
 
 
 def _check_bool(field: str, value: object) -> None:
