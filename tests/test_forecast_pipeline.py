@@ -248,3 +248,35 @@ def test_bench_forecasts_on_cuda_and_warns_when_it_cannot(caplog: pytest.LogCapt
     assert "full: no forecast: not one pattern" in caplog.text
     eager = SimpleNamespace(name="full", engine_name="eager", forecast=refuse)
     assert _forecast(eager, [8, 4], lambda n: lambda: None, None, lambda: None) == (None, 0.0)
+
+
+def test_record_probes_keeps_what_the_forecast_read(allocator: RecordedAllocator, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``tests/gpu/record_probes.py`` (run on the GPU to tune the forecast offline) writes the
+    probes a forecast read in this file's format: here, the recorded events come back as they
+    went in, and a case is made per forecast row."""
+    import sys
+
+    monkeypatch.syspath_prepend(str(Path(__file__).parent / "gpu"))
+    import record_probes
+
+    case = _case("synthetic/full")
+    allocator.pool_segments = RecordedAllocator(case["pool_segments"]).pool_segments
+    monkeypatch.setattr(probe, "device_free_bytes", lambda *, collect=True: 0)
+    original = probe.forecast_schedule
+    with record_probes.recording() as forecasts:
+        backend = RecordedBackend(case, allocator, BackendOptions(output_mode="released"))
+        fc = probe.forecast_schedule(backend, iter(case["sizes"]), lambda n: lambda: None, configured_mode="released")
+    assert probe.forecast_schedule is original and "record_probes" in sys.modules
+    (got,) = forecasts
+    probes = (str(case["sizes"][0]), str(case["sizes"][-1]))
+    assert got["sizes"] == sorted(case["sizes"], reverse=True) and set(got["probes"]) == set(probes)
+    assert all(got["probes"][n] == case["probes"][n] for n in probes)
+    assert got["pool_segments"] == case["pool_segments"] and got["largest_output_bytes"] == case["largest_output_bytes"]
+    row = {"backend": "full", "variant": "released", "model": "synthetic", "graph_memory_bytes": 1 << 30,
+           "forecast_bytes": fc.bytes_for(), "forecast": fc.to_dict()}
+    bench = {"config": {"max_tokens": max(case["sizes"])}, "rows": [row, {"backend": "graph-trees", "forecast": None}]}
+    (name, written), = record_probes.cases(bench, forecasts).items()
+    assert name == "synthetic/full/released" and written["measured"]["released"]["graph_bytes"] == 1 << 30
+    assert written["probes"] == got["probes"] and written["measured"]["released"]["mode"] == "released"
+    with pytest.raises(SystemExit, match="1 rows carry a forecast but 0 forecasts ran"):
+        record_probes.cases(bench, [])
