@@ -48,9 +48,9 @@ ALLOC_CONF_VARS = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
 
 def expandable_segments(environ: dict[str, str] | None = None) -> bool:
     """Whether the allocator's settings (``PYTORCH_CUDA_ALLOC_CONF`` / ``PYTORCH_ALLOC_CONF``)
-    turn ``expandable_segments`` on, which this model does not follow: the pool is then one
-    segment that grows in 20 MiB steps, not a segment per request it cannot place. (A setting
-    changed at run time through torch's private ``_set_allocator_settings`` is not seen.)"""
+    turn ``expandable_segments`` on: the pool is then one segment that grows in 20 MiB steps,
+    not a segment per request it cannot place (``PoolModel(expandable=True)``). A setting
+    changed at run time through torch's private ``_set_allocator_settings`` is not seen."""
     env = os.environ if environ is None else environ
     for var in ALLOC_CONF_VARS:
         for item in env.get(var, "").split(","):
@@ -205,20 +205,18 @@ class PoolModel:
             while last.next is not None:
                 last = last.next
             base = last.addr + last.size
-        have = 0
-        if last is not None and last.free:
+        if last is not None and last.free:  # the free end of the range grows
             del self._free[bisect.bisect_left(self._free, (small, stream, last.size, last.addr))]
-            have = last.size
-        extra = step * ((need - have + step - 1) // step)
-        self.segments[index] += extra
-        if last is not None and last.free:
+            extra = step * ((need - last.size + step - 1) // step)
             last.size += extra
             block = last
         else:
+            extra = step * ((need + step - 1) // step)
             block = _Block(base, extra, small, stream, True, last, None)
             if last is not None:
                 last.next = block
             self._by_addr[base] = block
+        self.segments[index] += extra
         if grown is None:
             self._grown[small, stream] = (index, block)
         block.free = False
