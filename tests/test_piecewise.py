@@ -173,7 +173,9 @@ def test_replay_equals_eager_for_all_sizes_after_inputs_change(share: bool) -> N
             assert_same(outs[s], setup.expected(s))
 
 
-@pytest.mark.parametrize(("dynamic", "compilations"), [("unbacked", 1), ("size_oblivious", 1), ("backed", 2)])
+@pytest.mark.parametrize(
+    ("dynamic", "compilations"), [("auto", 1), ("unbacked", 1), ("size_oblivious", 1), ("backed", 2)]
+)
 def test_one_compilation_serves_every_size(dynamic: str, compilations: int) -> None:
     before = counters["stats"]["unique_graphs"]
     setup = Setup(make(True), Net(2), dynamic=dynamic)
@@ -187,8 +189,15 @@ def test_one_compilation_serves_every_size(dynamic: str, compilations: int) -> N
 
 
 def test_unknown_dynamic_mode() -> None:
-    with pytest.raises(ValueError, match="dynamic must be one of 'unbacked', 'size_oblivious', 'backed', got 'yes'"):
+    with pytest.raises(ValueError, match="dynamic must be one of 'auto', 'unbacked', 'size_oblivious', 'backed', got 'yes'"):
         make(False).compile(Net(1), dynamic="yes")  # type: ignore[arg-type]
+
+
+def test_auto_dynamic_is_unbacked_without_inductor() -> None:
+    """Pieces run as traced need no size hint: ``"auto"`` keeps the one-compilation mode."""
+    backend = make(False)
+    assert backend.compile(Net(1)).dynamic == "unbacked"
+    assert backend.compile(Net(1), dynamic="backed").dynamic == "backed"
 
 
 def test_sharing_keeps_one_output_the_largest() -> None:

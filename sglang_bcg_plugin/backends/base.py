@@ -184,7 +184,7 @@ class CaptureBackend:
                 self._engine = None
             return self._options
 
-    def compile(self, model: Callable[..., Any], *, dynamic: str = "unbacked", dynamic_dim: int = 0) -> Callable[..., Any]:
+    def compile(self, model: Callable[..., Any], *, dynamic: str = "auto", dynamic_dim: int = 0) -> Callable[..., Any]:
         """The callable a forward should call: ``model`` itself for backends that capture the
         forward as it is (Full, Breakable); Piecewise compiles it (its ``compile`` says how).
         ``dynamic`` and ``dynamic_dim`` only matter to a compiling backend."""

@@ -82,7 +82,7 @@ class PiecewiseBackend(CaptureBackend):
         return self._splitting_ops
 
     def compile(  # type: ignore[override]
-        self, model: Callable[..., Any], *, dynamic: DynamicMode = "unbacked", dynamic_dim: int = 0
+        self, model: Callable[..., Any], *, dynamic: DynamicMode = "auto", dynamic_dim: int = 0
     ) -> PiecewiseCompiled:
         """Compile ``model`` (a module or function) with this backend's piecewise compile backend.
 
@@ -90,8 +90,9 @@ class PiecewiseBackend(CaptureBackend):
         would skip. The size dim of every tensor argument is dynamic, so one compilation serves
         every capture size; :attr:`num_compilations` tells if the model forced more.
 
-        :param dynamic: how dim 0 is made dynamic: ``"unbacked"`` (default; no size is special),
-            ``"size_oblivious"`` or ``"backed"`` (see :class:`PiecewiseCompiled`).
+        :param dynamic: how the size dim is made dynamic: ``"auto"`` (default:
+            ``"size_oblivious"`` with ``inductor=True``, else ``"unbacked"``), ``"unbacked"`` (no
+            size is special), ``"size_oblivious"`` or ``"backed"`` (see :class:`PiecewiseCompiled`).
         :param dynamic_dim: the dim that varies with the capture size: 0 (default) for
             tokens-first inputs, 1 for batch-first ``[1, seq]`` inputs (transformers).
         :raises ValueError: unknown ``dynamic``, or a negative / non-int ``dynamic_dim``.
