@@ -170,7 +170,7 @@ def test_forecast_schedule_on_recorded_captures(name: str, allocator: RecordedAl
     backend = RecordedBackend(case, allocator, grown)
     fc = probe.forecast_schedule(backend, case["sizes"], lambda n: lambda: None, configured_mode="released")
     assert backend.segment_modes == ["fixed"] and backend.options == grown  # restored
-    assert fc.pool_reserve_bytes == 0 and fc.caveat == probe.EXPANDABLE_CAVEAT  # nothing to cut; not yet checked
+    assert fc.pool_reserve_bytes == 0 and fc.caveat == probe.EXPANDABLE_CAVEAT  # nothing to cut; a looser model
     assert fc.modes["released"].working_set_bytes % (2 * 1024 * 1024) == 0
     assert fc.bytes_for("released") <= auto.bytes_for("released")  # one growing segment: never more
 

@@ -224,8 +224,8 @@ def forecast_schedule(
 EXPANDABLE_CAVEAT = (
     "the graph pool grows with expandable_segments (the process's setting or pool_segments='expandable'); "
     "the forecast models it as one segment "
-    "growing in 20 MiB steps, a model not yet checked against a GPU run (the fixed-segment model it "
-    "replaces was 16-22 % off there)"
+    "growing in 20 MiB steps, measured within 7 % on an H200 (up to 7 % over on Piecewise, "
+    "within 3 % on Full), not exact as without it"
 )
 
 

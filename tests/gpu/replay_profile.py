@@ -30,7 +30,7 @@ REPLAYS = 5
 
 
 def inductor_backend(
-    name: str, workload: LlamaWorkload, tokens: int, mode: str = "on", dynamic: str = "unbacked"
+    name: str, workload: LlamaWorkload, tokens: int, mode: str = "on", dynamic: str = "auto"
 ) -> tuple[Any, Any, Any]:
     """A fresh backend with the model compiled by Inductor (Piecewise: every piece; Full: the
     model, ``torch.compile(dynamic=True)``), its compiled callable and the static input."""
@@ -48,7 +48,7 @@ def inductor_backend(
     return backend, fn, static
 
 
-def capture(name: str, workload: LlamaWorkload, tokens: int, dynamic: str = "unbacked") -> tuple[Any, Any]:
+def capture(name: str, workload: LlamaWorkload, tokens: int, dynamic: str = "auto") -> tuple[Any, Any]:
     backend, fn, static = inductor_backend(name, workload, tokens, dynamic=dynamic)
     with torch.no_grad(), backend.capture_session():
         backend.capture_one(ShapeKey(tokens), lambda: workload.call(fn, static, tokens), capture_inputs=static)
@@ -68,7 +68,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", type=int, default=16384)
     ap.add_argument("--out", default=".")
-    ap.add_argument("--dynamic", default="unbacked", help="Piecewise: comma-separated compile(dynamic=...) modes")
+    ap.add_argument("--dynamic", default="auto", help="Piecewise: comma-separated compile(dynamic=...) modes")
     args = ap.parse_args()
     workload = LlamaWorkload(ModelShape(2880, 4, 64, 8, 64, 2880, torch.bfloat16, "cuda"))
     result: dict[str, Any] = {}
