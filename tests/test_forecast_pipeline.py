@@ -175,6 +175,22 @@ def test_forecast_schedule_on_recorded_captures(name: str, allocator: RecordedAl
     assert fc.bytes_for("released") <= auto.bytes_for("released")  # one growing segment: never more
 
 
+def test_probes_leave_out_a_segment_the_workspace_only_pins(allocator: RecordedAllocator, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The H200's cold-cache recording (Inductor Piecewise, Llama): the probe session took 62 MiB
+    outside its pool, 28 of them an autotuner's segment the cuBLAS workspace pinned; the
+    forecast counts the workspace's 34 and gives the 706 MiB the schedule measured."""
+    with gzip.open(DATA.with_name("h200_inductor_cold_probes.json.gz"), "rt") as f:
+        case = json.load(f)["cases"]["llama/piecewise/inductor"]
+    allocator.pool_segments = RecordedAllocator(case["pool_segments"]).pool_segments
+    pool = sum(n for _, n in case["pool_segments"])
+    free = iter([100 << 30, (100 << 30) - pool - (62 << 20)])
+    monkeypatch.setattr(probe, "device_free_bytes", lambda *, collect=True: next(free))
+    backend = RecordedBackend(case, allocator, BackendOptions(output_mode="on", shared_buffer="auto"))
+    fc = probe.forecast_schedule(backend, case["sizes"], lambda n: lambda: None, configured_mode="on")
+    assert {f.stream_bytes for f in fc.modes.values()} == {34 << 20}
+    assert fc.bytes_for() == case["measured"]["inductor"]["graph_bytes"] == 706 << 20
+
+
 def test_probe_failure_restores_the_backend(allocator: RecordedAllocator, monkeypatch: pytest.MonkeyPatch) -> None:
     case = _case("synthetic/full")
     monkeypatch.setattr(probe, "device_free_bytes", lambda *, collect=True: 0)

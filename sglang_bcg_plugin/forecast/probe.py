@@ -7,7 +7,8 @@ allocator records its events, reads each capture's requests to its graph pool
 (``cleanup()``), and models every size of the schedule in one pool per output mode
 (:func:`~.model.forecast_modes`). What a capture stream costs (its cuBLAS workspace, about
 34 MiB on an H200, released with the engine) is measured as the device memory the probe session
-took outside its graph pool.
+took outside its graph pool, less what a segment cut for other work (compile-time autotuning)
+holds only because the workspace landed in it (:func:`~.trace.pinned_slack`).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from ..shape_key import ShapeKey
 from ..trees import flatten
 from .allocator import expandable_segments
 from .model import MODES, ModeForecast, reference_estimates, schedule_forecast
-from .trace import KeyTrace, ScaledTrace, output_allocs, pool_trace
+from .trace import KeyTrace, ScaledTrace, output_allocs, pinned_slack, pool_trace
 
 
 class ProbeTarget(Protocol):
@@ -162,7 +163,8 @@ def _probe(backend: ProbeTarget, sizes: Sequence[int], forward_for: Callable[[in
         bridges = backend.memory_report().total_bridge_bytes
     finally:
         torch.cuda.memory._record_memory_history(enabled=None)
-    outside_pool = max(0, free_before - free_after - sum(n for _, n in segments))
+    slack = pinned_slack([e for ev in events for e in ev], segments)
+    outside_pool = max(0, free_before - free_after - sum(n for _, n in segments) - slack)
     traces = [pool_trace(n, ev, segments) for n, ev in zip(sizes, events, strict=True)]
     return traces, largest_output, bridges, outside_pool
 

@@ -16,8 +16,10 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from ..errors import ForecastError
+from .allocator import round_size, segment_size
 
 ALLOC, FREE_COMPLETED = "alloc", "free_completed"
+SEGMENT_ALLOC, SEGMENT_FREE = "segment_alloc", "segment_free"
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,6 +58,44 @@ def pool_trace(size: int, events: Iterable[dict[str, object]], segments: Sequenc
         elif e["action"] == FREE_COMPLETED and addr in live:
             ops.append((1, live.pop(addr)))
     return KeyTrace(size, tuple(ops))
+
+
+def pinned_slack(events: Iterable[dict[str, object]], segments: Sequence[tuple[int, int]]) -> int:
+    """Bytes of segments made outside the pool ``segments`` that stay reserved only because a
+    smaller live block sits in them.
+
+    Per segment made during ``events`` and still holding live blocks at their end: its bytes
+    less the segment those blocks alone would have made. When the first probe compiles on a cold
+    Inductor cache, autotuning makes 60 MiB segments and frees them; the capture stream's 32 MiB
+    cuBLAS workspace then lands in one of them and pins all 60 MiB, which a later schedule (its
+    kernels compiled) never pays. A segment with no live block is released by ``empty_cache``
+    and costs nothing.
+    """
+
+    def in_pool(addr: int) -> bool:
+        return any(lo <= addr < lo + n for lo, n in segments)
+
+    made: dict[int, int] = {}
+    live: dict[int, int] = {}
+    for e in events:
+        addr, action = int(e["addr"]), e["action"]  # type: ignore[call-overload]
+        if in_pool(addr):
+            continue
+        size = int(e["size"])  # type: ignore[call-overload]
+        if action == SEGMENT_ALLOC:
+            made[addr] = size
+        elif action == SEGMENT_FREE:
+            made.pop(addr, None)
+        elif action == ALLOC:
+            live[addr] = size
+        elif action == FREE_COMPLETED:
+            live.pop(addr, None)
+    held: dict[int, int] = {}
+    for addr, size in live.items():
+        lo = next((lo for lo, n in made.items() if lo <= addr < lo + n), None)
+        if lo is not None:
+            held[lo] = held.get(lo, 0) + size
+    return sum(max(0, made[lo] - segment_size(round_size(n))) for lo, n in held.items())
 
 
 @dataclass(frozen=True, slots=True)
