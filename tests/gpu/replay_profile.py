@@ -1,7 +1,7 @@
 """One replay at the largest size, profiled: Inductor Piecewise against Inductor Full (issue 21).
 
-``python3 tests/gpu/replay_profile.py [--tokens 16384] [--dynamic unbacked,size_oblivious]
-[--out DIR]`` captures transformers'
+``python3 tests/gpu/replay_profile.py [--tokens 16384] [--dynamic auto,unbacked] [--out DIR]``
+captures transformers'
 ``LlamaModel`` (the bench's CUDA shapes) at one size with each backend, Inductor-compiled and
 sharing on, then runs ``torch.profiler`` over 5 replays of each and prints, per backend: the
 replay's median wall ms, kernels launched per replay, device time per replay, memcpy/memset
@@ -36,13 +36,11 @@ def inductor_backend(
     model, ``torch.compile(dynamic=True)``), its compiled callable and the static input."""
     torch._dynamo.reset()
     kwargs: dict[str, Any] = {}
-    compile_kwargs: dict[str, Any] = {}
     if name == "piecewise":
         kwargs = {"splitting_ops": list(workload.splitting_ops), "inductor": True}
-        compile_kwargs = {"dynamic": dynamic}
     backend = create_backend(name, options=BackendOptions(output_mode=mode, engine="cuda"), **kwargs)
     model, static = workload.model_for(name, tokens), workload.static_input(tokens)
-    fn = backend.compile(model, dynamic_dim=workload.dynamic_dim, **compile_kwargs)
+    fn = backend.compile(model, dynamic_dim=workload.dynamic_dim, dynamic=dynamic)  # Full: ignored
     if name == "full":
         fn = torch.compile(model, dynamic=True)
     return backend, fn, static
