@@ -39,18 +39,18 @@ class KeyTrace:
         return sum(self.ops[i][1] for i in self.kept)
 
 
+def _inside(addr: int, segments: Sequence[tuple[int, int]]) -> bool:
+    return any(lo <= addr < lo + n for lo, n in segments)
+
+
 def pool_trace(size: int, events: Iterable[dict[str, object]], segments: Sequence[tuple[int, int]]) -> KeyTrace:
     """The :class:`KeyTrace` of the events (allocator trace entries: ``action``, ``addr``,
     ``size``) that fall in ``segments`` (``(address, bytes)`` of the capture's pool)."""
-
-    def inside(addr: int) -> bool:
-        return any(lo <= addr < lo + n for lo, n in segments)
-
     ops: list[tuple[int, int]] = []
     live: dict[int, int] = {}
     for e in events:
         addr = int(e["addr"])  # type: ignore[call-overload]
-        if not inside(addr):
+        if not _inside(addr, segments):
             continue
         if e["action"] == ALLOC:
             live[addr] = len(ops)
@@ -71,15 +71,11 @@ def pinned_slack(events: Iterable[dict[str, object]], segments: Sequence[tuple[i
     kernels compiled) never pays. A segment with no live block is released by ``empty_cache``
     and costs nothing.
     """
-
-    def in_pool(addr: int) -> bool:
-        return any(lo <= addr < lo + n for lo, n in segments)
-
     made: dict[int, int] = {}
     live: dict[int, int] = {}
     for e in events:
         addr, action = int(e["addr"]), e["action"]  # type: ignore[call-overload]
-        if in_pool(addr):
+        if _inside(addr, segments):
             continue
         size = int(e["size"])  # type: ignore[call-overload]
         if action == SEGMENT_ALLOC:
