@@ -194,7 +194,9 @@ def run_variant(
         try:
             for key in keys:
                 before = compiled_s()
-                backend.capture_one(key, forward_for(key.size), capture_inputs=static)
+                backend.capture_one(
+                    key, forward_for(key.size), capture_inputs=static, post_warmup_hook=workload.post_warmup_hook
+                )
                 if before is not None:
                     per_key_compile[key] = compiled_s() - before  # type: ignore[operator]
                 if after_capture is not None:

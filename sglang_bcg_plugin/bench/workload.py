@@ -36,6 +36,8 @@ class Workload:
     name = "base"
     splitting_ops: tuple[Any, ...] = ()
     dynamic_dim = 0
+    #: called between each size's warmup and its capture (a tensor-parallel group's barrier)
+    post_warmup_hook: Callable[[], None] | None = None
 
     def __init__(self, shape: ModelShape) -> None:
         self.shape = shape

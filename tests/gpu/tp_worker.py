@@ -1,20 +1,31 @@
-"""Two-rank tensor-parallel capture with output sharing (launched by ``test_two_gpu.py``).
+"""Tensor-parallel capture with output sharing, one process per rank (``test_two_gpu.py``).
 
-``torchrun --nproc-per-node 2 tests/gpu/tp_worker.py``. Each rank holds a column/row-parallel
-shard of the bench decoder (attention heads and MLP columns split across ranks; ``o_proj`` and
-``down`` row-parallel followed by ``dist.all_reduce`` *inside the captured forward*). For the
-Breakable and Full backends with ``output_mode="on"`` it captures several sizes largest first,
-with ``post_warmup_hook=dist.barrier`` between warmup and capture, changes the inputs, and checks
-on each rank: replay == eager, both ranks hold the same output, no fallbacks, and the ranks
-report the same ``memory_report().saved_bytes`` (the analytic value). Rank 0 writes
-``$SGLANG_BCG_GPU_RESULTS_DIR/two_gpu_tp.json``; any failure on any rank exits 1 on every rank.
+``python -m torch.distributed.run --standalone --nproc-per-node 2 tests/gpu/tp_worker.py [flags]``
 
-``SGLANG_BCG_TP_DEVICE=cpu`` runs the same script on CPU (gloo, eager engine): a smoke test of the
-script itself on machines without GPUs.
+Each rank holds a column/row-parallel shard of the bench's synthetic decoder: the attention heads
+and the MLP columns are split across ranks; ``o_proj`` and ``down`` are row-parallel, each followed
+by an all-reduce *inside the captured forward* (``torch.ops.sglang_bcg_tp.all_reduce``, an opaque
+in-place op around ``dist.all_reduce``, as SGLang's ``inplace_all_reduce``). The residual stream
+(``hidden``) and the output are replicated.
+
+Every rank runs the bench's own measurement (``sglang_bcg_plugin.bench.runner.run_variant``) for
+each backend x variant: forecast, capture of the whole schedule largest first (a
+``dist.barrier`` between warmup and capture, as SGLang's ``tp_group.barrier()``), graph memory
+(the device-wide free-memory delta, each rank on its own GPU), new inputs, replay == eager at
+every size, replay time. Then the ranks compare: the same output bytes (the analytic sharing
+saving), and the same outputs (an eager forward's checksum). Rank 0 writes
+``$SGLANG_BCG_GPU_RESULTS_DIR/two_gpu_tp.json`` (every rank's rows) and prints one line per row;
+any failure on any rank makes every rank exit 1.
+
+Defaults: on CUDA the bench shapes (hidden 2880, 48 query / 8 KV heads of 64, intermediate 2880,
+4 layers, bf16, SGLang's 74 prefill sizes up to 16384 tokens), NCCL, backends breakable, full,
+piecewise and variants off, on, released. ``SGLANG_BCG_TP_DEVICE=cpu`` runs the same code on CPU
+(gloo, the eager engine, small shapes): CI runs it there.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import sys
@@ -26,171 +37,259 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from sglang_bcg_plugin import BackendOptions, ShapeKey, create_backend
 from sglang_bcg_plugin.bench.model import attention_break, attention_op
+from sglang_bcg_plugin.bench.runner import VARIANTS, run_variant, warm_up
+from sglang_bcg_plugin.bench.sizes import prefill_capture_sizes
+from sglang_bcg_plugin.bench.workload import ModelShape, Workload
 
-HIDDEN, HEADS, KV_HEADS, INTERMEDIATE, LAYERS = 1024, 16, 8, 2048, 2
-SIZES = [1024, 512, 256, 128, 64, 32, 16, 8]  # largest first
-TOL = 1e-4
-
-
-def _norm(x: torch.Tensor) -> torch.Tensor:
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+BACKENDS = ("breakable", "full", "piecewise")
+TP_VARIANTS = ("off", "on", "released")
 
 
-class TPDecoder:
-    """Column-parallel qkv / gate / up, row-parallel o / down, one all-reduce after each."""
+@torch.library.custom_op("sglang_bcg_tp::all_reduce", mutates_args=("x",))
+def all_reduce(x: torch.Tensor) -> None:
+    """Sum ``x`` over the TP group in place (opaque to dynamo, so the piecewise backend keeps it)."""
+    dist.all_reduce(x)
 
-    def __init__(self, rank: int, world: int, device: str, attention: Any) -> None:
-        assert HEADS % world == 0 and KV_HEADS % world == 0 and INTERMEDIATE % world == 0
-        self.attention = attention
-        self.head_dim = HIDDEN // HEADS
-        self.heads, self.kv_heads = HEADS // world, KV_HEADS // world
-        q_cols, kv_cols, inter = self.heads * self.head_dim, self.kv_heads * self.head_dim, INTERMEDIATE // world
-        self.q_cols, self.kv_cols = q_cols, kv_cols
-        g = torch.Generator().manual_seed(0)  # same full weights on every rank; each keeps its shard
+
+@all_reduce.register_fake
+def _(x: torch.Tensor) -> None:
+    return None
+
+
+class TPDecoder(torch.nn.Module):
+    """One rank's shard of the bench decoder: column-parallel qkv / gate_up, row-parallel o / down."""
+
+    def __init__(self, shape: ModelShape, rank: int, world: int, attention: Any) -> None:
+        super().__init__()
+        for what, n in (("heads", shape.heads), ("kv_heads", shape.kv_heads), ("intermediate", shape.intermediate)):
+            if n % world:
+                msg = f"{what} {n} does not split over {world} ranks"
+                raise ValueError(msg)
+        self.shape, self.attention = shape, attention
+        self.world = world
+        self.heads, self.kv_heads = shape.heads // world, shape.kv_heads // world
+        self.q_cols, self.kv_cols = self.heads * shape.head_dim, self.kv_heads * shape.head_dim
+        inter = shape.intermediate // world
+        g = torch.Generator().manual_seed(0)  # the same full weights on every rank; each keeps its shard
 
         def full(rows: int, cols: int) -> torch.Tensor:
             return torch.randn(rows, cols, generator=g) / cols**0.5
 
+        def param(t: torch.Tensor) -> torch.nn.Parameter:
+            return torch.nn.Parameter(t.contiguous().to(shape.dtype).to(shape.device), requires_grad=False)
+
         def rows_of(t: torch.Tensor, n: int) -> torch.Tensor:
-            return t[rank * n : (rank + 1) * n].contiguous().to(device)
+            return t[rank * n : (rank + 1) * n]
 
-        def cols_of(t: torch.Tensor, n: int) -> torch.Tensor:
-            return t[:, rank * n : (rank + 1) * n].contiguous().to(device)
+        hd, h = shape.head_dim, shape.hidden
+        self.qkv, self.o, self.gate_up, self.down = (torch.nn.ParameterList() for _ in range(4))
+        for _ in range(shape.layers):
+            wq, wk, wv = full(shape.heads * hd, h), full(shape.kv_heads * hd, h), full(shape.kv_heads * hd, h)
+            wo, wg, wu, wd = full(h, shape.heads * hd), full(shape.intermediate, h), full(shape.intermediate, h), full(h, shape.intermediate)
+            self.qkv.append(param(torch.cat([rows_of(wq, self.q_cols), rows_of(wk, self.kv_cols), rows_of(wv, self.kv_cols)])))
+            self.o.append(param(rows_of(wo.t(), self.q_cols).t()))
+            self.gate_up.append(param(torch.cat([rows_of(wg, inter), rows_of(wu, inter)])))
+            self.down.append(param(rows_of(wd.t(), inter).t()))
 
-        self.layers = []
-        for _ in range(LAYERS):
-            wq, wk, wv = full(HIDDEN, HIDDEN), full(KV_HEADS * self.head_dim, HIDDEN), full(KV_HEADS * self.head_dim, HIDDEN)
-            wo, wg, wu, wd = full(HIDDEN, HIDDEN), full(INTERMEDIATE, HIDDEN), full(INTERMEDIATE, HIDDEN), full(HIDDEN, INTERMEDIATE)
-            self.layers.append(
-                {
-                    "qkv": torch.cat([rows_of(wq, q_cols), rows_of(wk, kv_cols), rows_of(wv, kv_cols)]),
-                    "o": cols_of(wo, q_cols),
-                    "gate_up": torch.cat([rows_of(wg, inter), rows_of(wu, inter)]),
-                    "down": cols_of(wd, inter),
-                }
-            )
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, (self.shape.hidden,), eps=1e-6)
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def _reduce(self, x: torch.Tensor) -> None:
+        if self.world > 1:  # one rank holds the whole model (SGLang skips the all-reduce too)
+            all_reduce(x)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = x
-        for w in self.layers:
-            qkv = F.linear(_norm(h), w["qkv"])
+        for i in range(self.shape.layers):
+            qkv = F.linear(self._norm(h), self.qkv[i])
             q, k, v = qkv.split([self.q_cols, self.kv_cols, self.kv_cols], dim=-1)
             out = torch.empty(h.shape[0], self.q_cols, dtype=h.dtype, device=h.device)
-            self.attention(q.contiguous(), k.contiguous(), v.contiguous(), out, self.heads, self.kv_heads)
-            o = F.linear(out, w["o"])
-            dist.all_reduce(o)  # row-parallel o_proj: inside the captured graph
-            h = h + o
-            gate, up = F.linear(_norm(h), w["gate_up"]).chunk(2, dim=-1)
-            d = F.linear(F.silu(gate) * up, w["down"])
-            dist.all_reduce(d)  # row-parallel down_proj
-            h = h + d
-        return _norm(h)
+            self.attention(q, k, v, out, self.heads, self.kv_heads)
+            del qkv, q, k, v
+            attn = F.linear(out, self.o[i])
+            del out
+            self._reduce(attn)  # row-parallel o_proj: inside the captured graph
+            h = h + attn if i == 0 else h.add_(attn)
+            del attn
+            gate, up = F.linear(self._norm(h), self.gate_up[i]).chunk(2, dim=-1)
+            act = F.silu(gate).mul_(up)
+            del gate, up
+            down = F.linear(act, self.down[i])
+            del act
+            self._reduce(down)  # row-parallel down_proj
+            h.add_(down)
+            del down
+        return self._norm(h)
 
 
-def run_backend(name: str, rank: int, world: int, device: str, engine: str, failures: list[str]) -> dict[str, Any]:
-    model = TPDecoder(rank, world, device, attention_break if name == "breakable" else attention_op)
-    g = torch.Generator().manual_seed(1)  # replicated activations: the same input on every rank
-    x_max = torch.randn(SIZES[0], HIDDEN, generator=g).to(device)
-    backend = create_backend(name, options=BackendOptions(output_mode="on", engine=engine))
-    barriers = {"n": 0}
+class TPWorkload(Workload):
+    """The bench's workload interface over :class:`TPDecoder`; inputs are replicated (seeded)."""
 
-    def barrier() -> None:
-        barriers["n"] += 1
-        dist.barrier()
+    name = "tp-synthetic"
 
-    keys = [ShapeKey(s) for s in SIZES]
-    start = time.perf_counter()
-    with torch.no_grad(), backend.capture_session():
-        for key in keys:
-            x = x_max[: key.size]
-            backend.capture_one(key, lambda x=x: model(x), capture_inputs=x_max, post_warmup_hook=barrier)
-    capture_s = time.perf_counter() - start
-    report = backend.memory_report()
+    def __init__(self, shape: ModelShape, rank: int, world: int) -> None:
+        super().__init__(shape)
+        self.rank, self.world = rank, world
+        self.splitting_ops = (torch.ops.sglang_bcg_bench.attention.default,)
+        self._inputs = torch.Generator().manual_seed(1)  # advances identically on every rank
 
+    def model_for(self, backend: str, max_tokens: int) -> TPDecoder:
+        return TPDecoder(self.shape, self.rank, self.world, attention_break if backend == "breakable" else attention_op)
+
+    def _random(self, max_tokens: int) -> torch.Tensor:
+        return torch.randn(max_tokens, self.shape.hidden, generator=self._inputs).to(self.shape.dtype).to(self.shape.device)
+
+    def static_input(self, max_tokens: int) -> torch.Tensor:
+        return self._random(max_tokens)
+
+    def refill(self, static: torch.Tensor) -> None:
+        static.copy_(self._random(static.shape[0]))
+
+    def call(self, fn: Any, static: torch.Tensor, size: int) -> Any:
+        return fn(static[:size])
+
+
+DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
+
+
+def parse_args(argv: list[str], cuda: bool) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--hidden", type=int, default=2880 if cuda else 64)
+    p.add_argument("--heads", type=int, default=48 if cuda else 4)
+    p.add_argument("--kv-heads", type=int, default=8 if cuda else 2)
+    p.add_argument("--head-dim", type=int, default=64 if cuda else 16)
+    p.add_argument("--intermediate", type=int, default=2880 if cuda else 128)
+    p.add_argument("--layers", type=int, default=4 if cuda else 2)
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16" if cuda else "float32")
+    p.add_argument("--max-tokens", type=int, default=16384 if cuda else 64)
+    p.add_argument("--backends", default=",".join(BACKENDS))
+    p.add_argument("--variants", default=",".join(TP_VARIANTS))
+    p.add_argument("--repeats", type=int, default=20 if cuda else 2)
+    p.add_argument("--no-forecast", action="store_true", help="skip each row's forecast (CUDA)")
+    p.add_argument("--tolerance", type=float, default=None, help="replay vs eager max abs error (default: by dtype)")
+    args = p.parse_args(argv)
+    for flag, names, known in (("--backends", args.backends, BACKENDS), ("--variants", args.variants, VARIANTS)):
+        bad = sorted(set(names.split(",")) - set(known))
+        if bad:
+            p.error(f"{flag}: unknown {', '.join(bad)}; choose from {', '.join(known)}")
+    return args
+
+
+def tolerance(dtype: torch.dtype) -> float:
+    """Replay against eager: the same kernels on the same inputs (1e-4 fp32; one bf16/fp16 ulp at 1)."""
+    return 1e-4 if dtype == torch.float32 else 1e-2
+
+
+def check_row(row: dict[str, Any], sizes: list[int], shape: ModelShape, tol: float, failures: list[str], rank: int) -> None:
+    """One rank's row: replay == eager, nothing fell back or bridged, the outputs the mode keeps."""
+    name = f"rank {rank} {row['backend']}/{row['variant']}"
+    if row["max_abs_err"] is not None and row["max_abs_err"] > tol:
+        failures.append(f"{name}: replay != eager (max abs error {row['max_abs_err']:.3g})")
+    if row["fallbacks"] or row["bridge_bytes"]:
+        failures.append(f"{name}: {row['fallbacks']} fallbacks, {row['bridge_bytes']} bridge bytes")
+    one = shape.hidden * torch.empty((), dtype=shape.dtype).element_size()
+    # released outputs live in the graph pool (nothing resident); the eager engine has no pool
+    # and keeps them, as "off" does
+    released = 0 if shape.device.startswith("cuda") else sum(sizes) * one
+    expected = {False: sum(sizes) * one, True: max(sizes) * one, "released": released}[row["share_output"]]
+    if row["logical_output_bytes"] != sum(sizes) * one or row["resident_output_bytes"] != expected:
+        failures.append(
+            f"{name}: outputs {row['resident_output_bytes']} resident / {row['logical_output_bytes']} logical bytes, "
+            f"expected {expected} / {sum(sizes) * one}"
+        )
+
+
+def eager_checks(workload: TPWorkload, backends: list[str], max_tokens: int) -> tuple[dict[str, float], float]:
+    """Each backend's model run eagerly on one input at the largest size, as checksums (every rank
+    and every backend's model must agree), and the mean absolute difference of the first one's
+    output from the unsplit model's (one rank holding every weight: the split is a TP split)."""
+    x = workload.static_input(max_tokens)
     with torch.no_grad():
-        x_max.copy_(torch.randn(SIZES[0], HIDDEN, generator=g).to(device))  # inputs change
-        max_err = 0.0
-        checksums = []
-        for key in keys:
-            out = backend.replay(key).clone()
-            ref = model(x_max[: key.size])
-            max_err = max(max_err, float((out - ref).abs().max()))
-            checksums.append(float(out.double().sum()))
-    expected_saved = (sum(SIZES) - SIZES[0]) * HIDDEN * 4
-    if max_err > TOL:
-        failures.append(f"rank {rank} {name}: replay != eager (max error {max_err:.3g})")
-    if report.fallbacks:
-        failures.append(f"rank {rank} {name}: fallbacks {dict(report.fallbacks)}")
-    if not all(k.shared for k in report.keys):
-        failures.append(f"rank {rank} {name}: not every key shares")
-    if report.saved_bytes != expected_saved:
-        failures.append(f"rank {rank} {name}: saved {report.saved_bytes} != expected {expected_saved}")
-    if barriers["n"] != len(keys) * backend.options.num_warmups:
-        failures.append(f"rank {rank} {name}: {barriers['n']} barriers for {len(keys)} keys")
-    segments = sorted({backend.num_segments(k) for k in keys})
-    if engine == "cuda" and segments != [LAYERS + 1 if name == "breakable" else 1]:
-        failures.append(f"rank {rank} {name}: segments {segments}")
-    backend.cleanup()
-    return {
-        "rank": rank,
-        "saved_bytes": report.saved_bytes,
-        "resident_output_bytes": report.resident_output_bytes,
-        "logical_output_bytes": report.logical_output_bytes,
-        "fallbacks": len(report.fallbacks),
-        "max_abs_err": max_err,
-        "checksums": checksums,
-        "num_segments": segments,
-        "capture_s": capture_s,
-        "engine": report.engine,
-    }
+        outs = {b: workload.model_for(b, max_tokens)(x) for b in backends}
+        whole = TPDecoder(workload.shape, 0, 1, attention_op)(x)
+        unsplit = float((outs[backends[0]].float() - whole.float()).abs().mean())
+    return {b: float(o.double().sum()) for b, o in outs.items()}, unsplit
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local = int(os.environ.get("LOCAL_RANK", rank))
     on_cpu = os.environ.get("SGLANG_BCG_TP_DEVICE") == "cpu"
+    args = parse_args(sys.argv[1:] if argv is None else argv, cuda=not on_cpu)
     if on_cpu:
-        device, engine = "cpu", "eager"
+        device = "cpu"
         dist.init_process_group("gloo")
     else:
         torch.cuda.set_device(local)
-        device, engine = f"cuda:{local}", "cuda"
+        device = f"cuda:{local}"
         dist.init_process_group("nccl", device_id=torch.device("cuda", local))
+    shape = ModelShape(
+        hidden=args.hidden, layers=args.layers, heads=args.heads, kv_heads=args.kv_heads, head_dim=args.head_dim,
+        intermediate=args.intermediate, dtype=DTYPES[args.dtype], device=device,
+    )
+    sizes = prefill_capture_sizes(args.max_tokens)
+    backends, variants = args.backends.split(","), args.variants.split(",")
+    tol = tolerance(shape.dtype) if args.tolerance is None else args.tolerance
     failures: list[str] = []
-    results: dict[str, list[dict[str, Any]]] = {}
-    for name in ("breakable", "full"):
-        try:
-            mine = run_backend(name, rank, world, device, engine, failures)
-        except Exception as exc:  # noqa: BLE001 - reported by every rank, below
-            # the other rank may be waiting in a collective: report and leave (torchrun then
-            # stops the group and exits non-zero)
-            failures.append(f"rank {rank} {name}: {type(exc).__name__}: {exc}")
-            print("\n".join(failures), file=sys.stderr, flush=True)
-            os._exit(1)
-        gathered: list[Any] = [None] * world
-        dist.all_gather_object(gathered, mine)
-        results[name] = gathered
-        saved = {r["saved_bytes"] for r in gathered}
-        if len(saved) != 1:
-            failures.append(f"{name}: ranks report different savings {[r['saved_bytes'] for r in gathered]}")
-        sums = [r["checksums"] for r in gathered]
-        for other in sums[1:]:
-            if any(abs(a - b) > TOL * max(1.0, abs(a)) for a, b in zip(sums[0], other, strict=True)):
-                failures.append(f"{name}: ranks hold different outputs {sums}")
-    all_failures: list[Any] = [None] * world
-    dist.all_gather_object(all_failures, failures)
-    merged = [f for fs in all_failures for f in fs]
+    rows: list[dict[str, Any]] = []
+    started = time.perf_counter()
+    try:
+        workload = TPWorkload(shape, rank, world)
+        workload.post_warmup_hook = dist.barrier  # SGLang: tp_group.barrier() between warmup and capture
+        warm_up(workload, backends, sizes)
+        for backend in backends:
+            for variant in variants:
+                row = run_variant(
+                    backend, variant, workload, sizes, repeats=args.repeats, progress=False,
+                    forecast=not on_cpu and not args.no_forecast,
+                ).to_dict()
+                row.pop("per_size")
+                row.pop("forecast", None)
+                row["rank"] = rank
+                check_row(row, sizes, shape, tol, failures, rank)
+                rows.append(row)
+                if rank == 0:
+                    graph = row["graph_memory_bytes"]
+                    print(
+                        f"[{time.perf_counter() - started:6.1f} s] rank 0 {backend}/{variant}: graph "
+                        f"{'-' if graph is None else f'{graph / 2**20:.1f} MiB'}, replay {row['replay_ms']:.3f} ms, "
+                        f"max abs err {row['max_abs_err']}",
+                        flush=True,
+                    )
+        checksums, unsplit = eager_checks(workload, backends, max(sizes))
+        if unsplit > tolerance(shape.dtype) / 10:  # a mean over every element, not a max
+            failures.append(f"rank {rank}: the TP forward is {unsplit:.3g} from the unsplit model (mean abs)")
+    except Exception as exc:  # noqa: BLE001 - the other rank may wait in a collective: report and leave
+        failures.append(f"rank {rank}: {type(exc).__name__}: {exc}")
+        print("\n".join(failures), file=sys.stderr, flush=True)
+        os._exit(1)
+    gathered: list[Any] = [None] * world
+    dist.all_gather_object(gathered, {"rows": rows, "failures": failures, "checksums": checksums, "unsplit": unsplit})
+    merged = [f for g in gathered for f in g["failures"]]
+    sums = [g["checksums"][b] for g in gathered for b in backends]
+    if any(abs(s - sums[0]) > tolerance(shape.dtype) * max(1.0, abs(sums[0])) for s in sums):  # not --tolerance
+        merged.append(f"ranks or backends compute different outputs: {[g['checksums'] for g in gathered]}")
+    by_row: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for g in gathered:
+        for r in g["rows"]:
+            by_row.setdefault((r["backend"], r["variant"]), []).append(r)
+    for (b, v), per_rank in by_row.items():
+        if len({r["resident_output_bytes"] for r in per_rank}) != 1:
+            merged.append(f"{b}/{v}: ranks hold different output bytes {[r['resident_output_bytes'] for r in per_rank]}")
     if rank == 0:
         payload = {
             "world_size": world,
             "device": torch.cuda.get_device_name(local) if not on_cpu else "cpu",
-            "sizes": SIZES,
-            "model": {"hidden": HIDDEN, "heads": HEADS, "kv_heads": KV_HEADS, "intermediate": INTERMEDIATE, "layers": LAYERS},
-            "backends": results,
+            "backend_nccl": not on_cpu,
+            "sizes": sizes,
+            "model": {k: (str(v) if k == "dtype" else v) for k, v in vars(shape).items()},
+            "rows": [r for g in gathered for r in g["rows"]],
+            "checksums": [g["checksums"] for g in gathered],
+            "unsplit_mean_abs_err": [g["unsplit"] for g in gathered],
             "failures": merged,
             "passed": not merged,
+            "seconds": time.perf_counter() - started,
         }
         out_dir = os.environ.get("SGLANG_BCG_GPU_RESULTS_DIR")
         if out_dir:
