@@ -143,14 +143,15 @@ def shape_key(size: int, stream_idx: int | None = None) -> Any:
     return ShapeKey(size=size, stream_idx=stream_idx)  # the other fields differ per release
 
 
-def install_sglang(cuda: bool) -> Any:
-    """Publish ``ServerArgs``, install the one-rank group; returns the ``ServerArgs``."""
+def install_sglang(cuda: bool, tp_size: int = 1) -> Any:
+    """Publish ``ServerArgs`` (``--tp-size tp_size``), install the one-rank group; returns the
+    ``ServerArgs`` (a caller with ``tp_size`` > 1 installs its own group over it)."""
     import_sglang()
     from sglang.srt import server_args as sa
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        server_args = sa.prepare_server_args(["--model-path", "dummy"])
+        server_args = sa.prepare_server_args(["--model-path", "dummy", "--tp-size", str(tp_size)])
     if hasattr(sa, "set_global_server_args_for_scheduler"):
         sa.set_global_server_args_for_scheduler(server_args)
     try:  # 0.5.22+ read the TP group from the runtime context; older ones from the runner

@@ -30,6 +30,7 @@ import json
 import os
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -57,17 +58,26 @@ def _(x: torch.Tensor) -> None:
     return None
 
 
+def inplace_all_reduce(x: torch.Tensor) -> torch.Tensor:
+    all_reduce(x)
+    return x
+
+
 class TPDecoder(torch.nn.Module):
     """One rank's shard of the bench decoder: column-parallel qkv / gate_up, row-parallel o / down."""
 
-    def __init__(self, shape: ModelShape, rank: int, world: int, attention: Any) -> None:
+    def __init__(
+        self, shape: ModelShape, rank: int, world: int, attention: Any,
+        *, reduce: Callable[[torch.Tensor], torch.Tensor] | None = inplace_all_reduce,
+    ) -> None:
+        """``reduce``: the TP all-reduce (``None``: none, for the unsplit model of one rank)."""
         super().__init__()
         for what, n in (("heads", shape.heads), ("kv_heads", shape.kv_heads), ("intermediate", shape.intermediate)):
             if n % world:
                 msg = f"{what} {n} does not split over {world} ranks"
                 raise ValueError(msg)
         self.shape, self.attention = shape, attention
-        self.world = world
+        self.reduce = reduce
         self.heads, self.kv_heads = shape.heads // world, shape.kv_heads // world
         self.q_cols, self.kv_cols = self.heads * shape.head_dim, self.kv_heads * shape.head_dim
         inter = shape.intermediate // world
@@ -95,9 +105,9 @@ class TPDecoder(torch.nn.Module):
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
         return F.rms_norm(x, (self.shape.hidden,), eps=1e-6)
 
-    def _reduce(self, x: torch.Tensor) -> None:
-        if self.world > 1:  # one rank holds the whole model (SGLang skips the all-reduce too)
-            all_reduce(x)
+    def _reduce(self, x: torch.Tensor) -> torch.Tensor:
+        # on a group of one rank still a real collective (what a one-GPU run checks)
+        return x if self.reduce is None else self.reduce(x)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = x
@@ -109,7 +119,7 @@ class TPDecoder(torch.nn.Module):
             del qkv, q, k, v
             attn = F.linear(out, self.o[i])
             del out
-            self._reduce(attn)  # row-parallel o_proj: inside the captured graph
+            attn = self._reduce(attn)  # row-parallel o_proj: inside the captured graph
             h = h + attn if i == 0 else h.add_(attn)
             del attn
             gate, up = F.linear(self._norm(h), self.gate_up[i]).chunk(2, dim=-1)
@@ -117,8 +127,7 @@ class TPDecoder(torch.nn.Module):
             del gate, up
             down = F.linear(act, self.down[i])
             del act
-            self._reduce(down)  # row-parallel down_proj
-            h.add_(down)
+            h.add_(self._reduce(down))  # row-parallel down_proj
             del down
         return self._norm(h)
 
@@ -207,7 +216,7 @@ def eager_checks(workload: TPWorkload, backends: list[str], max_tokens: int) -> 
     x = workload.static_input(max_tokens)
     with torch.no_grad():
         outs = {b: workload.model_for(b, max_tokens)(x) for b in backends}
-        whole = TPDecoder(workload.shape, 0, 1, attention_op)(x)
+        whole = TPDecoder(workload.shape, 0, 1, attention_op, reduce=None)(x)
         unsplit = float((outs[backends[0]].float() - whole.float()).abs().mean())
     return {b: float(o.double().sum()) for b, o in outs.items()}, unsplit
 

@@ -11,6 +11,9 @@ What is stood in, and nothing else:
   ``barrier()`` does nothing (one rank).
 * ``torch.cuda.current_stream``: ``torch.cpu.current_stream`` (releases up to 0.5.22 ask
   ``torch.cuda`` for the stream a capture starts on; 0.5.23 asks the device module).
+* a collective recorded in a segment (a ``c10d`` op: gloo on CPU, a tensor-parallel
+  all-reduce) replays as one more awaited call of the op; its ``Work`` handle, new at every call,
+  is not part of what the segment keeps (a CUDA graph replays the captured NCCL kernel instead).
 * the segment engine's ``_weak_ref_if_tensor`` keeps CPU tensors as they are (what 0.5.23's
   does; earlier releases call ``weak_ref_tensors``, which raises on CPU).
 * the runner's ``device_module``: ``torch.cpu`` has no ``graph_pool_handle``;
@@ -44,6 +47,22 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from sglang_bcg_plugin.engines.eager import EagerGraph
 
 
+def _without_work(out: Any) -> Any:
+    """A collective's result without its ``Work`` handles (a fresh one per call; a CUDA graph has none)."""
+    if isinstance(out, (tuple, list)):
+        return type(out)(_without_work(o) for o in out)
+    return None if isinstance(out, torch.ScriptObject) else out
+
+
+def _settled(func: Any, args: Any, kwargs: Any) -> Any:
+    """Run a collective and wait for it, as the captured kernel's place in the stream would."""
+    out = func(*args, **kwargs)
+    for leaf in out if isinstance(out, (tuple, list)) else (out,):
+        if isinstance(leaf, torch.ScriptObject):
+            leaf.wait()
+    return _without_work(out)
+
+
 class _Recorder(TorchDispatchMode):
     def __init__(self, tape: list[EagerGraph]) -> None:
         super().__init__()
@@ -52,7 +71,11 @@ class _Recorder(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        self.tape.append(EagerGraph((func, len(self.tape)), functools.partial(func, *args, **kwargs), out))
+        if func.namespace == "c10d":  # a collective (gloo): replayed as one more call, awaited
+            replay = functools.partial(_settled, func, args, kwargs)
+            self.tape.append(EagerGraph((func, len(self.tape)), replay, _without_work(out)))
+        else:
+            self.tape.append(EagerGraph((func, len(self.tape)), functools.partial(func, *args, **kwargs), out))
         return out
 
 
