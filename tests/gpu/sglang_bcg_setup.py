@@ -300,9 +300,14 @@ class Setup:
     def capture(self, backend: Any, sizes: list[int], *, keep: bool = True, output: str = "tensor") -> None:
         """One capture session over ``sizes`` (largest first), on the capture stream, as
         SGLang's runners do (``graph_capture`` makes the capture stream current)."""
+        from sglang_bcg_plugin.integration.compat import installed
+
+        # the static inputs, where the release's capture_one takes them (0.5.14-0.5.16 name that
+        # parameter ``dummies``, and SGLang's own runners pass None there)
+        inputs = self.x if installed().capture_inputs else None
         with torch.no_grad(), self.on_stream(), backend.capture_session(self.stream):
             for size in sizes:
-                backend.capture_one(shape_key(size), self.forward_for(size, keep=keep, output=output), capture_inputs=self.x)
+                backend.capture_one(shape_key(size), self.forward_for(size, keep=keep, output=output), inputs)
         self.sync()
 
     def replay(self, backend: Any, size: int, stream_idx: int | None = None) -> Any:

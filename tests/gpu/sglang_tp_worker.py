@@ -86,10 +86,11 @@ class TPSetup(Setup):
         self.server_args = install_sglang(self.cuda, tp_size=world)
         try:  # 0.5.22+: where SGLang's graph backend reads the TP group (install_sglang put the stand-in)
             from sglang.srt.runtime_context import get_parallel
-
-            get_parallel().override_permanently(tp_group=group)
-        except ImportError:
-            pass
+        except ImportError:  # older: model_runner.tp_group (runner(), below)
+            get_parallel = None
+        parallel = get_parallel() if get_parallel is not None else None
+        if hasattr(parallel, "override_permanently"):
+            parallel.override_permanently(tp_group=group)
         shape = ModelShape(
             hidden=int(opts["hidden"]), layers=int(opts["layers"]), heads=int(opts["heads"]), kv_heads=int(opts["kv_heads"]),
             head_dim=int(opts["head_dim"]), intermediate=int(opts["intermediate"]), dtype=self.dtype, device=self.device,
