@@ -26,6 +26,8 @@ piecewise and variants off, on, released. ``SGLANG_BCG_TP_DEVICE=cpu`` runs the 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import gzip
 import json
 import os
 import sys
@@ -177,6 +179,8 @@ def parse_args(argv: list[str], cuda: bool) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=20 if cuda else 2)
     p.add_argument("--no-forecast", action="store_true", help="skip each row's forecast (CUDA)")
     p.add_argument("--tolerance", type=float, default=None, help="replay vs eager max abs error (default: by dtype)")
+    p.add_argument("--record-probes", type=Path, default=None, metavar="OUT.json.gz",
+                   help="rank 0 also writes each row's forecast probes (tests/gpu/record_probes.py's format)")
     args = p.parse_args(argv)
     for flag, names, known in (("--backends", args.backends, BACKENDS), ("--variants", args.variants, VARIANTS)):
         bad = sorted(set(names.split(",")) - set(known))
@@ -221,6 +225,55 @@ def eager_checks(workload: TPWorkload, backends: list[str], max_tokens: int) -> 
     return {b: float(o.double().sum()) for b, o in outs.items()}, unsplit
 
 
+def measure(
+    args: argparse.Namespace, shape: ModelShape, sizes: list[int], backends: list[str], variants: list[str],
+    tol: float, rank: int, world: int, failures: list[str], started: float,
+) -> list[dict[str, Any]]:
+    """This rank's bench rows, every backend x variant (each checked: :func:`check_row`)."""
+    workload = TPWorkload(shape, rank, world)
+    workload.post_warmup_hook = dist.barrier  # SGLang: tp_group.barrier() between warmup and capture
+    warm_up(workload, backends, sizes)
+    rows = []
+    for backend in backends:
+        for variant in variants:
+            row = run_variant(
+                backend, variant, workload, sizes, repeats=args.repeats, progress=False,
+                forecast=shape.device.startswith("cuda") and not args.no_forecast,
+            ).to_dict()
+            row.pop("per_size")
+            row["rank"] = rank
+            check_row(row, sizes, shape, tol, failures, rank)
+            rows.append(row)
+            if rank == 0:
+                graph = row["graph_memory_bytes"]
+                print(
+                    f"[{time.perf_counter() - started:6.1f} s] rank 0 {backend}/{variant}: graph "
+                    f"{'-' if graph is None else f'{graph / 2**20:.1f} MiB'}, replay {row['replay_ms']:.3f} ms, "
+                    f"max abs err {row['max_abs_err']}"
+                    + ("" if row["forecast_bytes"] is None else f", forecast {row['forecast_bytes'] / 2**20:.1f} MiB"),
+                    flush=True,
+                )
+    return rows
+
+
+def write_probes(path: Path, rows: list[dict[str, Any]], forecasts: list[dict[str, Any]]) -> None:
+    """Rank 0's forecast probes, one case per row, as ``record_probes.py`` writes them."""
+    rows = [r for r in rows if r.get("forecast")]
+    data = {
+        "machine": f"{torch.cuda.get_device_name()}, torch {torch.__version__}; tests/gpu/tp_worker.py --record-probes",
+        "cases": {
+            f"tp-synthetic/{r['backend']}/{r['variant']}": {
+                **fc,
+                "measured": {r["variant"]: {"graph_bytes": r["graph_memory_bytes"], "forecast_bytes": r["forecast_bytes"],
+                                            "mode": r["forecast"]["mode"], "forecast": r["forecast"]}},
+            }
+            for r, fc in zip(rows, forecasts, strict=True)
+        },
+    }
+    with gzip.open(path, "wt") as f:
+        json.dump(data, f)
+
+
 def main(argv: list[str] | None = None) -> int:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local = int(os.environ.get("LOCAL_RANK", rank))
@@ -241,31 +294,20 @@ def main(argv: list[str] | None = None) -> int:
     backends, variants = args.backends.split(","), args.variants.split(",")
     tol = tolerance(shape.dtype) if args.tolerance is None else args.tolerance
     failures: list[str] = []
-    rows: list[dict[str, Any]] = []
     started = time.perf_counter()
+    recorder = contextlib.nullcontext([])
+    if args.record_probes is not None and rank == 0:
+        from record_probes import recording
+
+        recorder = recording()
     try:
+        with recorder as forecasts:
+            rows = measure(args, shape, sizes, backends, variants, tol, rank, world, failures, started)
+        if forecasts:
+            write_probes(args.record_probes, rows, forecasts)
+        elif args.record_probes is not None and rank == 0:
+            print("--record-probes: no row forecast (CPU, or --no-forecast): nothing written", flush=True)
         workload = TPWorkload(shape, rank, world)
-        workload.post_warmup_hook = dist.barrier  # SGLang: tp_group.barrier() between warmup and capture
-        warm_up(workload, backends, sizes)
-        for backend in backends:
-            for variant in variants:
-                row = run_variant(
-                    backend, variant, workload, sizes, repeats=args.repeats, progress=False,
-                    forecast=not on_cpu and not args.no_forecast,
-                ).to_dict()
-                row.pop("per_size")
-                row.pop("forecast", None)
-                row["rank"] = rank
-                check_row(row, sizes, shape, tol, failures, rank)
-                rows.append(row)
-                if rank == 0:
-                    graph = row["graph_memory_bytes"]
-                    print(
-                        f"[{time.perf_counter() - started:6.1f} s] rank 0 {backend}/{variant}: graph "
-                        f"{'-' if graph is None else f'{graph / 2**20:.1f} MiB'}, replay {row['replay_ms']:.3f} ms, "
-                        f"max abs err {row['max_abs_err']}",
-                        flush=True,
-                    )
         checksums, unsplit = eager_checks(workload, backends, max(sizes))
         if unsplit > tolerance(shape.dtype) / 10:  # a mean over every element, not a max
             failures.append(f"rank {rank}: the TP forward is {unsplit:.3g} from the unsplit model (mean abs)")
@@ -274,6 +316,8 @@ def main(argv: list[str] | None = None) -> int:
         print("\n".join(failures), file=sys.stderr, flush=True)
         os._exit(1)
     gathered: list[Any] = [None] * world
+    for r in rows:
+        r.pop("forecast", None)  # every mode's parts: the probes file has them
     dist.all_gather_object(gathered, {"rows": rows, "failures": failures, "checksums": checksums, "unsplit": unsplit})
     merged = [f for g in gathered for f in g["failures"]]
     sums = [g["checksums"][b] for g in gathered for b in backends]
