@@ -198,7 +198,17 @@ def test_forecast_of_inductor_pieces_matches_the_h200(case: str) -> None:
     74 sizes): the two probes' traces, scaled over the schedule, give the graph memory the bench
     measured (706 MiB sharing on, 618 released). The cuBLAS workspace of the capture stream is
     measured at run time, not modelled: it is taken from the recorded forecast."""
-    data = _load("h200_inductor_probes.json.gz")["cases"][case]
+    modes, row = _forecast_recorded("h200_inductor_probes.json.gz", case)
+    real = row["graph_bytes"]
+    assert abs(modes[row["mode"]].total_bytes - real) <= 0.01 * real, (case, modes[row["mode"]], real)
+    assert modes["released"].total_bytes < modes["on"].total_bytes < modes["off"].total_bytes
+
+
+def _forecast_recorded(name: str, case: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A recorded case's two probe traces, scaled over its schedule (every mode), and the row the
+    bench measured. The capture stream's cuBLAS workspace is measured at run time, not modelled:
+    it is taken from the recorded forecast."""
+    data = _load(name)["cases"][case]
     sizes = data["sizes"]
     segments = [tuple(s) for s in data["pool_segments"]]
     large, small = (pool_trace(int(n), _events(data["probes"][str(n)]), segments) for n in (sizes[0], sizes[-1]))
@@ -207,9 +217,7 @@ def test_forecast_of_inductor_pieces_matches_the_h200(case: str) -> None:
     stream = row["forecast"]["modes"][row["mode"]]["stream_bytes"]
     modes = forecast_modes(ScaledTrace.fit(large, small), sizes, outputs=output_allocs(large, [out_bytes]),
                            largest_output_bytes=out_bytes, stream_bytes=stream, source="auto")
-    real = row["graph_bytes"]
-    assert abs(modes[row["mode"]].total_bytes - real) <= 0.01 * real, (case, modes[row["mode"]], real)
-    assert modes["released"].total_bytes < modes["on"].total_bytes < modes["off"].total_bytes
+    return modes, row
 
 
 @pytest.mark.parametrize("case", ["tp-synthetic/piecewise/on", "tp-synthetic/piecewise/released", "tp-synthetic/breakable/on"])
@@ -219,15 +227,7 @@ def test_forecast_of_a_tensor_parallel_rank_matches_the_h200(case: str) -> None:
     what it found: for these Piecewise pieces keeping the largest output (sharing on, adopted)
     packs the pool 34 MiB tighter than releasing every output (770 against 804 MiB forecast, 768
     against 802 measured), so ``released`` is not the floor there; for Breakable they are equal."""
-    data = _load("h200_tp_probes.json.gz")["cases"][case]
-    sizes = data["sizes"]
-    segments = [tuple(s) for s in data["pool_segments"]]
-    large, small = (pool_trace(int(n), _events(data["probes"][str(n)]), segments) for n in (sizes[0], sizes[-1]))
-    out_bytes = data["largest_output_bytes"]
-    (row,) = data["measured"].values()
-    stream = row["forecast"]["modes"][row["mode"]]["stream_bytes"]
-    modes = forecast_modes(ScaledTrace.fit(large, small), sizes, outputs=output_allocs(large, [out_bytes]),
-                           largest_output_bytes=out_bytes, stream_bytes=stream, source="auto")
+    modes, row = _forecast_recorded("h200_tp_probes.json.gz", case)
     real = row["graph_bytes"]
     assert abs(modes[row["mode"]].total_bytes - real) <= 0.01 * real, (case, modes[row["mode"]], real)
     if "piecewise" in case:

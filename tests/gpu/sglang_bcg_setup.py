@@ -361,6 +361,20 @@ class Setup:
         return torch.cuda.get_device_name(0) if self.cuda else "cpu"
 
 
+def report_result(name: str, result: Any, jsonl: str, prefix: str) -> None:
+    """One variant's result: a line appended to ``$SGLANG_BCG_GPU_RESULTS_DIR/<jsonl>`` as it
+    ends (a run cut short still leaves what it measured), and a short line on stderr."""
+    import json
+    import os
+
+    results_dir = os.environ.get("SGLANG_BCG_GPU_RESULTS_DIR")
+    if results_dir:
+        Path(results_dir).mkdir(parents=True, exist_ok=True)
+        with Path(results_dir, jsonl).open("a") as f:
+            f.write(json.dumps({name: result}) + "\n")
+    print(f"{prefix}: {name}: {json.dumps(result)[:800]}", file=sys.stderr, flush=True)
+
+
 def one_output_bytes(setup: Setup) -> int:
     """Bytes of one largest output (``max_tokens x hidden``)."""
     return int(setup.opts["max_tokens"]) * int(setup.opts["hidden"]) * torch.empty(0, dtype=setup.dtype).element_size()

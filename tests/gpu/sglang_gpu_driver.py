@@ -48,7 +48,7 @@ sys.path[:0] = [str(ROOT), str(HERE)]
 
 import torch  # noqa: E402
 
-from sglang_bcg_setup import ENV_BUF, ENV_SHARE, Setup, import_sglang, one_output_bytes  # noqa: E402
+from sglang_bcg_setup import ENV_BUF, ENV_SHARE, Setup, import_sglang, one_output_bytes, report_result  # noqa: E402
 
 #: variant -> (backend class "builtin"/"ours", env, keep the output, output kind, sizes limit)
 CAPTURE_VARIANTS: dict[str, tuple[str, dict[str, str], bool, str, int | None]] = {
@@ -322,11 +322,7 @@ def run_variants(variants: list[str], extra: list[str], *, timeout: float = 180,
                 out[variant] = {"variant": variant, "error": f"rc={rc}", "stderr": logs[variant].read()[-3000:]}
                 continue
             out[variant] = json.loads(line[len("RESULT="):])
-            results_dir = os.environ.get("SGLANG_BCG_GPU_RESULTS_DIR")
-            if results_dir:  # as it goes, so a run cut short still leaves what it measured
-                with Path(results_dir, "sglang_engine.jsonl").open("a") as f:
-                    f.write(json.dumps({variant: out[variant]}) + "\n")
-            print(f"sglang_gpu_driver: {variant}: {json.dumps(out[variant])[:600]}", file=sys.stderr, flush=True)
+            report_result(variant, out[variant], "sglang_engine.jsonl", "sglang_gpu_driver")
     finally:
         for proc in procs.values():
             if proc.poll() is None:

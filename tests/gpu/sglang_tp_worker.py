@@ -45,7 +45,9 @@ sys.path[:0] = [str(ROOT), str(HERE)]
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from sglang_bcg_setup import ENV_BUF, ENV_SHARE, Runner, Setup, import_sglang, install_sglang, one_output_bytes, sglang_attention  # noqa: E402
+from sglang_bcg_setup import (  # noqa: E402
+    ENV_BUF, ENV_SHARE, Runner, Setup, import_sglang, install_sglang, one_output_bytes, report_result, sglang_attention,
+)
 
 #: the variants of ``sglang_gpu_driver.CAPTURE_VARIANTS`` that make sense per rank
 VARIANTS = ("builtin", "floor", "off", "on", "on-adopt", "released")
@@ -225,11 +227,7 @@ def run_tp_variants(variants: list[str], extra: list[str], *, nproc: int = 2, ti
                     out[v] = {"variant": v, "error": f"rc={rc}", "log": text[-4000:]}
                 else:
                     out[v] = json.loads(line[len("RESULT="):])
-                results_dir = os.environ.get("SGLANG_BCG_GPU_RESULTS_DIR")
-                if results_dir:  # as it goes, so a run cut short still leaves what it measured
-                    with Path(results_dir, "sglang_tp.jsonl").open("a") as f:
-                        f.write(json.dumps({v: out[v]}) + "\n")
-                print(f"sglang_tp_worker: {v}: {json.dumps(out[v])[:800]}", file=sys.stderr, flush=True)
+                report_result(v, out[v], "sglang_tp.jsonl", "sglang_tp_worker")
         finally:
             for proc, log in jobs.values():
                 if proc.poll() is None:
