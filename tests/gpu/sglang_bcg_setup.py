@@ -220,11 +220,9 @@ class Setup:
         self.sizes = sorted(prefill_capture_sizes(int(opts["max_tokens"])), reverse=True)
         if not needs_sglang:
             return
-        from sglang_bcg_plugin.bench.model import SyntheticDecoder
-
-        self.server_args = install_sglang(self.cuda)
-        self.model = SyntheticDecoder(self.decoder_config(), attention=sglang_attention())
-        self.x = torch.randn(self.sizes[0], int(opts["hidden"]), dtype=self.dtype, device=self.device)
+        self.server_args = self.install()
+        self.model = self.make_model()
+        self.x = self.make_input()
         self.stream = torch.cuda.Stream() if self.cuda else None
         with torch.no_grad(), self.on_stream():  # lazy kernels and cuBLAS workspaces first
             self.model(self.x)
@@ -235,6 +233,20 @@ class Setup:
             # reads as 90 MiB of "drift" (its allocator segment) after the first check.
             self.model(self.x[:4])
         self.sync()
+
+    def install(self) -> Any:
+        """SGLang's published ``ServerArgs`` and TP group (:func:`install_sglang`)."""
+        return install_sglang(self.cuda)
+
+    def make_model(self) -> Any:
+        """The synthetic decoder, its attention an SGLang ``eager_on_graph`` break."""
+        from sglang_bcg_plugin.bench.model import SyntheticDecoder
+
+        return SyntheticDecoder(self.decoder_config(), attention=sglang_attention())
+
+    def make_input(self) -> torch.Tensor:
+        """The static input at the largest size."""
+        return torch.randn(self.sizes[0], int(self.opts["hidden"]), dtype=self.dtype, device=self.device)
 
     @property
     def dtype(self) -> torch.dtype:

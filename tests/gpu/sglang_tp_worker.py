@@ -68,11 +68,7 @@ class TPSetup(Setup):
     """:class:`Setup` with SGLang's real TP group and one rank's shard of the decoder."""
 
     def __init__(self, opts: dict[str, Any], group: Any, rank: int, world: int) -> None:
-        from sglang_bcg_plugin.bench.sizes import prefill_capture_sizes
-        from sglang_bcg_plugin.bench.workload import ModelShape
-        from tp_worker import TPDecoder
-
-        self.opts, self.group = opts, group
+        self.group, self.rank, self.world = group, rank, world
         self.barriers = 0
         real_barrier = group.barrier
 
@@ -81,38 +77,36 @@ class TPSetup(Setup):
             real_barrier()
 
         group.barrier = barrier
-        self.device = str(opts["device"])
-        self.cuda = self.device.startswith("cuda")
-        self.repeats = int(opts["repeats"])
-        self.sizes = sorted(prefill_capture_sizes(int(opts["max_tokens"])), reverse=True)
-        self.server_args = install_sglang(self.cuda, tp_size=world)
+        self._inputs = torch.Generator().manual_seed(1)  # replicated activations: the same on every rank
+        super().__init__(opts)  # its warm forwards also make NCCL's buffers before any measurement
+
+    def install(self) -> Any:
+        server_args = install_sglang(self.cuda, tp_size=self.world)
         try:  # 0.5.22+: where SGLang's graph backend reads the TP group (install_sglang put the stand-in)
             from sglang.srt.runtime_context import get_parallel
         except ImportError:  # older: model_runner.tp_group (runner(), below)
             get_parallel = None
         parallel = get_parallel() if get_parallel is not None else None
         if hasattr(parallel, "override_permanently"):
-            parallel.override_permanently(tp_group=group)
-        shape = ModelShape(
-            hidden=int(opts["hidden"]), layers=int(opts["layers"]), heads=int(opts["heads"]), kv_heads=int(opts["kv_heads"]),
-            head_dim=int(opts["head_dim"]), intermediate=int(opts["intermediate"]), dtype=self.dtype, device=self.device,
-        )
-        self.model = TPDecoder(shape, rank, world, sglang_attention(), reduce=group.all_reduce)
-        self._inputs = torch.Generator().manual_seed(1)  # replicated activations: the same on every rank
-        self.x = self._random()
-        self.stream = torch.cuda.Stream() if self.cuda else None
-        with torch.no_grad(), self.on_stream():  # lazy kernels, cuBLAS workspaces, NCCL's buffers first
-            self.model(self.x)
-            self.model(self.x[:4])
-        with torch.no_grad():
-            self.model(self.x[:4])
-        self.sync()
+            parallel.override_permanently(tp_group=self.group)
+        return server_args
 
-    def _random(self) -> torch.Tensor:
+    def make_model(self) -> Any:
+        from sglang_bcg_plugin.bench.workload import ModelShape
+        from tp_worker import TPDecoder
+
+        o = self.opts
+        shape = ModelShape(
+            hidden=int(o["hidden"]), layers=int(o["layers"]), heads=int(o["heads"]), kv_heads=int(o["kv_heads"]),
+            head_dim=int(o["head_dim"]), intermediate=int(o["intermediate"]), dtype=self.dtype, device=self.device,
+        )
+        return TPDecoder(shape, self.rank, self.world, sglang_attention(), reduce=self.group.all_reduce)
+
+    def make_input(self) -> torch.Tensor:
         return torch.randn(self.sizes[0], int(self.opts["hidden"]), generator=self._inputs).to(self.dtype).to(self.device)
 
     def refill(self) -> None:
-        self.x.copy_(self._random())
+        self.x.copy_(self.make_input())
 
     def runner(self, rows: Any = None) -> Runner:
         runner = super().runner(rows)
