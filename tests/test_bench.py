@@ -337,3 +337,36 @@ def test_per_size_capture_seconds_leave_compile_time_out(tmp_path: Path, capsys:
         assert all(s["capture_s"] > 0 for s in row["per_size"])
     assert full["compile_s"] is None and all(s["compile_s"] is None for s in full["per_size"])
     assert doc["ratios"] == {}  # one variant: no on/off ratio
+
+
+def test_tensor_parallel_shards_compute_the_whole_decoder() -> None:
+    """Two ranks (two threads, an all-reduce that sums their partials) give the unsplit model's
+    output, with a head size that is not hidden / heads; shapes that do not split are refused."""
+    import threading
+
+    cfg = DecoderConfig(32, 2, 4, 2, 48, torch.float64, "cpu", head_dim=12)  # q cols 48 != hidden 32
+    x = torch.randn(6, 32, dtype=torch.float64)
+    whole = SyntheticDecoder(cfg, attention=attention_op)(x)
+    barrier, partials = threading.Barrier(2), [[], []]
+    outs: list[torch.Tensor | None] = [None, None]
+
+    def rank(r: int) -> None:
+        def reduce(t: torch.Tensor) -> torch.Tensor:
+            partials[r].append(t)
+            barrier.wait()
+            total = partials[0][-1] + partials[1][-1]
+            barrier.wait()
+            return total
+
+        outs[r] = SyntheticDecoder(cfg, attention=attention_op, rank=r, world=2, reduce=reduce)(x)
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(partials[0]) == len(partials[1]) == 2 * cfg.layers
+    for out in outs:
+        torch.testing.assert_close(out, whole)
+    with pytest.raises(ValueError, match="kv_heads 2 does not split over 4 ranks"):
+        SyntheticDecoder(cfg, attention=attention_op, rank=0, world=4)

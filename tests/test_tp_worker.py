@@ -61,7 +61,7 @@ def test_a_rank_whose_replay_is_wrong_fails_every_rank(tmp_path: Path) -> None:
 def test_shapes_that_do_not_split_are_refused_before_any_work() -> None:
     shape = tp_worker.ModelShape(hidden=64, layers=1, heads=3, kv_heads=1, head_dim=16, intermediate=64, dtype=torch.float32, device="cpu")
     with pytest.raises(ValueError, match="heads 3 does not split over 2 ranks"):
-        tp_worker.TPDecoder(shape, rank=0, world=2, attention=tp_worker.attention_op)
+        tp_worker.tp_decoder(shape, rank=0, world=2, attention=tp_worker.attention_op)
 
 
 def test_unknown_backends_or_variants_are_usage_errors(capsys: pytest.CaptureFixture[str]) -> None:

@@ -58,9 +58,11 @@ class DecoderConfig:
     intermediate: int
     dtype: torch.dtype
     device: str
+    #: size of one head; ``None``: ``hidden / heads`` (then hidden must be a multiple of heads)
+    head_dim: int | None = None
 
     def __post_init__(self) -> None:
-        if self.hidden % self.heads:
+        if self.head_dim is None and self.hidden % self.heads:
             msg = f"hidden {self.hidden} is not a multiple of heads {self.heads}"
             raise ValueError(msg)
         if self.heads % self.kv_heads:
@@ -69,24 +71,50 @@ class DecoderConfig:
 
 
 class SyntheticDecoder(torch.nn.Module):
-    """``layers`` x (RMSNorm -> qkv -> attention -> o_proj -> residual -> RMSNorm -> MLP)."""
+    """``layers`` x (RMSNorm -> qkv -> attention -> o_proj -> residual -> RMSNorm -> MLP).
 
-    def __init__(self, cfg: DecoderConfig, attention: Callable[..., None] = attention_break, seed: int = 0) -> None:
+    Tensor parallel (``world`` > 1): rank ``rank`` keeps its shard of the same full weights, the
+    heads and MLP columns split (qkv and gate_up column-parallel, o_proj and down row-parallel,
+    each followed by ``reduce``, the group's all-reduce, in place or returning the sum).
+    """
+
+    def __init__(
+        self, cfg: DecoderConfig, attention: Callable[..., None] = attention_break, seed: int = 0,
+        *, rank: int = 0, world: int = 1, reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    ) -> None:
         super().__init__()
-        self.cfg = cfg
-        self.attention = attention
-        head_dim = cfg.hidden // cfg.heads
-        self.q_cols, self.kv_cols = cfg.heads * head_dim, cfg.kv_heads * head_dim
+        for what, n in (("heads", cfg.heads), ("kv_heads", cfg.kv_heads), ("intermediate", cfg.intermediate)):
+            if n % world:
+                msg = f"{what} {n} does not split over {world} ranks"
+                raise ValueError(msg)
+        self.cfg, self.attention, self.reduce = cfg, attention, reduce
+        head_dim = cfg.head_dim or cfg.hidden // cfg.heads
+        self.heads, self.kv_heads = cfg.heads // world, cfg.kv_heads // world
+        self.q_cols, self.kv_cols = self.heads * head_dim, self.kv_heads * head_dim
+        inter = cfg.intermediate // world
+        q_all, kv_all = cfg.heads * head_dim, cfg.kv_heads * head_dim
         g = torch.Generator(device="cpu").manual_seed(seed)
 
-        def w(rows: int, cols: int) -> torch.nn.Parameter:
-            t = torch.randn(rows, cols, generator=g) / cols**0.5
-            return torch.nn.Parameter(t.to(cfg.dtype).to(cfg.device), requires_grad=False)
+        def w(rows: int, cols: int, keep: Callable[[torch.Tensor], torch.Tensor]) -> torch.nn.Parameter:
+            t = keep(torch.randn(rows, cols, generator=g) / cols**0.5)
+            return torch.nn.Parameter(t.contiguous().to(cfg.dtype).to(cfg.device), requires_grad=False)
 
-        self.qkv = torch.nn.ParameterList(w(self.q_cols + 2 * self.kv_cols, cfg.hidden) for _ in range(cfg.layers))
-        self.o = torch.nn.ParameterList(w(cfg.hidden, self.q_cols) for _ in range(cfg.layers))
-        self.gate_up = torch.nn.ParameterList(w(2 * cfg.intermediate, cfg.hidden) for _ in range(cfg.layers))
-        self.down = torch.nn.ParameterList(w(cfg.hidden, cfg.intermediate) for _ in range(cfg.layers))
+        def part(start: int, n: int) -> slice:  # this rank's share of n rows from start
+            return slice(start + rank * n, start + (rank + 1) * n)
+
+        def qkv(t: torch.Tensor) -> torch.Tensor:
+            return torch.cat([t[part(0, self.q_cols)], t[part(q_all, self.kv_cols)], t[part(q_all + kv_all, self.kv_cols)]])
+
+        def gate_up(t: torch.Tensor) -> torch.Tensor:
+            return torch.cat([t[part(0, inter)], t[part(cfg.intermediate, inter)]])
+
+        self.qkv = torch.nn.ParameterList(w(q_all + 2 * kv_all, cfg.hidden, qkv) for _ in range(cfg.layers))
+        self.o = torch.nn.ParameterList(w(cfg.hidden, q_all, lambda t: t[:, part(0, self.q_cols)]) for _ in range(cfg.layers))
+        self.gate_up = torch.nn.ParameterList(w(2 * cfg.intermediate, cfg.hidden, gate_up) for _ in range(cfg.layers))
+        self.down = torch.nn.ParameterList(w(cfg.hidden, cfg.intermediate, lambda t: t[:, part(0, inter)]) for _ in range(cfg.layers))
+
+    def _reduce(self, x: torch.Tensor) -> torch.Tensor:
+        return x if self.reduce is None else self.reduce(x)
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
         return F.rms_norm(x, (self.cfg.hidden,), eps=1e-6)
@@ -101,15 +129,15 @@ class SyntheticDecoder(torch.nn.Module):
             qkv = F.linear(self._norm(h), self.qkv[i])
             q, k, v = qkv.split([self.q_cols, self.kv_cols, self.kv_cols], dim=-1)
             out = torch.empty(h.shape[0], self.q_cols, dtype=h.dtype, device=h.device)
-            self.attention(q, k, v, out, cfg.heads, cfg.kv_heads)
+            self.attention(q, k, v, out, self.heads, self.kv_heads)
             del qkv, q, k, v
-            attn = F.linear(out, self.o[i])
+            attn = self._reduce(F.linear(out, self.o[i]))  # row-parallel o_proj: reduced inside the graph
             del out
             h = h + attn if i == 0 else h.add_(attn)  # never write the static input in place
             del attn
             gate, up = F.linear(self._norm(h), self.gate_up[i]).chunk(2, dim=-1)
             act = F.silu(gate).mul_(up)  # one temporary, like a fused silu_and_mul
             del gate, up
-            h.add_(F.linear(act, self.down[i]))
+            h.add_(self._reduce(F.linear(act, self.down[i])))  # row-parallel down
             del act
         return self._norm(h)

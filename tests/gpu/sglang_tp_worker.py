@@ -12,7 +12,7 @@ before), so SGLang's ``BreakableCudaGraphBackend`` calls its real ``barrier()`` 
 capture; the captures run inside its ``graph_capture()`` (the capture stream current, PyNccl
 enabled), as SGLang's graph runners do.
 
-The model is ``tp_worker.TPDecoder`` (the bench decoder sharded column/row-parallel): its
+The model is ``tp_worker.tp_decoder`` (the bench decoder sharded column/row-parallel): its
 attention is SGLang's ``eager_on_graph`` break, its two all-reduces per layer are
 ``GroupCoordinator.all_reduce``, inside the captured segments. Inputs are replicated (seeded).
 Variants are ``sglang_gpu_driver``'s: ``builtin`` (SGLang's class), ``floor``, ours ``off`` /
@@ -93,14 +93,14 @@ class TPSetup(Setup):
 
     def make_model(self) -> Any:
         from sglang_bcg_plugin.bench.workload import ModelShape
-        from tp_worker import TPDecoder
+        from tp_worker import tp_decoder
 
         o = self.opts
         shape = ModelShape(
             hidden=int(o["hidden"]), layers=int(o["layers"]), heads=int(o["heads"]), kv_heads=int(o["kv_heads"]),
             head_dim=int(o["head_dim"]), intermediate=int(o["intermediate"]), dtype=self.dtype, device=self.device,
         )
-        return TPDecoder(shape, self.rank, self.world, sglang_attention(), reduce=self.group.all_reduce)
+        return tp_decoder(shape, self.rank, self.world, sglang_attention(), reduce=self.group.all_reduce)
 
     def make_input(self) -> torch.Tensor:
         return torch.randn(self.sizes[0], int(self.opts["hidden"]), generator=self._inputs).to(self.dtype).to(self.device)

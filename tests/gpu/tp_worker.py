@@ -32,15 +32,14 @@ import json
 import os
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
-from sglang_bcg_plugin.bench.model import attention_break, attention_op
+from sglang_bcg_plugin.bench.config import DTYPES
+from sglang_bcg_plugin.bench.model import DecoderConfig, SyntheticDecoder, attention_break, attention_op
 from sglang_bcg_plugin.bench.runner import VARIANTS, run_variant, warm_up
 from sglang_bcg_plugin.bench.sizes import prefill_capture_sizes
 from sglang_bcg_plugin.bench.workload import ModelShape, Workload
@@ -65,77 +64,16 @@ def inplace_all_reduce(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
-class TPDecoder(torch.nn.Module):
-    """One rank's shard of the bench decoder: column-parallel qkv / gate_up, row-parallel o / down."""
-
-    def __init__(
-        self, shape: ModelShape, rank: int, world: int, attention: Any,
-        *, reduce: Callable[[torch.Tensor], torch.Tensor] | None = inplace_all_reduce,
-    ) -> None:
-        """``reduce``: the TP all-reduce (``None``: none, for the unsplit model of one rank)."""
-        super().__init__()
-        for what, n in (("heads", shape.heads), ("kv_heads", shape.kv_heads), ("intermediate", shape.intermediate)):
-            if n % world:
-                msg = f"{what} {n} does not split over {world} ranks"
-                raise ValueError(msg)
-        self.shape, self.attention = shape, attention
-        self.reduce = reduce
-        self.heads, self.kv_heads = shape.heads // world, shape.kv_heads // world
-        self.q_cols, self.kv_cols = self.heads * shape.head_dim, self.kv_heads * shape.head_dim
-        inter = shape.intermediate // world
-        g = torch.Generator().manual_seed(0)  # the same full weights on every rank; each keeps its shard
-
-        def full(rows: int, cols: int) -> torch.Tensor:
-            return torch.randn(rows, cols, generator=g) / cols**0.5
-
-        def param(t: torch.Tensor) -> torch.nn.Parameter:
-            return torch.nn.Parameter(t.contiguous().to(shape.dtype).to(shape.device), requires_grad=False)
-
-        def rows_of(t: torch.Tensor, n: int) -> torch.Tensor:
-            return t[rank * n : (rank + 1) * n]
-
-        hd, h = shape.head_dim, shape.hidden
-        self.qkv, self.o, self.gate_up, self.down = (torch.nn.ParameterList() for _ in range(4))
-        for _ in range(shape.layers):
-            wq, wk, wv = full(shape.heads * hd, h), full(shape.kv_heads * hd, h), full(shape.kv_heads * hd, h)
-            wo, wg, wu, wd = full(h, shape.heads * hd), full(shape.intermediate, h), full(shape.intermediate, h), full(h, shape.intermediate)
-            self.qkv.append(param(torch.cat([rows_of(wq, self.q_cols), rows_of(wk, self.kv_cols), rows_of(wv, self.kv_cols)])))
-            self.o.append(param(rows_of(wo.t(), self.q_cols).t()))
-            self.gate_up.append(param(torch.cat([rows_of(wg, inter), rows_of(wu, inter)])))
-            self.down.append(param(rows_of(wd.t(), inter).t()))
-
-    def _norm(self, x: torch.Tensor) -> torch.Tensor:
-        return F.rms_norm(x, (self.shape.hidden,), eps=1e-6)
-
-    def _reduce(self, x: torch.Tensor) -> torch.Tensor:
-        # on a group of one rank still a real collective (what a one-GPU run checks)
-        return x if self.reduce is None else self.reduce(x)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = x
-        for i in range(self.shape.layers):
-            qkv = F.linear(self._norm(h), self.qkv[i])
-            q, k, v = qkv.split([self.q_cols, self.kv_cols, self.kv_cols], dim=-1)
-            out = torch.empty(h.shape[0], self.q_cols, dtype=h.dtype, device=h.device)
-            self.attention(q, k, v, out, self.heads, self.kv_heads)
-            del qkv, q, k, v
-            attn = F.linear(out, self.o[i])
-            del out
-            attn = self._reduce(attn)  # row-parallel o_proj: inside the captured graph
-            h = h + attn if i == 0 else h.add_(attn)
-            del attn
-            gate, up = F.linear(self._norm(h), self.gate_up[i]).chunk(2, dim=-1)
-            act = F.silu(gate).mul_(up)
-            del gate, up
-            down = F.linear(act, self.down[i])
-            del act
-            h.add_(self._reduce(down))  # row-parallel down_proj
-            del down
-        return self._norm(h)
+def tp_decoder(shape: ModelShape, rank: int, world: int, attention: Any, reduce: Any = inplace_all_reduce) -> SyntheticDecoder:
+    """One rank's shard of the bench decoder (``reduce=None``: no all-reduce, for one rank
+    holding every weight; on a group of one rank the all-reduce is still a real collective)."""
+    cfg = DecoderConfig(shape.hidden, shape.layers, shape.heads, shape.kv_heads, shape.intermediate, shape.dtype,
+                        shape.device, head_dim=shape.head_dim)
+    return SyntheticDecoder(cfg, attention, rank=rank, world=world, reduce=reduce)
 
 
 class TPWorkload(Workload):
-    """The bench's workload interface over :class:`TPDecoder`; inputs are replicated (seeded)."""
+    """The bench's workload interface over :func:`tp_decoder`; inputs are replicated (seeded)."""
 
     name = "tp-synthetic"
 
@@ -145,8 +83,8 @@ class TPWorkload(Workload):
         self.splitting_ops = (torch.ops.sglang_bcg_bench.attention.default,)
         self._inputs = torch.Generator().manual_seed(1)  # advances identically on every rank
 
-    def model_for(self, backend: str, max_tokens: int) -> TPDecoder:
-        return TPDecoder(self.shape, self.rank, self.world, attention_break if backend == "breakable" else attention_op)
+    def model_for(self, backend: str, max_tokens: int) -> SyntheticDecoder:
+        return tp_decoder(self.shape, self.rank, self.world, attention_break if backend == "breakable" else attention_op)
 
     def _random(self, max_tokens: int) -> torch.Tensor:
         return torch.randn(max_tokens, self.shape.hidden, generator=self._inputs).to(self.shape.dtype).to(self.shape.device)
@@ -159,9 +97,6 @@ class TPWorkload(Workload):
 
     def call(self, fn: Any, static: torch.Tensor, size: int) -> Any:
         return fn(static[:size])
-
-
-DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
 
 
 def parse_args(argv: list[str], cuda: bool) -> argparse.Namespace:
@@ -201,7 +136,7 @@ def check_row(row: dict[str, Any], sizes: list[int], shape: ModelShape, tol: flo
         failures.append(f"{name}: replay != eager (max abs error {row['max_abs_err']:.3g})")
     if row["fallbacks"] or row["bridge_bytes"]:
         failures.append(f"{name}: {row['fallbacks']} fallbacks, {row['bridge_bytes']} bridge bytes")
-    one = shape.hidden * torch.empty((), dtype=shape.dtype).element_size()
+    one = shape.hidden * shape.dtype.itemsize
     # released outputs live in the graph pool (nothing resident); the eager engine has no pool
     # and keeps them, as "off" does
     released = 0 if shape.device.startswith("cuda") else sum(sizes) * one
@@ -220,7 +155,7 @@ def eager_checks(workload: TPWorkload, backends: list[str], max_tokens: int) -> 
     x = workload.static_input(max_tokens)
     with torch.no_grad():
         outs = {b: workload.model_for(b, max_tokens)(x) for b in backends}
-        whole = TPDecoder(workload.shape, 0, 1, attention_op, reduce=None)(x)
+        whole = tp_decoder(workload.shape, 0, 1, attention_op, reduce=None)(x)
         unsplit = float((outs[backends[0]].float() - whole.float()).abs().mean())
     return {b: float(o.double().sum()) for b, o in outs.items()}, unsplit
 
