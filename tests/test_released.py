@@ -104,3 +104,45 @@ def test_backend_released_on_a_pool_engine_hands_out_aliases(cpu_is_pool_memory:
         assert out.data_ptr() == outs[key].data_ptr()
         torch.testing.assert_close(out, x * 2)
     backend.cleanup()
+
+
+def _forecast(keeps_largest: bool) -> Any:
+    from types import MappingProxyType
+
+    from sglang_bcg_plugin.forecast.model import ModeForecast
+    from sglang_bcg_plugin.forecast.probe import GraphMemoryForecast
+
+    modes = {m: ModeForecast(m, 100, 90, 10, keeps_largest=keeps_largest and m == "released") for m in ("off", "on", "released")}
+    return GraphMemoryForecast("breakable", (8, 4), "released", MappingProxyType(modes))
+
+
+@pytest.mark.parametrize("keeps_largest", [True, False])
+def test_released_keeps_the_largest_output_where_its_forecast_says_it_packs_tighter(
+    cpu_is_pool_memory: None, monkeypatch: pytest.MonkeyPatch, keeps_largest: bool
+) -> None:
+    """After a forecast whose ``released`` keeps the largest output (the model found the pool
+    tighter with it kept), the session's first capture hands out its own output, the rest
+    aliases; the forecast goes with ``cleanup()``, so the next session releases every output."""
+    from sglang_bcg_plugin import accounting
+
+    monkeypatch.setattr(accounting, "_reserved", lambda backend: None)  # no CUDA to measure
+    monkeypatch.setattr("sglang_bcg_plugin.backends.base.device_free_bytes", lambda collect=True: 0)
+    backend = create_backend("breakable", options=BackendOptions(output_mode="released", engine="eager"))
+    backend._get_engine().name = "cuda"  # type: ignore[misc]  # a stand-in pool engine, as above
+    backend._state.forecast = _forecast(keeps_largest)  # private: a forecast needs CUDA probes
+    assert backend._state.forecast.released_keeps_largest is keeps_largest
+    xs = {ShapeKey(8): torch.randn(8, 2), ShapeKey(4): torch.randn(4, 2)}
+    _capture(backend, xs)
+    report = {k.key: k for k in backend.memory_report().keys}
+    assert report[ShapeKey(8)].resident_output_bytes == (8 * 2 * 4 if keeps_largest else 0)
+    assert report[ShapeKey(4)].resident_output_bytes == 0
+    assert backend._state.is_released(ShapeKey(8)) is not keeps_largest
+    for key, x in xs.items():
+        x.copy_(torch.randn_like(x))
+        torch.testing.assert_close(backend.replay(key), x * 2)
+    backend.cleanup()
+    assert backend._state.forecast is None
+    backend._get_engine().name = "cuda"  # type: ignore[misc]  # cleanup() released the stand-in
+    _capture(backend, xs)  # no forecast now: every output released
+    assert backend.memory_report().resident_output_bytes == 0
+    backend.cleanup()

@@ -106,6 +106,9 @@ class ForeignGraph:
 class _Open:
     resolution: Resolution
     sharer: OutputSharer
+    #: mode ``released`` after a forecast that found it packs the pool tighter: the session's
+    #: first capture (the largest, captured largest first) keeps its output instead.
+    keep_first: bool = False
 
 
 def input_storages(capture_inputs: object) -> frozenset[tuple[str, int]]:
@@ -147,7 +150,9 @@ class CaptureState:
     # -- session ---------------------------------------------------------------------------
     def open(self, resolution: Resolution, *, source: BufferSource, guard: bool, strict: bool = False) -> None:
         """Start a session: a fresh sharer for ``resolution.mode``; the guard read now serves
-        every replay from now on.
+        every replay from now on. In mode ``released``, after a :attr:`forecast` that found
+        keeping the largest capture's output packs the pool tighter
+        (``forecast.released_keeps_largest``), the session's first capture keeps its output.
 
         :raises CaptureStateError: a session is already open.
         """
@@ -156,7 +161,8 @@ class CaptureState:
             raise CaptureStateError(msg)
         sharer = OutputSharer(enabled=resolution.mode == ON, strict=strict, source=source)
         self.guard = make_guard(guard, self.guard)
-        self._open = _Open(resolution, sharer)
+        keep_first = resolution.mode == RELEASED and bool(getattr(self.forecast, "released_keeps_largest", False))
+        self._open = _Open(resolution, sharer, keep_first=keep_first)
         self.resolution = resolution
 
     def close(self) -> None:
@@ -219,11 +225,13 @@ class CaptureState:
         ``engines.base.CapturedGraph`` (``num_segments=None``: it replays and hands out the output
         itself). In mode ``released`` (where ``can_release``: graph-pool memory) the output is a
         non-owning alias and ``prepared.output`` is dropped; the caller must drop its own
-        references too for the memory to return to the pool.
+        references too for the memory to return to the pool. The first capture of a session
+        that keeps it (:meth:`open`) hands out its own output, as mode ``off`` does.
         """
         session = self._session(key)
         prepared.commit()
-        released = session.resolution.mode == RELEASED and can_release
+        released = session.resolution.mode == RELEASED and can_release and not session.keep_first
+        session.keep_first = False
         output = release_output(prepared.output) if released else prepared.output
         if released:
             prepared.output = None

@@ -4,8 +4,11 @@ Every size of the schedule is captured largest first into one pool (:class:`~.al
 each capture making its scaled trace's requests. What differs between the modes is what a
 capture leaves allocated: with ``off`` every graph keeps its output in the pool; with ``on`` and
 ``released`` the output's blocks go back to the pool (``on`` copies it into one buffer the size
-of the largest output, outside the pool; ``released`` hands out an alias). Anything else a
-capture keeps (the forward holding a tensor across calls) stays in every mode.
+of the largest output, outside the pool; ``released`` hands out an alias). Where keeping the
+largest capture's output packs the pool tighter than giving it back (the later, smaller captures
+would split its freed block and cut new segments), ``on`` adopts it as the buffer and
+``released`` may keep it too (``released_keeps="auto"``). Anything else a capture keeps (the
+forward holding a tensor across calls) stays in every mode.
 """
 
 from __future__ import annotations
@@ -29,10 +32,13 @@ class ModeForecast:
     :param working_set_bytes: the pool with every output released: the largest forward's
         activations, as the allocator's blocks and segments fall (``released`` is this alone).
     :param outputs_bytes: what holding the outputs adds: with ``off`` every size's output in the
-        pool (fragmentation included), with ``on`` the one shared buffer, with ``released`` 0.
+        pool (fragmentation included), with ``on`` the one shared buffer, with ``released`` 0, or
+        what keeping the largest output adds where it keeps it (negative: it saves that much).
     :param stream_bytes: device memory a capture stream costs once (its cuBLAS workspace), as
         the probe measured it.
     :param bridge_bytes: copies of values crossing a break or splitting op (0 for our backends).
+    :param keeps_largest: ``released`` only: the largest capture's output is kept (owned, not
+        released), because that packs the pool tighter than releasing it.
     """
 
     mode: str
@@ -41,11 +47,12 @@ class ModeForecast:
     outputs_bytes: int
     stream_bytes: int = 0
     bridge_bytes: int = 0
+    keeps_largest: bool = False
 
-    def to_dict(self) -> dict[str, int | str]:
+    def to_dict(self) -> dict[str, int | str | bool]:
         return {"mode": self.mode, "total_bytes": self.total_bytes, "working_set_bytes": self.working_set_bytes,
                 "outputs_bytes": self.outputs_bytes, "stream_bytes": self.stream_bytes,
-                "bridge_bytes": self.bridge_bytes}
+                "bridge_bytes": self.bridge_bytes, "keeps_largest": self.keeps_largest}
 
 
 def simulate(trace: ScaledTrace, sizes: Iterable[int], *, keep_outputs: str, outputs: frozenset[int],
@@ -135,6 +142,7 @@ def schedule_forecast(
     pool_reserve: str | int = "off",
     configured_mode: str = "released",
     expandable: bool = False,
+    released_keeps: str = "none",
 ) -> tuple[dict[str, ModeForecast], dict[str, int], str, int]:
     """:func:`forecast_modes`, with ``on``'s pool plus buffer per source, the source taken
     (``"auto"`` resolved to the cheaper) and the pool's first block in bytes (0: none).
@@ -143,7 +151,13 @@ def schedule_forecast(
     ``configured_mode`` keeps (every output, the adopted one, or none), taken only where it
     lowers that mode's pool. Every mode is then forecast with the same first block: it is what
     the next session reserves, whatever its mode. ``expandable``: the allocator runs with
-    ``expandable_segments``; the pool is one growing segment, so no first block is searched."""
+    ``expandable_segments``; the pool is one growing segment, so no first block is searched.
+    ``released_keeps``: ``"none"`` (``released`` gives every output back) or ``"auto"``: where
+    keeping the largest capture's output (the ``adopt`` layout) makes the smaller pool, ``released``
+    keeps it (:attr:`ModeForecast.keeps_largest`), as our backends do after a forecast."""
+    if released_keeps not in ("none", "auto"):
+        msg = f"released_keeps must be 'none' or 'auto', got {released_keeps!r}"
+        raise ValueError(msg)
     sizes = list(sizes)
     at = {size: trace.at(size) for size in set(sizes)}
 
@@ -157,22 +171,29 @@ def schedule_forecast(
                                        expandable=expandable)
         return released, kept, by_source
 
+    def keeps_largest(released: int, by_source: dict[str, int]) -> bool:
+        return released_keeps == "auto" and by_source["adopt"] < released
+
     released, kept, by_source = pools(0)
     chosen = cheaper_source(by_source) if source == "auto" else source
     reserve_bytes = pool_reserve if isinstance(pool_reserve, int) else 0
     if pool_reserve == "auto" and not expandable:
-        keep = {"off": "all", "released": "none"}.get(configured_mode, "first" if chosen == "adopt" else "none")
+        released_keep = "first" if keeps_largest(released, by_source) else "none"
+        keep = {"off": "all", "released": released_keep}.get(configured_mode, "first" if chosen == "adopt" else "none")
         baseline = {"all": kept, "none": released, "first": by_source["adopt"]}[keep]
         reserve_bytes = best_reserve(trace, sizes, keep_outputs=keep, outputs=outputs, baseline=baseline, at=at)
     if reserve_bytes:
         released, kept, by_source = pools(reserve_bytes)
         chosen = cheaper_source(by_source) if source == "auto" else source
     on = by_source[chosen]
+    keep_largest = keeps_largest(released, by_source)
+    floor = by_source["adopt"] if keep_largest else released
     extra = stream_bytes + bridge_bytes
     modes = {
         "off": ModeForecast("off", kept + extra, released, kept - released, stream_bytes, bridge_bytes),
         "on": ModeForecast("on", on + extra, released, on - released, stream_bytes, bridge_bytes),
-        "released": ModeForecast("released", released + extra, released, 0, stream_bytes, bridge_bytes),
+        "released": ModeForecast("released", floor + extra, released, floor - released, stream_bytes, bridge_bytes,
+                                 keeps_largest=keep_largest),
     }
     return modes, by_source, chosen, reserve_bytes
 
@@ -204,10 +225,10 @@ def reference_estimates(mode_forecasts: dict[str, ModeForecast], trace: ScaledTr
     n = len(order)
     out: dict[str, dict[str, int]] = {}
     for mode, f in mode_forecasts.items():
-        keep = "all" if mode == "off" else "none"
+        keep = "all" if mode == "off" else "first" if f.keeps_largest else "none"
         first = simulate(trace, order[:1], keep_outputs=keep, outputs=outputs, expandable=expandable).reserved_bytes
         two = simulate(trace, order[:2], keep_outputs=keep, outputs=outputs, expandable=expandable).reserved_bytes
-        outside = f.total_bytes - f.working_set_bytes - (f.outputs_bytes if mode == "off" else 0)
+        outside = f.total_bytes - f.working_set_bytes - (f.outputs_bytes if keep != "none" else 0)
         first_cost = first + (outside if mode != "off" else f.stream_bytes + f.bridge_bytes)
         per_graph = max(two - first, VLLM_MIN_PER_GRAPH)
         out[mode] = {"vllm_extrapolation": first_cost + (n - 1) * per_graph,

@@ -86,6 +86,14 @@ class GraphMemoryForecast:
     #: follows (``PoolModel(expandable=True)``) but no GPU run has checked yet.
     caveat: str = ""
 
+    @property
+    def released_keeps_largest(self) -> bool:
+        """Whether ``released`` keeps the largest capture's output, because the forecast found
+        that it packs the pool tighter than releasing it (:attr:`.model.ModeForecast.keeps_largest`);
+        a ``released`` session after this forecast does so."""
+        released = self.modes.get("released")
+        return bool(released is not None and released.keeps_largest)
+
     def bytes_for(self, mode: str | None = None) -> int:
         """The forecast total of ``mode`` (default: :attr:`mode`)."""
         return self.modes[mode or self.mode].total_bytes
@@ -112,7 +120,8 @@ class GraphMemoryForecast:
                  + "):"]
         for m in MODES:
             f = self.modes[m]
-            mark = " <- configured" if m == self.mode else ""
+            mark = (" (keeps the largest output: a tighter pool)" if f.keeps_largest else "") + (
+                " <- configured" if m == self.mode else "")
             lines.append(f"  {m:8} {f.total_bytes / MIB:9.1f} MiB = working set {f.working_set_bytes / MIB:.1f} "
                          f"+ outputs {f.outputs_bytes / MIB:.1f} + stream {f.stream_bytes / MIB:.1f} "
                          f"+ bridges {f.bridge_bytes / MIB:.1f}{mark}")
@@ -214,7 +223,7 @@ def forecast_schedule(
         modes, by_source, source, reserve_bytes = schedule_forecast(
             fitted, schedule, outputs=outputs, largest_output_bytes=sum(largest_output), stream_bytes=stream_bytes,
             bridge_bytes=bridges, source=options.shared_buffer, pool_reserve=options.pool_reserve,
-            configured_mode=configured_mode, expandable=expandable)
+            configured_mode=configured_mode, expandable=expandable, released_keeps="auto")
         references = reference_estimates(modes, fitted, schedule, outputs=outputs, expandable=expandable)
     return GraphMemoryForecast(backend.name, tuple(schedule), configured_mode, MappingProxyType(modes), probe_sizes,
                                time.perf_counter() - start, source, MappingProxyType(by_source),

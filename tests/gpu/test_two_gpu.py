@@ -6,7 +6,7 @@ NVLink multicast off, at the bench shapes, and checks the worker's JSON: on ever
 Breakable, Full and Piecewise backends captured SGLang's 74 prefill sizes with sharing off, on
 and released, replayed their TP forward (two all-reduces per layer inside the graph) like eager
 after the inputs changed, with no fallbacks, forecast their graph memory within 5 %, and held
-less graph memory sharing on and released than off; the worker itself checks that both ranks
+less graph memory sharing on than off and no more released than on; the worker itself checks that both ranks
 agree and match the unsplit model. Skipped unless
 two CUDA devices are visible. ``tests/test_tp_worker.py`` runs the same worker on CPU (gloo).
 """
@@ -68,5 +68,6 @@ def test_two_rank_tensor_parallel_capture_with_sharing(tmp_path: Path) -> None:
     for backend in ("breakable", "full", "piecewise"):
         for rank in (0, 1):
             off, on, released = (rows[backend, v, rank]["graph_memory_bytes"] for v in ("off", "on", "released"))
-            # released is not always below on: one H200 measured Piecewise 802 against 768 MiB
-            assert on < off and released < off, (backend, rank, off, on, released)
+            # released is the floor: where keeping the largest output packs the pool tighter
+            # (one H200, Piecewise: 768 against 802 MiB releasing it) the forecast keeps it
+            assert on < off and released <= on + (2 << 20), (backend, rank, off, on, released)
