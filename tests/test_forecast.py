@@ -228,7 +228,8 @@ def test_forecast_of_a_tensor_parallel_rank_matches_the_h200(case: str) -> None:
     of 64, all-reduces inside the graph, 74 sizes). The forecast reproduces what was measured, and
     what it found: for these Piecewise pieces keeping the largest output (sharing on, adopted)
     packs the pool 34 MiB tighter than releasing every output (770 against 804 MiB forecast, 768
-    against 802 measured), so ``released`` is not the floor there; for Breakable they are equal."""
+    against 802 measured), so ``released`` releasing every output (as measured then, and as
+    ``released_keeps="none"`` forecasts) is not the floor there; for Breakable they are equal."""
     modes, row = _forecast_recorded("h200_tp_probes.json.gz", case)
     real = row["graph_bytes"]
     assert abs(modes[row["mode"]].total_bytes - real) <= 0.01 * real, (case, modes[row["mode"]], real)
