@@ -140,6 +140,8 @@ def test_released_keeps_the_largest_output_where_its_forecast_says_it_packs_tigh
     for key, x in xs.items():
         x.copy_(torch.randn_like(x))
         torch.testing.assert_close(backend.replay(key), x * 2)
+    _capture(backend, {ShapeKey(16): torch.randn(16, 2)})  # a later session adding a key keeps none
+    assert backend._state.is_released(ShapeKey(16))
     backend.cleanup()
     assert backend._state.forecast is None
     backend._get_engine().name = "cuda"  # type: ignore[misc]  # cleanup() released the stand-in

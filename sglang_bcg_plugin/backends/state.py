@@ -152,7 +152,8 @@ class CaptureState:
         """Start a session: a fresh sharer for ``resolution.mode``; the guard read now serves
         every replay from now on. In mode ``released``, after a :attr:`forecast` that found
         keeping the largest capture's output packs the pool tighter
-        (``forecast.released_keeps_largest``), the session's first capture keeps its output.
+        (``forecast.released_keeps_largest``), the first capture of a session that starts with
+        nothing captured keeps its output.
 
         :raises CaptureStateError: a session is already open.
         """
@@ -161,7 +162,9 @@ class CaptureState:
             raise CaptureStateError(msg)
         sharer = OutputSharer(enabled=resolution.mode == ON, strict=strict, source=source)
         self.guard = make_guard(guard, self.guard)
-        keep_first = resolution.mode == RELEASED and bool(getattr(self.forecast, "released_keeps_largest", False))
+        # The forecast models a schedule captured from nothing: a later session adding keys keeps none.
+        keep_first = (resolution.mode == RELEASED and not self._entries
+                      and bool(getattr(self.forecast, "released_keeps_largest", False)))
         self._open = _Open(resolution, sharer, keep_first=keep_first)
         self.resolution = resolution
 
