@@ -30,7 +30,8 @@ class ModeForecast:
     :param total_bytes: everything below, summed: the figure to compare with the device memory
         a capture session takes (``torch.cuda.mem_get_info`` before and after).
     :param working_set_bytes: the pool with every output released: the largest forward's
-        activations, as the allocator's blocks and segments fall (``released`` is this alone).
+        activations, as the allocator's blocks and segments fall (``released`` is this alone,
+        unless it keeps the largest output).
     :param outputs_bytes: what holding the outputs adds: with ``off`` every size's output in the
         pool (fragmentation included), with ``on`` the one shared buffer, with ``released`` 0, or
         what keeping the largest output adds where it keeps it (negative: it saves that much).
