@@ -148,3 +148,30 @@ def test_released_keeps_the_largest_output_where_its_forecast_says_it_packs_tigh
     _capture(backend, xs)  # no forecast now: every output released
     assert backend.memory_report().resident_output_bytes == 0
     backend.cleanup()
+
+
+def test_a_kept_largest_output_is_guarded_like_a_released_one(cpu_is_pool_memory: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With the stale-output guard on, the kept output keeps ``released``'s contract (valid until
+    another graph of the partition replays), the same as every released one: the kept graph's
+    replay poisons the released output handed out before it (its forward may overwrite that
+    free memory), and the next replay of another graph poisons the kept output's view."""
+    from sglang_bcg_plugin import accounting
+
+    poisoned: list[int] = []
+    monkeypatch.setattr(torch._C, "_set_storage_access_error_msg", lambda t, m: poisoned.append(t.data_ptr()), raising=False)
+    monkeypatch.setattr(accounting, "_reserved", lambda backend: None)
+    monkeypatch.setattr("sglang_bcg_plugin.backends.base.device_free_bytes", lambda collect=True: 0)
+    backend = create_backend("breakable", options=BackendOptions(output_mode="released", engine="eager", stale_output_guard=True))
+    backend._get_engine().name = "cuda"  # type: ignore[misc]  # a stand-in pool engine, as above
+    backend._state.forecast = _forecast(True)  # private: a forecast needs CUDA probes
+    xs = {ShapeKey(8): torch.randn(8, 2), ShapeKey(4): torch.randn(4, 2)}
+    _capture(backend, xs)
+    small = backend.replay(ShapeKey(4))  # released: an alias of pool memory
+    assert poisoned == []
+    large = backend.replay(ShapeKey(8))  # the kept graph ran: the released output is stale
+    assert poisoned == [small.data_ptr()]
+    torch.testing.assert_close(large, xs[ShapeKey(8)] * 2)
+    again = backend.replay(ShapeKey(4))
+    assert poisoned == [small.data_ptr(), large.data_ptr()]
+    torch.testing.assert_close(again, xs[ShapeKey(4)] * 2)
+    backend.cleanup()
