@@ -6,7 +6,14 @@ from ._constants import ENV_SHARE_OUTPUT, NAME
 from ._version import __version__
 from .backends.base import CaptureBackend
 from .breaks import graph_break
-from .errors import BackendRegistrationError, CaptureStateError, OutputStructureError, PluginLoadWarning
+from .errors import (
+    BackendRegistrationError,
+    CaptureStateError,
+    ObserverError,
+    ObserverWarning,
+    OutputStructureError,
+    PluginLoadWarning,
+)
 from .manager import BrokenPlugin, broken_plugins, get_plugin_manager, hookimpl
 from .options import BackendOptions, resolve_share_output
 from .output_mode import resolve_output_mode
@@ -26,6 +33,8 @@ __all__ = [
     "CaptureStateError",
     "KeyReport",
     "MemoryReport",
+    "ObserverError",
+    "ObserverWarning",
     "OutputStructureError",
     "PluginLoadWarning",
     "ShapeKey",

@@ -44,6 +44,24 @@ class PluginLoadWarning(UserWarning):
     """
 
 
+class ObserverWarning(UserWarning):
+    """An observer hook (``sglang_bcg_capture_finished``) raised after a capture ended: the error is
+    isolated, the capture stands (or its own error propagates) and every other observer was told.
+    The message names the plugin, the hook, the key and the error."""
+
+
+class ObserverError(RuntimeError):
+    """An observer raised in ``sglang_bcg_capture_started``: the capture was aborted before it began
+    (nothing of the key is kept). Carries ``plugin``, ``hook`` and ``shape_key``; the observer's
+    exception is ``__cause__``."""
+
+    def __init__(self, message: str, *, plugin: str, hook: str, shape_key: object) -> None:
+        super().__init__(message)
+        self.plugin = plugin
+        self.hook = hook
+        self.shape_key = shape_key
+
+
 #: Frames a warning skips to reach the caller's line: this package, pluggy (hook calls) and
 #: ``contextlib`` (``with backend.capture_session():``).
 _INTERNAL = (

@@ -40,6 +40,11 @@ def sglang_bcg_capture_started(backend: CaptureBackend, shape_key: object) -> No
     Called for every capture of every backend; the capture itself is the backend's and runs
     with every plugin blocked.
 
+    An observer that raises here refuses the capture: it is aborted before it began (nothing of
+    the key is kept) and ``capture_one`` raises
+    :class:`~sglang_bcg_plugin.errors.ObserverError` naming the plugin (the observer's error is
+    its ``__cause__``).
+
     :param backend: the backend capturing.
     :param shape_key: the key being captured.
     """
@@ -55,6 +60,11 @@ def sglang_bcg_capture_finished(
     seconds, graph memory growth on CUDA, output bytes, sharing, fallback) and ``error`` is
     ``None``; on failure ``report`` is ``None`` and ``error`` the exception, which propagates to
     the caller after the observers ran (nothing of the key was kept).
+
+    Observers cannot undo what happened: an observer that raises here is isolated (one
+    :class:`~sglang_bcg_plugin.errors.ObserverWarning` at the caller's line names the plugin,
+    the hook and the error; the other observers are still told) and the capture stands (or, after
+    a failure, its own error propagates).
 
     :param backend: the backend that captured.
     :param shape_key: the key.

@@ -81,6 +81,12 @@ def _leaf_misfit(leaf: torch.Tensor, buf: torch.Tensor) -> str | None:
         return f"dtype changed: buffer {buf.dtype}, output {leaf.dtype}"
     if leaf.device != buf.device:
         return f"device changed: buffer {buf.device}, output {leaf.device}"
+    if buf.is_inference() and not torch.is_inference_mode_enabled():
+        return (
+            "the buffer was made under torch.inference_mode() and this capture runs outside it "
+            "(only inference mode may write an inference tensor); capture every key of a "
+            "partition in one mode"
+        )
     if leaf.numel() > buf.numel():
         return (
             f"{_nbytes(leaf)} bytes (shape {tuple(leaf.shape)}) do not fit the buffer's "

@@ -33,3 +33,38 @@ def flat_of(t: torch.Tensor) -> torch.Tensor | None:
     if not t.is_contiguous():
         return None
     return t.view(-1)
+
+
+def copy_broadcast(static: torch.Tensor, value: torch.Tensor, what: str) -> bool:
+    """Write ``value`` into a captured ``static`` that broadcasts (a dim of stride 0 and size > 1:
+    ``h[:, :1].expand(n, 8)``): such a tensor is a view of fewer elements, one per broadcast dim,
+    and those are what a graph replay rewrites (the view then shows the new values). So only
+    index 0 of every broadcast dim is written. Returns ``False`` when ``static`` does not broadcast
+    (nothing written: the caller's error stands).
+
+    :raises RuntimeError: ``value`` differs along a dim where ``static`` broadcasts (one value
+        cannot hold them); ``what`` names the producer.
+    """
+    dims = [d for d, (size, stride) in enumerate(zip(static.shape, static.stride(), strict=True)) if stride == 0 and size > 1]
+    if not dims:
+        return False
+    dst, src = static, value
+    for d in dims:
+        dst, src = dst.narrow(d, 0, 1), src.narrow(d, 0, 1)
+    dst.copy_(src)
+    if all(value.stride(d) == 0 for d in dims):
+        return True  # the same broadcast: nothing else to hold
+    same = (
+        torch.allclose(static, value, rtol=0.0, atol=0.0, equal_nan=True)
+        if static.is_floating_point() or static.is_complex()
+        else torch.equal(static, value)
+    )
+    if not same:
+        dim = next(d for d in dims if value.stride(d) != 0)
+        msg = (
+            f"{what} returned values that vary along dim {dim} on replay, where the captured output "
+            f"broadcasts one value (stride 0, shape {tuple(static.shape)}); a CUDA graph replays the "
+            "broadcast it captured: return the same broadcast (.expand) at every call, or .contiguous()"
+        )
+        raise RuntimeError(msg)
+    return True

@@ -27,7 +27,7 @@ from ..accounting import Measure, device_free_bytes
 from ..engines.base import CaptureRequest, Engine
 from ..engines.eager import EagerEngine
 from ..engines.gcsafe import gc_safe_capture
-from ..errors import CaptureStateError
+from ..errors import CaptureStateError, ObserverError, ObserverWarning, warn_user
 from ..forecast.allocator import ALLOC_CONF_VARS, expandable_segments
 from ..manager import get_plugin_manager
 from ..options import BackendOptions
@@ -111,6 +111,78 @@ def pool_reserve_bytes(choice: str | int, engine: Engine, forecast: Any = None) 
     if isinstance(choice, int):
         return choice
     return int(getattr(forecast, "pool_reserve_bytes", 0) or 0)
+
+
+STARTED = "sglang_bcg_capture_started"
+FINISHED = "sglang_bcg_capture_finished"
+
+
+def _culprit(impls: list[Any], exc: BaseException) -> int | None:
+    """The index in ``impls`` (a hook's ``get_hookimpls()``) of the hookimpl that raised ``exc``:
+    the innermost frame of its traceback that runs one of their functions (two plugins of one
+    class are told apart by the frame's first argument, the instance)."""
+    found = None
+    tb = exc.__traceback__
+    while tb is not None:
+        frame = tb.tb_frame
+        matches = [i for i, impl in enumerate(impls) if getattr(impl.function, "__code__", None) is frame.f_code]
+        if len(matches) > 1 and frame.f_code.co_varnames:
+            first = frame.f_locals.get(frame.f_code.co_varnames[0])
+            matches = [i for i in matches if getattr(impls[i].function, "__self__", None) is first] or matches
+        if matches:
+            found = matches[0]
+        tb = tb.tb_next
+    return found
+
+
+def _one_line(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {' '.join(str(exc).split())}"
+
+
+def _observe_started(pm: pluggy.PluginManager, backend: CaptureBackend, key: Hashable) -> None:
+    """Tell the observers a capture begins. One that raises aborts the capture before it began:
+    :class:`~sglang_bcg_plugin.errors.ObserverError` names it (its error is the cause)."""
+    caller = pm.hook.sglang_bcg_capture_started
+    try:
+        caller(backend=backend, shape_key=key)
+    except Exception as exc:
+        impls = caller.get_hookimpls()
+        i = _culprit(impls, exc)
+        plugin = "<unknown>" if i is None else impls[i].plugin_name
+        msg = (
+            f"capture_one({key!r}) aborted before it began: observer plugin {plugin!r} raised in "
+            f"{STARTED}: {_one_line(exc)}; nothing was captured: fix or unregister the plugin, then "
+            "capture the key again"
+        )
+        raise ObserverError(msg, plugin=plugin, hook=STARTED, shape_key=key) from exc
+
+
+def _observe_finished(pm: pluggy.PluginManager, key: Hashable, **kwargs: Any) -> None:
+    """Tell every observer a capture ended. Observers cannot undo what happened: one that raises
+    is isolated (an :class:`~sglang_bcg_plugin.errors.ObserverWarning` at the caller's line names
+    the plugin, the hook and the error), the observers pluggy had not called yet are still told,
+    and the capture stands (or its own error propagates)."""
+    outcome = "the capture stands and the key replays" if kwargs["error"] is None else "the capture's own error propagates"
+    caller: Any = pm.hook.sglang_bcg_capture_finished
+    told: list[object] = []
+    while True:
+        try:
+            caller(shape_key=key, **kwargs)
+            return
+        except Exception as exc:
+            impls = caller.get_hookimpls()
+            i = _culprit(impls, exc)
+            plugin = "<unknown>" if i is None else impls[i].plugin_name
+            msg = (
+                f"observer plugin {plugin!r} raised in {FINISHED} for {key!r}: {_one_line(exc)}; the "
+                f"error is isolated: {outcome}"
+            )
+            warn_user(msg, ObserverWarning)
+            if i is None:  # which observers ran is unknown: tell none twice
+                return
+            # pluggy calls the list last-first: the culprit and every one after it have run
+            told.extend(impl.plugin for impl in impls[i:])
+            caller = pm.subset_hook_caller(FINISHED, remove_plugins=told)
 
 
 def _host_mode(backend: str, output_mode: object) -> Callable[[], Resolution | None]:
@@ -303,7 +375,9 @@ class CaptureBackend:
 
         ``forward_fn`` takes no arguments and reads static inputs; ``capture_inputs`` (any
         tree) is kept alive with the graph, whose kernels hold its addresses. Observers
-        (``sglang_bcg_capture_started`` / ``sglang_bcg_capture_finished``) see every capture.
+        (``sglang_bcg_capture_started`` / ``sglang_bcg_capture_finished``) see every capture: one
+        that raises when the capture starts aborts it (``ObserverError``, nothing captured); one
+        that raises when it finished is isolated (``ObserverWarning``; the capture stands).
         """
         key = check_key(shape_key)
         if not callable(forward_fn):
@@ -313,7 +387,7 @@ class CaptureBackend:
             self._check_can_capture(key)
             self._capturing = key
             try:
-                self._pm.hook.sglang_bcg_capture_started(backend=self, shape_key=key)
+                _observe_started(self._pm, self, key)
                 engine = self._get_engine()
                 placement = KeyPlacement(self._state, key, capture_inputs)
                 request = CaptureRequest(
@@ -341,12 +415,12 @@ class CaptureBackend:
                     can_release=engine.name == "cuda",
                 )
             except BaseException as exc:
-                self._pm.hook.sglang_bcg_capture_finished(backend=self, shape_key=key, report=None, error=exc)
+                _observe_finished(self._pm, key, backend=self, report=None, error=exc)
                 raise
             finally:
                 self._capturing = None
             report = self._state.report().keys[-1]
-            self._pm.hook.sglang_bcg_capture_finished(backend=self, shape_key=key, report=report, error=None)
+            _observe_finished(self._pm, key, backend=self, report=report, error=None)
             return output
 
     def _check_can_capture(self, key: Hashable) -> None:

@@ -29,20 +29,24 @@ class EagerGraph:
         self._forward_fn: Callable[[], Any] | None = forward_fn
         self._spec, leaves = flatten(output)
         self._static = [t for _, t in leaves]
+        # The forward re-runs in the autograd mode it was captured in: under torch.inference_mode()
+        # its output storage holds inference tensors, which only inference mode may write (a
+        # graph's kernels write them anywhere), and the forward's own in-place work may need it.
+        self._inference = torch.is_inference_mode_enabled()
 
     def replay(self) -> Any:
         if self._forward_fn is None:
             msg = f"graph of {self.key!r} was released; capture it again"
             raise RuntimeError(msg)
-        spec, leaves = flatten(self._forward_fn())
-        found = diff(self._spec, spec)
-        if found is not None:
-            msg = (
-                f"forward of {self.key!r} returned another structure at replay than at capture "
-                f"({found[0]}: {found[1]}); a CUDA graph would replay the captured one"
-            )
-            raise RuntimeError(msg)
-        with torch.no_grad():
+        with torch.inference_mode(self._inference), torch.no_grad():
+            spec, leaves = flatten(self._forward_fn())
+            found = diff(self._spec, spec)
+            if found is not None:
+                msg = (
+                    f"forward of {self.key!r} returned another structure at replay than at capture "
+                    f"({found[0]}: {found[1]}); a CUDA graph would replay the captured one"
+                )
+                raise RuntimeError(msg)
             for static, (path, new) in zip(self._static, leaves, strict=True):
                 refresh(static, new, f"forward of {self.key!r} at {path}")
         return self.output

@@ -26,6 +26,7 @@ from typing import Any, Protocol
 
 import torch
 
+from ..storage import copy_broadcast
 
 Action = Callable[[], None]
 
@@ -69,7 +70,12 @@ def refresh(static: torch.Tensor, value: torch.Tensor, what: str) -> None:
     if static is not value and not (
         static.data_ptr() == value.data_ptr() and static.stride() == value.stride()
     ):
-        static.copy_(value)
+        try:
+            static.copy_(value)
+        except RuntimeError:
+            # a broadcast output (stride 0): write the elements it views (nothing on the fast path)
+            if not copy_broadcast(static, value, what):
+                raise
 
 
 class SegmentedGraph:
@@ -83,6 +89,10 @@ class SegmentedGraph:
         self._steps = steps
         self._held = held  # strong references to everything crossing a segment boundary
         self.num_segments = len(self._runners)
+        # Replay runs the eager work (breaks, the op tape) in the autograd mode of the capture: a
+        # capture under torch.inference_mode() made inference tensors, which only inference mode
+        # may write (a graph's kernels write them anywhere). Same cost as no_grad.
+        self._mode = torch.inference_mode if torch.is_inference_mode_enabled() else torch.no_grad
 
     @property
     def steps(self) -> tuple[Action, ...]:
@@ -96,7 +106,7 @@ class SegmentedGraph:
             msg = f"graph of {self.key!r} was released; capture it again"
             raise RuntimeError(msg)
         steps = self._steps
-        with torch.no_grad():
+        with self._mode():
             for i, run in enumerate(self._runners):
                 if run is not None:
                     run()
