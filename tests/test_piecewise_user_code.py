@@ -352,3 +352,38 @@ def test_a_call_without_sized_tensors_marks_nothing() -> None:
     t = torch.tensor(2.0)
     torch.testing.assert_close(fn(t, 3), torch.tanh(t * 3) + 1.0)
     assert fn.size_dims.marked([t, 3], torch.utils._pytree.tree_flatten(((t, 3), {}))[1]) == frozenset()
+
+
+@graph_break
+def _branchy(x: torch.Tensor) -> torch.Tensor:
+    if x.sum() > 0:  # data-dependent control flow: dynamo cannot trace it as one graph
+        return x * 2
+    return x
+
+
+def test_an_untraceable_graph_break_body_is_one_clear_error() -> None:
+    from sglang_bcg_plugin.backends.piecewise import PiecewiseCompileError
+
+    backend = _piecewise(False, "eager")
+    fn = backend.compile(lambda x: _branchy(x) + 1)
+    x = torch.randn(8, H)
+    with torch.no_grad(), backend.capture_session():
+        with pytest.raises(PiecewiseCompileError, match=r"(?s)could not \(Data-dependent branching\).*custom op and list it in splitting_ops.*_branchy") as info:
+            backend.capture_one(ShapeKey(8), lambda: fn(x), capture_inputs=x)
+    assert isinstance(info.value.__cause__, torch._dynamo.exc.Unsupported)
+    assert backend.captured_keys() == []
+
+
+def test_while_dynamo_traces_graph_break_never_looks_for_a_recorder(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What dynamo traces (its frames are not Python's, so coverage cannot see them): the plain
+    call, before the ContextVar read dynamo cannot trace."""
+    import sglang_bcg_plugin.breaks as breaks
+
+    def no_lookup() -> None:
+        raise AssertionError("active_recorder() read while compiling")
+
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    monkeypatch.setattr(breaks, "active_recorder", no_lookup)
+    x, out = torch.randn(2, 3), torch.empty(2, 3)
+    attention(x, out)
+    torch.testing.assert_close(out, torch.softmax(x, dim=-1))

@@ -33,6 +33,7 @@ from ...output_mode import Resolution
 from ...registry import BackendRegistry
 from ..base import CaptureBackend
 from .compile import DynamicMode, PiecewiseCompiled, PiecewiseCompiler, capture_size
+from .compile import PiecewiseCompileError as PiecewiseCompileError  # re-exported
 from .inductor import InductorPieces
 from .ops import resolve_splitting_ops
 from .record import PieceFront
@@ -87,8 +88,9 @@ class PiecewiseBackend(CaptureBackend):
         """Compile ``model`` (a module or function) with this backend's piecewise compile backend.
 
         ``fullgraph=True``: a graph break would leave work outside the pieces, which replay
-        would skip. The size dim of every tensor argument is dynamic, so one compilation serves
-        every capture size; :attr:`num_compilations` tells if the model forced more.
+        would skip. The size dim of every tensor argument that follows the capture size is
+        dynamic (fixed tensors stay static), so one compilation serves every capture size;
+        :attr:`num_compilations` tells if the model forced more.
 
         :param dynamic: how the size dim is made dynamic: ``"auto"`` (default:
             ``"size_oblivious"`` with ``inductor=True``, else ``"unbacked"``), ``"unbacked"`` (no

@@ -29,6 +29,23 @@ from .inductor import InductorPieces
 from .split import SplitProgram, SplitSummary, split_graph
 
 
+class PiecewiseCompileError(RuntimeError):
+    """Dynamo could not trace the model as one graph (``fullgraph=True``); dynamo's own report
+    is the cause (``__cause__``) and is quoted in the message."""
+
+
+def _untraceable(exc: Exception) -> PiecewiseCompileError:
+    first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    msg = (
+        f"backend.compile(model): torch.compile must trace the model as one graph (fullgraph=True: "
+        f"work outside it would be missing from the pieces' replay) and could not ({first}). Make "
+        f"code that must run eagerly between the pieces a torch.library custom op and list it in "
+        f"splitting_ops; a @graph_break function is traced through under Piecewise, it is no "
+        f"split point (docs/piecewise.md). Dynamo's report:\n{exc}"
+    )
+    return PiecewiseCompileError(msg)
+
+
 class PiecewiseCompiler:
     """The ``torch.compile`` backend: split (compile the pieces), wrap, report each compilation.
 
@@ -215,7 +232,10 @@ class PiecewiseCompiled:
         # On the eager engine the pieces record their own replay: the open segment's op tape
         # pauses for the compiled call (and dynamo sees no dispatch mode).
         with untracked(), _size_oblivious() if self.dynamic == "size_oblivious" else contextlib.nullcontext():
-            out = self.compiled(*args, **kwargs)
+            try:
+                out = self.compiled(*args, **kwargs)
+            except torch._dynamo.exc.Unsupported as exc:
+                raise _untraceable(exc) from exc
         if self.compiler.calls != calls:  # this call compiled: charge it, kernels finished
             if torch.cuda.is_initialized():  # pragma: no cover - CUDA only
                 torch.cuda.synchronize()
