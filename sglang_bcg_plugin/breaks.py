@@ -1,7 +1,10 @@
 """``graph_break``: mark a function as an eager break point of a breakable graph.
 
 Outside a breakable capture the decorated function is a plain call (warmups, eager engine,
-Full graphs, normal eager execution). Inside one, the current CUDA-graph segment ends, the
+Full graphs, normal eager execution). Traced by ``torch.compile`` (the Piecewise backend's
+``backend.compile(model)``), it is a plain call too: dynamo traces through it without looking for
+a recorder, so the pieces split only at the registered splitting ops (``docs/piecewise.md``).
+Inside a breakable capture, the current CUDA-graph segment ends, the
 function runs eagerly, a new segment begins, and at replay the function runs again between
 the two segments' replays.
 
@@ -20,6 +23,8 @@ import functools
 import inspect
 from collections.abc import Callable, Iterable
 from typing import Any, TypeVar, overload
+
+import torch
 
 from .engines.recorder import active_recorder
 
@@ -80,7 +85,11 @@ def graph_break(
         @functools.wraps(func)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
             # Only a breakable capture breaks here (engines/breakable.py); anywhere else,
-            # a piecewise capture included, this is a plain call.
+            # a piecewise capture included, this is a plain call. Under torch.compile (dynamo
+            # tracing, constant True there) it is traced through: the recorder lookup (a
+            # ContextVar read, which dynamo cannot trace) stays out of the traced region.
+            if torch.compiler.is_compiling():
+                return func(*args, **kwargs)
             on_break = getattr(active_recorder(), "on_break", None)
             if on_break is None:
                 return func(*args, **kwargs)

@@ -19,7 +19,7 @@ Usage::
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Hashable, Iterable, Mapping
 from typing import Any
 
 import pluggy
@@ -32,7 +32,8 @@ from ...options import BackendOptions
 from ...output_mode import Resolution
 from ...registry import BackendRegistry
 from ..base import CaptureBackend
-from .compile import DynamicMode, PiecewiseCompiled, PiecewiseCompiler
+from .compile import DynamicMode, PiecewiseCompiled, PiecewiseCompiler, capture_size
+from .compile import PiecewiseCompileError as PiecewiseCompileError  # re-exported
 from .inductor import InductorPieces
 from .ops import resolve_splitting_ops
 from .record import PieceFront
@@ -87,8 +88,9 @@ class PiecewiseBackend(CaptureBackend):
         """Compile ``model`` (a module or function) with this backend's piecewise compile backend.
 
         ``fullgraph=True``: a graph break would leave work outside the pieces, which replay
-        would skip. The size dim of every tensor argument is dynamic, so one compilation serves
-        every capture size; :attr:`num_compilations` tells if the model forced more.
+        would skip. The size dim of every tensor argument that follows the capture size is
+        dynamic (fixed tensors stay static), so one compilation serves every capture size;
+        :attr:`num_compilations` tells if the model forced more.
 
         :param dynamic: how the size dim is made dynamic: ``"auto"`` (default:
             ``"size_oblivious"`` with ``inductor=True``, else ``"unbacked"``), ``"unbacked"`` (no
@@ -132,6 +134,19 @@ class PiecewiseBackend(CaptureBackend):
     def num_compilations(self) -> int:
         """How many FX graphs the compile backend received (1 per model if no recompiles)."""
         return len(self._summaries)
+
+    def capture_one(
+        self,
+        shape_key: Hashable,
+        forward_fn: Callable[[], Any],
+        capture_inputs: Any = None,
+        post_warmup_hook: Callable[[], None] | None = None,
+    ) -> Any:
+        """:meth:`CaptureBackend.capture_one`, with the key's size known to the compiled
+        callables its warmups and capture call: a tensor argument is marked dynamic only where
+        its extent is that size (:class:`~.compile.SizeDims`)."""
+        with capture_size(getattr(shape_key, "size", None)):
+            return super().capture_one(shape_key, forward_fn, capture_inputs, post_warmup_hook)
 
     # -- engine ---------------------------------------------------------------------------------
     def _make_eager_engine(self) -> Engine:

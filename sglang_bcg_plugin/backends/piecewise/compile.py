@@ -4,25 +4,46 @@
 per compilation; :func:`~.split.split_graph` cuts it at the splitting ops and, with
 ``inductor=True``, compiles every piece with Inductor (:mod:`.inductor`).
 
-The size dimension of every tensor argument is marked dynamic (unbacked, or backed and traced
-with size-oblivious reasoning when Inductor compiles the pieces), so one compilation serves every
-capture size (size 1 included: with plain dynamic shapes dynamo specializes sizes 0 and 1 and
-would recompile for them).
+The size dimension of every tensor argument that varies with the capture size is marked dynamic
+(unbacked, or backed and traced with size-oblivious reasoning when Inductor compiles the pieces),
+so one compilation serves every capture size (size 1 included: with plain dynamic shapes dynamo
+specializes sizes 0 and 1 and would recompile for them). A tensor whose size dim does not follow
+the capture size (a ``[1]`` scale, a fixed table, a 0-dim tensor) stays static
+(:class:`SizeDims`): marked dynamic, dynamo would reason about a symbol where the model relies on
+a fixed extent (``x * scale`` broadcasting) and fail its own guards.
 """
 
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, Literal
 
 import torch
-from torch.utils._pytree import tree_map_only
+from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
 
 from ...engines.recorder import untracked
 from .inductor import InductorPieces
 from .split import SplitProgram, SplitSummary, split_graph
+
+
+class PiecewiseCompileError(RuntimeError):
+    """Dynamo could not trace the model as one graph (``fullgraph=True``); dynamo's own report
+    is the cause (``__cause__``) and is quoted in the message."""
+
+
+def _untraceable(exc: Exception) -> PiecewiseCompileError:
+    first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    msg = (
+        f"backend.compile(model): torch.compile must trace the model as one graph (fullgraph=True: "
+        f"work outside it would be missing from the pieces' replay) and could not ({first}). Make "
+        f"code that must run eagerly between the pieces a torch.library custom op and list it in "
+        f"splitting_ops; a @graph_break function is traced through under Piecewise, it is no "
+        f"split point (docs/piecewise.md). Dynamo's report:\n{exc}"
+    )
+    return PiecewiseCompileError(msg)
 
 
 class PiecewiseCompiler:
@@ -96,13 +117,66 @@ def _canonical(t: torch.Tensor) -> torch.Tensor:
     return t if list(t.stride()) == want else t.as_strided(t.shape, want)
 
 
+_capture_size: contextvars.ContextVar[int | None] = contextvars.ContextVar("sglang_bcg_capture_size", default=None)
+
+
+@contextlib.contextmanager
+def capture_size(size: object) -> Iterator[None]:
+    """Calls of compiled callables in the body run for a key of this capture size (an int;
+    anything else: unknown). ``PiecewiseBackend.capture_one`` sets it around warmups and capture."""
+    known = size if isinstance(size, int) and not isinstance(size, bool) else None
+    token = _capture_size.set(known)
+    try:
+        yield
+    finally:
+        _capture_size.reset(token)
+
+
+class SizeDims:
+    """Which tensor arguments of a compiled callable have a size dim that follows the capture size.
+
+    At each call, of the tensors with more than ``dim`` dims, those whose extent at ``dim``
+    is the call's *reference* are candidates: the capture size when the call runs inside
+    ``capture_one`` and some tensor has it there, else the largest extent at ``dim`` (a direct
+    call; or rows that are a multiple of the size, as in speculative decoding). A tensor is
+    marked dynamic while *every* call so far (of this argument structure) found it a candidate:
+    one whose extent differed once (a ``[1]`` scale, a fixed table) is static for good. So marks
+    only ever shrink after the first call, and dynamo, which recompiles when a call marks a dim
+    its graph compiled static, never recompiles for them. A reference of 1 tells nothing (every
+    broadcast dim has extent 1): such a call marks what the calls before it marked, nothing if
+    it is the first.
+    """
+
+    def __init__(self, dim: int) -> None:
+        self.dim = dim
+        self._marks: dict[tuple[TreeSpec, tuple[int | None, ...]], frozenset[int]] = {}
+
+    def marked(self, leaves: list[Any], spec: TreeSpec) -> frozenset[int]:
+        """Indices of ``leaves`` (of a call flattened to ``spec``) to mark dynamic at ``dim``."""
+        extents = [t.shape[self.dim] if isinstance(t, torch.Tensor) and t.dim() > self.dim else None for t in leaves]
+        sizes = {e for e in extents if e is not None}
+        if not sizes:
+            return frozenset()
+        key = (spec, tuple(t.dim() if isinstance(t, torch.Tensor) else None for t in leaves))
+        size = _capture_size.get()
+        reference = size if size in sizes else max(sizes)
+        before = self._marks.get(key)
+        if reference == 1:
+            return before or frozenset()
+        now = frozenset(i for i, e in enumerate(extents) if e == reference)
+        marks = now if before is None else before & now
+        self._marks[key] = marks
+        return marks
+
+
 class PiecewiseCompiled:
     """``backend.compile(model)``: the model compiled with the piecewise compile backend.
 
     Every call marks the size dim (``dynamic_dim``: 0 for tokens-first ``[tokens, hidden]``, 1
     for batch-first ``[1, seq]`` such as transformers' ``input_ids``) of each tensor argument
-    with more than ``dynamic_dim`` dims (top level, or inside lists, tuples and dicts) dynamic
-    before dynamo sees it, as ``dynamic`` says:
+    (top level, or inside lists, tuples and dicts) whose extent there follows the capture size
+    (:class:`SizeDims`; other tensors, 0-dim ones and non-tensors stay static) dynamic before
+    dynamo sees it, as ``dynamic`` says:
 
     * ``"auto"`` (default): ``"size_oblivious"`` with Inductor pieces (its kernels are chosen by
       a real size hint), ``"unbacked"`` otherwise (:func:`resolve_dynamic`).
@@ -137,26 +211,31 @@ class PiecewiseCompiled:
         self.compiler = compiler
         self.dynamic = resolve_dynamic(dynamic, compiler.inductor is not None)
         self.dynamic_dim = dynamic_dim
+        self.size_dims = SizeDims(dynamic_dim)
         self.compiled = torch.compile(model, backend=compiler, fullgraph=True)
 
     def _mark(self, t: torch.Tensor) -> torch.Tensor:
-        dim = self.dynamic_dim
-        if t.dim() <= dim:
-            return t
         t = _canonical(t)
         if self.dynamic == "unbacked":
-            torch._dynamo.decorators.mark_unbacked(t, dim)
+            torch._dynamo.decorators.mark_unbacked(t, self.dynamic_dim)
         else:
-            torch._dynamo.maybe_mark_dynamic(t, dim)
+            torch._dynamo.maybe_mark_dynamic(t, self.dynamic_dim)
         return t
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        args, kwargs = tree_map_only(torch.Tensor, self._mark, (args, kwargs))
+        leaves, spec = tree_flatten((args, kwargs))
+        marks = self.size_dims.marked(leaves, spec)
+        if marks:
+            leaves = [self._mark(t) if i in marks else t for i, t in enumerate(leaves)]
+            args, kwargs = tree_unflatten(leaves, spec)
         calls, start = self.compiler.calls, time.perf_counter()
         # On the eager engine the pieces record their own replay: the open segment's op tape
         # pauses for the compiled call (and dynamo sees no dispatch mode).
         with untracked(), _size_oblivious() if self.dynamic == "size_oblivious" else contextlib.nullcontext():
-            out = self.compiled(*args, **kwargs)
+            try:
+                out = self.compiled(*args, **kwargs)
+            except torch._dynamo.exc.Unsupported as exc:
+                raise _untraceable(exc) from exc
         if self.compiler.calls != calls:  # this call compiled: charge it, kernels finished
             if torch.cuda.is_initialized():  # pragma: no cover - CUDA only
                 torch.cuda.synchronize()
