@@ -6,7 +6,7 @@ from ._constants import ENV_SHARE_OUTPUT, NAME
 from ._version import __version__
 from .backends.base import CaptureBackend
 from .breaks import graph_break
-from .errors import BackendRegistrationError, CaptureStateError, OutputStructureError, PluginLoadWarning
+from .errors import BackendRegistrationError, CaptureStateError, HostReadError, OutputStructureError, PluginLoadWarning
 from .manager import BrokenPlugin, broken_plugins, get_plugin_manager, hookimpl
 from .options import BackendOptions, resolve_share_output
 from .output_mode import resolve_output_mode
@@ -24,6 +24,7 @@ __all__ = [
     "BrokenPlugin",
     "CaptureBackend",
     "CaptureStateError",
+    "HostReadError",
     "KeyReport",
     "MemoryReport",
     "OutputStructureError",
