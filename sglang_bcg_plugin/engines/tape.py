@@ -47,7 +47,6 @@ _aten = torch.ops.aten
 #: Dynamic-shape ops that read no value on the host for some arguments (see :func:`_reads_host`).
 _INDEX = _aten.index.Tensor
 _REPEAT = _aten.repeat_interleave.Tensor
-_ONE_HOT = _aten.one_hot.default
 
 #: Tensor methods that read values without dispatching an op (seen by a function mode).
 _PY_READS = {
@@ -61,7 +60,7 @@ def _reads_host(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str
     """What ``func`` reads on the host, or ``None``: its value as a Python object (torch's tag
     ``data_dependent_output``: ``.item()``, ``bool(t)``, ``torch.equal``) or an output shape that
     depends on the values (``dynamic_output_shape``, less the overloads that do not: integer
-    indexing, ``repeat_interleave`` given ``output_size``, ``one_hot`` given ``num_classes``)."""
+    indexing, ``repeat_interleave`` given ``output_size``)."""
     tags = getattr(func, "tags", ())
     if torch.Tag.data_dependent_output in tags:
         if func is _aten._local_scalar_dense.default:
@@ -76,9 +75,16 @@ def _reads_host(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str
         return f"{func} with a boolean mask (x[mask]): its output shape depends on the mask's values"
     if func is _REPEAT and kwargs.get("output_size") is not None:
         return None
-    if func is _ONE_HOT and (args[1] if len(args) > 1 else kwargs.get("num_classes", -1)) != -1:
-        return None
     return f"{func}: its output shape depends on the values"
+
+
+def _validates_only(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """Whether ``func``'s reads on the host only validate its arguments on CPU (the output does
+    not depend on them, and CUDA reads nothing): ``one_hot`` given ``num_classes`` checks its
+    labels' range."""
+    if func is not torch.nn.functional.one_hot:
+        return False
+    return (args[1] if len(args) > 1 else kwargs.get("num_classes", -1)) != -1
 
 
 def _where() -> str | None:
@@ -110,11 +116,12 @@ class _Tape(TorchDispatchMode):
         super().__init__()
         self.sink = sink
         self.refuse = refuse
+        self.validating = 0  # inside a call whose host reads only validate (see _validates_only)
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         read = _reads_host(func, args, kwargs)
-        if read is not None:
+        if read is not None and not self.validating:
             self.refuse(read)
         out = func(*args, **kwargs)
         if func not in _ALLOCATIONS:
@@ -126,15 +133,23 @@ class _PyReads(TorchFunctionMode):
     """The tensor methods that read values without an op (``.tolist()``, ``.numpy()``): refused
     while a segment is open, as the tape refuses ``.item()``."""
 
-    def __init__(self, refuse: Any) -> None:
+    def __init__(self, refuse: Any, tape: _Tape) -> None:
         super().__init__()
         self.refuse = refuse
+        self.tape = tape
 
     def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
         read = _PY_READS.get(func)
         if read is not None:
             self.refuse(read)
-        return func(*args, **(kwargs or {}))
+        if not _validates_only(func, args, kwargs):
+            return func(*args, **kwargs)
+        self.tape.validating += 1
+        try:
+            return func(*args, **kwargs)
+        finally:
+            self.tape.validating -= 1
 
 
 class EagerSegments:
@@ -163,9 +178,9 @@ class EagerSegments:
 
     def _start(self) -> None:
         if self._current is not None and self._pauses == 0 and self._tape is None:
-            self._reads = _PyReads(self._refuse)
-            self._reads.__enter__()
             self._tape = _Tape(self._current, self._refuse)
+            self._reads = _PyReads(self._refuse, self._tape)
+            self._reads.__enter__()
             self._tape.__enter__()
 
     def _stop(self) -> None:
