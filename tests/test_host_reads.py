@@ -583,6 +583,27 @@ def test_host_read_error_from_a_cuda_capture_failure() -> None:
     same = HostReadError(ShapeKey(4), None, "op")
     assert host_read_error(same, ShapeKey(4), 0) is same and "inside its graph" in str(same)
     assert "at " not in str(HostReadError(ShapeKey(4), 0, "op")).split("(op")[1][:3]
+    from sglang_bcg_plugin.errors import user_frame
+
+    assert user_frame([(torch.__file__, 1, "f")]) is None  # nothing outside torch: no line named
+
+
+def test_a_segment_capture_failing_on_a_host_sync_raises_host_read_error() -> None:
+    """The segment recorder turns a stream capture's host-sync error into HostReadError with the
+    open segment's index, the original error as its cause, and rolls the key back."""
+    x = torch.randn(8, 4)
+
+    def forward() -> torch.Tensor:
+        out = torch.empty_like(x)
+        _softmax_into(x * 2, out)
+        raise RuntimeError("CUDA error: operation not permitted when stream is capturing")
+
+    backend = _backend("breakable", "on", "eager", num_warmups=0)
+    with torch.no_grad(), backend.capture_session():
+        with pytest.raises(HostReadError, match=r"segment 1 \(a host sync the stream capture refused") as info:
+            backend.capture_one(ShapeKey(8), forward, capture_inputs=x)
+        assert isinstance(info.value.__cause__, RuntimeError) and info.value.segment == 1
+        assert not backend.can_run(ShapeKey(8))
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
