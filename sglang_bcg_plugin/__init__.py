@@ -9,6 +9,7 @@ from .breaks import graph_break
 from .errors import (
     BackendRegistrationError,
     CaptureStateError,
+    HostReadError,
     ObserverError,
     ObserverWarning,
     OutputStructureError,
@@ -31,6 +32,7 @@ __all__ = [
     "BrokenPlugin",
     "CaptureBackend",
     "CaptureStateError",
+    "HostReadError",
     "KeyReport",
     "MemoryReport",
     "ObserverError",

@@ -90,3 +90,58 @@ def warn_user(message: str, category: type[Warning]) -> None:
 class ForecastError(RuntimeError):
     """A graph-memory forecast cannot be made (the forward's memory does not scale as one
     pattern, or the engine has no graph pool to forecast)."""
+
+
+#: What a host read is, for the message (torch ops the tape refuses, by kind).
+_TRANSFORMERS_HINT = (
+    "; transformers does this when it checks an attention mask's values (its 'sdpa' and 'eager' "
+    "attention with an attention_mask): pass attention_mask=None (causal attention needs no mask), "
+    "or register an attention function that is a @graph_break through transformers' "
+    "AttentionInterface (docs/breakable.md, 'transformers' attention')"
+)
+
+
+class HostReadError(RuntimeError):
+    """A capture read a tensor's value on the host while a graph segment was open.
+
+    A CUDA graph records device work only: the Python that used the value ran once, at capture,
+    so every replay would reuse the value read then. On CUDA the capture fails (a host sync
+    inside a stream capture); the eager engines refuse it the same way. Carries ``shape_key``,
+    ``segment`` (``None`` for a Full graph), ``op`` (what read it) and ``where`` (the first
+    frame outside torch and this package, or ``None``).
+    """
+
+    def __init__(self, shape_key: object, segment: int | None, op: str, where: str | None = None) -> None:
+        self.shape_key = shape_key
+        self.segment = segment
+        self.op = op
+        self.where = where
+        inside = "its graph" if segment is None else f"segment {segment}"
+        at = f", at {where}" if where else ""
+        hint = _TRANSFORMERS_HINT if where is not None and f"{os.sep}transformers{os.sep}" in where else ""
+        msg = (
+            f"capture of {shape_key!r} read a tensor's value on the host inside {inside} ({op}{at}): a "
+            "CUDA graph records device work only, so every replay would reuse the value read at capture "
+            "(on CUDA such a capture fails: a host sync inside a stream capture). Keep the value on the "
+            "device (torch.where or a mask instead of `if`, no .item()/.tolist()), or move the read into a "
+            "@graph_break function (it runs eagerly at every replay); reads during the warmups and "
+            f"outside capture are fine{hint}"
+        )
+        super().__init__(msg)
+
+
+#: Frames :func:`user_frame` skips: this package, torch, pluggy and ``contextlib``.
+def _skipped() -> tuple[str, ...]:
+    import torch
+
+    return (*_INTERNAL, os.path.dirname(os.path.abspath(torch.__file__)) + os.sep)
+
+
+def user_frame(frames: list[tuple[str, int, str]]) -> str | None:
+    """``file:line in function`` of the innermost of ``frames`` (``(file, line, function)``,
+    outermost first) outside torch, this package, pluggy and ``contextlib``, else ``None``."""
+    skipped = _skipped()
+    for filename, lineno, function in reversed(frames):
+        if not os.path.abspath(filename).startswith(skipped):
+            return f"{filename}:{lineno} in {function}"
+    return None

@@ -4,7 +4,7 @@ Two users: :func:`~sglang_bcg_plugin.trees.flatten` refuses a plain output value
 tensor (an object with tensors in attributes, ``__slots__`` or a list attribute, a set of
 tensors: replay could not refresh them), and ``capture_inputs`` (any object: SGLang passes its
 forward batch) are scanned for the storages of static inputs. The walk looks into lists, tuples,
-sets, frozensets, dict values, instance ``__dict__`` and ``__slots__``; it is iterative,
+sets, frozensets, dict values, instance ``__dict__`` and ``__slots__`` (of container subclasses too); it is iterative,
 cycle-safe and stops after :data:`SCAN_LIMIT` objects (a scan never raises).
 """
 
@@ -20,6 +20,7 @@ import torch
 SCAN_LIMIT = 10_000
 
 _ATOMS = (str, bytes, int, float, complex, bool, type(None), type)
+_BUILTIN_CONTAINERS = (list, tuple, set, frozenset, dict)
 _repr = reprlib.Repr()
 _repr.maxstring = _repr.maxother = 200
 
@@ -35,24 +36,34 @@ def short_repr(value: object, limit: int = 200) -> str:
     return cut(_repr.repr(value), limit)
 
 
-def _members(obj: object) -> list[tuple[str, object]]:
-    """The ``(sub-path, value)`` pairs a scan looks into."""
-    if isinstance(obj, (list, tuple)):
-        return [(f"[{i}]", v) for i, v in enumerate(itertools.islice(obj, SCAN_LIMIT))]
-    if isinstance(obj, (set, frozenset)):
-        return [("{...}", v) for v in itertools.islice(obj, SCAN_LIMIT)]
-    if isinstance(obj, dict):
-        return [(f"[{short_repr(k, 40)}]", v) for k, v in itertools.islice(obj.items(), SCAN_LIMIT)]
-    found = [(f".{k}", v) for k, v in itertools.islice(getattr(obj, "__dict__", {}).items(), SCAN_LIMIT)]
+def attributes(obj: object) -> list[tuple[str, object]]:
+    """``obj``'s instance attributes, ``(name, value)``: its ``__dict__`` and set ``__slots__``
+    (at most :data:`SCAN_LIMIT` of its ``__dict__``)."""
+    found = list(itertools.islice(getattr(obj, "__dict__", {}).items(), SCAN_LIMIT))
     for cls in type(obj).__mro__:
         slots = cls.__dict__.get("__slots__", ())
         for name in (slots,) if isinstance(slots, str) else slots:
             if name in ("__dict__", "__weakref__"):
                 continue
             try:
-                found.append((f".{name}", getattr(obj, name)))
+                found.append((name, getattr(obj, name)))
             except Exception:  # noqa: BLE001, S112 - an unset slot holds nothing
                 continue
+    return found
+
+
+def _members(obj: object) -> list[tuple[str, object]]:
+    """The ``(sub-path, value)`` pairs a scan looks into."""
+    if isinstance(obj, (list, tuple)):
+        found = [(f"[{i}]", v) for i, v in enumerate(itertools.islice(obj, SCAN_LIMIT))]
+    elif isinstance(obj, (set, frozenset)):
+        found = [("{...}", v) for v in itertools.islice(obj, SCAN_LIMIT)]
+    elif isinstance(obj, dict):
+        found = [(f"[{short_repr(k, 40)}]", v) for k, v in itertools.islice(obj.items(), SCAN_LIMIT)]
+    else:
+        return [(f".{k}", v) for k, v in attributes(obj)]
+    if type(obj) not in _BUILTIN_CONTAINERS:  # a subclass may carry attributes too
+        found += [(f".{k}", v) for k, v in attributes(obj)]
     return found
 
 

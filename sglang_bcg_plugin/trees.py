@@ -6,14 +6,17 @@ objects that hold their tensors in a ``tensors`` dict (SGLang's ``PPProxyTensors
 
 Rejected with a ``TypeError`` at capture (:func:`flatten`), never replayed stale: a plain value
 that holds tensors anywhere a bounded scan reaches (attributes, ``__slots__``, set members and
-the containers inside them), a sparse or other non-strided tensor, and nesting deeper than
-:data:`MAX_DEPTH` levels.
+the containers inside them), a tensor on an attribute a supported node does not walk (a
+dataclass's non-field attribute, ``o.extra = t``; an instance attribute of a dict subclass or
+of a ``tensors`` holder; of a list or tuple subclass), a sparse or other non-strided tensor, and
+nesting deeper than :data:`MAX_DEPTH` levels.
 
 Why not ``torch.utils._pytree``: it only walks dataclasses after a process-wide
 ``register_dataclass`` call. Registering SGLang's own output classes from a plugin would change
 how dynamo and every other pytree user in the serving process sees them, so we walk
 dataclasses here, without global registration, and rebuild them with a shallow copy (which keeps
-non-field attributes and works for frozen and slotted classes).
+non-field attributes and works for frozen and slotted classes: plain values on them are kept as
+captured, a tensor on them is refused, since a shallow copy would hand out the captured one).
 """
 
 from __future__ import annotations
@@ -21,13 +24,13 @@ from __future__ import annotations
 import copy
 import dataclasses
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from .scan import cut, short_repr, tensor_inside, walk_tensors
+from .scan import attributes, cut, short_repr, tensor_inside, walk_tensors
 
 
 @dataclass(frozen=True, eq=False, slots=True)
@@ -61,8 +64,10 @@ def flatten(obj: object, path: str = "output") -> tuple[Node, list[tuple[str, to
 
     :raises TypeError: the output cannot be tracked, so replay could return stale values: a
         plain value holds a tensor (an object with tensors in attributes, ``__slots__`` or a
-        list attribute, a set of tensors), a tensor is sparse or otherwise not strided, or the
-        nesting is deeper than :data:`MAX_DEPTH`.
+        list attribute, a set of tensors), an attribute a supported node does not walk holds a
+        tensor (a dataclass's non-field attribute, an instance attribute of a dict subclass or a
+        ``tensors`` holder), a tensor is sparse or otherwise not strided, or the nesting is
+        deeper than :data:`MAX_DEPTH`.
     """
     leaves: list[tuple[str, torch.Tensor]] = []
     node = _flatten(obj, path, leaves, 0)
@@ -91,18 +96,24 @@ def _flatten(obj: object, path: str, leaves: list[tuple[str, torch.Tensor]], dep
     if _is_namedtuple(obj) or isinstance(obj, (tuple, list)):
         seq = list(obj)  # type: ignore[call-overload]
         kids = tuple(_flatten(v, f"{path}[{i}]", leaves, depth) for i, v in enumerate(seq))
+        _refuse_attributes(obj, path, "one of its items", lambda name, value: False)
         return Node("seq", type(obj), tuple(range(len(seq))), kids)
     if isinstance(obj, dict):
         keys = tuple(obj)
         kids = tuple(_flatten(obj[k], f"{path}[{k!r}]", leaves, depth) for k in keys)
+        # a ModelOutput keeps its fields as attributes too: the very values of its keys
+        _refuse_attributes(obj, path, "one of its keys", lambda name, value: name in obj and obj[name] is value)
         return Node("map", type(obj), keys, kids, template=obj)
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         names = tuple(f.name for f in dataclasses.fields(obj))
         kids = tuple(_flatten(getattr(obj, n), f"{path}.{n}", leaves, depth) for n in names)
+        fields = frozenset(names)
+        _refuse_attributes(obj, path, "one of its fields", lambda name, value: name in fields)
         return Node("attrs", type(obj), names, kids, template=obj)
     tensors = getattr(obj, "tensors", None)
     if isinstance(tensors, dict):
         kid = _flatten(tensors, f"{path}.tensors", leaves, depth)
+        _refuse_attributes(obj, path, "its 'tensors' dict", lambda name, value: name == "tensors")
         return Node("holder", type(obj), ("tensors",), (kid,), template=obj)
     inside = tensor_inside(obj, path)
     if inside is not None:
@@ -114,6 +125,32 @@ def _flatten(obj: object, path: str, leaves: list[tuple[str, torch.Tensor]], dep
         )
         raise TypeError(msg)
     return Node("value", type(obj), value=obj)
+
+
+def _refuse_attributes(obj: object, path: str, walked: str, known: Callable[[str, object], bool]) -> None:
+    """Refuse a tensor on an attribute of a supported node that the walk does not follow (the
+    node is rebuilt by a shallow copy, which would keep the captured tensor there).
+
+    :raises TypeError: names the output path, the type, the attribute and where the tensor sits.
+    """
+    if type(obj) in _PLAIN:
+        return
+    for name, value in attributes(obj):
+        if known(name, value):
+            continue
+        inside = tensor_inside(value, f"{path}.{name}")
+        if inside is not None:
+            msg = (
+                f"unsupported output {type(obj).__qualname__} at {path}: its attribute {name!r} is not "
+                f"{walked} and holds a tensor (at {cut(inside)}) that cannot be tracked, so replay would "
+                f"return it stale; put the tensor in {walked} or return it beside the object (plain "
+                f"values on such attributes are fine); supported: {SUPPORTED_TEXT}"
+            )
+            raise TypeError(msg)
+
+
+#: Built-in containers: no instance attributes to look at.
+_PLAIN = (tuple, list, dict)
 
 
 def unflatten(node: Node, tensors: Iterator[torch.Tensor] | list[torch.Tensor]) -> Any:

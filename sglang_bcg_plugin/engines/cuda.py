@@ -16,7 +16,7 @@ import torch
 from .base import CaptureRequest, Front, run_warmups
 from .gcsafe import defer_release, gc_safe_capture
 from .graphs import CudaSegments, abort_capture, end_capture
-from .recorder import SegmentedGraph, record
+from .recorder import SegmentedGraph, host_read_error, record
 
 
 class FullGraph:
@@ -138,8 +138,11 @@ class FullCudaEngine(CudaGraphEngine):
         g.capture_begin(pool=pool)
         try:
             output = request.policy.place(request.forward_fn())
-        except BaseException:
+        except BaseException as exc:
             abort_capture(g)
+            host = host_read_error(exc, request.key, None)  # a host sync: one clear error
+            if host is not None:
+                raise host from exc
             raise
         end_capture(g)
         return FullGraph(g, output)

@@ -12,6 +12,10 @@ pieces split at splitting ops) — is recorded here; the front-ends (``engines/b
 * :class:`Recorder` opens segment 0, closes a segment and runs the eager work of a break
   (:meth:`Recorder.eager_break`), reopens, appends the break's replay step, and aborts every
   segment when anything fails (:func:`record`).
+* a host read inside a segment (``.item()``, ``bool(t)``, ``.tolist()``, ``nonzero``) is
+  refused with :class:`~sglang_bcg_plugin.errors.HostReadError`: by the op tape before the op
+  runs on the eager segments, and on CUDA translated from the error the stream capture raised
+  (:func:`host_read_error`), so both engines name the key and the segment alike.
 * :class:`SegmentedGraph` replays ``run(segment 0), step 0, run(segment 1), step 1, ...`` and
   holds strong references to everything crossing a boundary (weak references let later captures
   re-carve the memory: SGLang #37606).
@@ -21,12 +25,15 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import traceback
 from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
 import torch
 
+from ..errors import HostReadError, user_frame
 from ..storage import copy_broadcast
+
 
 Action = Callable[[], None]
 
@@ -76,6 +83,33 @@ def refresh(static: torch.Tensor, value: torch.Tensor, what: str) -> None:
             # a broadcast output (stride 0): write the elements it views (nothing on the fast path)
             if not copy_broadcast(static, value, what):
                 raise
+
+
+#: What CUDA and torch say when work inside a stream capture synchronises with the host (a value
+#: read on the host: ``.item()``, ``bool(t)``, ``nonzero``, a copy to pageable host memory), or
+#: what a capture that did so says next.
+_CUDA_HOST_SYNC = (
+    "operation not permitted when stream is capturing",
+    "cudaErrorStreamCaptureUnsupported",
+    "Cannot copy between CPU and CUDA tensors during CUDA graph capture",
+    "operation failed due to a previous error during capture",
+    "cudaErrorStreamCaptureInvalidated",
+)
+
+
+def host_read_error(exc: BaseException, key: object, segment: int | None) -> HostReadError | None:
+    """The :class:`HostReadError` a CUDA capture failure stands for (the stream capture refused a
+    host sync, most often a tensor's value read on the host), or ``None`` for any other error.
+    An error the eager tape raised is returned as it is."""
+    if isinstance(exc, HostReadError):
+        return exc
+    text = str(exc)
+    if not isinstance(exc, RuntimeError) or not any(m in text for m in _CUDA_HOST_SYNC):
+        return None
+    frames = [(f.filename, f.lineno or 0, f.name) for f in traceback.extract_tb(exc.__traceback__)]
+    first = text.strip().splitlines()[0] if text.strip() else type(exc).__name__
+    op = f"a host sync the stream capture refused: {first.strip()}"
+    return HostReadError(key, segment, op, user_frame(frames))
 
 
 class SegmentedGraph:
@@ -131,6 +165,7 @@ class Recorder:
         self.segments = segments
         self.steps: list[Action] = []
         self.held: list[Any] = []
+        self.segment = 0  # the open segment's index
         self._in_break = False
 
     @property
@@ -148,6 +183,7 @@ class Recorder:
         finally:
             self._in_break = False
         self.segments.begin()
+        self.segment += 1
 
     def add_step(self, step: Action, held: Any) -> None:
         """The replay work of the break just run, and what it must keep alive."""
@@ -174,14 +210,19 @@ def record(recorder: Recorder, forward_fn: Callable[[], Any], finalize: Callable
     """Run ``forward_fn`` with ``recorder`` active; returns the captured graph.
 
     On any failure every segment is aborted (the stream is left not capturing, graphs reset).
+
+    :raises HostReadError: the forward read a tensor's value on the host inside a segment.
     """
     token = _active.set(recorder)
     try:
         recorder.segments.begin()
         output = recorder.finish(forward_fn(), finalize)
         recorder.segments.end()
-    except BaseException:
+    except BaseException as exc:
         recorder.segments.abort()
+        host = host_read_error(exc, recorder.key, recorder.segment)
+        if host is not None and host is not exc:
+            raise host from exc
         raise
     finally:
         _active.reset(token)

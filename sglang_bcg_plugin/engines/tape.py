@@ -10,19 +10,30 @@ replay: the forward's Python runs once, at capture, as with a CUDA graph.
 Allocations replay no work (a graph has no kernel for them either). Work whose replay is
 recorded another way (a compiled callable's pieces, a break's own result) runs inside
 :meth:`EagerSegments.paused`.
+
+What a stream capture refuses, the tape refuses: a tensor's value read on the host while a
+segment is open (``.item()``, ``bool(t)``, ``if t > 0:``, ``.tolist()``, ``torch.equal``, an op
+whose output shape depends on the values: ``nonzero``, ``masked_select``, ``x[mask]``,
+``unique``). The Python that used the value would run once, at capture, and every replay would
+reuse it; on CUDA the capture fails (a host sync). Each raises
+:class:`~sglang_bcg_plugin.errors.HostReadError` naming the op, the key and the segment, before
+the op runs. Reads in a ``@graph_break`` body, a splitting op or a warmup are outside any segment.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import traceback
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from ..errors import HostReadError, user_frame
 from .recorder import Action, refresh
 
 #: Ops that only allocate: a CUDA graph replays no kernel for them, so neither does the tape.
@@ -30,6 +41,54 @@ _ALLOCATIONS = frozenset(
     getattr(torch.ops.aten, name).default if name != "empty" else torch.ops.aten.empty.memory_format
     for name in ("empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided")
 )
+
+
+_aten = torch.ops.aten
+#: Dynamic-shape ops that read no value on the host for some arguments (see :func:`_reads_host`).
+_INDEX = _aten.index.Tensor
+_REPEAT = _aten.repeat_interleave.Tensor
+
+#: Tensor methods that read values without dispatching an op (seen by a function mode).
+_PY_READS = {
+    torch.Tensor.tolist: "Tensor.tolist()",
+    torch.Tensor.numpy: "Tensor.numpy()",
+    torch.Tensor.__array__: "Tensor.__array__ (numpy.asarray)",
+}
+
+
+def _reads_host(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | None:
+    """What ``func`` reads on the host, or ``None``: its value as a Python object (torch's tag
+    ``data_dependent_output``: ``.item()``, ``bool(t)``, ``torch.equal``) or an output shape that
+    depends on the values (``dynamic_output_shape``, less the overloads that do not: integer
+    indexing, ``repeat_interleave`` given ``output_size``)."""
+    tags = getattr(func, "tags", ())
+    if torch.Tag.data_dependent_output in tags:
+        if func is _aten._local_scalar_dense.default:
+            return f"{func} (.item(), bool(t), int(t), float(t), `if t:`)"
+        return str(func)
+    if torch.Tag.dynamic_output_shape not in tags:
+        return None
+    if func is _INDEX:
+        indices = args[1] if len(args) > 1 else kwargs.get("indices", ())
+        if not any(isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8) for i in indices):
+            return None
+        return f"{func} with a boolean mask (x[mask]): its output shape depends on the mask's values"
+    if func is _REPEAT and kwargs.get("output_size") is not None:
+        return None
+    return f"{func}: its output shape depends on the values"
+
+
+def _validates_only(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """Whether ``func``'s reads on the host only validate its arguments on CPU (the output does
+    not depend on them, and CUDA reads nothing): ``one_hot`` given ``num_classes`` checks its
+    labels' range."""
+    if func is not torch.nn.functional.one_hot:
+        return False
+    return (args[1] if len(args) > 1 else kwargs.get("num_classes", -1)) != -1
+
+
+def _where() -> str | None:
+    return user_frame([(f.filename, f.lineno or 0, f.name) for f in traceback.extract_stack()])
 
 
 class _OpStep:
@@ -53,16 +112,44 @@ class _Tape(TorchDispatchMode):
     CUDA stream capture. Work the forward does around the breaks or pieces (``fn(x[:n] * 2)``,
     ``fn(x) * 2``, the output policy's copies) is replayed as a graph would replay it."""
 
-    def __init__(self, sink: list[Action]) -> None:
+    def __init__(self, sink: list[Action], refuse: Any) -> None:
         super().__init__()
         self.sink = sink
+        self.refuse = refuse
+        self.validating = 0  # inside a call whose host reads only validate (see _validates_only)
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
+        read = _reads_host(func, args, kwargs)
+        if read is not None and not self.validating:
+            self.refuse(read)
         out = func(*args, **kwargs)
         if func not in _ALLOCATIONS:
             self.sink.append(_OpStep(func, args, kwargs, out))
         return out
+
+
+class _PyReads(TorchFunctionMode):
+    """The tensor methods that read values without an op (``.tolist()``, ``.numpy()``): refused
+    while a segment is open, as the tape refuses ``.item()``."""
+
+    def __init__(self, refuse: Any, tape: _Tape) -> None:
+        super().__init__()
+        self.refuse = refuse
+        self.tape = tape
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        read = _PY_READS.get(func)
+        if read is not None:
+            self.refuse(read)
+        if not _validates_only(func, args, kwargs):
+            return func(*args, **kwargs)
+        self.tape.validating += 1
+        try:
+            return func(*args, **kwargs)
+        finally:
+            self.tape.validating -= 1
 
 
 class EagerSegments:
@@ -74,21 +161,35 @@ class EagerSegments:
     #: Recorded actions are re-run at replay: what they read must be kept.
     reruns_actions = True
 
-    def __init__(self) -> None:
+    def __init__(self, key: object = None) -> None:
+        self.key = key
         self._done: list[list[Action]] = []
         self._current: list[Action] | None = None
         self._tape: _Tape | None = None
+        self._reads: _PyReads | None = None
         self._pauses = 0  # a break inside a paused call (a splitting op) reopens no tape
+        self._refused: HostReadError | None = None
+
+    def _refuse(self, op: str) -> NoReturn:
+        """A host read inside the open segment: raise (and fail the segment, should the forward
+        catch it: a stream capture stays invalidated too)."""
+        self._refused = HostReadError(self.key, len(self._done), op, _where())
+        raise self._refused
 
     def _start(self) -> None:
         if self._current is not None and self._pauses == 0 and self._tape is None:
-            self._tape = _Tape(self._current)
+            self._tape = _Tape(self._current, self._refuse)
+            self._reads = _PyReads(self._refuse, self._tape)
+            self._reads.__enter__()
             self._tape.__enter__()
 
     def _stop(self) -> None:
         tape, self._tape = self._tape, None
+        reads, self._reads = self._reads, None
         if tape is not None:
             tape.__exit__(None, None, None)
+        if reads is not None:
+            reads.__exit__(None, None, None)
 
     def begin(self) -> None:
         self._current = []
@@ -96,6 +197,8 @@ class EagerSegments:
 
     def end(self) -> None:
         self._stop()
+        if self._refused is not None:
+            raise self._refused
         assert self._current is not None
         self._done.append(self._current)
         self._current = None
