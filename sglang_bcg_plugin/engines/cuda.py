@@ -139,12 +139,18 @@ class FullCudaEngine(CudaGraphEngine):
         try:
             output = request.policy.place(request.forward_fn())
         except BaseException as exc:
-            abort_capture(g)
+            abort_capture(g, pool)
             host = host_read_error(exc, request.key, None)  # a host sync: one clear error
             if host is not None:
                 raise host from exc
             raise
-        end_capture(g)
+        try:
+            end_capture(g, pool)
+        except RuntimeError as exc:
+            host = host_read_error(exc, request.key, None)
+            if host is not None:
+                raise host from exc
+            raise
         return FullGraph(g, output)
 
 

@@ -12,11 +12,19 @@ from .gcsafe import defer_release
 from .recorder import Action
 
 
-def end_capture(graph: torch.cuda.CUDAGraph) -> bool:
-    """End a capture; returns False when the segment captured no work (it is not replayed)."""
+def end_capture(graph: torch.cuda.CUDAGraph, pool: Any = None) -> bool:
+    """End a capture; returns False when the segment captured no work (it is not replayed).
+
+    :raises RuntimeError: the capture was invalidated (a host sync the forward caught); the
+        process is left able to capture again (:func:`abort_capture`).
+    """
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        graph.capture_end()
+        try:
+            graph.capture_end()
+        except Exception:
+            _recover(pool)
+            raise
     empty = False
     for w in caught:
         if "empty" in str(w.message).lower():
@@ -26,16 +34,51 @@ def end_capture(graph: torch.cuda.CUDAGraph) -> bool:
     return not empty
 
 
-def abort_capture(graph: torch.cuda.CUDAGraph) -> None:
-    """End a failed capture so the stream is not left capturing; the graph is discarded."""
+def abort_capture(graph: torch.cuda.CUDAGraph, pool: Any) -> None:
+    """End a failed capture so the process can capture again; the graph is discarded.
+
+    An invalidated stream capture (a host sync, a refused op) makes ``capture_end`` raise before
+    it ends the allocator's recording into ``pool`` and before the CUDA generators leave capture
+    mode: the next ``capture_begin`` on the pool would raise "already recording to mempool_id"
+    and the next random op "Offset increment outside graph capture". Both are ended here: the
+    pool's recording (and the reference ``capture_begin`` took on it) directly, the generators
+    by one empty capture on a private pool, whose ``capture_end`` runs their epilogue.
+    """
     try:
         graph.capture_end()
-    except Exception:  # noqa: BLE001,S110 - the capture is already invalid; the caller re-raises
-        pass
+    except Exception:  # noqa: BLE001 - the capture is already invalid; the caller re-raises
+        _recover(pool)
     try:
         graph.reset()
     except Exception:  # noqa: BLE001,S110
         pass
+
+
+def _recover(pool: Any) -> None:
+    """After a ``capture_end`` that raised: end what it left open (see :func:`abort_capture`)."""
+    _end_pool_recording(pool)
+    _leave_generator_capture()
+
+
+def _end_pool_recording(pool: Any) -> None:
+    device = torch.cuda.current_device()
+    end = getattr(torch._C, "_cuda_endAllocateToPool", None)
+    release = getattr(torch._C, "_cuda_releasePool", None)
+    if end is not None and pool is not None:
+        with contextlib.suppress(Exception):
+            end(device, pool)
+            if release is not None:
+                release(device, pool)
+
+
+def _leave_generator_capture() -> None:
+    with contextlib.suppress(Exception):
+        reset = torch.cuda.CUDAGraph()
+        reset.capture_begin(pool=torch.cuda.graph_pool_handle())
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "the CUDA Graph is empty"
+            reset.capture_end()
+        reset.reset()
 
 
 class CudaSegments:
@@ -57,7 +100,7 @@ class CudaSegments:
     def end(self) -> None:
         g, self._current = self._current, None
         assert g is not None
-        self.graphs.append(g if end_capture(g) else None)
+        self.graphs.append(g if end_capture(g, self.pool) else None)
 
     def record(self, action: Action) -> None:
         """Nothing to do: the kernels are in the open graph."""
@@ -68,7 +111,7 @@ class CudaSegments:
 
     def abort(self) -> None:
         if self._current is not None:
-            abort_capture(self._current)
+            abort_capture(self._current, self.pool)
             self._current = None
         self.release()
 
