@@ -28,6 +28,7 @@ import torch
 
 from sglang_bcg_plugin import BackendOptions
 from sglang_bcg_plugin.forecast import probe
+from sglang_bcg_plugin.integration import forecast_log
 from sglang_bcg_plugin.integration.forecast_log import SessionForecast
 
 DATA = Path(__file__).parent / "data" / "forecast" / "h200_probes.json.gz"
@@ -235,6 +236,8 @@ def test_sglang_session_forecast_logs_before_and_after(allocator: RecordedAlloca
     kv_pool = SimpleNamespace(get_kv_size_bytes=lambda: (15 << 30, 15 << 30))
     runner = SimpleNamespace(capture_num_tokens=case["sizes"],
                              model_runner=SimpleNamespace(token_to_kv_pool=kv_pool, max_total_num_tokens=1 << 20))
+    free = iter([80 << 30, (80 << 30) - (600 << 20)])  # at the session's open, at its close
+    monkeypatch.setattr(forecast_log, "free_device_bytes", lambda: next(free))
     session = SessionForecast(runner, "on", lambda: POOL, environ={"SGLANG_BCG_FORECAST": "1"})
     largest = case["sizes"][0]
     with caplog.at_level(logging.INFO, logger="sglang_bcg_plugin"):
@@ -251,6 +254,7 @@ def test_sglang_session_forecast_logs_before_and_after(allocator: RecordedAlloca
     assert abs(forecast - real) <= 0.01 * real
     assert measured == sum(n for _, n in case["pool_segments"]) + case["largest_output_bytes"] == session.measured
     assert after.startswith("sglang_bcg: graph memory after capture: ") and "error" in after
+    assert session.lost == 600 << 20 and "free device memory lost over the session 600.0 MiB, forecast error" in after
 
 
 def test_sglang_session_forecast_skips_when_history_is_someone_elses(allocator: RecordedAllocator,

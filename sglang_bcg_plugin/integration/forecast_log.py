@@ -81,6 +81,16 @@ def format_forecast(modes: Mapping[str, Any], mode: str, sizes: Sequence[int], k
             + (f" (caveat: {caveat})" if caveat else ""))
 
 
+def free_device_bytes() -> int | None:
+    """Free device memory now (``cudaMemGetInfo`` after a synchronize: what SGLang's "avail mem"
+    reads, without emptying the cache); ``None`` where it cannot be read."""
+    try:
+        torch.cuda.synchronize()
+        return int(torch.cuda.mem_get_info()[0])
+    except Exception:  # noqa: BLE001 - no figure rather than no log line
+        return None
+
+
 class SessionForecast:
     """One capture session's forecast: :meth:`first_capture` around the first ``capture_one``,
     :meth:`close` at the session's end. ``pool`` returns SGLang's graph pool handle (read late:
@@ -95,7 +105,9 @@ class SessionForecast:
         self.done = False
         self.forecast: dict[str, Any] | None = None
         self.held_at_start = 0
-        self.measured: int | None = None  # what close() found
+        self.measured: int | None = None  # what close() found in the pool (+ a reserved buffer)
+        self.lost: int | None = None  # the free device memory the session gave up (close())
+        self.free_at_open = free_device_bytes() if self.enabled and torch.cuda.is_available() else None
 
     def skip_reason(self) -> str | None:
         """Why no forecast is made (``None``: one is)."""
@@ -163,8 +175,15 @@ class SessionForecast:
         measured = added + outside_pool_bytes
         forecast = self.forecast["modes"][self.mode].total_bytes
         error = (forecast - measured) / measured if measured else 0.0
+        free_now = free_device_bytes()
+        if self.free_at_open is not None and free_now is not None:
+            self.lost = self.free_at_open - free_now
+        lost = ""
+        if self.lost:
+            lost = (f"; free device memory lost over the session {self.lost / MIB:.1f} MiB, "
+                    f"forecast error against it {(forecast - self.lost) / self.lost * 100:+.1f} %")
         log.info("sglang_bcg: graph memory after capture: %.1f MiB (graph pool %.1f MiB + shared buffer %.1f MiB); "
-                 "forecast %.1f MiB, error %+.1f %%", measured / MIB, added / MIB, outside_pool_bytes / MIB,
-                 forecast / MIB, error * 100)
+                 "forecast %.1f MiB, error %+.1f %%%s", measured / MIB, added / MIB, outside_pool_bytes / MIB,
+                 forecast / MIB, error * 100, lost)
         self.measured = measured
         return measured
