@@ -64,6 +64,12 @@ def _file(tmp_path: Path) -> Path:
         (lambda t: ["--backends", "full,,breakable"], "has an empty entry"),
         (lambda t: ["--variants", "on,on"], "--variants 'on,on' lists on more than once; give each once"),
         (lambda t: ["--variants", " "], "--variants is empty"),
+        (lambda t: ["--variants", "inductor", "--backends", "breakable"],
+         "--variants inductor is run only by --backends full or piecewise, and --backends breakable has none of them: "
+         "add full or piecewise to --backends or drop inductor from --variants"),
+        (lambda t: ["--variants", "off,inductor", "--backends", "breakable"], "--variants inductor is run only by"),
+        (lambda t: ["--variants", "off,inductor,inductor-released", "--backends", "breakable,graph-trees"],
+         "--variants inductor, inductor-released are run only by --backends full or piecewise"),
     ],
 )
 def test_bad_bench_input_is_one_line_before_any_work(
@@ -301,6 +307,18 @@ def test_max_tokens_between_sizes_is_noted(capsys: pytest.CaptureFixture[str]) -
     assert main(["bench", "--backends", "full", "--variants", "on", "--max-tokens", "5", "--hidden", "16",
                  "--layers", "1", "--repeats", "1", "--no-progress"]) == 0
     assert "note: --max-tokens 5 is not one of SGLang's prefill capture sizes; the largest below it, 4, is captured" in capsys.readouterr().err
+
+
+def test_a_variant_one_chosen_backend_skips_is_noted() -> None:
+    """``inductor`` with breakable and full: full runs it, breakable's skip is one note; ``graph-trees``
+    alone ignores --variants (its one reference row)."""
+    from sglang_bcg_plugin.cli import _parser
+
+    names = ["breakable", "full", "piecewise"]
+    cfg = config.build_config(_parser().parse_args(["bench", "--variants", "off,inductor", "--backends", "breakable,full"]), names)
+    assert cfg.notes == ["note: breakable does not run --variants inductor (no compiled callable): no row for it"]
+    cfg = config.build_config(_parser().parse_args(["bench", "--variants", "inductor", "--backends", "graph-trees"]), [*names, "graph-trees"])
+    assert cfg.notes == []
 
 
 def test_help_and_getting_started_list_every_bench_option() -> None:
