@@ -369,3 +369,31 @@ def test_doctor_runs_the_doctor(monkeypatch: pytest.MonkeyPatch) -> None:
     seen: list[object] = []
     monkeypatch.setattr(doctor, "doctor_main", lambda argv: seen.append(argv) or 3)
     assert main(["doctor"]) == 3 and seen == [[]]
+
+
+def test_fits_in_memory_counts_what_the_cpu_engines_keep(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], no_work: None
+) -> None:
+    """``--hidden 512 --layers 2 --max-tokens 4096 --backends breakable`` peaked at 2.78 GB RSS on CPU
+    (eager segments keep every size's activations) and was estimated at 0.29 GiB: with 1.5 GiB it is
+    refused now, naming what the tape keeps and what fits; Full fits there; on CUDA no tape is kept."""
+    monkeypatch.setattr(budget, "available_bytes", lambda device: (int(1.5 * 2**30), "this machine has 1.5 GiB of RAM"))
+    args = ["bench", "--hidden", "512", "--layers", "2", "--max-tokens", "4096"]
+    assert main([*args, "--backends", "breakable"]) == 2
+    line = _one_error_line(capsys)
+    assert re.search(r"--max-tokens 4096 needs at least 2\.\d GiB \(50 capture sizes: .*, 2\.0 GiB the eager segments keep of "
+                     r"every size\) but this machine has 1\.5 GiB of RAM; use --max-tokens \d+ or less", line), line
+    from sglang_bcg_plugin.cli import _parser
+
+    for fits in ("full", "piecewise"):  # Piecewise keeps only what crosses its pieces
+        cfg = config.build_config(_parser().parse_args([*args, "--backends", fits]), ["breakable", "full", "piecewise"])
+        assert max(cfg.sizes) == 4096
+    model = config.ModelShape(512, 2, 4, 2, 128, 512, torch.float32, "cpu")
+    stats = capture_size_stats(4096)
+    ours = budget.estimate_bytes(model, stats, ["off"], backends=["breakable"])
+    assert ours > 7 * budget.estimate_bytes(model, stats, ["off"], backends=["full"])
+    assert ours == budget.estimate_bytes(model, stats, ["off"], backends=["full", "breakable", "piecewise"])
+    assert budget.estimate_bytes(model, stats, ["off"], backends=["piecewise"]) < ours
+    assert budget.estimate_bytes(model, stats, ["off"], backends=["breakable"], workload="llama") > ours
+    gpu = config.ModelShape(512, 2, 4, 2, 128, 512, torch.float32, "cuda")
+    assert budget.tape_kept_bytes(gpu, stats, ["breakable"]) == 0

@@ -242,7 +242,7 @@ def build_config(args: argparse.Namespace, available_backends: list[str]) -> Ben
     workload = WORKLOADS[args.model](model)  # llama without transformers: a UsageError naming the extra
     max_tokens = args.max_tokens or (16384 if gpu else (64 if args.model == "llama" else 256))
     notes += _max_tokens(max_tokens)
-    check_fits(model, max_tokens, variants)
+    check_fits(model, max_tokens, variants, backends=backends, workload=args.model)
     sizes = prefill_capture_sizes(max_tokens)
     out = None if args.out is None else check_out_dir(args.out)
     return BenchConfig(
