@@ -397,3 +397,15 @@ def test_fits_in_memory_counts_what_the_cpu_engines_keep(
     assert budget.estimate_bytes(model, stats, ["off"], backends=["breakable"], workload="llama") > ours
     gpu = config.ModelShape(512, 2, 4, 2, 128, 512, torch.float32, "cuda")
     assert budget.tape_kept_bytes(gpu, stats, ["breakable"]) == 0
+
+
+def test_docs_state_the_sglang_extra_as_pyproject_does() -> None:
+    """docs/index.md said the ``sglang`` extra pins 0.5.23; it is a range."""
+    import tomllib
+
+    root = Path(__file__).resolve().parents[1]
+    (spec,) = tomllib.loads((root / "pyproject.toml").read_text())["project"]["optional-dependencies"]["sglang"]
+    index = " ".join((root / "docs" / "index.md").read_text().split())
+    assert f"`sglang` (`{spec}`" in index and "pins" not in index.split("## Dependencies")[1].split("##")[0]
+    start = " ".join((root / "docs" / "getting-started.md").read_text().split())
+    assert "~10 s" not in start and "on a first run" in start
