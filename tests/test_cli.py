@@ -319,6 +319,7 @@ def test_a_variant_one_chosen_backend_skips_is_noted() -> None:
     assert cfg.notes == ["note: breakable does not run --variants inductor (no compiled callable): no row for it"]
     cfg = config.build_config(_parser().parse_args(["bench", "--variants", "inductor", "--backends", "graph-trees"]), [*names, "graph-trees"])
     assert cfg.notes == []
+    assert config._or(["full"]) == "full" and config._or(["a", "b", "c"]) == "a, b or c"
 
 
 def test_help_and_getting_started_list_every_bench_option() -> None:
