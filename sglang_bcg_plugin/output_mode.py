@@ -52,18 +52,20 @@ def parse_output_mode(value: object, *, name: str = "BackendOptions.output_mode"
     """Validate an ``output_mode`` option: ``"off"``, ``"on"``, ``"released"`` (any case,
     surrounding whitespace allowed; returned lowercase) or ``None`` (follow the switch).
 
+    :raises ValueError: a string that is not a mode, naming ``name``, the value and the modes.
     :raises TypeError: anything else, naming ``name``, the value and what is accepted (a bool
         says which mode it meant: ``share_output`` was boolean).
     """
     if value is None:
         return None
-    if isinstance(value, str) and value.strip().lower() in MODES:
-        return value.strip().lower()  # type: ignore[return-value]
+    accepted = f"{name} must be 'off', 'on', 'released' or None (follow --enable-bcg-shared-output / {ENV_SHARE_OUTPUT})"
+    if isinstance(value, str):
+        if value.strip().lower() in MODES:
+            return value.strip().lower()  # type: ignore[return-value]
+        msg = f"{accepted}, got {value!r:.200}: not an output mode (any case is accepted)"
+        raise ValueError(msg)
     hint = f" (use {name.rsplit('.', 1)[-1]}={'on' if value else 'off'!r})" if isinstance(value, bool) else ""
-    msg = (
-        f"{name} must be 'off', 'on', 'released' or None (follow --enable-bcg-shared-output / "
-        f"{ENV_SHARE_OUTPUT}), got {value!r} of type {type(value).__name__}{hint}"
-    )
+    msg = f"{accepted}, got {value!r:.200} of type {type(value).__name__}{hint}"
     raise TypeError(msg)
 
 

@@ -370,3 +370,43 @@ def test_tensor_parallel_shards_compute_the_whole_decoder() -> None:
         torch.testing.assert_close(out, whole)
     with pytest.raises(ValueError, match="kv_heads 2 does not split over 4 ranks"):
         SyntheticDecoder(cfg, attention=attention_op, rank=0, world=4)
+
+
+_PEAK_SCRIPT = """
+import json, re, sys, torch
+from sglang_bcg_plugin.bench.runner import run_variant
+from sglang_bcg_plugin.bench.sizes import prefill_capture_sizes
+from sglang_bcg_plugin.bench.workload import WORKLOADS, ModelShape
+backend, model, hidden, layers, max_tokens = sys.argv[1], sys.argv[2], *map(int, sys.argv[3:])
+wl = WORKLOADS[model](ModelShape(hidden, layers, 4, 2, 16 if model == "llama" else hidden // 4, hidden, torch.float32, "cpu"))
+run_variant(backend, "off", wl, prefill_capture_sizes(4), repeats=1, progress=False, forecast=False)
+with open("/proc/self/statm") as f:
+    base = int(f.read().split()[1]) * 4096
+run_variant(backend, "off", wl, prefill_capture_sizes(max_tokens), repeats=1, progress=False, forecast=False)
+with open("/proc/self/status") as f:  # this process's own peak: ru_maxrss keeps the forking parent's
+    peak = int(re.search(r"VmHWM:\\s+(\\d+) kB", f.read()).group(1)) * 1024
+print(json.dumps(peak - base))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not Path("/proc/self/statm").exists(), reason="reads the resident set from /proc")
+@pytest.mark.parametrize(("backend", "model"), [("breakable", "synthetic"), ("breakable", "llama"), ("piecewise", "synthetic")])
+def test_fits_in_memory_estimate_is_a_lower_bound_of_the_cpu_peak(backend: str, model: str) -> None:
+    """The "fits in memory" estimate of a CPU Breakable / Piecewise run: at most its measured peak
+    (a lower bound), and more than half of it (it was an eighth: the op tape keeps every size's
+    activations). A fresh process per run, its peak RSS (``VmHWM``) over its RSS before the run."""
+    if model == "llama":
+        pytest.importorskip("transformers")
+    from sglang_bcg_plugin.bench import budget
+    from sglang_bcg_plugin.bench.workload import ModelShape
+
+    hidden, layers, max_tokens = 128, 2, 512
+    root = str(Path(__file__).resolve().parents[1])
+    proc = subprocess.run([sys.executable, "-c", _PEAK_SCRIPT, backend, model, str(hidden), str(layers), str(max_tokens)],
+                          capture_output=True, text=True, timeout=300, cwd=root, check=False)
+    assert proc.returncode == 0, proc.stderr
+    peak = json.loads(proc.stdout.strip().splitlines()[-1])
+    shape = ModelShape(hidden, layers, 4, 2, 16 if model == "llama" else hidden // 4, hidden, torch.float32, "cpu")
+    est = budget.estimate_bytes(shape, prefill_capture_sizes(max_tokens), ["off"], backends=[backend], workload=model)
+    assert 0.5 * peak < est <= peak, (est, peak)

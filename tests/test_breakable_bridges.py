@@ -151,3 +151,34 @@ def test_nested_break_runs_inline_and_non_tensors_pass() -> None:
     torch.testing.assert_close(out, torch.cat([x, x], dim=-1) * 2.0)
     assert seven == 7 and len(graph.steps) == 1
     graph.replay()
+
+
+class _Holder:
+    def __init__(self, t: torch.Tensor) -> None:
+        self.t = t
+
+
+def test_a_break_returning_an_unsupported_object_is_named() -> None:
+    """A ``@graph_break`` returning an object that hides a tensor was reported "at output": the
+    error names the break function, at capture and (a return changed to one) at replay."""
+    @graph_break(reads=("q",))
+    def holds(q: torch.Tensor) -> _Holder:
+        return _Holder(q * 2)
+
+    with pytest.raises(TypeError) as info:
+        _record(holds, torch.randn(2, 4))
+    msg = str(info.value)
+    name = holds.__qualname__  # graph_break keeps the function's name
+    assert msg.startswith(f"@graph_break function {name} returned a value replay cannot track: unsupported output type _Holder")
+    assert f"(at {name}(...).t)" in msg and " at output" not in msg
+
+    calls: list[int] = []
+
+    @graph_break(reads=("q",))
+    def turns(q: torch.Tensor) -> Any:
+        calls.append(1)
+        return q * 1 if len(calls) == 1 else _Holder(q * 1)
+
+    graph, _ = _record(turns, torch.randn(2, 4))
+    with pytest.raises(TypeError, match=r"@graph_break function .*turns returned a value replay cannot track: unsupported output type _Holder"):
+        graph.replay()

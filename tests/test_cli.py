@@ -64,6 +64,12 @@ def _file(tmp_path: Path) -> Path:
         (lambda t: ["--backends", "full,,breakable"], "has an empty entry"),
         (lambda t: ["--variants", "on,on"], "--variants 'on,on' lists on more than once; give each once"),
         (lambda t: ["--variants", " "], "--variants is empty"),
+        (lambda t: ["--variants", "inductor", "--backends", "breakable"],
+         "--variants inductor is run only by --backends full or piecewise, and --backends breakable has none of them: "
+         "add full or piecewise to --backends or drop inductor from --variants"),
+        (lambda t: ["--variants", "off,inductor", "--backends", "breakable"], "--variants inductor is run only by"),
+        (lambda t: ["--variants", "off,inductor,inductor-released", "--backends", "breakable,graph-trees"],
+         "--variants inductor, inductor-released are run only by --backends full or piecewise"),
     ],
 )
 def test_bad_bench_input_is_one_line_before_any_work(
@@ -303,6 +309,19 @@ def test_max_tokens_between_sizes_is_noted(capsys: pytest.CaptureFixture[str]) -
     assert "note: --max-tokens 5 is not one of SGLang's prefill capture sizes; the largest below it, 4, is captured" in capsys.readouterr().err
 
 
+def test_a_variant_one_chosen_backend_skips_is_noted() -> None:
+    """``inductor`` with breakable and full: full runs it, breakable's skip is one note; ``graph-trees``
+    alone ignores --variants (its one reference row)."""
+    from sglang_bcg_plugin.cli import _parser
+
+    names = ["breakable", "full", "piecewise"]
+    cfg = config.build_config(_parser().parse_args(["bench", "--variants", "off,inductor", "--backends", "breakable,full"]), names)
+    assert cfg.notes == ["note: breakable does not run --variants inductor (no compiled callable): no row for it"]
+    cfg = config.build_config(_parser().parse_args(["bench", "--variants", "inductor", "--backends", "graph-trees"]), [*names, "graph-trees"])
+    assert cfg.notes == []
+    assert config._or(["full"]) == "full" and config._or(["a", "b", "c"]) == "a, b or c"
+
+
 def test_help_and_getting_started_list_every_bench_option() -> None:
     """Every bench flag, variant and backend is in ``--help`` and in docs/getting-started.md."""
     from sglang_bcg_plugin.bench.reference import GRAPH_TREES
@@ -351,3 +370,43 @@ def test_doctor_runs_the_doctor(monkeypatch: pytest.MonkeyPatch) -> None:
     seen: list[object] = []
     monkeypatch.setattr(doctor, "doctor_main", lambda argv: seen.append(argv) or 3)
     assert main(["doctor"]) == 3 and seen == [[]]
+
+
+def test_fits_in_memory_counts_what_the_cpu_engines_keep(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], no_work: None
+) -> None:
+    """``--hidden 512 --layers 2 --max-tokens 4096 --backends breakable`` peaked at 2.78 GB RSS on CPU
+    (eager segments keep every size's activations) and was estimated at 0.29 GiB: with 1.5 GiB it is
+    refused now, naming what the tape keeps and what fits; Full fits there; on CUDA no tape is kept."""
+    monkeypatch.setattr(budget, "available_bytes", lambda device: (int(1.5 * 2**30), "this machine has 1.5 GiB of RAM"))
+    args = ["bench", "--hidden", "512", "--layers", "2", "--max-tokens", "4096"]
+    assert main([*args, "--backends", "breakable"]) == 2
+    line = _one_error_line(capsys)
+    assert re.search(r"--max-tokens 4096 needs at least 2\.\d GiB \(50 capture sizes: .*, 2\.0 GiB the eager segments keep of "
+                     r"every size\) but this machine has 1\.5 GiB of RAM; use --max-tokens \d+ or less", line), line
+    from sglang_bcg_plugin.cli import _parser
+
+    for fits in ("full", "piecewise"):  # Piecewise keeps only what crosses its pieces
+        cfg = config.build_config(_parser().parse_args([*args, "--backends", fits]), ["breakable", "full", "piecewise"])
+        assert max(cfg.sizes) == 4096
+    model = config.ModelShape(512, 2, 4, 2, 128, 512, torch.float32, "cpu")
+    stats = capture_size_stats(4096)
+    ours = budget.estimate_bytes(model, stats, ["off"], backends=["breakable"])
+    assert ours > 7 * budget.estimate_bytes(model, stats, ["off"], backends=["full"])
+    assert ours == budget.estimate_bytes(model, stats, ["off"], backends=["full", "breakable", "piecewise"])
+    assert budget.estimate_bytes(model, stats, ["off"], backends=["piecewise"]) < ours
+    assert budget.estimate_bytes(model, stats, ["off"], backends=["breakable"], workload="llama") > ours
+    gpu = config.ModelShape(512, 2, 4, 2, 128, 512, torch.float32, "cuda")
+    assert budget.tape_kept_bytes(gpu, stats, ["breakable"]) == 0
+
+
+def test_docs_state_the_sglang_extra_as_pyproject_does() -> None:
+    """docs/index.md said the ``sglang`` extra pins 0.5.23; it is a range."""
+    import tomllib
+
+    root = Path(__file__).resolve().parents[1]
+    (spec,) = tomllib.loads((root / "pyproject.toml").read_text())["project"]["optional-dependencies"]["sglang"]
+    index = " ".join((root / "docs" / "index.md").read_text().split())
+    assert f"`sglang` (`{spec}`" in index and "pins" not in index.split("## Dependencies")[1].split("##")[0]
+    start = " ".join((root / "docs" / "getting-started.md").read_text().split())
+    assert "~10 s" not in start and "on a first run" in start

@@ -492,6 +492,27 @@ def test_forecast_needs_the_cuda_engine_and_two_sizes() -> None:
         backend.forecast([8, 4], _forward_for)
 
 
+@pytest.mark.parametrize(
+    ("sizes", "error", "expected"),
+    [
+        ([8, 8.7], TypeError, "sizes must be ints >= 1 (capture sizes, as ShapeKey.size), got 8.7 (float) in [8, 8.7]"),
+        ([8, "x"], TypeError, "got 'x' (str) in [8, 'x']"),
+        ([8, True], TypeError, "got True (bool)"),
+        ([8, 0], ValueError, "sizes must be ints >= 1 (capture sizes, as ShapeKey.size), got 0 in [8, 0]"),
+        (8, TypeError, "forecast() takes the capture sizes as an iterable of ints, got 8"),
+        ("84", TypeError, "as an iterable of ints, got '84'"),
+    ],
+)
+def test_forecast_sizes_are_ints(sizes: Any, error: type[Exception], expected: str) -> None:
+    """A float is not truncated (``[8, 8.7]`` was "needs at least two sizes, got [8]"), a string is
+    not a raw ``int()`` error: one error naming the value, before anything else is checked."""
+    backend = create_backend("full", options=BackendOptions(engine="eager"))
+    with pytest.raises(error) as info:
+        backend.forecast(sizes, _forward_for)
+    assert expected in str(info.value) and str(info.value).startswith("full backend: forecast() ")
+    assert not isinstance(info.value, ForecastError)
+
+
 def test_forecast_refused_after_capture_and_inside_a_session() -> None:
     backend = create_backend("breakable", options=BackendOptions(engine="eager"))
     with backend.capture_session():

@@ -81,7 +81,7 @@ def test_process_env_is_read(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_options_validation() -> None:
     assert BackendOptions().output_mode is None
     assert BackendOptions().strict_outputs is False
-    with pytest.raises(TypeError, match="output_mode"):
+    with pytest.raises(ValueError, match="output_mode"):
         BackendOptions(output_mode="yes")  # type: ignore[arg-type]
     with pytest.warns(DeprecationWarning), pytest.raises(TypeError, match="share_output"):
         BackendOptions(share_output="yes")  # type: ignore[arg-type]
@@ -115,7 +115,7 @@ def test_default_follows_the_switch(monkeypatch: pytest.MonkeyPatch) -> None:
 @pytest.mark.parametrize(
     ("kwargs", "error", "match"),
     [
-        ({"output_mode": "no"}, TypeError, "output_mode must be 'off', 'on', 'released' or None.*'no' of type str"),
+        ({"output_mode": "no"}, ValueError, "output_mode must be 'off', 'on', 'released' or None.*got 'no': not an output mode"),
         ({"output_mode": 1}, TypeError, "output_mode .* got 1 of type int"),
         ({"strict_outputs": "no"}, TypeError, "strict_outputs must be True or False, got 'no' of type str"),
         ({"strict_outputs": None}, TypeError, "strict_outputs"),
@@ -127,6 +127,23 @@ def test_default_follows_the_switch(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_every_field_is_type_checked(kwargs: dict[str, object], error: type[Exception], match: str) -> None:
     with pytest.raises(error, match=match):
         BackendOptions(**kwargs)  # type: ignore[arg-type]
+
+
+def test_an_output_mode_string_that_is_no_mode_is_a_value_error() -> None:
+    """``output_mode="shared"`` was a ``TypeError`` (for a string): a ``ValueError`` listing the
+    modes, as for every other option value of the right type; a wrong type stays a ``TypeError``."""
+    with pytest.raises(ValueError) as info:
+        BackendOptions(output_mode="shared")  # type: ignore[arg-type]
+    assert not isinstance(info.value, TypeError)
+    assert str(info.value) == (
+        "BackendOptions.output_mode must be 'off', 'on', 'released' or None (follow --enable-bcg-shared-output / "
+        "SGLANG_ENABLE_BCG_SHARED_OUTPUT), got 'shared': not an output mode (any case is accepted)"
+    )
+    with pytest.raises(ValueError, match="got 'xxx") as long:
+        BackendOptions(output_mode="x" * 10_000)  # type: ignore[arg-type]
+    assert len(str(long.value)) < 400  # the value is cut
+    with pytest.raises(TypeError, match="got 2 of type int"):
+        BackendOptions(output_mode=2)  # type: ignore[arg-type]
 
 
 def test_create_backend_rejects_non_options() -> None:

@@ -338,6 +338,7 @@ class CaptureBackend:
         :raises ForecastError: fewer than two sizes, not the CUDA engine, or a forward whose
             allocations at the two sizes are not one pattern.
         :raises CaptureStateError: keys are captured already, or a session is open.
+        :raises TypeError: ``sizes`` not an iterable of ints (``ValueError``: one below 1).
         """
         from ..forecast.probe import forecast_schedule
 

@@ -25,6 +25,7 @@ from ..output_mode import parse_mode_text
 from .budget import check_fits
 from .outdir import check_out_dir
 from .workload import WORKLOADS, ModelShape, Workload
+from .reference import GRAPH_TREES, runs
 from .runner import VARIANTS
 from .sizes import MIN_CAPTURE_SIZE, capture_size_stats, prefill_capture_sizes
 from .text import shown
@@ -197,6 +198,35 @@ def _env_notes(variants: list[str]) -> list[str]:
     return [f"note: {ENV_SHARE_OUTPUT} does not apply: bench sets sharing per --variants ({','.join(variants)})"]
 
 
+def _or(names: list[str]) -> str:
+    return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} or {names[-1]}"
+
+
+def _variant_rows(backends: list[str], variants: list[str], available: list[str]) -> list[str]:
+    """Every variant must be run by a chosen backend (a usage error naming the backends that
+    run it); a chosen backend that skips a variant another one runs is one ``note:`` line.
+    ``graph-trees`` alone ignores ``--variants`` (it adds its one reference row)."""
+    ours = [b for b in backends if b != GRAPH_TREES]
+    if not ours:
+        return []
+    unrun = [v for v in variants if not any(runs(b, v) for b in ours)]
+    if unrun:
+        by = [b for b in available if b != GRAPH_TREES and runs(b, unrun[0])]
+        what = ", ".join(unrun)
+        msg = (
+            f"--variants {what} {'is' if len(unrun) == 1 else 'are'} run only by --backends {_or(by)}, and "
+            f"--backends {','.join(backends)} has none of them: add {_or(by)} to --backends or drop {what} "
+            "from --variants"
+        )
+        raise UsageError(msg)
+    notes = []
+    for b in ours:
+        skipped = [v for v in variants if not runs(b, v)]
+        if skipped:
+            notes.append(f"note: {b} does not run --variants {', '.join(skipped)} (no compiled callable): no row for it")
+    return notes
+
+
 def build_config(args: argparse.Namespace, available_backends: list[str]) -> BenchConfig:
     """Check every ``bench`` argument (and the environment) and resolve the defaults.
 
@@ -207,12 +237,12 @@ def build_config(args: argparse.Namespace, available_backends: list[str]) -> Ben
     backends = _names("--backends", args.backends, available_backends, unknown="unknown backends")
     default_variants = "off,on,floor,guard" if gpu else "off,on"
     variants = _names("--variants", args.variants or default_variants, VARIANTS, unknown="unknown variants")
-    notes = _env_notes(variants)
+    notes = _variant_rows(backends, variants, available_backends) + _env_notes(variants)
     model = _model(args, device)
     workload = WORKLOADS[args.model](model)  # llama without transformers: a UsageError naming the extra
     max_tokens = args.max_tokens or (16384 if gpu else (64 if args.model == "llama" else 256))
     notes += _max_tokens(max_tokens)
-    check_fits(model, max_tokens, variants)
+    check_fits(model, max_tokens, variants, backends=backends, workload=args.model)
     sizes = prefill_capture_sizes(max_tokens)
     out = None if args.out is None else check_out_dir(args.out)
     return BenchConfig(

@@ -45,7 +45,14 @@ def variants_for(backend: str, variants: list[str]) -> list[str]:
     it means something."""
     if backend == GRAPH_TREES:
         return [REFERENCE_VARIANT]
-    return [v for v in variants if not v.startswith("inductor") or backend in INDUCTOR_BACKENDS]
+    return [v for v in variants if runs(backend, v)]
+
+
+def runs(backend: str, variant: str) -> bool:
+    """Whether the bench runs ``variant`` for ``backend``, one of ours or a plugin's ("inductor"
+    variants need a compiled callable: :data:`INDUCTOR_BACKENDS`; ``graph-trees`` ignores
+    ``--variants``)."""
+    return not variant.startswith("inductor") or backend in INDUCTOR_BACKENDS
 
 
 def compile_reference(model: Callable[..., Any], device: str) -> CompileClock:

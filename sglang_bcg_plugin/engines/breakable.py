@@ -55,7 +55,7 @@ class BreakableRecorder(Recorder):
         arg_keys = {storage_key(t) for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)}
         with self.eager_break():
             result = fn(*args, **kwargs)
-        spec, leaves = flatten(result)
+        spec, leaves = _flatten_return(fn, result)
         # The next segment is open: returned tensors get pool memory as its first allocations.
         targets = [t if storage_key(t) in arg_keys else torch.empty_like(t) for _, t in leaves]
         with self.segments.paused():  # eager segments: the step refreshes it at replay
@@ -72,6 +72,25 @@ class BreakableRecorder(Recorder):
         return unflatten(spec, targets)
 
 
+def _break_name(fn: Callable[..., Any]) -> str:
+    return getattr(fn, "__qualname__", None) or repr(fn)
+
+
+def _flatten_return(
+    fn: Callable[..., Any], result: Any, path: str | None = None
+) -> tuple[Any, list[tuple[str, torch.Tensor]]]:
+    """``flatten`` of what a break returned, its errors naming the break (not "at output");
+    ``path``: the leaves' root (default ``name(...)``).
+
+    :raises TypeError: a return value replay cannot track (``trees.flatten``'s reasons)."""
+    name = _break_name(fn)
+    try:
+        return flatten(result, path=f"{name}(...)" if path is None else path)
+    except TypeError as exc:
+        msg = f"@graph_break function {name} returned a value replay cannot track: {exc}"
+        raise TypeError(msg) from None
+
+
 class _Step:
     """Replay of one break: run the function again and refresh its returned tensors."""
 
@@ -82,7 +101,7 @@ class _Step:
         out = self.fn(*self.args, **self.kwargs)
         if not self.ret_views:
             return
-        _, new = flatten(out)
+        _, new = _flatten_return(self.fn, out, "output")
         if len(new) != len(self.ret_views):
             msg = f"break {self.fn.__qualname__} returned {len(new)} tensors on replay, captured {len(self.ret_views)}"
             raise RuntimeError(msg)

@@ -178,6 +178,27 @@ def _probe(backend: ProbeTarget, sizes: Sequence[int], forward_for: Callable[[in
     return traces, largest_output, bridges, outside_pool
 
 
+def _checked_sizes(name: str, sizes: Iterable[int]) -> list[int]:
+    """``sizes`` as a list of ints ``>= 1``, as :class:`~sglang_bcg_plugin.shape_key.ShapeKey`
+    takes them (a ``float`` is never truncated, a ``bool`` is not a size).
+
+    :raises TypeError: ``sizes`` is not an iterable, or one is not an int (named).
+    :raises ValueError: one is below 1 (named)."""
+    if isinstance(sizes, (str, bytes)) or not isinstance(sizes, Iterable):
+        msg = f"{name} backend: forecast() takes the capture sizes as an iterable of ints, got {sizes!r:.200}"
+        raise TypeError(msg)
+    checked = list(sizes)
+    for s in checked:
+        if isinstance(s, bool) or not isinstance(s, int):
+            msg = (f"{name} backend: forecast() sizes must be ints >= 1 (capture sizes, as ShapeKey.size), "
+                   f"got {s!r:.200} ({type(s).__name__}) in {checked!r:.200}")
+            raise TypeError(msg)
+        if s < 1:
+            msg = f"{name} backend: forecast() sizes must be ints >= 1 (capture sizes, as ShapeKey.size), got {s!r} in {checked!r:.200}"
+            raise ValueError(msg)
+    return checked
+
+
 def forecast_schedule(
     backend: ProbeTarget,
     sizes: Iterable[int],
@@ -188,7 +209,7 @@ def forecast_schedule(
 ) -> GraphMemoryForecast:
     """See :meth:`CaptureBackend.forecast`; ``configured_mode``: the mode its next session resolves to."""
     start = time.perf_counter()
-    schedule = sorted({int(s) for s in sizes}, reverse=True)
+    schedule = sorted(set(_checked_sizes(backend.name, sizes)), reverse=True)
     if len(schedule) < 2:
         msg = f"{backend.name} backend: forecast() needs at least two sizes, got {schedule}"
         raise ForecastError(msg)

@@ -164,15 +164,42 @@ def _summary(problems: list[Problem], entry_point_found: bool) -> tuple[list[str
     return lines or ["doctor: ok"], code
 
 
-def _advice(dep: str | None) -> str:
-    if dep in TORCH_BOUND:
-        import torch
+#: PyTorch's own index of CPU builds (``+cpu``: torch and the torchvision made for it).
+CPU_WHEELS = "https://download.pytorch.org/whl/cpu"
 
+
+def torchvision_for(torch_version: str) -> str | None:
+    """The torchvision release made for ``torch_version`` (torch 2.N: torchvision 0.(N+15); the
+    wheel of 0.28.0 requires ``torch==2.13.0``); ``None`` outside torch 2."""
+    match = re.match(r"2\.(\d+)(\.|$)", torch_version)
+    return None if match is None else f"0.{int(match.group(1)) + 15}"
+
+
+def _advice(dep: str | None) -> str:
+    if dep not in TORCH_BOUND:
+        return "install it into this environment: SGLang imports it"
+    import torch
+
+    pair = torchvision_for(torch.__version__) if dep == "torchvision" else None
+    if pair is None:
         return (
             f"install the {dep} build made for the installed torch {torch.__version__} into this environment, "
             f"keeping that torch (a {dep} built for another torch makes pip replace torch)"
         )
-    return "install it into this environment: SGLang imports it"
+    base = torch.__version__.split("+")[0]
+    if torch.__version__.endswith("+cpu"):
+        # Checked with torch 2.13.0+cpu: PyPI's torchvision 0.28.0 (built for PyPI's torch, a CUDA
+        # build on Linux) fails to import ("operator torchvision::nms does not exist").
+        return (
+            f"torch {torch.__version__} is a CPU build from PyTorch's own wheels, and PyPI's torchvision is built "
+            f"for PyPI's torch and does not load with it: install the CPU build of torchvision {pair} (the release "
+            f"made for torch {base}), pip install 'torchvision=={pair}.*' --index-url {CPU_WHEELS}; the plugin "
+            "itself does not import torchvision, SGLang's modules do"
+        )
+    return (
+        f"install torchvision {pair} (the release made for torch {base}) into this environment, pip install "
+        f"'torchvision=={pair}.*', keeping that torch (a torchvision built for another torch makes pip replace torch)"
+    )
 
 
 def _seam_lines(say: Callable[[str], None], problems: list[Problem]) -> Seam | None:

@@ -144,15 +144,18 @@ def test_summary_groups_findings_by_cause(monkeypatch: pytest.MonkeyPatch) -> No
     monkeypatch.setattr(doctor, "_entry_point", lambda: "sglang_bcg = sglang_bcg_plugin.integration:register")
     monkeypatch.setattr(doctor, "_diagnose", lambda name: dep if "model_executor." in name else None)
     monkeypatch.setattr(doctor, "seam_kind", lambda: "backend")
-    code, text = run()
-    assert code == 3, text
-    assert text.count("[NOT CHECKED]") == 3 and "MISSING" not in text and "pip install" not in text
     import torch
 
+    monkeypatch.setattr(torch, "__version__", "2.13.0+cpu")
+    code, text = run()
+    assert code == 3, text
+    assert text.count("[NOT CHECKED]") == 3 and "MISSING" not in text and text.count("pip install") == 1
     assert text.endswith(
-        f"doctor: SGLang could not be imported: dependency 'torchvision' is missing (install the torchvision "
-        f"build made for the installed torch {torch.__version__} into this environment, keeping that torch (a "
-        "torchvision built for another torch makes pip replace torch)); 3 name(s) could not be checked\n"
+        "doctor: SGLang could not be imported: dependency 'torchvision' is missing (torch 2.13.0+cpu is a CPU "
+        "build from PyTorch's own wheels, and PyPI's torchvision is built for PyPI's torch and does not load with "
+        "it: install the CPU build of torchvision 0.28 (the release made for torch 2.13.0), pip install "
+        "'torchvision==0.28.*' --index-url https://download.pytorch.org/whl/cpu; the plugin itself does not "
+        "import torchvision, SGLang's modules do); 3 name(s) could not be checked\n"
     )
     other = Problem("dependency", "cannot import y: No module named 'orjson'", "orjson")
     assert "(install it into this environment: SGLang imports it)" in doctor._summary([other], entry_point_found=True)[0][0]
@@ -163,6 +166,30 @@ def test_summary_groups_findings_by_cause(monkeypatch: pytest.MonkeyPatch) -> No
     assert lines[2] == "doctor: SGLang could not be imported: cannot import y: RuntimeError: boom"
     assert doctor._summary([broken], entry_point_found=True)[1] == 3
     assert doctor._summary([], entry_point_found=True) == (["doctor: ok"], 0)
+
+
+def test_torchvision_advice_names_a_release_that_exists(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Doctor advised "the torchvision build made for the installed torch 2.13.0+cpu", which PyPI
+    does not have (its torchvision 0.28.0 requires torch==2.13.0 but is built for PyPI's torch and
+    fails to import with 2.13.0+cpu): it names the release paired with the torch and, for a CPU
+    torch, where its CPU build is."""
+    import torch
+
+    from sglang_bcg_plugin.integration import doctor
+
+    assert [doctor.torchvision_for(v) for v in ("2.13.0+cpu", "2.0.1", "2.13", "1.13.1", "3.0.0")] == ["0.28", "0.15", "0.28", None, None]
+    monkeypatch.setattr(torch, "__version__", "2.13.0+cpu")
+    cpu = doctor._advice("torchvision")
+    assert "pip install 'torchvision==0.28.*' --index-url https://download.pytorch.org/whl/cpu" in cpu
+    assert "build made for the installed torch" not in cpu and "the plugin itself does not import torchvision" in cpu
+    monkeypatch.setattr(torch, "__version__", "2.13.0+cu130")
+    assert doctor._advice("torchvision") == (
+        "install torchvision 0.28 (the release made for torch 2.13.0) into this environment, pip install "
+        "'torchvision==0.28.*', keeping that torch (a torchvision built for another torch makes pip replace torch)"
+    )
+    monkeypatch.setattr(torch, "__version__", "3.0.0")
+    assert doctor._advice("torchvision").startswith("install the torchvision build made for the installed torch 3.0.0")
+    assert doctor._advice("triton").startswith("install the triton build made for the installed torch 3.0.0")
 
 
 @pytest.mark.sglang
