@@ -81,11 +81,17 @@ def server_command(model: str, port: int, variant: str, chunk: int, mem_fraction
     return cmd + FLAGS.get(variant, []) + extra
 
 
+def _holds_plugin(entry: str) -> bool:
+    """Whether a ``PYTHONPATH`` entry holds the plugin (a checkout, an install target)."""
+    return (Path(entry) / "sglang_bcg_plugin").exists()
+
+
 def server_env(variant: str, plugin_path: str | None) -> dict[str, str]:
     env = dict(os.environ)
     for name in [n for n in env if n.startswith("SGLANG_BCG_") or n == "SGLANG_ENABLE_BCG_SHARED_OUTPUT"]:
         del env[name]  # nothing of ours set unless the variant says so
-    path = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and p != plugin_path]
+    path = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and p != plugin_path
+            and not (variant == "stock" and _holds_plugin(p))]
     if variant != "stock" and plugin_path:
         path.insert(0, plugin_path)
     env["PYTHONPATH"] = os.pathsep.join(path)
