@@ -41,6 +41,7 @@ def test_readme_model_gpu(name: str, mode: Any, split: bool, engine: str) -> Non
     readme_model_case(name, mode, "cuda", engine, split=split)
 
 
+@pytest.mark.filterwarnings("ignore:TensorFloat32 tensor cores")  # Inductor's advice on fp32 matmuls
 @pytest.mark.parametrize("engine", ENGINES)
 @pytest.mark.parametrize("mode", MODES)
 def test_readme_model_inductor_gpu(mode: Any, engine: str) -> None:
