@@ -64,10 +64,16 @@ def _end_pool_recording(pool: Any) -> None:
     device = torch.cuda.current_device()
     end = getattr(torch._C, "_cuda_endAllocateToPool", None)
     release = getattr(torch._C, "_cuda_releasePool", None)
-    if end is not None and pool is not None:
-        with contextlib.suppress(Exception):
+    if end is None or pool is None:
+        return
+    # The allocator may hold more than one recording for the pool (seen on torch 2.11): end each.
+    for _ in range(8):
+        try:
             end(device, pool)
-            if release is not None:
+        except Exception:  # noqa: BLE001 - "not currently recording": none is left
+            break
+        if release is not None:
+            with contextlib.suppress(Exception):
                 release(device, pool)
 
 

@@ -82,10 +82,12 @@ def format_forecast(modes: Mapping[str, Any], mode: str, sizes: Sequence[int], k
 
 
 def free_device_bytes() -> int | None:
-    """Free device memory now (``cudaMemGetInfo`` after a synchronize: what SGLang's "avail mem"
-    reads, without emptying the cache); ``None`` where it cannot be read."""
+    """Free device memory now, cached blocks given back first (``cudaMemGetInfo`` after a
+    synchronize and ``empty_cache``: what SGLang's "avail mem" reads); ``None`` where it cannot
+    be read. Graph pools keep their memory; what the warmups cached does not count."""
     try:
         torch.cuda.synchronize()
+        torch.cuda.empty_cache()
         return int(torch.cuda.mem_get_info()[0])
     except Exception:  # noqa: BLE001 - no figure rather than no log line
         return None

@@ -27,13 +27,15 @@ def main() -> None:
             step("capturing after the read", torch.cuda.is_current_stream_capturing)
             step("capture_end", g.capture_end)
             step("capturing after capture_end", torch.cuda.is_current_stream_capturing)
-            step("endAllocateToPool", lambda: torch._C._cuda_endAllocateToPool(torch.cuda.current_device(), pool))
+            for i in range(4):
+                step(f"endAllocateToPool #{i}", lambda: torch._C._cuda_endAllocateToPool(torch.cuda.current_device(), pool))
             step("reset", g.reset)
             g2 = torch.cuda.CUDAGraph()
             step("capture_begin again", lambda: g2.capture_begin(pool=pool))
             step("work", lambda: x.add_(1))
             step("capture_end again", g2.capture_end)
         step("random op after", lambda: torch.rand(4, device="cuda").sum().item())
+        pool = torch.cuda.graph_pool_handle()
 
 
 if __name__ == "__main__":
