@@ -123,3 +123,54 @@ def test_the_log_line_warns_when_the_allocator_runs_expandable_segments(monkeypa
     assert "caveat" not in format_forecast(_modes(), "on", [16384, 4], None)
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:512, expandable_segments:True")
     assert "(caveat: the graph pool grows with expandable_segments" in format_forecast(_modes(), "on", [16384, 4], None)
+
+
+@pytest.mark.parametrize("case", ["synthetic/full", "llama/breakable"])
+@pytest.mark.parametrize("mode", ["on", "released"])
+def test_off_is_forecast_when_the_session_frees_its_output(case: str, mode: str, caplog: pytest.LogCaptureFixture) -> None:
+    """With ``on`` / ``released`` SGLang's first capture frees its output inside the recording
+    (copied into the buffer, or its last reference dropped): ``off`` must still be forecast as
+    keeping one output per size (it came out equal to ``released``)."""
+    with gzip.open(DATA, "rt") as f:
+        data: Any = json.load(f)["cases"][case]
+    sizes, out = data["sizes"], data["largest_output_bytes"]
+    segments = [tuple(s) for s in data["pool_segments"]]
+    events = [{"action": a, "addr": x, "size": n} for a, x, n in data["probes"][str(sizes[0])]]
+    live: dict[int, int] = {}
+    for e in events:
+        if e["action"] == "alloc":
+            live[e["addr"]] = e["size"]
+        elif e["action"] == "free_completed":
+            live.pop(e["addr"], None)
+    (addr,) = [a for a, n in live.items() if n == out]
+    freed = [*events, {"action": "free_completed", "addr": addr, "size": out}]  # the policy's free, last
+    measured = data["measured"]
+    stream = measured["off"]["reserved_bytes"] - measured["off"]["pool_bytes"]
+    fc = SessionForecast(SimpleNamespace(capture_num_tokens=sizes), mode, lambda: None, environ={"SGLANG_BCG_FORECAST": "1"})
+    with caplog.at_level(logging.INFO, logger="sglang_bcg_plugin"):
+        fc._forecast(sizes[0], freed, segments, [out])
+    assert fc.forecast is not None
+    modes = fc.forecast["modes"]
+    for name in ("off", "on", "released"):
+        real = measured[name]["reserved_bytes"] - stream
+        assert abs(modes[name].total_bytes - real) <= 0.01 * real, (case, mode, name, modes[name].total_bytes, real)
+    assert modes["off"].total_bytes - modes["released"].total_bytes > 10 * out  # 74 outputs kept, not none
+    kept = SessionForecast(SimpleNamespace(capture_num_tokens=sizes), "off", lambda: None, environ={"SGLANG_BCG_FORECAST": "1"})
+    kept._forecast(sizes[0], events, segments, [out])  # the off session's own trace: the same figures
+    assert kept.forecast is not None
+    assert {k: v.total_bytes for k, v in kept.forecast["modes"].items()} == {k: v.total_bytes for k, v in modes.items()}
+
+
+def test_outputs_kept_finds_a_freed_output_and_keeps_every_index_valid() -> None:
+    from sglang_bcg_plugin.forecast import KeyTrace
+    from sglang_bcg_plugin.integration.forecast_log import outputs_kept
+
+    # allocs: 0 act (freed early), 1 out (freed last, by the policy), 2 act same bytes (freed at return)
+    trace = KeyTrace(8, ((0, 100), (0, 800), (1, 0), (0, 800), (0, 16), (1, 3), (1, 1)))
+    new, outputs = outputs_kept(trace, [800])
+    assert new.ops == ((0, 100), (0, 800), (1, 0), (0, 800), (0, 16), (1, 3)) and outputs == frozenset({1})
+    assert new.kept == (1, 4)
+    assert outputs_kept(trace, [12345]) == (trace, frozenset({4}))  # nothing matches: every kept alloc, as before
+    kept_trace = KeyTrace(8, ((0, 800), (0, 8)))
+    assert outputs_kept(kept_trace, [800]) == (kept_trace, frozenset({0}))  # off: kept, the trace unchanged
+    assert outputs_kept(kept_trace, [77]) == (kept_trace, frozenset({0, 1}))  # the former fallback

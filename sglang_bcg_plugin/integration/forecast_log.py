@@ -27,7 +27,7 @@ import torch
 from ..forecast.allocator import expandable_segments
 from ..forecast.model import MODES, forecast_modes, reference_estimates
 from ..forecast.probe import allocator_caveat
-from ..forecast.trace import ScaledTrace, output_allocs, pool_trace
+from ..forecast.trace import KeyTrace, ScaledTrace, output_allocs, pool_trace
 from ._names import ENV_FORECAST
 
 log = logging.getLogger("sglang_bcg_plugin")
@@ -91,6 +91,51 @@ def free_device_bytes() -> int | None:
         return int(torch.cuda.mem_get_info()[0])
     except Exception:  # noqa: BLE001 - no figure rather than no log line
         return None
+
+
+def outputs_kept(trace: KeyTrace, output_bytes: Sequence[int]) -> tuple[KeyTrace, frozenset[int]]:
+    """The first capture's trace as the forecast model wants it, and the indices of its output allocs.
+
+    The model (:func:`~sglang_bcg_plugin.forecast.model.simulate`) takes a trace whose output is
+    still allocated at its end and decides per mode what becomes of it: ``off`` keeps it, ``on``
+    and ``released`` free it. Inside SGLang the recording spans the whole first capture,
+    including the output policy of the session's own mode: with ``on`` (the output copied into
+    the shared buffer) and ``released`` (its last strong reference dropped) the output is freed
+    *inside* the recorded trace, so no kept alloc holds it, and every mode's simulation would
+    free it as the trace says, ``off`` included (``off`` then came out equal to ``released``).
+    Here the output's allocs are found among the kept ones first, then among those still live
+    after the trace's last alloc (the forward has returned; the policy frees the output last, so
+    the latest freed first), matched by their bytes; their frees are taken out, so the output is
+    held to the end of the trace as with ``off``. Without any match, every kept alloc counts as
+    output (the former fallback).
+    """
+    wanted = list(output_bytes)
+    found = list(output_allocs(trace, wanted))
+    for i in found:
+        wanted.remove(trace.ops[i][1])
+    freed_at = {i: pos for pos, (kind, i) in enumerate(trace.ops) if kind == 1}
+    last_alloc = max((pos for pos, (kind, _) in enumerate(trace.ops) if kind == 0), default=-1)
+    late = sorted((i for i, at in freed_at.items() if at > last_alloc), key=lambda i: -freed_at[i])
+    for i in late:
+        if trace.ops[i][1] in wanted:
+            found.append(i)
+            wanted.remove(trace.ops[i][1])
+    if not found:
+        return trace, frozenset(trace.kept)
+    drop = {freed_at[i] for i in found if i in freed_at}
+    if not drop:
+        return trace, frozenset(found)
+    new_index: dict[int, int] = {}
+    ops: list[tuple[int, int]] = []
+    for pos, (kind, value) in enumerate(trace.ops):
+        if pos in drop:
+            continue
+        if kind == 0:
+            new_index[pos] = len(ops)
+            ops.append((0, value))
+        else:
+            ops.append((1, new_index[value]))
+    return KeyTrace(trace.size, tuple(ops)), frozenset(new_index[i] for i in found)
 
 
 class SessionForecast:
@@ -159,8 +204,8 @@ class SessionForecast:
         if not trace.ops:
             log.debug("sglang_bcg: no graph memory forecast: the first capture made no request to the pool")
             return
+        trace, outputs = outputs_kept(trace, output_bytes)
         fitted = ScaledTrace.proportional(trace)
-        outputs = output_allocs(trace, output_bytes) or frozenset(trace.kept)
         expandable = expandable_segments()
         modes = forecast_modes(fitted, self.sizes, outputs=outputs, largest_output_bytes=sum(output_bytes),
                                expandable=expandable)
