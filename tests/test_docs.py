@@ -59,7 +59,8 @@ def test_readme_usage_example_keeps_one_buffer() -> None:
 
 def _doc_files() -> list[Path]:
     files = [ROOT / "README.md", ROOT / "CHANGELOG.md", *sorted((ROOT / "docs").glob("*.md"))]
-    files += sorted((ROOT / ".ci").iterdir()) + sorted(p for p in (ROOT / "scripts").rglob("*") if p.is_file())
+    files += sorted((ROOT / ".ci").iterdir()) + sorted(
+        p for p in (ROOT / "scripts").rglob("*") if p.is_file() and "__pycache__" not in p.parts)
     return files + sorted((ROOT / "sglang_bcg_plugin").rglob("*.py"))
 
 
