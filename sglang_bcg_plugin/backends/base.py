@@ -139,6 +139,13 @@ def _one_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {' '.join(str(exc).split())}"
 
 
+def _raising_plugin(caller: Any, exc: BaseException) -> tuple[int | None, str]:
+    """The index among ``caller``'s hookimpls of the one that raised ``exc``, and its plugin name."""
+    impls = caller.get_hookimpls()
+    i = _culprit(impls, exc)
+    return i, "<unknown>" if i is None else impls[i].plugin_name
+
+
 def _observe_started(pm: pluggy.PluginManager, backend: CaptureBackend, key: Hashable) -> None:
     """Tell the observers a capture begins. One that raises aborts the capture before it began:
     :class:`~sglang_bcg_plugin.errors.ObserverError` names it (its error is the cause)."""
@@ -146,9 +153,7 @@ def _observe_started(pm: pluggy.PluginManager, backend: CaptureBackend, key: Has
     try:
         caller(backend=backend, shape_key=key)
     except Exception as exc:
-        impls = caller.get_hookimpls()
-        i = _culprit(impls, exc)
-        plugin = "<unknown>" if i is None else impls[i].plugin_name
+        _, plugin = _raising_plugin(caller, exc)
         msg = (
             f"capture_one({key!r}) aborted before it began: observer plugin {plugin!r} raised in "
             f"{STARTED}: {_one_line(exc)}; nothing was captured: fix or unregister the plugin, then "
@@ -170,9 +175,7 @@ def _observe_finished(pm: pluggy.PluginManager, key: Hashable, **kwargs: Any) ->
             caller(shape_key=key, **kwargs)
             return
         except Exception as exc:
-            impls = caller.get_hookimpls()
-            i = _culprit(impls, exc)
-            plugin = "<unknown>" if i is None else impls[i].plugin_name
+            i, plugin = _raising_plugin(caller, exc)
             msg = (
                 f"observer plugin {plugin!r} raised in {FINISHED} for {key!r}: {_one_line(exc)}; the "
                 f"error is isolated: {outcome}"
@@ -181,7 +184,7 @@ def _observe_finished(pm: pluggy.PluginManager, key: Hashable, **kwargs: Any) ->
             if i is None:  # which observers ran is unknown: tell none twice
                 return
             # pluggy calls the list last-first: the culprit and every one after it have run
-            told.extend(impl.plugin for impl in impls[i:])
+            told.extend(impl.plugin for impl in caller.get_hookimpls()[i:])
             caller = pm.subset_hook_caller(FINISHED, remove_plugins=told)
 
 
