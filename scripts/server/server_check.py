@@ -97,6 +97,8 @@ def server_env(variant: str, plugin_path: str | None) -> dict[str, str]:
     env["PYTHONPATH"] = os.pathsep.join(path)
     if variant in FLAGS:
         env["SGLANG_BCG_FORECAST"] = "1"
+        if trace_dir := os.environ.get("SGLANG_BCG_SERVER_TRACE_DIR"):  # per-size memory, a diagnostic
+            env["SGLANG_BCG_FORECAST_TRACE"] = str(Path(trace_dir) / f"trace-{variant}.json")
     env["PYTHONUNBUFFERED"] = "1"
     return env
 

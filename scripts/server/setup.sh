@@ -28,6 +28,8 @@ if [[ -d "$_srv_bundle/kernels/sgl_kernel" ]]; then
     cp -R "$_srv_bundle/kernels/"* "$SITE/"
     _srv_nv="$("$PY" -c 'import os, nvidia; print(os.path.join(list(nvidia.__path__)[0], "cu13", "lib"))')"
     export LD_LIBRARY_PATH="$_srv_nv${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"   # libnvrtc.so.13 for common_ops
+    # sgl_kernel's norms try flashinfer.norm first: the import stand-in must not offer it
+    export SGLBUNDLE_FLASHINFER_ABSENT=norm
     echo "server setup: real sgl_kernel from the bundle"
 else
     mkdir -p "$SITE/sglang_kernel-0.4.10.dist-info"

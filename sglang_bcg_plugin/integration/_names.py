@@ -21,3 +21,5 @@ ENV_SHARED_BUFFER = "SGLANG_BCG_SHARED_BUFFER"
 #: Environment variable that turns the graph memory forecast lines inside SGLang on (``1``); off
 #: by default.
 ENV_FORECAST = "SGLANG_BCG_FORECAST"
+#: A JSON file: per size, what the capture took from free memory, the pool and the driver.
+ENV_FORECAST_TRACE = "SGLANG_BCG_FORECAST_TRACE"

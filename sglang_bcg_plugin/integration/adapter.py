@@ -23,6 +23,7 @@ from typing import Any
 
 from ..backends.base import CaptureBackend
 from ..report import MemoryReport
+from .compat import capture_one_args
 
 
 class CaptureBackendAdapterMixin:
@@ -37,14 +38,9 @@ class CaptureBackendAdapterMixin:
         with self.backend.capture_session(stream):
             yield
 
-    def capture_one(
-        self,
-        shape_key: Any,
-        forward_fn: Callable[[], Any],
-        capture_inputs: Any | None = None,
-        post_warmup_hook: Callable[[], None] | None = None,
-    ) -> None:
-        self.backend.capture_one(shape_key, forward_fn, capture_inputs, post_warmup_hook)
+    def capture_one(self, shape_key: Any, forward_fn: Callable[[], Any], *args: Any, **kwargs: Any) -> None:
+        """``(capture_inputs, post_warmup_hook)`` under any release's names (``dummies`` up to 0.5.16)."""
+        self.backend.capture_one(shape_key, forward_fn, *capture_one_args(args, kwargs))
 
     def can_run(self, forward_batch: Any, shape_key: Any) -> bool:
         return self.backend.can_run(shape_key)

@@ -254,3 +254,30 @@ def sglang_builtin_policy() -> BuiltinPolicy:
 def sglang_builtin_shares() -> bool | None:
     """Whether the installed SGLang's built-in BCG shares outputs (``None``: cannot tell)."""
     return sglang_builtin_policy().shares
+
+
+#: The names SGLang gives ``capture_one``'s third parameter: ``dummies`` (0.5.14-0.5.16, whose
+#: runners pass ``dummies=None``), ``capture_inputs`` (0.5.17 and later).
+CAPTURE_INPUT_NAMES = ("capture_inputs", "dummies")
+
+
+def capture_one_args(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Callable[[], None] | None]:
+    """``(capture_inputs, post_warmup_hook)`` from what a runner passed after ``(shape_key, forward_fn)``,
+    under any release's parameter names (:data:`CAPTURE_INPUT_NAMES`).
+
+    :raises TypeError: too many arguments, one given twice, or a keyword no release has.
+    """
+    if len(args) > 2:
+        msg = f"capture_one() takes at most 4 arguments after self ({len(args) + 2} given)"
+        raise TypeError(msg)
+    given = dict(zip(("capture_inputs", "post_warmup_hook"), args, strict=False))
+    for name, value in kwargs.items():
+        slot = "capture_inputs" if name in CAPTURE_INPUT_NAMES else name
+        if slot not in ("capture_inputs", "post_warmup_hook"):
+            msg = f"capture_one() got an unexpected keyword argument {name!r}"
+            raise TypeError(msg)
+        if slot in given:
+            msg = f"capture_one() got multiple values for argument {slot!r}"
+            raise TypeError(msg)
+        given[slot] = value
+    return given.get("capture_inputs"), given.get("post_warmup_hook")

@@ -17,8 +17,10 @@ is already being recorded (someone else's).
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
+import sys
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -28,7 +30,7 @@ from ..forecast.allocator import expandable_segments
 from ..forecast.model import MODES, forecast_modes, reference_estimates
 from ..forecast.probe import allocator_caveat
 from ..forecast.trace import KeyTrace, ScaledTrace, output_allocs, pool_trace
-from ._names import ENV_FORECAST
+from ._names import ENV_FORECAST, ENV_FORECAST_TRACE
 
 log = logging.getLogger("sglang_bcg_plugin")
 MIB = 1 << 20
@@ -93,6 +95,19 @@ def free_device_bytes() -> int | None:
         return None
 
 
+def sglang_baseline_free() -> int | None:
+    """The free device memory SGLang read before building the graph runner, when a caller's frame
+    holds it (``before_mem``, GiB, in ``capture_prefill_graph`` and its kin): what SGLang's
+    "mem usage" line is measured from. ``None`` where no frame has it."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        value = frame.f_locals.get("before_mem") if "capture" in frame.f_code.co_name else None
+        if isinstance(value, float | int) and not isinstance(value, bool) and value > 0:
+            return int(value * (1 << 30))
+        frame = frame.f_back
+    return None
+
+
 def outputs_kept(trace: KeyTrace, output_bytes: Sequence[int]) -> tuple[KeyTrace, frozenset[int]]:
     """The first capture's trace as the forecast model wants it, and the indices of its output allocs.
 
@@ -155,6 +170,17 @@ class SessionForecast:
         self.measured: int | None = None  # what close() found in the pool (+ a reserved buffer)
         self.lost: int | None = None  # the free device memory the session gave up (close())
         self.free_at_open = free_device_bytes() if self.enabled and torch.cuda.is_available() else None
+        self.baseline = sglang_baseline_free() if self.free_at_open is not None else None
+        self.trace_path = env.get(ENV_FORECAST_TRACE) if self.free_at_open is not None else None
+        self.rows: list[dict[str, Any]] = []
+
+    def key_done(self, size: int, graphs: int) -> None:
+        """With ``SGLANG_BCG_FORECAST_TRACE`` set: what the device holds after one size's capture."""
+        if not self.trace_path:
+            return
+        free = free_device_bytes()
+        self.rows.append({"size": size, "graphs": graphs, "free": free, "reserved": torch.cuda.memory_reserved(),
+                          "pool": sum(n for _, n in self._pool_segments())})
 
     def skip_reason(self) -> str | None:
         """Why no forecast is made (``None``: one is)."""
@@ -232,5 +258,21 @@ class SessionForecast:
         log.info("sglang_bcg: graph memory after capture: %.1f MiB (graph pool %.1f MiB + shared buffer %.1f MiB); "
                  "forecast %.1f MiB, error %+.1f %%%s", measured / MIB, added / MIB, outside_pool_bytes / MIB,
                  forecast / MIB, error * 100, lost)
+        if self.baseline is not None and free_now is not None:
+            log.info("sglang_bcg: free device memory lost since SGLang's baseline %.1f MiB (%.1f MiB before the "
+                     "first capture)", (self.baseline - free_now) / MIB, (self.baseline - (self.free_at_open or 0)) / MIB)
         self.measured = measured
+        self._write_trace(free_now)
         return measured
+
+    def _write_trace(self, free_now: int | None) -> None:
+        if not self.trace_path:
+            return
+        record = {"mode": self.mode, "sizes": self.sizes, "baseline": self.baseline, "free_at_open": self.free_at_open,
+                  "free_at_close": free_now, "held_at_start": self.held_at_start, "rows": self.rows,
+                  "forecast": {m: f.total_bytes for m, f in (self.forecast or {}).get("modes", {}).items()}}
+        try:
+            with open(self.trace_path, "w", encoding="utf-8") as fh:
+                json.dump(record, fh, indent=1)
+        except OSError as exc:
+            log.warning("sglang_bcg: could not write %s=%s: %s", ENV_FORECAST_TRACE, self.trace_path, exc)

@@ -39,7 +39,17 @@ from ..output_mode import ON, OutputMode, Resolution
 from ..report import MemoryReport
 from ..shape_key import check_key
 from ..trees import flatten
-from .compat import BACKEND_CLASS, BACKEND_MODULE, Seam, eager_break, installed, num_segments, run_outside_capture, runner_rows
+from .compat import (
+    BACKEND_CLASS,
+    BACKEND_MODULE,
+    Seam,
+    capture_one_args,
+    eager_break,
+    installed,
+    num_segments,
+    run_outside_capture,
+    runner_rows,
+)
 from .forecast_log import SessionForecast
 from .sglang_session import (
     apply_runner_rows,
@@ -142,19 +152,19 @@ class SharingPolicyMixin:
         )
         return stack
 
-    def capture_one(
-        self,
-        shape_key: Any,
-        forward_fn: Callable[[], Any],
-        capture_inputs: Any | None = None,
-        post_warmup_hook: Callable[[], None] | None = None,
-    ) -> None:
-        """SGLang's warmups and segment capture; the output goes through the core's policy."""
+    def capture_one(self, shape_key: Any, forward_fn: Callable[[], Any], *args: Any, **kwargs: Any) -> None:
+        """SGLang's warmups and segment capture; the output goes through the core's policy.
+
+        Takes ``(capture_inputs, post_warmup_hook)`` under the installed release's names
+        (:func:`.compat.capture_one_args`: 0.5.14-0.5.16 call the first ``dummies``)."""
+        capture_inputs, post_warmup_hook = capture_one_args(args, kwargs)
         key, state = check_key(shape_key), self._bcg_state
         output_bytes: list[int] = []  # the first capture's output storages, for the forecast
         forecast = getattr(self, "_bcg_forecast", None)
         with forecast.first_capture(key.size, output_bytes) if forecast is not None else contextlib.nullcontext():
             self._capture_one(key, state, forward_fn, capture_inputs, post_warmup_hook, output_bytes)
+        if forecast is not None:
+            forecast.key_done(key.size, num_segments(self._graphs[key]))
 
     def _capture_one(self, key: Any, state: CaptureState, forward_fn: Callable[[], Any], capture_inputs: Any,
                      post_warmup_hook: Callable[[], None] | None, output_bytes: list[int]) -> None:

@@ -311,3 +311,43 @@ def test_one_full_collection_per_session_and_gc_off_during_it(monkeypatch: pytes
         gc.callbacks.remove(count)
     assert len(full) == 1 and enabled == [False] * len(keys)
     assert gc.isenabled()  # restored when the session closed
+
+
+def test_capture_one_takes_the_installed_releases_argument_names(monkeypatch: pytest.MonkeyPatch) -> None:
+    """SGLang's prefill runner calls ``capture_one(key, fn, <name>=None, post_warmup_hook=...)`` with
+    the name its own base class declares (``dummies`` on 0.5.14-0.5.16, ``capture_inputs`` later):
+    our subclass must take the call exactly as SGLang's own backend does, on every release."""
+    import inspect
+
+    from sglang.srt.model_executor.runner_backend.breakable_cuda_graph_backend import BreakableCudaGraphBackend
+
+    third = list(inspect.signature(BreakableCudaGraphBackend.capture_one).parameters)[3]
+    monkeypatch.setenv("SGLANG_ENABLE_BCG_SHARED_OUTPUT", "1")
+    backend, model = make_backend(), Model()
+    hooks: list[Any] = []
+    with backend.capture_session(None):
+        for n in (8, 4):
+            key = shape_key(n)
+            backend.capture_one(key, model.forward_for(key), **{third: None}, post_warmup_hook=lambda: hooks.append(n))
+    assert hooks == [8, 8, 4, 4]
+    with pytest.raises(TypeError, match="unexpected keyword argument 'inputs'"):
+        backend.capture_one(shape_key(2), model.forward_for(shape_key(2)), inputs=None)
+    with pytest.raises(TypeError, match="multiple values"):
+        backend.capture_one(shape_key(2), model.forward_for(shape_key(2)), None, capture_inputs=None)
+
+
+def test_capture_one_args_every_spelling() -> None:
+    from sglang_bcg_plugin.integration.compat import capture_one_args
+
+    def hook() -> None:
+        return None
+
+    x = object()
+    assert capture_one_args((), {}) == (None, None)
+    assert capture_one_args((x, hook), {}) == (x, hook)
+    assert capture_one_args((), {"dummies": x, "post_warmup_hook": hook}) == (x, hook)
+    assert capture_one_args((x,), {"post_warmup_hook": hook}) == (x, hook)
+    with pytest.raises(TypeError, match="at most 4"):
+        capture_one_args((x, hook, 1), {})
+    with pytest.raises(TypeError, match="multiple values"):
+        capture_one_args((), {"dummies": x, "capture_inputs": x})

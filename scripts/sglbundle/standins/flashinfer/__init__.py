@@ -2,13 +2,17 @@
 
 SGLang's modules import flashinfer (and its submodules) at import time under ``_is_cuda``; our GPU
 tests drive SGLang's breakable engine with our own forward functions, which never call it. Every
-attribute is a function that raises if called; any ``flashinfer.*`` submodule is fabricated.
+attribute is a function that raises if called; any ``flashinfer.*`` submodule is fabricated,
+except those named in ``SGLBUNDLE_FLASHINFER_ABSENT`` (comma-separated, e.g. ``norm``): importing
+them raises ImportError, so a real sgl_kernel that tries ``import flashinfer.norm`` first takes
+its own kernels instead of this stand-in's raising functions.
 """
 
 from __future__ import annotations
 
 import importlib.abc
 import importlib.machinery
+import os
 import sys
 import types
 from typing import Any
@@ -29,7 +33,8 @@ def __getattr__(name: str) -> Any:
 
 class _Finder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     def find_spec(self, fullname: str, path: Any, target: Any = None) -> importlib.machinery.ModuleSpec | None:
-        if fullname.startswith("flashinfer."):
+        absent = {n.strip() for n in os.environ.get("SGLBUNDLE_FLASHINFER_ABSENT", "").split(",") if n.strip()}
+        if fullname.startswith("flashinfer.") and fullname.split(".")[1] not in absent:
             return importlib.machinery.ModuleSpec(fullname, self, is_package=True)
         return None
 
