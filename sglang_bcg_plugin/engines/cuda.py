@@ -15,7 +15,7 @@ import torch
 
 from .base import CaptureRequest, Front, run_warmups
 from .gcsafe import defer_release, gc_safe_capture
-from .graphs import CudaSegments, abort_capture, end_capture
+from .graphs import CudaSegments, abort_capture, end_capture, invalidated
 from .recorder import SegmentedGraph, host_read_error, record
 
 
@@ -109,8 +109,13 @@ class CudaGraphEngine:
             warm = run_warmups(request)  # kept alive until the capture ended (foreign storages)
         torch.cuda.synchronize()
         pool = self.pool(request.partition)
-        with gc_safe_capture(), torch.cuda.stream(stream):
-            graph = self._record(request, pool)
+        try:
+            with gc_safe_capture(), torch.cuda.stream(stream):
+                graph = self._record(request, pool)
+        except BaseException:
+            if invalidated(pool):  # the partition's later keys go to a fresh pool
+                self._pools.pop(request.partition, None)
+            raise
         torch.cuda.synchronize()
         del warm
         return graph

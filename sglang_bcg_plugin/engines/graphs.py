@@ -40,9 +40,9 @@ def abort_capture(graph: torch.cuda.CUDAGraph, pool: Any) -> None:
     An invalidated stream capture (a host sync, a refused op) makes ``capture_end`` raise before
     it ends the allocator's recording into ``pool`` and before the CUDA generators leave capture
     mode: the next ``capture_begin`` on the pool would raise "already recording to mempool_id"
-    and the next random op "Offset increment outside graph capture". Both are ended here: the
-    pool's recording (and the reference ``capture_begin`` took on it) directly, the generators
-    by one empty capture on a private pool, whose ``capture_end`` runs their epilogue.
+    and the next random op "Offset increment outside graph capture". Both are ended here (see
+    :func:`_recover`), and the pool is marked :func:`invalidated`: the engine captures the
+    partition's later keys into a fresh pool.
     """
     try:
         graph.capture_end()
@@ -54,8 +54,24 @@ def abort_capture(graph: torch.cuda.CUDAGraph, pool: Any) -> None:
         pass
 
 
+#: Pools whose capture was invalidated (handles are never reused: ``graph_pool_handle`` counts up).
+_INVALIDATED: set[Any] = set()
+
+
+def invalidated(pool: Any) -> bool:
+    """Whether a capture into ``pool`` was invalidated: the allocator may still count a
+    recording into it, so nothing more is captured there."""
+    return pool is not None and _as_key(pool) in _INVALIDATED
+
+
+def _as_key(pool: Any) -> Any:
+    return tuple(pool) if isinstance(pool, (list, tuple)) else pool
+
+
 def _recover(pool: Any) -> None:
     """After a ``capture_end`` that raised: end what it left open (see :func:`abort_capture`)."""
+    if pool is not None:
+        _INVALIDATED.add(_as_key(pool))
     _end_pool_recording(pool)
     _leave_generator_capture()
 
@@ -66,7 +82,8 @@ def _end_pool_recording(pool: Any) -> None:
     release = getattr(torch._C, "_cuda_releasePool", None)
     if end is None or pool is None:
         return
-    # The allocator may hold more than one recording for the pool (seen on torch 2.11): end each.
+    # The allocator may hold more than one recording for the pool: end each, and give back the
+    # use count its capture_begin took (the failed graph's reset() does not: it never ended).
     for _ in range(8):
         try:
             end(device, pool)
@@ -78,6 +95,9 @@ def _end_pool_recording(pool: Any) -> None:
 
 
 def _leave_generator_capture() -> None:
+    """Take every CUDA generator out of capture mode: one empty capture (its ``capture_end``
+    runs the generators' epilogue); where the default generator still refuses an offset
+    increment outside a capture, it gets a fresh state with the same seed and offset."""
     with contextlib.suppress(Exception):
         reset = torch.cuda.CUDAGraph()
         reset.capture_begin(pool=torch.cuda.graph_pool_handle())
@@ -85,6 +105,17 @@ def _leave_generator_capture() -> None:
             warnings.simplefilter("ignore")  # "the CUDA Graph is empty"
             reset.capture_end()
         reset.reset()
+    gen = torch.cuda.default_generators[torch.cuda.current_device()]
+    offset = gen.get_offset()
+    try:
+        torch.rand(1, device="cuda", generator=gen)
+    except RuntimeError:
+        fresh = torch.Generator(device="cuda")
+        fresh.manual_seed(gen.initial_seed())
+        fresh.set_offset(offset)
+        gen.graphsafe_set_state(fresh)
+    else:
+        gen.set_offset(offset)  # the probe draws nothing the user sees
 
 
 class CudaSegments:
