@@ -69,12 +69,25 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def release_flags(release: str | None = None) -> list[str]:
+    """The prefill breakable graph and the decode graphs' batch sizes, in the installed release's
+    words: 0.5.13 has one breakable runner (``--enable-breakable-cuda-graph``), no backend choice,
+    one ``--cuda-graph-max-bs``, and imports flashinfer's sampling unless told to sample in torch."""
+    if release is None:
+        from importlib.metadata import version
+
+        release = version("sglang")
+    if release.startswith("0.5.13"):
+        return ["--enable-breakable-cuda-graph", "--cuda-graph-max-bs", "16", "--sampling-backend", "pytorch"]
+    return ["--cuda-graph-backend-prefill", "breakable", "--cuda-graph-max-bs-decode", "16"]
+
+
 def server_command(model: str, port: int, variant: str, chunk: int, mem_fraction: float,
                    max_total_tokens: int, extra: list[str]) -> list[str]:
     cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", model, "--load-format", "dummy",
            "--dtype", "bfloat16", "--host", "127.0.0.1", "--port", str(port), "--random-seed", "0",
-           "--attention-backend", "triton", "--cuda-graph-backend-prefill", "breakable",
-           "--cuda-graph-max-bs-decode", "16", "--chunked-prefill-size", str(chunk),
+           "--attention-backend", "triton", *release_flags(),
+           "--chunked-prefill-size", str(chunk),
            "--disable-radix-cache", "--skip-server-warmup", "--grammar-backend", "none",
            "--mem-fraction-static", str(mem_fraction), "--max-total-tokens", str(max_total_tokens),
            "--log-level", "info"]
