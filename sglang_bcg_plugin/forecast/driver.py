@@ -7,7 +7,7 @@ shape; its H200 recording (``tests/data/driver/h200_driver_cost.json``) fits
 
     driver bytes = first capture (once per process) + per graph * graphs + per node * nodes
 
-within 3.4 MiB of each of its 63 readings (``tests/test_forecast_driver.py``). The driver keeps
+within 3.3 MiB of each of its 63 readings (``tests/test_forecast_driver.py``). The driver keeps
 these resources for the most graphs alive at once, for the life of the process: a later session
 of no more graphs pays nothing again.
 
@@ -53,7 +53,7 @@ class DriverCoefficients:
 #: The one place the driver's coefficients live. Measured on an NVIDIA H200 with torch
 #: 2.11.0+cu130 (``python3 tests/gpu/driver_cost.py``, one fresh process per graph shape:
 #: ``tests/data/driver/h200_driver_cost.json``) and fitted by least squares, rounded: 69 MiB at
-#: a process's first capture, 106 KiB per graph, 2.5 KiB per node; within 3.4 MiB of every
+#: a process's first capture, 106 KiB per graph, 2.5 KiB per node; within 3.3 MiB of every
 #: reading (``tests/test_forecast_driver.py``). Other GPUs, drivers and CUDA versions may differ:
 #: run ``tests/gpu/driver_cost.py`` there.
 DRIVER_COEFFICIENTS = DriverCoefficients(69 * MIB, 106 * KIB, 2560, "NVIDIA H200, torch 2.11.0+cu130")
