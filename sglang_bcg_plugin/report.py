@@ -59,11 +59,32 @@ class MemoryReport:
     measured_graph_bytes: int | None = None
 
     @property
+    def lost_bytes(self) -> int | None:
+        """Free device memory the process lost from just before the forecast's probes to the
+        session's end: :attr:`measured_graph_bytes` plus what the forecast left lost (the
+        driver's share its probes' graphs paid). What a fresh process's forecast total is
+        compared with (SGLang's "mem usage" is this kind of figure); ``None`` without both."""
+        if self.forecast is None or self.measured_graph_bytes is None:
+            return None
+        return self.measured_graph_bytes + int(getattr(self.forecast, "lasting_bytes", 0) or 0)
+
+    @property
     def forecast_error(self) -> float | None:
-        """(forecast − measured) / measured for the session's mode; ``None`` without both."""
+        """(forecast − lost) / lost for the session's mode: the forecast total, the CUDA driver's
+        share included, against :attr:`lost_bytes`; ``None`` without both."""
+        lost = self.lost_bytes
+        if self.forecast is None or not lost:
+            return None
+        return (self.forecast.bytes_for() - lost) / lost
+
+    @property
+    def allocator_error(self) -> float | None:
+        """(forecast without the driver's share − measured) / measured: the allocator's part
+        against the session's own drop, the comparison that holds in a process whose driver
+        already held resources for as many graphs (one that captured the schedule before)."""
         if self.forecast is None or not self.measured_graph_bytes:
             return None
-        return (self.forecast.bytes_for() - self.measured_graph_bytes) / self.measured_graph_bytes
+        return (self.forecast.bytes_for(driver=False) - self.measured_graph_bytes) / self.measured_graph_bytes
 
     @property
     def saved_bytes(self) -> int:
@@ -104,7 +125,9 @@ class MemoryReport:
             "bridge_bytes": {str(p): b for p, b in self.bridge_bytes.items()},
             "forecast": None if self.forecast is None else self.forecast.to_dict(),
             "measured_graph_bytes": self.measured_graph_bytes,
+            "lost_bytes": self.lost_bytes,
             "forecast_error": self.forecast_error,
+            "allocator_error": self.allocator_error,
             "keys": [
                 {
                     "key": repr(k.key),
@@ -135,9 +158,18 @@ class MemoryReport:
         )
         lines.extend(f"  fallback {k!r}: {why}" for k, why in self.fallbacks.items())
         if self.forecast is not None:
-            measured = "not measured" if self.measured_graph_bytes is None else f"measured {self.measured_graph_bytes / mib:.1f} MiB"
+            lost = self.lost_bytes
+            measured = "not measured" if lost is None else f"measured {lost / mib:.1f} MiB"
             err = "" if self.forecast_error is None else f", error {self.forecast_error * 100:+.1f} %"
-            lines.append(f"  graph memory: forecast {self.forecast.bytes_for() / mib:.1f} MiB ({self.forecast.mode}), {measured}{err}")
+            total, allocator = self.forecast.bytes_for(), self.forecast.bytes_for(driver=False)
+            if total != allocator or lost != self.measured_graph_bytes:
+                measured = "not measured" if lost is None else f"lost {lost / mib:.1f} MiB since before the forecast"
+                err += (f"; the CUDA driver's share {(total - allocator) / mib:.1f} MiB of it; without it "
+                        f"{allocator / mib:.1f} MiB")
+                if self.allocator_error is not None and self.measured_graph_bytes is not None:
+                    err += (f" against the session's own drop {self.measured_graph_bytes / mib:.1f} MiB, "
+                            f"error {self.allocator_error * 100:+.1f} %")
+            lines.append(f"  graph memory: forecast {total / mib:.1f} MiB ({self.forecast.mode}), {measured}{err}")
         return "\n".join(lines)
 
 

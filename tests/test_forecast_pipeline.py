@@ -27,12 +27,13 @@ import pytest
 import torch
 
 from sglang_bcg_plugin import BackendOptions
-from sglang_bcg_plugin.forecast import probe
+from sglang_bcg_plugin.forecast import driver, probe
 from sglang_bcg_plugin.integration import forecast_log
 from sglang_bcg_plugin.integration.forecast_log import SessionForecast
 
 DATA = Path(__file__).parent / "data" / "forecast" / "h200_probes.json.gz"
 POOL = (0, 9)
+MIB = 1 << 20
 
 
 def _case(name: str) -> dict[str, Any]:
@@ -63,13 +64,45 @@ class RecordedAllocator:
             self.trace.extend({"action": a, "addr": x, "size": n} for a, x, n in events)
 
 
+class DeviceMemory:
+    """Free and reserved device memory as the forecast reads them (stood in): free memory before
+    the forecast, in the probe session before and after its probes (reserved beside those two:
+    ``took`` is what the allocator reserved, ``driver`` what the session lost beyond it), and
+    after the cleanup (``left`` below the first)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, took: int, *, driver: int = 0, left: int = 0) -> None:
+        top = 100 << 30
+        self.free = iter([top, top, top - took - driver, top - left])
+        self.reserved = iter([1 << 30, (1 << 30) + took])
+        self.collects: list[bool] = []
+        monkeypatch.setattr(probe, "device_free_bytes", self.read)
+        monkeypatch.setattr(probe, "reserved_bytes", lambda: next(self.reserved))
+
+    def read(self, *, collect: bool = True) -> int:
+        self.collects.append(collect)
+        return next(self.free)
+
+
 @pytest.fixture
 def allocator(monkeypatch: pytest.MonkeyPatch) -> Iterator[RecordedAllocator]:
     fake = RecordedAllocator([])
     monkeypatch.setattr(torch.cuda.memory, "_record_memory_history", fake.record)
     monkeypatch.setattr(torch.cuda.memory, "_snapshot", fake.snapshot)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    # A graph's capture ends through torch.cuda.CUDAGraph.capture_end (a no-op here), its nodes
+    # read from the driver as the recorded backend says (end_graph).
+    monkeypatch.setattr(torch.cuda.CUDAGraph, "capture_end", lambda self: None)
+    monkeypatch.setattr(driver, "capture_nodes", lambda: NODES.pop(0))
     yield fake
+
+
+NODES: list[int | None] = []
+
+
+def end_graph(nodes: int | None) -> None:
+    """One stand-in graph capture ending, with ``nodes`` nodes (``None``: unreadable)."""
+    NODES.append(nodes)
+    torch.cuda.CUDAGraph.capture_end(None)  # type: ignore[arg-type]
 
 
 class RecordedBackend:
@@ -77,6 +110,8 @@ class RecordedBackend:
 
     name = "full"
     engine_name = "cuda"
+    #: nodes of the graphs each capture ends: the engine's empty pool anchor, then the key's graph
+    graph_nodes: tuple[int | None, ...] = (0, 52)
 
     def __init__(self, case: dict[str, Any], allocator: RecordedAllocator, options: BackendOptions) -> None:
         self.case, self.allocator, self.options = case, allocator, options
@@ -104,6 +139,8 @@ class RecordedBackend:
 
     def capture_one(self, shape_key: Any, forward_fn: Any, capture_inputs: Any = None) -> Any:
         self.allocator.replay(self.case["probes"][str(shape_key.size)])
+        for nodes in self.graph_nodes:
+            end_graph(nodes)
         self.captured.append(shape_key.size)
         return torch.empty(self.case["largest_output_bytes"] if len(self.captured) == 1 else 1, dtype=torch.uint8)
 
@@ -122,9 +159,7 @@ def test_forecast_schedule_on_recorded_captures(name: str, allocator: RecordedAl
     measured = case["measured"]
     stream = measured["off"]["reserved_bytes"] - measured["off"]["pool_bytes"]
     pool = sum(n for _, n in case["pool_segments"])
-    free = iter([100 << 30, (100 << 30) - pool - stream])  # before the probes; with them alive
-    collects: list[bool] = []
-    monkeypatch.setattr(probe, "device_free_bytes", lambda *, collect=True: (collects.append(collect), next(free))[1])
+    memory = DeviceMemory(monkeypatch, pool + stream)
     full_collections: list[int] = []
     monkeypatch.setattr(gc, "collect", lambda *a: full_collections.append(1) or 0)
     options = BackendOptions(output_mode="released", stale_output_guard=True, shared_buffer="reserve")
@@ -137,25 +172,34 @@ def test_forecast_schedule_on_recorded_captures(name: str, allocator: RecordedAl
     assert backend.warmups == [1] and options.num_warmups == 2  # the probes warm up once; the schedule keeps 2
     assert 0 < fc.probe_seconds <= fc.seconds and fc.to_dict()["probe_seconds"] == fc.probe_seconds
     assert not allocator.recording  # history recording is off again
-    assert collects == [False, False] and full_collections == []  # the probes' GC is off, no collection
+    assert memory.collects == [False] * 4 and full_collections == []  # the probes' GC is off, no collection
     assert gc_on_in_model == [False] and gc.isenabled()  # nor during the model; on again after
     assert fc.probe_sizes == (case["sizes"][0], case["sizes"][-1]) and fc.mode == "released"
     for mode, f in fc.modes.items():  # the measured runs reserved their buffer
         assert f.stream_bytes == stream
-        real = measured[mode]["reserved_bytes"]
-        assert abs(f.total_bytes - real) <= 0.01 * real, (name, mode, f.total_bytes, real)
+        real = measured[mode]["reserved_bytes"]  # measured after a warm-up paid the driver's share
+        assert abs(f.allocator_bytes - real) <= 0.01 * real, (name, mode, f.allocator_bytes, real)
+    # the driver's share: one 52-node graph per size (the empty anchor not counted); the probe
+    # session lost nothing beyond the allocator's reservations, so no first-capture cost
+    n = len(case["sizes"])
+    assert fc.driver is not None and (fc.driver.graphs, fc.driver.nodes, fc.driver.first_capture) == (n, 52 * n, False)
+    assert fc.modes["off"].driver_bytes == fc.modes["released"].driver_bytes == n * (106 << 10) + 52 * n * 2560
+    assert fc.modes["on"].driver_bytes == fc.modes["off"].driver_bytes + n * 2560  # the copy into the buffer
+    for f in fc.modes.values():
+        assert f.total_bytes == f.allocator_bytes + f.driver_bytes == f.pool_bytes + f.stream_bytes + f.driver_bytes
     assert fc.buffer_source == "reserve" and set(fc.references) == {"off", "on", "released"}
     assert fc.to_dict()["modes"]["released"]["total_bytes"] == fc.bytes_for()
+    assert fc.to_dict()["driver"]["graphs"] == n and "+ driver " in fc.format() and fc.caveat == ""
     # shared_buffer="auto": on is the cheaper source (adopt: the floor itself on the synthetic Full graphs)
-    free = iter([100 << 30, (100 << 30) - pool - stream])
+    DeviceMemory(monkeypatch, pool + stream)
     allocator.shown = []  # the probes' pool went with their cleanup
     backend = RecordedBackend(case, allocator, dataclasses.replace(options, shared_buffer="auto"))
     auto = probe.forecast_schedule(backend, case["sizes"], lambda n: lambda: None, configured_mode="on")
     assert auto.buffer_source == ("adopt" if name == "synthetic/full" else "reserve")
-    assert auto.bytes_for() == min(auto.on_by_source.values()) + stream
+    assert auto.bytes_for(driver=False) == min(auto.on_by_source.values()) + stream
     assert auto.pool_reserve_bytes == 0  # pool_reserve="off", the default
     # pool_reserve="auto": the probes' pool is the allocator's own; the forecast sizes the block
-    free = iter([100 << 30, (100 << 30) - pool - stream])
+    DeviceMemory(monkeypatch, pool + stream)
     allocator.shown = []
     packed = dataclasses.replace(options, shared_buffer="auto", pool_reserve="auto")
     backend = RecordedBackend(case, allocator, packed)
@@ -165,7 +209,7 @@ def test_forecast_schedule_on_recorded_captures(name: str, allocator: RecordedAl
     assert fc.to_dict()["pool_reserve_bytes"] == fc.pool_reserve_bytes and "MiB block" in fc.format()
     assert fc.caveat == ""
     # pool_segments="expandable": the probes run on the process's allocator, the model grows one segment
-    free = iter([100 << 30, (100 << 30) - pool - stream])
+    DeviceMemory(monkeypatch, pool + stream)
     allocator.shown = []
     grown = dataclasses.replace(options, shared_buffer="auto", pool_reserve="auto", pool_segments="expandable")
     backend = RecordedBackend(case, allocator, grown)
@@ -174,6 +218,59 @@ def test_forecast_schedule_on_recorded_captures(name: str, allocator: RecordedAl
     assert fc.pool_reserve_bytes == 0 and fc.caveat == probe.EXPANDABLE_CAVEAT  # nothing to cut; a looser model
     assert fc.modes["released"].working_set_bytes % (2 * 1024 * 1024) == 0
     assert fc.bytes_for("released") <= auto.bytes_for("released")  # one growing segment: never more
+
+
+def test_forecast_schedule_in_a_fresh_process_adds_the_drivers_first_capture(
+    allocator: RecordedAllocator, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A process that had captured no graph: its probe session loses the driver's first-capture
+    cost beyond what the allocator reserves, and it stays lost after the cleanup. The forecast
+    counts it, once, with every size's segment graphs (here six per key, one of them empty; the
+    nodes of the smaller probe fewer) and keeps what the probes left lost for the report."""
+    case = _case("llama/breakable")
+    allocator.pool_segments = RecordedAllocator(case["pool_segments"]).pool_segments
+    measured = case["measured"]
+    stream = measured["off"]["reserved_bytes"] - measured["off"]["pool_bytes"]
+    pool = sum(n for _, n in case["pool_segments"])
+    DeviceMemory(monkeypatch, pool + stream, driver=80 << 20, left=78 << 20)
+    backend = RecordedBackend(case, allocator, BackendOptions(output_mode="released"))
+    probes = iter([(0, 30, 30, 30, 0, 30, 30), (20, 20, 20, 0, 20, 20)])  # anchor + segments; the small probe's
+    capture = backend.capture_one
+
+    def capture_one(shape_key: Any, forward_fn: Any, capture_inputs: Any = None) -> Any:
+        backend.graph_nodes = next(probes)
+        return capture(shape_key, forward_fn, capture_inputs)
+
+    backend.capture_one = capture_one  # type: ignore[method-assign]
+    fc = probe.forecast_schedule(backend, case["sizes"], lambda n: lambda: None, configured_mode="released")
+    sizes = case["sizes"]
+    lo, hi = sizes[-1], sizes[0]
+    nodes = sum(round(100 + 50 * (s - lo) / (hi - lo)) for s in sizes)  # 150 at the largest, 100 at the smallest
+    assert fc.driver is not None and (fc.driver.graphs, fc.driver.nodes) == (5 * len(sizes), nodes)
+    assert fc.driver.first_capture and fc.probe_driver_bytes == 80 << 20 and fc.lasting_bytes == 78 << 20
+    released = fc.modes["released"]
+    assert released.driver_bytes == (69 << 20) + 5 * len(sizes) * (106 << 10) + nodes * 2560
+    real = measured["released"]["reserved_bytes"]
+    assert abs(released.allocator_bytes - real) <= 0.01 * real
+    assert fc.bytes_for() == released.allocator_bytes + released.driver_bytes
+    assert "with the first-capture cost (the probes lost 80.0 MiB outside the allocator)" in fc.format()
+
+
+def test_forecast_schedule_counts_graphs_where_their_nodes_cannot_be_read(
+    allocator: RecordedAllocator, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    case = _case("synthetic/full")
+    allocator.pool_segments = RecordedAllocator(case["pool_segments"]).pool_segments
+    monkeypatch.setattr(probe, "device_free_bytes", lambda *, collect=True: 100 << 30)
+    backend = RecordedBackend(case, allocator, BackendOptions(output_mode="released"))
+    backend.graph_nodes = (None, None)  # the anchor and the graph, neither readable
+    fc = probe.forecast_schedule(backend, case["sizes"], lambda n: lambda: None, configured_mode="released")
+    assert fc.driver is not None and not fc.driver.nodes_counted and fc.driver.graphs == 2 * len(case["sizes"])
+    assert fc.caveat.startswith("the driver's share counts graphs, not their nodes: libcuda.so.1")
+    backend.graph_nodes = ()  # an engine whose graphs do not end through torch.cuda.CUDAGraph.capture_end
+    fc = probe.forecast_schedule(backend, case["sizes"], lambda n: lambda: None, configured_mode="released")
+    assert fc.driver is not None and fc.driver.graphs == 0 and fc.bytes_for() == fc.bytes_for(driver=False)
+    assert "no CUDA graph capture was seen during the probes" in fc.caveat
 
 
 def test_forecast_schedule_keeps_the_largest_output_released_where_that_is_tighter(
@@ -190,11 +287,11 @@ def test_forecast_schedule_keeps_the_largest_output_released_where_that_is_tight
     backend = RecordedBackend(case, allocator, BackendOptions(output_mode="released"))
     fc = probe.forecast_schedule(backend, case["sizes"], lambda n: lambda: None, configured_mode="released")
     assert fc.released_keeps_largest and fc.modes["released"].outputs_bytes < 0
-    assert fc.bytes_for() == fc.on_by_source["adopt"] < fc.modes["released"].working_set_bytes
-    assert fc.buffer_source == "adopt" and fc.bytes_for("on") == fc.bytes_for()
+    assert fc.bytes_for(driver=False) == fc.on_by_source["adopt"] < fc.modes["released"].working_set_bytes
+    assert fc.buffer_source == "adopt" and fc.bytes_for("on", driver=False) == fc.bytes_for(driver=False)
     assert "keeps the largest output" in fc.format() and fc.to_dict()["modes"]["released"]["keeps_largest"] is True
     on_pool = on["graph_bytes"] - on["forecast"]["modes"]["on"]["stream_bytes"]  # measured, less its stream
-    assert abs(fc.bytes_for() - on_pool) <= 0.01 * on_pool, (fc.bytes_for(), on_pool)
+    assert abs(fc.bytes_for(driver=False) - on_pool) <= 0.01 * on_pool, (fc.bytes_for(driver=False), on_pool)
 
 
 def test_probes_leave_out_a_segment_the_workspace_only_pins(allocator: RecordedAllocator, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -205,12 +302,11 @@ def test_probes_leave_out_a_segment_the_workspace_only_pins(allocator: RecordedA
         case = json.load(f)["cases"]["llama/piecewise/inductor"]
     allocator.pool_segments = RecordedAllocator(case["pool_segments"]).pool_segments
     pool = sum(n for _, n in case["pool_segments"])
-    free = iter([100 << 30, (100 << 30) - pool - (62 << 20)])
-    monkeypatch.setattr(probe, "device_free_bytes", lambda *, collect=True: next(free))
+    DeviceMemory(monkeypatch, pool + (62 << 20))  # the pinned 60 MiB segment is the allocator's
     backend = RecordedBackend(case, allocator, BackendOptions(output_mode="on", shared_buffer="auto"))
     fc = probe.forecast_schedule(backend, case["sizes"], lambda n: lambda: None, configured_mode="on")
     assert {f.stream_bytes for f in fc.modes.values()} == {34 << 20}
-    assert fc.bytes_for() == case["measured"]["inductor"]["graph_bytes"] == 706 << 20
+    assert fc.bytes_for(driver=False) == case["measured"]["inductor"]["graph_bytes"] == 706 << 20
 
 
 def test_probe_failure_restores_the_backend(allocator: RecordedAllocator, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -230,31 +326,59 @@ def test_probe_failure_restores_the_backend(allocator: RecordedAllocator, monkey
 
 def test_sglang_session_forecast_logs_before_and_after(allocator: RecordedAllocator, monkeypatch: pytest.MonkeyPatch,
                                                        caplog: pytest.LogCaptureFixture) -> None:
+    """Inside SGLang the first capture is the probe: its pool requests give the pool, what it
+    reserved outside the pool (less the reserved shared buffer) the stream, its graphs and nodes
+    the driver's share, which pays the first-capture cost because the first capture lost more
+    than half of it beyond the allocator's reservations."""
+    from sglang_bcg_plugin.forecast.allocator import round_size, segment_size
+
     case = _case("synthetic/breakable")
     allocator.pool_segments = RecordedAllocator(case["pool_segments"]).pool_segments
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     kv_pool = SimpleNamespace(get_kv_size_bytes=lambda: (15 << 30, 15 << 30))
     runner = SimpleNamespace(capture_num_tokens=case["sizes"],
                              model_runner=SimpleNamespace(token_to_kv_pool=kv_pool, max_total_num_tokens=1 << 20))
-    free = iter([80 << 30, (80 << 30) - (600 << 20)])  # at the session's open, at its close
+    out, n = case["largest_output_bytes"], len(case["sizes"])
+    pool, buffer, stream, first_driver = sum(x for _, x in case["pool_segments"]), segment_size(round_size(out)), 34 << 20, 75 << 20
+    top, reserved0 = 80 << 30, 1 << 30
+    lost = 900 << 20
+    # free memory at the session's open, after the first capture, at its close; reserved beside the first two
+    free = iter([top, top - pool - buffer - stream - first_driver, top - lost])
+    reserved = iter([reserved0, reserved0 + pool + buffer + stream])
     monkeypatch.setattr(forecast_log, "free_device_bytes", lambda: next(free))
+    monkeypatch.setattr(forecast_log, "reserved_device_bytes", lambda: next(reserved))
+    monkeypatch.delenv("SGLANG_BCG_SHARED_BUFFER", raising=False)  # reserve, SGLang's engine's default
     session = SessionForecast(runner, "on", lambda: POOL, environ={"SGLANG_BCG_FORECAST": "1"})
     largest = case["sizes"][0]
     with caplog.at_level(logging.INFO, logger="sglang_bcg_plugin"):
-        with session.first_capture(largest, [case["largest_output_bytes"]]):
+        with session.first_capture(largest, [out]):
             allocator.replay(case["probes"][str(largest)])
+            for nodes in (9, 9, 0, 9, 9, 9):  # SGLang's segments: five of 9 nodes, one empty (back-to-back breaks)
+                end_graph(nodes)
         with session.first_capture(case["sizes"][1], []):  # later captures are not recorded
             assert not allocator.recording
-        measured = session.close(outside_pool_bytes=case["largest_output_bytes"])
+        measured = session.close(outside_pool_bytes=out)
     first, after = (r.getMessage() for r in caplog.records)
-    assert first.startswith(f"sglang_bcg: graph memory forecast for {len(case['sizes'])} sizes up to {largest}: ")
+    assert first.startswith(f"sglang_bcg: graph memory forecast for {n} sizes up to {largest}: ")
     assert "with --enable-bcg-shared-output=on" in first and "KV tokens" in first and "KV cache 30.0 KiB/token" in first
-    forecast = session.forecast["modes"]["on"].total_bytes  # type: ignore[index]
+    modes = session.forecast["modes"]  # type: ignore[index]
+    on = modes["on"]
     real = case["measured"]["on"]["reserved_bytes"] - (case["measured"]["off"]["reserved_bytes"] - case["measured"]["off"]["pool_bytes"])
-    assert abs(forecast - real) <= 0.01 * real
-    assert measured == sum(n for _, n in case["pool_segments"]) + case["largest_output_bytes"] == session.measured
-    assert after.startswith("sglang_bcg: graph memory after capture: ") and "error" in after
-    assert session.lost == 600 << 20 and "free device memory lost over the session 600.0 MiB, forecast error" in after
+    assert abs(on.pool_bytes - real) <= 0.01 * real
+    assert on.stream_bytes == stream and {f.stream_bytes for f in modes.values()} == {stream}
+    assert session.driver is not None and (session.driver.graphs, session.driver.nodes) == (5 * n, 45 * n)
+    assert session.driver.first_capture and session.first_capture_driver == first_driver
+    assert on.driver_bytes == (69 << 20) + 5 * n * (106 << 10) + (45 * n + n) * 2560  # + the copy into the buffer
+    assert on.total_bytes == on.pool_bytes + stream + on.driver_bytes
+    assert (f"of which graph pool {on.pool_bytes / MIB:,.1f} MiB, capture stream 34.0 MiB, CUDA driver "
+            f"{on.driver_bytes / MIB:,.1f} MiB ({5 * n} graphs, {45 * n:,} nodes, with the first-capture cost)") in first
+    assert measured == pool + out == session.measured
+    assert after.startswith(f"sglang_bcg: graph memory after capture: {measured / MIB:.1f} MiB (graph pool ")
+    assert f"; forecast {on.pool_bytes / MIB:.1f} MiB, error " in after
+    error = (on.total_bytes - lost) / lost * 100
+    assert session.lost == lost and after.endswith(
+        f"; free device memory lost over the session 900.0 MiB, forecast with the CUDA driver's share "
+        f"{on.total_bytes / MIB:.1f} MiB (+ capture stream 34.0 + driver {on.driver_bytes / MIB:.1f}), error {error:+.1f} %")
 
 
 def test_sglang_session_forecast_skips_when_history_is_someone_elses(allocator: RecordedAllocator,

@@ -36,13 +36,16 @@ class BenchRow:
     #: seconds of the calls that compiled (dynamo, Inductor, first run), not in ``capture_s``;
     #: ``None`` where nothing is compiled.
     compile_s: float | None = None
-    #: ``CaptureBackend.forecast`` before the capture (CUDA): the configured mode's total, its
-    #: error against ``graph_memory_bytes`` ((forecast − measured) / measured), the seconds the
+    #: ``CaptureBackend.forecast`` before the capture (CUDA): the configured mode's total without
+    #: the CUDA driver's share (the bench measures after a warm-up paid that: ``warm_up``), its
+    #: error against ``graph_memory_bytes`` ((forecast − measured) / measured), the driver's share
+    #: apart (``forecast_driver_bytes``: what a fresh process would lose on top), the seconds the
     #: forecast took, and every mode's parts (``GraphMemoryForecast.to_dict``); ``None`` elsewhere.
     forecast_bytes: int | None = None
     forecast_error: float | None = None
     forecast_s: float | None = None
     forecast: dict[str, Any] | None = None
+    forecast_driver_bytes: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .allocator import LARGE_BUFFER, MB, ROUND_LARGE, SMALL_SIZE, PoolModel, round_size, segment_size
+from .driver import DriverShare
 from .trace import KeyTrace, ScaledTrace
 
 MODES = ("off", "on", "released")
@@ -27,8 +28,9 @@ MODES = ("off", "on", "released")
 class ModeForecast:
     """The forecast graph memory of one output mode, in parts (bytes).
 
-    :param total_bytes: everything below, summed: the figure to compare with the device memory
-        a capture session takes (``torch.cuda.mem_get_info`` before and after).
+    :param total_bytes: everything below, summed: the free device memory a process loses over
+        the capture session (``torch.cuda.mem_get_info`` before and after; what SGLang logs as
+        "mem usage"), the CUDA driver's share included (:attr:`driver_bytes`).
     :param working_set_bytes: the pool with every output released: the largest forward's
         activations, as the allocator's blocks and segments fall (``released`` is this alone,
         unless it keeps the largest output).
@@ -40,6 +42,10 @@ class ModeForecast:
     :param bridge_bytes: copies of values crossing a break or splitting op (0 for our backends).
     :param keeps_largest: ``released`` only: the largest capture's output is kept (owned, not
         released), because that packs the pool tighter than releasing it.
+    :param driver_bytes: what the CUDA driver takes for the instantiated graphs, outside
+        PyTorch's allocator (:mod:`.driver`): per graph and per node, and once per process at its
+        first capture where the probes found the process paying that. A process whose driver
+        already held resources for as many graphs pays none of it again (:attr:`allocator_bytes`).
     """
 
     mode: str
@@ -49,11 +55,24 @@ class ModeForecast:
     stream_bytes: int = 0
     bridge_bytes: int = 0
     keeps_largest: bool = False
+    driver_bytes: int = 0
+
+    @property
+    def allocator_bytes(self) -> int:
+        """The total without the driver's share: what PyTorch's allocator reserves for the
+        session (pool, shared buffer, capture stream, bridges)."""
+        return self.total_bytes - self.driver_bytes
+
+    @property
+    def pool_bytes(self) -> int:
+        """The graph pool plus a shared buffer (working set and outputs): what SGLang's pool holds."""
+        return self.working_set_bytes + self.outputs_bytes
 
     def to_dict(self) -> dict[str, int | str | bool]:
         return {"mode": self.mode, "total_bytes": self.total_bytes, "working_set_bytes": self.working_set_bytes,
                 "outputs_bytes": self.outputs_bytes, "stream_bytes": self.stream_bytes,
-                "bridge_bytes": self.bridge_bytes, "keeps_largest": self.keeps_largest}
+                "bridge_bytes": self.bridge_bytes, "keeps_largest": self.keeps_largest,
+                "driver_bytes": self.driver_bytes, "allocator_bytes": self.allocator_bytes}
 
 
 def simulate(trace: ScaledTrace, sizes: Iterable[int], *, keep_outputs: str, outputs: frozenset[int],
@@ -126,7 +145,8 @@ def forecast_modes(trace: ScaledTrace, sizes: Iterable[int], **options: Any) -> 
     """:class:`ModeForecast` of ``off``, ``on`` and ``released`` for the schedule ``sizes``: the
     first part of :func:`schedule_forecast`, which takes the same keyword ``options``
     (``outputs`` and ``largest_output_bytes`` required; ``on`` with the buffer ``source``:
-    ``"adopt"``, ``"reserve"``, or ``"auto"``, the smaller; the pool's first block as it decides).
+    ``"adopt"``, ``"reserve"``, or ``"auto"``, the smaller; the pool's first block as it decides;
+    ``driver``: the CUDA driver's share, in every mode's total).
     """
     return schedule_forecast(trace, sizes, **options)[0]
 
@@ -144,6 +164,7 @@ def schedule_forecast(
     configured_mode: str = "released",
     expandable: bool = False,
     released_keeps: str = "none",
+    driver: DriverShare | None = None,
 ) -> tuple[dict[str, ModeForecast], dict[str, int], str, int]:
     """:func:`forecast_modes`, with ``on``'s pool plus buffer per source, the source taken
     (``"auto"`` resolved to the cheaper) and the pool's first block in bytes (0: none).
@@ -155,7 +176,9 @@ def schedule_forecast(
     ``expandable_segments``; the pool is one growing segment, so no first block is searched.
     ``released_keeps``: ``"none"`` (``released`` gives every output back) or ``"auto"``: where
     keeping the largest capture's output (the ``adopt`` layout) makes the smaller pool, ``released``
-    keeps it (:attr:`ModeForecast.keeps_largest`), as our backends do after a forecast."""
+    keeps it (:attr:`ModeForecast.keeps_largest`), as our backends do after a forecast.
+    ``driver``: the CUDA driver's share of the schedule's graphs (:class:`~.driver.DriverShare`),
+    added to every mode's total as :attr:`ModeForecast.driver_bytes`; ``None``: none."""
     if released_keeps not in ("none", "auto"):
         msg = f"released_keeps must be 'none' or 'auto', got {released_keeps!r}"
         raise ValueError(msg)
@@ -190,11 +213,14 @@ def schedule_forecast(
     keep_largest = keeps_largest(released, by_source)
     floor = by_source["adopt"] if keep_largest else released
     extra = stream_bytes + bridge_bytes
+    drv = {m: driver.bytes_for(m) if driver is not None else 0 for m in MODES}
     modes = {
-        "off": ModeForecast("off", kept + extra, released, kept - released, stream_bytes, bridge_bytes),
-        "on": ModeForecast("on", on + extra, released, on - released, stream_bytes, bridge_bytes),
-        "released": ModeForecast("released", floor + extra, released, floor - released, stream_bytes, bridge_bytes,
-                                 keeps_largest=keep_largest),
+        "off": ModeForecast("off", kept + extra + drv["off"], released, kept - released, stream_bytes, bridge_bytes,
+                            driver_bytes=drv["off"]),
+        "on": ModeForecast("on", on + extra + drv["on"], released, on - released, stream_bytes, bridge_bytes,
+                           driver_bytes=drv["on"]),
+        "released": ModeForecast("released", floor + extra + drv["released"], released, floor - released, stream_bytes,
+                                 bridge_bytes, keeps_largest=keep_largest, driver_bytes=drv["released"]),
     }
     return modes, by_source, chosen, reserve_bytes
 
@@ -213,13 +239,15 @@ SGLANG_RESERVE_PER_SIZE = 8 << 20
 
 
 def reference_estimates(mode_forecasts: dict[str, ModeForecast], trace: ScaledTrace, sizes: Iterable[int], *,
-                        outputs: frozenset[int], expandable: bool = False) -> dict[str, dict[str, int]]:
+                        outputs: frozenset[int], expandable: bool = False,
+                        driver: DriverShare | None = None) -> dict[str, dict[str, int]]:
     """What two estimates in use would say of the same schedule, per mode, for comparison.
 
     ``vllm_extrapolation``: vLLM's rule (``profile_cudagraph_memory``): capture the two largest
     sizes into one pool and take the first capture's cost plus ``(N - 1)`` times the second's
     (at least 1 MiB), applied here to the modelled captures: the first capture's cost is its
-    pool with the mode's buffer and stream, the second's what the second capture added to it.
+    pool with the mode's buffer and stream, the second's what the second capture added to it;
+    with ``driver``, each capture's share of it too (the first-capture cost in the first's).
     ``sglang_fixed_reserve``: SGLang's 8 MiB per capture size.
     """
     order = sorted(set(sizes), reverse=True)
@@ -229,9 +257,10 @@ def reference_estimates(mode_forecasts: dict[str, ModeForecast], trace: ScaledTr
         keep = "all" if mode == "off" else "first" if f.keeps_largest else "none"
         first = simulate(trace, order[:1], keep_outputs=keep, outputs=outputs, expandable=expandable).reserved_bytes
         two = simulate(trace, order[:2], keep_outputs=keep, outputs=outputs, expandable=expandable).reserved_bytes
-        outside = f.total_bytes - f.working_set_bytes - (f.outputs_bytes if keep != "none" else 0)
-        first_cost = first + (outside if mode != "off" else f.stream_bytes + f.bridge_bytes)
-        per_graph = max(two - first, VLLM_MIN_PER_GRAPH)
+        outside = f.allocator_bytes - f.working_set_bytes - (f.outputs_bytes if keep != "none" else 0)
+        driver_first, driver_next = driver.per_size_bytes(n, mode) if driver is not None else (0, 0)
+        first_cost = first + (outside if mode != "off" else f.stream_bytes + f.bridge_bytes) + driver_first
+        per_graph = max(two - first + driver_next, VLLM_MIN_PER_GRAPH)
         out[mode] = {"vllm_extrapolation": first_cost + (n - 1) * per_graph,
                      "sglang_fixed_reserve": n * SGLANG_RESERVE_PER_SIZE}
     return out

@@ -6,9 +6,12 @@ allocator records its events, reads each capture's requests to its graph pool
 (:func:`~.trace.pool_trace`), fits them (:class:`~.trace.ScaledTrace`), releases the probes
 (``cleanup()``), and models every size of the schedule in one pool per output mode
 (:func:`~.model.forecast_modes`). What a capture stream costs (its cuBLAS workspace, about
-34 MiB on an H200, released with the engine) is measured as the device memory the probe session
-took outside its graph pool, less what a segment cut for other work (compile-time autotuning)
-holds only because the workspace landed in it (:func:`~.trace.pinned_slack`).
+34 MiB on an H200, released with the engine) is measured as what PyTorch's allocator reserved
+during the probe session outside its graph pool, less what a segment cut for other work
+(compile-time autotuning) holds only because the workspace landed in it
+(:func:`~.trace.pinned_slack`). The CUDA driver's share (:mod:`.driver`) is modelled from the
+graphs and nodes the probes captured; the free device memory the probe session lost beyond what
+the allocator reserved says whether the process pays the driver's first-capture cost.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from ..errors import CaptureStateError, ForecastError
 from ..shape_key import ShapeKey
 from ..trees import flatten
 from .allocator import expandable_segments
+from .driver import DRIVER_COEFFICIENTS, DriverShare, ProbeCount, counting_captures, nodes_unread_reason, schedule_share
 from .model import MODES, ModeForecast, reference_estimates, schedule_forecast
 from .trace import KeyTrace, ScaledTrace, output_allocs, pinned_slack, pool_trace
 
@@ -85,6 +89,16 @@ class GraphMemoryForecast:
     #: for it): with ``expandable_segments`` on, the pool grows as one segment, which the model
     #: follows (``PoolModel(expandable=True)``) but no GPU run has checked yet.
     caveat: str = ""
+    #: the CUDA driver's share of the schedule (graphs, nodes, whether the first-capture cost is
+    #: paid) behind every mode's :attr:`~.model.ModeForecast.driver_bytes`; ``None``: not modelled.
+    driver: DriverShare | None = None
+    #: free device memory the probe session lost beyond what PyTorch's allocator reserved (the
+    #: driver's share of the probes: its first-capture cost in a process that had captured no
+    #: graph before, about 0 in one whose driver held as many graphs already).
+    probe_driver_bytes: int = 0
+    #: free device memory the forecast left lost after its cleanup (from just before its probes
+    #: to after them, ``empty_cache`` at both ends): what the probes' graphs left with the driver.
+    lasting_bytes: int = 0
 
     @property
     def released_keeps_largest(self) -> bool:
@@ -94,9 +108,12 @@ class GraphMemoryForecast:
         released = self.modes.get("released")
         return bool(released is not None and released.keeps_largest)
 
-    def bytes_for(self, mode: str | None = None) -> int:
-        """The forecast total of ``mode`` (default: :attr:`mode`)."""
-        return self.modes[mode or self.mode].total_bytes
+    def bytes_for(self, mode: str | None = None, *, driver: bool = True) -> int:
+        """The forecast total of ``mode`` (default: :attr:`mode`); ``driver=False``: without the
+        CUDA driver's share (what the allocator reserves: a process whose driver already holds
+        resources for as many graphs loses that much)."""
+        f = self.modes[mode or self.mode]
+        return f.total_bytes if driver else f.allocator_bytes
 
     def frees_against(self, other: str) -> int:
         """Bytes the configured mode holds less than ``other`` (negative: more)."""
@@ -108,6 +125,8 @@ class GraphMemoryForecast:
                 "seconds": self.seconds, "probe_seconds": self.probe_seconds,
                 "pool_reserve_bytes": self.pool_reserve_bytes, "buffer_source": self.buffer_source,
                 "caveat": self.caveat,
+                "driver": None if self.driver is None else self.driver.to_dict(),
+                "probe_driver_bytes": self.probe_driver_bytes, "lasting_bytes": self.lasting_bytes,
                 "on_by_source": dict(self.on_by_source),
                 "references": {m: dict(r) for m, r in self.references.items()},
                 "modes": {m: f.to_dict() for m, f in self.modes.items()}}
@@ -124,7 +143,10 @@ class GraphMemoryForecast:
                 " <- configured" if m == self.mode else "")
             lines.append(f"  {m:8} {f.total_bytes / MIB:9.1f} MiB = working set {f.working_set_bytes / MIB:.1f} "
                          f"+ outputs {f.outputs_bytes / MIB:.1f} + stream {f.stream_bytes / MIB:.1f} "
-                         f"+ bridges {f.bridge_bytes / MIB:.1f}{mark}")
+                         f"+ bridges {f.bridge_bytes / MIB:.1f} + driver {f.driver_bytes / MIB:.1f}{mark}")
+        if self.driver is not None:
+            lines.append(f"  driver: {self.driver.describe()} (the probes lost {self.probe_driver_bytes / MIB:.1f} MiB "
+                         "outside the allocator)")
         if self.caveat:
             lines.append(f"  caveat: {self.caveat}")
         return "\n".join(lines)
@@ -143,12 +165,28 @@ def _pools() -> set[tuple[int, int]]:
     return {tuple(s.get("segment_pool_id", (0, 0))) for s in torch.cuda.memory._snapshot()["segments"]}  # type: ignore[misc]
 
 
+def reserved_bytes() -> int:
+    """Bytes PyTorch's caching allocator holds (``memory_reserved``; read after ``empty_cache``)."""
+    return int(torch.cuda.memory_reserved())
+
+
+@dataclass(frozen=True)
+class ProbeDevice:
+    """What the probe session did outside its pool's requests: the graphs each probe captured
+    (:class:`~.driver.ProbeCount`) and the free device memory it lost beyond what the allocator
+    reserved (the driver's share)."""
+
+    counts: tuple[ProbeCount, ...]
+    driver_bytes: int
+
+
 def _probe(backend: ProbeTarget, sizes: Sequence[int], forward_for: Callable[[int], Callable[[], Any]],
-           capture_inputs: Any) -> tuple[list[KeyTrace], list[int], int, int]:
+           capture_inputs: Any) -> tuple[list[KeyTrace], list[int], int, int, ProbeDevice]:
     """Capture the probe sizes in mode ``off``: their pool traces, the bytes of the first (largest)
-    probe's output storages, the bridge bytes, and the device memory the session took outside
-    its graph pool (what a capture stream costs: its cuBLAS workspace; released with the engine,
-    so it is measured while the probes still hold it)."""
+    probe's output storages, the bridge bytes, what the session's allocator reserved outside its
+    graph pool (what a capture stream costs: its cuBLAS workspace; released with the engine, so
+    it is measured while the probes still hold it), and the graphs each probe captured with the
+    free device memory the session lost beyond the allocator's reservations."""
     pools = _pools()
     torch.cuda.memory._record_memory_history(enabled="all", context=None, stacks="python", max_entries=1_000_000)
     events: list[list[dict[str, Any]]] = []
@@ -157,25 +195,32 @@ def _probe(backend: ProbeTarget, sizes: Sequence[int], forward_for: Callable[[in
         # The GC off for the probes without a full collection (0.2-0.3 s; the schedule's own
         # session collects): the session nested inside does not collect either, and free memory
         # is measured inside it, where nothing can be collected.
-        with gc_safe_capture(collect=False), torch.no_grad(), backend.capture_session():
+        with gc_safe_capture(collect=False), torch.no_grad(), backend.capture_session(), counting_captures() as count:
             free_before = device_free_bytes(collect=False)
+            reserved_before = reserved_bytes()
             cursor = len(torch.cuda.memory._snapshot()["device_traces"][torch.cuda.current_device()])
+            counts = []
             for n in sizes:
+                before = count.copy()
                 out = backend.capture_one(ShapeKey(n), forward_for(n), capture_inputs=capture_inputs)
+                counts.append(count.since(before, n))
                 trace = torch.cuda.memory._snapshot()["device_traces"][torch.cuda.current_device()]
                 events.append(trace[cursor:])
                 cursor = len(trace)
                 if not largest_output:
                     largest_output = [t.untyped_storage().nbytes() for _, t in flatten(out)[1]]
             free_after = device_free_bytes(collect=False)
+            reserved_after = reserved_bytes()
         segments = _new_pool_segments(pools)
         bridges = backend.memory_report().total_bridge_bytes
     finally:
         torch.cuda.memory._record_memory_history(enabled=None)
     slack = pinned_slack([e for ev in events for e in ev], segments)
-    outside_pool = max(0, free_before - free_after - sum(n for _, n in segments) - slack)
+    grown = reserved_after - reserved_before
+    outside_pool = max(0, grown - sum(n for _, n in segments) - slack)
+    driver = max(0, free_before - free_after - grown)
     traces = [pool_trace(n, ev, segments) for n, ev in zip(sizes, events, strict=True)]
-    return traces, largest_output, bridges, outside_pool
+    return traces, largest_output, bridges, outside_pool, ProbeDevice(tuple(counts), driver)
 
 
 def _checked_sizes(name: str, sizes: Iterable[int]) -> list[int]:
@@ -222,17 +267,20 @@ def forecast_schedule(
         raise ForecastError(msg)
     options = backend.options
     probe_sizes = (schedule[0], schedule[-1])
+    free_start = device_free_bytes(collect=False)  # what the forecast leaves lost is counted from here
     # One warmup per probe (the engine's minimum still applies): lazy state is made by the first
     # eager run, and the graph pool only sees the capture; the schedule keeps its own warmups.
     backend.configure(output_mode="off", stale_output_guard=False, num_warmups=min(options.num_warmups, 1),
                       pool_reserve="off", pool_segments="fixed")  # the probes' requests, the process's allocator
     try:
-        traces, largest_output, bridges, stream_bytes = _probe(backend, probe_sizes, forward_for, capture_inputs)
+        traces, largest_output, bridges, stream_bytes, device = _probe(backend, probe_sizes, forward_for,
+                                                                       capture_inputs)
     finally:
         backend.cleanup()
         backend.configure(output_mode=options.output_mode, stale_output_guard=options.stale_output_guard,
                           num_warmups=options.num_warmups, pool_reserve=options.pool_reserve,
                           pool_segments=options.pool_segments)
+    lasting = max(0, free_start - device_free_bytes(collect=False))
     probe_seconds = time.perf_counter() - start
     large, small = traces
     # The model makes tens of thousands of short-lived objects: with the GC on they trigger
@@ -241,15 +289,37 @@ def forecast_schedule(
     with gc_safe_capture(collect=False):
         fitted, outputs = ScaledTrace.fit(large, small), output_allocs(large, largest_output)
         expandable = expandable_segments() or options.pool_segments == "expandable"
+        driver = probe_driver_share(device, schedule, len(largest_output))
         modes, by_source, source, reserve_bytes = schedule_forecast(
             fitted, schedule, outputs=outputs, largest_output_bytes=sum(largest_output), stream_bytes=stream_bytes,
             bridge_bytes=bridges, source=options.shared_buffer, pool_reserve=options.pool_reserve,
-            configured_mode=configured_mode, expandable=expandable, released_keeps="auto")
-        references = reference_estimates(modes, fitted, schedule, outputs=outputs, expandable=expandable)
+            configured_mode=configured_mode, expandable=expandable, released_keeps="auto", driver=driver)
+        references = reference_estimates(modes, fitted, schedule, outputs=outputs, expandable=expandable, driver=driver)
+    caveat = "; ".join(c for c in (EXPANDABLE_CAVEAT if expandable else "", driver_caveat(driver)) if c)
     return GraphMemoryForecast(backend.name, tuple(schedule), configured_mode, MappingProxyType(modes), probe_sizes,
                                time.perf_counter() - start, source, MappingProxyType(by_source),
-                               MappingProxyType(references), probe_seconds, reserve_bytes,
-                               EXPANDABLE_CAVEAT if expandable else "")
+                               MappingProxyType(references), probe_seconds, reserve_bytes, caveat,
+                               driver, device.driver_bytes, lasting)
+
+
+def probe_driver_share(device: ProbeDevice, schedule: Sequence[int], output_tensors: int) -> DriverShare:
+    """The driver's share of the schedule from what the probes captured: each size's graphs and
+    nodes on the line through the probes'; the first-capture cost where the probe session lost
+    at least half of it beyond the allocator's reservations (the process had captured no graph
+    before); ``on`` adds a copy node per output tensor per size."""
+    first = device.driver_bytes >= DRIVER_COEFFICIENTS.first_capture_bytes // 2
+    return schedule_share(device.counts, schedule, on_copy_nodes_per_size=output_tensors, first_capture=first)
+
+
+def driver_caveat(driver: DriverShare | None) -> str:
+    """What :attr:`GraphMemoryForecast.caveat` says where the driver's share is partial."""
+    if driver is None:
+        return ""
+    if driver.graphs == 0:
+        return ("no CUDA graph capture was seen during the probes (torch.cuda.CUDAGraph.capture_end): "
+                "the driver's share holds no per-graph cost")
+    why = nodes_unread_reason(driver)
+    return f"the driver's share counts graphs, not their nodes: {why}" if why else ""
 
 
 #: What :attr:`GraphMemoryForecast.caveat` says with ``expandable_segments`` on.

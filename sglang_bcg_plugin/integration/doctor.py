@@ -238,10 +238,11 @@ def forecast_line(kind: str | None, environ: Mapping[str, str] | None = None) ->
     if kind != "backend":
         return "not on this release's seam (the runner seam of 0.5.13 logs none)"
     return ("on: after each capture session's first (largest) graph, one INFO line 'sglang_bcg: graph memory "
-            "forecast for N sizes up to M: X MiB with --enable-bcg-shared-output=MODE' says what the whole "
-            "schedule will hold and what that frees against the other modes (MiB, and KV-cache tokens at "
-            "the KV pool's bytes per token); after the session 'graph memory after capture' gives what the "
-            "graph pool grew by, beside it. Needs CUDA")
+            "forecast for N sizes up to M: X MiB with --enable-bcg-shared-output=MODE' says what free device "
+            "memory the whole schedule will take (graph pool, capture stream, the CUDA driver's share) and what "
+            "that frees against the other modes (MiB, and KV-cache tokens at the KV pool's bytes per token); "
+            "after the session 'graph memory after capture' gives what the graph pool grew by beside the pool's "
+            "forecast, and the free device memory the session lost beside the whole. Needs CUDA")
 
 
 def doctor_main(argv: list[str] | None = None, *, out: TextIO | None = None) -> int:

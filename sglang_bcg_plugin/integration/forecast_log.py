@@ -5,9 +5,15 @@ schedule; the session's first capture is the probe. While it runs (warmups and c
 allocator records its events; the requests that went to SGLang's graph pool are fitted with one
 line per request (:meth:`~sglang_bcg_plugin.forecast.trace.ScaledTrace.proportional`) and every
 size of the runner's schedule (``capture_num_tokens``, or ``capture_bs``) is modelled per output
-mode (docs/forecast.md). One INFO line says the configured mode's forecast and what it frees
-against the others, in MiB and in KV-cache tokens (the KV pool's bytes per token); at the
-session's end a second line gives the graph pool SGLang's allocator really holds, beside it.
+mode (docs/forecast.md). The forecast is of the free device memory the session loses (SGLang's
+"mem usage"): the graph pool and shared buffer (modelled), what the first capture's allocator
+kept outside the pool (the capture stream's cuBLAS workspace and the like, measured), and the
+CUDA driver's share (:mod:`~sglang_bcg_plugin.forecast.driver`: the graphs and nodes of the first
+capture, counted, times the sizes; the first-capture cost where the first capture lost at least
+half of it beyond the allocator's reservations). One INFO line says the configured mode's
+forecast and what it frees against the others, in MiB and in KV-cache tokens (the KV pool's bytes
+per token); at the session's end a second line gives the graph pool SGLang's allocator really
+holds beside the pool's forecast, and the free device memory the session lost beside the whole.
 
 Opt-in, ``SGLANG_BCG_FORECAST=1`` (installing the plugin changes nothing until asked); skipped
 (one DEBUG line) without CUDA, without a schedule on the runner, or when the allocator's history
@@ -27,6 +33,14 @@ from typing import Any
 import torch
 
 from ..forecast.allocator import expandable_segments
+from ..forecast.driver import (
+    DRIVER_COEFFICIENTS,
+    CaptureCount,
+    DriverShare,
+    counting_captures,
+    nodes_unread_reason,
+    schedule_share,
+)
 from ..forecast.model import MODES, forecast_modes, reference_estimates
 from ..forecast.probe import allocator_caveat
 from ..forecast.trace import KeyTrace, ScaledTrace, output_allocs, pool_trace
@@ -65,8 +79,10 @@ def kv_bytes_per_token(cuda_graph_runner: object) -> int | None:
     return total // tokens
 
 
-def format_forecast(modes: Mapping[str, Any], mode: str, sizes: Sequence[int], kv_per_token: int | None) -> str:
-    """The log line: the configured mode's forecast and what it frees against the others."""
+def format_forecast(modes: Mapping[str, Any], mode: str, sizes: Sequence[int], kv_per_token: int | None,
+                    driver: DriverShare | None = None) -> str:
+    """The log line: the configured mode's forecast and what it frees against the others; where
+    it holds more than the pool (a capture stream, the driver's share), its parts."""
     mine = modes[mode].total_bytes
     parts = []
     for other in MODES:
@@ -77,10 +93,46 @@ def format_forecast(modes: Mapping[str, Any], mode: str, sizes: Sequence[int], k
         verb = "frees" if delta >= 0 else "costs"
         parts.append(f"against {other} ({modes[other].total_bytes / MIB:,.1f} MiB) it {verb} {abs(delta) / MIB:,.1f} MiB{tokens}")
     per_token = f"; KV cache {kv_per_token / 1024:,.1f} KiB/token" if kv_per_token else ""
-    caveat = allocator_caveat()
+    f = modes[mode]
+    split = ""
+    if f.total_bytes != f.pool_bytes:
+        graphs = f" ({driver.describe()})" if driver is not None else ""
+        split = (f"; of which graph pool {f.pool_bytes / MIB:,.1f} MiB, capture stream {f.stream_bytes / MIB:,.1f} MiB, "
+                 f"CUDA driver {f.driver_bytes / MIB:,.1f} MiB{graphs}")
+    caveat = "; ".join(c for c in (allocator_caveat(), driver_caveat(driver)) if c)
     return (f"sglang_bcg: graph memory forecast for {len(sizes)} sizes up to {sizes[0]}: {mine / MIB:,.1f} MiB "
-            f"with --enable-bcg-shared-output={mode}; " + "; ".join(parts) + per_token
+            f"with --enable-bcg-shared-output={mode}; " + "; ".join(parts) + per_token + split
             + (f" (caveat: {caveat})" if caveat else ""))
+
+
+def driver_caveat(driver: DriverShare | None) -> str:
+    """Where the driver's share is partial: why (no graph seen, nodes not read)."""
+    if driver is None:
+        return ""
+    if driver.graphs == 0:
+        return "no CUDA graph capture was seen in the first capture: the driver's share holds no per-graph cost"
+    why = nodes_unread_reason(driver)
+    return f"the driver's share counts graphs, not their nodes: {why}" if why else ""
+
+
+def reserved_device_bytes() -> int | None:
+    """What PyTorch's caching allocator holds now (after :func:`free_device_bytes` emptied its
+    cache); ``None`` where it cannot be read."""
+    try:
+        return int(torch.cuda.memory_reserved())
+    except Exception:  # noqa: BLE001 - no figure rather than no log line
+        return None
+
+
+def reserved_buffer_source() -> bool:
+    """Whether SGLang's engine reserves the shared buffer outside the pool (the default) rather
+    than adopting an output in it (``SGLANG_BCG_SHARED_BUFFER=adopt``)."""
+    from .sglang_session import shared_buffer
+
+    try:
+        return shared_buffer() == "reserve"
+    except ValueError:
+        return True
 
 
 def free_device_bytes() -> int | None:
@@ -170,6 +222,9 @@ class SessionForecast:
         self.measured: int | None = None  # what close() found in the pool (+ a reserved buffer)
         self.lost: int | None = None  # the free device memory the session gave up (close())
         self.free_at_open = free_device_bytes() if self.enabled and torch.cuda.is_available() else None
+        self.reserved_at_open = reserved_device_bytes() if self.free_at_open is not None else None
+        self.driver: DriverShare | None = None  # the driver's share of the forecast (first capture)
+        self.first_capture_driver: int | None = None  # what the first capture lost beyond the allocator
         self.baseline = sglang_baseline_free() if self.free_at_open is not None else None
         self.trace_path = env.get(ENV_FORECAST_TRACE) if self.free_at_open is not None else None
         self.rows: list[dict[str, Any]] = []
@@ -210,12 +265,24 @@ class SessionForecast:
         self.held_at_start = sum(n for _, n in self._pool_segments())
         torch.cuda.memory._record_memory_history(enabled="all", context=None, stacks="python", max_entries=1_000_000)
         try:
-            yield
+            with counting_captures() as count:
+                yield
             events = torch.cuda.memory._snapshot()["device_traces"][torch.cuda.current_device()]
             segments = self._pool_segments()
         finally:
             torch.cuda.memory._record_memory_history(enabled=None)
-        self._forecast(size, events, segments, output_bytes)
+        self._forecast(size, events, segments, output_bytes, count.since(CaptureCount(), size), self._first_memory(segments))
+
+    def _first_memory(self, segments: list[tuple[int, int]]) -> tuple[int, int] | None:
+        """After the first capture: what the allocator reserved outside the pool since the
+        session opened, and the free device memory lost beyond the allocator's growth (the
+        driver's share of the first capture); ``None`` where not measured."""
+        free, reserved = free_device_bytes(), reserved_device_bytes()
+        if None in (free, reserved, self.free_at_open, self.reserved_at_open):
+            return None
+        grown = reserved - self.reserved_at_open  # type: ignore[operator]
+        outside = max(0, grown - (sum(n for _, n in segments) - self.held_at_start))
+        return outside, max(0, self.free_at_open - free - grown)  # type: ignore[operator]
 
     def _pool_segments(self) -> list[tuple[int, int]]:
         handle = self.pool()
@@ -224,7 +291,11 @@ class SessionForecast:
                 if tuple(s.get("segment_pool_id", (0, 0))) != (0, 0)
                 and (pool is None or tuple(s.get("segment_pool_id", ())) == pool)]
 
-    def _forecast(self, size: int, events: Any, segments: list[tuple[int, int]], output_bytes: list[int]) -> None:
+    def _forecast(self, size: int, events: Any, segments: list[tuple[int, int]], output_bytes: list[int],
+                  graphs: Any = None, first: tuple[int, int] | None = None) -> None:
+        """``graphs``: the first capture's :class:`~sglang_bcg_plugin.forecast.driver.ProbeCount`
+        (``None``: no driver's share); ``first``: :meth:`_first_memory` (``None``: no stream bytes,
+        and the first-capture cost left out)."""
         assert self.sizes is not None
         trace = pool_trace(size, events, segments)
         if not trace.ops:
@@ -233,11 +304,22 @@ class SessionForecast:
         trace, outputs = outputs_kept(trace, output_bytes)
         fitted = ScaledTrace.proportional(trace)
         expandable = expandable_segments()
-        modes = forecast_modes(fitted, self.sizes, outputs=outputs, largest_output_bytes=sum(output_bytes),
-                               expandable=expandable)
+        outside, lost_beyond = first if first is not None else (0, None)
+        self.first_capture_driver = lost_beyond
+        self.driver = None if graphs is None else schedule_share(
+            [graphs], self.sizes, on_copy_nodes_per_size=len(output_bytes),
+            first_capture=lost_beyond is not None and lost_beyond >= DRIVER_COEFFICIENTS.first_capture_bytes // 2)
+        options: dict[str, Any] = {"outputs": outputs, "largest_output_bytes": sum(output_bytes), "expandable": expandable}
+        modes = forecast_modes(fitted, self.sizes, **options)
+        if outside or self.driver is not None:
+            # what the first capture reserved outside the pool, less a reserved shared buffer (modelled)
+            buffer = modes["on"].outputs_bytes if self.mode == "on" and reserved_buffer_source() else 0
+            modes = forecast_modes(fitted, self.sizes, **options, stream_bytes=max(0, outside - buffer),
+                                   driver=self.driver)
         self.forecast = {"modes": modes,
-                         "references": reference_estimates(modes, fitted, self.sizes, outputs=outputs, expandable=expandable)}
-        log.info("%s", format_forecast(modes, self.mode, self.sizes, kv_bytes_per_token(self.runner)))
+                         "references": reference_estimates(modes, fitted, self.sizes, outputs=outputs, expandable=expandable,
+                                                           driver=self.driver)}
+        log.info("%s", format_forecast(modes, self.mode, self.sizes, kv_bytes_per_token(self.runner), self.driver))
 
     def close(self, outside_pool_bytes: int = 0) -> int | None:
         """Log what the session added to SGLang's graph pool (plus ``outside_pool_bytes``: a
@@ -246,15 +328,17 @@ class SessionForecast:
             return None
         added = sum(n for _, n in self._pool_segments()) - self.held_at_start
         measured = added + outside_pool_bytes
-        forecast = self.forecast["modes"][self.mode].total_bytes
+        f = self.forecast["modes"][self.mode]
+        forecast = f.pool_bytes  # the pool and a shared buffer, as measured here
         error = (forecast - measured) / measured if measured else 0.0
         free_now = free_device_bytes()
         if self.free_at_open is not None and free_now is not None:
             self.lost = self.free_at_open - free_now
         lost = ""
         if self.lost:
-            lost = (f"; free device memory lost over the session {self.lost / MIB:.1f} MiB, "
-                    f"forecast error against it {(forecast - self.lost) / self.lost * 100:+.1f} %")
+            lost = (f"; free device memory lost over the session {self.lost / MIB:.1f} MiB, forecast with the "
+                    f"CUDA driver's share {f.total_bytes / MIB:.1f} MiB (+ capture stream {f.stream_bytes / MIB:.1f} "
+                    f"+ driver {f.driver_bytes / MIB:.1f}), error {(f.total_bytes - self.lost) / self.lost * 100:+.1f} %")
         log.info("sglang_bcg: graph memory after capture: %.1f MiB (graph pool %.1f MiB + shared buffer %.1f MiB); "
                  "forecast %.1f MiB, error %+.1f %%%s", measured / MIB, added / MIB, outside_pool_bytes / MIB,
                  forecast / MIB, error * 100, lost)
@@ -270,7 +354,10 @@ class SessionForecast:
             return
         record = {"mode": self.mode, "sizes": self.sizes, "baseline": self.baseline, "free_at_open": self.free_at_open,
                   "free_at_close": free_now, "held_at_start": self.held_at_start, "rows": self.rows,
-                  "forecast": {m: f.total_bytes for m, f in (self.forecast or {}).get("modes", {}).items()}}
+                  "forecast": {m: f.total_bytes for m, f in (self.forecast or {}).get("modes", {}).items()},
+                  "forecast_parts": {m: f.to_dict() for m, f in (self.forecast or {}).get("modes", {}).items()},
+                  "driver": None if self.driver is None else self.driver.to_dict(),
+                  "first_capture_driver": self.first_capture_driver}
         try:
             with open(self.trace_path, "w", encoding="utf-8") as fh:
                 json.dump(record, fh, indent=1)

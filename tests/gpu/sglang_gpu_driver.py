@@ -94,7 +94,10 @@ def capture_variant(setup: Setup, name: str) -> dict[str, Any]:
                    fallbacks=len(report.fallbacks))
         fc = getattr(backend, "_bcg_forecast", None)  # the forecast logged inside SGLang (0.5.14+)
         if fc is not None and fc.forecast is not None and limit is None:
-            row.update(forecast_bytes=fc.forecast["modes"][fc.mode].total_bytes, forecast_measured_bytes=fc.measured)
+            f = fc.forecast["modes"][fc.mode]  # the pool part against the pool; the whole against the free memory lost
+            row.update(forecast_bytes=f.pool_bytes, forecast_measured_bytes=fc.measured,
+                       forecast_total_bytes=f.total_bytes, forecast_driver_bytes=f.driver_bytes,
+                       forecast_stream_bytes=f.stream_bytes, forecast_lost_bytes=fc.lost)
     if keep:
         setup.refill()
         row["max_abs_err"] = setup.max_error(backend, sizes, _leaf)

@@ -1,0 +1,269 @@
+"""The CUDA driver's share of a capture session: what instantiated graphs take outside PyTorch's allocator.
+
+A fresh process loses more free device memory over its first capture session than the caching
+allocator reserves: the driver takes memory for every instantiated graph (and, once per process,
+for the first capture). ``tests/gpu/driver_cost.py`` measures it in a fresh process per graph
+shape; its H200 recording (``tests/data/driver/h200_driver_cost.json``) fits
+
+    driver bytes = first capture (once per process) + per graph * graphs + per node * nodes
+
+within 3.3 MiB of each of its 63 readings (``tests/test_forecast_driver.py``). The driver keeps
+these resources for the most graphs alive at once, for the life of the process: a later session
+of no more graphs pays nothing again.
+
+The graphs and their nodes are counted while the probes capture (:func:`counting_captures`):
+every ``torch.cuda.CUDAGraph.capture_end`` of the process is seen, and just before it ends the
+capture, the number of nodes of the graph the capturing stream is recording into is read from
+the CUDA driver (``cuStreamGetCaptureInfo``, ``cuGraphGetNodes``, through ``ctypes``). A graph
+with no node (an empty segment, the engines' pool anchors) is not counted. Where the nodes
+cannot be read (no ``libcuda``), the graphs are still counted and the nodes are not
+(:attr:`DriverShare.nodes_counted`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import functools
+import sys
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+KIB = 1024
+MIB = 1024 * KIB
+
+
+@dataclass(frozen=True, slots=True)
+class DriverCoefficients:
+    """What the CUDA driver takes outside PyTorch's allocator, in bytes: once per process at its
+    first capture, per instantiated graph, and per graph node (kernel, memcpy or memset)."""
+
+    first_capture_bytes: int
+    per_graph_bytes: int
+    per_node_bytes: int
+    measured_on: str
+
+    def bytes_for(self, graphs: float, nodes: float, *, first_capture: bool = True) -> int:
+        """The driver's bytes for ``graphs`` alive at once with ``nodes`` nodes in all."""
+        return round((self.first_capture_bytes if first_capture else 0) + graphs * self.per_graph_bytes
+                     + nodes * self.per_node_bytes)
+
+
+#: The one place the driver's coefficients live. Measured on an NVIDIA H200 with torch
+#: 2.11.0+cu130 (``python3 tests/gpu/driver_cost.py``, one fresh process per graph shape:
+#: ``tests/data/driver/h200_driver_cost.json``) and fitted by least squares, rounded: 69 MiB at
+#: a process's first capture, 106 KiB per graph, 2.5 KiB per node; within 3.3 MiB of every
+#: reading (``tests/test_forecast_driver.py``). Other GPUs, drivers and CUDA versions may differ:
+#: run ``tests/gpu/driver_cost.py`` there.
+DRIVER_COEFFICIENTS = DriverCoefficients(69 * MIB, 106 * KIB, 2560, "NVIDIA H200, torch 2.11.0+cu130")
+
+
+@dataclass(frozen=True, slots=True)
+class DriverShare:
+    """The driver's share of one schedule's capture: its graphs and nodes, and the bytes per mode.
+
+    :param graphs: graphs the schedule leaves alive (every size's, with at least one node).
+    :param nodes: their nodes, in all (0 where they could not be counted: ``nodes_counted``).
+    :param on_copy_nodes: what mode ``on`` adds: one copy into the shared buffer per output
+        tensor per size.
+    :param first_capture: the process pays the first-capture cost in this session (the probes
+        found it paying it: their captures lost at least half of it outside the allocator).
+    :param nodes_counted: the nodes were read from the driver (else only graphs are counted).
+    """
+
+    graphs: int
+    nodes: int
+    on_copy_nodes: int = 0
+    first_capture: bool = True
+    nodes_counted: bool = True
+    coefficients: DriverCoefficients = DRIVER_COEFFICIENTS
+
+    def bytes_for(self, mode: str) -> int:
+        """The driver's bytes with output mode ``mode``."""
+        nodes = self.nodes + (self.on_copy_nodes if mode == "on" else 0)
+        return self.coefficients.bytes_for(self.graphs, nodes, first_capture=self.first_capture)
+
+    def per_size_bytes(self, sizes: int, mode: str) -> tuple[int, int]:
+        """With output mode ``mode``, the first size's bytes (the first-capture cost with it,
+        where paid) and every other size's, the graphs and nodes split evenly over ``sizes``."""
+        all_nodes = self.nodes + (self.on_copy_nodes if mode == "on" else 0)
+        graphs, nodes = self.graphs / max(sizes, 1), all_nodes / max(sizes, 1)
+        return (self.coefficients.bytes_for(graphs, nodes, first_capture=self.first_capture),
+                self.coefficients.bytes_for(graphs, nodes, first_capture=False))
+
+    def describe(self) -> str:
+        nodes = f"{self.nodes:,} nodes" if self.nodes_counted else "nodes not counted"
+        first = "with" if self.first_capture else "without"
+        return f"{self.graphs:,} graphs, {nodes}, {first} the first-capture cost"
+
+    def to_dict(self) -> dict[str, Any]:
+        c = self.coefficients
+        return {"graphs": self.graphs, "nodes": self.nodes, "on_copy_nodes": self.on_copy_nodes,
+                "first_capture": self.first_capture, "nodes_counted": self.nodes_counted,
+                "coefficients": {"first_capture_bytes": c.first_capture_bytes, "per_graph_bytes": c.per_graph_bytes,
+                                 "per_node_bytes": c.per_node_bytes, "measured_on": c.measured_on}}
+
+
+@dataclass(frozen=True, slots=True)
+class ProbeCount:
+    """The graphs one probe capture (one size) made: ``nodes`` is ``None`` where any graph's nodes
+    could not be read."""
+
+    size: int
+    graphs: int
+    nodes: int | None
+
+
+def schedule_share(probes: Sequence[ProbeCount], sizes: Sequence[int], *, on_copy_nodes_per_size: int = 0,
+                   first_capture: bool = True, coefficients: DriverCoefficients = DRIVER_COEFFICIENTS) -> DriverShare:
+    """The :class:`DriverShare` of capturing every size of ``sizes``, from the probes' counts:
+    each size's graphs and nodes on the line through the two probes (by size, rounded); one
+    probe: the same at every size. Where the probes captured no graph, none is counted (and no
+    copy node for ``on``)."""
+    counted = all(p.nodes is not None for p in probes)
+    if not any(p.graphs for p in probes):
+        on_copy_nodes_per_size = 0
+    ordered = sorted(probes, key=lambda p: p.size)
+    graphs = nodes = 0
+    for n in sizes:
+        g, k = _at(ordered, n, lambda p: p.graphs), _at(ordered, n, lambda p: p.nodes or 0) if counted else 0
+        graphs, nodes = graphs + g, nodes + k
+    return DriverShare(graphs, nodes, on_copy_nodes_per_size * len(sizes), first_capture, counted, coefficients)
+
+
+def _at(ordered: Sequence[ProbeCount], size: int, value: Any) -> int:
+    if not ordered:
+        return 0
+    lo, hi = ordered[0], ordered[-1]
+    if hi.size == lo.size:
+        return int(value(hi))
+    return max(0, round(value(lo) + (value(hi) - value(lo)) * (size - lo.size) / (hi.size - lo.size)))
+
+
+# -- counting the graphs and their nodes while they are captured ----------------------------------
+@dataclass
+class CaptureCount:
+    """Graphs captured while :func:`counting_captures` was open: ``graphs`` with at least one node
+    (every graph where nodes could not be read), their ``nodes``, ``empty`` ones, and ``unread``:
+    graphs whose nodes could not be read."""
+
+    graphs: int = 0
+    nodes: int = 0
+    empty: int = 0
+    unread: int = 0
+
+    def add(self, nodes: int | None) -> None:
+        if nodes is None:
+            self.graphs += 1
+            self.unread += 1
+        elif nodes == 0:
+            self.empty += 1
+        else:
+            self.graphs += 1
+            self.nodes += nodes
+
+    def since(self, earlier: CaptureCount, size: int) -> ProbeCount:
+        """What was captured since ``earlier`` (a copy taken before), as one probe's count."""
+        return ProbeCount(size, self.graphs - earlier.graphs,
+                          None if self.unread > earlier.unread else self.nodes - earlier.nodes)
+
+    def copy(self) -> CaptureCount:
+        return CaptureCount(self.graphs, self.nodes, self.empty, self.unread)
+
+
+@contextlib.contextmanager
+def counting_captures() -> Iterator[CaptureCount]:
+    """While open, every ``torch.cuda.CUDAGraph.capture_end`` in the process counts its graph and
+    the graph's nodes (read just before the capture ends: :func:`capture_nodes`). A capture whose
+    ``capture_end`` raises is not counted."""
+    import torch
+
+    cls = torch.cuda.CUDAGraph
+    own = cls.__dict__.get("capture_end")
+    original = cls.capture_end
+    count = CaptureCount()
+
+    def capture_end(self: Any, *args: Any, **kwargs: Any) -> Any:
+        nodes = capture_nodes()
+        result = original(self, *args, **kwargs)
+        count.add(nodes)
+        return result
+
+    capture_end.__doc__ = original.__doc__
+    cls.capture_end = capture_end  # type: ignore[method-assign]
+    try:
+        yield count
+    finally:
+        if own is None:
+            del cls.capture_end
+        else:
+            cls.capture_end = own  # type: ignore[method-assign]
+
+
+_CAPTURE_ACTIVE = 1  # CU_STREAM_CAPTURE_STATUS_ACTIVE
+
+
+@dataclass(frozen=True)
+class _DriverApi:
+    capture_info: Any  # cuStreamGetCaptureInfo_v3 or _v2
+    extra_args: int  # NULL arguments after graph_out: 3 (v3) or 2 (v2)
+    graph_nodes: Any  # cuGraphGetNodes
+
+
+@functools.cache
+def driver_api() -> tuple[_DriverApi | None, str]:
+    """The driver functions that read a capture's nodes, or ``None`` and why not."""
+    if not sys.platform.startswith("linux"):
+        return None, f"node counting reads libcuda.so.1 (Linux); this is {sys.platform}"
+    try:
+        lib = ctypes.CDLL("libcuda.so.1")
+    except OSError as exc:
+        return None, f"libcuda.so.1 could not be loaded ({exc})"
+    info, extra = None, 0
+    for name, nulls in (("cuStreamGetCaptureInfo_v3", 3), ("cuStreamGetCaptureInfo_v2", 2)):
+        info = getattr(lib, name, None)
+        if info is not None:
+            extra = nulls
+            break
+    nodes = getattr(lib, "cuGraphGetNodes", None)
+    if info is None or nodes is None:
+        return None, "libcuda.so.1 has no cuStreamGetCaptureInfo_v2/_v3 or cuGraphGetNodes"
+    ptr, out = ctypes.c_void_p, ctypes.POINTER
+    # (stream, status*, id*, graph*, deps**, [edgeData**,] numDeps*) -> CUresult
+    info.argtypes = [ptr, out(ctypes.c_int), out(ctypes.c_uint64), out(ptr)] + [ptr] * extra
+    info.restype = ctypes.c_int
+    nodes.argtypes = [ptr, ptr, out(ctypes.c_size_t)]  # (graph, nodes*, numNodes*)
+    nodes.restype = ctypes.c_int
+    return _DriverApi(info, extra, nodes), ""
+
+
+def capture_nodes() -> int | None:
+    """Nodes of the graph the current stream is capturing into (``None``: not capturing, or they
+    cannot be read). Reading is one of the operations CUDA permits on a graph under capture."""
+    api, _ = driver_api()
+    if api is None:
+        return None
+    try:
+        import torch
+
+        stream = torch.cuda.current_stream().cuda_stream
+        status, ident, graph = ctypes.c_int(0), ctypes.c_uint64(0), ctypes.c_void_p(0)
+        rc = api.capture_info(ctypes.c_void_p(stream), ctypes.byref(status), ctypes.byref(ident),
+                              ctypes.byref(graph), *([None] * api.extra_args))
+        if rc != 0 or status.value != _CAPTURE_ACTIVE or not graph.value:
+            return None
+        count = ctypes.c_size_t(0)
+        if api.graph_nodes(graph, None, ctypes.byref(count)) != 0:
+            return None
+        return int(count.value)
+    except Exception:  # noqa: BLE001 - a count is optional; the capture must not fail for it
+        return None
+
+
+def nodes_unread_reason(share: DriverShare | None) -> str:
+    """Why the share counts graphs only ("" where it counts nodes too)."""
+    if share is None or share.nodes_counted:
+        return ""
+    _, why = driver_api()
+    return why or "the driver did not report the captures' nodes"
