@@ -4,20 +4,10 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-import warnings
 from dataclasses import dataclass
 from typing import Literal
 
-from .output_mode import (
-    OFF,
-    OutputMode,
-    bool_word,
-    check_share_output,
-    mode_of_option,
-    parse_output_mode,
-    resolve_output_mode,
-    share_output_of,
-)
+from .output_mode import OutputMode, bool_word, parse_output_mode
 
 EngineName = Literal["auto", "cuda", "eager"]
 SharedBufferSource = Literal["auto", "adopt", "reserve"]
@@ -87,16 +77,17 @@ def _check_bool(field: str, value: object) -> None:
         raise TypeError(msg)
 
 
-@dataclass(frozen=True, slots=True, init=False)
+@dataclass(frozen=True, slots=True)
 class BackendOptions:
     """Settings of one backend instance; every field is type-checked on construction.
 
     :param output_mode: ``"on"`` shares one output buffer per stream partition across all
         capture sizes, ``"released"`` hands out zero-copy outputs that live in graph-pool memory
         (:mod:`sglang_bcg_plugin.output_mode`), ``"off"`` keeps one output per key (any case).
-        ``None`` (the default) follows the switch: the SGLang flag stash, then the environment
-        variable ``SGLANG_ENABLE_BCG_SHARED_OUTPUT``, then the default (off standalone),
-        resolved at the start of every capture session.
+        ``None`` (the default) follows the switch: a host's resolution (``output_mode=`` of the
+        backend), then the environment variable ``SGLANG_ENABLE_BCG_SHARED_OUTPUT`` (which the
+        SGLang flag sets), then the default (off standalone), resolved at the start of every
+        capture session.
     :param strict_outputs: raise :class:`OutputStructureError` when a key's output does not fit
         the shared buffer, instead of letting that key keep its own output with a warning.
         Risky in serving: one odd shape key aborts the whole capture.
@@ -124,11 +115,8 @@ class BackendOptions:
         cannot place; docs/forecast.md, "expandable_segments"). Allocations made during the
         session outside the pool (warmups, eager splitting ops) grow that way too.
     :raises TypeError: a field of the wrong type (``strict_outputs="no"``, ``num_warmups=2.0``).
-    :param share_output: deprecated boolean alias of ``output_mode`` (``True`` = ``"on"``,
-        ``False`` = ``"off"``, ``"released"``), kept for one release with a ``DeprecationWarning``;
-        reading ``options.share_output`` gives the same spelling of ``output_mode``.
-    :raises ValueError: ``engine``, ``shared_buffer``, ``pool_reserve`` or ``pool_segments`` not one of its names, ``num_warmups < 0``,
-        or ``share_output`` and ``output_mode`` both given and different.
+    :raises ValueError: ``output_mode``, ``engine``, ``shared_buffer``, ``pool_reserve`` or
+        ``pool_segments`` not one of its names, ``num_warmups < 0``.
     """
 
     output_mode: OutputMode | None = None
@@ -140,47 +128,8 @@ class BackendOptions:
     pool_reserve: PoolReserve = "off"
     pool_segments: PoolSegments = "fixed"
 
-    def __init__(
-        self,
-        output_mode: OutputMode | None = None,
-        strict_outputs: bool = False,
-        engine: EngineName = "auto",
-        num_warmups: int = 2,
-        stale_output_guard: bool = False,
-        shared_buffer: SharedBufferSource = "auto",
-        pool_reserve: PoolReserve = "off",
-        pool_segments: PoolSegments = "fixed",
-        *,
-        share_output: bool | str | None = None,
-    ) -> None:
-        for name, value in (
-            ("output_mode", output_mode), ("strict_outputs", strict_outputs), ("engine", engine),
-            ("num_warmups", num_warmups), ("stale_output_guard", stale_output_guard), ("shared_buffer", shared_buffer),
-            ("pool_reserve", pool_reserve), ("pool_segments", pool_segments),
-        ):
-            object.__setattr__(self, name, value)
-        self._check(share_output)
-
-    @property
-    def share_output(self) -> bool | str | None:
-        """Deprecated: ``output_mode`` spelt as the old boolean option (read ``output_mode``)."""
-        return share_output_of(self.output_mode)
-
-    def _check(self, share_output: bool | str | None) -> None:
-        mode = parse_output_mode(self.output_mode)
-        if share_output is not None:
-            warnings.warn(
-                "BackendOptions(share_output=...) is deprecated; use output_mode='on', 'off' or 'released'",
-                DeprecationWarning,
-                stacklevel=3,
-            )
-            check_share_output(share_output)
-            legacy = mode_of_option(share_output)
-            if mode is not None and mode != legacy:
-                msg = f"BackendOptions: share_output={share_output!r} and output_mode={mode!r} disagree; give output_mode only"
-                raise ValueError(msg)
-            mode = legacy
-        object.__setattr__(self, "output_mode", mode)
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "output_mode", parse_output_mode(self.output_mode))
         # Frozen: normalise through object.__setattr__ ("ADOPT" == "adopt", as the env variable).
         object.__setattr__(self, "shared_buffer", parse_shared_buffer(self.shared_buffer))
         object.__setattr__(self, "pool_reserve", parse_pool_reserve(self.pool_reserve))
@@ -222,27 +171,3 @@ def parse_bool_env(name: str, environ: Mapping[str, str] | None = None) -> bool 
         msg = f"{name}={raw!r} is not a boolean; use one of 1/0, true/false, yes/no, on/off"
         raise ValueError(msg)
     return flag
-
-
-def resolve_share_output(
-    explicit: bool | str | None = None,
-    *,
-    server_args: object | None = None,
-    environ: Mapping[str, str] | None = None,
-) -> bool:
-    """Deprecated: ``resolve_output_mode(...) != "off"``; kept one release with a
-    ``DeprecationWarning``. Use :func:`~sglang_bcg_plugin.output_mode.resolve_output_mode`
-    (for ``server_args``: ``explicit=sglang_bcg_plugin.integration.flag_resolution(server_args)``).
-
-    :raises ValueError: the environment variable holds something that is not a mode.
-    """
-    hint = "" if server_args is None else "; for server_args=, pass explicit=sglang_bcg_plugin.integration.flag_resolution(server_args)"
-    warnings.warn(
-        f"resolve_share_output() is deprecated; use resolve_output_mode(...) != 'off'{hint}", DeprecationWarning, stacklevel=2
-    )
-    flag = None
-    if server_args is not None and explicit is None:  # the deprecated path: the integration reads the flag
-        from .integration.stash import flag_resolution
-
-        flag = flag_resolution(server_args)
-    return resolve_output_mode(explicit if flag is None else flag, environ=environ) != OFF

@@ -14,7 +14,7 @@ The one switch is ``output_mode`` / ``--enable-bcg-shared-output`` /
 ``SGLANG_ENABLE_BCG_SHARED_OUTPUT``; its values:
 
 * ``BackendOptions(output_mode="off" | "on" | "released" | None)`` (``None``: follow the
-  flag / environment; the boolean ``share_output=`` is its deprecated alias);
+  flag / environment);
 * the environment variable: ``1/0``, ``true/false``, ``yes/no``, ``on/off`` or ``released``
   (any case, surrounding whitespace allowed; empty means unset);
 * a host's choice already resolved, with its reason: a :class:`Resolution` given as
@@ -54,7 +54,7 @@ def parse_output_mode(value: object, *, name: str = "BackendOptions.output_mode"
 
     :raises ValueError: a string that is not a mode, naming ``name``, the value and the modes.
     :raises TypeError: anything else, naming ``name``, the value and what is accepted (a bool
-        says which mode it meant: ``share_output`` was boolean).
+        says which mode it meant).
     """
     if value is None:
         return None
@@ -69,32 +69,12 @@ def parse_output_mode(value: object, *, name: str = "BackendOptions.output_mode"
     raise TypeError(msg)
 
 
-def check_share_output(value: object, *, name: str = "BackendOptions.share_output") -> None:
-    """Validate a value of the deprecated boolean option ``share_output``: ``False``, ``True``,
-    ``"released"`` or ``None``.
-
-    :raises TypeError: anything else, naming ``name``, the value and what is accepted.
-    """
-    if value is None or isinstance(value, bool) or (isinstance(value, str) and value == RELEASED):
-        return
-    msg = (
-        f"{name} must be False (off), True (on), 'released' or None (follow "
-        f"--enable-bcg-shared-output / {ENV_SHARE_OUTPUT}), got {value!r} of type {type(value).__name__}"
-    )
-    raise TypeError(msg)
-
-
 def mode_of_option(value: bool | str | None) -> OutputMode | None:
-    """The mode an option value selects (``None``: not set): an ``output_mode`` string, or a
-    value of the deprecated ``share_output`` (``True``/``False``/``"released"``)."""
+    """The mode a bench variant's ``share`` selects (``True`` = ``on``, ``False`` = ``off``) or
+    an ``output_mode`` string; ``None``: not set."""
     if isinstance(value, bool):
         return ON if value else OFF
     return parse_output_mode(value)
-
-
-def share_output_of(mode: OutputMode | None) -> bool | str | None:
-    """The deprecated ``share_output`` spelling of ``mode``."""
-    return None if mode is None else {OFF: False, ON: True, RELEASED: RELEASED}[mode]
 
 
 def bool_word(raw: str) -> bool | None:
@@ -137,29 +117,24 @@ class Resolution:
 
 
 def explain_output_mode(
-    explicit: bool | str | Resolution | None = None,
+    explicit: str | Resolution | None = None,
     *,
     environ: Mapping[str, str] | None = None,
     default: OutputMode = OFF,
     default_reason: str = "default: off",
-    server_args: object | None = None,
 ) -> Resolution:
     """Resolve the output mode and say why (see the module docstring for the precedence).
 
-    ``explicit``: an option value (``BackendOptions.output_mode``, or the deprecated boolean
-    ``share_output``), a :class:`Resolution` resolved already (returned as it is: the SGLang
-    flag, ``integration.stash.flag_resolution``), or ``None`` (follow the environment, then
-    ``default``). ``server_args=`` is deprecated (one release): pass the flag's resolution
-    as ``explicit`` instead.
+    ``explicit``: an option value (``BackendOptions.output_mode``), a :class:`Resolution`
+    resolved already by a host (returned as it is), or ``None`` (follow the environment, then
+    ``default``).
 
     :raises TypeError: ``explicit`` is not a valid option value.
-    :raises ValueError: the environment variable (or the deprecated flag stash) is not a mode.
+    :raises ValueError: ``explicit`` or the environment variable is not a mode.
     """
-    if server_args is not None:
-        explicit = _deprecated_flag(explicit, server_args, "explain_output_mode()")
     if isinstance(explicit, Resolution):
         return explicit
-    mode = mode_of_option(explicit)
+    mode = parse_output_mode(explicit)
     if mode is not None:
         return Resolution(mode, f"BackendOptions.output_mode={mode!r}")
     env = os.environ if environ is None else environ
@@ -171,23 +146,10 @@ def explain_output_mode(
 
 
 def resolve_output_mode(
-    explicit: bool | str | Resolution | None = None,
+    explicit: str | Resolution | None = None,
     *,
     environ: Mapping[str, str] | None = None,
     default: OutputMode = OFF,
-    server_args: object | None = None,
 ) -> OutputMode:
-    """:func:`explain_output_mode` without the reason (``server_args=``: deprecated, likewise)."""
-    if server_args is not None:
-        explicit = _deprecated_flag(explicit, server_args, "resolve_output_mode()")
+    """:func:`explain_output_mode` without the reason."""
     return explain_output_mode(explicit, environ=environ, default=default).mode
-
-
-def _deprecated_flag(explicit: bool | str | Resolution | None, server_args: object, where: str) -> bool | str | Resolution | None:
-    """The deprecated ``server_args=`` keyword (one release): the SGLang flag's stash, resolved
-    by the integration (imported here, never at module level), stands in for a missing
-    ``explicit``; an explicit option still wins and then the stash is not read, as before."""
-    from .integration.stash import deprecated_server_args
-
-    flag = deprecated_server_args(server_args, where, "pass it as explicit= (when no option is set)")
-    return flag() if explicit is None else explicit

@@ -8,7 +8,7 @@ from sglang_bcg_plugin.options import parse_bool_env
 
 
 def _shares(*args: object, **kwargs: object) -> bool:
-    """Sharing on (``on`` or ``released``): what the deprecated ``resolve_share_output`` said."""
+    """Sharing on (``on`` or ``released``)."""
     from sglang_bcg_plugin.output_mode import resolve_output_mode
 
     return resolve_output_mode(*args, **kwargs) != "off"  # type: ignore[arg-type]
@@ -47,30 +47,15 @@ def test_precedence() -> None:
 
     from sglang_bcg_plugin.integration import flag_resolution
 
-    def flag_or(explicit: bool | None, server_args: object, environ: dict[str, str]) -> bool:
+    def flag_or(explicit: str | None, server_args: object, environ: dict[str, str]) -> bool:
         """The integration's rule: the flag stands in for a missing explicit option."""
         return _shares(explicit if explicit is not None else flag_resolution(server_args), environ=environ)
 
     env_off = {ENV: "0"}
-    assert flag_or(False, Args(), {ENV: "1"}) is False
+    assert flag_or("off", Args(), {ENV: "1"}) is False
     assert flag_or(None, Args(), env_off) is True
     assert flag_or(None, Off(), {ENV: "1"}) is False
     assert flag_or(None, object(), {ENV: "1"}) is True
-
-
-def test_resolve_share_output_keeps_its_deprecated_server_args() -> None:
-    from sglang_bcg_plugin import resolve_share_output
-
-    class Args:
-        _bcg_shared_output = "released"
-
-    match = r"resolve_share_output\(\) is deprecated.*for server_args=, pass explicit=sglang_bcg_plugin\.integration\.flag_resolution"
-    with pytest.warns(DeprecationWarning, match=match):
-        assert resolve_share_output(None, server_args=Args(), environ={ENV: "0"}) is True
-    with pytest.warns(DeprecationWarning, match=match):
-        assert resolve_share_output(False, server_args=Args(), environ={}) is False
-    with pytest.warns(DeprecationWarning, match=match):
-        assert resolve_share_output(None, server_args=object(), environ={ENV: "1"}) is True
 
 
 def test_process_env_is_read(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -83,8 +68,6 @@ def test_options_validation() -> None:
     assert BackendOptions().strict_outputs is False
     with pytest.raises(ValueError, match="output_mode"):
         BackendOptions(output_mode="yes")  # type: ignore[arg-type]
-    with pytest.warns(DeprecationWarning), pytest.raises(TypeError, match="share_output"):
-        BackendOptions(share_output="yes")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="engine"):
         BackendOptions(engine="tpu")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="num_warmups"):
@@ -100,16 +83,16 @@ def test_default_follows_the_switch(monkeypatch: pytest.MonkeyPatch) -> None:
     assert BackendOptions().output_mode is None
     backend = create_backend("full", options=BackendOptions(engine="eager"))
     with backend.capture_session():
-        assert backend.share_output_active is False
+        assert backend.output_mode_active == "off"
     monkeypatch.setenv(ENV, "1")
     for options in (BackendOptions(engine="eager"), None):
         backend = create_backend("full", options=options)
         with backend.capture_session():
-            assert backend.share_output_active is True
+            assert backend.output_mode_active == "on"
             backend.capture_one(ShapeKey(2), lambda: torch.ones(2, 2))
     explicit = create_backend("full", options=BackendOptions(output_mode="off"))
     with explicit.capture_session():
-        assert explicit.share_output_active is False  # an explicit setting beats the env var
+        assert explicit.output_mode_active == "off"  # an explicit setting beats the env var
 
 
 @pytest.mark.parametrize(
@@ -150,25 +133,16 @@ def test_create_backend_rejects_non_options() -> None:
     from sglang_bcg_plugin import create_backend
 
     with pytest.raises(TypeError, match=r"options must be a BackendOptions or None, got dict .*BackendOptions\(\.\.\.\)"):
-        create_backend("full", options={"share_output": True})  # type: ignore[arg-type]
+        create_backend("full", options={"output_mode": "on"})  # type: ignore[arg-type]
 
 
-def test_share_output_is_a_deprecated_alias_of_output_mode() -> None:
+def test_output_mode_is_normalised_and_replaceable() -> None:
     import dataclasses
 
-    from sglang_bcg_plugin import resolve_share_output
-
-    with pytest.warns(DeprecationWarning, match="use output_mode='on', 'off' or 'released'"):
-        legacy = BackendOptions(share_output=True)
-    assert legacy == BackendOptions(output_mode="on") and legacy.share_output is True
-    assert dataclasses.replace(legacy, output_mode="released").output_mode == "released"  # no warning
+    assert dataclasses.replace(BackendOptions(output_mode="on"), output_mode="released").output_mode == "released"
     assert BackendOptions(output_mode=" Released ").output_mode == "released"
     with pytest.raises(TypeError, match=r"got True of type bool \(use output_mode='on'\)"):
         BackendOptions(output_mode=True)  # type: ignore[arg-type]
-    with pytest.warns(DeprecationWarning), pytest.raises(ValueError, match="disagree"):
-        BackendOptions(output_mode="on", share_output=False)
-    with pytest.warns(DeprecationWarning, match="resolve_share_output"):
-        assert resolve_share_output("released", environ={}) is True
 
 
 def test_pool_reserve_option() -> None:

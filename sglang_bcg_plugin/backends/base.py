@@ -31,7 +31,7 @@ from ..errors import CaptureStateError, ObserverError, ObserverWarning, warn_use
 from ..forecast.allocator import ALLOC_CONF_VARS, expandable_segments
 from ..manager import get_plugin_manager
 from ..options import BackendOptions
-from ..output_mode import ON, OutputMode, Resolution, explain_output_mode
+from ..output_mode import OutputMode, Resolution, explain_output_mode
 from ..report import MemoryReport
 from ..shape_key import check_key
 from ..sharing import BufferSource
@@ -199,17 +199,6 @@ def _host_mode(backend: str, output_mode: object) -> Callable[[], Resolution | N
     return lambda: output_mode
 
 
-def _deprecated_server_args(backend: str, output_mode: object, server_args: object) -> Callable[[], Resolution | None]:
-    """The deprecated ``server_args=`` keyword (one release): the SGLang integration reads the
-    flag's stash at every session (imported here, never at module level)."""
-    if output_mode is not None:
-        msg = f"{backend} backend: give output_mode= only (server_args= is its deprecated spelling)"
-        raise TypeError(msg)
-    from ..integration.stash import deprecated_server_args
-
-    return deprecated_server_args(server_args, f"{backend} backend", "pass output_mode=flag_resolution(server_args)")
-
-
 class CaptureBackend:
     """Base class of the Full, Breakable and Piecewise backends."""
 
@@ -221,22 +210,16 @@ class CaptureBackend:
         options: BackendOptions | None = None,
         plugin_manager: pluggy.PluginManager | None = None,
         output_mode: Resolution | None = None,
-        server_args: object | None = None,
     ) -> None:
-        """:param output_mode: an output mode resolved outside the options, with its reason
-            (inside SGLang, ``sglang_bcg_plugin.integration.flag_resolution(server_args)``:
-            the flag). An explicit ``options.output_mode`` wins over it; it wins over the
+        """:param output_mode: an output mode a host resolved outside the options, with its
+            reason. An explicit ``options.output_mode`` wins over it; it wins over the
             environment variable and the default (docs/index.md, "The switch").
-        :param server_args: deprecated, kept one release with a ``DeprecationWarning``: pass
-            ``output_mode=sglang_bcg_plugin.integration.flag_resolution(server_args)``.
         :raises TypeError: ``output_mode`` is not a ``Resolution`` (a mode string belongs in
-            ``BackendOptions(output_mode=...)``), or both keywords are given.
+            ``BackendOptions(output_mode=...)``).
         """
         self._options = options or BackendOptions()
         self._pm = plugin_manager or get_plugin_manager()
         self._host_mode = _host_mode(self.name, output_mode)
-        if server_args is not None:
-            self._host_mode = _deprecated_server_args(self.name, output_mode, server_args)
         self._lock = threading.RLock()
         self._state = CaptureState(self.name, "none")
         self._stream: Any = None
@@ -250,9 +233,6 @@ class CaptureBackend:
     def configure(self, **changes: Any) -> BackendOptions:
         """Replace option fields; they apply from the next capture session on."""
         with self._lock:
-            if "share_output" in changes:  # the deprecated alias (BackendOptions warns)
-                legacy = BackendOptions(share_output=changes.pop("share_output"))
-                changes.setdefault("output_mode", legacy.output_mode)
             self._options = dataclasses.replace(self._options, **changes)
             if "engine" in changes and not self._state.keys() and self._engine is not None:
                 self._engine.release()
@@ -351,12 +331,6 @@ class CaptureBackend:
         result = forecast_schedule(self, sizes, forward_for, capture_inputs, configured_mode=self._next_output_mode().mode)
         self._state.forecast = result
         return result
-
-    @property
-    def share_output_active(self) -> bool | None:
-        """Whether the open session shares outputs (mode ``on``; ``None`` outside a session)."""
-        mode = self._state.mode_active
-        return None if mode is None else mode == ON
 
     @property
     def output_mode_active(self) -> OutputMode | None:

@@ -115,12 +115,6 @@ class SharingPolicyMixin:
             self._bcg_state.close()
 
     @property
-    def share_output_active(self) -> bool | None:
-        """Whether the open capture session shares outputs (``None`` outside one)."""
-        mode = self._bcg_state.mode_active
-        return None if mode is None else mode == ON
-
-    @property
     def last_output_mode(self) -> Resolution | None:
         """The output mode of the latest capture session and why (``None`` before the first)."""
         return self._bcg_state.resolution

@@ -11,10 +11,6 @@ stays: explicit option > the flag > ``SGLANG_ENABLE_BCG_SHARED_OUTPUT`` > the de
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Callable
-
-from ..errors import warn_user
 from ..output_mode import OFF, ON, OutputMode, Resolution, parse_mode_text
 from ._names import SERVER_ARGS_STASH
 
@@ -43,15 +39,3 @@ def flag_resolution(server_args: object | None) -> Resolution | None:
     if stash is None:
         return None
     return Resolution(_mode_of_stash(stash), f"--enable-bcg-shared-output (server_args.{SERVER_ARGS_STASH}={stash!r})")
-
-
-def deprecated_server_args(server_args: object, where: str, instead: str) -> Callable[[], Resolution | None]:
-    """The deprecated ``server_args=`` keyword of the core's API (kept one release): warn once,
-    naming ``where`` it was given and what to write ``instead``, and return the flag's
-    resolution, read when called (the stash is read at every capture session, as before)."""
-    warn_user(
-        f"{where}: server_args= is deprecated; resolve the flag with "
-        f"sglang_bcg_plugin.integration.flag_resolution(server_args) and {instead}",
-        DeprecationWarning,
-    )
-    return functools.partial(flag_resolution, server_args)

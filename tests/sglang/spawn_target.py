@@ -20,7 +20,11 @@ def scheduler_like(server_args: Any, queue: Any) -> None:
     from sglang.srt.plugins import load_plugins
     from sglang.srt.plugins.hook_registry import HookRegistry
 
-    from sglang_bcg_plugin import resolve_share_output
+    from sglang_bcg_plugin import resolve_output_mode
+    from sglang_bcg_plugin.integration import flag_resolution
+
+    def resolve_share_output(explicit: None, server_args: Any = None) -> bool:
+        return resolve_output_mode(flag_resolution(server_args)) != "off"
 
     load_plugins()
     env = os.environ.get("SGLANG_ENABLE_BCG_SHARED_OUTPUT")

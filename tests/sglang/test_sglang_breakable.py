@@ -92,7 +92,7 @@ def test_is_sglang_bcg_subclass_with_sglang_constructor() -> None:
 
     backend = make_backend(enable_memory_saver=False, debug_eager=False)
     assert isinstance(backend, BreakableCudaGraphBackend)
-    assert backend._debug_eager is False and backend.share_output_active is None  # private: SGLang keeps the argument only there
+    assert backend._debug_eager is False and backend.output_mode_active is None  # private: SGLang keeps the argument only there
 
 
 @pytest.mark.parametrize(("env", "expect_storages"), [("1", 1), ("0", len(SIZES))])
@@ -201,7 +201,7 @@ def test_server_args_stash_beats_env(monkeypatch: pytest.MonkeyPatch) -> None:
     server_args = type("ServerArgs", (), {"_bcg_shared_output": False})()
     backend, model = make_backend(FakeRunner(server_args=server_args)), Model()
     with backend.capture_session(None):
-        assert backend.share_output_active is False
+        assert backend.output_mode_active == "off"
         for n in SIZES:
             backend.capture_one(shape_key(n), model.forward_for(shape_key(n)))
     assert len(storages(backend)) == len(SIZES)
