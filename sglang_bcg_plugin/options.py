@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-import os
-from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Literal
 
-from .output_mode import OutputMode, bool_word, parse_output_mode
+from ._words import parse_word
+from .output_mode import OutputMode, parse_output_mode
 
 EngineName = Literal["auto", "cuda", "eager"]
+ENGINES: tuple[EngineName, ...] = ("auto", "cuda", "eager")
 SharedBufferSource = Literal["auto", "adopt", "reserve"]
 SHARED_BUFFER_SOURCES: tuple[SharedBufferSource, ...] = ("auto", "adopt", "reserve")
 PoolReserve = Literal["off", "auto"] | int
@@ -17,27 +17,16 @@ PoolSegments = Literal["fixed", "expandable"]
 POOL_SEGMENTS: tuple[PoolSegments, ...] = ("fixed", "expandable")
 
 
-def _one_of(raw: object, names: tuple[str, ...], what: str) -> str:
-    """``raw`` as one of ``names``: any case, surrounding whitespace allowed; returned lowercase.
-
-    :raises TypeError: ``raw`` is not a str. :raises ValueError: not one of the names (``what``
-        and the value are named).
-    """
-    quoted = [f"'{n}'" for n in names]
-    spelled = f"{', '.join(quoted[:-1])} or {quoted[-1]}"
-    if not isinstance(raw, str):
-        msg = f"{what} must be {spelled}, got {raw!r} of type {type(raw).__name__}"
-        raise TypeError(msg)
-    value = raw.strip().lower()
-    if value not in names:
-        msg = f"{what} must be {spelled} (any case), got {raw!r}"
-        raise ValueError(msg)
-    return value
+def _names(names: tuple[str, ...]) -> dict[str, str]:
+    return {n: n for n in names}
 
 
 def parse_pool_segments(raw: object, *, what: str = "BackendOptions.pool_segments") -> str:
-    """``"fixed"`` or ``"expandable"`` (any case, whitespace allowed)."""
-    return _one_of(raw, POOL_SEGMENTS, what)
+    """``"fixed"`` or ``"expandable"`` (any case, whitespace allowed).
+
+    :raises TypeError: not a str. :raises ValueError: another word (both name ``what``).
+    """
+    return parse_word(raw, _names(POOL_SEGMENTS), what, kind="a pool segment setting")
 
 
 def parse_pool_reserve(raw: object, *, what: str = "BackendOptions.pool_reserve") -> str | int:
@@ -46,29 +35,23 @@ def parse_pool_reserve(raw: object, *, what: str = "BackendOptions.pool_reserve"
     :raises TypeError: neither a str nor an int (a bool is refused).
     :raises ValueError: another word, or a negative int.
     """
-    if isinstance(raw, bool) or not isinstance(raw, str | int):
-        msg = f"{what} must be 'off', 'auto' or bytes as an int >= 0, got {raw!r} of type {type(raw).__name__}"
-        raise TypeError(msg)
-    if isinstance(raw, int):
+    accepted = "'off', 'auto' or bytes as an int >= 0"
+    if isinstance(raw, int) and not isinstance(raw, bool):
         if raw < 0:
-            msg = f"{what} must be 'off', 'auto' or bytes as an int >= 0, got {raw!r}"
+            msg = f"{what} must be {accepted}, got {raw!r}"
             raise ValueError(msg)
         return raw if raw else "off"
-    value = raw.strip().lower()
-    if value not in ("off", "auto"):
-        msg = f"{what} must be 'off', 'auto' or bytes as an int >= 0 (any case), got {raw!r}"
-        raise ValueError(msg)
-    return value
+    return parse_word(raw, _names(("off", "auto")), what, kind="a pool reserve", accepted=accepted)
 
 
 def parse_shared_buffer(raw: object, *, what: str = "BackendOptions.shared_buffer") -> SharedBufferSource:
-    """One rule for a buffer-source name, option or environment variable: ``auto``, ``adopt`` or
-    ``reserve``, any case, surrounding whitespace allowed; returned lowercase.
+    """A buffer source: ``auto``, ``adopt`` or ``reserve``, any case, surrounding whitespace
+    allowed; returned lowercase.
 
     :raises TypeError: ``raw`` is not a str.
     :raises ValueError: not one of the names (``what`` and the value are named).
     """
-    return _one_of(raw, SHARED_BUFFER_SOURCES, what)  # type: ignore[return-value]
+    return parse_word(raw, _names(SHARED_BUFFER_SOURCES), what, kind="a buffer source")  # type: ignore[return-value]
 
 
 def _check_bool(field: str, value: object) -> None:
@@ -92,7 +75,8 @@ class BackendOptions:
         the shared buffer, instead of letting that key keep its own output with a warning.
         Risky in serving: one odd shape key aborts the whole capture.
     :param engine: ``"cuda"`` (real CUDA graphs), ``"eager"`` (CUDA-graph static-output
-        semantics without graphs: CPU machines, debugging) or ``"auto"`` (CUDA when available).
+        semantics without graphs: CPU machines, debugging) or ``"auto"`` (CUDA when available);
+        any case.
     :param num_warmups: eager runs before each capture (two so lazy kernels and allocator
         caches settle before the addresses are frozen).
     :param stale_output_guard: poison views handed out by an earlier replay of another key of
@@ -130,21 +114,13 @@ class BackendOptions:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "output_mode", parse_output_mode(self.output_mode))
-        # Frozen: normalise through object.__setattr__ ("ADOPT" == "adopt", as the env variable).
+        # Frozen: normalise through object.__setattr__ (any case: "ADOPT" == "adopt").
         object.__setattr__(self, "shared_buffer", parse_shared_buffer(self.shared_buffer))
         object.__setattr__(self, "pool_reserve", parse_pool_reserve(self.pool_reserve))
         object.__setattr__(self, "pool_segments", parse_pool_segments(self.pool_segments))
         _check_bool("strict_outputs", self.strict_outputs)
         _check_bool("stale_output_guard", self.stale_output_guard)
-        if not isinstance(self.engine, str):
-            msg = (
-                f"BackendOptions.engine must be 'auto', 'cuda' or 'eager', got {self.engine!r} "
-                f"of type {type(self.engine).__name__}"
-            )
-            raise TypeError(msg)
-        if self.engine not in ("auto", "cuda", "eager"):
-            msg = f"BackendOptions.engine must be 'auto', 'cuda' or 'eager', got {self.engine!r}"
-            raise ValueError(msg)
+        object.__setattr__(self, "engine", parse_word(self.engine, _names(ENGINES), "BackendOptions.engine", kind="an engine"))
         if isinstance(self.num_warmups, bool) or not isinstance(self.num_warmups, int):
             msg = (
                 f"BackendOptions.num_warmups must be an int >= 0, got {self.num_warmups!r} "
@@ -154,20 +130,3 @@ class BackendOptions:
         if self.num_warmups < 0:
             msg = f"BackendOptions.num_warmups must be an int >= 0, got {self.num_warmups!r}"
             raise ValueError(msg)
-
-
-def parse_bool_env(name: str, environ: Mapping[str, str] | None = None) -> bool | None:
-    """Read a boolean environment variable; ``None`` when unset or empty.
-
-    Accepts ``1/0``, ``true/false``, ``yes/no``, ``on/off`` in any case; anything else raises
-    ``ValueError`` naming the variable.
-    """
-    env = os.environ if environ is None else environ
-    raw = env.get(name)
-    if raw is None or not raw.strip():
-        return None
-    flag = bool_word(raw)
-    if flag is None:
-        msg = f"{name}={raw!r} is not a boolean; use one of 1/0, true/false, yes/no, on/off"
-        raise ValueError(msg)
-    return flag

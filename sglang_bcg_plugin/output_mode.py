@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from ._constants import ENV_SHARE_OUTPUT
+from ._words import BOOLEAN, BOOLEAN_TEXT, parse_word
 
 OutputMode = Literal["off", "on", "released"]
 OFF: OutputMode = "off"
@@ -42,10 +43,11 @@ ON: OutputMode = "on"
 RELEASED: OutputMode = "released"
 MODES: tuple[OutputMode, ...] = (OFF, ON, RELEASED)
 
-_TRUE = frozenset({"1", "true", "yes", "on"})
-_FALSE = frozenset({"0", "false", "no", "off"})
-#: What every "not a mode" error lists (the boolean spellings first, as they always were).
-ACCEPTED_TEXT = "1/0, true/false, yes/no, on/off (sharing on/off) or released"
+#: A textual mode (the environment variable, the flag): a boolean (sharing on/off) or ``released``.
+TEXT_WORDS: dict[str, OutputMode] = {**{word: ON if on else OFF for word, on in BOOLEAN.items()}, RELEASED: RELEASED}
+#: What every "not a mode" error of a textual mode lists (the boolean spellings first).
+ACCEPTED_TEXT = f"{BOOLEAN_TEXT} (sharing on/off) or released"
+_OPTION_WORDS: dict[str, OutputMode] = {mode: mode for mode in MODES}
 
 
 def parse_output_mode(value: object, *, name: str = "BackendOptions.output_mode") -> OutputMode | None:
@@ -58,15 +60,11 @@ def parse_output_mode(value: object, *, name: str = "BackendOptions.output_mode"
     """
     if value is None:
         return None
-    accepted = f"{name} must be 'off', 'on', 'released' or None (follow --enable-bcg-shared-output / {ENV_SHARE_OUTPUT})"
-    if isinstance(value, str):
-        if value.strip().lower() in MODES:
-            return value.strip().lower()  # type: ignore[return-value]
-        msg = f"{accepted}, got {value!r:.200}: not an output mode (any case is accepted)"
-        raise ValueError(msg)
-    hint = f" (use {name.rsplit('.', 1)[-1]}={'on' if value else 'off'!r})" if isinstance(value, bool) else ""
-    msg = f"{accepted}, got {value!r:.200} of type {type(value).__name__}{hint}"
-    raise TypeError(msg)
+    accepted = f"'off', 'on', 'released' or None (follow --enable-bcg-shared-output / {ENV_SHARE_OUTPUT})"
+    if isinstance(value, bool):
+        msg = f"{name} must be {accepted}, got {value!r} of type bool (use {name.rsplit('.', 1)[-1]}={'on' if value else 'off'!r})"
+        raise TypeError(msg)
+    return parse_word(value, _OPTION_WORDS, name, kind="an output mode", accepted=accepted)
 
 
 def mode_of_option(value: bool | str | None) -> OutputMode | None:
@@ -77,13 +75,6 @@ def mode_of_option(value: bool | str | None) -> OutputMode | None:
     return parse_output_mode(value)
 
 
-def bool_word(raw: str) -> bool | None:
-    """``True``/``False`` for the boolean spellings (``1/0``, ``true/false``, ``yes/no``,
-    ``on/off``, any case, surrounding whitespace allowed), ``None`` for anything else."""
-    value = raw.strip().lower()
-    return True if value in _TRUE else False if value in _FALSE else None
-
-
 def parse_mode_text(raw: str | None, *, what: str = ENV_SHARE_OUTPUT) -> OutputMode | None:
     """Parse a textual mode (environment variable or flag value); ``None`` when unset/empty.
 
@@ -91,13 +82,7 @@ def parse_mode_text(raw: str | None, *, what: str = ENV_SHARE_OUTPUT) -> OutputM
     """
     if raw is None or not raw.strip():
         return None
-    flag = bool_word(raw)
-    if flag is not None:
-        return ON if flag else OFF
-    if raw.strip().lower() == RELEASED:
-        return RELEASED
-    msg = f"{what}={raw!r} is not an output mode; use one of {ACCEPTED_TEXT}"
-    raise ValueError(msg)
+    return parse_word(raw, TEXT_WORDS, what, kind="an output mode", accepted=ACCEPTED_TEXT)
 
 
 @dataclass(frozen=True, slots=True)

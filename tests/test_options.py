@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from sglang_bcg_plugin import BackendOptions
-from sglang_bcg_plugin.options import parse_bool_env
+from sglang_bcg_plugin._words import parse_bool_env
 
 
 def _shares(*args: object, **kwargs: object) -> bool:
@@ -98,7 +98,7 @@ def test_default_follows_the_switch(monkeypatch: pytest.MonkeyPatch) -> None:
 @pytest.mark.parametrize(
     ("kwargs", "error", "match"),
     [
-        ({"output_mode": "no"}, ValueError, "output_mode must be 'off', 'on', 'released' or None.*got 'no': not an output mode"),
+        ({"output_mode": "no"}, ValueError, "output_mode='no' is not an output mode; use one of 'off', 'on', 'released' or None"),
         ({"output_mode": 1}, TypeError, "output_mode .* got 1 of type int"),
         ({"strict_outputs": "no"}, TypeError, "strict_outputs must be True or False, got 'no' of type str"),
         ({"strict_outputs": None}, TypeError, "strict_outputs"),
@@ -119,10 +119,10 @@ def test_an_output_mode_string_that_is_no_mode_is_a_value_error() -> None:
         BackendOptions(output_mode="shared")  # type: ignore[arg-type]
     assert not isinstance(info.value, TypeError)
     assert str(info.value) == (
-        "BackendOptions.output_mode must be 'off', 'on', 'released' or None (follow --enable-bcg-shared-output / "
-        "SGLANG_ENABLE_BCG_SHARED_OUTPUT), got 'shared': not an output mode (any case is accepted)"
+        "BackendOptions.output_mode='shared' is not an output mode; use one of 'off', 'on', 'released' or None "
+        "(follow --enable-bcg-shared-output / SGLANG_ENABLE_BCG_SHARED_OUTPUT) (any case)"
     )
-    with pytest.raises(ValueError, match="got 'xxx") as long:
+    with pytest.raises(ValueError, match="output_mode='xxx.*… \\(10000 characters\\)") as long:
         BackendOptions(output_mode="x" * 10_000)  # type: ignore[arg-type]
     assert len(str(long.value)) < 400  # the value is cut
     with pytest.raises(TypeError, match="got 2 of type int"):
@@ -151,7 +151,7 @@ def test_pool_reserve_option() -> None:
     assert BackendOptions(pool_reserve=0).pool_reserve == "off"
     assert BackendOptions(pool_reserve=64 << 20).pool_reserve == 64 << 20
     for bad, exc in ((True, TypeError), (1.5, TypeError), (None, TypeError), (-1, ValueError), ("always", ValueError)):
-        with pytest.raises(exc, match="BackendOptions.pool_reserve must be 'off', 'auto' or bytes"):
+        with pytest.raises(exc, match="BackendOptions.pool_reserve( must be|=.* is not a pool reserve; use one of) 'off', 'auto' or bytes"):
             BackendOptions(pool_reserve=bad)  # type: ignore[arg-type]
 
 
@@ -160,5 +160,5 @@ def test_pool_segments_option() -> None:
     assert BackendOptions(pool_segments=" Expandable ").pool_segments == "expandable"
     with pytest.raises(TypeError, match="BackendOptions.pool_segments must be 'fixed' or 'expandable', got None"):
         BackendOptions(pool_segments=None)  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match="must be 'fixed' or 'expandable' \\(any case\\), got 'grow'"):
+    with pytest.raises(ValueError, match="pool_segments='grow' is not a pool segment setting; use one of 'fixed' or 'expandable' \\(any case\\)"):
         BackendOptions(pool_segments="grow")  # type: ignore[arg-type]

@@ -47,7 +47,7 @@ def test_option_values() -> None:
     assert [mode_of_option(v) for v in ("on", " OFF ", "Released")] == ["on", "off", "released"]
     for bad in (1, 0.0, "yes", "share"):
         error = ValueError if isinstance(bad, str) else TypeError  # a string that is no mode: a ValueError
-        with pytest.raises(error, match=r"BackendOptions\.output_mode must be 'off', 'on', 'released' or None"):
+        with pytest.raises(error, match=r"BackendOptions\.output_mode(=.* is not an output mode; use one of| must be) 'off', 'on', 'released' or None"):
             BackendOptions(output_mode=bad)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match=r"BackendOptions\.output_mode must be .*, got True of type bool \(use output_mode='on'\)"):
         BackendOptions(output_mode=True)  # type: ignore[arg-type]

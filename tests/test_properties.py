@@ -33,7 +33,7 @@ from sglang_bcg_plugin import (
     ShapeKey,
     SharedOutputFallbackWarning,
 )
-from sglang_bcg_plugin.options import parse_bool_env
+from sglang_bcg_plugin._words import parse_bool_env
 from sglang_bcg_plugin.output_mode import parse_mode_text
 from sglang_bcg_plugin.shape_key import check_key
 from sglang_bcg_plugin.trees import flatten

@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from .._constants import ENV_SHARE_OUTPUT
-from ..options import parse_bool_env
+from .._words import parse_bool_env
 from ..output_mode import OFF, ON, RELEASED, OutputMode, parse_mode_text
 from ._names import ENV_STALE_OUTPUT_GUARD, SERVER_ARGS_STASH
 

@@ -19,8 +19,8 @@ from collections.abc import Hashable, Mapping
 from typing import Any
 
 from .._constants import ENV_SHARE_OUTPUT
+from .._words import parse_bool_env, parse_env
 from ..backends.state import CaptureState
-from ..options import parse_bool_env
 from ..output_mode import RELEASED, OutputMode, Resolution, explain_output_mode
 from ..released import released_supported
 from ..sharing import BufferSource
@@ -42,20 +42,14 @@ def resolve_mode(server_args: object | None, environ: Mapping[str, str] | None =
 
 
 def shared_buffer(environ: Mapping[str, str] | None = None) -> BufferSource:
-    """Where the shared buffer comes from on SGLang's engine: ``reserve`` (measured best: floor +
-    one output on the H200, as SGLang's own separate buffer; adopting the largest output cost
-    floor + 1.96 outputs), or ``SGLANG_BCG_SHARED_BUFFER=adopt|reserve``.
+    """Where the shared buffer comes from on SGLang's engine: ``SGLANG_BCG_SHARED_BUFFER=adopt|reserve``
+    (any case); unset or blank: ``reserve`` (why: docs/sglang.md, "Why reserve").
 
-    :raises ValueError: the variable holds something else.
+    :raises ValueError: the variable holds something else (named, with the accepted values).
     """
-    env = os.environ if environ is None else environ
-    raw = (env.get(ENV_SHARED_BUFFER) or "").strip().lower()
-    if not raw:
-        return "reserve"
-    if raw in ("adopt", "reserve"):
-        return raw  # type: ignore[return-value]
-    msg = f"{ENV_SHARED_BUFFER}={env.get(ENV_SHARED_BUFFER)!r} is not a buffer source; use 'adopt' or 'reserve' (or unset it)"
-    raise ValueError(msg)
+    words: dict[str, BufferSource] = {"adopt": "adopt", "reserve": "reserve"}
+    source = parse_env(ENV_SHARED_BUFFER, words, kind="a buffer source", accepted="'adopt' or 'reserve', or unset it", environ=environ)
+    return source or "reserve"
 
 
 def refusal(seam: Seam, mode: OutputMode, guard: bool, environ: Mapping[str, str]) -> str | None:
