@@ -10,20 +10,18 @@ Why three modes: a CUDA graph's output lives at a fixed address that its next re
   resident; valid until the next replay of *any* graph of the same pool; see
   :mod:`sglang_bcg_plugin.released`).
 
-The one switch is ``output_mode`` / ``--enable-bcg-shared-output`` /
-``SGLANG_ENABLE_BCG_SHARED_OUTPUT``; its values:
+The one switch is ``output_mode`` / ``SGLANG_ENABLE_BCG_SHARED_OUTPUT`` (which SGLang's
+``--enable-bcg-shared-output`` sets); its values:
 
 * ``BackendOptions(output_mode="off" | "on" | "released" | None)`` (``None``: follow the
-  flag / environment);
-* the environment variable: ``1/0``, ``true/false``, ``yes/no``, ``on/off`` or ``released``
-  (any case, surrounding whitespace allowed; empty means unset);
+  environment);
 * a host's choice already resolved, with its reason: a :class:`Resolution` given as
-  ``explicit`` (the SGLang integration resolves its flag into one,
-  ``integration.stash.flag_resolution``; this module knows nothing of SGLang).
+  ``explicit`` (this module knows nothing of SGLang);
+* the environment variable: ``1/0``, ``true/false``, ``yes/no``, ``on/off`` or ``released``
+  (any case, surrounding whitespace allowed; empty means unset).
 
-Precedence: explicit option > the flag (the integration hands it over as an explicit
-:class:`Resolution` when no option is set) > the environment variable > the backend's default
-(off for our standalone backends; the installed SGLang's own behaviour for the
+Precedence: explicit option > a host's :class:`Resolution` > the environment variable > the
+backend's default (off for our standalone backends; the installed SGLang's own behaviour for the
 SGLang-integrated backend, see ``integration.builtin``).
 """
 

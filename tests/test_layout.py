@@ -29,7 +29,7 @@ MAX_COMPLEXITY = 20
 NOT_CORE = (f"{PKG}.integration", f"{PKG}.cli", f"{PKG}.bench")
 #: Names that belong to SGLang's server or to the command line, never to the core.
 SGLANG_OR_CLI_NAMES = re.compile(
-    r"server_args|SERVER_ARGS_STASH|_bcg_shared_output|SGLANG_BCG_STALE_OUTPUT_GUARD|SGLANG_BCG_SHARED_BUFFER|UsageError"
+    r"server_args|SGLANG_BCG_STALE_OUTPUT_GUARD|SGLANG_BCG_SHARED_BUFFER|SGLANG_BCG_FORECAST|UsageError"
 )
 #: The only core functions that may name those (or import the integration, inside the function),
 #: ``module:qualname`` -> why.
@@ -181,7 +181,7 @@ def _core_files() -> list[tuple[str, Path]]:
 
 
 def test_core_names_no_sglang_or_cli_switch() -> None:
-    """``server_args``, the flag's stash, the integration's env vars, the CLI's ``UsageError``."""
+    """``server_args``, the integration's env vars, the CLI's ``UsageError``."""
     offenders = []
     for module, path in _core_files():
         text = path.read_text()

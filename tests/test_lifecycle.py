@@ -110,25 +110,7 @@ def test_none_option_follows_env_at_each_session(backend_name: str, monkeypatch:
         pass  # pragma: no cover
 
 
-def test_server_args_stash_is_used(backend_name: str) -> None:
-    from sglang_bcg_plugin.integration import flag_resolution
-
-    class ServerArgs:
-        _bcg_shared_output = True
-
-    options = BackendOptions(output_mode=None, engine="eager")
-    backend = create_backend(backend_name, options=options, output_mode=flag_resolution(ServerArgs()))
-    with backend.capture_session():
-        assert backend.output_mode_active == "on"
-    assert backend.last_output_mode is not None
-    assert backend.last_output_mode.describe() == "on (--enable-bcg-shared-output (server_args._bcg_shared_output=True))"
-    backend.configure(output_mode="off")  # an explicit option still wins
-    with backend.capture_session():
-        assert backend.output_mode_active == "off"
-
-
 def test_output_mode_keyword_takes_a_resolution(backend_name: str) -> None:
-    from sglang_bcg_plugin.integration import flag_resolution
     from sglang_bcg_plugin.output_mode import Resolution
 
     with pytest.raises(TypeError, match=r"output_mode= takes a Resolution .*give a mode as options=BackendOptions\(output_mode=\.\.\.\)"):
@@ -138,7 +120,9 @@ def test_output_mode_keyword_takes_a_resolution(backend_name: str) -> None:
     with backend.capture_session():
         assert backend.output_mode_active == "released"
     assert backend.last_output_mode == Resolution("released", "mine")
-    assert flag_resolution(object()) is None
+    backend.configure(output_mode="off")  # an explicit option still wins
+    with backend.capture_session():
+        assert backend.output_mode_active == "off"
 
 
 def test_cleanup_then_recapture(backend_name: str) -> None:

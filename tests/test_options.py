@@ -39,23 +39,17 @@ def test_unset_or_empty_is_default_false() -> None:
 
 
 def test_precedence() -> None:
-    class Args:
-        _bcg_shared_output = True
+    from sglang_bcg_plugin.output_mode import Resolution
 
-    class Off:
-        _bcg_shared_output = False
+    def host_or(explicit: str | None, host: Resolution | None, environ: dict[str, str]) -> bool:
+        """A host's resolution stands in for a missing explicit option."""
+        return _shares(explicit if explicit is not None else host, environ=environ)
 
-    from sglang_bcg_plugin.integration import flag_resolution
-
-    def flag_or(explicit: str | None, server_args: object, environ: dict[str, str]) -> bool:
-        """The integration's rule: the flag stands in for a missing explicit option."""
-        return _shares(explicit if explicit is not None else flag_resolution(server_args), environ=environ)
-
-    env_off = {ENV: "0"}
-    assert flag_or("off", Args(), {ENV: "1"}) is False
-    assert flag_or(None, Args(), env_off) is True
-    assert flag_or(None, Off(), {ENV: "1"}) is False
-    assert flag_or(None, object(), {ENV: "1"}) is True
+    on, off = Resolution("on", "host"), Resolution("off", "host")
+    assert host_or("off", on, {ENV: "1"}) is False
+    assert host_or(None, on, {ENV: "0"}) is True
+    assert host_or(None, off, {ENV: "1"}) is False
+    assert host_or(None, None, {ENV: "1"}) is True
 
 
 def test_process_env_is_read(monkeypatch: pytest.MonkeyPatch) -> None:

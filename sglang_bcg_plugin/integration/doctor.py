@@ -133,7 +133,7 @@ def _flag() -> str:
     from .sglang_session import resolve_mode
 
     try:
-        resolution = resolve_mode(None)
+        resolution = resolve_mode()
     except ValueError as exc:
         return f"invalid ({exc})"
     return f"{resolution.describe()}; --enable-bcg-shared-output overrides it at launch"
