@@ -29,7 +29,7 @@ from ..engines.eager import EagerEngine
 from ..engines.gcsafe import gc_safe_capture
 from ..errors import CaptureStateError, ObserverError, ObserverWarning, warn_user
 from ..forecast.allocator import ALLOC_CONF_VARS, expandable_segments
-from ..manager import get_plugin_manager
+from ..manager import get_plugin_manager, running_hookimpl
 from ..options import BackendOptions
 from ..output_mode import OutputMode, Resolution, explain_output_mode
 from ..report import MemoryReport
@@ -117,32 +117,19 @@ STARTED = "sglang_bcg_capture_started"
 FINISHED = "sglang_bcg_capture_finished"
 
 
-def _culprit(impls: list[Any], exc: BaseException) -> int | None:
-    """The index in ``impls`` (a hook's ``get_hookimpls()``) of the hookimpl that raised ``exc``:
-    the innermost frame of its traceback that runs one of their functions (two plugins of one
-    class are told apart by the frame's first argument, the instance)."""
-    found = None
-    tb = exc.__traceback__
-    while tb is not None:
-        frame = tb.tb_frame
-        matches = [i for i, impl in enumerate(impls) if getattr(impl.function, "__code__", None) is frame.f_code]
-        if len(matches) > 1 and frame.f_code.co_varnames:
-            first = frame.f_locals.get(frame.f_code.co_varnames[0])
-            matches = [i for i in matches if getattr(impls[i].function, "__self__", None) is first] or matches
-        if matches:
-            found = matches[0]
-        tb = tb.tb_next
-    return found
-
-
 def _one_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {' '.join(str(exc).split())}"
 
 
 def _raising_plugin(caller: Any, exc: BaseException) -> tuple[int | None, str]:
-    """The index among ``caller``'s hookimpls of the one that raised ``exc``, and its plugin name."""
+    """The index among ``caller``'s hookimpls of the one that raised ``exc`` (the innermost frame
+    of its traceback that runs one), and its plugin name."""
     impls = caller.get_hookimpls()
-    i = _culprit(impls, exc)
+    frames, tb = [], exc.__traceback__
+    while tb is not None:
+        frames.append(tb.tb_frame)
+        tb = tb.tb_next
+    i = running_hookimpl(impls, reversed(frames))
     return i, "<unknown>" if i is None else impls[i].plugin_name
 
 
