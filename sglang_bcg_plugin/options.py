@@ -84,8 +84,9 @@ class BackendOptions:
         ``torch._C._set_storage_access_error_msg``).
     :param shared_buffer: where a partition's shared output buffer comes from when sharing is
         on: ``"adopt"`` the first (largest) capture's own output storage, ``"reserve"`` a buffer
-        allocated before the first capture from the last warmup's output, or ``"auto"`` (the
-        one measured best for the engine: docs/index.md, "Output sharing"); any case, stored
+        allocated before the first capture from the last warmup's output, or ``"auto"`` (adopt on
+        the eager engine; on CUDA the source a forecast found cheaper, else reserve:
+        docs/index.md, "Output sharing"); any case, stored
         lowercase (``"ADOPT"`` is ``"adopt"``, as in the SGLang integration's variable).
     :param pool_reserve: on CUDA, a block the graph pool starts with, made before the first
         capture so the schedule's requests are carved from one segment instead of the many the

@@ -54,14 +54,9 @@ def use_cuda(engine: str, backend: str) -> bool:
 def buffer_source(choice: str, engine: Engine, forecast: Any = None) -> BufferSource:
     """Where shared output buffers come from: the option; with ``"auto"``, adoption on the eager
     engine (no pool to fragment there) and on CUDA the source a forecast of this schedule found
-    cheaper (``forecast.buffer_source``), else a buffer reserved before capture.
-
-    Measured on an H200 (docs/benchmarks.md, docs/forecast.md), a reserved buffer costs exactly
-    one output over the floor on every engine and model; adopting the largest output costs
-    anywhere from nothing (synthetic decoder, Full) to 1.4 outputs (Breakable), depending on
-    where the allocator placed it among the largest forward's activations. The forecast models
-    exactly that placement, so after ``forecast()`` ``"auto"`` takes the cheaper; without one it
-    takes the bound that always holds.
+    cheaper (``forecast.buffer_source``), else a buffer reserved before capture: a reserved
+    buffer costs one output over the floor, adopting depends on where the allocator placed the
+    largest output, which the forecast models (docs/index.md, "Output sharing").
     """
     if choice in ("adopt", "reserve"):
         return choice  # type: ignore[return-value]
