@@ -1,4 +1,4 @@
-"""Backend options and the resolution of the output-sharing switch."""
+"""Backend options: every field checked, names normalised (any case), on construction."""
 
 from __future__ import annotations
 
