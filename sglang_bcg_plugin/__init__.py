@@ -16,7 +16,7 @@ from .errors import (
     PluginLoadWarning,
 )
 from .manager import BrokenPlugin, broken_plugins, get_plugin_manager, hookimpl
-from .options import BackendOptions, resolve_share_output
+from .options import BackendOptions
 from .output_mode import resolve_output_mode
 from .registry import BackendRegistry, available_backends, create_backend
 from .report import KeyReport, MemoryReport
@@ -49,5 +49,4 @@ __all__ = [
     "graph_break",
     "hookimpl",
     "resolve_output_mode",
-    "resolve_share_output",
 ]

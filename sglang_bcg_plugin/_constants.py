@@ -1,6 +1,6 @@
 """Names shared by every module: the project name, the hook prefix, the core's env vars.
 
-Names only the SGLang integration reads (the flag's stash on ``ServerArgs``, its own env vars)
+Names only the SGLang integration reads (its own env vars)
 live in :mod:`sglang_bcg_plugin.integration._names`.
 """
 

@@ -40,8 +40,8 @@ class Measure:
 def device_free_bytes(*, collect: bool = True) -> int:
     """Free device memory once cached blocks went back to the device (``empty_cache``).
 
-    ``collect``: a full ``gc.collect()`` first, so garbage holding device memory is gone (0.2-0.3 s
-    with transformers imported); ``False`` where a collection just ran and the GC is disabled
+    ``collect``: a full ``gc.collect()`` first, so garbage holding device memory is gone;
+    ``False`` where a collection just ran and the GC is disabled
     (inside :func:`~.engines.gcsafe.gc_safe_capture`): nothing can have become garbage since.
     """
     if collect:

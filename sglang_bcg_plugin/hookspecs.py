@@ -25,8 +25,8 @@ def sglang_bcg_register_backends(registry: BackendRegistry) -> None:
     """Add backend classes to ``registry``.
 
     Built-in backends register through this very hook, one hookimpl at the end of each
-    backend module. Called once per plugin when a registry is built, so a duplicate name
-    can be reported with both plugins' names.
+    backend module. Called once (every plugin, in pluggy's order) when a registry is built; a
+    duplicate name is reported with both plugins' names.
 
     :param registry: call ``registry.add(name, factory)``; ``factory(options=..., **kwargs)``
         must return a :class:`~sglang_bcg_plugin.backends.base.CaptureBackend`.

@@ -8,7 +8,10 @@ import importlib.metadata
 import os
 import re
 import threading
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from types import FrameType
+from typing import Any
 
 import pluggy
 
@@ -47,11 +50,36 @@ class BrokenPlugin:
 
 
 class _Manager(pluggy.PluginManager):
-    """pluggy's manager plus the record of the entry points that failed to load."""
+    """pluggy's manager plus the record of the entry points that loaded and that failed to load."""
 
     def __init__(self, project_name: str) -> None:
         super().__init__(project_name)
         self.broken_plugins: list[BrokenPlugin] = []
+        self._distributions: list[tuple[object, importlib.metadata.Distribution]] = []
+
+    def list_plugin_distributions(self) -> list[tuple[object, importlib.metadata.Distribution]]:
+        """``(plugin, distribution)`` of every entry-point plugin (:func:`_load_entry_points`
+        loads them, not pluggy's loader, so pluggy's own record is empty)."""
+        return list(self._distributions)
+
+    def list_plugin_distinfo(self) -> list[tuple[object, Any]]:  # type: ignore[override]
+        """pluggy's older name of :meth:`list_plugin_distributions` (the same pairs)."""
+        return self.list_plugin_distributions()
+
+
+def running_hookimpl(impls: Sequence[Any], frames: Iterable[FrameType]) -> int | None:
+    """The index in ``impls`` (a hook's ``get_hookimpls()``) of the hookimpl that runs in the
+    first of ``frames`` (innermost first) that runs one of their functions; two plugins of one
+    class are told apart by the frame's first argument, the instance."""
+    for frame in frames:
+        code = frame.f_code
+        matches = [i for i, impl in enumerate(impls) if getattr(impl.function, "__code__", None) is code]
+        if len(matches) > 1 and code.co_varnames:
+            first = frame.f_locals.get(code.co_varnames[0])
+            matches = [i for i in matches if getattr(impls[i].function, "__self__", None) is first] or matches
+        if matches:
+            return matches[0]
+    return None
 
 
 def _one_line(exc: BaseException) -> str:
@@ -74,30 +102,31 @@ def _check_known_hooks(pm: pluggy.PluginManager, name: str) -> None:
 
 
 def _load_entry_points(pm: _Manager) -> None:
-    """Load each entry point of group ``sglang_bcg`` on its own, as pluggy would; one that
-    raises, or implements a hook no hookspec declares, is unregistered, recorded and warned
-    about instead of failing the whole manager."""
+    """Load each entry point of group ``sglang_bcg`` on its own, in one pass over the installed
+    distributions; one that raises, or implements a hook no hookspec declares, is unregistered,
+    recorded and warned about instead of failing the whole manager."""
     failed: set[str] = set()
-    for dist in list(importlib.metadata.distributions()):
+    for dist in importlib.metadata.distributions():
         for ep in dist.entry_points:
             if ep.group != NAME or ep.name in failed or pm.has_plugin(ep.name) or pm.is_blocked(ep.name):
                 continue
             try:
-                pm.load_setuptools_entrypoints(NAME, name=ep.name)
+                plugin = ep.load()
+                pm.register(plugin, name=ep.name)
                 _check_known_hooks(pm, ep.name)
             except Exception as exc:  # noqa: BLE001 - any failure of a third-party plugin is reported
                 if pm.has_plugin(ep.name):
                     pm.unregister(name=ep.name)
                 failed.add(ep.name)
-                broken = BrokenPlugin(
-                    ep.name, ep.value, dist.metadata["Name"] or "?", dist.version, _one_line(exc)
-                )
+                broken = BrokenPlugin(ep.name, ep.value, dist.metadata["Name"] or "?", dist.version, _one_line(exc))
                 pm.broken_plugins.append(broken)
                 warn_user(
                     f"{broken.describe()}; its backends are unavailable, the others work "
                     f"(fix or uninstall {broken.distribution}, or set {ENV_BLOCK_PLUGINS}={ep.name})",
                     PluginLoadWarning,
                 )
+            else:
+                pm._distributions.append((plugin, dist))
 
 
 def _build() -> pluggy.PluginManager:

@@ -1,25 +1,15 @@
-"""Backend options and the resolution of the output-sharing switch."""
+"""Backend options: every field checked, names normalised (any case), on construction."""
 
 from __future__ import annotations
 
-import os
-from collections.abc import Mapping
-import warnings
 from dataclasses import dataclass
 from typing import Literal
 
-from .output_mode import (
-    OFF,
-    OutputMode,
-    bool_word,
-    check_share_output,
-    mode_of_option,
-    parse_output_mode,
-    resolve_output_mode,
-    share_output_of,
-)
+from ._words import parse_word
+from .output_mode import OutputMode, parse_output_mode
 
 EngineName = Literal["auto", "cuda", "eager"]
+ENGINES: tuple[EngineName, ...] = ("auto", "cuda", "eager")
 SharedBufferSource = Literal["auto", "adopt", "reserve"]
 SHARED_BUFFER_SOURCES: tuple[SharedBufferSource, ...] = ("auto", "adopt", "reserve")
 PoolReserve = Literal["off", "auto"] | int
@@ -27,27 +17,16 @@ PoolSegments = Literal["fixed", "expandable"]
 POOL_SEGMENTS: tuple[PoolSegments, ...] = ("fixed", "expandable")
 
 
-def _one_of(raw: object, names: tuple[str, ...], what: str) -> str:
-    """``raw`` as one of ``names``: any case, surrounding whitespace allowed; returned lowercase.
-
-    :raises TypeError: ``raw`` is not a str. :raises ValueError: not one of the names (``what``
-        and the value are named).
-    """
-    quoted = [f"'{n}'" for n in names]
-    spelled = f"{', '.join(quoted[:-1])} or {quoted[-1]}"
-    if not isinstance(raw, str):
-        msg = f"{what} must be {spelled}, got {raw!r} of type {type(raw).__name__}"
-        raise TypeError(msg)
-    value = raw.strip().lower()
-    if value not in names:
-        msg = f"{what} must be {spelled} (any case), got {raw!r}"
-        raise ValueError(msg)
-    return value
+def _names(names: tuple[str, ...]) -> dict[str, str]:
+    return {n: n for n in names}
 
 
 def parse_pool_segments(raw: object, *, what: str = "BackendOptions.pool_segments") -> str:
-    """``"fixed"`` or ``"expandable"`` (any case, whitespace allowed)."""
-    return _one_of(raw, POOL_SEGMENTS, what)
+    """``"fixed"`` or ``"expandable"`` (any case, whitespace allowed).
+
+    :raises TypeError: not a str. :raises ValueError: another word (both name ``what``).
+    """
+    return parse_word(raw, _names(POOL_SEGMENTS), what, kind="a pool segment setting")
 
 
 def parse_pool_reserve(raw: object, *, what: str = "BackendOptions.pool_reserve") -> str | int:
@@ -56,29 +35,23 @@ def parse_pool_reserve(raw: object, *, what: str = "BackendOptions.pool_reserve"
     :raises TypeError: neither a str nor an int (a bool is refused).
     :raises ValueError: another word, or a negative int.
     """
-    if isinstance(raw, bool) or not isinstance(raw, str | int):
-        msg = f"{what} must be 'off', 'auto' or bytes as an int >= 0, got {raw!r} of type {type(raw).__name__}"
-        raise TypeError(msg)
-    if isinstance(raw, int):
+    accepted = "'off', 'auto' or bytes as an int >= 0"
+    if isinstance(raw, int) and not isinstance(raw, bool):
         if raw < 0:
-            msg = f"{what} must be 'off', 'auto' or bytes as an int >= 0, got {raw!r}"
+            msg = f"{what} must be {accepted}, got {raw!r}"
             raise ValueError(msg)
         return raw if raw else "off"
-    value = raw.strip().lower()
-    if value not in ("off", "auto"):
-        msg = f"{what} must be 'off', 'auto' or bytes as an int >= 0 (any case), got {raw!r}"
-        raise ValueError(msg)
-    return value
+    return parse_word(raw, _names(("off", "auto")), what, kind="a pool reserve", accepted=accepted)
 
 
 def parse_shared_buffer(raw: object, *, what: str = "BackendOptions.shared_buffer") -> SharedBufferSource:
-    """One rule for a buffer-source name, option or environment variable: ``auto``, ``adopt`` or
-    ``reserve``, any case, surrounding whitespace allowed; returned lowercase.
+    """A buffer source: ``auto``, ``adopt`` or ``reserve``, any case, surrounding whitespace
+    allowed; returned lowercase.
 
     :raises TypeError: ``raw`` is not a str.
     :raises ValueError: not one of the names (``what`` and the value are named).
     """
-    return _one_of(raw, SHARED_BUFFER_SOURCES, what)  # type: ignore[return-value]
+    return parse_word(raw, _names(SHARED_BUFFER_SOURCES), what, kind="a buffer source")  # type: ignore[return-value]
 
 
 def _check_bool(field: str, value: object) -> None:
@@ -87,21 +60,23 @@ def _check_bool(field: str, value: object) -> None:
         raise TypeError(msg)
 
 
-@dataclass(frozen=True, slots=True, init=False)
+@dataclass(frozen=True, slots=True)
 class BackendOptions:
     """Settings of one backend instance; every field is type-checked on construction.
 
     :param output_mode: ``"on"`` shares one output buffer per stream partition across all
         capture sizes, ``"released"`` hands out zero-copy outputs that live in graph-pool memory
         (:mod:`sglang_bcg_plugin.output_mode`), ``"off"`` keeps one output per key (any case).
-        ``None`` (the default) follows the switch: the SGLang flag stash, then the environment
-        variable ``SGLANG_ENABLE_BCG_SHARED_OUTPUT``, then the default (off standalone),
-        resolved at the start of every capture session.
+        ``None`` (the default) follows the switch: a host's resolution (``output_mode=`` of the
+        backend), then the environment variable ``SGLANG_ENABLE_BCG_SHARED_OUTPUT`` (which the
+        SGLang flag sets), then the default (off standalone), resolved at the start of every
+        capture session.
     :param strict_outputs: raise :class:`OutputStructureError` when a key's output does not fit
         the shared buffer, instead of letting that key keep its own output with a warning.
         Risky in serving: one odd shape key aborts the whole capture.
     :param engine: ``"cuda"`` (real CUDA graphs), ``"eager"`` (CUDA-graph static-output
-        semantics without graphs: CPU machines, debugging) or ``"auto"`` (CUDA when available).
+        semantics without graphs: CPU machines, debugging) or ``"auto"`` (CUDA when available);
+        any case.
     :param num_warmups: eager runs before each capture (two so lazy kernels and allocator
         caches settle before the addresses are frozen).
     :param stale_output_guard: poison views handed out by an earlier replay of another key of
@@ -109,8 +84,9 @@ class BackendOptions:
         ``torch._C._set_storage_access_error_msg``).
     :param shared_buffer: where a partition's shared output buffer comes from when sharing is
         on: ``"adopt"`` the first (largest) capture's own output storage, ``"reserve"`` a buffer
-        allocated before the first capture from the last warmup's output, or ``"auto"`` (the
-        one measured best for the engine: docs/index.md, "Output sharing"); any case, stored
+        allocated before the first capture from the last warmup's output, or ``"auto"`` (adopt on
+        the eager engine; on CUDA the source a forecast found cheaper, else reserve:
+        docs/index.md, "Output sharing"); any case, stored
         lowercase (``"ADOPT"`` is ``"adopt"``, as in the SGLang integration's variable).
     :param pool_reserve: on CUDA, a block the graph pool starts with, made before the first
         capture so the schedule's requests are carved from one segment instead of the many the
@@ -124,11 +100,8 @@ class BackendOptions:
         cannot place; docs/forecast.md, "expandable_segments"). Allocations made during the
         session outside the pool (warmups, eager splitting ops) grow that way too.
     :raises TypeError: a field of the wrong type (``strict_outputs="no"``, ``num_warmups=2.0``).
-    :param share_output: deprecated boolean alias of ``output_mode`` (``True`` = ``"on"``,
-        ``False`` = ``"off"``, ``"released"``), kept for one release with a ``DeprecationWarning``;
-        reading ``options.share_output`` gives the same spelling of ``output_mode``.
-    :raises ValueError: ``engine``, ``shared_buffer``, ``pool_reserve`` or ``pool_segments`` not one of its names, ``num_warmups < 0``,
-        or ``share_output`` and ``output_mode`` both given and different.
+    :raises ValueError: ``output_mode``, ``engine``, ``shared_buffer``, ``pool_reserve`` or
+        ``pool_segments`` not one of its names, ``num_warmups < 0``.
     """
 
     output_mode: OutputMode | None = None
@@ -140,62 +113,15 @@ class BackendOptions:
     pool_reserve: PoolReserve = "off"
     pool_segments: PoolSegments = "fixed"
 
-    def __init__(
-        self,
-        output_mode: OutputMode | None = None,
-        strict_outputs: bool = False,
-        engine: EngineName = "auto",
-        num_warmups: int = 2,
-        stale_output_guard: bool = False,
-        shared_buffer: SharedBufferSource = "auto",
-        pool_reserve: PoolReserve = "off",
-        pool_segments: PoolSegments = "fixed",
-        *,
-        share_output: bool | str | None = None,
-    ) -> None:
-        for name, value in (
-            ("output_mode", output_mode), ("strict_outputs", strict_outputs), ("engine", engine),
-            ("num_warmups", num_warmups), ("stale_output_guard", stale_output_guard), ("shared_buffer", shared_buffer),
-            ("pool_reserve", pool_reserve), ("pool_segments", pool_segments),
-        ):
-            object.__setattr__(self, name, value)
-        self._check(share_output)
-
-    @property
-    def share_output(self) -> bool | str | None:
-        """Deprecated: ``output_mode`` spelt as the old boolean option (read ``output_mode``)."""
-        return share_output_of(self.output_mode)
-
-    def _check(self, share_output: bool | str | None) -> None:
-        mode = parse_output_mode(self.output_mode)
-        if share_output is not None:
-            warnings.warn(
-                "BackendOptions(share_output=...) is deprecated; use output_mode='on', 'off' or 'released'",
-                DeprecationWarning,
-                stacklevel=3,
-            )
-            check_share_output(share_output)
-            legacy = mode_of_option(share_output)
-            if mode is not None and mode != legacy:
-                msg = f"BackendOptions: share_output={share_output!r} and output_mode={mode!r} disagree; give output_mode only"
-                raise ValueError(msg)
-            mode = legacy
-        object.__setattr__(self, "output_mode", mode)
-        # Frozen: normalise through object.__setattr__ ("ADOPT" == "adopt", as the env variable).
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "output_mode", parse_output_mode(self.output_mode))
+        # Frozen: normalise through object.__setattr__ (any case: "ADOPT" == "adopt").
         object.__setattr__(self, "shared_buffer", parse_shared_buffer(self.shared_buffer))
         object.__setattr__(self, "pool_reserve", parse_pool_reserve(self.pool_reserve))
         object.__setattr__(self, "pool_segments", parse_pool_segments(self.pool_segments))
         _check_bool("strict_outputs", self.strict_outputs)
         _check_bool("stale_output_guard", self.stale_output_guard)
-        if not isinstance(self.engine, str):
-            msg = (
-                f"BackendOptions.engine must be 'auto', 'cuda' or 'eager', got {self.engine!r} "
-                f"of type {type(self.engine).__name__}"
-            )
-            raise TypeError(msg)
-        if self.engine not in ("auto", "cuda", "eager"):
-            msg = f"BackendOptions.engine must be 'auto', 'cuda' or 'eager', got {self.engine!r}"
-            raise ValueError(msg)
+        object.__setattr__(self, "engine", parse_word(self.engine, _names(ENGINES), "BackendOptions.engine", kind="an engine"))
         if isinstance(self.num_warmups, bool) or not isinstance(self.num_warmups, int):
             msg = (
                 f"BackendOptions.num_warmups must be an int >= 0, got {self.num_warmups!r} "
@@ -205,44 +131,3 @@ class BackendOptions:
         if self.num_warmups < 0:
             msg = f"BackendOptions.num_warmups must be an int >= 0, got {self.num_warmups!r}"
             raise ValueError(msg)
-
-
-def parse_bool_env(name: str, environ: Mapping[str, str] | None = None) -> bool | None:
-    """Read a boolean environment variable; ``None`` when unset or empty.
-
-    Accepts ``1/0``, ``true/false``, ``yes/no``, ``on/off`` in any case; anything else raises
-    ``ValueError`` naming the variable.
-    """
-    env = os.environ if environ is None else environ
-    raw = env.get(name)
-    if raw is None or not raw.strip():
-        return None
-    flag = bool_word(raw)
-    if flag is None:
-        msg = f"{name}={raw!r} is not a boolean; use one of 1/0, true/false, yes/no, on/off"
-        raise ValueError(msg)
-    return flag
-
-
-def resolve_share_output(
-    explicit: bool | str | None = None,
-    *,
-    server_args: object | None = None,
-    environ: Mapping[str, str] | None = None,
-) -> bool:
-    """Deprecated: ``resolve_output_mode(...) != "off"``; kept one release with a
-    ``DeprecationWarning``. Use :func:`~sglang_bcg_plugin.output_mode.resolve_output_mode`
-    (for ``server_args``: ``explicit=sglang_bcg_plugin.integration.flag_resolution(server_args)``).
-
-    :raises ValueError: the environment variable holds something that is not a mode.
-    """
-    hint = "" if server_args is None else "; for server_args=, pass explicit=sglang_bcg_plugin.integration.flag_resolution(server_args)"
-    warnings.warn(
-        f"resolve_share_output() is deprecated; use resolve_output_mode(...) != 'off'{hint}", DeprecationWarning, stacklevel=2
-    )
-    flag = None
-    if server_args is not None and explicit is None:  # the deprecated path: the integration reads the flag
-        from .integration.stash import flag_resolution
-
-        flag = flag_resolution(server_args)
-    return resolve_output_mode(explicit if flag is None else flag, environ=environ) != OFF

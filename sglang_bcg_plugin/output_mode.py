@@ -10,20 +10,18 @@ Why three modes: a CUDA graph's output lives at a fixed address that its next re
   resident; valid until the next replay of *any* graph of the same pool; see
   :mod:`sglang_bcg_plugin.released`).
 
-The one switch is ``output_mode`` / ``--enable-bcg-shared-output`` /
-``SGLANG_ENABLE_BCG_SHARED_OUTPUT``; its values:
+The one switch is ``output_mode`` / ``SGLANG_ENABLE_BCG_SHARED_OUTPUT`` (which SGLang's
+``--enable-bcg-shared-output`` sets); its values:
 
 * ``BackendOptions(output_mode="off" | "on" | "released" | None)`` (``None``: follow the
-  flag / environment; the boolean ``share_output=`` is its deprecated alias);
-* the environment variable: ``1/0``, ``true/false``, ``yes/no``, ``on/off`` or ``released``
-  (any case, surrounding whitespace allowed; empty means unset);
+  environment);
 * a host's choice already resolved, with its reason: a :class:`Resolution` given as
-  ``explicit`` (the SGLang integration resolves its flag into one,
-  ``integration.stash.flag_resolution``; this module knows nothing of SGLang).
+  ``explicit`` (this module knows nothing of SGLang);
+* the environment variable: ``1/0``, ``true/false``, ``yes/no``, ``on/off`` or ``released``
+  (any case, surrounding whitespace allowed; empty means unset).
 
-Precedence: explicit option > the flag (the integration hands it over as an explicit
-:class:`Resolution` when no option is set) > the environment variable > the backend's default
-(off for our standalone backends; the installed SGLang's own behaviour for the
+Precedence: explicit option > a host's :class:`Resolution` > the environment variable > the
+backend's default (off for our standalone backends; the installed SGLang's own behaviour for the
 SGLang-integrated backend, see ``integration.builtin``).
 """
 
@@ -35,6 +33,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from ._constants import ENV_SHARE_OUTPUT
+from ._words import BOOLEAN, BOOLEAN_TEXT, parse_word
 
 OutputMode = Literal["off", "on", "released"]
 OFF: OutputMode = "off"
@@ -42,10 +41,11 @@ ON: OutputMode = "on"
 RELEASED: OutputMode = "released"
 MODES: tuple[OutputMode, ...] = (OFF, ON, RELEASED)
 
-_TRUE = frozenset({"1", "true", "yes", "on"})
-_FALSE = frozenset({"0", "false", "no", "off"})
-#: What every "not a mode" error lists (the boolean spellings first, as they always were).
-ACCEPTED_TEXT = "1/0, true/false, yes/no, on/off (sharing on/off) or released"
+#: A textual mode (the environment variable, the flag): a boolean (sharing on/off) or ``released``.
+TEXT_WORDS: dict[str, OutputMode] = {**{word: ON if on else OFF for word, on in BOOLEAN.items()}, RELEASED: RELEASED}
+#: What every "not a mode" error of a textual mode lists (the boolean spellings first).
+ACCEPTED_TEXT = f"{BOOLEAN_TEXT} (sharing on/off) or released"
+_OPTION_WORDS: dict[str, OutputMode] = {mode: mode for mode in MODES}
 
 
 def parse_output_mode(value: object, *, name: str = "BackendOptions.output_mode") -> OutputMode | None:
@@ -54,54 +54,23 @@ def parse_output_mode(value: object, *, name: str = "BackendOptions.output_mode"
 
     :raises ValueError: a string that is not a mode, naming ``name``, the value and the modes.
     :raises TypeError: anything else, naming ``name``, the value and what is accepted (a bool
-        says which mode it meant: ``share_output`` was boolean).
+        says which mode it meant).
     """
     if value is None:
         return None
-    accepted = f"{name} must be 'off', 'on', 'released' or None (follow --enable-bcg-shared-output / {ENV_SHARE_OUTPUT})"
-    if isinstance(value, str):
-        if value.strip().lower() in MODES:
-            return value.strip().lower()  # type: ignore[return-value]
-        msg = f"{accepted}, got {value!r:.200}: not an output mode (any case is accepted)"
-        raise ValueError(msg)
-    hint = f" (use {name.rsplit('.', 1)[-1]}={'on' if value else 'off'!r})" if isinstance(value, bool) else ""
-    msg = f"{accepted}, got {value!r:.200} of type {type(value).__name__}{hint}"
-    raise TypeError(msg)
-
-
-def check_share_output(value: object, *, name: str = "BackendOptions.share_output") -> None:
-    """Validate a value of the deprecated boolean option ``share_output``: ``False``, ``True``,
-    ``"released"`` or ``None``.
-
-    :raises TypeError: anything else, naming ``name``, the value and what is accepted.
-    """
-    if value is None or isinstance(value, bool) or (isinstance(value, str) and value == RELEASED):
-        return
-    msg = (
-        f"{name} must be False (off), True (on), 'released' or None (follow "
-        f"--enable-bcg-shared-output / {ENV_SHARE_OUTPUT}), got {value!r} of type {type(value).__name__}"
-    )
-    raise TypeError(msg)
+    accepted = f"'off', 'on', 'released' or None (follow --enable-bcg-shared-output / {ENV_SHARE_OUTPUT})"
+    if isinstance(value, bool):
+        msg = f"{name} must be {accepted}, got {value!r} of type bool (use {name.rsplit('.', 1)[-1]}={'on' if value else 'off'!r})"
+        raise TypeError(msg)
+    return parse_word(value, _OPTION_WORDS, name, kind="an output mode", accepted=accepted)
 
 
 def mode_of_option(value: bool | str | None) -> OutputMode | None:
-    """The mode an option value selects (``None``: not set): an ``output_mode`` string, or a
-    value of the deprecated ``share_output`` (``True``/``False``/``"released"``)."""
+    """The mode a bench variant's ``share`` selects (``True`` = ``on``, ``False`` = ``off``) or
+    an ``output_mode`` string; ``None``: not set."""
     if isinstance(value, bool):
         return ON if value else OFF
     return parse_output_mode(value)
-
-
-def share_output_of(mode: OutputMode | None) -> bool | str | None:
-    """The deprecated ``share_output`` spelling of ``mode``."""
-    return None if mode is None else {OFF: False, ON: True, RELEASED: RELEASED}[mode]
-
-
-def bool_word(raw: str) -> bool | None:
-    """``True``/``False`` for the boolean spellings (``1/0``, ``true/false``, ``yes/no``,
-    ``on/off``, any case, surrounding whitespace allowed), ``None`` for anything else."""
-    value = raw.strip().lower()
-    return True if value in _TRUE else False if value in _FALSE else None
 
 
 def parse_mode_text(raw: str | None, *, what: str = ENV_SHARE_OUTPUT) -> OutputMode | None:
@@ -111,13 +80,7 @@ def parse_mode_text(raw: str | None, *, what: str = ENV_SHARE_OUTPUT) -> OutputM
     """
     if raw is None or not raw.strip():
         return None
-    flag = bool_word(raw)
-    if flag is not None:
-        return ON if flag else OFF
-    if raw.strip().lower() == RELEASED:
-        return RELEASED
-    msg = f"{what}={raw!r} is not an output mode; use one of {ACCEPTED_TEXT}"
-    raise ValueError(msg)
+    return parse_word(raw, TEXT_WORDS, what, kind="an output mode", accepted=ACCEPTED_TEXT)
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,29 +100,24 @@ class Resolution:
 
 
 def explain_output_mode(
-    explicit: bool | str | Resolution | None = None,
+    explicit: str | Resolution | None = None,
     *,
     environ: Mapping[str, str] | None = None,
     default: OutputMode = OFF,
     default_reason: str = "default: off",
-    server_args: object | None = None,
 ) -> Resolution:
     """Resolve the output mode and say why (see the module docstring for the precedence).
 
-    ``explicit``: an option value (``BackendOptions.output_mode``, or the deprecated boolean
-    ``share_output``), a :class:`Resolution` resolved already (returned as it is: the SGLang
-    flag, ``integration.stash.flag_resolution``), or ``None`` (follow the environment, then
-    ``default``). ``server_args=`` is deprecated (one release): pass the flag's resolution
-    as ``explicit`` instead.
+    ``explicit``: an option value (``BackendOptions.output_mode``), a :class:`Resolution`
+    resolved already by a host (returned as it is), or ``None`` (follow the environment, then
+    ``default``).
 
     :raises TypeError: ``explicit`` is not a valid option value.
-    :raises ValueError: the environment variable (or the deprecated flag stash) is not a mode.
+    :raises ValueError: ``explicit`` or the environment variable is not a mode.
     """
-    if server_args is not None:
-        explicit = _deprecated_flag(explicit, server_args, "explain_output_mode()")
     if isinstance(explicit, Resolution):
         return explicit
-    mode = mode_of_option(explicit)
+    mode = parse_output_mode(explicit)
     if mode is not None:
         return Resolution(mode, f"BackendOptions.output_mode={mode!r}")
     env = os.environ if environ is None else environ
@@ -171,23 +129,10 @@ def explain_output_mode(
 
 
 def resolve_output_mode(
-    explicit: bool | str | Resolution | None = None,
+    explicit: str | Resolution | None = None,
     *,
     environ: Mapping[str, str] | None = None,
     default: OutputMode = OFF,
-    server_args: object | None = None,
 ) -> OutputMode:
-    """:func:`explain_output_mode` without the reason (``server_args=``: deprecated, likewise)."""
-    if server_args is not None:
-        explicit = _deprecated_flag(explicit, server_args, "resolve_output_mode()")
+    """:func:`explain_output_mode` without the reason."""
     return explain_output_mode(explicit, environ=environ, default=default).mode
-
-
-def _deprecated_flag(explicit: bool | str | Resolution | None, server_args: object, where: str) -> bool | str | Resolution | None:
-    """The deprecated ``server_args=`` keyword (one release): the SGLang flag's stash, resolved
-    by the integration (imported here, never at module level), stands in for a missing
-    ``explicit``; an explicit option still wins and then the stash is not read, as before."""
-    from .integration.stash import deprecated_server_args
-
-    flag = deprecated_server_args(server_args, where, "pass it as explicit= (when no option is set)")
-    return flag() if explicit is None else explicit

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import sys
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import pluggy
 
 from .errors import BackendRegistrationError
-from .manager import get_plugin_manager
+from .manager import get_plugin_manager, running_hookimpl
 from .options import BackendOptions
 
 if TYPE_CHECKING:
@@ -24,11 +25,24 @@ def _describe(factory: object) -> str:
 
 
 class BackendRegistry:
-    """Backend name -> factory, with the plugin that registered each name."""
+    """Backend name -> factory, with the plugin that registered each name.
 
-    def __init__(self) -> None:
+    :param impls: the ``sglang_bcg_register_backends`` hookimpls about to fill it: an ``add``
+        called from one of them is the plugin's (named in errors), any other is ``"<direct>"``.
+    """
+
+    def __init__(self, impls: Sequence[Any] = ()) -> None:
         self._factories: dict[str, tuple[BackendFactory, str]] = {}
-        self._plugin = "<direct>"
+        self._impls = list(impls)
+
+    def _caller(self) -> str:
+        """The plugin whose hookimpl is calling :meth:`add` (``"<direct>"``: none of them)."""
+        frames, frame = [], sys._getframe(2)  # add()'s caller, then outwards
+        while frame is not None:
+            frames.append(frame)
+            frame = frame.f_back
+        i = running_hookimpl(self._impls, frames)
+        return "<direct>" if i is None else self._impls[i].plugin_name
 
     def add(self, name: str, factory: BackendFactory) -> None:
         """Register ``factory`` under ``name``.
@@ -36,21 +50,22 @@ class BackendRegistry:
         :raises BackendRegistrationError: bad name, non-callable factory, or the name is
             already claimed by another plugin (both are named).
         """
+        plugin = self._caller()
         if not isinstance(name, str) or not name.isidentifier():
-            msg = f"plugin {self._plugin!r} registers backend name {name!r}: expected an identifier str"
+            msg = f"plugin {plugin!r} registers backend name {name!r}: expected an identifier str"
             raise BackendRegistrationError(msg)
         if not callable(factory):
-            msg = f"plugin {self._plugin!r} registers backend {name!r} with non-callable {factory!r}"
+            msg = f"plugin {plugin!r} registers backend {name!r} with non-callable {factory!r}"
             raise BackendRegistrationError(msg)
         if name in self._factories:
             other, other_plugin = self._factories[name]
             msg = (
                 f"backend name {name!r} is claimed by two plugins: {other_plugin!r} "
-                f"({_describe(other)}) and {self._plugin!r} ({_describe(factory)}); "
+                f"({_describe(other)}) and {plugin!r} ({_describe(factory)}); "
                 f"block one with SGLANG_BCG_BLOCK_PLUGINS"
             )
             raise BackendRegistrationError(msg)
-        self._factories[name] = (factory, self._plugin)
+        self._factories[name] = (factory, plugin)
 
     def names(self) -> list[str]:
         return sorted(self._factories)
@@ -67,15 +82,11 @@ class BackendRegistry:
 
 
 def build_registry(pm: pluggy.PluginManager | None = None) -> BackendRegistry:
-    """Ask every plugin, one at a time, to register its backends."""
+    """Ask every plugin to register its backends: one call of the hook, in pluggy's order."""
     pm = pm or get_plugin_manager()
-    registry = BackendRegistry()
-    # Called per hookimpl (oldest registration first) so duplicate names name both plugins.
-    for impl in reversed(pm.hook.sglang_bcg_register_backends.get_hookimpls()):
-        registry._plugin = impl.plugin_name
-        kwargs = {"registry": registry} if "registry" in impl.argnames else {}
-        impl.function(**kwargs)
-    registry._plugin = "<direct>"
+    caller = pm.hook.sglang_bcg_register_backends
+    registry = BackendRegistry(caller.get_hookimpls())
+    caller(registry=registry)
     return registry
 
 

@@ -88,7 +88,7 @@ def test_public_api_is_reexported() -> None:
     for name in sglang_bcg_plugin.__all__:
         assert hasattr(sglang_bcg_plugin, name)
     assert {"ShapeKey", "BackendOptions", "create_backend", "available_backends", "get_plugin_manager", "hookimpl",
-            "OutputStructureError", "MemoryReport", "resolve_share_output"} <= set(sglang_bcg_plugin.__all__)
+            "OutputStructureError", "MemoryReport", "resolve_output_mode"} <= set(sglang_bcg_plugin.__all__)
 
 
 def test_changelog_has_unreleased_section() -> None:

@@ -29,31 +29,13 @@ MAX_COMPLEXITY = 20
 NOT_CORE = (f"{PKG}.integration", f"{PKG}.cli", f"{PKG}.bench")
 #: Names that belong to SGLang's server or to the command line, never to the core.
 SGLANG_OR_CLI_NAMES = re.compile(
-    r"server_args|SERVER_ARGS_STASH|_bcg_shared_output|SGLANG_BCG_STALE_OUTPUT_GUARD|SGLANG_BCG_SHARED_BUFFER|UsageError"
+    r"server_args|SGLANG_BCG_STALE_OUTPUT_GUARD|SGLANG_BCG_SHARED_BUFFER|SGLANG_BCG_FORECAST|UsageError"
 )
 #: The only core functions that may name those (or import the integration, inside the function),
 #: ``module:qualname`` -> why.
 CORE_MAY_NAME_SGLANG = {
     f"{PKG}.hookspecs:sglang_bcg_select_backend": "the SGLang routing hookspec: plugin authors implement "
     "it with this exact signature (docs/hooks.md), so its parameter keeps SGLang's name",
-    f"{PKG}.backends.base:CaptureBackend.__init__": "deprecated server_args= keyword, kept one release",
-    f"{PKG}.backends.base:_deprecated_server_args": "the deprecated server_args= shim: imports the "
-    "integration's flag resolver lazily",
-    f"{PKG}.backends.piecewise:PiecewiseBackend.__init__": "forwards the deprecated server_args= keyword",
-    f"{PKG}.output_mode:explain_output_mode": "deprecated server_args= keyword, kept one release",
-    f"{PKG}.output_mode:resolve_output_mode": "deprecated server_args= keyword, kept one release",
-    f"{PKG}.output_mode:_deprecated_flag": "the deprecated server_args= shim: imports the integration's "
-    "flag resolver lazily",
-    f"{PKG}.options:resolve_share_output": "deprecated function with its deprecated server_args= keyword; "
-    "imports the integration's flag resolver lazily",
-}
-#: Import edges that exist only inside the deprecated shims above (function-level, checked by
-#: ``test_core_does_not_import_sglang_the_integration_or_the_cli``); they close no cycle at
-#: import time, so the cycle check leaves them out.
-DEPRECATED_SHIM_EDGES = {
-    (f"{PKG}.backends.base", f"{PKG}.integration.stash"),
-    (f"{PKG}.output_mode", f"{PKG}.integration.stash"),
-    (f"{PKG}.options", f"{PKG}.integration.stash"),
 }
 
 
@@ -114,7 +96,7 @@ def _graph() -> dict[str, set[str]]:
 
 
 def test_no_import_cycles() -> None:
-    graph = {m: {d for d in deps if (m, d) not in DEPRECATED_SHIM_EDGES} for m, deps in _graph().items()}
+    graph = _graph()
     state: dict[str, int] = {}
     stack: list[str] = []
     cycles: list[list[str]] = []
@@ -199,7 +181,7 @@ def _core_files() -> list[tuple[str, Path]]:
 
 
 def test_core_names_no_sglang_or_cli_switch() -> None:
-    """``server_args``, the flag's stash, the integration's env vars, the CLI's ``UsageError``."""
+    """``server_args``, the integration's env vars, the CLI's ``UsageError``."""
     offenders = []
     for module, path in _core_files():
         text = path.read_text()
@@ -212,7 +194,7 @@ def test_core_names_no_sglang_or_cli_switch() -> None:
 
 def test_core_does_not_import_sglang_the_integration_or_the_cli() -> None:
     """Never SGLang; ``integration``/``cli``/``bench`` never at module level, and inside a function
-    only in an allow-listed deprecated shim."""
+    only where :data:`CORE_MAY_NAME_SGLANG` allows it."""
     offenders = []
     for module, path in _core_files():
         tree = ast.parse(path.read_text())

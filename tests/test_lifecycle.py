@@ -24,7 +24,7 @@ def test_sessions_do_not_nest(backend_name: str) -> None:
     with backend.capture_session(), pytest.raises(CaptureStateError, match="do not nest"):
         with backend.capture_session():
             pass  # pragma: no cover
-    assert backend.share_output_active is None
+    assert backend.output_mode_active is None
 
 
 def test_replay_unknown_key_names_key_and_sizes(backend_name: str) -> None:
@@ -77,13 +77,13 @@ def test_toggle_between_sessions_and_old_graphs_keep_working(backend_name: str) 
     backend = make_backend(backend_name, share=False)
     x8, x4 = torch.randn(8, 3), torch.randn(4, 3)
     with backend.capture_session():
-        assert backend.share_output_active is False
+        assert backend.output_mode_active == "off"
         backend.capture_one(ShapeKey(8), lambda: x8 * 2)
         backend.capture_one(ShapeKey(4), lambda: x4 * 2)
     backend.configure(output_mode="on")
-    assert backend.options.share_output is True
+    assert backend.options.output_mode == "on"
     with backend.capture_session():
-        assert backend.share_output_active is True
+        assert backend.output_mode_active == "on"
         backend.capture_one(ShapeKey(8, 1), lambda: x8 * 3)
         backend.capture_one(ShapeKey(4, 1), lambda: x4 * 3)
     x8.copy_(torch.randn_like(x8))
@@ -101,52 +101,28 @@ def test_none_option_follows_env_at_each_session(backend_name: str, monkeypatch:
     backend = make_backend(backend_name, share=None)  # type: ignore[arg-type]
     monkeypatch.setenv("SGLANG_ENABLE_BCG_SHARED_OUTPUT", "1")
     with backend.capture_session():
-        assert backend.share_output_active is True
+        assert backend.output_mode_active == "on"
     monkeypatch.setenv("SGLANG_ENABLE_BCG_SHARED_OUTPUT", "off")
     with backend.capture_session():
-        assert backend.share_output_active is False
+        assert backend.output_mode_active == "off"
     monkeypatch.setenv("SGLANG_ENABLE_BCG_SHARED_OUTPUT", "bogus")
     with pytest.raises(ValueError, match="SGLANG_ENABLE_BCG_SHARED_OUTPUT"), backend.capture_session():
         pass  # pragma: no cover
 
 
-def test_server_args_stash_is_used(backend_name: str) -> None:
-    from sglang_bcg_plugin.integration import flag_resolution
-
-    class ServerArgs:
-        _bcg_shared_output = True
-
-    options = BackendOptions(output_mode=None, engine="eager")
-    backend = create_backend(backend_name, options=options, output_mode=flag_resolution(ServerArgs()))
-    with backend.capture_session():
-        assert backend.share_output_active is True
-    assert backend.last_output_mode is not None
-    assert backend.last_output_mode.describe() == "on (--enable-bcg-shared-output (server_args._bcg_shared_output=True))"
-    backend.configure(output_mode="off")  # an explicit option still wins
-    with backend.capture_session():
-        assert backend.share_output_active is False
-    with pytest.warns(DeprecationWarning, match=rf"{backend_name} backend: server_args= is deprecated.*output_mode=flag_resolution"):
-        legacy = create_backend(backend_name, options=options, server_args=ServerArgs())
-    with legacy.capture_session():
-        assert legacy.share_output_active is True
-    assert legacy.last_output_mode is not None
-    assert legacy.last_output_mode.describe() == "on (--enable-bcg-shared-output (server_args._bcg_shared_output=True))"
-
-
 def test_output_mode_keyword_takes_a_resolution(backend_name: str) -> None:
-    from sglang_bcg_plugin.integration import flag_resolution
     from sglang_bcg_plugin.output_mode import Resolution
 
     with pytest.raises(TypeError, match=r"output_mode= takes a Resolution .*give a mode as options=BackendOptions\(output_mode=\.\.\.\)"):
         create_backend(backend_name, output_mode="on")
-    with pytest.raises(TypeError, match="give output_mode= only"):
-        create_backend(backend_name, output_mode=Resolution("on", "mine"), server_args=object())
     backend = create_backend(backend_name, options=BackendOptions(engine="eager"), output_mode=Resolution("released", "mine"))
     assert backend.last_output_mode is None  # before the first session
     with backend.capture_session():
         assert backend.output_mode_active == "released"
     assert backend.last_output_mode == Resolution("released", "mine")
-    assert flag_resolution(object()) is None
+    backend.configure(output_mode="off")  # an explicit option still wins
+    with backend.capture_session():
+        assert backend.output_mode_active == "off"
 
 
 def test_cleanup_then_recapture(backend_name: str) -> None:

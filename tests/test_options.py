@@ -4,11 +4,11 @@ import pytest
 import torch
 
 from sglang_bcg_plugin import BackendOptions
-from sglang_bcg_plugin.options import parse_bool_env
+from sglang_bcg_plugin._words import parse_bool_env
 
 
 def _shares(*args: object, **kwargs: object) -> bool:
-    """Sharing on (``on`` or ``released``): what the deprecated ``resolve_share_output`` said."""
+    """Sharing on (``on`` or ``released``)."""
     from sglang_bcg_plugin.output_mode import resolve_output_mode
 
     return resolve_output_mode(*args, **kwargs) != "off"  # type: ignore[arg-type]
@@ -39,38 +39,17 @@ def test_unset_or_empty_is_default_false() -> None:
 
 
 def test_precedence() -> None:
-    class Args:
-        _bcg_shared_output = True
+    from sglang_bcg_plugin.output_mode import Resolution
 
-    class Off:
-        _bcg_shared_output = False
+    def host_or(explicit: str | None, host: Resolution | None, environ: dict[str, str]) -> bool:
+        """A host's resolution stands in for a missing explicit option."""
+        return _shares(explicit if explicit is not None else host, environ=environ)
 
-    from sglang_bcg_plugin.integration import flag_resolution
-
-    def flag_or(explicit: bool | None, server_args: object, environ: dict[str, str]) -> bool:
-        """The integration's rule: the flag stands in for a missing explicit option."""
-        return _shares(explicit if explicit is not None else flag_resolution(server_args), environ=environ)
-
-    env_off = {ENV: "0"}
-    assert flag_or(False, Args(), {ENV: "1"}) is False
-    assert flag_or(None, Args(), env_off) is True
-    assert flag_or(None, Off(), {ENV: "1"}) is False
-    assert flag_or(None, object(), {ENV: "1"}) is True
-
-
-def test_resolve_share_output_keeps_its_deprecated_server_args() -> None:
-    from sglang_bcg_plugin import resolve_share_output
-
-    class Args:
-        _bcg_shared_output = "released"
-
-    match = r"resolve_share_output\(\) is deprecated.*for server_args=, pass explicit=sglang_bcg_plugin\.integration\.flag_resolution"
-    with pytest.warns(DeprecationWarning, match=match):
-        assert resolve_share_output(None, server_args=Args(), environ={ENV: "0"}) is True
-    with pytest.warns(DeprecationWarning, match=match):
-        assert resolve_share_output(False, server_args=Args(), environ={}) is False
-    with pytest.warns(DeprecationWarning, match=match):
-        assert resolve_share_output(None, server_args=object(), environ={ENV: "1"}) is True
+    on, off = Resolution("on", "host"), Resolution("off", "host")
+    assert host_or("off", on, {ENV: "1"}) is False
+    assert host_or(None, on, {ENV: "0"}) is True
+    assert host_or(None, off, {ENV: "1"}) is False
+    assert host_or(None, None, {ENV: "1"}) is True
 
 
 def test_process_env_is_read(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -83,8 +62,6 @@ def test_options_validation() -> None:
     assert BackendOptions().strict_outputs is False
     with pytest.raises(ValueError, match="output_mode"):
         BackendOptions(output_mode="yes")  # type: ignore[arg-type]
-    with pytest.warns(DeprecationWarning), pytest.raises(TypeError, match="share_output"):
-        BackendOptions(share_output="yes")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="engine"):
         BackendOptions(engine="tpu")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="num_warmups"):
@@ -100,22 +77,22 @@ def test_default_follows_the_switch(monkeypatch: pytest.MonkeyPatch) -> None:
     assert BackendOptions().output_mode is None
     backend = create_backend("full", options=BackendOptions(engine="eager"))
     with backend.capture_session():
-        assert backend.share_output_active is False
+        assert backend.output_mode_active == "off"
     monkeypatch.setenv(ENV, "1")
     for options in (BackendOptions(engine="eager"), None):
         backend = create_backend("full", options=options)
         with backend.capture_session():
-            assert backend.share_output_active is True
+            assert backend.output_mode_active == "on"
             backend.capture_one(ShapeKey(2), lambda: torch.ones(2, 2))
     explicit = create_backend("full", options=BackendOptions(output_mode="off"))
     with explicit.capture_session():
-        assert explicit.share_output_active is False  # an explicit setting beats the env var
+        assert explicit.output_mode_active == "off"  # an explicit setting beats the env var
 
 
 @pytest.mark.parametrize(
     ("kwargs", "error", "match"),
     [
-        ({"output_mode": "no"}, ValueError, "output_mode must be 'off', 'on', 'released' or None.*got 'no': not an output mode"),
+        ({"output_mode": "no"}, ValueError, "output_mode='no' is not an output mode; use one of 'off', 'on', 'released' or None"),
         ({"output_mode": 1}, TypeError, "output_mode .* got 1 of type int"),
         ({"strict_outputs": "no"}, TypeError, "strict_outputs must be True or False, got 'no' of type str"),
         ({"strict_outputs": None}, TypeError, "strict_outputs"),
@@ -136,10 +113,10 @@ def test_an_output_mode_string_that_is_no_mode_is_a_value_error() -> None:
         BackendOptions(output_mode="shared")  # type: ignore[arg-type]
     assert not isinstance(info.value, TypeError)
     assert str(info.value) == (
-        "BackendOptions.output_mode must be 'off', 'on', 'released' or None (follow --enable-bcg-shared-output / "
-        "SGLANG_ENABLE_BCG_SHARED_OUTPUT), got 'shared': not an output mode (any case is accepted)"
+        "BackendOptions.output_mode='shared' is not an output mode; use one of 'off', 'on', 'released' or None "
+        "(follow --enable-bcg-shared-output / SGLANG_ENABLE_BCG_SHARED_OUTPUT) (any case)"
     )
-    with pytest.raises(ValueError, match="got 'xxx") as long:
+    with pytest.raises(ValueError, match="output_mode='xxx.*… \\(10000 characters\\)") as long:
         BackendOptions(output_mode="x" * 10_000)  # type: ignore[arg-type]
     assert len(str(long.value)) < 400  # the value is cut
     with pytest.raises(TypeError, match="got 2 of type int"):
@@ -150,25 +127,16 @@ def test_create_backend_rejects_non_options() -> None:
     from sglang_bcg_plugin import create_backend
 
     with pytest.raises(TypeError, match=r"options must be a BackendOptions or None, got dict .*BackendOptions\(\.\.\.\)"):
-        create_backend("full", options={"share_output": True})  # type: ignore[arg-type]
+        create_backend("full", options={"output_mode": "on"})  # type: ignore[arg-type]
 
 
-def test_share_output_is_a_deprecated_alias_of_output_mode() -> None:
+def test_output_mode_is_normalised_and_replaceable() -> None:
     import dataclasses
 
-    from sglang_bcg_plugin import resolve_share_output
-
-    with pytest.warns(DeprecationWarning, match="use output_mode='on', 'off' or 'released'"):
-        legacy = BackendOptions(share_output=True)
-    assert legacy == BackendOptions(output_mode="on") and legacy.share_output is True
-    assert dataclasses.replace(legacy, output_mode="released").output_mode == "released"  # no warning
+    assert dataclasses.replace(BackendOptions(output_mode="on"), output_mode="released").output_mode == "released"
     assert BackendOptions(output_mode=" Released ").output_mode == "released"
     with pytest.raises(TypeError, match=r"got True of type bool \(use output_mode='on'\)"):
         BackendOptions(output_mode=True)  # type: ignore[arg-type]
-    with pytest.warns(DeprecationWarning), pytest.raises(ValueError, match="disagree"):
-        BackendOptions(output_mode="on", share_output=False)
-    with pytest.warns(DeprecationWarning, match="resolve_share_output"):
-        assert resolve_share_output("released", environ={}) is True
 
 
 def test_pool_reserve_option() -> None:
@@ -177,7 +145,7 @@ def test_pool_reserve_option() -> None:
     assert BackendOptions(pool_reserve=0).pool_reserve == "off"
     assert BackendOptions(pool_reserve=64 << 20).pool_reserve == 64 << 20
     for bad, exc in ((True, TypeError), (1.5, TypeError), (None, TypeError), (-1, ValueError), ("always", ValueError)):
-        with pytest.raises(exc, match="BackendOptions.pool_reserve must be 'off', 'auto' or bytes"):
+        with pytest.raises(exc, match="BackendOptions.pool_reserve( must be|=.* is not a pool reserve; use one of) 'off', 'auto' or bytes"):
             BackendOptions(pool_reserve=bad)  # type: ignore[arg-type]
 
 
@@ -186,5 +154,5 @@ def test_pool_segments_option() -> None:
     assert BackendOptions(pool_segments=" Expandable ").pool_segments == "expandable"
     with pytest.raises(TypeError, match="BackendOptions.pool_segments must be 'fixed' or 'expandable', got None"):
         BackendOptions(pool_segments=None)  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match="must be 'fixed' or 'expandable' \\(any case\\), got 'grow'"):
+    with pytest.raises(ValueError, match="pool_segments='grow' is not a pool segment setting; use one of 'fixed' or 'expandable' \\(any case\\)"):
         BackendOptions(pool_segments="grow")  # type: ignore[arg-type]

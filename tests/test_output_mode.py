@@ -7,11 +7,9 @@ from typing import Any
 import pytest
 
 from sglang_bcg_plugin import BackendOptions, create_backend
-from sglang_bcg_plugin.integration import flag_resolution
 from sglang_bcg_plugin.output_mode import (
     ACCEPTED_TEXT,
     Resolution,
-    check_share_output,
     explain_output_mode,
     mode_of_option,
     parse_mode_text,
@@ -20,7 +18,7 @@ from sglang_bcg_plugin.output_mode import (
 
 
 def _shares(*args: object, **kwargs: object) -> bool:
-    """Sharing on (``on`` or ``released``): what the deprecated ``resolve_share_output`` said."""
+    """Sharing on (``on`` or ``released``)."""
     from sglang_bcg_plugin.output_mode import resolve_output_mode
 
     return resolve_output_mode(*args, **kwargs) != "off"  # type: ignore[arg-type]
@@ -46,97 +44,49 @@ def test_bad_text_names_the_source_and_the_choices(raw: str) -> None:
 def test_option_values() -> None:
     assert [mode_of_option(v) for v in (None, True, False, "released")] == [None, "on", "off", "released"]
     assert [mode_of_option(v) for v in ("on", " OFF ", "Released")] == ["on", "off", "released"]
-    assert BackendOptions(output_mode="released").share_output == "released"
     for bad in (1, 0.0, "yes", "share"):
         error = ValueError if isinstance(bad, str) else TypeError  # a string that is no mode: a ValueError
-        with pytest.raises(error, match=r"BackendOptions\.output_mode must be 'off', 'on', 'released' or None"):
+        with pytest.raises(error, match=r"BackendOptions\.output_mode(=.* is not an output mode; use one of| must be) 'off', 'on', 'released' or None"):
             BackendOptions(output_mode=bad)  # type: ignore[arg-type]
-    with pytest.raises(TypeError, match="my_option must be"):
-        check_share_output([], name="my_option")
+    with pytest.raises(TypeError, match=r"BackendOptions\.output_mode must be .*, got True of type bool \(use output_mode='on'\)"):
+        BackendOptions(output_mode=True)  # type: ignore[arg-type]
 
 
 NOT_A_MODE: Any = "ON"
 
 
-class Stash:
-    """A stand-in for SGLang's ``ServerArgs`` carrying the flag's stash."""
-
-    def __init__(self, value: object) -> None:
-        self._bcg_shared_output = value
-
-
 def test_precedence_and_reasons() -> None:
     env = {ENV: "released"}
-    assert explain_output_mode(True, environ=env).source == "BackendOptions.output_mode='on'"
-    r = explain_output_mode(flag_resolution(Stash("released")), environ={ENV: "0"})
-    assert (r.mode, r.source) == ("released", "--enable-bcg-shared-output (server_args._bcg_shared_output='released')")
-    assert explain_output_mode(flag_resolution(Stash(False)), environ=env).mode == "off"
-    assert flag_resolution(object()) is None and flag_resolution(None) is None
-    assert explain_output_mode(flag_resolution(object()), environ=env).describe() == f"released ({ENV}='released')"
+    assert explain_output_mode("on", environ=env).source == "BackendOptions.output_mode='on'"
+    host = Resolution("off", "a host's choice")
+    assert explain_output_mode(host, environ=env) is host
+    assert explain_output_mode(None, environ=env).describe() == f"released ({ENV}='released')"
     d = explain_output_mode(None, environ={}, default="on", default_reason="default: SGLang shares")
     assert d.describe() == "on (default: SGLang shares)"
     assert resolve_output_mode(environ={}, default="released") == "released"
     assert resolve_output_mode(Resolution("on", "a host's choice"), environ=env) == "on"
-    for bad in ("", 3):
-        with pytest.raises(ValueError, match=r"server_args\._bcg_shared_output=.*expected True, False or 'released'"):
-            flag_resolution(Stash(bad))
-    with pytest.raises(ValueError, match="is not an output mode"):  # a stash string that parses badly
-        flag_resolution(Stash("maybe"))
     with pytest.raises(ValueError, match=r"Resolution\.mode must be one of 'off', 'on', 'released', got 'ON'"):
         Resolution(NOT_A_MODE, "not lowercase")
     assert _shares("released", environ={}) is True
 
 
-def test_server_args_keyword_is_deprecated_and_resolves_as_before() -> None:
-    """``explain_output_mode``/``resolve_output_mode(server_args=...)``: one release, same answers."""
-    match = r"server_args= is deprecated; resolve the flag with sglang_bcg_plugin\.integration\.flag_resolution"
-    with pytest.warns(DeprecationWarning, match=match):
-        r = explain_output_mode(None, server_args=Stash("released"), environ={ENV: "0"})
-    assert r.describe() == "released (--enable-bcg-shared-output (server_args._bcg_shared_output='released'))"
-    with pytest.warns(DeprecationWarning, match=r"resolve_output_mode\(\): server_args= is deprecated"):
-        assert resolve_output_mode(None, server_args=Stash(True), environ={}) == "on"
-    with pytest.warns(DeprecationWarning, match=match):  # an explicit option wins: the stash is not read
-        assert resolve_output_mode("off", server_args=Stash("bogus"), environ={}) == "off"
-    with pytest.warns(DeprecationWarning, match=match), pytest.raises(ValueError, match="expected True, False"):
-        explain_output_mode(None, server_args=Stash(3), environ={})
+ROUTES = ("resolver", "backend")
 
 
-_UNSET = object()
-ROUTES = ("resolver", "backend", "deprecated resolver", "deprecated backend")
-
-
-def _server_args(stash: object) -> object:
-    class ServerArgs:
-        pass
-
-    server_args = ServerArgs()
-    if stash is not _UNSET:
-        setattr(server_args, "_bcg_shared_output", stash)  # noqa: B010 - the flag's private stash
-    return server_args
-
-
-def _explain(route: str, explicit: str | None, stash: object, env: str | None, monkeypatch: pytest.MonkeyPatch) -> tuple[str, str]:
-    """The mode and reason for an explicit option, the server flag's stash (``_UNSET``: not
-    set) and the environment variable (``None``: unset), by one of :data:`ROUTES`: the
-    integration's resolution handed to the core's resolver or to a backend, or the deprecated
-    ``server_args=`` keyword of either."""
-    server_args = _server_args(stash)
+def _explain(route: str, explicit: str | None, host: str | None, env: str | None, monkeypatch: pytest.MonkeyPatch) -> tuple[str, str]:
+    """The mode and reason for an explicit option, a host's resolution (``None``: none) and the
+    environment variable (``None``: unset), by one of :data:`ROUTES`: the core's resolver, or a
+    backend's capture session."""
     environ = {} if env is None else {ENV: env}
-    if route == "resolver":  # what the integration does: the flag stands in for a missing option
-        r = explain_output_mode(explicit if explicit is not None else flag_resolution(server_args), environ=environ)
-    elif route == "deprecated resolver":
-        with pytest.warns(DeprecationWarning, match="server_args= is deprecated"):
-            r = explain_output_mode(explicit, server_args=server_args, environ=environ)
+    resolution = None if host is None else Resolution(host, "a host's choice")  # type: ignore[arg-type]
+    if route == "resolver":  # a host's resolution stands in for a missing option
+        r = explain_output_mode(explicit if explicit is not None else resolution, environ=environ)
     else:
         monkeypatch.delenv(ENV, raising=False)
         for name, value in environ.items():
             monkeypatch.setenv(name, value)
         options = BackendOptions(output_mode=explicit, engine="eager")
-        if route == "backend":
-            backend = create_backend("full", options=options, output_mode=flag_resolution(server_args))
-        else:
-            with pytest.warns(DeprecationWarning, match="full backend: server_args= is deprecated"):
-                backend = create_backend("full", options=options, server_args=server_args)
+        backend = create_backend("full", options=options, output_mode=resolution)
         with backend.capture_session():
             assert backend.last_output_mode is not None
             r = backend.last_output_mode
@@ -145,18 +95,18 @@ def _explain(route: str, explicit: str | None, stash: object, env: str | None, m
 
 @pytest.mark.parametrize("route", ROUTES)
 @pytest.mark.parametrize("explicit", [None, "off", "on", "released"])
-@pytest.mark.parametrize("stash", [_UNSET, False, True, "released"])
+@pytest.mark.parametrize("host", [None, "off", "on", "released"])
 @pytest.mark.parametrize("env", [None, "0", "1", "released"])
-def test_precedence_pinned(route: str, explicit: str | None, stash: object, env: str | None, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Explicit option > the server flag's stash > the environment variable > the default,
-    with the reason each one gives (quoted by ``sglang-bcg doctor`` and the docs)."""
-    modes: dict[object, str] = {False: "off", True: "on", "released": "released", "0": "off", "1": "on"}
+def test_precedence_pinned(route: str, explicit: str | None, host: str | None, env: str | None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Explicit option > a host's resolution > the environment variable (which SGLang's flag
+    sets) > the default, with the reason each one gives (quoted by ``sglang-bcg doctor``)."""
+    modes = {"released": "released", "0": "off", "1": "on"}
     if explicit is not None:
         expected = (explicit, f"BackendOptions.output_mode={explicit!r}")
-    elif stash is not _UNSET:
-        expected = (modes[stash], f"--enable-bcg-shared-output (server_args._bcg_shared_output={stash!r})")
+    elif host is not None:
+        expected = (host, "a host's choice")
     elif env is not None:
         expected = (modes[env], f"{ENV}={env!r}")
     else:
         expected = ("off", "default: off")
-    assert _explain(route, explicit, stash, env, monkeypatch) == expected
+    assert _explain(route, explicit, host, env, monkeypatch) == expected

@@ -24,6 +24,7 @@ from sglang_bcg_plugin import (
 )
 from sglang_bcg_plugin.backends.full import FullBackend
 from sglang_bcg_plugin.manager import reset_plugin_manager
+from sglang_bcg_plugin.registry import build_registry
 
 
 def _write_dist(tmp_path: Path, dist: str, module: str, source: str, ep_name: str) -> Path:
@@ -92,7 +93,7 @@ def test_third_party_distribution_backend(tmp_path: Path, on_path: Callable[[Pat
     assert "echo" in available_backends()
     backend = create_backend("echo", options=BackendOptions(engine="eager"))
     assert type(backend).__name__ == "EchoBackend"
-    dists = {d.project_name for _, d in get_plugin_manager().list_plugin_distinfo()}
+    dists = {d.metadata["Name"] for _, d in get_plugin_manager().list_plugin_distributions()}
     assert "thirdparty-echo" in dists
 
 
@@ -277,3 +278,31 @@ def test_broken_plugins_of_a_plain_pluggy_manager_is_empty() -> None:
 
     assert broken_plugins(pluggy.PluginManager(sbp.NAME)) == ()
     assert broken_plugins() == ()
+
+
+def test_registration_goes_through_pluggys_hook_caller() -> None:
+    """One call of ``pm.hook.sglang_bcg_register_backends``: a hookwrapper wraps it, pluggy checks
+    the arguments, and each ``add`` is still told apart by the plugin whose hookimpl made it."""
+    seen: list[str] = []
+
+    class Wrapper:
+        @hookimpl(wrapper=True)
+        def sglang_bcg_register_backends(self, registry: Any) -> Any:
+            seen.append("before")
+            result = yield
+            seen.append(f"after: {', '.join(registry.names())}")
+            return result
+
+    class Mine:
+        @hookimpl
+        def sglang_bcg_register_backends(self, registry: Any) -> None:
+            registry.add("mine", FullBackend)
+
+    pm = get_plugin_manager()
+    pm.register(Wrapper(), name="wrapper")
+    pm.register(Mine(), name="mine-plugin")
+    registry = build_registry(pm)
+    assert seen == ["before", "after: breakable, full, mine, piecewise"]
+    assert registry.plugin_of("mine") == "mine-plugin" and registry.plugin_of("full") == "sglang_bcg_plugin.backends.full"
+    registry.add("direct", FullBackend)  # not from a hookimpl
+    assert registry.plugin_of("direct") == "<direct>"

@@ -33,14 +33,14 @@ from sglang_bcg_plugin import (
     ShapeKey,
     SharedOutputFallbackWarning,
 )
-from sglang_bcg_plugin.options import parse_bool_env
+from sglang_bcg_plugin._words import parse_bool_env
 from sglang_bcg_plugin.output_mode import parse_mode_text
 from sglang_bcg_plugin.shape_key import check_key
 from sglang_bcg_plugin.trees import flatten
 
 
 def _shares(*args: object, **kwargs: object) -> bool:
-    """Sharing on (``on`` or ``released``): what the deprecated ``resolve_share_output`` said."""
+    """Sharing on (``on`` or ``released``)."""
     from sglang_bcg_plugin.output_mode import resolve_output_mode
 
     return resolve_output_mode(*args, **kwargs) != "off"  # type: ignore[arg-type]
@@ -459,7 +459,7 @@ def test_env_parser_hostile_values(raw: str) -> None:
         with pytest.raises(ValueError, match=ENV_SHARE_OUTPUT):
             _shares(None, environ=env)
         # an explicit setting never consults the broken variable
-        assert _shares(True, environ=env) is True
+        assert _shares("on", environ=env) is True
         return
     if not raw.strip():
         assert value is None and _shares(None, environ=env) is False
@@ -485,15 +485,14 @@ def test_bad_env_refuses_session_and_leaves_backend_usable(raw: str, backend: st
         except ValueError:
             with pytest.raises(ValueError, match=ENV_SHARE_OUTPUT), b.capture_session():
                 pass  # pragma: no cover
-            assert b.share_output_active is None
+            assert b.output_mode_active is None
             expected = None
         else:
             with b.capture_session():
                 assert b.output_mode_active == (expected or "off")
-                assert b.share_output_active is (expected == "on")
                 b.capture_one(ShapeKey(4), lambda: torch.ones(4, 2))
             b.cleanup()
     with mock.patch.dict(os.environ, {ENV_SHARE_OUTPUT: "1"}), b.capture_session():
-        assert b.share_output_active is True
+        assert b.output_mode_active == "on"
         b.capture_one(ShapeKey(2), lambda: torch.ones(2, 2))
     assert b.captured_keys() == [ShapeKey(2)]

@@ -117,7 +117,7 @@ def test_failed_later_key_rolls_back(backend_name: str, share: bool, fail_on_cal
         for t, s in zip(_leaves(owner_out), snapshot, strict=True):
             torch.testing.assert_close(t, s, rtol=0, atol=0)
         # the session is still open and usable: the failed key captures again, then another
-        assert backend.share_output_active is share
+        assert backend.output_mode_active == ("on" if share else "off")
         backend.capture_one(failed, net.fn(failed), capture_inputs=net.x(failed))
         backend.capture_one(small, net.fn(small), capture_inputs=net.x(small))
 
@@ -207,7 +207,7 @@ def test_failure_leaves_no_pending_stats_and_session_closes(backend_name: str) -
     with pytest.raises(Boom), backend.capture_session():
         backend.capture_one(big, net.fn(big), capture_inputs=net.x(big))
         backend.capture_one(failed, net.failing(failed, NUM_WARMUPS + 1), capture_inputs=net.x(failed))
-    assert backend.share_output_active is None
+    assert backend.output_mode_active is None
     report = backend.memory_report()
     assert set(report.capture_seconds) == {big}
     with backend.capture_session():

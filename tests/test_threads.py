@@ -3,7 +3,7 @@
 The rule every CUDA-graph runner follows (and the sharing policy relies on): graphs of one
 partition (``stream_idx``) never replay concurrently; graphs of different partitions may. So
 each replay thread owns one partition and checks every output right after its replay. While
-they run, other threads flip ``configure(share_output=...)`` and open capture sessions for a
+they run, other threads flip ``configure(output_mode=...)`` and open capture sessions for a
 third partition: a change applies at the next session only, never to graphs already captured,
 and never corrupts an in-flight replay.
 """
@@ -122,7 +122,7 @@ def test_sharing_toggle_during_replays_applies_at_next_session(backend_name: str
             backend.configure(output_mode=mode_of_option(share))
             keys = [ShapeKey(s, 2, f"t{len(sessions)}") for s in SIZES]
             with backend.capture_session():
-                active = backend.share_output_active
+                active = backend.output_mode_active == "on"
                 for key in keys:
                     x = model.x[ShapeKey(key.size, 2)]
                     backend.capture_one(key, lambda x=x: x @ model.w[2], capture_inputs=x)
@@ -166,15 +166,15 @@ def test_configure_from_another_thread_mid_session_does_not_change_it(backend_na
     with backend.capture_session():
         backend.capture_one(keys[0], lambda: model.forward(keys[0]), capture_inputs=model.x[keys[0]])
         _run_threads([lambda: backend.configure(output_mode="off")])
-        assert backend.options.share_output is False
-        assert backend.share_output_active is True
+        assert backend.options.output_mode == "off"
+        assert backend.output_mode_active == "on"
         for key in keys[1:]:
             backend.capture_one(key, lambda key=key: model.forward(key), capture_inputs=model.x[key])
     assert all(k.shared for k in backend.memory_report().keys)
     ptrs = {backend.replay(k)[0].untyped_storage().data_ptr() for k in keys}
     assert len(ptrs) == 1
     with backend.capture_session():
-        assert backend.share_output_active is False
+        assert backend.output_mode_active == "off"
 
 
 def test_second_session_from_another_thread_is_refused(backend_name: str) -> None:
@@ -195,4 +195,4 @@ def test_second_session_from_another_thread_is_refused(backend_name: str) -> Non
         _run_threads([other])
     assert len(raised) == 1 and "already open" in str(raised[0])
     with backend.capture_session():  # the refused open left nothing behind
-        assert backend.share_output_active is True
+        assert backend.output_mode_active == "on"

@@ -29,9 +29,9 @@ from ..engines.eager import EagerEngine
 from ..engines.gcsafe import gc_safe_capture
 from ..errors import CaptureStateError, ObserverError, ObserverWarning, warn_user
 from ..forecast.allocator import ALLOC_CONF_VARS, expandable_segments
-from ..manager import get_plugin_manager
+from ..manager import get_plugin_manager, running_hookimpl
 from ..options import BackendOptions
-from ..output_mode import ON, OutputMode, Resolution, explain_output_mode
+from ..output_mode import OutputMode, Resolution, explain_output_mode
 from ..report import MemoryReport
 from ..shape_key import check_key
 from ..sharing import BufferSource
@@ -54,14 +54,9 @@ def use_cuda(engine: str, backend: str) -> bool:
 def buffer_source(choice: str, engine: Engine, forecast: Any = None) -> BufferSource:
     """Where shared output buffers come from: the option; with ``"auto"``, adoption on the eager
     engine (no pool to fragment there) and on CUDA the source a forecast of this schedule found
-    cheaper (``forecast.buffer_source``), else a buffer reserved before capture.
-
-    Measured on an H200 (docs/benchmarks.md, docs/forecast.md), a reserved buffer costs exactly
-    one output over the floor on every engine and model; adopting the largest output costs
-    anywhere from nothing (synthetic decoder, Full) to 1.4 outputs (Breakable), depending on
-    where the allocator placed it among the largest forward's activations. The forecast models
-    exactly that placement, so after ``forecast()`` ``"auto"`` takes the cheaper; without one it
-    takes the bound that always holds.
+    cheaper (``forecast.buffer_source``), else a buffer reserved before capture: a reserved
+    buffer costs one output over the floor, adopting depends on where the allocator placed the
+    largest output, which the forecast models (docs/index.md, "Output sharing").
     """
     if choice in ("adopt", "reserve"):
         return choice  # type: ignore[return-value]
@@ -117,32 +112,19 @@ STARTED = "sglang_bcg_capture_started"
 FINISHED = "sglang_bcg_capture_finished"
 
 
-def _culprit(impls: list[Any], exc: BaseException) -> int | None:
-    """The index in ``impls`` (a hook's ``get_hookimpls()``) of the hookimpl that raised ``exc``:
-    the innermost frame of its traceback that runs one of their functions (two plugins of one
-    class are told apart by the frame's first argument, the instance)."""
-    found = None
-    tb = exc.__traceback__
-    while tb is not None:
-        frame = tb.tb_frame
-        matches = [i for i, impl in enumerate(impls) if getattr(impl.function, "__code__", None) is frame.f_code]
-        if len(matches) > 1 and frame.f_code.co_varnames:
-            first = frame.f_locals.get(frame.f_code.co_varnames[0])
-            matches = [i for i in matches if getattr(impls[i].function, "__self__", None) is first] or matches
-        if matches:
-            found = matches[0]
-        tb = tb.tb_next
-    return found
-
-
 def _one_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {' '.join(str(exc).split())}"
 
 
 def _raising_plugin(caller: Any, exc: BaseException) -> tuple[int | None, str]:
-    """The index among ``caller``'s hookimpls of the one that raised ``exc``, and its plugin name."""
+    """The index among ``caller``'s hookimpls of the one that raised ``exc`` (the innermost frame
+    of its traceback that runs one), and its plugin name."""
     impls = caller.get_hookimpls()
-    i = _culprit(impls, exc)
+    frames, tb = [], exc.__traceback__
+    while tb is not None:
+        frames.append(tb.tb_frame)
+        tb = tb.tb_next
+    i = running_hookimpl(impls, reversed(frames))
     return i, "<unknown>" if i is None else impls[i].plugin_name
 
 
@@ -199,17 +181,6 @@ def _host_mode(backend: str, output_mode: object) -> Callable[[], Resolution | N
     return lambda: output_mode
 
 
-def _deprecated_server_args(backend: str, output_mode: object, server_args: object) -> Callable[[], Resolution | None]:
-    """The deprecated ``server_args=`` keyword (one release): the SGLang integration reads the
-    flag's stash at every session (imported here, never at module level)."""
-    if output_mode is not None:
-        msg = f"{backend} backend: give output_mode= only (server_args= is its deprecated spelling)"
-        raise TypeError(msg)
-    from ..integration.stash import deprecated_server_args
-
-    return deprecated_server_args(server_args, f"{backend} backend", "pass output_mode=flag_resolution(server_args)")
-
-
 class CaptureBackend:
     """Base class of the Full, Breakable and Piecewise backends."""
 
@@ -221,22 +192,16 @@ class CaptureBackend:
         options: BackendOptions | None = None,
         plugin_manager: pluggy.PluginManager | None = None,
         output_mode: Resolution | None = None,
-        server_args: object | None = None,
     ) -> None:
-        """:param output_mode: an output mode resolved outside the options, with its reason
-            (inside SGLang, ``sglang_bcg_plugin.integration.flag_resolution(server_args)``:
-            the flag). An explicit ``options.output_mode`` wins over it; it wins over the
+        """:param output_mode: an output mode a host resolved outside the options, with its
+            reason. An explicit ``options.output_mode`` wins over it; it wins over the
             environment variable and the default (docs/index.md, "The switch").
-        :param server_args: deprecated, kept one release with a ``DeprecationWarning``: pass
-            ``output_mode=sglang_bcg_plugin.integration.flag_resolution(server_args)``.
         :raises TypeError: ``output_mode`` is not a ``Resolution`` (a mode string belongs in
-            ``BackendOptions(output_mode=...)``), or both keywords are given.
+            ``BackendOptions(output_mode=...)``).
         """
         self._options = options or BackendOptions()
         self._pm = plugin_manager or get_plugin_manager()
         self._host_mode = _host_mode(self.name, output_mode)
-        if server_args is not None:
-            self._host_mode = _deprecated_server_args(self.name, output_mode, server_args)
         self._lock = threading.RLock()
         self._state = CaptureState(self.name, "none")
         self._stream: Any = None
@@ -250,9 +215,6 @@ class CaptureBackend:
     def configure(self, **changes: Any) -> BackendOptions:
         """Replace option fields; they apply from the next capture session on."""
         with self._lock:
-            if "share_output" in changes:  # the deprecated alias (BackendOptions warns)
-                legacy = BackendOptions(share_output=changes.pop("share_output"))
-                changes.setdefault("output_mode", legacy.output_mode)
             self._options = dataclasses.replace(self._options, **changes)
             if "engine" in changes and not self._state.keys() and self._engine is not None:
                 self._engine.release()
@@ -351,12 +313,6 @@ class CaptureBackend:
         result = forecast_schedule(self, sizes, forward_for, capture_inputs, configured_mode=self._next_output_mode().mode)
         self._state.forecast = result
         return result
-
-    @property
-    def share_output_active(self) -> bool | None:
-        """Whether the open session shares outputs (mode ``on``; ``None`` outside a session)."""
-        mode = self._state.mode_active
-        return None if mode is None else mode == ON
 
     @property
     def output_mode_active(self) -> OutputMode | None:

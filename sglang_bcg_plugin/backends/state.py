@@ -41,7 +41,6 @@ class _Entry:
     graph: Any  # engines.base.CapturedGraph, or a ForeignGraph
     capture_inputs: Any
     shared: bool
-    share_output: bool
     fallback: str | None
     logical_bytes: int
     seconds: float | None = None
@@ -248,7 +247,6 @@ class CaptureState:
             held,
             capture_inputs,
             prepared.shared,
-            session.resolution.mode == ON,
             prepared.fallback,
             prepared.logical_bytes,
             seconds=seconds,

@@ -191,7 +191,7 @@ def _env_notes(variants: list[str]) -> list[str]:
     try:
         value = parse_mode_text(raw)
     except ValueError as exc:
-        msg = f"{str(exc).replace(repr(raw), shown(raw), 1)} (or unset it: bench sets sharing per --variants)"
+        msg = f"{exc} (or unset it: bench sets sharing per --variants)"
         raise UsageError(msg) from None
     if value is None:
         return []

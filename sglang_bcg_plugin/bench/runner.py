@@ -280,8 +280,8 @@ def warm_up(workload: Workload, backends: list[str], sizes: list[int] | None = N
     """One capture cycle per backend at the smallest size so lazy allocations (cuBLAS
     workspaces, compiled kernels) are not charged to the first measured variant; on CUDA, with
     ``sizes``, then the whole schedule once (outputs released): the CUDA driver keeps the
-    resources of the most graphs alive at once for the life of the process (18-82 MiB measured
-    on an H200), which would otherwise be charged to the first measured variant alone."""
+    resources of the most graphs alive at once for the life of the process (docs/benchmarks.md
+    gives the size), which would otherwise be charged to the first measured variant alone."""
     for name in backends:
         run_variant(name, "off", workload, prefill_capture_sizes(4), repeats=1, progress=False, forecast=False)
     if sizes and workload.shape.device.startswith("cuda"):

@@ -11,8 +11,8 @@ stream is capturing", then ``CUBLAS_STATUS_INTERNAL_ERROR`` or
   thread): ``gc.collect()``, so garbage dies *now*, outside the capture, then ``gc.disable()``,
   so no automatic collection starts during it; the last exit restores the previous enabled flag.
   The GC's frozen generation is never touched: ``gc.freeze()`` cannot be undone selectively, so
-  freezing would leave a caller's earlier freeze (SGLang's ``freeze_gc``, or whatever froze
-  first on the H200) covering our objects for good — dropped backends then never die;
+  freezing would leave a caller's earlier freeze (SGLang's ``freeze_gc``, or any other)
+  covering our objects for good — dropped backends then never die;
 * :func:`defer_release` — every object that owns CUDA graphs (``engines.cuda.FullGraph``,
   ``engines.graphs.CudaSegments``, the engines' pool anchors) hands its graphs here from its
   ``__del__``. Outside a capture nothing happens and the graphs go with their owner; inside one
@@ -81,7 +81,7 @@ def gc_safe_capture(*, collect: bool = True) -> Iterator[None]:
 
     ``collect=False`` (outermost entry only) disables the GC without the collection: for
     captures released before anything else runs (the forecast's probes), where a full collection
-    (0.2-0.3 s with transformers imported) would cost more than the captures. Nested entries
+    would cost more than the captures (docs/index.md, "GC safety"). Nested entries
     never collect; graphs dropped meanwhile are parked as always (:func:`defer_release`).
     """
     global _depth, _restore_enabled

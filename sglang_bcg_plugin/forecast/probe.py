@@ -5,8 +5,8 @@ schedule's largest and smallest sizes with outputs kept (mode ``off``) while PyT
 allocator records its events, reads each capture's requests to its graph pool
 (:func:`~.trace.pool_trace`), fits them (:class:`~.trace.ScaledTrace`), releases the probes
 (``cleanup()``), and models every size of the schedule in one pool per output mode
-(:func:`~.model.forecast_modes`). What a capture stream costs (its cuBLAS workspace, about
-34 MiB on an H200, released with the engine) is measured as what PyTorch's allocator reserved
+(:func:`~.model.forecast_modes`). What a capture stream costs (its cuBLAS workspace, released
+with the engine; docs/forecast.md gives its size) is measured as what PyTorch's allocator reserved
 during the probe session outside its graph pool, less what a segment cut for other work
 (compile-time autotuning) holds only because the workspace landed in it
 (:func:`~.trace.pinned_slack`). The CUDA driver's share (:mod:`.driver`) is modelled from the
@@ -192,8 +192,8 @@ def _probe(backend: ProbeTarget, sizes: Sequence[int], forward_for: Callable[[in
     events: list[list[dict[str, Any]]] = []
     largest_output: list[int] = []
     try:
-        # The GC off for the probes without a full collection (0.2-0.3 s; the schedule's own
-        # session collects): the session nested inside does not collect either, and free memory
+        # The GC off for the probes without a full collection (the schedule's own session
+        # collects): the session nested inside does not collect either, and free memory
         # is measured inside it, where nothing can be collected.
         with gc_safe_capture(collect=False), torch.no_grad(), backend.capture_session(), counting_captures() as count:
             free_before = device_free_bytes(collect=False)
@@ -283,9 +283,9 @@ def forecast_schedule(
     lasting = max(0, free_start - device_free_bytes(collect=False))
     probe_seconds = time.perf_counter() - start
     large, small = traces
-    # The model makes tens of thousands of short-lived objects: with the GC on they trigger
-    # collections, and one full collection (0.2-0.3 s with transformers imported) would cost
-    # more than the model; its garbage goes by reference counting and the next collection.
+    # The model makes many short-lived objects: with the GC on they trigger collections, and
+    # one full collection would cost more than the model (docs/index.md, "GC safety"); its
+    # garbage goes by reference counting and the next collection.
     with gc_safe_capture(collect=False):
         fitted, outputs = ScaledTrace.fit(large, small), output_allocs(large, largest_output)
         expandable = expandable_segments() or options.pool_segments == "expandable"

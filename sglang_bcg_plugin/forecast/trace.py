@@ -66,10 +66,10 @@ def pinned_slack(events: Iterable[dict[str, object]], segments: Sequence[tuple[i
 
     Per segment made during ``events`` and still holding live blocks at their end: its bytes
     less the segment those blocks alone would have made. When the first probe compiles on a cold
-    Inductor cache, autotuning makes 60 MiB segments and frees them; the capture stream's 32 MiB
-    cuBLAS workspace then lands in one of them and pins all 60 MiB, which a later schedule (its
-    kernels compiled) never pays. A segment with no live block is released by ``empty_cache``
-    and costs nothing.
+    Inductor cache, autotuning makes large segments and frees them; the capture stream's cuBLAS
+    workspace then lands in one of them and pins all of it, which a later schedule (its kernels
+    compiled) never pays (docs/forecast.md gives the figures). A segment with no live block is
+    released by ``empty_cache`` and costs nothing.
     """
     made: dict[int, int] = {}
     live: dict[int, int] = {}
@@ -129,8 +129,7 @@ class ScaledTrace:
     def proportional(cls, trace: KeyTrace, constant_below: int = 64 * 1024) -> ScaledTrace:
         """One trace alone (the largest size's): requests of ``constant_below`` bytes or more
         scale with the size (``b * n``), smaller ones stay as they are. What a capture path that
-        sees only its first size can fit (inside SGLang); on the H200 traces it forecasts as
-        closely as two probes do."""
+        sees only its first size can fit (inside SGLang; its accuracy: docs/sglang.md)."""
         if trace.size <= 0:
             msg = f"forecast: the probe size must be positive, got {trace.size}"
             raise ForecastError(msg)

@@ -1,13 +1,10 @@
-"""Names only the SGLang integration reads: the flag's stash on ``ServerArgs`` and its env vars.
+"""Names only the SGLang integration reads: its environment variables.
 
 The core's one public switch, ``SGLANG_ENABLE_BCG_SHARED_OUTPUT``, stays in
 :mod:`sglang_bcg_plugin._constants` (our standalone backends honour it too).
 """
 
 from __future__ import annotations
-
-#: Attribute on SGLang's ``ServerArgs`` that carries the parsed flag into spawned processes.
-SERVER_ARGS_STASH = "_bcg_shared_output"
 
 #: Environment variable that turns the stale-output guard on for the SGLang-integrated backend
 #: (which keeps SGLang's constructor, so it has no ``BackendOptions``).

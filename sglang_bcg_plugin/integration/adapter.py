@@ -11,7 +11,7 @@ engines, so what that means inside SGLang:
   :func:`~sglang_bcg_plugin.integration.sglang_breakable_backend_class` for prefill;
 * SGLang's ``eager_on_graph`` break points are not break points for our engines (they run
   inline and are captured); our engines break at :func:`sglang_bcg_plugin.graph_break`;
-* the sharing switch follows the server flag / env var (``share_output=None``).
+* the output mode follows the server flag / env var (``BackendOptions(output_mode=None)``).
 """
 
 from __future__ import annotations

@@ -133,7 +133,7 @@ def _flag() -> str:
     from .sglang_session import resolve_mode
 
     try:
-        resolution = resolve_mode(None)
+        resolution = resolve_mode()
     except ValueError as exc:
         return f"invalid ({exc})"
     return f"{resolution.describe()}; --enable-bcg-shared-output overrides it at launch"
@@ -232,7 +232,11 @@ def _seam_lines(say: Callable[[str], None], problems: list[Problem]) -> Seam | N
 def forecast_line(kind: str | None, environ: Mapping[str, str] | None = None) -> str:
     """How to read the forecast lines in SGLang's log (docs/sglang.md), or why there are none."""
     env = os.environ if environ is None else environ
-    if not forecast_enabled(env):
+    try:
+        enabled = forecast_enabled(env)
+    except ValueError as exc:
+        return f"invalid ({exc})"
+    if not enabled:
         return (f"off ({ENV_FORECAST}={env.get(ENV_FORECAST, '')!r}); {ENV_FORECAST}=1 logs, after each capture "
                 "session's first graph, the schedule's graph memory per output mode (docs/sglang.md)")
     if kind != "backend":

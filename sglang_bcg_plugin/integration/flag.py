@@ -8,12 +8,10 @@ Forms (:class:`OutputModeAction` and a ``store_const``, both into one destinatio
 * ``--no-enable-bcg-shared-output``: ``off``. The last one given wins.
 
 ``ServerArgs`` is a sealed msgspec Struct (a plugin cannot add a field, and ``from_cli_args``
-drops unknown argparse attributes), so the parsed value travels two ways, both of which reach
-spawned scheduler processes: the environment variable ``SGLANG_ENABLE_BCG_SHARED_OUTPUT``
-(inherited: ``1``, ``0`` or ``released``) and the underscore attribute
-``server_args._bcg_shared_output`` (survives pickling: ``True``, ``False`` or ``"released"``).
-:func:`~.stash.flag_resolution` reads the attribute (handed to the core's resolver as an explicit
-choice), then the core reads the env var.
+drops unknown argparse attributes), so the parsed value travels one way: the launcher's
+``from_cli_args`` hook writes it to the environment variable ``SGLANG_ENABLE_BCG_SHARED_OUTPUT``
+(``1``, ``0`` or ``released``, replacing the operator's value), which every process SGLang spawns
+(its scheduler included) inherits, and which the core's resolver reads at every capture session.
 """
 
 from __future__ import annotations
@@ -24,9 +22,9 @@ from collections.abc import Sequence
 from typing import Any
 
 from .._constants import ENV_SHARE_OUTPUT
-from ..options import parse_bool_env
+from .._words import parse_bool_env
 from ..output_mode import OFF, ON, RELEASED, OutputMode, parse_mode_text
-from ._names import ENV_STALE_OUTPUT_GUARD, SERVER_ARGS_STASH
+from ._names import ENV_STALE_OUTPUT_GUARD
 
 FLAG = "--enable-bcg-shared-output"
 NO_FLAG = "--no-enable-bcg-shared-output"
@@ -45,9 +43,8 @@ HELP = (
     "default (0.5.14+: on; 0.5.13: off). Engine(...) users set that variable."
 )
 
-#: What the parsed value becomes: the env var's text and the stash's value.
-_ENV_TEXT = {ON: "1", OFF: "0", RELEASED: RELEASED}
-_STASH: dict[OutputMode, bool | str] = {ON: True, OFF: False, RELEASED: RELEASED}
+#: What the parsed value becomes: the env var's text.
+_ENV_TEXT: dict[OutputMode, str] = {ON: "1", OFF: "0", RELEASED: RELEASED}
 
 
 class OutputModeAction(argparse.Action):
@@ -83,36 +80,32 @@ def after_from_cli_args(result: Any, cls: type, args: argparse.Namespace, *rest:
     """
     value = getattr(args, DEST, None)
     if value is not None:
-        mode: OutputMode = value
-        os.environ[ENV_SHARE_OUTPUT] = _ENV_TEXT[mode]
-        setattr(result, SERVER_ARGS_STASH, _STASH[mode])
-    refuse_unsupported(result)
+        os.environ[ENV_SHARE_OUTPUT] = _ENV_TEXT[value]
+    refuse_unsupported()
     return result
 
 
-def refuse_unsupported(server_args: object) -> None:
-    """At startup: stop with one line when the installed release cannot run what was asked.
+def refuse_unsupported() -> None:
+    """At startup: stop with one line when the installed release cannot run what was asked, with
+    the check every capture session makes (:func:`.sglang_session.session_switches`).
 
     Only an explicit choice is checked (the flag, ``SGLANG_ENABLE_BCG_SHARED_OUTPUT`` or the
     guard): the default is the release's own behaviour, which it can always run.
 
-    :raises SystemExit: naming the release and the reason (no traceback).
+    :raises SystemExit: naming the switch or the release and the reason (no traceback).
     """
-    from .compat import installed
-    from .sglang_session import refusal, resolve_mode
+    from .compat import Seam, installed
+    from .sglang_session import session_switches
 
     env = os.environ
     try:
-        guard = parse_bool_env(ENV_STALE_OUTPUT_GUARD, env)
-        if getattr(server_args, SERVER_ARGS_STASH, None) is None and not (env.get(ENV_SHARE_OUTPUT) or "").strip() and not guard:
+        if not (env.get(ENV_SHARE_OUTPUT) or "").strip() and not parse_bool_env(ENV_STALE_OUTPUT_GUARD, env):
             return
-        resolution = resolve_mode(server_args, env)
+        seam: Seam | None
+        try:
+            seam = installed()
+        except Exception:  # noqa: BLE001 - SGLang does not fully import here: `sglang-bcg doctor` says why
+            seam = None
+        session_switches(env, seam)
     except ValueError as exc:
         raise SystemExit(f"sglang_bcg: {exc}") from None
-    try:
-        seam = installed()
-    except Exception:  # noqa: BLE001 - SGLang does not fully import here: `sglang-bcg doctor` says why
-        return
-    reason = refusal(seam, resolution.mode, guard, env)
-    if reason is not None:
-        raise SystemExit(f"sglang_bcg: {reason}")

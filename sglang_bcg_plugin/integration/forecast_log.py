@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 
+from .._words import parse_bool_env
 from ..forecast.allocator import expandable_segments
 from ..forecast.driver import (
     DRIVER_COEFFICIENTS,
@@ -51,8 +52,11 @@ MIB = 1 << 20
 
 
 def forecast_enabled(environ: Mapping[str, str]) -> bool:
-    """Whether ``SGLANG_BCG_FORECAST`` asks for the forecast lines (``1``, ``true``, ``yes``, ``on``)."""
-    return environ.get(ENV_FORECAST, "").strip().lower() in ("1", "true", "yes", "on")
+    """Whether ``SGLANG_BCG_FORECAST`` asks for the forecast lines (a boolean; unset or blank: no).
+
+    :raises ValueError: the variable is not a boolean (named, with the accepted values).
+    """
+    return bool(parse_bool_env(ENV_FORECAST, environ))
 
 
 def schedule_sizes(cuda_graph_runner: object) -> list[int] | None:

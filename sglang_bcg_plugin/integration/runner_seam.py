@@ -11,7 +11,7 @@ model's eager tail.
 Two AROUND hooks (HookRegistry) put the core's
 :class:`~sglang_bcg_plugin.backends.state.CaptureState` around that loop, changing nothing else:
 
-* ``_capture_all``: one capture session (mode resolved as everywhere: flag stash > env > the
+* ``_capture_all``: one capture session (mode resolved as everywhere: env, which the flag sets, > the
   release's own default, ``off`` here);
 * ``_capture_one``: for the duration of one size, the runner's ``_run_forward`` is shadowed by
   an instance attribute that sees each of SGLang's calls: a warmup's output (outside the capture)
@@ -68,7 +68,7 @@ def runner_state(runner: Any) -> CaptureState:
 def around_capture_all(original_fn: Callable[..., Any], runner: Any, *args: Any, **kwargs: Any) -> Any:
     """AROUND hook of ``BreakableCudaGraphRunner._capture_all``: one capture session."""
     state = runner_state(runner)
-    open_state(state, getattr(runner.model_runner, "server_args", None))
+    open_state(state)
     try:
         with gc_safe_capture():
             return original_fn(runner, *args, **kwargs)

@@ -26,7 +26,6 @@ from ..registry import build_registry
 from .adapter import sglang_adapter_class
 from .sglang_breakable import SGLANG_BCG_CLASS, sglang_breakable_backend_class
 from .sglang_session import runner_server_args
-from .stash import flag_resolution
 
 logger = logging.getLogger(__name__)
 
@@ -65,9 +64,7 @@ def swap_backend(phase: str, backend: Any, cuda_graph_runner: Any) -> Any:
         if isinstance(factory, type) and issubclass(factory, BaseCudaGraphBackend):
             chosen = factory(cuda_graph_runner, **kwargs)
         else:
-            flag = flag_resolution(server_args)  # the flag, handed over as an explicit mode with its reason
-            extra = {} if flag is None else {"output_mode": flag}
-            ours = factory(options=BackendOptions(), plugin_manager=pm, **extra)
+            ours = factory(options=BackendOptions(), plugin_manager=pm)
             chosen = sglang_adapter_class()(ours, cuda_graph_runner)
     logger.debug("sglang_bcg: %s backend %s (selected %r)", phase, type(chosen).__qualname__, name)
     return chosen

@@ -56,7 +56,6 @@ from .sglang_session import (
     drop_global_pool,
     open_state,
     reserve_from_warmup,
-    runner_server_args,
     shared_buffer,
 )
 
@@ -103,7 +102,7 @@ class SharingPolicyMixin:
     @contextlib.contextmanager
     def capture_session(self, stream: Any) -> Iterator[None]:
         """SGLang's session (pool, dedup, BCG mode) plus a freshly resolved output policy."""
-        open_state(self._bcg_state, runner_server_args(self._cuda_graph_runner), seam=self._seam)
+        open_state(self._bcg_state, seam=self._seam)
         mode = self._bcg_state.mode_active or "off"
         self._bcg_forecast = SessionForecast(self._cuda_graph_runner, mode, lambda: getattr(self, "_pool", None))
         try:  # gc: one collection per session, not per key (docs/index.md "GC safety")
@@ -113,12 +112,6 @@ class SharingPolicyMixin:
             self._bcg_forecast.close(self._bcg_state.report().resident_output_bytes if reserved else 0)
         finally:
             self._bcg_state.close()
-
-    @property
-    def share_output_active(self) -> bool | None:
-        """Whether the open capture session shares outputs (``None`` outside one)."""
-        mode = self._bcg_state.mode_active
-        return None if mode is None else mode == ON
 
     @property
     def last_output_mode(self) -> Resolution | None:

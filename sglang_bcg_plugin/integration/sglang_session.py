@@ -4,9 +4,11 @@ The capture state itself (output policy, guard, per-key records, report) is the 
 :class:`~sglang_bcg_plugin.backends.state.CaptureState`; this module only translates SGLang's
 switches and hooks into it:
 
-* :func:`open_state` resolves the output mode (flag stash > env > the installed SGLang's own
-  default, :mod:`.builtin`), the shared-buffer strategy and the guard, refuses what the installed
-  release cannot serve (:func:`refusal`), and opens the state's session;
+* :func:`session_switches` resolves the output mode (``SGLANG_ENABLE_BCG_SHARED_OUTPUT``, which
+  the flag sets, > the installed SGLang's own default, :mod:`.builtin`) and the guard, and
+  refuses what the installed release cannot serve (:func:`refusal`): the one resolution, at
+  startup (the flag hook) and at every capture session (:func:`open_state`, which adds the
+  shared-buffer strategy and opens the state's session);
 * :func:`apply_runner_rows` / :func:`reserve_from_warmup` translate the runner's row hooks;
 * :func:`drop_global_pool` makes ``cleanup()`` leave SGLang's process-global graph pool in a
   state a new capture session can use (see its docstring).
@@ -19,43 +21,34 @@ from collections.abc import Hashable, Mapping
 from typing import Any
 
 from .._constants import ENV_SHARE_OUTPUT
+from .._words import parse_bool_env, parse_env
 from ..backends.state import CaptureState
-from ..options import parse_bool_env
 from ..output_mode import RELEASED, OutputMode, Resolution, explain_output_mode
 from ..released import released_supported
 from ..sharing import BufferSource
 from ..trees import flatten, unflatten
 from ._names import ENV_SHARED_BUFFER, ENV_STALE_OUTPUT_GUARD
 from .compat import Seam, installed, pool_borrowing_exists, runner_rows, sglang_builtin_policy
-from .stash import flag_resolution
 
 #: SGLang's switch for eager tensors borrowing free graph-pool memory between replays.
 BORROW_ENV = "SGLANG_ENABLE_GRAPH_POOL_BORROW"
 
 
-def resolve_mode(server_args: object | None, environ: Mapping[str, str] | None = None) -> Resolution:
-    """Flag stash > ``SGLANG_ENABLE_BCG_SHARED_OUTPUT`` > the installed SGLang's own default."""
+def resolve_mode(environ: Mapping[str, str] | None = None) -> Resolution:
+    """``SGLANG_ENABLE_BCG_SHARED_OUTPUT`` (set by the flag) > the installed SGLang's own default."""
     policy = sglang_builtin_policy()
-    return explain_output_mode(
-        flag_resolution(server_args), environ=environ, default=policy.default_mode, default_reason=policy.default_reason()
-    )
+    return explain_output_mode(None, environ=environ, default=policy.default_mode, default_reason=policy.default_reason())
 
 
 def shared_buffer(environ: Mapping[str, str] | None = None) -> BufferSource:
-    """Where the shared buffer comes from on SGLang's engine: ``reserve`` (measured best: floor +
-    one output on the H200, as SGLang's own separate buffer; adopting the largest output cost
-    floor + 1.96 outputs), or ``SGLANG_BCG_SHARED_BUFFER=adopt|reserve``.
+    """Where the shared buffer comes from on SGLang's engine: ``SGLANG_BCG_SHARED_BUFFER=adopt|reserve``
+    (any case); unset or blank: ``reserve`` (why: docs/sglang.md, "Why reserve").
 
-    :raises ValueError: the variable holds something else.
+    :raises ValueError: the variable holds something else (named, with the accepted values).
     """
-    env = os.environ if environ is None else environ
-    raw = (env.get(ENV_SHARED_BUFFER) or "").strip().lower()
-    if not raw:
-        return "reserve"
-    if raw in ("adopt", "reserve"):
-        return raw  # type: ignore[return-value]
-    msg = f"{ENV_SHARED_BUFFER}={env.get(ENV_SHARED_BUFFER)!r} is not a buffer source; use 'adopt' or 'reserve' (or unset it)"
-    raise ValueError(msg)
+    words: dict[str, BufferSource] = {"adopt": "adopt", "reserve": "reserve"}
+    source = parse_env(ENV_SHARED_BUFFER, words, kind="a buffer source", accepted="'adopt' or 'reserve', or unset it", environ=environ)
+    return source or "reserve"
 
 
 def refusal(seam: Seam, mode: OutputMode, guard: bool, environ: Mapping[str, str]) -> str | None:
@@ -85,20 +78,28 @@ def refusal(seam: Seam, mode: OutputMode, guard: bool, environ: Mapping[str, str
     return None
 
 
-def open_state(
-    state: CaptureState, server_args: object | None, environ: Mapping[str, str] | None = None, seam: Seam | None = None
-) -> Resolution:
-    """Resolve everything a capture session fixes (read at every session) and open ``state``.
+def session_switches(environ: Mapping[str, str], seam: Seam | None) -> tuple[Resolution, bool]:
+    """The output mode (with its reason) and the guard a capture session runs with, checked
+    against ``seam`` (``None``: the release could not be probed, nothing is refused).
 
     :raises ValueError: a switch holds an invalid value, or the installed release cannot run the
         resolved mode (:func:`refusal`).
     """
-    env = os.environ if environ is None else environ
-    resolution = resolve_mode(server_args, env)
-    guard = parse_bool_env(ENV_STALE_OUTPUT_GUARD, env)
-    reason = refusal(seam or installed(), resolution.mode, guard, env)
+    resolution = resolve_mode(environ)
+    guard = bool(parse_bool_env(ENV_STALE_OUTPUT_GUARD, environ))
+    reason = None if seam is None else refusal(seam, resolution.mode, guard, environ)
     if reason is not None:
         raise ValueError(reason)
+    return resolution, guard
+
+
+def open_state(state: CaptureState, environ: Mapping[str, str] | None = None, seam: Seam | None = None) -> Resolution:
+    """Resolve everything a capture session fixes (read at every session) and open ``state``.
+
+    :raises ValueError: as :func:`session_switches`, or ``SGLANG_BCG_SHARED_BUFFER`` is invalid.
+    """
+    env = os.environ if environ is None else environ
+    resolution, guard = session_switches(env, seam or installed())
     state.open(resolution, source=shared_buffer(env), guard=guard)
     return resolution
 

@@ -260,7 +260,7 @@ def test_twenty_recapture_cycles_memory_returns(name: str) -> None:
     def cycle(share: bool) -> None:
         backend.configure(output_mode=mode_of_option(share))
         with backend.capture_session(stream=stream):
-            assert backend.share_output_active is share
+            assert backend.output_mode_active == mode_of_option(share)
             for key in keys:
                 backend.capture_one(key, net.fn(key), capture_inputs=net.x(key))
         _check_replays(backend, net, keys)
@@ -328,10 +328,10 @@ def test_replays_from_threads_with_concurrent_toggle(name: str) -> None:
     assert done == {0: 200, 1: 200} and flips > 0
     report = backend.memory_report()
     assert all(k.shared for k in report.keys)  # captured before the flips: unchanged
-    final = backend.options.share_output
+    final = backend.options.output_mode
     extra = ShapeKey(SIZES[1], 2)
     with backend.capture_session():
-        assert backend.share_output_active is final
+        assert backend.output_mode_active == final
         backend.capture_one(extra, net.fn(extra), capture_inputs=net.x(extra))
     _check_replays(backend, net, [*keys[0], *keys[1], extra])
     backend.cleanup()

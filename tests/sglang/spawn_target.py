@@ -20,18 +20,13 @@ def scheduler_like(server_args: Any, queue: Any) -> None:
     from sglang.srt.plugins import load_plugins
     from sglang.srt.plugins.hook_registry import HookRegistry
 
-    from sglang_bcg_plugin import resolve_share_output
+    from sglang_bcg_plugin import resolve_output_mode
 
     load_plugins()
-    env = os.environ.get("SGLANG_ENABLE_BCG_SHARED_OUTPUT")
-    result = {
+    queue.put({
         # private: SGLang's HookRegistry has no public read of what it patched
         "plugins_patched": "sglang.srt.server_args.ServerArgs.from_cli_args" in HookRegistry._patched,
-        "env": env,
+        "env": os.environ.get("SGLANG_ENABLE_BCG_SHARED_OUTPUT"),
         "stash": getattr(server_args, "_bcg_shared_output", None),
-        "from_server_args": resolve_share_output(None, server_args=server_args),
-        "from_env": resolve_share_output(None),
-    }
-    os.environ.pop("SGLANG_ENABLE_BCG_SHARED_OUTPUT", None)
-    result["from_server_args_without_env"] = resolve_share_output(None, server_args=server_args)
-    queue.put(result)
+        "mode": resolve_output_mode(),
+    })

@@ -92,7 +92,7 @@ def test_is_sglang_bcg_subclass_with_sglang_constructor() -> None:
 
     backend = make_backend(enable_memory_saver=False, debug_eager=False)
     assert isinstance(backend, BreakableCudaGraphBackend)
-    assert backend._debug_eager is False and backend.share_output_active is None  # private: SGLang keeps the argument only there
+    assert backend._debug_eager is False and backend.output_mode_active is None  # private: SGLang keeps the argument only there
 
 
 @pytest.mark.parametrize(("env", "expect_storages"), [("1", 1), ("0", len(SIZES))])
@@ -185,25 +185,22 @@ def test_not_largest_first_falls_back_per_key(monkeypatch: pytest.MonkeyPatch) -
         torch.testing.assert_close(replay(backend, key), model.expected(key), rtol=0, atol=0)
 
 
-def test_server_args_stash_beats_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    import importlib
+def test_the_flag_overrides_the_operators_env_var(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The flag's hook writes ``SGLANG_ENABLE_BCG_SHARED_OUTPUT`` (its one carrier); the session
+    reads it, with it as the reason."""
+    import argparse
 
-    # With server_args present, SGLang's dedup mixin (where the release has one that reads
-    # get_exec()) needs the runtime context; nothing is published here.
-    try:
-        dedup = importlib.import_module("sglang.srt.model_executor.runner_backend.cuda_graph_dedup_mixin")
-    except ImportError:
-        dedup = None
-    if hasattr(dedup, "get_exec"):
-        features = type("Exec", (), {"features": type("F", (), {"enable_memory_saver": False})()})()
-        monkeypatch.setattr(dedup, "get_exec", lambda: features)
-    monkeypatch.setenv("SGLANG_ENABLE_BCG_SHARED_OUTPUT", "1")
-    server_args = type("ServerArgs", (), {"_bcg_shared_output": False})()
-    backend, model = make_backend(FakeRunner(server_args=server_args)), Model()
+    from sglang_bcg_plugin.integration import flag
+
+    monkeypatch.setenv("SGLANG_ENABLE_BCG_SHARED_OUTPUT", "1")  # the operator's
+    result = object()
+    assert flag.after_from_cli_args(result, object, argparse.Namespace(enable_bcg_shared_output="off")) is result
+    backend, model = make_backend(), Model()
     with backend.capture_session(None):
-        assert backend.share_output_active is False
+        assert backend.output_mode_active == "off"
         for n in SIZES:
             backend.capture_one(shape_key(n), model.forward_for(shape_key(n)))
+    assert backend.last_output_mode.describe() == "off (SGLANG_ENABLE_BCG_SHARED_OUTPUT='0')"
     assert len(storages(backend)) == len(SIZES)
 
 

@@ -90,10 +90,10 @@ def test_load_plugins_applies_every_hook(dist_dir: Path) -> None:
     assert all(r["wrapped"].values()), r["wrapped"]
     assert r["flags"] == {
         "none": [None, "Off"],  # not given: env var left to the operator
-        "--enable-bcg-shared-output": [True, "1"],
-        "--no-enable-bcg-shared-output": [False, "0"],
-        "--enable-bcg-shared-output=released": ["released", "released"],
-        "--enable-bcg-shared-output OFF": [False, "0"],
+        "--enable-bcg-shared-output": [None, "1"],  # given: the env var is its one carrier
+        "--no-enable-bcg-shared-output": [None, "0"],
+        "--enable-bcg-shared-output=released": [None, "released"],
+        "--enable-bcg-shared-output OFF": [None, "0"],
         "bad": [2, r["flags"]["bad"][1]],
     }
     assert "--enable-bcg-shared-output='sometimes' is not an output mode" in r["flags"]["bad"][1]
@@ -124,7 +124,7 @@ report(ok=True)
 
 def test_flag_reaches_spawned_child(dist_dir: Path) -> None:
     """The parsed flag reaches a ``spawn``-ed process that runs ``load_plugins()`` (as SGLang's
-    scheduler does): by the inherited env var and by the pickled ``_bcg_shared_output`` stash."""
+    scheduler does) by its one carrier, the inherited env var."""
     code = """
 import multiprocessing as mp, os
 from sglang.srt.plugins import load_plugins
@@ -145,8 +145,6 @@ report(child=child, exitcode=proc.exitcode)
     assert r["child"] == {
         "plugins_patched": True,
         "env": "1",
-        "stash": True,
-        "from_server_args": True,  # resolve_share_output(None, server_args=...)
-        "from_server_args_without_env": True,  # the stash alone carries it
-        "from_env": True,  # resolve_share_output(None): the env var alone carries it
+        "stash": None,  # nothing rides on the pickled ServerArgs
+        "mode": "on",  # resolve_output_mode(): the env var carries it
     }

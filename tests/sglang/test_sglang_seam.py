@@ -104,20 +104,17 @@ def test_select_routes_to_registered_backend_via_adapter(select: list[Any], monk
 
 
 @pytest.mark.parametrize("select", ["full"], indirect=True)
-def test_a_routed_backend_gets_the_flag_as_its_output_mode(select: list[Any], monkeypatch: pytest.MonkeyPatch) -> None:
-    """The seam resolves the flag's stash and hands it over (``output_mode=``): it beats the
-    environment variable, with the flag's reason; no stash, no keyword (the env decides)."""
+def test_a_routed_backend_follows_the_env_var_the_flag_sets(select: list[Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A routed backend is built with ``BackendOptions()``: its mode is the environment variable's,
+    which ``--enable-bcg-shared-output`` writes, with the variable as the reason."""
     from sglang_bcg_plugin.integration import seam
 
-    monkeypatch.setenv("SGLANG_ENABLE_BCG_SHARED_OUTPUT", "1")
-    server_args = type("ServerArgs", (), {"_bcg_shared_output": False})()
-    backend = seam.around_resolve_decode_backend(lambda r: sglang_bcg(r), FakeRunner(server_args=server_args))
-    with backend.capture_session(None):
-        assert backend.backend.output_mode_active == "off"
-    assert backend.backend.last_output_mode.describe() == "off (--enable-bcg-shared-output (server_args._bcg_shared_output=False))"
-    plain = seam.around_resolve_decode_backend(lambda r: sglang_bcg(r), FakeRunner())
-    with plain.capture_session(None):
-        assert plain.backend.last_output_mode.describe() == "on (SGLANG_ENABLE_BCG_SHARED_OUTPUT='1')"
+    for raw, mode in (("0", "off"), ("1", "on")):
+        monkeypatch.setenv("SGLANG_ENABLE_BCG_SHARED_OUTPUT", raw)
+        backend = seam.around_resolve_decode_backend(lambda r: sglang_bcg(r), FakeRunner())
+        with backend.capture_session(None):
+            assert backend.backend.output_mode_active == mode
+        assert backend.backend.last_output_mode.describe() == f"{mode} (SGLANG_ENABLE_BCG_SHARED_OUTPUT={raw!r})"
     assert [p for p, _ in select] == ["decode", "decode"]
 
 
@@ -149,9 +146,7 @@ def test_select_routes_to_registered_sglang_subclass() -> None:
 
 
 def test_flag_hooks(monkeypatch: pytest.MonkeyPatch) -> None:
-    from sglang_bcg_plugin.integration import flag_resolution
     from sglang_bcg_plugin.integration.flag import HELP, after_add_cli_args, after_from_cli_args
-    from sglang_bcg_plugin.output_mode import Resolution
 
     parser = argparse.ArgumentParser()
     after_add_cli_args(None, parser)
@@ -168,17 +163,15 @@ def test_flag_hooks(monkeypatch: pytest.MonkeyPatch) -> None:
         pass
 
     monkeypatch.setenv("SGLANG_ENABLE_BCG_SHARED_OUTPUT", "1")
-    untouched = after_from_cli_args(Result(), Result, parser.parse_args([]))
-    assert not hasattr(untouched, "_bcg_shared_output") and os.environ["SGLANG_ENABLE_BCG_SHARED_OUTPUT"] == "1"
-    # the stash, read by its public reader: the reason quotes its value (True, False or "released")
-    stash = "--enable-bcg-shared-output (server_args._bcg_shared_output={})"
-    off = after_from_cli_args(Result(), Result, parser.parse_args(["--no-enable-bcg-shared-output"]))
-    assert flag_resolution(off) == Resolution("off", stash.format(False)) and os.environ["SGLANG_ENABLE_BCG_SHARED_OUTPUT"] == "0"
-    on = after_from_cli_args(Result(), Result, parser.parse_args(["--enable-bcg-shared-output"]))
-    assert flag_resolution(on) == Resolution("on", stash.format(True)) and os.environ["SGLANG_ENABLE_BCG_SHARED_OUTPUT"] == "1"
-    released = after_from_cli_args(Result(), Result, parser.parse_args(["--enable-bcg-shared-output=released"]))
-    assert flag_resolution(released) == Resolution("released", stash.format("'released'"))
-    assert os.environ["SGLANG_ENABLE_BCG_SHARED_OUTPUT"] == "released"
+    result = Result()
+    assert after_from_cli_args(result, Result, parser.parse_args([])) is result
+    assert os.environ["SGLANG_ENABLE_BCG_SHARED_OUTPUT"] == "1"  # not given: the operator's value stays
+    # given: the one carrier, the variable, holds the mode (1, 0 or released); the result is untouched
+    for argv, text in ((["--no-enable-bcg-shared-output"], "0"), (["--enable-bcg-shared-output"], "1"),
+                       (["--enable-bcg-shared-output=released"], "released")):
+        result = Result()
+        assert after_from_cli_args(result, Result, parser.parse_args(argv)) is result and not vars(result)
+        assert os.environ["SGLANG_ENABLE_BCG_SHARED_OUTPUT"] == text
 
 
 def test_register_is_idempotent(monkeypatch: pytest.MonkeyPatch) -> None:

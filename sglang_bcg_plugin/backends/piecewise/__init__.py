@@ -60,7 +60,6 @@ class PiecewiseBackend(CaptureBackend):
         options: BackendOptions | None = None,
         plugin_manager: pluggy.PluginManager | None = None,
         output_mode: Resolution | None = None,
-        server_args: object | None = None,
         splitting_ops: Iterable[object] | None = (),
         inductor: bool = False,
         inductor_config: Mapping[str, Any] | None = None,
@@ -73,7 +72,7 @@ class PiecewiseBackend(CaptureBackend):
             msg = "inductor_config is given but inductor=False; pass inductor=True to compile the pieces"
             raise ValueError(msg)
         self._inductor = InductorPieces(inductor_config) if inductor else None
-        super().__init__(options=options, plugin_manager=plugin_manager, output_mode=output_mode, server_args=server_args)
+        super().__init__(options=options, plugin_manager=plugin_manager, output_mode=output_mode)
         self._summaries: list[SplitSummary] = []
         self._compilers: list[PiecewiseCompiler] = []  # not the compiled callables: they hold the model
 

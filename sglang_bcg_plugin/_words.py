@@ -1,0 +1,76 @@
+"""The one parser of a switch's word: options, environment variables and the server flag.
+
+Every named choice (an output mode, a buffer source, a pool setting) and every boolean is read
+by :func:`parse_word`: any case, surrounding whitespace allowed; anything else is an error that
+names the switch and lists the accepted values. :func:`parse_env` reads an environment variable
+with it (unset or blank: ``None``, the caller's default).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Mapping
+from typing import TypeVar
+
+T = TypeVar("T")
+
+#: The boolean spellings every boolean switch accepts, and how errors list them.
+BOOLEAN: Mapping[str, bool] = {
+    "1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False, "off": False,
+}
+BOOLEAN_TEXT = "1/0, true/false, yes/no, on/off"
+#: A longer value is shown cut, with its length (a 100 KB variable is not echoed whole).
+SHOWN_CHARS = 80
+
+
+def shown(raw: str) -> str:
+    """``repr(raw)``, cut to :data:`SHOWN_CHARS` characters with ``…`` and the full length."""
+    return repr(raw) if len(raw) <= SHOWN_CHARS else f"{raw[:SHOWN_CHARS]!r}… ({len(raw)} characters)"
+
+
+def names_text(names: Iterable[str]) -> str:
+    """``'a', 'b' or 'c'``: how a message lists named choices."""
+    quoted = [f"'{n}'" for n in names]
+    return quoted[0] if len(quoted) == 1 else f"{', '.join(quoted[:-1])} or {quoted[-1]}"
+
+
+def parse_word(raw: object, words: Mapping[str, T], what: str, *, kind: str, accepted: str | None = None) -> T:
+    """``words[raw]``, ``raw`` in any case with surrounding whitespace (``words``' keys are lowercase).
+
+    :param what: the switch, as the user wrote it (``BackendOptions.shared_buffer``, a variable).
+    :param kind: what a value is (``"a boolean"``, ``"an output mode"``), for the message.
+    :param accepted: how the message lists the accepted values (default: ``words``' keys).
+    :raises TypeError: ``raw`` is not a str (naming ``what``, the value and what is accepted).
+    :raises ValueError: ``raw`` is not one of ``words`` (naming ``what``, the value and what is
+        accepted).
+    """
+    accepted = names_text(words) if accepted is None else accepted
+    if not isinstance(raw, str):
+        msg = f"{what} must be {accepted}, got {repr(raw)[:200]} of type {type(raw).__name__}"
+        raise TypeError(msg)
+    key = raw.strip().lower()
+    if key not in words:
+        msg = f"{what}={shown(raw)} is not {kind}; use one of {accepted} (any case)"
+        raise ValueError(msg)
+    return words[key]
+
+
+def parse_env(
+    name: str, words: Mapping[str, T], *, kind: str, accepted: str | None = None, environ: Mapping[str, str] | None = None
+) -> T | None:
+    """The environment variable ``name`` read by :func:`parse_word`; ``None`` when unset or blank.
+
+    :raises ValueError: set to something else (the variable and the accepted values are named).
+    """
+    raw = (os.environ if environ is None else environ).get(name)
+    if raw is None or not raw.strip():
+        return None
+    return parse_word(raw, words, name, kind=kind, accepted=accepted)
+
+
+def parse_bool_env(name: str, environ: Mapping[str, str] | None = None) -> bool | None:
+    """A boolean environment variable (:data:`BOOLEAN`); ``None`` when unset or blank.
+
+    :raises ValueError: set to something else, naming the variable and the accepted values.
+    """
+    return parse_env(name, BOOLEAN, kind="a boolean", accepted=BOOLEAN_TEXT, environ=environ)
