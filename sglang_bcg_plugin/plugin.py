@@ -11,13 +11,13 @@ from .backends.base import CaptureBackend
 from .backends.breakable import BreakableBackend
 from .backends.full import FullBackend
 from .backends.piecewise import PiecewiseBackend
-from .backends.piecewise.record import PieceFront
+from .backends.piecewise.front import PieceFront
 from .backends.state import CaptureState, KeyPlacement
 from .engines.base import CapturedGraph, CaptureRequest, Engine, Front, OutputPolicy, run_warmups
 from .engines.breakable import BreakableFront
 from .engines.cuda import FullCudaEngine, SegmentCudaEngine
 from .engines.eager import EagerEngine
-from .engines.segmented import EagerSegmentEngine
+from .engines.eager_segments import EagerSegmentEngine
 from .manager import hookimpl
 from .registry import BackendRegistry
 

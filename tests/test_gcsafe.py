@@ -12,7 +12,7 @@ import pytest
 
 from sglang_bcg_plugin.engines.cuda import FullCudaEngine, FullGraph
 from sglang_bcg_plugin.engines.gcsafe import capture_in_progress, defer_release, gc_safe_capture, parked_count
-from sglang_bcg_plugin.engines.graphs import CudaSegments
+from sglang_bcg_plugin.engines.cuda_segments import CudaSegments
 
 
 class Node:

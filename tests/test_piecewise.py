@@ -411,7 +411,7 @@ def test_decoder_replays_right_with_no_bridges(layers: int) -> None:
 
 def test_cuda_engine_requires_a_warmup() -> None:
     from sglang_bcg_plugin.engines.base import CaptureRequest
-    from sglang_bcg_plugin.backends.piecewise.record import PieceFront
+    from sglang_bcg_plugin.backends.piecewise.front import PieceFront
     from sglang_bcg_plugin.engines.cuda import SegmentCudaEngine
 
     request = CaptureRequest(ShapeKey(4), lambda: None, lambda o: o, 0, None, None)

@@ -103,7 +103,7 @@ def test_seam_kind_without_sglang(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_checks_per_seam_kind() -> None:
-    from sglang_bcg_plugin.integration.calls import runner_checks, seam_checks
+    from sglang_bcg_plugin.integration.doctor_checks import runner_checks, seam_checks
 
     assert seam_checks(seam("none")) == []
     labels = [label for label, _ in runner_checks(seam("runner"))]

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from ..engines.base import Engine
 from ..engines.breakable import BreakableFront
-from ..engines.segmented import EagerSegmentEngine
+from ..engines.eager_segments import EagerSegmentEngine
 from ..manager import hookimpl
 from ..registry import BackendRegistry
 from .base import CaptureBackend

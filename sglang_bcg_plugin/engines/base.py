@@ -78,8 +78,8 @@ class Front(Protocol):
     """A segmented capture's front-end: where breaks are and what crosses them.
 
     Two siblings: the Breakable front (``engines/breakable.py``: ``@graph_break`` functions) and
-    the Piecewise front (``backends/piecewise/record.py``: FX pieces split at splitting ops). The
-    one segmented engine (:mod:`.segmented`) runs either over CUDA-graph or eager segments.
+    the Piecewise front (``backends/piecewise/front.py``: FX pieces split at splitting ops). The
+    one segmented engine (:mod:`.eager_segments`) runs either over CUDA-graph or eager segments.
     """
 
     #: Fewest warmups a CUDA capture needs (Piecewise: 1, so ``torch.compile`` runs first).

@@ -15,7 +15,7 @@ import torch
 
 from .base import CaptureRequest, Front, run_warmups
 from .gcsafe import defer_release, gc_safe_capture
-from .graphs import CudaSegments, abort_capture, end_capture, invalidated
+from .cuda_segments import CudaSegments, abort_capture, end_capture, invalidated
 from .recorder import SegmentedGraph, host_read_error, record
 
 
@@ -161,7 +161,7 @@ class FullCudaEngine(CudaGraphEngine):
 
 class SegmentCudaEngine(CudaGraphEngine):
     """The segmented engine over CUDA graphs: the front's recorder, one graph per segment in the
-    partition's pool (CPU machines: :class:`~.segmented.EagerSegmentEngine`)."""
+    partition's pool (CPU machines: :class:`~.eager_segments.EagerSegmentEngine`)."""
 
     def __init__(self, front: Front) -> None:
         super().__init__()

@@ -56,7 +56,7 @@ class EagerGraph:
 
 
 class EagerEngine:
-    """Full's engine for CPU machines and debugging (segmented backends: :mod:`.segmented`)."""
+    """Full's engine for CPU machines and debugging (segmented backends: :mod:`.eager_segments`)."""
 
     name = "eager"
 

@@ -14,7 +14,7 @@ stream is capturing", then ``CUBLAS_STATUS_INTERNAL_ERROR`` or
   freezing would leave a caller's earlier freeze (SGLang's ``freeze_gc``, or any other)
   covering our objects for good — dropped backends then never die;
 * :func:`defer_release` — every object that owns CUDA graphs (``engines.cuda.FullGraph``,
-  ``engines.graphs.CudaSegments``, the engines' pool anchors) hands its graphs here from its
+  ``engines.cuda_segments.CudaSegments``, the engines' pool anchors) hands its graphs here from its
   ``__del__``. Outside a capture nothing happens and the graphs go with their owner; inside one
   (ours, or the current stream capturing) they are parked and destroyed when the last capture
   ends. So even an explicit ``gc.collect()`` inside a capture, or dropping the last reference,

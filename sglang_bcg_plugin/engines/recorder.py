@@ -2,9 +2,9 @@
 
 Every segmented capture — Breakable (breaks marked with ``@graph_break``) and Piecewise (FX
 pieces split at splitting ops) — is recorded here; the front-ends (``engines/breakable.py``,
-``backends/piecewise/record.py``) only decide *where* a break is and *what* crosses it.
+``backends/piecewise/front.py``) only decide *where* a break is and *what* crosses it.
 
-* :class:`Segments` makes segments: ``engines.graphs.CudaSegments`` (one ``torch.cuda.CUDAGraph``
+* :class:`Segments` makes segments: ``engines.cuda_segments.CudaSegments`` (one ``torch.cuda.CUDAGraph``
   per segment in the partition's pool; ``None`` for a segment that captured no work) or
   :class:`~.tape.EagerSegments` (CPU machines: every op run while a segment is open, recorded by a
   dispatch mode as a stream capture records kernels, plus the front-ends' actions; re-run in

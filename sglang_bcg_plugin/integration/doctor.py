@@ -25,7 +25,7 @@ from collections.abc import Callable, Mapping
 from typing import TextIO
 
 from ._names import ENV_FORECAST
-from .calls import seam_checks
+from .doctor_checks import seam_checks
 from .forecast_log import forecast_enabled
 from .compat import BACKEND_CLASS, RUNNER_CLASS, Seam, installed, seam_kind
 from .hooks import hooks_for

@@ -36,7 +36,7 @@ def fresh_generator_state() -> None:
 def child(recovery: str) -> None:
     import torch
 
-    from sglang_bcg_plugin.engines.graphs import abort_capture
+    from sglang_bcg_plugin.engines.cuda_segments import abort_capture
 
     x = torch.ones(8, device="cuda")
     torch.rand(4, device="cuda")

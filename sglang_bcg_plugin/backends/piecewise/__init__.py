@@ -26,7 +26,7 @@ import pluggy
 import torch
 
 from ...engines.base import Engine
-from ...engines.segmented import EagerSegmentEngine
+from ...engines.eager_segments import EagerSegmentEngine
 from ...manager import hookimpl
 from ...options import BackendOptions
 from ...output_mode import Resolution
@@ -36,7 +36,7 @@ from .compile import DynamicMode, PiecewiseCompiled, PiecewiseCompiler, capture_
 from .compile import PiecewiseCompileError as PiecewiseCompileError  # re-exported
 from .inductor import InductorPieces
 from .ops import resolve_splitting_ops
-from .record import PieceFront
+from .front import PieceFront
 from .split import SplitSummary
 
 

@@ -23,7 +23,7 @@ import torch
 from torch.fx.passes.split_module import split_module
 
 from .inductor import CompiledPiece, InductorPieces, dense_fresh
-from .record import active_piece_recorder
+from .front import active_piece_recorder
 
 _graph_ids = itertools.count()
 
