@@ -62,7 +62,7 @@ class MemoryReport:
     def lost_bytes(self) -> int | None:
         """Free device memory the process lost from just before the forecast's probes to the
         session's end: :attr:`measured_graph_bytes` plus what the forecast left lost (the
-        driver's share its probes' graphs paid). What a fresh process's forecast total is
+        driver's share its probes' graphs paid, the workspace their capture stream left). What a fresh process's forecast total is
         compared with (SGLang's "mem usage" is this kind of figure); ``None`` without both."""
         if self.forecast is None or self.measured_graph_bytes is None:
             return None
@@ -164,8 +164,11 @@ class MemoryReport:
             total, allocator = self.forecast.bytes_for(), self.forecast.bytes_for(driver=False)
             if total != allocator or lost != self.measured_graph_bytes:
                 measured = "not measured" if lost is None else f"lost {lost / mib:.1f} MiB since before the forecast"
-                err += (f"; the CUDA driver's share {(total - allocator) / mib:.1f} MiB of it; without it "
-                        f"{allocator / mib:.1f} MiB")
+                f = self.forecast.modes[self.forecast.mode]
+                left = int(getattr(f, "probe_left_bytes", 0) or 0)
+                probes = f" and the probes' capture stream {left / mib:.1f} MiB" if left else ""
+                err += (f"; the CUDA driver's share {(total - allocator - left) / mib:.1f} MiB{probes} of it; "
+                        f"without {'them' if left else 'it'} {allocator / mib:.1f} MiB")
                 if self.allocator_error is not None and self.measured_graph_bytes is not None:
                     err += (f" against the session's own drop {self.measured_graph_bytes / mib:.1f} MiB, "
                             f"error {self.allocator_error * 100:+.1f} %")

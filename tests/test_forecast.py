@@ -157,6 +157,95 @@ def test_scaled_trace_is_exact_on_lines_and_refuses_other_patterns() -> None:
         ScaledTrace.fit(large, large)
 
 
+# -- probes whose requests come in another order at the two sizes (Inductor's pieces) -----------
+SEGMENT = (1 << 40, 1 << 34)  # one pool segment holding every synthetic address
+
+
+def _sequence(trace: KeyTrace) -> list[tuple[int, int]]:
+    """The trace's requests without their bytes (allocs, and frees of which alloc)."""
+    return [(k, v if k == 1 else 0) for k, v in trace.ops]
+
+
+def _forward_events(n: int, order: list[str]) -> list[list[Any]]:
+    """The allocator events (the recordings' ``[action, address, bytes]``) of one capture of a
+    synthetic forward at ``n`` tokens, its buffers allocated in ``order``: ``a`` and ``c``
+    activations (n x 2880 and n x 5760 bf16), ``w`` a 512-byte constant, ``h`` an activation
+    freed at once, ``o`` the output (kept). Each but ``o`` is freed after the three first."""
+    nbytes = {"a": 5760 * n, "c": 11520 * n, "w": 512, "h": 2048 * n + 1 * MB, "o": 5760 * n}
+    addr = {k: SEGMENT[0] + i * (1 << 30) for i, k in enumerate("acwho")}
+    out: list[list[Any]] = []
+    for k in order:
+        out.append(["alloc", addr[k], nbytes[k]])
+        if k == "h":
+            out.append(["free_completed", addr[k], nbytes[k]])
+    out += [["free_completed", addr[k], nbytes[k]] for k in order if k in "acw"]
+    return out
+
+
+def test_probes_in_another_order_are_paired_by_what_each_allocation_is() -> None:
+    """Issue 36 B: the two probes' traces differ in sequence (the small probe allocates its
+    buffers in another order); the allocations are paired by what each is (kept or freed, same
+    bytes, bytes in proportion to the size, then what grows), and the forecast is the one the
+    trace in the large probe's order gives."""
+    large_order, small_order = ["a", "w", "h", "c", "o"], ["c", "o", "h", "w", "a"]
+    large = pool_trace(16384, _events(_forward_events(16384, large_order)), [SEGMENT])
+    small = pool_trace(4, _events(_forward_events(4, small_order)), [SEGMENT])
+    paired = pool_trace(4, _events(_forward_events(4, large_order)), [SEGMENT])  # what pairing should give
+    assert _sequence(large) != _sequence(small)  # not one sequence: refused by position before
+    fitted, truth = ScaledTrace.fit(large, small), ScaledTrace.fit(large, paired)
+    assert fitted == truth
+    sizes = [16384, 8192, 1024, 64, 4]
+    outputs = output_allocs(large, [5760 * 16384])
+    options = {"outputs": outputs, "largest_output_bytes": 5760 * 16384, "released_keeps": "auto"}
+    assert forecast_modes(fitted, sizes, **options) == forecast_modes(truth, sizes, **options)
+    assert fitted.at(1024) == pool_trace(1024, _events(_forward_events(1024, large_order)), [SEGMENT])
+
+
+def test_recorded_probe_with_two_allocations_swapped_gives_the_same_forecast() -> None:
+    """The H200's Llama Breakable probes, the small one with two of its allocations (a constant
+    and an activation) swapped: paired by what they are, the forecast is the recorded one's."""
+    data = _load("h200_probes.json.gz")["cases"]["llama/breakable"]
+    sizes, segments = data["sizes"], [tuple(s) for s in data["pool_segments"]]
+    raw_small = [list(e) for e in data["probes"][str(sizes[-1])]]
+    large = pool_trace(sizes[0], _events(data["probes"][str(sizes[0])]), segments)
+    small = pool_trace(sizes[-1], _events(raw_small), segments)
+    i = next(i for i in range(len(raw_small) - 1) if raw_small[i][0] == raw_small[i + 1][0] == "alloc"
+             and raw_small[i][2] != raw_small[i + 1][2])
+    raw_small[i], raw_small[i + 1] = raw_small[i + 1], raw_small[i]
+    swapped = pool_trace(sizes[-1], _events(raw_small), segments)
+    assert _sequence(swapped) != _sequence(large) == _sequence(small)  # refused by position before
+    out_bytes = data["largest_output_bytes"]
+    options = {"outputs": output_allocs(large, [out_bytes]), "largest_output_bytes": out_bytes}
+    assert (forecast_modes(ScaledTrace.fit(large, swapped), sizes, **options)
+            == forecast_modes(ScaledTrace.fit(large, small), sizes, **options))
+
+
+@pytest.mark.parametrize("name", ["h200_probes.json.gz", "h200_inductor_probes.json.gz",
+                                  "h200_inductor_cold_probes.json.gz", "h200_tp_probes.json.gz"])
+def test_pairing_by_what_allocations_are_agrees_with_position_on_every_recording(name: str) -> None:
+    """Where the two probes are one sequence (every H200 recording), pairing by what each
+    allocation is gives every allocation a partner of the bytes its position gives."""
+    from sglang_bcg_plugin.forecast.trace import pair_allocs
+
+    for case, data in _load(name)["cases"].items():
+        sizes, segments = data["sizes"], [tuple(s) for s in data["pool_segments"]]
+        large, small = (pool_trace(int(n), _events(data["probes"][str(n)]), segments) for n in (sizes[0], sizes[-1]))
+        pairs = pair_allocs(large, small)
+        assert len(pairs) == sum(k == 0 for k, _ in large.ops), case
+        assert all(small.ops[j][1] == small.ops[i][1] for i, j in pairs.items()), case
+
+
+def test_probes_that_cannot_be_paired_are_refused_saying_why() -> None:
+    large = KeyTrace(1000, ((0, 4000), (0, 100), (1, 1), (1, 0)))
+    with pytest.raises(ForecastError, match=r"cannot be paired: 2 allocations \(0 kept\) against 1 \(0 kept\)"):
+        ScaledTrace.fit(large, KeyTrace(10, ((0, 40), (1, 0))))
+    with pytest.raises(ForecastError, match=r"cannot be paired: 2 allocations \(0 kept\) against 2 \(1 kept\)"):
+        ScaledTrace.fit(large, KeyTrace(10, ((0, 100), (0, 40), (1, 0))))
+    # the 100-byte one at 1000 tokens meets only 5000 bytes at 10: not the same, not in proportion, shrinking
+    with pytest.raises(ForecastError, match="the freed allocation of 100 bytes at 1000 tokens .* has no allocation"):
+        ScaledTrace.fit(large, KeyTrace(10, ((0, 5000), (0, 40), (1, 0), (1, 1))))
+
+
 def test_output_allocs_match_by_bytes() -> None:
     trace = KeyTrace(4, ((0, 10), (0, 512), (0, 96), (1, 0)))
     assert output_allocs(trace, [96]) == frozenset({2})

@@ -273,7 +273,7 @@ def _forecast_fields(forecast: Any, graph_bytes: int | None, compile_s: float = 
     total = forecast.bytes_for(driver=False)
     error = None if not graph_bytes else (total - graph_bytes) / graph_bytes
     return {"forecast_bytes": total, "forecast_error": error, "forecast_s": forecast.seconds - compile_s,
-            "forecast": forecast.to_dict(), "forecast_driver_bytes": forecast.bytes_for() - total}
+            "forecast": forecast.to_dict(), "forecast_driver_bytes": forecast.modes[forecast.mode].driver_bytes}
 
 
 def warm_up(workload: Workload, backends: list[str], sizes: list[int] | None = None) -> None:

@@ -46,6 +46,11 @@ class ModeForecast:
         PyTorch's allocator (:mod:`.driver`): per graph and per node, and once per process at its
         first capture where the probes found the process paying that. A process whose driver
         already held resources for as many graphs pays none of it again (:attr:`allocator_bytes`).
+    :param probe_left_bytes: what the forecast's own probes left reserved in PyTorch's allocator
+        after their cleanup, measured: their capture stream's cuBLAS workspace, which torch keeps
+        per (handle, stream) for the life of the process, while the schedule's session captures
+        on another stream and pays its own (:attr:`stream_bytes`). Lost by the process from
+        before the forecast on, not by the session: outside :attr:`allocator_bytes`.
     """
 
     mode: str
@@ -56,12 +61,13 @@ class ModeForecast:
     bridge_bytes: int = 0
     keeps_largest: bool = False
     driver_bytes: int = 0
+    probe_left_bytes: int = 0
 
     @property
     def allocator_bytes(self) -> int:
-        """The total without the driver's share: what PyTorch's allocator reserves for the
-        session (pool, shared buffer, capture stream, bridges)."""
-        return self.total_bytes - self.driver_bytes
+        """The total without the driver's share and what the probes left: what PyTorch's
+        allocator reserves for the session (pool, shared buffer, capture stream, bridges)."""
+        return self.total_bytes - self.driver_bytes - self.probe_left_bytes
 
     @property
     def pool_bytes(self) -> int:
@@ -72,7 +78,8 @@ class ModeForecast:
         return {"mode": self.mode, "total_bytes": self.total_bytes, "working_set_bytes": self.working_set_bytes,
                 "outputs_bytes": self.outputs_bytes, "stream_bytes": self.stream_bytes,
                 "bridge_bytes": self.bridge_bytes, "keeps_largest": self.keeps_largest,
-                "driver_bytes": self.driver_bytes, "allocator_bytes": self.allocator_bytes}
+                "driver_bytes": self.driver_bytes, "probe_left_bytes": self.probe_left_bytes,
+                "allocator_bytes": self.allocator_bytes}
 
 
 def simulate(trace: ScaledTrace, sizes: Iterable[int], *, keep_outputs: str, outputs: frozenset[int],
@@ -165,6 +172,7 @@ def schedule_forecast(
     expandable: bool = False,
     released_keeps: str = "none",
     driver: DriverShare | None = None,
+    probe_left_bytes: int = 0,
 ) -> tuple[dict[str, ModeForecast], dict[str, int], str, int]:
     """:func:`forecast_modes`, with ``on``'s pool plus buffer per source, the source taken
     (``"auto"`` resolved to the cheaper) and the pool's first block in bytes (0: none).
@@ -178,7 +186,9 @@ def schedule_forecast(
     keeping the largest capture's output (the ``adopt`` layout) makes the smaller pool, ``released``
     keeps it (:attr:`ModeForecast.keeps_largest`), as our backends do after a forecast.
     ``driver``: the CUDA driver's share of the schedule's graphs (:class:`~.driver.DriverShare`),
-    added to every mode's total as :attr:`ModeForecast.driver_bytes`; ``None``: none."""
+    added to every mode's total as :attr:`ModeForecast.driver_bytes`; ``None``: none.
+    ``probe_left_bytes``: what the probes left reserved after their cleanup (their capture
+    stream's workspace), added to every mode's total as :attr:`ModeForecast.probe_left_bytes`."""
     if released_keeps not in ("none", "auto"):
         msg = f"released_keeps must be 'none' or 'auto', got {released_keeps!r}"
         raise ValueError(msg)
@@ -212,15 +222,16 @@ def schedule_forecast(
     on = by_source[chosen]
     keep_largest = keeps_largest(released, by_source)
     floor = by_source["adopt"] if keep_largest else released
-    extra = stream_bytes + bridge_bytes
+    extra = stream_bytes + bridge_bytes + probe_left_bytes
     drv = {m: driver.bytes_for(m) if driver is not None else 0 for m in MODES}
     modes = {
         "off": ModeForecast("off", kept + extra + drv["off"], released, kept - released, stream_bytes, bridge_bytes,
-                            driver_bytes=drv["off"]),
+                            driver_bytes=drv["off"], probe_left_bytes=probe_left_bytes),
         "on": ModeForecast("on", on + extra + drv["on"], released, on - released, stream_bytes, bridge_bytes,
-                           driver_bytes=drv["on"]),
+                           driver_bytes=drv["on"], probe_left_bytes=probe_left_bytes),
         "released": ModeForecast("released", floor + extra + drv["released"], released, floor - released, stream_bytes,
-                                 bridge_bytes, keeps_largest=keep_largest, driver_bytes=drv["released"]),
+                                 bridge_bytes, keeps_largest=keep_largest, driver_bytes=drv["released"],
+                                 probe_left_bytes=probe_left_bytes),
     }
     return modes, by_source, chosen, reserve_bytes
 

@@ -5,11 +5,14 @@ schedule's largest and smallest sizes with outputs kept (mode ``off``) while PyT
 allocator records its events, reads each capture's requests to its graph pool
 (:func:`~.trace.pool_trace`), fits them (:class:`~.trace.ScaledTrace`), releases the probes
 (``cleanup()``), and models every size of the schedule in one pool per output mode
-(:func:`~.model.forecast_modes`). What a capture stream costs (its cuBLAS workspace, released
-with the engine; docs/forecast.md gives its size) is measured as what PyTorch's allocator reserved
+(:func:`~.model.forecast_modes`). What a capture stream costs (its cuBLAS workspace;
+docs/forecast.md gives its size) is measured as what PyTorch's allocator reserved
 during the probe session outside its graph pool, less what a segment cut for other work
 (compile-time autotuning) holds only because the workspace landed in it
-(:func:`~.trace.pinned_slack`). The CUDA driver's share (:mod:`.driver`) is modelled from the
+(:func:`~.trace.pinned_slack`). The probes' own capture stream is not the schedule's (each
+engine takes a new stream), and torch keeps its workspace for the life of the process: what the
+allocator still holds after the probes' cleanup is counted in every mode's total apart
+(``probe_left_bytes``), outside the session's allocator bytes. The CUDA driver's share (:mod:`.driver`) is modelled from the
 graphs and nodes the probes captured; the free device memory the probe session lost beyond what
 the allocator reserved says whether the process pays the driver's first-capture cost.
 """
@@ -97,7 +100,9 @@ class GraphMemoryForecast:
     #: graph before, about 0 in one whose driver held as many graphs already).
     probe_driver_bytes: int = 0
     #: free device memory the forecast left lost after its cleanup (from just before its probes
-    #: to after them, ``empty_cache`` at both ends): what the probes' graphs left with the driver.
+    #: to after them, ``empty_cache`` at both ends): what the probes' graphs left with the driver,
+    #: and what they left reserved in the allocator (every mode's
+    #: :attr:`~.model.ModeForecast.probe_left_bytes`: their capture stream's cuBLAS workspace).
     lasting_bytes: int = 0
 
     @property
@@ -109,9 +114,10 @@ class GraphMemoryForecast:
         return bool(released is not None and released.keeps_largest)
 
     def bytes_for(self, mode: str | None = None, *, driver: bool = True) -> int:
-        """The forecast total of ``mode`` (default: :attr:`mode`); ``driver=False``: without the
-        CUDA driver's share (what the allocator reserves: a process whose driver already holds
-        resources for as many graphs loses that much)."""
+        """The forecast total of ``mode`` (default: :attr:`mode`); ``driver=False``: what the
+        allocator reserves for the session, without the CUDA driver's share and what the probes
+        left reserved (a process whose driver already holds resources for as many graphs loses
+        that much over the session)."""
         f = self.modes[mode or self.mode]
         return f.total_bytes if driver else f.allocator_bytes
 
@@ -143,7 +149,8 @@ class GraphMemoryForecast:
                 " <- configured" if m == self.mode else "")
             lines.append(f"  {m:8} {f.total_bytes / MIB:9.1f} MiB = working set {f.working_set_bytes / MIB:.1f} "
                          f"+ outputs {f.outputs_bytes / MIB:.1f} + stream {f.stream_bytes / MIB:.1f} "
-                         f"+ bridges {f.bridge_bytes / MIB:.1f} + driver {f.driver_bytes / MIB:.1f}{mark}")
+                         f"+ bridges {f.bridge_bytes / MIB:.1f} + driver {f.driver_bytes / MIB:.1f}"
+                         + (f" + probes' stream {f.probe_left_bytes / MIB:.1f}" if f.probe_left_bytes else "") + mark)
         if self.driver is not None:
             lines.append(f"  driver: {self.driver.describe()} (the probes lost {self.probe_driver_bytes / MIB:.1f} MiB "
                          "outside the allocator)")
@@ -184,8 +191,8 @@ def _probe(backend: ProbeTarget, sizes: Sequence[int], forward_for: Callable[[in
            capture_inputs: Any) -> tuple[list[KeyTrace], list[int], int, int, ProbeDevice]:
     """Capture the probe sizes in mode ``off``: their pool traces, the bytes of the first (largest)
     probe's output storages, the bridge bytes, what the session's allocator reserved outside its
-    graph pool (what a capture stream costs: its cuBLAS workspace; released with the engine, so
-    it is measured while the probes still hold it), and the graphs each probe captured with the
+    graph pool (what a capture stream costs: its cuBLAS workspace, which the schedule's own
+    stream pays again), and the graphs each probe captured with the
     free device memory the session lost beyond the allocator's reservations."""
     pools = _pools()
     torch.cuda.memory._record_memory_history(enabled="all", context=None, stacks="python", max_entries=1_000_000)
@@ -268,6 +275,7 @@ def forecast_schedule(
     options = backend.options
     probe_sizes = (schedule[0], schedule[-1])
     free_start = device_free_bytes(collect=False)  # what the forecast leaves lost is counted from here
+    reserved_start = reserved_bytes()  # after that empty_cache: what the allocator holds in use
     # One warmup per probe (the engine's minimum still applies): lazy state is made by the first
     # eager run, and the graph pool only sees the capture; the schedule keeps its own warmups.
     backend.configure(output_mode="off", stale_output_guard=False, num_warmups=min(options.num_warmups, 1),
@@ -281,6 +289,10 @@ def forecast_schedule(
                           num_warmups=options.num_warmups, pool_reserve=options.pool_reserve,
                           pool_segments=options.pool_segments)
     lasting = max(0, free_start - device_free_bytes(collect=False))
+    # What the probes left reserved after their cleanup (empty_cache at both ends): their capture
+    # stream's cuBLAS workspace, which torch keeps per (handle, stream) for the process's life;
+    # the schedule's engine captures on another stream and pays its own (stream_bytes).
+    probe_left = min(lasting, max(0, reserved_bytes() - reserved_start))
     probe_seconds = time.perf_counter() - start
     large, small = traces
     # The model makes many short-lived objects: with the GC on they trigger collections, and
@@ -293,7 +305,8 @@ def forecast_schedule(
         modes, by_source, source, reserve_bytes = schedule_forecast(
             fitted, schedule, outputs=outputs, largest_output_bytes=sum(largest_output), stream_bytes=stream_bytes,
             bridge_bytes=bridges, source=options.shared_buffer, pool_reserve=options.pool_reserve,
-            configured_mode=configured_mode, expandable=expandable, released_keeps="auto", driver=driver)
+            configured_mode=configured_mode, expandable=expandable, released_keeps="auto", driver=driver,
+            probe_left_bytes=probe_left)
         references = reference_estimates(modes, fitted, schedule, outputs=outputs, expandable=expandable, driver=driver)
     caveat = "; ".join(c for c in (EXPANDABLE_CAVEAT if expandable else "", driver_caveat(driver)) if c)
     return GraphMemoryForecast(backend.name, tuple(schedule), configured_mode, MappingProxyType(modes), probe_sizes,

@@ -5,9 +5,10 @@ index and the requested bytes) and ``free`` (of an earlier alloc); the allocs st
 the capture ends are what the graph keeps (its output, and whatever the forward holds on to).
 :func:`pool_trace` reads it from the events PyTorch's allocator records
 (``torch.cuda.memory._record_memory_history``), keeping the events inside the given pool's
-segments. :class:`ScaledTrace` fits two traces of the same forward at two sizes (same
-sequence of allocs and frees, which a tokens-first forward has) with one line per alloc,
-``bytes(n) = a + b * n``, and writes the trace of any other size.
+segments. :class:`ScaledTrace` fits two traces of the same forward at two sizes with one line
+per alloc, ``bytes(n) = a + b * n``, and writes the trace of any other size: a tokens-first
+forward makes the same sequence of allocs and frees at every size, paired by position; where the
+order differs (Inductor's pieces), the allocs are paired by what they are (:func:`pair_allocs`).
 """
 
 from __future__ import annotations
@@ -103,24 +104,26 @@ class ScaledTrace:
 
     @classmethod
     def fit(cls, large: KeyTrace, small: KeyTrace) -> ScaledTrace:
-        """:raises ForecastError: the two traces are not the same sequence of requests."""
+        """The lines through the two traces' allocations, paired: by position where the two are
+        the same sequence of requests, else by what each allocation is (:func:`pair_allocs`);
+        the schedule's sizes are then modelled in ``large``'s order of requests.
+
+        :raises ForecastError: the two probe sizes are equal, or the allocations cannot be paired."""
         if large.size == small.size:
             msg = f"forecast: the two probe sizes must differ (both {large.size})"
             raise ForecastError(msg)
         kinds_l = [(k, v if k == 1 else 0) for k, v in large.ops]
         kinds_s = [(k, v if k == 1 else 0) for k, v in small.ops]
-        if kinds_l != kinds_s:
-            msg = (
-                f"forecast: the forward's allocations at {large.size} and {small.size} tokens differ in "
-                f"sequence ({len(large.ops)} vs {len(small.ops)} requests): its memory does not scale "
-                "as one pattern, so it cannot be forecast from two probes"
-            )
-            raise ForecastError(msg)
+        if kinds_l == kinds_s:
+            pairs = {i: i for i, (k, _) in enumerate(large.ops) if k == 0}
+        else:
+            pairs = pair_allocs(large, small)
         lines = []
-        for (k, bl), (_, bs) in zip(large.ops, small.ops, strict=True):
+        for i, (k, bl) in enumerate(large.ops):
             if k == 1:
                 lines.append((0.0, 0.0))
                 continue
+            bs = small.ops[pairs[i]][1]
             b = (bl - bs) / (large.size - small.size)
             lines.append((bs - b * small.size, b))
         return cls(tuple(kinds_l), tuple(lines))
@@ -146,6 +149,77 @@ class ScaledTrace:
         for (kind, v), (a, b) in zip(self.shape, self.lines, strict=True):
             ops.append((kind, v) if kind == 1 else (0, max(1, int(-(-(a + b * size) // 1)))))
         return KeyTrace(size, tuple(ops))
+
+
+#: Bytes within which an allocation's bytes count as proportional to the capture size (the
+#: allocator's rounding, 512 bytes, at the smaller size).
+PROPORTIONAL_SLACK = 512
+
+
+def pair_allocs(large: KeyTrace, small: KeyTrace) -> dict[int, int]:
+    """Pair the allocations of two probes of one forward whose requests come in another order at
+    the two sizes (Inductor's pieces, compiled per size, may order their buffers differently),
+    by what each allocation is rather than where it comes: ``{alloc's index in large.ops: its
+    pair's index in small.ops}``.
+
+    Only allocations that both keep (held at the capture's end: outputs, state) or both free
+    are paired. In three passes, each in order of occurrence (the first still unpaired
+    allocation of ``small`` that fits):
+
+    1. the same bytes at both sizes (a constant: a workspace, a scalar);
+    2. bytes proportional to the capture size, within the allocator's 512-byte rounding at the
+       smaller size (activations: tokens times a width);
+    3. what remains, in order, where the bytes do not shrink as the size grows.
+
+    :raises ForecastError: the two traces make a different number of allocations, keep a
+        different number, or an allocation finds no pair (the message says which)."""
+    def allocs(trace: KeyTrace) -> list[tuple[int, int, bool]]:
+        kept = set(trace.kept)
+        return [(i, v, i in kept) for i, (k, v) in enumerate(trace.ops) if k == 0]
+
+    al, as_ = allocs(large), allocs(small)
+    head = f"forecast: the forward's allocations at {large.size} and {small.size} tokens differ in sequence"
+    kept_l, kept_s = sum(k for *_, k in al), sum(k for *_, k in as_)
+    if len(al) != len(as_) or kept_l != kept_s:
+        msg = (f"{head} and cannot be paired: {len(al)} allocations ({kept_l} kept) against {len(as_)} ({kept_s} kept) "
+               f"in {len(large.ops)} vs {len(small.ops)} requests; its memory does not scale as one pattern, so it "
+               "cannot be forecast from two probes")
+        raise ForecastError(msg)
+    (big, lo), (n_big, n_lo) = ((al, as_), (large.size, small.size)) if large.size > small.size else (
+        (as_, al), (small.size, large.size))
+
+    def same(bl: int, bs: int) -> bool:
+        return bl == bs
+
+    def proportional(bl: int, bs: int) -> bool:
+        return bl != bs and abs(bl * n_lo - bs * n_big) <= PROPORTIONAL_SLACK * n_big
+
+    def grows(bl: int, bs: int) -> bool:
+        return bl >= bs
+
+    pairs: dict[int, int] = {}  # index in big -> index in lo (positions in the lists)
+    free = list(range(len(lo)))
+    for rule in (same, proportional, grows):
+        for a, (_, bl, kl) in enumerate(big):
+            if a in pairs:
+                continue
+            for pos, b in enumerate(free):
+                _, bs, ks = lo[b]
+                if ks == kl and rule(bl, bs):
+                    pairs[a] = b
+                    del free[pos]
+                    break
+    if len(pairs) < len(big):
+        a = next(a for a in range(len(big)) if a not in pairs)
+        _, bytes_, kept = big[a]
+        msg = (f"{head} and cannot be paired: the {'kept' if kept else 'freed'} allocation of {bytes_} bytes at "
+               f"{n_big} tokens (#{a} of {len(big)}) has no allocation at {n_lo} tokens of the same bytes, bytes in "
+               "proportion or fewer bytes; its memory does not scale as one pattern, so it cannot be forecast from "
+               "two probes")
+        raise ForecastError(msg)
+    if big is al:
+        return {al[a][0]: as_[b][0] for a, b in pairs.items()}
+    return {al[b][0]: as_[a][0] for a, b in pairs.items()}
 
 
 def output_allocs(trace: KeyTrace, output_bytes: Sequence[int]) -> frozenset[int]:
