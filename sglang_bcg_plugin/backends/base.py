@@ -35,7 +35,7 @@ from ..output_mode import OutputMode, Resolution, explain_output_mode
 from ..report import MemoryReport
 from ..shape_key import check_key
 from ..sharing import BufferSource
-from .state import CaptureState, KeyPlacement, input_storages
+from .state import CaptureState, KeyPlacement, check_input_pointers, input_storages
 
 if TYPE_CHECKING:
     from ..forecast.probe import GraphMemoryForecast
@@ -262,7 +262,8 @@ class CaptureBackend:
             reserve = pool_reserve_bytes(opts.pool_reserve, engine, self._state.forecast)
             if reserve and hasattr(engine, "reserve_pool"):  # our CUDA engines (a plugin's may not)
                 engine.reserve_pool(reserve)
-            self._state.open(resolution, source=source, guard=opts.stale_output_guard, strict=opts.strict_outputs)
+            self._state.open(resolution, source=source, guard=opts.stale_output_guard, strict=opts.strict_outputs,
+                             check_inputs=opts.debug_check_inputs)
             self._stream = stream
         # After a forecast, the session's device-memory cost is measured to compare with it:
         # inside the GC-safe block, after its one collection, with the GC off (no second one).
@@ -408,6 +409,7 @@ class CaptureBackend:
                 f"captured sizes: {sizes or 'none'}"
             )
             raise KeyError(msg)
+        check_input_pointers(shape_key, entry)
         out = entry.graph.replay()
         guard = self._state.guard
         if guard is not None:

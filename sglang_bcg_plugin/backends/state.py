@@ -30,6 +30,7 @@ from ..output_mode import ON, RELEASED, OutputMode, Resolution
 from ..released import POOL_GUARD, release_output
 from ..report import KeyReport, MemoryReport, claim_resident_bytes
 from ..sharing import BufferSource, OutputSharer, Prepared
+from ..scan import walk_tensors
 from ..trees import collect_tensors, storage_key
 
 
@@ -46,6 +47,34 @@ class _Entry:
     seconds: float | None = None
     memory_bytes: int | None = None
     released: bool = False  # outputs are non-owning aliases of pool memory: nothing resident
+    #: ``BackendOptions.debug_check_inputs``: each input tensor's path and capture-time data pointer
+    input_ptrs: tuple[tuple[str, int], ...] | None = None
+
+
+def input_pointers(capture_inputs: object) -> tuple[tuple[str, int], ...]:
+    """Every tensor of ``capture_inputs`` as ``(path, data_ptr)``, in walk order."""
+    return tuple((path, t.data_ptr()) for path, t in walk_tensors(capture_inputs, "capture_inputs"))
+
+
+def check_input_pointers(key: Hashable, entry: _Entry) -> None:
+    """``BackendOptions.debug_check_inputs`` at replay: the inputs still where the graph reads them.
+
+    :raises RuntimeError: an input tensor of ``key`` has another data pointer than at capture, or
+        is gone (names the key and the input's path).
+    """
+    if entry.input_ptrs is None:
+        return
+    now = dict(input_pointers(entry.capture_inputs))
+    for path, ptr in entry.input_ptrs:
+        found = now.get(path)
+        if found != ptr:
+            where = "is gone" if found is None else f"moved from data_ptr {ptr:#x} to {found:#x}"
+            msg = (
+                f"replay({key!r}): static input {path} {where} since capture; the graph still reads "
+                "the capture-time address: copy new values into the captured tensor in place "
+                "(debug_check_inputs)"
+            )
+            raise RuntimeError(msg)
 
 
 def make_guard(enabled: bool, current: StaleOutputGuard | None) -> StaleOutputGuard | None:
@@ -108,6 +137,7 @@ class _Open:
     #: mode ``released`` after a forecast that found it packs the pool tighter: the session's
     #: first capture (the largest, captured largest first) keeps its output instead.
     keep_first: bool = False
+    check_inputs: bool = False  # BackendOptions.debug_check_inputs
 
 
 def input_storages(capture_inputs: object) -> frozenset[tuple[str, int]]:
@@ -147,7 +177,9 @@ class CaptureState:
         self.measured_graph_bytes: int | None = None  # device memory the last session took
 
     # -- session ---------------------------------------------------------------------------
-    def open(self, resolution: Resolution, *, source: BufferSource, guard: bool, strict: bool = False) -> None:
+    def open(
+        self, resolution: Resolution, *, source: BufferSource, guard: bool, strict: bool = False, check_inputs: bool = False
+    ) -> None:
         """Start a session: a fresh sharer for ``resolution.mode``; the guard read now serves
         every replay from now on. In mode ``released``, after a :attr:`forecast` that found
         keeping the largest capture's output packs the pool tighter
@@ -164,7 +196,7 @@ class CaptureState:
         # The forecast models a schedule captured from nothing: a later session adding keys keeps none.
         keep_first = (resolution.mode == RELEASED and not self._entries
                       and bool(getattr(self.forecast, "released_keeps_largest", False)))
-        self._open = _Open(resolution, sharer, keep_first=keep_first)
+        self._open = _Open(resolution, sharer, keep_first=keep_first, check_inputs=check_inputs)
         self.resolution = resolution
 
     def close(self) -> None:
@@ -252,6 +284,7 @@ class CaptureState:
             seconds=seconds,
             memory_bytes=memory_bytes,
             released=released,
+            input_ptrs=input_pointers(capture_inputs) if session.check_inputs else None,
         )
         return output
 
