@@ -133,7 +133,10 @@ def test_released_keeps_the_largest_output_where_its_forecast_says_it_packs_tigh
     assert backend._state.forecast.released_keeps_largest is keeps_largest
     xs = {ShapeKey(8): torch.randn(8, 2), ShapeKey(4): torch.randn(4, 2)}
     _capture(backend, xs)
-    report = {k.key: k for k in backend.memory_report().keys}
+    full = backend.memory_report()  # the plan says what the forecast steered, and why
+    assert full.plan.released_keeps_largest is keeps_largest and full.to_dict()["plan"]["mode"] == "released"
+    assert ("the largest capture keeps its output" in full.format()) is keeps_largest
+    report = {k.key: k for k in full.keys}
     assert report[ShapeKey(8)].resident_output_bytes == (8 * 2 * 4 if keeps_largest else 0)
     assert report[ShapeKey(4)].resident_output_bytes == 0
     assert backend._state.is_released(ShapeKey(8)) is not keeps_largest
@@ -142,6 +145,7 @@ def test_released_keeps_the_largest_output_where_its_forecast_says_it_packs_tigh
         torch.testing.assert_close(backend.replay(key), x * 2)
     _capture(backend, {ShapeKey(16): torch.randn(16, 2)})  # a later session adding a key keeps none
     assert backend._state.is_released(ShapeKey(16))
+    assert not backend.memory_report().plan.released_keeps_largest
     backend.cleanup()
     assert backend._state.forecast is None
     backend._get_engine().name = "cuda"  # type: ignore[misc]  # cleanup() released the stand-in

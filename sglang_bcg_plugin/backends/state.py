@@ -29,7 +29,8 @@ from ..guard import StaleOutputGuard, guard_supported
 from ..output_mode import ON, RELEASED, OutputMode, Resolution
 from ..released import POOL_GUARD, release_output
 from ..report import KeyReport, MemoryReport, claim_resident_bytes
-from ..sharing import BufferSource, OutputSharer, Prepared
+from ..sharing import OutputSharer, Prepared
+from .plan import SessionPlan
 from ..scan import walk_tensors
 from ..trees import collect_tensors, storage_key
 
@@ -132,12 +133,10 @@ class ForeignGraph:
 
 @dataclass(eq=False)
 class _Open:
-    resolution: Resolution
+    plan: SessionPlan
     sharer: OutputSharer
-    #: mode ``released`` after a forecast that found it packs the pool tighter: the session's
-    #: first capture (the largest, captured largest first) keeps its output instead.
+    #: ``plan.released_keeps_largest`` until the session's first capture (the largest) kept its output
     keep_first: bool = False
-    check_inputs: bool = False  # BackendOptions.debug_check_inputs
 
 
 def input_storages(capture_inputs: object) -> frozenset[tuple[str, int]]:
@@ -172,39 +171,36 @@ class CaptureState:
         self._open: _Open | None = None
         self._entries: dict[Hashable, _Entry] = {}
         self.guard: StaleOutputGuard | None = None
-        self.resolution: Resolution | None = None  # of the latest session
+        self.plan: SessionPlan | None = None  # of the latest session
         self.forecast: Any = None  # forecast.probe.GraphMemoryForecast of the next/last schedule
         self.measured_graph_bytes: int | None = None  # device memory the last session took
 
     # -- session ---------------------------------------------------------------------------
-    def open(
-        self, resolution: Resolution, *, source: BufferSource, guard: bool, strict: bool = False, check_inputs: bool = False
-    ) -> None:
-        """Start a session: a fresh sharer for ``resolution.mode``; the guard read now serves
-        every replay from now on. In mode ``released``, after a :attr:`forecast` that found
-        keeping the largest capture's output packs the pool tighter
-        (``forecast.released_keeps_largest``), the first capture of a session that starts with
-        nothing captured keeps its output.
+    def open(self, plan: SessionPlan) -> None:
+        """Start a session with ``plan`` (:func:`~.plan.plan_session`): a fresh sharer for its
+        mode; the guard read now serves every replay from now on.
 
         :raises CaptureStateError: a session is already open.
         """
         if self._open is not None:
-            msg = f"{self.name}: capture_session() is already open; sessions do not nest"
+            msg = f"{self.name} backend: capture_session() is already open; sessions do not nest"
             raise CaptureStateError(msg)
-        sharer = OutputSharer(enabled=resolution.mode == ON, strict=strict, source=source)
-        self.guard = make_guard(guard, self.guard)
-        # The forecast models a schedule captured from nothing: a later session adding keys keeps none.
-        keep_first = (resolution.mode == RELEASED and not self._entries
-                      and bool(getattr(self.forecast, "released_keeps_largest", False)))
-        self._open = _Open(resolution, sharer, keep_first=keep_first, check_inputs=check_inputs)
-        self.resolution = resolution
+        sharer = OutputSharer(enabled=plan.mode == ON, strict=plan.strict, source=plan.buffer_source)
+        self.guard = make_guard(plan.guard, self.guard)
+        self._open = _Open(plan, sharer, keep_first=plan.released_keeps_largest)
+        self.plan = plan
 
     def close(self) -> None:
         self._open = None
 
     @property
     def mode_active(self) -> OutputMode | None:
-        return None if self._open is None else self._open.resolution.mode
+        return None if self._open is None else self._open.plan.mode
+
+    @property
+    def resolution(self) -> Resolution | None:
+        """The output mode of the latest session and why."""
+        return None if self.plan is None else self.plan.resolution
 
     @property
     def sharer(self) -> OutputSharer | None:
@@ -264,7 +260,7 @@ class CaptureState:
         """
         session = self._session(key)
         prepared.commit()
-        released = session.resolution.mode == RELEASED and can_release and not session.keep_first
+        released = session.plan.mode == RELEASED and can_release and not session.keep_first
         session.keep_first = False
         output = release_output(prepared.output) if released else prepared.output
         if released:
@@ -284,7 +280,7 @@ class CaptureState:
             seconds=seconds,
             memory_bytes=memory_bytes,
             released=released,
-            input_ptrs=input_pointers(capture_inputs) if session.check_inputs else None,
+            input_ptrs=input_pointers(capture_inputs) if session.plan.check_inputs else None,
         )
         return output
 
@@ -313,9 +309,7 @@ class CaptureState:
         """Logical vs resident output bytes, fallbacks and capture seconds, per key."""
         entries = list(self._entries.values())
         report = MemoryReport.from_keys(self.name, self.engine, key_reports(entries), bridge_bytes=bridge_bytes)
-        if self.forecast is None:
-            return report
-        return dataclasses.replace(report, forecast=self.forecast, measured_graph_bytes=self.measured_graph_bytes)
+        return dataclasses.replace(report, plan=self.plan, forecast=self.forecast, measured_graph_bytes=self.measured_graph_bytes)
 
     def clear(self, owner: object = None) -> None:
         """Forget every record (the graphs are the engine's to destroy)."""

@@ -56,7 +56,6 @@ from .sglang_session import (
     drop_global_pool,
     open_state,
     reserve_from_warmup,
-    shared_buffer,
 )
 
 __all__ = ["SGLANG_BCG_CLASS", "SharingPolicyMixin", "apply_runner_rows", "sglang_breakable_backend_class"]
@@ -102,13 +101,13 @@ class SharingPolicyMixin:
     @contextlib.contextmanager
     def capture_session(self, stream: Any) -> Iterator[None]:
         """SGLang's session (pool, dedup, BCG mode) plus a freshly resolved output policy."""
-        open_state(self._bcg_state, seam=self._seam)
-        mode = self._bcg_state.mode_active or "off"
+        plan = open_state(self._bcg_state, seam=self._seam)
+        mode = plan.mode
         self._bcg_forecast = SessionForecast(self._cuda_graph_runner, mode, lambda: getattr(self, "_pool", None))
         try:  # gc: one collection per session, not per key (docs/index.md "GC safety")
             with gc_safe_capture(), super().capture_session(stream):  # type: ignore[misc]
                 yield
-            reserved = mode == ON and shared_buffer() == "reserve"
+            reserved = mode == ON and plan.buffer_source == "reserve"
             self._bcg_forecast.close(self._bcg_state.report().resident_output_bytes if reserved else 0)
         finally:
             self._bcg_state.close()
