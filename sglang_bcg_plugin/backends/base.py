@@ -5,8 +5,9 @@ Lifecycle: 1. ``backend = create_backend(name, options=...)``.
    the output mode ``off``/``on``/``released`` and why, docs/index.md "The switch"; what a
    forecast steers) and opens the capture state (:mod:`.state`) with the plan.
 3. ``backend.capture_one(key, forward_fn, capture_inputs, post_warmup_hook)`` per key, largest
-   first, top-down in one method: check → observers told → warmups and reserve → record with
-   the output placed inside the capture (the engine) → commit → observers told.
+   first, top-down in one method: check → observers told → the engine (warmups, then
+   ``policy.reserve``; the recording, with ``policy.place`` inside the capture) →
+   ``state.commit`` (``policy.commit``, the key's record) → observers told.
 4. ``backend.replay(key)`` returns the static output. 5. ``cleanup()`` drops every graph.
 
 Changing options (``configure``) takes effect at the next session (captured graphs keep their storage).
@@ -36,7 +37,7 @@ from ..output_mode import OutputMode, Resolution, explain_output_mode
 from ..report import MemoryReport
 from ..shape_key import check_key
 from .plan import plan_session
-from .state import CaptureState, KeyPlacement, check_input_pointers, input_storages
+from .state import CaptureState, check_input_pointers, input_storages
 
 if TYPE_CHECKING:
     from ..forecast.probe import GraphMemoryForecast
@@ -326,11 +327,10 @@ class CaptureBackend:
             try:
                 _observe_started(self._pm, self, key)
                 engine = self._get_engine()
-                placement = KeyPlacement(self._state, key, capture_inputs)
                 request = CaptureRequest(
                     key=key,
                     forward_fn=forward_fn,
-                    policy=placement,
+                    policy=self._state.policy,
                     num_warmups=self._options.num_warmups,
                     post_warmup_hook=post_warmup_hook,
                     partition=getattr(key, "stream_idx", None),
@@ -339,10 +339,8 @@ class CaptureBackend:
                 )
                 with Measure(engine.name) as measured:
                     graph = engine.capture(request)
-                assert placement.prepared is not None, "the engine never placed the output"
                 output = self._state.commit(
                     key,
-                    placement.prepared,
                     graph=graph,
                     capture_inputs=capture_inputs,
                     seconds=measured.seconds,
@@ -361,9 +359,7 @@ class CaptureBackend:
             return output
 
     def _check_can_capture(self, key: Hashable) -> None:
-        if self._state.mode_active is None:
-            msg = f"{self.name} backend: capture_one({key!r}) must run inside `with backend.capture_session():`"
-            raise CaptureStateError(msg)
+        self._state.begin(key)
         if self._capturing is not None:
             msg = (
                 f"{self.name} backend: re-entrant capture: capture_one({key!r}) was called while "
@@ -386,11 +382,7 @@ class CaptureBackend:
             )
             raise KeyError(msg)
         check_input_pointers(shape_key, entry)
-        out = entry.graph.replay()
-        guard = self._state.guard
-        if guard is not None:
-            return guard.hand_out(shape_key, out)
-        return out
+        return self._state.hand_out(shape_key, entry.graph.replay())
 
     def can_run(self, shape_key: Hashable) -> bool:
         """Whether ``replay(shape_key)`` would run a captured graph."""

@@ -149,7 +149,7 @@ def reserve_from_warmup(state: CaptureState, key: Hashable, runner: Any, warmup_
         return
     rows, capacity = runner_rows(runner, warmup_out)
     trimmed = apply_runner_rows(warmup_out, rows)
-    state.reserve(key, trimmed, _check_rows("cuda_graph_output_capacity_rows", capacity))
+    state.policy.reserve(key, trimmed, _check_rows("cuda_graph_output_capacity_rows", capacity))
 
 
 def drop_global_pool(pool: Any) -> bool:
