@@ -177,8 +177,12 @@ class OutputPolicy:
             inputs): smaller keys would overwrite them.
         """
         placed = self._place(key, output, protected, self._foreign.pop(key, None))
-        self._placed[key] = placed
+        self._placed = {key: placed}  # one key in flight (captures do not nest): a failed one's is dropped
         return placed.output
+
+    def discard(self) -> None:
+        """A capture failed: drop its placed output (nothing was committed)."""
+        self._placed = {}
 
     def _place(
         self, key: Hashable, output: object, protected: frozenset[tuple[str, int]], foreign: frozenset[tuple[str, int]] | None

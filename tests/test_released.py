@@ -141,12 +141,12 @@ def test_released_keeps_the_largest_output_where_its_forecast_says_it_packs_tigh
     report = {k.key: k for k in full.keys}
     assert report[ShapeKey(8)].resident_output_bytes == (8 * 2 * 4 if keeps_largest else 0)
     assert report[ShapeKey(4)].resident_output_bytes == 0
-    assert backend._state.is_released(ShapeKey(8)) is not keeps_largest
+    assert backend._state.entry(ShapeKey(8)).released is not keeps_largest
     for key, x in xs.items():
         x.copy_(torch.randn_like(x))
         torch.testing.assert_close(backend.replay(key), x * 2)
     _capture(backend, {ShapeKey(16): torch.randn(16, 2)})  # a later session adding a key keeps none
-    assert backend._state.is_released(ShapeKey(16))
+    assert backend._state.entry(ShapeKey(16)).released
     assert not backend.memory_report().plan.released_keeps_largest
     backend.cleanup()
     assert backend._state.forecast is None

@@ -350,6 +350,7 @@ class CaptureBackend:
                     can_release=engine.name == "cuda",
                 )
             except BaseException as exc:
+                self._state.policy.discard()
                 _observe_finished(self._pm, key, backend=self, report=None, error=exc)
                 raise
             finally:

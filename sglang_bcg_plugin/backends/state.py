@@ -212,10 +212,6 @@ class CaptureState:
         return placed.output
 
     # -- replay, report, cleanup -----------------------------------------------------------
-    def is_released(self, key: Hashable) -> bool:
-        entry = self._entries.get(key)
-        return entry is not None and entry.released
-
     def hand_out(self, key: Hashable, output: Any, *, pool: Hashable | None = None) -> Any:
         """A replayed output of ``key`` (captured) as the caller gets it: through the
         stale-output guard (unchanged when it is off), whose scope is ``pool`` (``None``: our
