@@ -1,10 +1,17 @@
-"""Stale-output guard: poison views handed out by an earlier replay of another key.
+"""Stale-output guard: poison what an earlier replay handed out once another graph overwrote it.
 
-With output sharing, key B's replay overwrites the memory key A's earlier output views point
-to. With the guard on, every replay hands out tensors backed by *fresh* storage objects that
-alias the graph's output memory, and the storage objects handed out by the previous replay of
-another key of the same partition are poisoned: touching their data raises ``RuntimeError``
-naming both keys (the approach of torch's CUDA Graph Trees).
+One process-wide guard (:data:`GUARD`), two scopes, both keyed by where the memory lives:
+
+* a *partition* of one backend (``stream_idx``): with output sharing, key B's replay overwrites
+  the shared buffer key A's earlier views point to;
+* a *graph pool* (output mode ``released``): a released output lives in free pool memory, which
+  the replay of *any other* graph of that pool may overwrite (SGLang's pool is process-global,
+  shared by every runner). Our own engines have one pool per partition, so both scopes coincide.
+
+With the guard on, every replay hands out tensors backed by *fresh* storage objects that alias
+the graph's output memory, and the ones handed out by the previous replay of another graph of
+the scope are poisoned: touching their data raises ``RuntimeError`` naming both keys (the
+approach of torch's CUDA Graph Trees).
 
 Needs ``torch._C._set_storage_access_error_msg`` and
 ``torch._C._construct_storage_from_data_pointer`` (CUDA builds of torch). Where they are
@@ -13,12 +20,15 @@ missing the guard warns once, when the backend opens a capture session, and does
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Hashable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from .released import alias
+from . import released as _released
+from .released import alias, maybe_alias
 from .trees import flatten, unflatten
 
 
@@ -29,28 +39,65 @@ def guard_supported() -> bool:
     )
 
 
+@dataclass(eq=False)
+class _Handout:
+    owner: int
+    key: Hashable
+    tensors: list[torch.Tensor]
+    released: bool
+
+
+def _message(prev: _Handout, key: Hashable) -> str:
+    if prev.released:
+        return (
+            f"stale output: this view was returned by replay({prev.key!r}) in output mode "
+            f"'released' (it lives in free graph-pool memory) and replay({key!r}), another "
+            "graph of the same pool, has since run and may have overwritten it; read or "
+            "clone a released output before any other graph of the pool replays"
+        )
+    return (
+        f"stale output: this view was returned by replay({prev.key!r}) and its memory has "
+        f"since been rewritten by replay({key!r}) of the same partition; clone outputs "
+        "you keep across replays"
+    )
+
+
 class StaleOutputGuard:
-    """Per-partition record of the last handed-out views."""
+    """Per scope (a backend's partition, a graph pool), the output handed out last."""
 
     def __init__(self) -> None:
-        self._last: dict[Any, tuple[Hashable, list[torch.Tensor]]] = {}
+        self._last: dict[Hashable, _Handout] = {}
+        self._lock = threading.Lock()
 
-    def hand_out(self, key: Hashable, output: Any) -> Any:
-        """Poison the previous other key's views of this partition; return fresh aliases."""
-        partition = getattr(key, "stream_idx", None)
-        prev = self._last.get(partition)
-        if prev is not None and prev[0] != key:
-            msg = (
-                f"stale output: this view was returned by replay({prev[0]!r}) and its memory has "
-                f"since been rewritten by replay({key!r}) of the same partition; clone outputs "
-                "you keep across replays"
-            )
-            for t in prev[1]:
-                torch._C._set_storage_access_error_msg(t, msg)
-        spec, leaves = flatten(output)
-        fresh = [alias(t) for _, t in leaves]
-        self._last[partition] = (key, fresh)
-        return unflatten(spec, fresh)
+    def hand_out(self, owner: object, key: Hashable, output: Any, *, released: bool, pool: Hashable | None = None) -> Any:
+        """``owner`` replayed ``key``'s graph: poison what the previous replay of another graph
+        of its scope handed out; return ``output`` as fresh aliases, remembered.
 
-    def clear(self) -> None:
-        self._last.clear()
+        :param released: ``output`` lives in free pool memory (mode ``released``): any other
+            graph of ``pool`` invalidates it; otherwise another key of the partition does.
+        :param pool: the graph pool (``None``: the owner's partition is its own pool).
+        """
+        partition = (id(owner), getattr(key, "stream_idx", None))
+        in_pool = partition if pool is None else ("pool", pool)
+        with self._lock:
+            for scope in (in_pool,) if released else (in_pool, partition):
+                prev = self._last.get(scope)
+                if prev is not None and (prev.owner, prev.key) != (id(owner), key):
+                    for t in prev.tensors:
+                        torch._C._set_storage_access_error_msg(t, _message(prev, key))
+                    del self._last[scope]
+            spec, leaves = flatten(output)
+            fresh = [maybe_alias(t) if released else alias(t) for _, t in leaves]
+            kept = [t for t in fresh if not released or t.device.type in _released.ALIAS_DEVICE_TYPES]
+            self._last[in_pool if released else partition] = _Handout(id(owner), key, kept, released)
+            return unflatten(spec, fresh)
+
+    def forget(self, owner: object) -> None:
+        """Drop the records of ``owner`` (its ``cleanup()``)."""
+        with self._lock:
+            for scope in [s for s, h in self._last.items() if h.owner == id(owner)]:
+                del self._last[scope]
+
+
+#: The one guard of the process (SGLang's graph pool is process-global).
+GUARD = StaleOutputGuard()

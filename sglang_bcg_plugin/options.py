@@ -99,6 +99,10 @@ class BackendOptions:
         off: the pool is one segment grown in 20 MiB steps instead of a segment per request it
         cannot place; docs/forecast.md, "expandable_segments"). Allocations made during the
         session outside the pool (warmups, eager splitting ops) grow that way too.
+    :param debug_check_inputs: a debug aid (off by default): every ``replay`` checks that each
+        tensor of the key's ``capture_inputs`` still has the data pointer it had at capture (the
+        graph's kernels read those addresses); a moved or replaced input raises ``RuntimeError``
+        naming the key and the input's path. Read when a capture session opens.
     :raises TypeError: a field of the wrong type (``strict_outputs="no"``, ``num_warmups=2.0``).
     :raises ValueError: ``output_mode``, ``engine``, ``shared_buffer``, ``pool_reserve`` or
         ``pool_segments`` not one of its names, ``num_warmups < 0``.
@@ -112,6 +116,7 @@ class BackendOptions:
     shared_buffer: SharedBufferSource = "auto"
     pool_reserve: PoolReserve = "off"
     pool_segments: PoolSegments = "fixed"
+    debug_check_inputs: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "output_mode", parse_output_mode(self.output_mode))
@@ -121,6 +126,7 @@ class BackendOptions:
         object.__setattr__(self, "pool_segments", parse_pool_segments(self.pool_segments))
         _check_bool("strict_outputs", self.strict_outputs)
         _check_bool("stale_output_guard", self.stale_output_guard)
+        _check_bool("debug_check_inputs", self.debug_check_inputs)
         object.__setattr__(self, "engine", parse_word(self.engine, _names(ENGINES), "BackendOptions.engine", kind="an engine"))
         if isinstance(self.num_warmups, bool) or not isinstance(self.num_warmups, int):
             msg = (

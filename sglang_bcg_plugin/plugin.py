@@ -12,14 +12,15 @@ from .backends.breakable import BreakableBackend
 from .backends.full import FullBackend
 from .backends.piecewise import PiecewiseBackend
 from .backends.piecewise.front import PieceFront
-from .backends.state import CaptureState, KeyPlacement
-from .engines.base import CapturedGraph, CaptureRequest, Engine, Front, OutputPolicy, run_warmups
+from .backends.state import CaptureState
+from .engines.base import CapturedGraph, CaptureRequest, Engine, Front, run_warmups
 from .engines.breakable import BreakableFront
 from .engines.cuda import FullCudaEngine, SegmentCudaEngine
 from .engines.eager import EagerEngine
 from .engines.eager_segments import EagerSegmentEngine
 from .manager import hookimpl
 from .registry import BackendRegistry
+from .sharing import OutputPolicy
 
 __all__ = [
     "BackendRegistry",
@@ -35,7 +36,6 @@ __all__ = [
     "Front",
     "FullBackend",
     "FullCudaEngine",
-    "KeyPlacement",
     "OutputPolicy",
     "PieceFront",
     "PiecewiseBackend",

@@ -14,16 +14,13 @@ Only device memory is aliased (``ALIAS_DEVICE_TYPES``): a CPU leaf of an output 
 memory and is kept as it is. Engines that do not own their output memory through a graph pool
 (the eager engine) keep strong references instead; ``released`` then behaves like ``off``.
 
-:class:`PoolGuard` is the stale-output guard of this mode: every replay of a graph of a pool
-poisons the released output handed out by the previous replay of *another* graph of that pool
-(process-wide: SGLang's graph pool is shared by every runner of the process).
+The stale-output guard (:mod:`~sglang_bcg_plugin.guard`) covers this mode per graph pool: every
+replay of a graph of a pool poisons the released output handed out by the previous replay of
+*another* graph of that pool.
 """
 
 from __future__ import annotations
 
-import threading
-from collections.abc import Hashable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -73,54 +70,3 @@ def release_output(output: Any) -> Any:
         raise RuntimeError(msg)
     spec, leaves = flatten(output)
     return unflatten(spec, [maybe_alias(t) for _, t in leaves])
-
-
-@dataclass(eq=False)
-class _Handout:
-    owner: int
-    key: Hashable
-    tensors: list[torch.Tensor]
-
-
-class PoolGuard:
-    """Process-wide record, per graph pool, of the released output handed out last."""
-
-    def __init__(self) -> None:
-        self._last: dict[Hashable, _Handout] = {}
-        self._lock = threading.Lock()
-
-    def replayed(self, pool: Hashable, owner: object, key: Hashable, released: Any = None) -> Any:
-        """Record that ``owner`` replayed ``key``'s graph in ``pool``.
-
-        Poisons the released output the previous replay of another graph of ``pool`` handed
-        out. ``released``, when given, is this replay's released output: it is returned as fresh
-        aliases (so a later poisoning cannot touch the backend's own record) and remembered.
-        """
-        with self._lock:
-            prev = self._last.get(pool)
-            if prev is not None and (prev.owner, prev.key) != (id(owner), key):
-                msg = (
-                    f"stale output: this view was returned by replay({prev.key!r}) in output mode "
-                    f"'released' (it lives in free graph-pool memory) and replay({key!r}), another "
-                    "graph of the same pool, has since run and may have overwritten it; read or "
-                    "clone a released output before any other graph of the pool replays"
-                )
-                for t in prev.tensors:
-                    torch._C._set_storage_access_error_msg(t, msg)
-                del self._last[pool]
-            if released is None:
-                return None
-            spec, leaves = flatten(released)
-            fresh = [maybe_alias(t) for _, t in leaves]
-            self._last[pool] = _Handout(id(owner), key, [t for t in fresh if t.device.type in ALIAS_DEVICE_TYPES])
-            return unflatten(spec, fresh)
-
-    def forget(self, owner: object) -> None:
-        """Drop the records of ``owner`` (its ``cleanup()``)."""
-        with self._lock:
-            for pool in [p for p, h in self._last.items() if h.owner == id(owner)]:
-                del self._last[pool]
-
-
-#: The one guard of the process (SGLang's graph pool is process-global).
-POOL_GUARD = PoolGuard()

@@ -54,6 +54,9 @@ class MemoryReport:
     bridge_bytes: Mapping[int | None, int] = field(default_factory=lambda: MappingProxyType({}))
     #: The forecast made before the capture (``CaptureBackend.forecast``), else ``None``.
     forecast: Any = None
+    #: What the latest capture session ran with and why (``backends.plan.SessionPlan``: the mode,
+    #: the buffer source, the guard, what a forecast steered), else ``None``.
+    plan: Any = None
     #: Device memory the capture session took (free memory before minus after, each after
     #: ``empty_cache``); measured only for a session a forecast preceded, else ``None``.
     measured_graph_bytes: int | None = None
@@ -123,6 +126,7 @@ class MemoryReport:
             "saved_bytes": self.saved_bytes,
             "fallbacks": {repr(k): v for k, v in self.fallbacks.items()},
             "bridge_bytes": {str(p): b for p, b in self.bridge_bytes.items()},
+            "plan": None if self.plan is None else self.plan.to_dict(),
             "forecast": None if self.forecast is None else self.forecast.to_dict(),
             "measured_graph_bytes": self.measured_graph_bytes,
             "lost_bytes": self.lost_bytes,
@@ -157,6 +161,8 @@ class MemoryReport:
             f"  bridges of partition {p}: {b / mib:.2f} MiB" for p, b in self.bridge_bytes.items() if b
         )
         lines.extend(f"  fallback {k!r}: {why}" for k, why in self.fallbacks.items())
+        if self.plan is not None:
+            lines.append(f"  session: {self.plan.format()}")
         if self.forecast is not None:
             lost = self.lost_bytes
             measured = "not measured" if lost is None else f"measured {lost / mib:.1f} MiB"

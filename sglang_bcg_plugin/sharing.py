@@ -1,4 +1,4 @@
-"""The output-sharing policy: one buffer per leaf path per stream partition.
+"""The output policy: one buffer per leaf path per stream partition, released outputs, hand-out.
 
 Rules (docs/index.md, "Output sharing"):
 
@@ -10,7 +10,7 @@ Rules (docs/index.md, "Output sharing"):
   leaf, never from the key's size);
 * where the buffer comes from: ``"adopt"`` — the first capture of a partition keeps its own output
   storage as the buffer (no extra allocation, no copy for that key); ``"reserve"`` — the buffer is
-  allocated *before* the first capture from the last warmup's output (:meth:`OutputSharer.reserve`),
+  allocated *before* the first capture from the last warmup's output (:meth:`OutputPolicy.reserve`),
   outside the graph, and every key copies into it inside its graph. Which wins depends on the
   engine's allocator layout (docs/index.md);
 * a key that does not fit (structure, type, dtype, device, changed non-tensor value, or more
@@ -19,24 +19,32 @@ Rules (docs/index.md, "Output sharing"):
 * a leaf that requires grad while autograd is on raises ``ValueError`` (a shared buffer holds
   values, not autograd history: capture under ``torch.no_grad()``).
 
-``prepare`` runs inside the capture (its copies are recorded into the graph); the partition is
-only created by ``Prepared.commit`` once the capture succeeded, so a failed capture leaves the
-policy as it was.
+One :class:`OutputPolicy` per backend drives a key through ``reserve`` (the last warmup's
+output, outside the capture) → ``place`` (inside the capture: its copies are recorded into the
+graph) → ``commit`` (after a successful capture: the partition is only created then, so a failed
+capture leaves the policy as it was; in mode ``released`` the output becomes a non-owning alias)
+→ ``hand_out`` at every replay (through the stale-output guard, :mod:`~sglang_bcg_plugin.guard`).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Hashable
+from collections.abc import Hashable
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
-from .errors import OutputStructureError, warn_user
+from .errors import CaptureStateError, OutputStructureError, warn_user
+from .guard import GUARD, StaleOutputGuard, guard_supported
+from .output_mode import ON, RELEASED
+from .released import release_output
 from .scan import cut
 from .storage import flat_of, view_of
 from .trees import Node, diff, flatten, storage_key, unflatten
+
+if TYPE_CHECKING:
+    from .backends.plan import SessionPlan
 
 BufferSource = Literal["adopt", "reserve"]
 
@@ -46,30 +54,25 @@ class SharedOutputFallbackWarning(UserWarning):
 
 
 @dataclass(eq=False)
-class Partition:
+class _Partition:
     """Shared buffers of one stream partition: one flat tensor per leaf path."""
 
-    stream_idx: int | None
-    owner: Hashable | None
     spec: Node
     paths: tuple[str, ...]
     buffers: tuple[torch.Tensor, ...]
 
 
 @dataclass(eq=False)
-class Prepared:
-    """Result of ``OutputSharer.prepare`` for one key."""
+class Placed:
+    """How one key's output is held, from ``place`` until ``commit`` hands it back."""
 
     output: object
     shared: bool
     fallback: str | None = None
     logical_bytes: int = 0
-    _commit: Callable[[], None] | None = field(default=None, repr=False)
-
-    def commit(self) -> None:
-        """Make the key's effect on the policy permanent (call after a successful capture)."""
-        if self._commit is not None:
-            self._commit()
+    released: bool = False
+    #: the partition this key creates (its first capture), installed at commit
+    creates: _Partition | None = field(default=None, repr=False)
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -110,76 +113,132 @@ def _check_no_grad(key: Hashable, leaves: list[tuple[str, torch.Tensor]]) -> Non
             raise ValueError(msg)
 
 
-class OutputSharer:
-    """Applies the sharing policy for one capture session of one backend."""
+class OutputPolicy:
+    """One backend's output policy (see the module doc); a session starts with :meth:`open`."""
 
-    def __init__(self, *, enabled: bool, strict: bool, source: BufferSource = "adopt") -> None:
-        self.enabled = enabled
-        self.strict = strict
-        self.source = source
-        self.partitions: dict[int | None, Partition] = {}
-        self._reserved: dict[int | None, Partition] = {}
+    def __init__(self) -> None:
+        self.enabled = self.strict = self.release = self.keep_first = False
+        self.source: BufferSource = "adopt"
+        self.partitions: dict[int | None, _Partition] = {}
+        self._reserved: dict[int | None, _Partition] = {}
+        self._foreign: dict[Hashable, frozenset[tuple[str, int]]] = {}
+        self._placed: dict[Hashable, Placed] = {}
+        self.guard: StaleOutputGuard | None = None
 
-    def reserve(self, key: Hashable, output: object, capacity_rows: int | None = None) -> None:
-        """Allocate ``key``'s partition's buffers now (outside any capture) from ``output``.
+    def open(self, plan: SessionPlan) -> None:
+        """A session with ``plan``: fresh partitions; the guard read now serves every replay."""
+        self.enabled, self.strict, self.source = plan.mode == ON, plan.strict, plan.buffer_source
+        self.release, self.keep_first = plan.mode == RELEASED, plan.released_keeps_largest
+        self.guard = _guard(plan.guard, self.guard)
 
-        Called with the last warmup's output before the first capture of a partition when the
-        source is ``"reserve"``; a no-op once the partition has buffers or when sharing is off.
-        A reservation is only claimed by a capture whose output fits it (``prepare``); one left
-        by a failed capture is replaced by the next key's.
+    def close(self) -> None:
+        """The session ended: drop its partitions (the graphs hold their outputs) and pending keys."""
+        self.partitions, self._reserved, self._foreign, self._placed = {}, {}, {}, {}
 
+    def reserve(
+        self, key: Hashable, output: object, capacity_rows: int | None = None,
+        foreign: frozenset[tuple[str, int]] = frozenset(),
+    ) -> None:
+        """The last warmup's output (outside any capture): note ``foreign``, and with the
+        ``"reserve"`` source allocate ``key``'s partition's buffers from ``output``.
+
+        :param foreign: storages the forward returned but did not allocate (they outlived the
+            last warmup: a static input, a weight, a tensor the model keeps), never adopted; a
+            key ``reserve`` never saw adopts nothing (no warmup ran).
         :param capacity_rows: grow leaves whose leading dim is the output's largest (the padded
             row dim) to this many rows (SGLang's ``cuda_graph_output_capacity_rows``).
+
+        A no-op for the buffers once the partition has some or when sharing is off. A
+        reservation is only claimed by a capture whose output fits it (``place``); one left by
+        a failed capture is replaced by the next key's.
         """
-        if not self.enabled or self.source != "reserve":
-            return
+        self._foreign[key] = foreign
         stream = getattr(key, "stream_idx", None)
-        if stream in self.partitions:
+        if not self.enabled or self.source != "reserve" or output is None or stream in self.partitions:
             return
-        node, leaves = flatten(output)
+        try:
+            node, leaves = flatten(output)
+        except TypeError:
+            return  # an unsupported tensor holder: place() raises the real TypeError
         padded = max((t.shape[0] for _, t in leaves if t.dim() > 0), default=None)
         buffers = []
-        for path, t in leaves:
+        for _, t in leaves:
             numel = t.numel()
             if capacity_rows is not None and t.dim() > 0 and t.shape[0] == padded and capacity_rows > padded:
                 numel = math.prod(t.shape[1:]) * capacity_rows
             buffers.append(torch.empty(max(numel, 1), dtype=t.dtype, device=t.device))
-        self._reserved[stream] = Partition(stream, None, node, tuple(p for p, _ in leaves), tuple(buffers))
+        self._reserved[stream] = _Partition(node, tuple(p for p, _ in leaves), tuple(buffers))
 
-    def prepare(
-        self,
-        key: Hashable,
-        output: object,
-        protected: frozenset[tuple[str, int]] = frozenset(),
-        foreign: frozenset[tuple[str, int]] | None = frozenset(),
-    ) -> Prepared:
-        """Decide how ``key``'s output is held; runs inside the capture.
+    def place(self, key: Hashable, output: object, protected: frozenset[tuple[str, int]] = frozenset()) -> Any:
+        """Inside the capture: hold ``key``'s output (in-graph copy, adopt or own); returns the
+        graph's static output.
 
         :param protected: storages the output must not adopt as a shared buffer (static
             inputs): smaller keys would overwrite them.
-        :param foreign: storages the forward returned but did not allocate (they outlived the
-            last warmup: a static input, a weight, a tensor the model keeps); never adopted
-            either. ``None``: unknown (no warmup ran), so nothing is adopted.
         """
+        placed = self._place(key, output, protected, self._foreign.pop(key, None))
+        self._placed = {key: placed}  # one key in flight (captures do not nest): a failed one's is dropped
+        return placed.output
+
+    def discard(self) -> None:
+        """A capture failed: drop its placed output (nothing was committed)."""
+        self._placed = {}
+
+    def _place(
+        self, key: Hashable, output: object, protected: frozenset[tuple[str, int]], foreign: frozenset[tuple[str, int]] | None
+    ) -> Placed:
         node, leaves = flatten(output)
         logical = sum(_nbytes(t) for _, t in leaves)
         if not self.enabled:
-            return Prepared(output, shared=False, logical_bytes=logical)
+            return Placed(output, shared=False, logical_bytes=logical)
         _check_no_grad(key, leaves)
         stream = getattr(key, "stream_idx", None)
         part = self.partitions.get(stream)
         if part is None:
             reserved = self._reserved.get(stream)
             if reserved is not None and self._misfit(reserved, node, leaves) is None:
-                return self._copy_into(reserved, node, leaves, logical, self._claim(stream, key, reserved))
-            return self._adopt(key, stream, node, leaves, logical, protected, foreign)
+                return self._copy_into(reserved, node, leaves, logical, creates=reserved)
+            return self._adopt(node, leaves, logical, protected, foreign)
         found = self._misfit(part, node, leaves)
         if found is not None:
             return self._fallback(key, output, logical, *found)
-        return self._copy_into(part, node, leaves, logical, None)
+        return self._copy_into(part, node, leaves, logical, creates=None)
+
+    def commit(self, key: Hashable, *, can_release: bool = True) -> Placed:
+        """After a successful capture: make ``key``'s placement permanent and return it, its
+        ``output`` the one to hand out. In mode ``released`` (where ``can_release``: graph-pool
+        memory) that is a non-owning alias, unless the plan keeps the session's first (largest)
+        capture's output; the caller must drop its own references to the placed output.
+
+        :raises CaptureStateError: ``key``'s output was never placed (the engine skipped ``place``).
+        """
+        placed = self._placed.pop(key, None)
+        if placed is None:
+            msg = f"capture of {key!r} ended without placing its output (the engine never called place)"
+            raise CaptureStateError(msg)
+        if placed.creates is not None:
+            stream = getattr(key, "stream_idx", None)
+            self.partitions[stream] = placed.creates
+            self._reserved.pop(stream, None)
+            placed.creates = None
+        placed.released = self.release and can_release and not self.keep_first
+        self.keep_first = False
+        if placed.released:
+            placed.output = release_output(placed.output)
+        return placed
+
+    def hand_out(self, owner: object, key: Hashable, output: Any, *, released: bool, pool: Hashable | None = None) -> Any:
+        """A replayed output through the stale-output guard (unchanged when it is off)."""
+        if self.guard is None:
+            return output
+        return self.guard.hand_out(owner, key, output, released=released, pool=pool)
+
+    def clear(self, owner: object) -> None:
+        """Forget the guard's records of ``owner`` (``cleanup()``)."""
+        GUARD.forget(owner)
 
     @staticmethod
-    def _misfit(part: Partition, node: Node, leaves: list[tuple[str, torch.Tensor]]) -> tuple[str, str] | None:
+    def _misfit(part: _Partition, node: Node, leaves: list[tuple[str, torch.Tensor]]) -> tuple[str, str] | None:
         found = diff(part.spec, node)
         if found is None:
             for (path, leaf), buf in zip(leaves, part.buffers, strict=True):
@@ -188,46 +247,32 @@ class OutputSharer:
                     return (path, reason)
         return found
 
-    def _claim(self, stream: int | None, key: Hashable, reserved: Partition) -> Callable[[], None]:
-        def commit() -> None:
-            reserved.owner = key
-            self.partitions[stream] = reserved
-            self._reserved.pop(stream, None)
-
-        return commit
-
     @staticmethod
     def _copy_into(
-        part: Partition,
-        node: Node,
-        leaves: list[tuple[str, torch.Tensor]],
-        logical: int,
-        commit: Callable[[], None] | None,
-    ) -> Prepared:
+        part: _Partition, node: Node, leaves: list[tuple[str, torch.Tensor]], logical: int, creates: _Partition | None
+    ) -> Placed:
         views = []
         for (_, leaf), buf in zip(leaves, part.buffers, strict=True):
             view = view_of(buf, leaf.shape)
             view.copy_(leaf)
             views.append(view)
-        return Prepared(unflatten(node, views), shared=True, logical_bytes=logical, _commit=commit)
+        return Placed(unflatten(node, views), shared=True, logical_bytes=logical, creates=creates)
 
+    @staticmethod
     def _adopt(
-        self,
-        key: Hashable,
-        stream: int | None,
         node: Node,
         leaves: list[tuple[str, torch.Tensor]],
         logical: int,
         protected: frozenset[tuple[str, int]],
         foreign: frozenset[tuple[str, int]] | None,
-    ) -> Prepared:
+    ) -> Placed:
         # A leaf that aliases a static input, memory the forward did not allocate (foreign) or
         # another leaf's storage at another path would be overwritten by smaller keys' copies,
         # and a non-contiguous leaf has no flat view: those get a private buffer (a contiguous
         # copy) instead.
         seen: set[tuple[str, int]] = set()
         buffers, outs = [], []
-        for path, leaf in leaves:
+        for _, leaf in leaves:
             sk = storage_key(leaf)
             owned = foreign is not None and sk not in foreign and sk not in protected
             flat = flat_of(leaf) if owned and sk not in seen else None
@@ -240,17 +285,27 @@ class OutputSharer:
             else:
                 outs.append(leaf)
             buffers.append(flat)
-        part = Partition(stream, key, node, tuple(p for p, _ in leaves), tuple(buffers))
+        part = _Partition(node, tuple(p for p, _ in leaves), tuple(buffers))
+        return Placed(unflatten(node, outs), shared=True, logical_bytes=logical, creates=part)
 
-        def commit() -> None:
-            self.partitions[stream] = part
-            self._reserved.pop(stream, None)
-
-        return Prepared(unflatten(node, outs), shared=True, logical_bytes=logical, _commit=commit)
-
-    def _fallback(self, key: Hashable, output: object, logical: int, path: str, reason: str) -> Prepared:
+    def _fallback(self, key: Hashable, output: object, logical: int, path: str, reason: str) -> Placed:
         if self.strict:
             raise OutputStructureError(key, path, reason)
         msg = f"{key!r} keeps its own output (no sharing): leaf {cut(path)}: {reason}"
         warn_user(msg, SharedOutputFallbackWarning)
-        return Prepared(output, shared=False, fallback=f"{path}: {reason}", logical_bytes=logical)
+        return Placed(output, shared=False, fallback=f"{path}: {reason}", logical_bytes=logical)
+
+
+def _guard(enabled: bool, current: StaleOutputGuard | None) -> StaleOutputGuard | None:
+    """The guard of a new session: the process's, while enabled. Where this torch build cannot
+    poison storages it warns once (per backend) and there is none."""
+    if enabled and guard_supported():
+        return GUARD
+    if enabled and current is None:
+        warn_user(
+            "stale_output_guard is on but this torch build cannot poison storages "
+            "(needs torch._C._set_storage_access_error_msg, present in CUDA builds); "
+            "the guard does nothing",
+            RuntimeWarning,
+        )
+    return None

@@ -472,17 +472,26 @@ def test_auto_buffer_source_is_the_cheaper_one(case: str) -> None:
     assert auto["on"].total_bytes == min(by_source.values())
 
 
-def test_buffer_source_auto_follows_the_forecast() -> None:
+def _plan(engine: str, forecast: Any = None, **options: Any) -> Any:
+    from sglang_bcg_plugin.backends.plan import plan_session
+    from sglang_bcg_plugin.output_mode import Resolution
+
+    return plan_session(Resolution(options.pop("mode", "on"), "test"), engine=engine, forecast=forecast, **options)
+
+
+def _fc(**fields: Any) -> Any:
     from types import SimpleNamespace
 
-    from sglang_bcg_plugin.backends.base import buffer_source
+    return SimpleNamespace(**{"buffer_source": "reserve", "pool_reserve_bytes": 0, "released_keeps_largest": False, **fields})
 
-    cuda, eager = SimpleNamespace(name="cuda"), SimpleNamespace(name="eager")
-    assert buffer_source("auto", cuda) == "reserve"  # without a forecast: the bound that holds
-    assert buffer_source("auto", cuda, SimpleNamespace(buffer_source="adopt")) == "adopt"
-    assert buffer_source("auto", cuda, SimpleNamespace(buffer_source="reserve")) == "reserve"
-    assert buffer_source("auto", eager, SimpleNamespace(buffer_source="reserve")) == "adopt"
-    assert buffer_source("reserve", cuda, SimpleNamespace(buffer_source="adopt")) == "reserve"
+
+def test_buffer_source_auto_follows_the_forecast() -> None:
+    assert _plan("cuda").buffer_source == "reserve"  # without a forecast: the bound that holds
+    adopt = _plan("cuda", _fc(buffer_source="adopt"))
+    assert adopt.buffer_source == "adopt" and "forecast" in adopt.buffer_reason and "forecast" in adopt.format()
+    assert _plan("cuda", _fc(buffer_source="reserve")).buffer_source == "reserve"
+    assert _plan("eager", _fc(buffer_source="reserve")).buffer_source == "adopt"
+    assert _plan("cuda", _fc(buffer_source="adopt"), shared_buffer="reserve").buffer_source == "reserve"
 
 
 # -- the pool's first block (BackendOptions.pool_reserve) ---------------------------------------
@@ -554,17 +563,21 @@ def test_expandable_segments_forecast_one_growing_pool(case: str) -> None:
 
 
 def test_pool_reserve_bytes_follow_the_option_and_the_forecast() -> None:
-    from types import SimpleNamespace
+    fc = _fc(pool_reserve_bytes=64 * MB)
+    assert _plan("cuda", fc).pool_reserve_bytes == 0  # the default "off": nothing changes
+    assert _plan("cuda", pool_reserve="auto").pool_reserve_bytes == 0  # no forecast, no block
+    assert _plan("cuda", fc, pool_reserve="auto").pool_reserve_bytes == 64 * MB
+    assert _plan("cuda", fc, pool_reserve=32 * MB).pool_reserve_bytes == 32 * MB
+    assert _plan("eager", fc, pool_reserve=32 * MB).pool_reserve_bytes == 0
+    assert _plan("eager", fc, pool_reserve="auto").pool_reserve_bytes == 0
 
-    from sglang_bcg_plugin.backends.base import pool_reserve_bytes
 
-    cuda, eager = SimpleNamespace(name="cuda"), SimpleNamespace(name="eager")
-    fc = SimpleNamespace(pool_reserve_bytes=64 * MB)
-    assert pool_reserve_bytes("off", cuda, fc) == 0  # the default: nothing changes
-    assert pool_reserve_bytes("auto", cuda) == 0  # no forecast, no block
-    assert pool_reserve_bytes("auto", cuda, fc) == 64 * MB
-    assert pool_reserve_bytes(32 * MB, cuda, fc) == 32 * MB
-    assert pool_reserve_bytes(32 * MB, eager, fc) == 0 and pool_reserve_bytes("auto", eager, fc) == 0
+def test_released_keeps_largest_only_after_a_forecast_from_nothing() -> None:
+    keeps = _fc(released_keeps_largest=True)
+    assert _plan("cuda", keeps, mode="released").released_keeps_largest
+    assert not _plan("cuda", keeps, mode="released", captured=True).released_keeps_largest
+    assert not _plan("cuda", keeps, mode="on").released_keeps_largest
+    assert not _plan("cuda", mode="released").released_keeps_largest
 
 
 # -- the API --------------------------------------------------------------------------------------

@@ -66,3 +66,41 @@ def test_guard_off_returns_graph_output_itself(backend_name: str) -> None:
     xs = {ShapeKey(8): torch.randn(8, 2)}
     _capture(backend, xs)
     assert backend.replay(ShapeKey(8)) is backend.replay(ShapeKey(8))
+
+
+def _capture_dict(backend: Any) -> dict[str, torch.Tensor]:
+    inputs = {"x": torch.randn(8, 2)}
+    with backend.capture_session():
+        backend.capture_one(ShapeKey(8), lambda: inputs["x"] * 2, capture_inputs=inputs)
+    return inputs
+
+
+@pytest.mark.parametrize("share", [False, True])
+def test_debug_check_inputs_passes_in_place_updates(backend_name: str, share: bool) -> None:
+    backend = make_backend(backend_name, share=share, debug_check_inputs=True)
+    inputs = _capture_dict(backend)
+    inputs["x"].copy_(torch.randn(8, 2))  # new values, same storage: what a runner does
+    torch.testing.assert_close(backend.replay(ShapeKey(8)), inputs["x"] * 2)
+
+
+@pytest.mark.parametrize("how", ["replaced", "data", "removed"])
+def test_debug_check_inputs_raises_on_a_moved_input(backend_name: str, how: str) -> None:
+    backend = make_backend(backend_name, share=False, debug_check_inputs=True)
+    inputs = _capture_dict(backend)
+    if how == "replaced":  # capture_inputs now points to a rebuilt tensor
+        inputs["x"] = torch.randn(8, 2)
+    elif how == "data":  # the same tensor object, its data moved
+        inputs["x"].data = torch.randn(8, 2)
+    else:
+        del inputs["x"]
+    with pytest.raises(RuntimeError, match=r"replay\(ShapeKey\(size=8.*static input capture_inputs\['x'\]"):
+        backend.replay(ShapeKey(8))
+
+
+def test_debug_check_inputs_is_off_by_default(backend_name: str) -> None:
+    backend = make_backend(backend_name, share=False)
+    inputs = _capture_dict(backend)
+    inputs["x"] = torch.randn(8, 2)
+    backend.replay(ShapeKey(8))  # no check: the graph would read the old address unnoticed
+    with pytest.raises(TypeError, match="debug_check_inputs must be True or False"):
+        make_backend(backend_name, share=False, debug_check_inputs=1)

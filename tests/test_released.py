@@ -46,25 +46,27 @@ def test_release_needs_the_alias_primitive(monkeypatch: pytest.MonkeyPatch) -> N
         rel.release_output(torch.ones(1))
 
 
-def test_pool_guard_poisons_other_graphs_of_the_pool(cpu_is_pool_memory: None, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_guard_poisons_released_outputs_of_other_graphs_of_the_pool(cpu_is_pool_memory: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    from sglang_bcg_plugin.guard import StaleOutputGuard
+
     poisoned: list[tuple[int, str]] = []
     monkeypatch.setattr(torch._C, "_set_storage_access_error_msg", lambda t, m: poisoned.append((id(t), m)), raising=False)
-    guard, a_owner, b_owner = rel.PoolGuard(), object(), object()
+    guard, a_owner, b_owner = StaleOutputGuard(), object(), object()
     x = torch.ones(4, 2)
-    first = guard.replayed("pool", a_owner, "k1", x)
+    first = guard.hand_out(a_owner, "k1", x, released=True, pool="pool")
     assert first.data_ptr() == x.data_ptr() and first is not x
-    again = guard.replayed("pool", a_owner, "k1", x)  # the same graph: nothing poisoned
+    again = guard.hand_out(a_owner, "k1", x, released=True, pool="pool")  # the same graph: nothing poisoned
     assert poisoned == []
-    guard.replayed("other-pool", b_owner, "k1", x)  # another pool: nothing poisoned
+    guard.hand_out(b_owner, "k1", x, released=True, pool="other-pool")  # another pool: nothing poisoned
     assert poisoned == []
-    assert guard.replayed("pool", b_owner, "k1") is None  # the same key of another backend
+    guard.hand_out(b_owner, "k1", x, released=False, pool="pool")  # the same key of another backend
     assert [p[0] for p in poisoned] == [id(again)]
     assert "replay('k1') in output mode 'released'" in poisoned[0][1] and "another graph of the same pool" in poisoned[0][1]
-    guard.replayed("pool", b_owner, "k2", (x, None))
+    guard.hand_out(b_owner, "k2", (x, None), released=True, pool="pool")
     guard.forget(b_owner)
-    guard.replayed("pool", a_owner, "k3")
-    assert len(poisoned) == 1  # b's records (both pools) were forgotten
-    assert guard._last.keys() == set()  # private: PoolGuard has no read API; forget() dropped every record
+    guard.hand_out(a_owner, "k3", x, released=True, pool="pool")
+    assert len(poisoned) == 1  # b's records (both pools, its partition) were forgotten
+    assert [h.owner for h in guard._last.values()] == [id(a_owner)]  # private: the guard has no read API
 
 
 def _capture(backend: Any, xs: dict[ShapeKey, torch.Tensor]) -> None:
@@ -133,15 +135,19 @@ def test_released_keeps_the_largest_output_where_its_forecast_says_it_packs_tigh
     assert backend._state.forecast.released_keeps_largest is keeps_largest
     xs = {ShapeKey(8): torch.randn(8, 2), ShapeKey(4): torch.randn(4, 2)}
     _capture(backend, xs)
-    report = {k.key: k for k in backend.memory_report().keys}
+    full = backend.memory_report()  # the plan says what the forecast steered, and why
+    assert full.plan.released_keeps_largest is keeps_largest and full.to_dict()["plan"]["mode"] == "released"
+    assert ("the largest capture keeps its output" in full.format()) is keeps_largest
+    report = {k.key: k for k in full.keys}
     assert report[ShapeKey(8)].resident_output_bytes == (8 * 2 * 4 if keeps_largest else 0)
     assert report[ShapeKey(4)].resident_output_bytes == 0
-    assert backend._state.is_released(ShapeKey(8)) is not keeps_largest
+    assert backend._state.entry(ShapeKey(8)).released is not keeps_largest
     for key, x in xs.items():
         x.copy_(torch.randn_like(x))
         torch.testing.assert_close(backend.replay(key), x * 2)
     _capture(backend, {ShapeKey(16): torch.randn(16, 2)})  # a later session adding a key keeps none
-    assert backend._state.is_released(ShapeKey(16))
+    assert backend._state.entry(ShapeKey(16)).released
+    assert not backend.memory_report().plan.released_keeps_largest
     backend.cleanup()
     assert backend._state.forecast is None
     backend._get_engine().name = "cuda"  # type: ignore[misc]  # cleanup() released the stand-in

@@ -1,11 +1,13 @@
 """``CaptureBackend``: the contract every backend implements.
 
 Lifecycle: 1. ``backend = create_backend(name, options=...)``.
-2. ``with backend.capture_session(stream=None):`` resolves the output mode (``off``, ``on``,
-   ``released``: docs/index.md, "The switch") and opens the capture state (:mod:`.state`).
+2. ``with backend.capture_session(stream=None):`` plans the session (:func:`.plan.plan_session`:
+   the output mode ``off``/``on``/``released`` and why, docs/index.md "The switch"; what a
+   forecast steers) and opens the capture state (:mod:`.state`) with the plan.
 3. ``backend.capture_one(key, forward_fn, capture_inputs, post_warmup_hook)`` per key, largest
-   first, top-down in one method: check → observers told → warmups and reserve → record with
-   the output placed inside the capture (the engine) → commit → observers told.
+   first, top-down in one method: check → observers told → the engine (warmups, then
+   ``policy.reserve``; the recording, with ``policy.place`` inside the capture) →
+   ``state.commit`` (``policy.commit``, the key's record) → observers told.
 4. ``backend.replay(key)`` returns the static output. 5. ``cleanup()`` drops every graph.
 
 Changing options (``configure``) takes effect at the next session (captured graphs keep their storage).
@@ -34,8 +36,8 @@ from ..options import BackendOptions
 from ..output_mode import OutputMode, Resolution, explain_output_mode
 from ..report import MemoryReport
 from ..shape_key import check_key
-from ..sharing import BufferSource
-from .state import CaptureState, KeyPlacement, input_storages
+from .plan import plan_session
+from .state import CaptureState, check_input_pointers, input_storages
 
 if TYPE_CHECKING:
     from ..forecast.probe import GraphMemoryForecast
@@ -49,20 +51,6 @@ def use_cuda(engine: str, backend: str) -> bool:
         msg = f"{backend} backend: engine='cuda' but CUDA is not available; use 'auto' or 'eager'"
         raise RuntimeError(msg)
     return torch.cuda.is_available()
-
-
-def buffer_source(choice: str, engine: Engine, forecast: Any = None) -> BufferSource:
-    """Where shared output buffers come from: the option; with ``"auto"``, adoption on the eager
-    engine (no pool to fragment there) and on CUDA the source a forecast of this schedule found
-    cheaper (``forecast.buffer_source``), else a buffer reserved before capture: a reserved
-    buffer costs one output over the floor, adopting depends on where the allocator placed the
-    largest output, which the forecast models (docs/index.md, "Output sharing").
-    """
-    if choice in ("adopt", "reserve"):
-        return choice  # type: ignore[return-value]
-    if engine.name != "cuda":
-        return "adopt"
-    return "adopt" if getattr(forecast, "buffer_source", "reserve") == "adopt" else "reserve"
 
 
 @contextlib.contextmanager
@@ -95,17 +83,6 @@ def allocator_segments(choice: str, engine: Engine) -> Iterator[None]:
         yield
     finally:
         setter(f"{conf},expandable_segments:False" if conf else "expandable_segments:False")
-
-
-def pool_reserve_bytes(choice: str | int, engine: Engine, forecast: Any = None) -> int:
-    """The block a CUDA engine's pool starts with: the option's bytes; with ``"auto"`` the one a
-    forecast of this schedule found to lower the pool (``forecast.pool_reserve_bytes``), else
-    none; nothing on the eager engine (no pool)."""
-    if engine.name != "cuda" or choice == "off":
-        return 0
-    if isinstance(choice, int):
-        return choice
-    return int(getattr(forecast, "pool_reserve_bytes", 0) or 0)
 
 
 STARTED = "sglang_bcg_capture_started"
@@ -250,25 +227,26 @@ class CaptureBackend:
 
     @contextlib.contextmanager
     def capture_session(self, stream: Any = None) -> Iterator[None]:
-        """Open a capture session; the output mode is resolved now and fixed until it closes."""
+        """Open a capture session; its plan (the output mode and the rest) is fixed until it closes.
+
+        :raises CaptureStateError: a session is already open (sessions do not nest).
+        """
         with self._lock:
-            if self._state.mode_active is not None:
-                msg = f"{self.name} backend: capture_session() is already open; sessions do not nest"
-                raise CaptureStateError(msg)
-            opts = self._options
-            resolution = self._next_output_mode()
-            engine = self._get_engine()
-            source = buffer_source(opts.shared_buffer, engine, self._state.forecast)
-            reserve = pool_reserve_bytes(opts.pool_reserve, engine, self._state.forecast)
-            if reserve and hasattr(engine, "reserve_pool"):  # our CUDA engines (a plugin's may not)
-                engine.reserve_pool(reserve)
-            self._state.open(resolution, source=source, guard=opts.stale_output_guard, strict=opts.strict_outputs)
+            opts, engine = self._options, self._get_engine()
+            plan = plan_session(
+                self._next_output_mode(), engine=engine.name, shared_buffer=opts.shared_buffer,
+                pool_reserve=opts.pool_reserve, guard=opts.stale_output_guard, strict=opts.strict_outputs,
+                check_inputs=opts.debug_check_inputs, forecast=self._state.forecast, captured=bool(self._state.keys()),
+            )
+            self._state.open(plan)
             self._stream = stream
         # After a forecast, the session's device-memory cost is measured to compare with it:
         # inside the GC-safe block, after its one collection, with the GC off (no second one).
         measure = self._state.forecast is not None and engine.name == "cuda"
         free_before: int | None = None
         try:
+            if plan.pool_reserve_bytes and hasattr(engine, "reserve_pool"):  # our CUDA engines (a plugin's may not)
+                engine.reserve_pool(plan.pool_reserve_bytes)
             # GC safety: one collection per session, not per key; graphs only on CUDA engines.
             with (allocator_segments(opts.pool_segments, engine),
                   gc_safe_capture() if engine.name != "eager" else contextlib.nullcontext()):
@@ -349,11 +327,10 @@ class CaptureBackend:
             try:
                 _observe_started(self._pm, self, key)
                 engine = self._get_engine()
-                placement = KeyPlacement(self._state, key, capture_inputs)
                 request = CaptureRequest(
                     key=key,
                     forward_fn=forward_fn,
-                    policy=placement,
+                    policy=self._state.policy,
                     num_warmups=self._options.num_warmups,
                     post_warmup_hook=post_warmup_hook,
                     partition=getattr(key, "stream_idx", None),
@@ -362,10 +339,8 @@ class CaptureBackend:
                 )
                 with Measure(engine.name) as measured:
                     graph = engine.capture(request)
-                assert placement.prepared is not None, "the engine never placed the output"
                 output = self._state.commit(
                     key,
-                    placement.prepared,
                     graph=graph,
                     capture_inputs=capture_inputs,
                     seconds=measured.seconds,
@@ -375,6 +350,7 @@ class CaptureBackend:
                     can_release=engine.name == "cuda",
                 )
             except BaseException as exc:
+                self._state.policy.discard()
                 _observe_finished(self._pm, key, backend=self, report=None, error=exc)
                 raise
             finally:
@@ -384,9 +360,7 @@ class CaptureBackend:
             return output
 
     def _check_can_capture(self, key: Hashable) -> None:
-        if self._state.mode_active is None:
-            msg = f"{self.name} backend: capture_one({key!r}) must run inside `with backend.capture_session():`"
-            raise CaptureStateError(msg)
+        self._state.begin(key)
         if self._capturing is not None:
             msg = (
                 f"{self.name} backend: re-entrant capture: capture_one({key!r}) was called while "
@@ -408,11 +382,8 @@ class CaptureBackend:
                 f"captured sizes: {sizes or 'none'}"
             )
             raise KeyError(msg)
-        out = entry.graph.replay()
-        guard = self._state.guard
-        if guard is not None:
-            return guard.hand_out(shape_key, out)
-        return out
+        check_input_pointers(shape_key, entry)
+        return self._state.hand_out(shape_key, entry.graph.replay())
 
     def can_run(self, shape_key: Hashable) -> bool:
         """Whether ``replay(shape_key)`` would run a captured graph."""

@@ -1,36 +1,37 @@
-"""``CaptureState``: the one capture core — sessions, output policy, guard, per-key records, report.
+"""``CaptureState``: the one capture core — session, per-key records, replay hand-out, report.
 
 Every backend uses it: :class:`~.base.CaptureBackend` around its own engines, and the SGLang
 integration around SGLang's engine (the breakable segment engine, or SGLang 0.5.13's breakable
 runner), which only translates SGLang's keys, rows, pool and warmups. In the order capture runs:
 
-1. :meth:`open` a session with a resolved mode (``off``/``on``/``released``);
-2. per key: :meth:`reserve` (the last warmup's output, outside the capture), then inside the
-   capture :meth:`place` (the in-graph copy into the shared buffer, or the key's own output), then
-   after the capture :meth:`commit` (records the key, returns the output to hand out: a released
-   alias in mode ``released``);
-3. :meth:`close`; at replay :meth:`hand_out` (the stale-output guard); :meth:`report`; :meth:`clear`.
+1. :meth:`open` a session with a :class:`~.plan.SessionPlan` (:func:`~.plan.plan_session`);
+2. per key: :meth:`begin` (a session is open), then the output policy :attr:`policy`
+   (:class:`~sglang_bcg_plugin.sharing.OutputPolicy`) is driven by the engine (or the SGLang
+   seam): ``reserve`` from the last warmup's output outside the capture, ``place`` inside it;
+   after the capture :meth:`commit` records the key and returns the output to hand out (a
+   released alias in mode ``released``);
+3. :meth:`close`; at every replay :func:`check_input_pointers` (``debug_check_inputs``) and
+   :meth:`hand_out` (the stale-output guard); :meth:`report`; :meth:`clear`.
 
 Nothing here knows which engine recorded the graph: the caller passes the graph object (its
-segment count for another engine's graph). :class:`KeyPlacement` is one key's policy as our
-engines drive it (``engines.base.OutputPolicy``).
+segment count for another engine's graph).
 """
 
 from __future__ import annotations
 
 import dataclasses
-
 from collections.abc import Hashable
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import CaptureStateError, warn_user
-from ..guard import StaleOutputGuard, guard_supported
-from ..output_mode import ON, RELEASED, OutputMode, Resolution
-from ..released import POOL_GUARD, release_output
+from ..errors import CaptureStateError
+from ..guard import StaleOutputGuard
+from ..output_mode import OutputMode, Resolution
 from ..report import KeyReport, MemoryReport, claim_resident_bytes
-from ..sharing import BufferSource, OutputSharer, Prepared
+from ..scan import walk_tensors
+from ..sharing import OutputPolicy
 from ..trees import collect_tensors, storage_key
+from .plan import SessionPlan
 
 
 @dataclass(eq=False)
@@ -46,25 +47,34 @@ class _Entry:
     seconds: float | None = None
     memory_bytes: int | None = None
     released: bool = False  # outputs are non-owning aliases of pool memory: nothing resident
+    #: ``BackendOptions.debug_check_inputs``: each input tensor's path and capture-time data pointer
+    input_ptrs: tuple[tuple[str, int], ...] | None = None
 
 
-def make_guard(enabled: bool, current: StaleOutputGuard | None) -> StaleOutputGuard | None:
-    """The stale-output guard for a new session (kept across sessions while enabled).
+def input_pointers(capture_inputs: object) -> tuple[tuple[str, int], ...]:
+    """Every tensor of ``capture_inputs`` as ``(path, data_ptr)``, in walk order."""
+    return tuple((path, t.data_ptr()) for path, t in walk_tensors(capture_inputs, "capture_inputs"))
 
-    Where this torch build cannot poison storages the guard warns once and does nothing.
+
+def check_input_pointers(key: Hashable, entry: _Entry) -> None:
+    """``BackendOptions.debug_check_inputs`` at replay: the inputs still where the graph reads them.
+
+    :raises RuntimeError: an input tensor of ``key`` has another data pointer than at capture, or
+        is gone (names the key and the input's path).
     """
-    if not enabled:
-        return None
-    if not guard_supported():
-        if current is None:
-            warn_user(
-                "stale_output_guard is on but this torch build cannot poison storages "
-                "(needs torch._C._set_storage_access_error_msg, present in CUDA builds); "
-                "the guard does nothing",
-                RuntimeWarning,
+    if entry.input_ptrs is None:
+        return
+    now = dict(input_pointers(entry.capture_inputs))
+    for path, ptr in entry.input_ptrs:
+        found = now.get(path)
+        if found != ptr:
+            where = "is gone" if found is None else f"moved from data_ptr {ptr:#x} to {found:#x}"
+            msg = (
+                f"replay({key!r}): static input {path} {where} since capture; the graph still reads "
+                "the capture-time address: copy new values into the captured tensor in place "
+                "(debug_check_inputs)"
             )
-        return None
-    return current if current is not None else StaleOutputGuard()
+            raise RuntimeError(msg)
 
 
 def key_reports(entries: list[_Entry]) -> list[KeyReport]:
@@ -101,118 +111,67 @@ class ForeignGraph:
         self.graph = self.output = None
 
 
-@dataclass(eq=False)
-class _Open:
-    resolution: Resolution
-    sharer: OutputSharer
-    #: mode ``released`` after a forecast that found it packs the pool tighter: the session's
-    #: first capture (the largest, captured largest first) keeps its output instead.
-    keep_first: bool = False
-
-
 def input_storages(capture_inputs: object) -> frozenset[tuple[str, int]]:
     """Storages of static inputs (any object), never adopted as a shared buffer."""
     return frozenset(storage_key(t) for t in collect_tensors(capture_inputs))
 
 
-class KeyPlacement:
-    """One key's output policy as an engine drives it (``engines.base.OutputPolicy``): the
-    engine reserves from the last warmup's output, then places the output inside the capture;
-    the backend commits :attr:`prepared` once the capture succeeded."""
-
-    def __init__(self, state: CaptureState, key: Hashable, capture_inputs: Any) -> None:
-        self.state, self.key, self.capture_inputs = state, key, capture_inputs
-        self.foreign: frozenset[tuple[str, int]] | None = frozenset()
-        self.prepared: Prepared | None = None
-
-    def reserve(self, warmup_output: Any) -> None:
-        self.state.reserve(self.key, warmup_output)
-
-    def place(self, output: Any) -> Any:
-        self.prepared = self.state.place(self.key, output, self.capture_inputs, self.foreign)
-        return self.prepared.output
-
-
 class CaptureState:
-    """Output policy, guard, per-key records and report of one backend (see the module doc)."""
+    """Session, per-key records, replay hand-out and report of one backend (see the module doc)."""
 
     def __init__(self, name: str, engine: str) -> None:
         self.name = name
         self.engine = engine
-        self._open: _Open | None = None
+        self.policy = OutputPolicy()
+        self._open: SessionPlan | None = None
         self._entries: dict[Hashable, _Entry] = {}
-        self.guard: StaleOutputGuard | None = None
-        self.resolution: Resolution | None = None  # of the latest session
+        self.plan: SessionPlan | None = None  # of the latest session
         self.forecast: Any = None  # forecast.probe.GraphMemoryForecast of the next/last schedule
         self.measured_graph_bytes: int | None = None  # device memory the last session took
 
     # -- session ---------------------------------------------------------------------------
-    def open(self, resolution: Resolution, *, source: BufferSource, guard: bool, strict: bool = False) -> None:
-        """Start a session: a fresh sharer for ``resolution.mode``; the guard read now serves
-        every replay from now on. In mode ``released``, after a :attr:`forecast` that found
-        keeping the largest capture's output packs the pool tighter
-        (``forecast.released_keeps_largest``), the first capture of a session that starts with
-        nothing captured keeps its output.
+    def open(self, plan: SessionPlan) -> None:
+        """Start a session with ``plan``; the output policy starts afresh.
 
-        :raises CaptureStateError: a session is already open.
+        :raises CaptureStateError: a session is already open (sessions do not nest).
         """
         if self._open is not None:
-            msg = f"{self.name}: capture_session() is already open; sessions do not nest"
+            msg = f"{self.name} backend: capture_session() is already open; sessions do not nest"
             raise CaptureStateError(msg)
-        sharer = OutputSharer(enabled=resolution.mode == ON, strict=strict, source=source)
-        self.guard = make_guard(guard, self.guard)
-        # The forecast models a schedule captured from nothing: a later session adding keys keeps none.
-        keep_first = (resolution.mode == RELEASED and not self._entries
-                      and bool(getattr(self.forecast, "released_keeps_largest", False)))
-        self._open = _Open(resolution, sharer, keep_first=keep_first)
-        self.resolution = resolution
+        self.policy.open(plan)
+        self._open = self.plan = plan
 
     def close(self) -> None:
+        self.policy.close()
         self._open = None
 
     @property
     def mode_active(self) -> OutputMode | None:
-        return None if self._open is None else self._open.resolution.mode
+        return None if self._open is None else self._open.mode
 
     @property
-    def sharer(self) -> OutputSharer | None:
-        return None if self._open is None else self._open.sharer
+    def resolution(self) -> Resolution | None:
+        """The output mode of the latest session and why."""
+        return None if self.plan is None else self.plan.resolution
 
-    def _session(self, key: Hashable) -> _Open:
-        if self._open is None:
-            msg = f"capture_one({key!r}) must run inside `with backend.capture_session(stream):`"
-            raise CaptureStateError(msg)
-        return self._open
+    @property
+    def guard(self) -> StaleOutputGuard | None:
+        """The stale-output guard replays go through (``None``: off)."""
+        return self.policy.guard
 
     # -- one key ---------------------------------------------------------------------------
     def begin(self, key: Hashable) -> None:
-        """Check a capture of ``key`` may start (a session is open)."""
-        self._session(key)
+        """Check a capture of ``key`` may start: a session is open.
 
-    def reserve(self, key: Hashable, output: Any, capacity_rows: int | None = None) -> None:
-        """Reserve ``key``'s partition buffer from a warmup output (outside the capture)."""
-        session = self._session(key)
-        if output is None:
-            return
-        try:
-            session.sharer.reserve(key, output, capacity_rows=capacity_rows)
-        except TypeError:
-            return  # an unsupported tensor holder: place() raises the real TypeError
-
-    def place(
-        self, key: Hashable, output: Any, capture_inputs: Any = None, foreign: frozenset[tuple[str, int]] | None = frozenset()
-    ) -> Prepared:
-        """Inside the capture: how ``key``'s output is held (in-graph copy, adopt or own).
-
-        :param foreign: storages the forward returned but did not allocate (never adopted);
-            ``None``: unknown, so nothing is adopted (``engines.base.run_warmups``).
+        :raises CaptureStateError: none is.
         """
-        return self._session(key).sharer.prepare(key, output, input_storages(capture_inputs), foreign)
+        if self._open is None:
+            msg = f"{self.name} backend: capture_one({key!r}) must run inside `with backend.capture_session():`"
+            raise CaptureStateError(msg)
 
     def commit(
         self,
         key: Hashable,
-        prepared: Prepared,
         *,
         graph: Any,
         num_segments: int | None = None,
@@ -221,53 +180,45 @@ class CaptureState:
         memory_bytes: int | None = None,
         can_release: bool = True,
     ) -> Any:
-        """After a successful capture: record ``key``; return the output to hand out.
+        """After a successful capture: commit ``key``'s placement (``OutputPolicy.commit``),
+        record the key; return the output to hand out.
 
         ``graph`` is another engine's graph (give ``num_segments``) or one of ours, an
         ``engines.base.CapturedGraph`` (``num_segments=None``: it replays and hands out the output
-        itself). In mode ``released`` (where ``can_release``: graph-pool memory) the output is a
-        non-owning alias and ``prepared.output`` is dropped; the caller must drop its own
-        references too for the memory to return to the pool. The first capture of a session
-        that keeps it (:meth:`open`) hands out its own output, as mode ``off`` does.
+        itself). A released output is a non-owning alias: the caller must drop its own
+        references to the placed output for the memory to return to the pool.
         """
-        session = self._session(key)
-        prepared.commit()
-        released = session.resolution.mode == RELEASED and can_release and not session.keep_first
-        session.keep_first = False
-        output = release_output(prepared.output) if released else prepared.output
-        if released:
-            prepared.output = None
+        plan = self._open
+        self.begin(key)
+        assert plan is not None  # begin() checked it
+        placed = self.policy.commit(key, can_release=can_release)
         if num_segments is None:
-            graph.output = output
+            graph.output = placed.output
             held = graph
         else:
-            held = ForeignGraph(graph, None if released else output, num_segments)
+            held = ForeignGraph(graph, None if placed.released else placed.output, num_segments)
         self._entries[key] = _Entry(
             key,
             held,
             capture_inputs,
-            prepared.shared,
-            prepared.fallback,
-            prepared.logical_bytes,
+            placed.shared,
+            placed.fallback,
+            placed.logical_bytes,
             seconds=seconds,
             memory_bytes=memory_bytes,
-            released=released,
+            released=placed.released,
+            input_ptrs=input_pointers(capture_inputs) if plan.check_inputs else None,
         )
-        return output
+        return placed.output
 
     # -- replay, report, cleanup -----------------------------------------------------------
-    def is_released(self, key: Hashable) -> bool:
-        entry = self._entries.get(key)
-        return entry is not None and entry.released
-
-    def hand_out(self, key: Hashable, output: Any, *, pool: Hashable, owner: object) -> Any:
-        """A replayed output through the stale-output guard (unchanged when it is off)."""
-        if self.guard is None:
-            return output
-        if self.is_released(key):
-            return POOL_GUARD.replayed(pool, owner, key, output)
-        POOL_GUARD.replayed(pool, owner, key)  # another graph of the pool ran
-        return self.guard.hand_out(key, output)
+    def hand_out(self, key: Hashable, output: Any, *, pool: Hashable | None = None) -> Any:
+        """A replayed output of ``key`` (captured) as the caller gets it: through the
+        stale-output guard (unchanged when it is off), whose scope is ``pool`` (``None``: our
+        engines, one pool per partition).
+        """
+        entry = self._entries[key]
+        return self.policy.hand_out(self, key, output, released=entry.released, pool=pool)
 
     def keys(self) -> list[Hashable]:
         return list(self._entries)
@@ -277,22 +228,16 @@ class CaptureState:
         return self._entries.get(key)
 
     def report(self, bridge_bytes: dict[int | None, int] | None = None) -> MemoryReport:
-        """Logical vs resident output bytes, fallbacks and capture seconds, per key."""
+        """Logical vs resident output bytes, fallbacks and capture seconds, per key; the plan."""
         entries = list(self._entries.values())
         report = MemoryReport.from_keys(self.name, self.engine, key_reports(entries), bridge_bytes=bridge_bytes)
-        if self.forecast is None:
-            return report
-        return dataclasses.replace(report, forecast=self.forecast, measured_graph_bytes=self.measured_graph_bytes)
+        return dataclasses.replace(report, plan=self.plan, forecast=self.forecast, measured_graph_bytes=self.measured_graph_bytes)
 
-    def clear(self, owner: object = None) -> None:
-        """Forget every record (the graphs are the engine's to destroy)."""
+    def clear(self) -> None:
+        """Forget every record and the guard's (the graphs are the engine's to destroy)."""
         for entry in self._entries.values():
             entry.graph.release()
         self._entries.clear()
         self.forecast = None
         self.measured_graph_bytes = None
-        if self.guard is not None:
-            self.guard.clear()
-        if owner is not None:
-            POOL_GUARD.forget(owner)
-
+        self.policy.clear(self)

@@ -1,4 +1,4 @@
-"""The engine seam: backends hand an engine a forward and its output policy, get a graph back."""
+"""The engine seam: backends hand an engine a forward and the output policy, get a graph back."""
 
 from __future__ import annotations
 
@@ -8,24 +8,8 @@ from typing import Any, Protocol
 
 import torch
 
+from ..sharing import OutputPolicy
 from ..trees import collect_tensors, storage_key
-
-class OutputPolicy(Protocol):
-    """One key's output policy, as an engine drives it (``backends.state.KeyPlacement``).
-
-    1. :func:`run_warmups` calls :meth:`reserve` with the last warmup's output, outside any
-       capture, and sets :attr:`foreign`;
-    2. the engine calls :meth:`place` on the forward's output *inside* the capture (its copies
-       are recorded into the graph) and keeps what it returns as the graph's static output.
-    """
-
-    #: Storages the forward returns but did not allocate (the last warmup's output shares them);
-    #: ``None``: unknown (no warmup ran). Never adopted as a shared buffer.
-    foreign: frozenset[tuple[str, int]] | None
-
-    def reserve(self, warmup_output: Any) -> None: ...
-
-    def place(self, output: Any) -> Any: ...
 
 
 class CapturedGraph(Protocol):
@@ -45,7 +29,10 @@ class CapturedGraph(Protocol):
 class CaptureRequest:
     """Everything an engine needs to capture one key.
 
-    :param policy: the key's output policy: reserve after the warmups, place inside the capture.
+    :param policy: the backend's output policy: :func:`run_warmups` reserves from the last
+        warmup's output, the engine calls :meth:`place` on the forward's output *inside* the
+        capture (its copies are recorded into the graph) and keeps what it returns as the
+        graph's static output.
     :param static_inputs: storages of the static inputs (``capture_inputs``): the output policy
         never adopts them, and the piecewise recorder clones an output that is one.
     """
@@ -58,6 +45,10 @@ class CaptureRequest:
     partition: int | None
     stream: Any = None
     static_inputs: frozenset[tuple[str, int]] = frozenset()
+
+    def place(self, output: Any) -> Any:
+        """Inside the capture: the key's output through the policy; returns the static output."""
+        return self.policy.place(self.key, output, self.static_inputs)
 
 
 class Engine(Protocol):
@@ -97,7 +88,7 @@ class Front(Protocol):
 
 def run_warmups(request: CaptureRequest) -> Any:
     """Eager warmup runs, each followed by ``post_warmup_hook``; then the policy reserves from the
-    last output and learns which storages are foreign.
+    last output and learns which storages are foreign (with no warmup, nothing is adopted).
 
     A storage that the capture's output shares with the last warmup's output was not allocated
     by the forward: memory the forward *returns* (a view of a static input, a weight, a cache, a
@@ -113,11 +104,7 @@ def run_warmups(request: CaptureRequest) -> Any:
         if request.post_warmup_hook is not None:
             request.post_warmup_hook()
     if request.num_warmups > 0:
-        request.policy.reserve(out)
         # strided tensors only: any other layout is refused by the output policy itself
-        request.policy.foreign = frozenset(
-            storage_key(t) for t in collect_tensors(out) if t.layout == torch.strided
-        )
-    else:
-        request.policy.foreign = None
+        foreign = frozenset(storage_key(t) for t in collect_tensors(out) if t.layout == torch.strided)
+        request.policy.reserve(request.key, out, foreign=foreign)
     return out

@@ -142,7 +142,7 @@ class FullCudaEngine(CudaGraphEngine):
         g = torch.cuda.CUDAGraph()
         g.capture_begin(pool=pool)
         try:
-            output = request.policy.place(request.forward_fn())
+            output = request.place(request.forward_fn())
         except BaseException as exc:
             abort_capture(g, pool)
             host = host_read_error(exc, request.key, None)  # a host sync: one clear error
@@ -180,7 +180,7 @@ class SegmentCudaEngine(CudaGraphEngine):
 
     def _record(self, request: CaptureRequest, pool: Any) -> SegmentedGraph:
         recorder = self.front.recorder(request.key, CudaSegments(pool), request.partition, request.static_inputs)
-        return record(recorder, request.forward_fn, request.policy.place)
+        return record(recorder, request.forward_fn, request.place)
 
     def bridge_bytes(self) -> dict[int | None, int]:
         return self.front.bridge_bytes()

@@ -62,7 +62,7 @@ class EagerEngine:
 
     def capture(self, request: CaptureRequest) -> EagerGraph:
         warm = run_warmups(request)  # kept alive until the output is placed (foreign storages)
-        output = request.policy.place(request.forward_fn())
+        output = request.place(request.forward_fn())
         del warm
         return EagerGraph(request.key, request.forward_fn, output)
 

@@ -25,7 +25,7 @@ class EagerSegmentEngine:
     def capture(self, request: CaptureRequest) -> SegmentedGraph:
         warm = run_warmups(request)  # kept alive until the output is placed (foreign storages)
         recorder = self.front.recorder(request.key, EagerSegments(request.key), request.partition, request.static_inputs)
-        graph = record(recorder, request.forward_fn, request.policy.place)
+        graph = record(recorder, request.forward_fn, request.place)
         del warm
         return graph
 

@@ -93,11 +93,10 @@ def around_capture_one(
     def run_forward(*fargs: Any, **fkwargs: Any) -> Any:
         out = forward(*fargs, **fkwargs)
         if var.get() is None:  # a warmup: the buffer comes from its output, outside the pool
-            state.reserve(key, out)
+            state.policy.reserve(key, out)
             return out
-        prepared = state.place(key, out)
-        placed.append(prepared)
-        return prepared.output
+        placed.append(state.policy.place(key, out))
+        return placed[-1]
 
     start = time.perf_counter()
     runner._run_forward = run_forward
@@ -114,9 +113,8 @@ def around_capture_one(
             "inside its capture; expected once (the runner seam of SGLang 0.5.13)"
         )
         raise RuntimeError(msg)
-    output = state.commit(
-        key, placed.pop(), graph=graph, num_segments=num_segments(graph), seconds=time.perf_counter() - start
-    )
+    placed.clear()  # released: the policy holds the last reference to the graph's own output
+    output = state.commit(key, graph=graph, num_segments=num_segments(graph), seconds=time.perf_counter() - start)
     return graph, output
 
 

@@ -17,7 +17,7 @@ between releases taken from :func:`.compat.installed` (the graph's constructor, 
 1. two warmups, as SGLang runs them (device sync and TP barrier before each);
 2. ``reserve``: the shared buffer from the last warmup, outside the graph pool (rows from the
    runner's hooks where the release has them);
-3. the segment capture; inside it the state places the output (the in-graph copy);
+3. the segment capture; inside it the core's output policy places the output (the in-graph copy);
 4. commit: the state records the key and returns the output to hand out.
 
 ``cleanup()`` also drops SGLang's process-global pool handle when it is ours
@@ -33,7 +33,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from ..backends.state import CaptureState
+from ..backends.state import CaptureState, input_storages
 from ..engines.gcsafe import defer_release, gc_safe_capture
 from ..output_mode import ON, OutputMode, Resolution
 from ..report import MemoryReport
@@ -56,7 +56,6 @@ from .sglang_session import (
     drop_global_pool,
     open_state,
     reserve_from_warmup,
-    shared_buffer,
 )
 
 __all__ = ["SGLANG_BCG_CLASS", "SharingPolicyMixin", "apply_runner_rows", "sglang_breakable_backend_class"]
@@ -102,13 +101,13 @@ class SharingPolicyMixin:
     @contextlib.contextmanager
     def capture_session(self, stream: Any) -> Iterator[None]:
         """SGLang's session (pool, dedup, BCG mode) plus a freshly resolved output policy."""
-        open_state(self._bcg_state, seam=self._seam)
-        mode = self._bcg_state.mode_active or "off"
+        plan = open_state(self._bcg_state, seam=self._seam)
+        mode = plan.mode
         self._bcg_forecast = SessionForecast(self._cuda_graph_runner, mode, lambda: getattr(self, "_pool", None))
         try:  # gc: one collection per session, not per key (docs/index.md "GC safety")
             with gc_safe_capture(), super().capture_session(stream):  # type: ignore[misc]
                 yield
-            reserved = mode == ON and shared_buffer() == "reserve"
+            reserved = mode == ON and plan.buffer_source == "reserve"
             self._bcg_forecast.close(self._bcg_state.report().resident_output_bytes if reserved else 0)
         finally:
             self._bcg_state.close()
@@ -183,13 +182,12 @@ class SharingPolicyMixin:
                 out = forward_fn()
             output_bytes.extend(t.untyped_storage().nbytes() for _, t in flatten(out)[1])
             out = apply_runner_rows(out, runner_rows(self._cuda_graph_runner, out)[0])
-            prepared = state.place(key, out, capture_inputs)  # in-graph copy into the shared slice
+            state.policy.place(key, out, input_storages(capture_inputs))  # in-graph copy into the shared slice
         del out
-        output = state.commit(
-            key, prepared, graph=graph, num_segments=num_segments(graph), capture_inputs=capture_inputs,
+        output = state.commit(  # released: the policy dropped its last reference to the graph's own output
+            key, graph=graph, num_segments=num_segments(graph), capture_inputs=capture_inputs,
             seconds=time.perf_counter() - start,
         )
-        del prepared  # released: the last strong reference to the graph's own output
         self._graphs[key] = graph
         self._outputs[key] = output
 
@@ -200,7 +198,7 @@ class SharingPolicyMixin:
     def replay(self, shape_key: Any, static_forward_batch: Any, **kwargs: Any) -> Any:
         """SGLang's replay; with the stale-output guard on, guarded views of the output."""
         out = super().replay(shape_key, static_forward_batch, **kwargs)  # type: ignore[misc]
-        return self._bcg_state.hand_out(shape_key, out, pool=self._pool, owner=self)
+        return self._bcg_state.hand_out(shape_key, out, pool=self._pool)
 
     def memory_report(self) -> MemoryReport:
         """Logical vs resident output bytes, fallbacks and capture seconds, per key."""
@@ -210,7 +208,7 @@ class SharingPolicyMixin:
         """SGLang's cleanup, our records, and a usable global pool for the next session."""
         pool = self._pool
         super().cleanup()  # type: ignore[misc]
-        self._bcg_state.clear(owner=self)
+        self._bcg_state.clear()
         drop_global_pool(pool)
 
 

@@ -8,7 +8,8 @@ switches and hooks into it:
   the flag sets, > the installed SGLang's own default, :mod:`.builtin`) and the guard, and
   refuses what the installed release cannot serve (:func:`refusal`): the one resolution, at
   startup (the flag hook) and at every capture session (:func:`open_state`, which adds the
-  shared-buffer strategy and opens the state's session);
+  shared-buffer strategy, plans the session with the core's ``plan_session`` and opens the
+  state's session with the plan);
 * :func:`apply_runner_rows` / :func:`reserve_from_warmup` translate the runner's row hooks;
 * :func:`drop_global_pool` makes ``cleanup()`` leave SGLang's process-global graph pool in a
   state a new capture session can use (see its docstring).
@@ -22,8 +23,9 @@ from typing import Any
 
 from .._constants import ENV_SHARE_OUTPUT
 from .._words import parse_bool_env, parse_env
+from ..backends.plan import SessionPlan, plan_session
 from ..backends.state import CaptureState
-from ..output_mode import RELEASED, OutputMode, Resolution, explain_output_mode
+from ..output_mode import ON, RELEASED, OutputMode, Resolution, explain_output_mode
 from ..released import released_supported
 from ..sharing import BufferSource
 from ..trees import flatten, unflatten
@@ -93,15 +95,17 @@ def session_switches(environ: Mapping[str, str], seam: Seam | None) -> tuple[Res
     return resolution, guard
 
 
-def open_state(state: CaptureState, environ: Mapping[str, str] | None = None, seam: Seam | None = None) -> Resolution:
-    """Resolve everything a capture session fixes (read at every session) and open ``state``.
+def open_state(state: CaptureState, environ: Mapping[str, str] | None = None, seam: Seam | None = None) -> SessionPlan:
+    """Plan the session from SGLang's switches (read at every session: :func:`plan_session`, as
+    the core does) and open ``state`` with it.
 
     :raises ValueError: as :func:`session_switches`, or ``SGLANG_BCG_SHARED_BUFFER`` is invalid.
     """
     env = os.environ if environ is None else environ
     resolution, guard = session_switches(env, seam or installed())
-    state.open(resolution, source=shared_buffer(env), guard=guard)
-    return resolution
+    plan = plan_session(resolution, engine=state.engine, shared_buffer=shared_buffer(env), guard=guard)
+    state.open(plan)
+    return plan
 
 
 def apply_runner_rows(output: Any, rows: object) -> Any:
@@ -141,12 +145,11 @@ def reserve_from_warmup(state: CaptureState, key: Hashable, runner: Any, warmup_
     ``cuda_graph_output_capacity_rows`` when the runner asks for more (SGLang's own capacity hook);
     a release or runner without the hooks: the output's own rows.
     """
-    sharer = state.sharer
-    if sharer is None or not sharer.enabled or warmup_out is None:
+    if state.mode_active != ON or warmup_out is None:
         return
     rows, capacity = runner_rows(runner, warmup_out)
     trimmed = apply_runner_rows(warmup_out, rows)
-    state.reserve(key, trimmed, _check_rows("cuda_graph_output_capacity_rows", capacity))
+    state.policy.reserve(key, trimmed, _check_rows("cuda_graph_output_capacity_rows", capacity))
 
 
 def drop_global_pool(pool: Any) -> bool:

@@ -146,7 +146,7 @@ class RunnerDriver:
     def cleanup(self) -> None:
         from sglang_bcg_plugin.integration.runner_seam import runner_state
 
-        runner_state(self.runner).clear(owner=self.runner)
+        runner_state(self.runner).clear()
         self.runner.graphs.clear()
         self.runner.output_buffers.clear()
 

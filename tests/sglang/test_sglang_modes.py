@@ -96,7 +96,7 @@ def test_reservation_of_a_failed_capture_is_not_kept() -> None:
     with backend.capture_session(None):
         with pytest.raises(RuntimeError, match="boom"):
             backend.capture_one(big, failing)
-        assert backend._bcg_state.sharer.partitions == {}  # private: a reservation is not in memory_report()
+        assert backend._bcg_state.policy.partitions == {}  # private: a reservation is not in memory_report()
         backend.capture_one(small, model.forward_for(small))
     assert backend.memory_report().resident_output_bytes == 4 * 8 * 4
 
@@ -156,8 +156,10 @@ def test_guard_on_shared_outputs_poisons_within_the_partition(monkeypatch: pytes
     a = replay(backend, shape_key(16))
     replay(backend, shape_key(8))
     assert [p[0] for p in poison] == [id(a)] and "same partition" in poison[0][1]
+    guard = backend._bcg_state.guard
     backend.cleanup()
-    assert backend._bcg_state.guard._last == {}  # private: the guard has no read API; cleanup() forgot it all
+    # private: the guard has no read API; cleanup() forgot every record of this backend
+    assert all(h.owner != id(backend._bcg_state) for h in guard._last.values())
 
 
 def test_guard_unsupported_warns(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -111,7 +111,7 @@ def test_outside_capture_all_and_a_loop_that_never_captures(monkeypatch: pytest.
     runner._capture_all()
     assert runner.__dict__["_run_forward"] is mine
     state = runner_seam.runner_state(runner)
-    state.open(state.resolution, source="reserve", guard=False)
+    state.open(state.plan)
     try:
         with pytest.raises(RuntimeError, match="ran the forward 0 times"):
             runner_seam.around_capture_one(lambda self, n, pool, stream: (None, None), runner, 4, None, None)

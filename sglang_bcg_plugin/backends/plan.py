@@ -1,0 +1,110 @@
+"""``plan_session``: everything a capture session fixes, decided once, with why.
+
+Every host calls it when a session opens — :class:`~.base.CaptureBackend` from its options, the
+SGLang integration from SGLang's switches — and hands the frozen :class:`SessionPlan` to
+:meth:`~.state.CaptureState.open`. It is the only place a forecast (``CaptureBackend.forecast``)
+steers anything: the buffer source and the pool reserve with ``"auto"``, and whether mode
+``released`` keeps the largest capture's output. ``memory_report().plan`` shows the latest one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from ..output_mode import RELEASED, OutputMode, Resolution
+from ..sharing import BufferSource
+
+if TYPE_CHECKING:
+    from ..forecast.probe import GraphMemoryForecast
+
+_MIB = 1024 * 1024
+
+
+@dataclass(frozen=True, slots=True)
+class SessionPlan:
+    """What one capture session runs with; each choice a forecast may steer carries its reason."""
+
+    resolution: Resolution
+    buffer_source: BufferSource
+    buffer_reason: str
+    guard: bool = False
+    strict: bool = False
+    check_inputs: bool = False
+    #: mode ``released``: the session's first (largest) capture keeps its output
+    released_keeps_largest: bool = False
+    pool_reserve_bytes: int = 0
+    pool_reason: str = "off"
+
+    @property
+    def mode(self) -> OutputMode:
+        return self.resolution.mode
+
+    def to_dict(self) -> dict[str, object]:
+        return {
+            "mode": self.mode, "mode_reason": self.resolution.source, "buffer_source": self.buffer_source,
+            "buffer_reason": self.buffer_reason, "guard": self.guard, "strict": self.strict,
+            "check_inputs": self.check_inputs, "released_keeps_largest": self.released_keeps_largest,
+            "pool_reserve_bytes": self.pool_reserve_bytes, "pool_reason": self.pool_reason,
+        }
+
+    def format(self) -> str:
+        """One line: the mode and why, then what else the session fixed."""
+        parts = [f"mode {self.resolution.describe()}", f"{self.buffer_source} buffer ({self.buffer_reason})"]
+        if self.mode == RELEASED:
+            kept = "keeps" if self.released_keeps_largest else "releases"
+            parts.append(f"the largest capture {kept} its output")
+        if self.pool_reserve_bytes:
+            parts.append(f"pool starts with a {self.pool_reserve_bytes / _MIB:.1f} MiB block ({self.pool_reason})")
+        parts += [name for name, on in (("guard", self.guard), ("strict", self.strict),
+                                        ("input check", self.check_inputs)) if on]
+        return "; ".join(parts)
+
+
+def _buffer(choice: str, engine: str, forecast: GraphMemoryForecast | None) -> tuple[BufferSource, str]:
+    if choice in ("adopt", "reserve"):
+        return choice, "option"  # type: ignore[return-value]
+    if engine != "cuda":
+        return "adopt", f"auto: no pool to fragment on the {engine} engine"
+    if forecast is None:
+        return "reserve", "auto: no forecast, a reserved buffer costs one output at most"
+    return forecast.buffer_source, "auto: the forecast found it cheaper"  # type: ignore[return-value]
+
+
+def _pool(choice: str | int, engine: str, forecast: GraphMemoryForecast | None) -> tuple[int, str]:
+    if engine != "cuda" or choice == "off":
+        return 0, "off"
+    if isinstance(choice, int):
+        return choice, "option"
+    if forecast is None or not forecast.pool_reserve_bytes:
+        return 0, "auto: no forecast or no saving"
+    return int(forecast.pool_reserve_bytes), "auto: the forecast's block"
+
+
+def plan_session(
+    resolution: Resolution,
+    *,
+    engine: str,
+    shared_buffer: str = "auto",
+    pool_reserve: str | int = "off",
+    guard: bool = False,
+    strict: bool = False,
+    check_inputs: bool = False,
+    forecast: GraphMemoryForecast | None = None,
+    captured: bool = False,
+) -> SessionPlan:
+    """The plan of a session that resolved ``resolution``, on ``engine`` (``"cuda"``, ``"eager"``
+    or another host's engine name), after ``forecast`` (``None``: none was made).
+
+    ``shared_buffer``: ``"adopt"``/``"reserve"``, or ``"auto"``: adopt off CUDA (no pool to
+    fragment), on CUDA the source ``forecast`` found cheaper, else reserve (docs/index.md, "Output
+    sharing"). ``pool_reserve``: bytes, ``"off"``, or ``"auto"``: the block ``forecast`` sized;
+    nothing off CUDA. In mode ``released`` the largest capture keeps its output only when
+    ``forecast`` found that packs the pool tighter and nothing is ``captured`` yet (the forecast
+    models a schedule captured from nothing).
+    """
+    source, buffer_reason = _buffer(shared_buffer, engine, forecast)
+    reserve, pool_reason = _pool(pool_reserve, engine, forecast)
+    keeps = resolution.mode == RELEASED and not captured and forecast is not None and forecast.released_keeps_largest
+    return SessionPlan(resolution, source, buffer_reason, guard=guard, strict=strict, check_inputs=check_inputs,
+                       released_keeps_largest=bool(keeps), pool_reserve_bytes=reserve, pool_reason=pool_reason)
