@@ -383,7 +383,7 @@ class CaptureBackend:
             )
             raise KeyError(msg)
         check_input_pointers(shape_key, entry)
-        return self._state.hand_out(shape_key, entry.graph.replay())
+        return self._state.hand_out(shape_key, entry.graph.replay(), entry=entry)
 
     def can_run(self, shape_key: Hashable) -> bool:
         """Whether ``replay(shape_key)`` would run a captured graph."""

@@ -212,12 +212,12 @@ class CaptureState:
         return placed.output
 
     # -- replay, report, cleanup -----------------------------------------------------------
-    def hand_out(self, key: Hashable, output: Any, *, pool: Hashable | None = None) -> Any:
+    def hand_out(self, key: Hashable, output: Any, *, pool: Hashable | None = None, entry: _Entry | None = None) -> Any:
         """A replayed output of ``key`` (captured) as the caller gets it: through the
         stale-output guard (unchanged when it is off), whose scope is ``pool`` (``None``: our
-        engines, one pool per partition).
+        engines, one pool per partition). ``entry``: ``key``'s record, where the caller has it.
         """
-        entry = self._entries[key]
+        entry = self._entries[key] if entry is None else entry
         return self.policy.hand_out(self, key, output, released=entry.released, pool=pool)
 
     def keys(self) -> list[Hashable]:
