@@ -44,7 +44,7 @@ from ..forecast.driver import (
 )
 from ..forecast.model import MODES, forecast_modes, reference_estimates
 from ..forecast.probe import allocator_caveat
-from ..forecast.trace import KeyTrace, ScaledTrace, output_allocs, pool_trace
+from ..forecast.trace import ALLOC, FREE_COMPLETED, KeyTrace, ScaledTrace, output_allocs, pool_trace
 from ._names import ENV_FORECAST, ENV_FORECAST_TRACE
 
 log = logging.getLogger("sglang_bcg_plugin")
@@ -238,8 +238,9 @@ class SessionForecast:
         if not self.trace_path:
             return
         free = free_device_bytes()
+        events = len(torch.cuda.memory._snapshot()["device_traces"][torch.cuda.current_device()])
         self.rows.append({"size": size, "graphs": graphs, "free": free, "reserved": torch.cuda.memory_reserved(),
-                          "pool": sum(n for _, n in self._pool_segments())})
+                          "pool": sum(n for _, n in self._pool_segments()), "events": events})
 
     def skip_reason(self) -> str | None:
         """Why no forecast is made (``None``: one is)."""
@@ -274,7 +275,8 @@ class SessionForecast:
             events = torch.cuda.memory._snapshot()["device_traces"][torch.cuda.current_device()]
             segments = self._pool_segments()
         finally:
-            torch.cuda.memory._record_memory_history(enabled=None)
+            if not self.trace_path:  # with a trace asked for, every capture's events (close() stops)
+                torch.cuda.memory._record_memory_history(enabled=None)
         self._forecast(size, events, segments, output_bytes, count.since(CaptureCount(), size), self._first_memory(segments))
 
     def _first_memory(self, segments: list[tuple[int, int]]) -> tuple[int, int] | None:
@@ -329,6 +331,8 @@ class SessionForecast:
         """Log what the session added to SGLang's graph pool (plus ``outside_pool_bytes``: a
         reserved shared buffer) beside the forecast; those bytes (``None``: no forecast)."""
         if self.forecast is None:
+            if self.trace_path and self.done:
+                torch.cuda.memory._record_memory_history(enabled=None)
             return None
         added = sum(n for _, n in self._pool_segments()) - self.held_at_start
         measured = added + outside_pool_bytes
@@ -356,14 +360,21 @@ class SessionForecast:
     def _write_trace(self, free_now: int | None) -> None:
         if not self.trace_path:
             return
+        events = torch.cuda.memory._snapshot()["device_traces"][torch.cuda.current_device()]
+        torch.cuda.memory._record_memory_history(enabled=None)
+        segments = self._pool_segments()
         record = {"mode": self.mode, "sizes": self.sizes, "baseline": self.baseline, "free_at_open": self.free_at_open,
                   "free_at_close": free_now, "held_at_start": self.held_at_start, "rows": self.rows,
                   "forecast": {m: f.total_bytes for m, f in (self.forecast or {}).get("modes", {}).items()},
                   "forecast_parts": {m: f.to_dict() for m, f in (self.forecast or {}).get("modes", {}).items()},
                   "driver": None if self.driver is None else self.driver.to_dict(),
-                  "first_capture_driver": self.first_capture_driver}
+                  "first_capture_driver": self.first_capture_driver, "segments": segments,
+                  # (index among all recorded events, action, address, bytes) of the pool's requests
+                  "events": [(i, e["action"], int(e["addr"]), int(e["size"])) for i, e in enumerate(events)
+                             if e["action"] in (ALLOC, FREE_COMPLETED)
+                             and any(lo <= int(e["addr"]) < lo + n for lo, n in segments)]}
         try:
             with open(self.trace_path, "w", encoding="utf-8") as fh:
-                json.dump(record, fh, indent=1)
+                json.dump(record, fh)
         except OSError as exc:
             log.warning("sglang_bcg: could not write %s=%s: %s", ENV_FORECAST_TRACE, self.trace_path, exc)

@@ -5,7 +5,8 @@
   device usable, earlier keys replay right, the failed key absent, the shared buffer untouched,
   and capturing the failed key again works.
 * Recapture: 20 x (capture every size, replay, cleanup) toggling sharing: reserved, allocated and
-  device-used memory come back to the starting level within one pool block (2 MiB).
+  device-used memory come back to the starting level within one pool block (2 MiB); device-used
+  only when no other pytest-xdist worker shares the device.
 * Threads: one replay thread per partition on its own stream while the main thread flips the
   sharing switch; every replay is right and the switch applies at the next session only.
 
@@ -279,7 +280,9 @@ def test_twenty_recapture_cycles_memory_returns(name: str) -> None:
         series.append(_levels())
     _write_result(f"reliability_recapture_{name}.json", {"pool_block_bytes": POOL_BLOCK, "start": start, "cycles": series})
     print(f"{name}: start {start}, after 20 cycles {series[-1]}")
-    for what in ("reserved", "allocated", "device_used"):
+    # Free device memory is device-wide: beside other pytest-xdist workers it moves with theirs.
+    alone = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) <= 1
+    for what in ("reserved", "allocated", "device_used") if alone else ("reserved", "allocated"):
         drift = [lv[what] - start[what] for lv in series]
         assert max(abs(d) for d in drift) <= POOL_BLOCK, f"{what} drift per cycle (bytes): {drift}"
 
