@@ -44,7 +44,7 @@ from ..forecast.driver import (
 )
 from ..forecast.model import MODES, forecast_modes, reference_estimates
 from ..forecast.probe import allocator_caveat
-from ..forecast.trace import ALLOC, FREE_COMPLETED, KeyTrace, ScaledTrace, output_allocs, pool_trace
+from ..forecast.trace import KeyTrace, ScaledTrace, output_allocs, pool_trace
 from ._names import ENV_FORECAST, ENV_FORECAST_TRACE
 
 log = logging.getLogger("sglang_bcg_plugin")
@@ -369,10 +369,12 @@ class SessionForecast:
                   "forecast_parts": {m: f.to_dict() for m, f in (self.forecast or {}).get("modes", {}).items()},
                   "driver": None if self.driver is None else self.driver.to_dict(),
                   "first_capture_driver": self.first_capture_driver, "segments": segments,
-                  # (index among all recorded events, action, address, bytes) of the pool's requests
-                  "events": [(i, e["action"], int(e["addr"]), int(e["size"])) for i, e in enumerate(events)
-                             if e["action"] in (ALLOC, FREE_COMPLETED)
-                             and any(lo <= int(e["addr"]) < lo + n for lo, n in segments)]}
+                  # (index among all recorded events, action, address, bytes, stream) of every request
+                  # and segment event in the pool's address ranges (an address range may have held
+                  # another pool's segment before: the segment events tell them apart)
+                  "events": [(i, e["action"], int(e["addr"]), int(e["size"]), int(e.get("stream", 0)))
+                             for i, e in enumerate(events)
+                             if any(lo <= int(e["addr"]) < lo + n for lo, n in segments)]}
         try:
             with open(self.trace_path, "w", encoding="utf-8") as fh:
                 json.dump(record, fh)
