@@ -1,10 +1,5 @@
-"""Breakable backend: per key, CUDA-graph segments split at eager break points.
-
-Model code marks break points with :func:`sglang_bcg_plugin.graph_break`; outside a capture the
-decorator is a plain call. On the eager engine (CPU) the same segment recorder runs with eager
-segments: the ops of each segment are recorded and re-run at replay, the breaks run eagerly
-between them, as on CUDA.
-"""
+"""Breakable backend: per key, CUDA-graph segments split at ``@graph_break`` functions (eager
+segments on CPU)."""
 
 from __future__ import annotations
 
