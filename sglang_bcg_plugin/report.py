@@ -118,7 +118,8 @@ class MemoryReport:
             "lost_bytes": self.lost_bytes,
             "forecast_error": self.forecast_error,
             "allocator_error": self.allocator_error,
-            "keys": [{**{f.name: getattr(k, f.name) for f in fields(KeyReport)}, "key": repr(k.key)} for k in self.keys],
+            "keys": [{**{f.name: getattr(k, f.name) for f in fields(KeyReport)}, "key": repr(k.key)}
+                     for k in self.keys],
         }
 
     def format(self) -> str:

@@ -16,8 +16,9 @@ import pluggy
 import torch
 
 from ..accounting import Measure, device_free_bytes
-from ..engines.base import CaptureRequest, Engine
+from ..engines.base import CaptureRequest, Engine, Front
 from ..engines.eager import EagerEngine
+from ..engines.eager_segments import EagerSegmentEngine
 from ..engines.gcsafe import gc_safe_capture
 from ..errors import CaptureStateError, ObserverError, ObserverWarning, warn_user
 from ..forecast.allocator import ALLOC_CONF_VARS, expandable_segments
@@ -145,6 +146,8 @@ class CaptureBackend:
     """Base class of the Full, Breakable and Piecewise backends."""
 
     name: ClassVar[str] = "base"
+    #: the front of a segmented backend's engines (``None``: whole-forward graphs)
+    _front: ClassVar[Callable[[], Front] | None] = None
 
     def __init__(
         self,
@@ -198,10 +201,14 @@ class CaptureBackend:
 
     def _make_eager_engine(self) -> Engine:
         """The engine without CUDA graphs (CPU machines, ``engine="eager"``)."""
-        return EagerEngine()
+        return EagerEngine() if self._front is None else EagerSegmentEngine(self._front())
 
-    def _make_cuda_engine(self) -> Engine:  # pragma: no cover - overridden per backend
-        raise NotImplementedError
+    def _make_cuda_engine(self) -> Engine:
+        if self._front is None:  # pragma: no cover - overridden per backend
+            raise NotImplementedError
+        from ..engines.cuda import SegmentCudaEngine
+
+        return SegmentCudaEngine(self._front())
 
     @contextlib.contextmanager
     def capture_session(self, stream: Any = None) -> Iterator[None]:

@@ -3,9 +3,7 @@ segments on CPU)."""
 
 from __future__ import annotations
 
-from ..engines.base import Engine
 from ..engines.breakable import BreakableFront
-from ..engines.eager_segments import EagerSegmentEngine
 from ..manager import hookimpl
 from ..registry import BackendRegistry
 from .base import CaptureBackend
@@ -15,14 +13,7 @@ class BreakableBackend(CaptureBackend):
     """Breakable CUDA graphs with per-partition output sharing."""
 
     name = "breakable"
-
-    def _make_eager_engine(self) -> Engine:
-        return EagerSegmentEngine(BreakableFront())
-
-    def _make_cuda_engine(self) -> Engine:
-        from ..engines.cuda import SegmentCudaEngine
-
-        return SegmentCudaEngine(BreakableFront())
+    _front = BreakableFront
 
 
 @hookimpl

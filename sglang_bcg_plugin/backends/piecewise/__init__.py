@@ -9,8 +9,6 @@ from typing import Any
 import pluggy
 import torch
 
-from ...engines.base import Engine
-from ...engines.eager_segments import EagerSegmentEngine
 from ...manager import hookimpl
 from ...options import BackendOptions
 from ...output_mode import Resolution
@@ -35,6 +33,7 @@ class PiecewiseBackend(CaptureBackend):
     :raises ValueError: ``inductor_config`` without ``inductor=True``."""
 
     name = "piecewise"
+    _front = PieceFront
 
     def __init__(
         self,
@@ -117,14 +116,6 @@ class PiecewiseBackend(CaptureBackend):
         """:meth:`CaptureBackend.capture_one`, with the key's size known to the compiled callables."""
         with capture_size(getattr(shape_key, "size", None)):
             return super().capture_one(shape_key, forward_fn, capture_inputs, post_warmup_hook)
-
-    def _make_eager_engine(self) -> Engine:
-        return EagerSegmentEngine(PieceFront())
-
-    def _make_cuda_engine(self) -> Engine:
-        from ...engines.cuda import SegmentCudaEngine
-
-        return SegmentCudaEngine(PieceFront())
 
 
 @hookimpl
