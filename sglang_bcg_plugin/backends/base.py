@@ -34,16 +34,6 @@ if TYPE_CHECKING:
     from ..forecast.probe import GraphMemoryForecast
 
 
-def use_cuda(engine: str, backend: str) -> bool:
-    """Whether a backend with option ``engine`` captures real CUDA graphs here."""
-    if engine == "eager":
-        return False
-    if engine == "cuda" and not torch.cuda.is_available():
-        msg = f"{backend} backend: engine='cuda' but CUDA is not available; use 'auto' or 'eager'"
-        raise RuntimeError(msg)
-    return torch.cuda.is_available()
-
-
 @contextlib.contextmanager
 def allocator_segments(choice: str, engine: Engine) -> Iterator[None]:
     """``BackendOptions.pool_segments`` for one session: with ``"expandable"`` on a CUDA engine, the
@@ -131,17 +121,6 @@ def _observe_finished(pm: pluggy.PluginManager, key: Hashable, **kwargs: Any) ->
             caller = pm.subset_hook_caller(FINISHED, remove_plugins=told)
 
 
-def _host_mode(backend: str, output_mode: object) -> Callable[[], Resolution | None]:
-    """The ``output_mode=`` keyword, checked: read at every session, after the options."""
-    if output_mode is not None and not isinstance(output_mode, Resolution):
-        msg = (
-            f"{backend} backend: output_mode= takes a Resolution (a mode with its reason), got "
-            f"{output_mode!r}; give a mode as options=BackendOptions(output_mode=...)"
-        )
-        raise TypeError(msg)
-    return lambda: output_mode
-
-
 class CaptureBackend:
     """Base class of the Full, Breakable and Piecewise backends."""
 
@@ -161,7 +140,13 @@ class CaptureBackend:
         :raises TypeError: ``output_mode`` is not a ``Resolution``."""
         self._options = options or BackendOptions()
         self._pm = plugin_manager or get_plugin_manager()
-        self._host_mode = _host_mode(self.name, output_mode)
+        if output_mode is not None and not isinstance(output_mode, Resolution):
+            msg = (
+                f"{self.name} backend: output_mode= takes a Resolution (a mode with its reason), got "
+                f"{output_mode!r}; give a mode as options=BackendOptions(output_mode=...)"
+            )
+            raise TypeError(msg)
+        self._host_resolution = output_mode
         self._lock = threading.RLock()
         self._state = CaptureState(self.name, "none")
         self._stream: Any = None
@@ -191,7 +176,12 @@ class CaptureBackend:
         return self._get_engine().name
 
     def _use_cuda(self) -> bool:
-        return use_cuda(self._options.engine, self.name)
+        """Whether this backend captures real CUDA graphs here (option ``engine``)."""
+        engine = self._options.engine
+        if engine == "cuda" and not torch.cuda.is_available():
+            msg = f"{self.name} backend: engine='cuda' but CUDA is not available; use 'auto' or 'eager'"
+            raise RuntimeError(msg)
+        return engine != "eager" and torch.cuda.is_available()
 
     def _get_engine(self) -> Engine:
         if self._engine is None:
@@ -244,7 +234,7 @@ class CaptureBackend:
     def _next_output_mode(self) -> Resolution:
         """The output mode the next capture session resolves to, and why."""
         opts = self._options
-        return explain_output_mode(opts.output_mode if opts.output_mode is not None else self._host_mode())
+        return explain_output_mode(opts.output_mode if opts.output_mode is not None else self._host_resolution)
 
     def forecast(
         self,
