@@ -146,8 +146,7 @@ def _take_over(out: Path, lock: Path, stale: int | None) -> None:
 def hold(out: Path | None) -> Iterator[None]:
     """Hold ``out`` for this run (nothing when ``None``).
 
-    :raises UsageError: another live run holds it.
-    """
+    :raises UsageError: another live run holds it."""
     if out is None:
         yield
         return

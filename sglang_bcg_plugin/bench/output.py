@@ -46,11 +46,8 @@ def _mib(v: int | None) -> str:
 
 
 def ratios(rows: list[BenchRow], *, timings_meaningful: bool = True) -> dict[str, dict[str, float | None]]:
-    """Per backend: sharing-on / sharing-off ratios of graph memory, replay and capture time.
-
-    :param timings_meaningful: ``False`` on CPU: the timing ratios are ``None`` (the table's
-        ``n/m``, ``null`` in ``bench.json``).
-    """
+    """Per backend: sharing-on / sharing-off ratios of graph memory, replay and capture time (the
+    timing ratios ``None`` unless ``timings_meaningful``)."""
     out: dict[str, dict[str, float | None]] = {}
     by = {(r.backend, r.variant): r for r in rows}
     for backend in dict.fromkeys(r.backend for r in rows):
@@ -72,10 +69,8 @@ def ratios(rows: list[BenchRow], *, timings_meaningful: bool = True) -> dict[str
 
 
 def format_table(rows: list[BenchRow], *, timings_meaningful: bool = True) -> str:
-    """The rows as a text table, then the on/off ratios per backend.
-
-    :param timings_meaningful: ``False`` on CPU: timing ratios print as ``n/m`` with a footnote.
-    """
+    """The rows as a text table, then the on/off ratios per backend (timing ratios ``n/m`` with a
+    footnote unless ``timings_meaningful``)."""
     head = ["backend", "variant", "sizes", "max_tokens", "resident MiB", "logical MiB", "graph MiB", "forecast MiB", "error %", "bridges MiB", "capture s", "compile s", "replay ms", "max abs err", "fallbacks"]
     body = [
         [
