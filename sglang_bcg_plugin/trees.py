@@ -27,10 +27,6 @@ class Node:
     template: Any = None
 
 
-def _is_namedtuple(obj: object) -> bool:
-    return isinstance(obj, tuple) and hasattr(type(obj), "_fields")
-
-
 #: Deepest output nesting :func:`flatten` walks (a 100-deep output is a bug, not a model).
 MAX_DEPTH = 100
 
@@ -69,7 +65,7 @@ def _flatten(obj: object, path: str, leaves: list[tuple[str, torch.Tensor]], dep
         leaves.append((path, obj))
         return Node("tensor", type(obj))
     depth += 1
-    if _is_namedtuple(obj) or isinstance(obj, (tuple, list)):
+    if isinstance(obj, (tuple, list)):  # named tuples too
         seq = list(obj)  # type: ignore[call-overload]
         kids = tuple(_flatten(v, f"{path}[{i}]", leaves, depth) for i, v in enumerate(seq))
         _refuse_attributes(obj, path, "one of its items", lambda name, value: False)
