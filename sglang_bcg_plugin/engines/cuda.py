@@ -85,13 +85,8 @@ class CudaGraphEngine:
     def bridge_bytes(self) -> dict[int | None, int]:
         return {}
 
-    def _capture_stream(self, request: CaptureRequest) -> torch.cuda.Stream:
-        if request.stream is not None:
-            return request.stream  # type: ignore[no-any-return]
-        return self._partition_stream(request.partition)
-
     def capture(self, request: CaptureRequest) -> FullGraph | SegmentedGraph:
-        stream = self._capture_stream(request)
+        stream = request.stream if request.stream is not None else self._partition_stream(request.partition)
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             warm = run_warmups(request)  # kept alive until the capture ended (foreign storages)

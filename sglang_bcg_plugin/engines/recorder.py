@@ -139,22 +139,18 @@ class Recorder:
         self.steps: list[Action] = []
         self.held: list[Any] = []
         self.segment = 0  # the open segment's index
-        self._in_break = False
-
-    @property
-    def in_break(self) -> bool:
-        """Whether eager break work is running (nested breaks and pieces run as plain calls)."""
-        return self._in_break
+        #: eager break work is running (nested breaks and pieces run as plain calls)
+        self.in_break = False
 
     @contextlib.contextmanager
     def eager_break(self) -> Iterator[None]:
         """Close the open segment, run the body eagerly, then open the next segment."""
         self.segments.end()
-        self._in_break = True
+        self.in_break = True
         try:
             yield
         finally:
-            self._in_break = False
+            self.in_break = False
         self.segments.begin()
         self.segment += 1
 
