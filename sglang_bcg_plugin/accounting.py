@@ -38,12 +38,7 @@ class Measure:
 
 
 def device_free_bytes(*, collect: bool = True) -> int:
-    """Free device memory once cached blocks went back to the device (``empty_cache``).
-
-    ``collect``: a full ``gc.collect()`` first, so garbage holding device memory is gone;
-    ``False`` where a collection just ran and the GC is disabled
-    (inside :func:`~.engines.gcsafe.gc_safe_capture`): nothing can have become garbage since.
-    """
+    """Free device memory after ``empty_cache`` (and, with ``collect``, a ``gc.collect()`` first)."""
     if collect:
         gc.collect()
     torch.cuda.synchronize()

@@ -1,21 +1,5 @@
-"""``graph_break``: mark a function as an eager break point of a breakable graph.
-
-Outside a breakable capture the decorated function is a plain call (warmups, eager engine,
-Full graphs, normal eager execution). Traced by ``torch.compile`` (the Piecewise backend's
-``backend.compile(model)``), it is a plain call too: dynamo traces through it without looking for
-a recorder, so the pieces split only at the registered splitting ops (``docs/piecewise.md``).
-Inside a breakable capture, the current CUDA-graph segment ends, the
-function runs eagerly, a new segment begins, and at replay the function runs again between
-the two segments' replays.
-
-What crosses a break costs no copy and no bridge memory (``docs/breakable.md``): arguments pass
-as they are. Activations named in ``reads``/``writes`` are kept by the replay step through
-non-owning aliases on CUDA, so the pool reuses their memory once the model drops them (the
-alias only ever points at memory this key's own segment wrote just before the step reads it);
-every other tensor argument (weights, caches, static inputs) is held strongly for the graph's
-life (a weak reference lets a later capture re-carve it: SGLang #37606). A tensor the function
-returns gets graph-pool memory of the next segment, refreshed by the step at every replay.
-"""
+"""``graph_break``: mark a function as an eager break point of a breakable graph
+(docs/breakable.md)."""
 
 from __future__ import annotations
 
@@ -60,16 +44,16 @@ def _names(field: str, value: str | Iterable[str]) -> frozenset[str]:
 def graph_break(
     fn: F | None = None, *, reads: str | Iterable[str] = (), writes: str | Iterable[str] = ()
 ) -> F | Callable[[F], F]:
-    """Decorate ``fn`` as an eager break point.
+    """Decorate ``fn`` as an eager break point: inside a breakable capture the open segment ends, the
+    function runs eagerly, and at replay it runs again between the two segments; anywhere else
+    (under ``torch.compile`` too) it is a plain call.
 
     :param reads: parameter names of activation tensors the function reads (kept by non-owning
         alias): one name (``reads="out"``) or several (``reads=("q", "k")``).
-    :param writes: parameter names of activation tensors the function writes in place (kept by
-        non-owning alias), spelled like ``reads``. Tensor arguments named in neither are held as
-        they are, strongly, per key: right for weights, caches and static inputs.
+    :param writes: parameter names of activation tensors it writes in place, spelled like
+        ``reads``. Tensor arguments named in neither are held strongly, per key.
     :raises TypeError: ``reads``/``writes`` is not a str or an iterable of str.
-    :raises ValueError: a name in ``reads``/``writes`` is not a parameter of ``fn``.
-    """
+    :raises ValueError: a name in ``reads``/``writes`` is not a parameter of ``fn``."""
     read_set, write_set = _names("reads", reads), _names("writes", writes)
 
     def decorate(func: F) -> F:
@@ -84,11 +68,7 @@ def graph_break(
 
         @functools.wraps(func)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
-            # Only a breakable capture breaks here (engines/breakable.py); anywhere else,
-            # a piecewise capture included, this is a plain call. Under torch.compile (dynamo
-            # tracing, constant True there) it is traced through: the recorder lookup (a
-            # ContextVar read, which dynamo cannot trace) stays out of the traced region.
-            if torch.compiler.is_compiling():
+            if torch.compiler.is_compiling():  # dynamo cannot trace the recorder lookup
                 return func(*args, **kwargs)
             on_break = getattr(active_recorder(), "on_break", None)
             if on_break is None:

@@ -1,4 +1,4 @@
-"""Exceptions raised by the plugin."""
+"""Exceptions and warnings raised by the plugin, and warnings attributed to the caller's line."""
 
 from __future__ import annotations
 
@@ -11,10 +11,8 @@ import pluggy
 
 
 class OutputStructureError(ValueError):
-    """A captured output does not fit its partition's shared buffer (strict mode).
-
-    Carries the facts a warning would print: the shape key, the leaf path and the reason.
-    """
+    """A captured output does not fit its partition's shared buffer (strict mode); carries
+    ``shape_key``, ``path`` and ``reason``."""
 
     def __init__(self, shape_key: object, path: str, reason: str) -> None:
         self.shape_key = shape_key
@@ -37,23 +35,16 @@ class CaptureStateError(RuntimeError):
 
 
 class PluginLoadWarning(UserWarning):
-    """An installed ``sglang_bcg`` plugin failed to load; the other backends still work.
-
-    The message names the entry point, its distribution and the error; the same facts are in
-    :func:`sglang_bcg_plugin.broken_plugins`.
-    """
+    """An installed ``sglang_bcg`` plugin failed to load (see :func:`sglang_bcg_plugin.broken_plugins`)."""
 
 
 class ObserverWarning(UserWarning):
-    """An observer hook (``sglang_bcg_capture_finished``) raised after a capture ended: the error is
-    isolated, the capture stands (or its own error propagates) and every other observer was told.
-    The message names the plugin, the hook, the key and the error."""
+    """A ``sglang_bcg_capture_finished`` observer raised; the error is isolated."""
 
 
 class ObserverError(RuntimeError):
-    """An observer raised in ``sglang_bcg_capture_started``: the capture was aborted before it began
-    (nothing of the key is kept). Carries ``plugin``, ``hook`` and ``shape_key``; the observer's
-    exception is ``__cause__``."""
+    """A ``sglang_bcg_capture_started`` observer raised; the capture was aborted before it began.
+    Carries ``plugin``, ``hook`` and ``shape_key``; the observer's exception is ``__cause__``."""
 
     def __init__(self, message: str, *, plugin: str, hook: str, shape_key: object) -> None:
         super().__init__(message)
@@ -62,8 +53,7 @@ class ObserverError(RuntimeError):
         self.shape_key = shape_key
 
 
-#: Frames a warning skips to reach the caller's line: this package, pluggy (hook calls) and
-#: ``contextlib`` (``with backend.capture_session():``).
+#: Frames a warning skips to reach the caller's line.
 _INTERNAL = (
     os.path.dirname(os.path.abspath(__file__)) + os.sep,
     os.path.dirname(os.path.abspath(pluggy.__file__)) + os.sep,
@@ -72,8 +62,8 @@ _INTERNAL = (
 
 
 def user_stacklevel() -> int:
-    """The ``stacklevel`` that makes a ``warnings.warn`` called by this function's caller point at
-    the first frame outside this package, pluggy and ``contextlib`` (the user's call)."""
+    """The ``stacklevel`` at which the caller's ``warnings.warn`` points at the first frame outside
+    this package, pluggy and ``contextlib``."""
     frame = sys._getframe(1)
     level = 1
     while frame.f_back is not None and os.path.abspath(frame.f_code.co_filename).startswith(_INTERNAL):
@@ -88,11 +78,9 @@ def warn_user(message: str, category: type[Warning]) -> None:
 
 
 class ForecastError(RuntimeError):
-    """A graph-memory forecast cannot be made (the forward's memory does not scale as one
-    pattern, or the engine has no graph pool to forecast)."""
+    """A graph-memory forecast cannot be made."""
 
 
-#: What a host read is, for the message (torch ops the tape refuses, by kind).
 _TRANSFORMERS_HINT = (
     "; transformers does this when it checks an attention mask's values (its 'sdpa' and 'eager' "
     "attention with an attention_mask): pass attention_mask=None (causal attention needs no mask), "
@@ -102,14 +90,9 @@ _TRANSFORMERS_HINT = (
 
 
 class HostReadError(RuntimeError):
-    """A capture read a tensor's value on the host while a graph segment was open.
-
-    A CUDA graph records device work only: the Python that used the value ran once, at capture,
-    so every replay would reuse the value read then. On CUDA the capture fails (a host sync
-    inside a stream capture); the eager engines refuse it the same way. Carries ``shape_key``,
-    ``segment`` (``None`` for a Full graph), ``op`` (what read it) and ``where`` (the first
-    frame outside torch and this package, or ``None``).
-    """
+    """A capture read a tensor's value on the host while a graph segment was open
+    (docs/refusals.md). Carries ``shape_key``, ``segment`` (``None`` for a Full graph), ``op`` and
+    ``where`` (the first frame outside torch and this package, or ``None``)."""
 
     def __init__(self, shape_key: object, segment: int | None, op: str, where: str | None = None) -> None:
         self.shape_key = shape_key
@@ -130,7 +113,6 @@ class HostReadError(RuntimeError):
         super().__init__(msg)
 
 
-#: Frames :func:`user_frame` skips: this package, torch, pluggy and ``contextlib``.
 def _skipped() -> tuple[str, ...]:
     import torch
 
@@ -138,8 +120,8 @@ def _skipped() -> tuple[str, ...]:
 
 
 def user_frame(frames: list[tuple[str, int, str]]) -> str | None:
-    """``file:line in function`` of the innermost of ``frames`` (``(file, line, function)``,
-    outermost first) outside torch, this package, pluggy and ``contextlib``, else ``None``."""
+    """``file:line in function`` of the innermost of ``frames`` (outermost first) outside torch, this
+    package, pluggy and ``contextlib``, else ``None``."""
     skipped = _skipped()
     for filename, lineno, function in reversed(frames):
         if not os.path.abspath(filename).startswith(skipped):

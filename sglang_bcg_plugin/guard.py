@@ -1,22 +1,5 @@
-"""Stale-output guard: poison what an earlier replay handed out once another graph overwrote it.
-
-One process-wide guard (:data:`GUARD`), two scopes, both keyed by where the memory lives:
-
-* a *partition* of one backend (``stream_idx``): with output sharing, key B's replay overwrites
-  the shared buffer key A's earlier views point to;
-* a *graph pool* (output mode ``released``): a released output lives in free pool memory, which
-  the replay of *any other* graph of that pool may overwrite (SGLang's pool is process-global,
-  shared by every runner). Our own engines have one pool per partition, so both scopes coincide.
-
-With the guard on, every replay hands out tensors backed by *fresh* storage objects that alias
-the graph's output memory, and the ones handed out by the previous replay of another graph of
-the scope are poisoned: touching their data raises ``RuntimeError`` naming both keys (the
-approach of torch's CUDA Graph Trees).
-
-Needs ``torch._C._set_storage_access_error_msg`` and
-``torch._C._construct_storage_from_data_pointer`` (CUDA builds of torch). Where they are
-missing the guard warns once, when the backend opens a capture session, and does nothing.
-"""
+"""Stale-output guard: poison what an earlier replay handed out once another graph of its scope
+(a backend's partition, or a graph pool in mode ``released``) replayed (docs/reliability.md)."""
 
 from __future__ import annotations
 
@@ -70,13 +53,12 @@ class StaleOutputGuard:
         self._lock = threading.Lock()
 
     def hand_out(self, owner: object, key: Hashable, output: Any, *, released: bool, pool: Hashable | None = None) -> Any:
-        """``owner`` replayed ``key``'s graph: poison what the previous replay of another graph
-        of its scope handed out; return ``output`` as fresh aliases, remembered.
+        """``owner`` replayed ``key``'s graph: poison what the previous replay of another graph of its
+        scope handed out; return ``output`` as fresh aliases, remembered.
 
-        :param released: ``output`` lives in free pool memory (mode ``released``): any other
-            graph of ``pool`` invalidates it; otherwise another key of the partition does.
-        :param pool: the graph pool (``None``: the owner's partition is its own pool).
-        """
+        :param released: ``output`` lives in free pool memory: any other graph of ``pool`` invalidates
+            it; otherwise another key of the partition does.
+        :param pool: the graph pool (``None``: the owner's partition is its own pool)."""
         partition = (id(owner), getattr(key, "stream_idx", None))
         in_pool = partition if pool is None else ("pool", pool)
         with self._lock:

@@ -58,8 +58,7 @@ class _Manager(pluggy.PluginManager):
         self._distributions: list[tuple[object, importlib.metadata.Distribution]] = []
 
     def list_plugin_distributions(self) -> list[tuple[object, importlib.metadata.Distribution]]:
-        """``(plugin, distribution)`` of every entry-point plugin (:func:`_load_entry_points`
-        loads them, not pluggy's loader, so pluggy's own record is empty)."""
+        """``(plugin, distribution)`` of every entry-point plugin loaded."""
         return list(self._distributions)
 
     def list_plugin_distinfo(self) -> list[tuple[object, Any]]:  # type: ignore[override]
@@ -68,9 +67,8 @@ class _Manager(pluggy.PluginManager):
 
 
 def running_hookimpl(impls: Sequence[Any], frames: Iterable[FrameType]) -> int | None:
-    """The index in ``impls`` (a hook's ``get_hookimpls()``) of the hookimpl that runs in the
-    first of ``frames`` (innermost first) that runs one of their functions; two plugins of one
-    class are told apart by the frame's first argument, the instance."""
+    """The index in ``impls`` of the hookimpl running in the first of ``frames`` (innermost first)
+    that runs one; plugins of one class are told apart by the frame's ``self``."""
     for frame in frames:
         code = frame.f_code
         matches = [i for i, impl in enumerate(impls) if getattr(impl.function, "__code__", None) is code]
@@ -88,8 +86,7 @@ def _one_line(exc: BaseException) -> str:
 
 
 def _check_known_hooks(pm: pluggy.PluginManager, name: str) -> None:
-    """Raise for a hookimpl of plugin ``name`` that no hookspec declares (a typo'd hook name
-    would otherwise never be called, and ``check_pending`` would fail the whole manager)."""
+    """:raises pluggy.PluginValidationError: plugin ``name`` implements a hook no hookspec declares."""
     plugin = pm.get_plugin(name)
     for caller in pm.get_hookcallers(plugin) or ():
         if caller.has_spec() or all(impl.optionalhook for impl in caller.get_hookimpls() if impl.plugin is plugin):
@@ -102,9 +99,8 @@ def _check_known_hooks(pm: pluggy.PluginManager, name: str) -> None:
 
 
 def _load_entry_points(pm: _Manager) -> None:
-    """Load each entry point of group ``sglang_bcg`` on its own, in one pass over the installed
-    distributions; one that raises, or implements a hook no hookspec declares, is unregistered,
-    recorded and warned about instead of failing the whole manager."""
+    """Load each entry point of group ``sglang_bcg`` in one pass over the distributions; one that
+    fails (or implements an unknown hook) is unregistered, recorded and warned about."""
     failed: set[str] = set()
     for dist in importlib.metadata.distributions():
         for ep in dist.entry_points:

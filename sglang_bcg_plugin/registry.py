@@ -25,11 +25,8 @@ def _describe(factory: object) -> str:
 
 
 class BackendRegistry:
-    """Backend name -> factory, with the plugin that registered each name.
-
-    :param impls: the ``sglang_bcg_register_backends`` hookimpls about to fill it: an ``add``
-        called from one of them is the plugin's (named in errors), any other is ``"<direct>"``.
-    """
+    """Backend name -> factory, with the plugin that registered each name (``impls``: the hookimpls
+    about to fill it; an ``add`` from none of them is ``"<direct>"``)."""
 
     def __init__(self, impls: Sequence[Any] = ()) -> None:
         self._factories: dict[str, tuple[BackendFactory, str]] = {}
@@ -47,9 +44,7 @@ class BackendRegistry:
     def add(self, name: str, factory: BackendFactory) -> None:
         """Register ``factory`` under ``name``.
 
-        :raises BackendRegistrationError: bad name, non-callable factory, or the name is
-            already claimed by another plugin (both are named).
-        """
+        :raises BackendRegistrationError: bad name, non-callable factory, or the name is claimed."""
         plugin = self._caller()
         if not isinstance(name, str) or not name.isidentifier():
             msg = f"plugin {plugin!r} registers backend name {name!r}: expected an identifier str"
@@ -104,10 +99,8 @@ def create_backend(
 ) -> CaptureBackend:
     """Create the backend registered as ``name``.
 
-    :param options: a :class:`~sglang_bcg_plugin.BackendOptions` (``None``: the defaults).
-    :raises BackendRegistrationError: unknown name (the message lists the available names).
-    :raises TypeError: ``options`` is not a ``BackendOptions`` (a dict, say).
-    """
+    :raises BackendRegistrationError: unknown name.
+    :raises TypeError: ``options`` is not a ``BackendOptions``."""
     if options is not None and not isinstance(options, BackendOptions):
         msg = (
             f"create_backend({name!r}): options must be a BackendOptions or None, got "

@@ -1,23 +1,5 @@
-"""Released outputs: zero-copy outputs that live in graph-pool memory (output mode ``released``).
-
-After a capture, the graph's output tensors are replaced by *non-owning aliases* (fresh
-storage objects over the same device memory, built with
-``torch._C._construct_storage_from_data_pointer``; SGLang's ``sgl_kernel.weak_ref_tensor`` is
-the same idea) and every strong reference is dropped. The caching allocator then sees the
-output's blocks as free memory of the graph pool, and later captures into that pool reuse them
-for their own intermediates. So nothing is resident for outputs (graph memory = the floor),
-at a price: a replayed output is valid only until the **next replay of any graph of the same
-pool**, which may write its intermediates there. This is vLLM's ``weak_ref_output`` and the
-semantics of torch's CUDA Graph Trees.
-
-Only device memory is aliased (``ALIAS_DEVICE_TYPES``): a CPU leaf of an output is not graph
-memory and is kept as it is. Engines that do not own their output memory through a graph pool
-(the eager engine) keep strong references instead; ``released`` then behaves like ``off``.
-
-The stale-output guard (:mod:`~sglang_bcg_plugin.guard`) covers this mode per graph pool: every
-replay of a graph of a pool poisons the released output handed out by the previous replay of
-*another* graph of that pool.
-"""
+"""Released outputs (output mode ``released``): non-owning aliases of graph-pool memory, valid
+until the next replay of any graph of the pool (docs/index.md, "The switch")."""
 
 from __future__ import annotations
 
@@ -27,8 +9,7 @@ import torch
 
 from .trees import flatten, unflatten
 
-#: Device types whose output memory is graph-pool memory (tests add ``"cpu"`` with a stand-in
-#: graph that keeps its own storage alive).
+#: Device types whose output memory is graph-pool memory (CPU leaves are kept as they are).
 ALIAS_DEVICE_TYPES = frozenset({"cuda"})
 
 
@@ -56,12 +37,10 @@ def maybe_alias(t: Any) -> Any:
 
 
 def release_output(output: Any) -> Any:
-    """``output`` with every device tensor leaf replaced by a non-owning alias.
+    """``output`` with every device tensor leaf replaced by a non-owning alias; the caller must drop
+    its own references to ``output`` for the memory to go back to the pool.
 
-    The caller must drop its own references to ``output`` for the memory to go back to the pool.
-
-    :raises RuntimeError: this torch build cannot build aliases.
-    """
+    :raises RuntimeError: this torch build cannot build aliases."""
     if not released_supported():
         msg = (
             "output mode 'released' needs torch._C._construct_storage_from_data_pointer, which "

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Hashable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from types import MappingProxyType
 from typing import Any
 
@@ -14,16 +14,11 @@ from .trees import flatten, storage_key
 class KeyReport:
     """Accounting for one captured shape key.
 
-    :param logical_output_bytes: bytes of the key's output as its forward produced it.
-    :param resident_output_bytes: output storage this key holds that no earlier key holds
-        (the partition owner carries the shared buffer; sharing keys carry 0).
-    :param shared: the key hands out views of its partition's shared buffer.
+    :param resident_output_bytes: output storage this key holds that no earlier key holds.
     :param fallback: why the key keeps its own output although sharing was on, else ``None``.
     :param capture_seconds: wall time of warmups plus capture.
-    :param graph_memory_bytes: growth of reserved device memory during the capture (CUDA
-        engines; ``None`` on the eager engine).
-    :param num_segments: CUDA-graph segments of the key (breakable: breaks + 1).
-    """
+    :param graph_memory_bytes: growth of reserved device memory during the capture (``None`` on
+        the eager engine)."""
 
     key: Hashable
     logical_output_bytes: int
@@ -48,33 +43,26 @@ class MemoryReport:
     capture_seconds: Mapping[Hashable, float] = field(
         default_factory=lambda: MappingProxyType({})
     )
-    #: Bytes of bridge storage (copies of tensors crossing breaks / splitting ops) per partition
-    #: (``stream_idx``); empty for our backends, whose values cross as they are. A third-party
-    #: front (``engines.base.Front``) reports its own here.
+    #: Bytes of bridge storage per partition (empty for our backends: values cross as they are).
     bridge_bytes: Mapping[int | None, int] = field(default_factory=lambda: MappingProxyType({}))
     #: The forecast made before the capture (``CaptureBackend.forecast``), else ``None``.
     forecast: Any = None
-    #: What the latest capture session ran with and why (``backends.plan.SessionPlan``: the mode,
-    #: the buffer source, the guard, what a forecast steered), else ``None``.
+    #: The latest session's ``backends.plan.SessionPlan``, else ``None``.
     plan: Any = None
-    #: Device memory the capture session took (free memory before minus after, each after
-    #: ``empty_cache``); measured only for a session a forecast preceded, else ``None``.
+    #: Device memory the session took, measured only after a forecast, else ``None``.
     measured_graph_bytes: int | None = None
 
     @property
     def lost_bytes(self) -> int | None:
-        """Free device memory the process lost from just before the forecast's probes to the
-        session's end: :attr:`measured_graph_bytes` plus what the forecast left lost (the
-        driver's share its probes' graphs paid, the workspace their capture stream left). What a fresh process's forecast total is
-        compared with (SGLang's "mem usage" is this kind of figure); ``None`` without both."""
+        """:attr:`measured_graph_bytes` plus what the forecast's probes left lost (docs/forecast.md);
+        ``None`` without both."""
         if self.forecast is None or self.measured_graph_bytes is None:
             return None
         return self.measured_graph_bytes + int(getattr(self.forecast, "lasting_bytes", 0) or 0)
 
     @property
     def forecast_error(self) -> float | None:
-        """(forecast − lost) / lost for the session's mode: the forecast total, the CUDA driver's
-        share included, against :attr:`lost_bytes`; ``None`` without both."""
+        """(forecast − lost) / lost for the session's mode; ``None`` without both."""
         lost = self.lost_bytes
         if self.forecast is None or not lost:
             return None
@@ -82,9 +70,7 @@ class MemoryReport:
 
     @property
     def allocator_error(self) -> float | None:
-        """(forecast without the driver's share − measured) / measured: the allocator's part
-        against the session's own drop, the comparison that holds in a process whose driver
-        already held resources for as many graphs (one that captured the schedule before)."""
+        """(forecast without the driver's share − measured) / measured; ``None`` without both."""
         if self.forecast is None or not self.measured_graph_bytes:
             return None
         return (self.forecast.bytes_for(driver=False) - self.measured_graph_bytes) / self.measured_graph_bytes
@@ -132,19 +118,8 @@ class MemoryReport:
             "lost_bytes": self.lost_bytes,
             "forecast_error": self.forecast_error,
             "allocator_error": self.allocator_error,
-            "keys": [
-                {
-                    "key": repr(k.key),
-                    "logical_output_bytes": k.logical_output_bytes,
-                    "resident_output_bytes": k.resident_output_bytes,
-                    "shared": k.shared,
-                    "fallback": k.fallback,
-                    "capture_seconds": k.capture_seconds,
-                    "graph_memory_bytes": k.graph_memory_bytes,
-                    "num_segments": k.num_segments,
-                }
-                for k in self.keys
-            ],
+            "keys": [{**{f.name: getattr(k, f.name) for f in fields(KeyReport)}, "key": repr(k.key)}
+                     for k in self.keys],
         }
 
     def format(self) -> str:
@@ -183,11 +158,7 @@ class MemoryReport:
 
 
 def claim_resident_bytes(output: object, seen: set[tuple[str, int]]) -> int:
-    """Bytes of the storages behind ``output``'s tensor leaves not already in ``seen``.
-
-    Called key after key with one ``seen`` set, it charges each storage to the first key that
-    holds it: the partition owner carries the shared buffer, keys handing out views carry 0.
-    """
+    """Bytes of the storages behind ``output``'s tensor leaves not already in ``seen`` (added to it)."""
     total = 0
     for _, t in flatten(output)[1]:
         sk = storage_key(t)

@@ -1,12 +1,5 @@
-"""A bounded search for tensors inside any object, and short reprs for messages.
-
-Two users: :func:`~sglang_bcg_plugin.trees.flatten` refuses a plain output value that holds a
-tensor (an object with tensors in attributes, ``__slots__`` or a list attribute, a set of
-tensors: replay could not refresh them), and ``capture_inputs`` (any object: SGLang passes its
-forward batch) are scanned for the storages of static inputs. The walk looks into lists, tuples,
-sets, frozensets, dict values, instance ``__dict__`` and ``__slots__`` (of container subclasses too); it is iterative,
-cycle-safe and stops after :data:`SCAN_LIMIT` objects (a scan never raises).
-"""
+"""A bounded search for tensors inside any object (lists, tuples, sets, dict values, ``__dict__``
+and ``__slots__``; iterative, cycle-safe, never raises), and short reprs for messages."""
 
 from __future__ import annotations
 
@@ -31,14 +24,12 @@ def cut(text: str, limit: int = 200) -> str:
 
 
 def short_repr(value: object, limit: int = 200) -> str:
-    """``repr(value)`` cut to ``limit`` characters (containers are cut lazily by ``reprlib``;
-    a ``__repr__`` that raises gives ``<Type instance at 0x...>``)."""
+    """``repr(value)`` cut to ``limit`` characters; never raises."""
     return cut(_repr.repr(value), limit)
 
 
 def attributes(obj: object) -> list[tuple[str, object]]:
-    """``obj``'s instance attributes, ``(name, value)``: its ``__dict__`` and set ``__slots__``
-    (at most :data:`SCAN_LIMIT` of its ``__dict__``)."""
+    """``obj``'s instance attributes ``(name, value)``: ``__dict__`` (bounded) and set ``__slots__``."""
     found = list(itertools.islice(getattr(obj, "__dict__", {}).items(), SCAN_LIMIT))
     for cls in type(obj).__mro__:
         slots = cls.__dict__.get("__slots__", ())
@@ -68,8 +59,8 @@ def _members(obj: object) -> list[tuple[str, object]]:
 
 
 def walk_tensors(obj: object, path: str = "") -> Iterator[tuple[str, torch.Tensor]]:
-    """Every tensor reachable from ``obj`` with its path (``path`` + ``.attr`` / ``[i]`` /
-    ``{...}`` for a set member), depth first, each object visited once, bounded."""
+    """Every tensor reachable from ``obj`` with its path, depth first, each object visited once,
+    at most :data:`SCAN_LIMIT` objects."""
     seen: set[int] = set()
     stack: list[tuple[str, object]] = [(path, obj)]
     while stack and len(seen) < SCAN_LIMIT:

@@ -10,54 +10,45 @@ from dataclasses import dataclass
 class ShapeKey:
     """Identity of one captured graph.
 
-    :param size: number of tokens (prefill) or requests (decode) the graph was captured for;
-        an ``int`` >= 1.
-    :param stream_idx: PDMux stream the graph replays on, or ``None`` for the default stream.
-        Graphs of different streams may replay concurrently, so they never share output memory.
-    :param variant_label: free-form label (attention variant, spec-decode mode, ...) that makes
-        otherwise equal keys distinct graphs; ``None`` or a non-empty ``str``.
-    """
+    :param size: tokens (prefill) or requests (decode) the graph was captured for; an int >= 1.
+    :param stream_idx: PDMux stream the graph replays on (``None``: the default stream); graphs of
+        different streams never share output memory.
+    :param variant_label: free-form label that makes otherwise equal keys distinct graphs;
+        ``None`` or a non-empty ``str``.
+    :raises TypeError, ValueError: a field out of its type or range."""
 
     size: int
     stream_idx: int | None = None
     variant_label: str | None = None
 
     def __post_init__(self) -> None:
-        if isinstance(self.size, bool) or not isinstance(self.size, int):
-            msg = f"ShapeKey.size must be an int >= 1, got {self.size!r} ({type(self.size).__name__})"
-            raise TypeError(msg)
-        if self.size < 1:
-            msg = f"ShapeKey.size must be an int >= 1, got {self.size!r}"
-            raise ValueError(msg)
-        if self.stream_idx is not None:
-            if isinstance(self.stream_idx, bool) or not isinstance(self.stream_idx, int):
-                msg = (
-                    "ShapeKey.stream_idx must be None or an int >= 0, "
-                    f"got {self.stream_idx!r} ({type(self.stream_idx).__name__})"
-                )
-                raise TypeError(msg)
-            if self.stream_idx < 0:
-                msg = f"ShapeKey.stream_idx must be None or an int >= 0, got {self.stream_idx!r}"
-                raise ValueError(msg)
-        if self.variant_label is not None:
-            if not isinstance(self.variant_label, str):
-                msg = (
-                    "ShapeKey.variant_label must be None or a non-empty str, "
-                    f"got {self.variant_label!r} ({type(self.variant_label).__name__})"
-                )
-                raise TypeError(msg)
-            if not self.variant_label:
-                msg = "ShapeKey.variant_label must be None or a non-empty str, got ''"
-                raise ValueError(msg)
+        size, stream, label = self.size, self.stream_idx, self.variant_label
+        _check("size", size, "an int >= 1", _is_int(size), _is_int(size) and size >= 1)
+        _check("stream_idx", stream, "None or an int >= 0", stream is None or _is_int(stream),
+               stream is None or (_is_int(stream) and stream >= 0))
+        _check("variant_label", label, "None or a non-empty str", label is None or isinstance(label, str),
+               label is None or (isinstance(label, str) and label != ""))
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check(name: str, value: object, want: str, typed: bool, valid: bool) -> None:
+    if not typed:
+        msg = f"ShapeKey.{name} must be {want}, got {value!r} ({type(value).__name__})"
+        raise TypeError(msg)
+    if not valid:
+        msg = f"ShapeKey.{name} must be {want}, got {value!r}"
+        raise ValueError(msg)
 
 
 def check_key(key: object) -> Hashable:
-    """Validate a key from any source (ours or SGLang's) and return it.
+    """Validate a key from any source (ours or SGLang's): any hashable object with ``size`` (int >= 1)
+    and ``stream_idx``; returns it.
 
-    A key is any hashable object with ``size`` (int >= 1) and ``stream_idx`` (None or int)
-    attributes; keys are kept distinct by their own equality, so SGLang's four-field
-    ``ShapeKey`` works unchanged.
-    """
+    :raises TypeError: no ``size``/``stream_idx``, or not hashable.
+    :raises ValueError: ``size`` is not an int >= 1."""
     size = getattr(key, "size", None)
     if not hasattr(key, "stream_idx") or size is None:
         msg = (

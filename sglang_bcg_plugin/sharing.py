@@ -1,30 +1,6 @@
-"""The output policy: one buffer per leaf path per stream partition, released outputs, hand-out.
-
-Rules (docs/index.md, "Output sharing"):
-
-* partition = ``shape_key.stream_idx``; keys of one partition may share, different partitions
-  never do (their graphs may replay concurrently);
-* a buffer is *storage, not rows* (:mod:`~sglang_bcg_plugin.storage`): one flat tensor per leaf
-  path sized for the largest capture, and every key's leaf is a contiguous view with the leaf's
-  own shape (the capture size may live on any dim; spec decode's ``4 * size`` rows come from the
-  leaf, never from the key's size);
-* where the buffer comes from: ``"adopt"`` — the first capture of a partition keeps its own output
-  storage as the buffer (no extra allocation, no copy for that key); ``"reserve"`` — the buffer is
-  allocated *before* the first capture from the last warmup's output (:meth:`OutputPolicy.reserve`),
-  outside the graph, and every key copies into it inside its graph. Which wins depends on the
-  engine's allocator layout (docs/index.md);
-* a key that does not fit (structure, type, dtype, device, changed non-tensor value, or more
-  elements than the buffer holds) keeps its own output — one warning naming key, leaf path and
-  reason — or, in strict mode, raises :class:`OutputStructureError`;
-* a leaf that requires grad while autograd is on raises ``ValueError`` (a shared buffer holds
-  values, not autograd history: capture under ``torch.no_grad()``).
-
-One :class:`OutputPolicy` per backend drives a key through ``reserve`` (the last warmup's
-output, outside the capture) → ``place`` (inside the capture: its copies are recorded into the
-graph) → ``commit`` (after a successful capture: the partition is only created then, so a failed
-capture leaves the policy as it was; in mode ``released`` the output becomes a non-owning alias)
-→ ``hand_out`` at every replay (through the stale-output guard, :mod:`~sglang_bcg_plugin.guard`).
-"""
+"""The output policy: one buffer per leaf path per stream partition, released outputs, hand-out
+(docs/index.md, "Output sharing"). A key goes ``reserve`` (last warmup) → ``place`` (inside the
+capture) → ``commit`` (after it succeeded) → ``hand_out`` (every replay)."""
 
 from __future__ import annotations
 
@@ -58,7 +34,6 @@ class _Partition:
     """Shared buffers of one stream partition: one flat tensor per leaf path."""
 
     spec: Node
-    paths: tuple[str, ...]
     buffers: tuple[torch.Tensor, ...]
 
 
@@ -99,7 +74,7 @@ def _leaf_misfit(leaf: torch.Tensor, buf: torch.Tensor) -> str | None:
 
 
 def _check_no_grad(key: Hashable, leaves: list[tuple[str, torch.Tensor]]) -> None:
-    """A shared buffer cannot carry autograd history: refuse a leaf that requires grad."""
+    """:raises ValueError: a leaf requires grad while autograd is on."""
     if not torch.is_grad_enabled():
         return
     for path, leaf in leaves:
@@ -114,7 +89,7 @@ def _check_no_grad(key: Hashable, leaves: list[tuple[str, torch.Tensor]]) -> Non
 
 
 class OutputPolicy:
-    """One backend's output policy (see the module doc); a session starts with :meth:`open`."""
+    """One backend's output policy; a session starts with :meth:`open`."""
 
     def __init__(self) -> None:
         self.enabled = self.strict = self.release = self.keep_first = False
@@ -139,19 +114,10 @@ class OutputPolicy:
         self, key: Hashable, output: object, capacity_rows: int | None = None,
         foreign: frozenset[tuple[str, int]] = frozenset(),
     ) -> None:
-        """The last warmup's output (outside any capture): note ``foreign``, and with the
-        ``"reserve"`` source allocate ``key``'s partition's buffers from ``output``.
-
-        :param foreign: storages the forward returned but did not allocate (they outlived the
-            last warmup: a static input, a weight, a tensor the model keeps), never adopted; a
-            key ``reserve`` never saw adopts nothing (no warmup ran).
-        :param capacity_rows: grow leaves whose leading dim is the output's largest (the padded
-            row dim) to this many rows (SGLang's ``cuda_graph_output_capacity_rows``).
-
-        A no-op for the buffers once the partition has some or when sharing is off. A
-        reservation is only claimed by a capture whose output fits it (``place``); one left by
-        a failed capture is replaced by the next key's.
-        """
+        """Outside the capture, from the last warmup's ``output``: note ``foreign`` (storages the forward
+        returned but did not allocate; never adopted), and with the ``"reserve"`` source and no buffer
+        yet, allocate ``key``'s partition's buffers (leaves whose leading dim is the padded row dim
+        grown to ``capacity_rows``). A key ``reserve`` never saw adopts nothing."""
         self._foreign[key] = foreign
         stream = getattr(key, "stream_idx", None)
         if not self.enabled or self.source != "reserve" or output is None or stream in self.partitions:
@@ -167,15 +133,15 @@ class OutputPolicy:
             if capacity_rows is not None and t.dim() > 0 and t.shape[0] == padded and capacity_rows > padded:
                 numel = math.prod(t.shape[1:]) * capacity_rows
             buffers.append(torch.empty(max(numel, 1), dtype=t.dtype, device=t.device))
-        self._reserved[stream] = _Partition(node, tuple(p for p, _ in leaves), tuple(buffers))
+        self._reserved[stream] = _Partition(node, tuple(buffers))
 
     def place(self, key: Hashable, output: object, protected: frozenset[tuple[str, int]] = frozenset()) -> Any:
-        """Inside the capture: hold ``key``'s output (in-graph copy, adopt or own); returns the
-        graph's static output.
+        """Inside the capture: hold ``key``'s output (in-graph copy, adopt or own); returns the graph's
+        static output. ``protected``: storages never adopted (static inputs).
 
-        :param protected: storages the output must not adopt as a shared buffer (static
-            inputs): smaller keys would overwrite them.
-        """
+        :raises OutputStructureError: a misfit in strict mode.
+        :raises ValueError: a leaf requires grad while autograd is on (sharing on).
+        :raises TypeError: an output the tree walk cannot track."""
         placed = self._place(key, output, protected, self._foreign.pop(key, None))
         self._placed = {key: placed}  # one key in flight (captures do not nest): a failed one's is dropped
         return placed.output
@@ -205,13 +171,11 @@ class OutputPolicy:
         return self._copy_into(part, node, leaves, logical, creates=None)
 
     def commit(self, key: Hashable, *, can_release: bool = True) -> Placed:
-        """After a successful capture: make ``key``'s placement permanent and return it, its
-        ``output`` the one to hand out. In mode ``released`` (where ``can_release``: graph-pool
-        memory) that is a non-owning alias, unless the plan keeps the session's first (largest)
-        capture's output; the caller must drop its own references to the placed output.
+        """After a successful capture: make ``key``'s placement permanent and return it. In mode
+        ``released`` (where ``can_release``) its output is a non-owning alias, unless the plan keeps the
+        session's first capture's; the caller must drop its own references to the placed output.
 
-        :raises CaptureStateError: ``key``'s output was never placed (the engine skipped ``place``).
-        """
+        :raises CaptureStateError: ``key``'s output was never placed."""
         placed = self._placed.pop(key, None)
         if placed is None:
             msg = f"capture of {key!r} ended without placing its output (the engine never called place)"
@@ -266,10 +230,8 @@ class OutputPolicy:
         protected: frozenset[tuple[str, int]],
         foreign: frozenset[tuple[str, int]] | None,
     ) -> Placed:
-        # A leaf that aliases a static input, memory the forward did not allocate (foreign) or
-        # another leaf's storage at another path would be overwritten by smaller keys' copies,
-        # and a non-contiguous leaf has no flat view: those get a private buffer (a contiguous
-        # copy) instead.
+        # a leaf aliasing a static input, foreign memory or another leaf, or not contiguous,
+        # gets a private buffer (rule 5)
         seen: set[tuple[str, int]] = set()
         buffers, outs = [], []
         for _, leaf in leaves:
@@ -285,7 +247,7 @@ class OutputPolicy:
             else:
                 outs.append(leaf)
             buffers.append(flat)
-        part = _Partition(node, tuple(p for p, _ in leaves), tuple(buffers))
+        part = _Partition(node, tuple(buffers))
         return Placed(unflatten(node, outs), shared=True, logical_bytes=logical, creates=part)
 
     def _fallback(self, key: Hashable, output: object, logical: int, path: str, reason: str) -> Placed:
@@ -297,8 +259,8 @@ class OutputPolicy:
 
 
 def _guard(enabled: bool, current: StaleOutputGuard | None) -> StaleOutputGuard | None:
-    """The guard of a new session: the process's, while enabled. Where this torch build cannot
-    poison storages it warns once (per backend) and there is none."""
+    """The guard of a new session: the process's, while enabled; where this torch cannot poison
+    storages, a warning and none."""
     if enabled and guard_supported():
         return GUARD
     if enabled and current is None:

@@ -1,23 +1,5 @@
-"""Output trees: flatten a forward output into tensor leaves and rebuild it.
-
-Supported nodes: strided (dense) tensors, ``None`` and other plain values (compared by equality,
-NaN equal to NaN), tuples, lists, named tuples, dicts (any ``dict`` subclass), dataclasses, and
-objects that hold their tensors in a ``tensors`` dict (SGLang's ``PPProxyTensors``).
-
-Rejected with a ``TypeError`` at capture (:func:`flatten`), never replayed stale: a plain value
-that holds tensors anywhere a bounded scan reaches (attributes, ``__slots__``, set members and
-the containers inside them), a tensor on an attribute a supported node does not walk (a
-dataclass's non-field attribute, ``o.extra = t``; an instance attribute of a dict subclass or
-of a ``tensors`` holder; of a list or tuple subclass), a sparse or other non-strided tensor, and
-nesting deeper than :data:`MAX_DEPTH` levels.
-
-Why not ``torch.utils._pytree``: it only walks dataclasses after a process-wide
-``register_dataclass`` call. Registering SGLang's own output classes from a plugin would change
-how dynamo and every other pytree user in the serving process sees them, so we walk
-dataclasses here, without global registration, and rebuild them with a shallow copy (which keeps
-non-field attributes and works for frozen and slotted classes: plain values on them are kept as
-captured, a tensor on them is refused, since a shallow copy would hand out the captured one).
-"""
+"""Output trees: flatten a forward output into tensor leaves and rebuild it, without global
+registration (docs/index.md, "Output sharing", lists the supported nodes and what is refused)."""
 
 from __future__ import annotations
 
@@ -45,10 +27,6 @@ class Node:
     template: Any = None
 
 
-def _is_namedtuple(obj: object) -> bool:
-    return isinstance(obj, tuple) and hasattr(type(obj), "_fields")
-
-
 #: Deepest output nesting :func:`flatten` walks (a 100-deep output is a bug, not a model).
 MAX_DEPTH = 100
 
@@ -62,16 +40,10 @@ SUPPORTED_TEXT = (
 def flatten(obj: object, path: str = "output") -> tuple[Node, list[tuple[str, torch.Tensor]]]:
     """Flatten ``obj`` into a structure node and its tensor leaves ``(path, tensor)``.
 
-    :raises TypeError: the output cannot be tracked, so replay could return stale values: a
-        plain value holds a tensor (an object with tensors in attributes, ``__slots__`` or a
-        list attribute, a set of tensors), an attribute a supported node does not walk holds a
-        tensor (a dataclass's non-field attribute, an instance attribute of a dict subclass or a
-        ``tensors`` holder), a tensor is sparse or otherwise not strided, or the nesting is
-        deeper than :data:`MAX_DEPTH`.
-    """
+    :raises TypeError: a tensor replay could not track (inside a plain value, on an attribute
+        the walk does not follow, not strided), or nesting deeper than :data:`MAX_DEPTH`."""
     leaves: list[tuple[str, torch.Tensor]] = []
-    node = _flatten(obj, path, leaves, 0)
-    return node, leaves
+    return _flatten(obj, path, leaves, 0), leaves
 
 
 def _flatten(obj: object, path: str, leaves: list[tuple[str, torch.Tensor]], depth: int) -> Node:
@@ -93,7 +65,7 @@ def _flatten(obj: object, path: str, leaves: list[tuple[str, torch.Tensor]], dep
         leaves.append((path, obj))
         return Node("tensor", type(obj))
     depth += 1
-    if _is_namedtuple(obj) or isinstance(obj, (tuple, list)):
+    if isinstance(obj, (tuple, list)):  # named tuples too
         seq = list(obj)  # type: ignore[call-overload]
         kids = tuple(_flatten(v, f"{path}[{i}]", leaves, depth) for i, v in enumerate(seq))
         _refuse_attributes(obj, path, "one of its items", lambda name, value: False)
@@ -128,11 +100,7 @@ def _flatten(obj: object, path: str, leaves: list[tuple[str, torch.Tensor]], dep
 
 
 def _refuse_attributes(obj: object, path: str, walked: str, known: Callable[[str, object], bool]) -> None:
-    """Refuse a tensor on an attribute of a supported node that the walk does not follow (the
-    node is rebuilt by a shallow copy, which would keep the captured tensor there).
-
-    :raises TypeError: names the output path, the type, the attribute and where the tensor sits.
-    """
+    """:raises TypeError: an attribute the walk does not follow holds a tensor."""
     if type(obj) in _PLAIN:
         return
     for name, value in attributes(obj):
@@ -155,8 +123,7 @@ _PLAIN = (tuple, list, dict)
 
 def unflatten(node: Node, tensors: Iterator[torch.Tensor] | list[torch.Tensor]) -> Any:
     """Rebuild an output shaped like ``node`` with the given tensors as leaves, in order."""
-    it = iter(tensors)
-    return _unflatten(node, it)
+    return _unflatten(node, iter(tensors))
 
 
 def _unflatten(node: Node, it: Iterator[torch.Tensor]) -> Any:
@@ -184,8 +151,7 @@ def _is_nan(v: object) -> bool:
 
 
 def _values_equal(a: object, b: object) -> bool:
-    """Equality of two non-tensor leaf values; NaN equals NaN (a forward returning ``nan``
-    returns the same value every time)."""
+    """Equality of two non-tensor leaf values; NaN equals NaN."""
     if a is b or (_is_nan(a) and _is_nan(b)):
         return True
     try:
@@ -240,10 +206,5 @@ def storage_key(t: torch.Tensor) -> tuple[str, int]:
 
 
 def collect_tensors(obj: object) -> list[torch.Tensor]:
-    """Every tensor reachable from ``obj`` (containers, dataclasses, ``__dict__``, ``__slots__``).
-
-    Lenient (never raises, cycle-safe, bounded: :mod:`~sglang_bcg_plugin.scan`): used for
-    ``capture_inputs``, which may be any object (SGLang passes its forward batch), to know which
-    storages are static inputs.
-    """
+    """Every tensor reachable from ``obj``; lenient (never raises, cycle-safe, bounded)."""
     return [t for _, t in walk_tensors(obj)]

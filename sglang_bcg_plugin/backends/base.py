@@ -1,17 +1,7 @@
-"""``CaptureBackend``: the contract every backend implements.
+"""``CaptureBackend``: the contract every backend implements (docs/index.md, "Backends").
 
-Lifecycle: 1. ``backend = create_backend(name, options=...)``.
-2. ``with backend.capture_session(stream=None):`` plans the session (:func:`.plan.plan_session`:
-   the output mode ``off``/``on``/``released`` and why, docs/index.md "The switch"; what a
-   forecast steers) and opens the capture state (:mod:`.state`) with the plan.
-3. ``backend.capture_one(key, forward_fn, capture_inputs, post_warmup_hook)`` per key, largest
-   first, top-down in one method: check → observers told → the engine (warmups, then
-   ``policy.reserve``; the recording, with ``policy.place`` inside the capture) →
-   ``state.commit`` (``policy.commit``, the key's record) → observers told.
-4. ``backend.replay(key)`` returns the static output. 5. ``cleanup()`` drops every graph.
-
-Changing options (``configure``) takes effect at the next session (captured graphs keep their storage).
-"""
+``capture_one`` reads top-down: check → observers → the engine (warmups and ``policy.reserve``,
+the recording with ``policy.place`` inside it) → ``state.commit`` → observers."""
 
 from __future__ import annotations
 
@@ -26,8 +16,9 @@ import pluggy
 import torch
 
 from ..accounting import Measure, device_free_bytes
-from ..engines.base import CaptureRequest, Engine
+from ..engines.base import CaptureRequest, Engine, Front
 from ..engines.eager import EagerEngine
+from ..engines.eager_segments import EagerSegmentEngine
 from ..engines.gcsafe import gc_safe_capture
 from ..errors import CaptureStateError, ObserverError, ObserverWarning, warn_user
 from ..forecast.allocator import ALLOC_CONF_VARS, expandable_segments
@@ -43,26 +34,12 @@ if TYPE_CHECKING:
     from ..forecast.probe import GraphMemoryForecast
 
 
-def use_cuda(engine: str, backend: str) -> bool:
-    """Whether a backend with option ``engine`` captures real CUDA graphs here."""
-    if engine == "eager":
-        return False
-    if engine == "cuda" and not torch.cuda.is_available():
-        msg = f"{backend} backend: engine='cuda' but CUDA is not available; use 'auto' or 'eager'"
-        raise RuntimeError(msg)
-    return torch.cuda.is_available()
-
-
 @contextlib.contextmanager
 def allocator_segments(choice: str, engine: Engine) -> Iterator[None]:
-    """``BackendOptions.pool_segments`` for one capture session: with ``"expandable"`` on a CUDA
-    engine, the allocator's ``expandable_segments`` is on while the session is open and off
-    again after it (torch's ``_set_allocator_settings``, read by the allocator at each new
-    segment: vLLM switches it the same way around its own pool). Nothing changes with
-    ``"fixed"``, on the eager engine, or where the process already runs with it on.
+    """``BackendOptions.pool_segments`` for one session: with ``"expandable"`` on a CUDA engine, the
+    allocator's ``expandable_segments`` is on while the session is open (nothing otherwise).
 
-    :raises RuntimeError: this torch cannot switch it at run time.
-    """
+    :raises RuntimeError: this torch cannot switch it at run time."""
     if choice != "expandable" or engine.name != "cuda" or expandable_segments():
         yield
         return
@@ -71,8 +48,7 @@ def allocator_segments(choice: str, engine: Engine) -> Iterator[None]:
         msg = ("pool_segments='expandable' needs torch.cuda.memory._set_allocator_settings, which this torch "
                f"({torch.__version__}) lacks; set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True instead")
         raise RuntimeError(msg)
-    # The process's other settings are given again with it: a torch whose parser resets the keys
-    # a call leaves out keeps them, and the close restores exactly the process's own string.
+    # the process's own settings are given again: some torch parsers reset the keys left out
     conf = ",".join(v for v in (os.environ.get(var, "").strip() for var in ALLOC_CONF_VARS) if v)
     try:
         setter(f"{conf},expandable_segments:True" if conf else "expandable_segments:True")
@@ -94,8 +70,7 @@ def _one_line(exc: BaseException) -> str:
 
 
 def _raising_plugin(caller: Any, exc: BaseException) -> tuple[int | None, str]:
-    """The index among ``caller``'s hookimpls of the one that raised ``exc`` (the innermost frame
-    of its traceback that runs one), and its plugin name."""
+    """The index among ``caller``'s hookimpls of the one that raised ``exc``, and its plugin name."""
     impls = caller.get_hookimpls()
     frames, tb = [], exc.__traceback__
     while tb is not None:
@@ -106,8 +81,9 @@ def _raising_plugin(caller: Any, exc: BaseException) -> tuple[int | None, str]:
 
 
 def _observe_started(pm: pluggy.PluginManager, backend: CaptureBackend, key: Hashable) -> None:
-    """Tell the observers a capture begins. One that raises aborts the capture before it began:
-    :class:`~sglang_bcg_plugin.errors.ObserverError` names it (its error is the cause)."""
+    """Tell the observers a capture begins.
+
+    :raises ObserverError: an observer raised (its error is the cause); nothing was captured."""
     caller = pm.hook.sglang_bcg_capture_started
     try:
         caller(backend=backend, shape_key=key)
@@ -122,10 +98,8 @@ def _observe_started(pm: pluggy.PluginManager, backend: CaptureBackend, key: Has
 
 
 def _observe_finished(pm: pluggy.PluginManager, key: Hashable, **kwargs: Any) -> None:
-    """Tell every observer a capture ended. Observers cannot undo what happened: one that raises
-    is isolated (an :class:`~sglang_bcg_plugin.errors.ObserverWarning` at the caller's line names
-    the plugin, the hook and the error), the observers pluggy had not called yet are still told,
-    and the capture stands (or its own error propagates)."""
+    """Tell every observer a capture ended; one that raises is isolated (an ``ObserverWarning``), the
+    rest are still told, and the capture stands."""
     outcome = "the capture stands and the key replays" if kwargs["error"] is None else "the capture's own error propagates"
     caller: Any = pm.hook.sglang_bcg_capture_finished
     told: list[object] = []
@@ -147,21 +121,12 @@ def _observe_finished(pm: pluggy.PluginManager, key: Hashable, **kwargs: Any) ->
             caller = pm.subset_hook_caller(FINISHED, remove_plugins=told)
 
 
-def _host_mode(backend: str, output_mode: object) -> Callable[[], Resolution | None]:
-    """The ``output_mode=`` keyword, checked: read at every session, after the options."""
-    if output_mode is not None and not isinstance(output_mode, Resolution):
-        msg = (
-            f"{backend} backend: output_mode= takes a Resolution (a mode with its reason), got "
-            f"{output_mode!r}; give a mode as options=BackendOptions(output_mode=...)"
-        )
-        raise TypeError(msg)
-    return lambda: output_mode
-
-
 class CaptureBackend:
     """Base class of the Full, Breakable and Piecewise backends."""
 
     name: ClassVar[str] = "base"
+    #: the front of a segmented backend's engines (``None``: whole-forward graphs)
+    _front: ClassVar[Callable[[], Front] | None] = None
 
     def __init__(
         self,
@@ -170,15 +135,18 @@ class CaptureBackend:
         plugin_manager: pluggy.PluginManager | None = None,
         output_mode: Resolution | None = None,
     ) -> None:
-        """:param output_mode: an output mode a host resolved outside the options, with its
-            reason. An explicit ``options.output_mode`` wins over it; it wins over the
-            environment variable and the default (docs/index.md, "The switch").
-        :raises TypeError: ``output_mode`` is not a ``Resolution`` (a mode string belongs in
-            ``BackendOptions(output_mode=...)``).
-        """
+        """:param output_mode: a mode a host resolved, with its reason; ``options.output_mode`` wins over
+            it, it wins over the environment and the default.
+        :raises TypeError: ``output_mode`` is not a ``Resolution``."""
         self._options = options or BackendOptions()
         self._pm = plugin_manager or get_plugin_manager()
-        self._host_mode = _host_mode(self.name, output_mode)
+        if output_mode is not None and not isinstance(output_mode, Resolution):
+            msg = (
+                f"{self.name} backend: output_mode= takes a Resolution (a mode with its reason), got "
+                f"{output_mode!r}; give a mode as options=BackendOptions(output_mode=...)"
+            )
+            raise TypeError(msg)
+        self._host_resolution = output_mode
         self._lock = threading.RLock()
         self._state = CaptureState(self.name, "none")
         self._stream: Any = None
@@ -199,9 +167,7 @@ class CaptureBackend:
             return self._options
 
     def compile(self, model: Callable[..., Any], *, dynamic: str = "auto", dynamic_dim: int = 0) -> Callable[..., Any]:
-        """The callable a forward should call: ``model`` itself for backends that capture the
-        forward as it is (Full, Breakable); Piecewise compiles it (its ``compile`` says how).
-        ``dynamic`` and ``dynamic_dim`` only matter to a compiling backend."""
+        """The callable a forward should call: ``model`` itself, except on a compiling backend."""
         return model
 
     @property
@@ -210,7 +176,12 @@ class CaptureBackend:
         return self._get_engine().name
 
     def _use_cuda(self) -> bool:
-        return use_cuda(self._options.engine, self.name)
+        """Whether this backend captures real CUDA graphs here (option ``engine``)."""
+        engine = self._options.engine
+        if engine == "cuda" and not torch.cuda.is_available():
+            msg = f"{self.name} backend: engine='cuda' but CUDA is not available; use 'auto' or 'eager'"
+            raise RuntimeError(msg)
+        return engine != "eager" and torch.cuda.is_available()
 
     def _get_engine(self) -> Engine:
         if self._engine is None:
@@ -220,17 +191,20 @@ class CaptureBackend:
 
     def _make_eager_engine(self) -> Engine:
         """The engine without CUDA graphs (CPU machines, ``engine="eager"``)."""
-        return EagerEngine()
+        return EagerEngine() if self._front is None else EagerSegmentEngine(self._front())
 
-    def _make_cuda_engine(self) -> Engine:  # pragma: no cover - overridden per backend
-        raise NotImplementedError
+    def _make_cuda_engine(self) -> Engine:
+        if self._front is None:  # pragma: no cover - overridden per backend
+            raise NotImplementedError
+        from ..engines.cuda import SegmentCudaEngine
+
+        return SegmentCudaEngine(self._front())
 
     @contextlib.contextmanager
     def capture_session(self, stream: Any = None) -> Iterator[None]:
-        """Open a capture session; its plan (the output mode and the rest) is fixed until it closes.
+        """Open a capture session; its plan is fixed until it closes.
 
-        :raises CaptureStateError: a session is already open (sessions do not nest).
-        """
+        :raises CaptureStateError: a session is already open."""
         with self._lock:
             opts, engine = self._options, self._get_engine()
             plan = plan_session(
@@ -240,14 +214,12 @@ class CaptureBackend:
             )
             self._state.open(plan)
             self._stream = stream
-        # After a forecast, the session's device-memory cost is measured to compare with it:
-        # inside the GC-safe block, after its one collection, with the GC off (no second one).
+        # after a forecast, the session's device memory is measured to compare with it
         measure = self._state.forecast is not None and engine.name == "cuda"
         free_before: int | None = None
         try:
             if plan.pool_reserve_bytes and hasattr(engine, "reserve_pool"):  # our CUDA engines (a plugin's may not)
                 engine.reserve_pool(plan.pool_reserve_bytes)
-            # GC safety: one collection per session, not per key; graphs only on CUDA engines.
             with (allocator_segments(opts.pool_segments, engine),
                   gc_safe_capture() if engine.name != "eager" else contextlib.nullcontext()):
                 free_before = device_free_bytes(collect=False) if measure else None
@@ -262,7 +234,7 @@ class CaptureBackend:
     def _next_output_mode(self) -> Resolution:
         """The output mode the next capture session resolves to, and why."""
         opts = self._options
-        return explain_output_mode(opts.output_mode if opts.output_mode is not None else self._host_mode())
+        return explain_output_mode(opts.output_mode if opts.output_mode is not None else self._host_resolution)
 
     def forecast(
         self,
@@ -270,19 +242,15 @@ class CaptureBackend:
         forward_for: Callable[[int], Callable[[], Any]],
         capture_inputs: Any = None,
     ) -> GraphMemoryForecast:
-        """Forecast the graph memory of capturing ``sizes``, per output mode, before capturing them.
+        """Forecast the graph memory of capturing ``sizes``, per output mode (docs/forecast.md).
 
-        Captures the largest and the smallest size once (outputs kept, the allocator recording
-        its requests), releases them, and models every size of the schedule in one pool with
-        PyTorch's allocator rules (``docs/forecast.md``). ``forward_for(size)`` returns the
-        ``forward_fn`` that ``capture_one`` would get for that size. The backend must have
-        captured nothing yet; afterwards it is as before (its options unchanged, no graphs).
+        ``forward_for(size)`` returns the ``forward_fn`` ``capture_one`` would get. The backend must
+        have captured nothing; afterwards it is as before, but the next session's plan may use it.
 
-        :raises ForecastError: fewer than two sizes, not the CUDA engine, or a forward whose
-            allocations at the two sizes are not one pattern.
+        :raises ForecastError: fewer than two sizes, not the CUDA engine, or forwards whose
+            allocations at the two probed sizes are not one pattern.
         :raises CaptureStateError: keys are captured already, or a session is open.
-        :raises TypeError: ``sizes`` not an iterable of ints (``ValueError``: one below 1).
-        """
+        :raises TypeError: ``sizes`` is not an iterable of ints (``ValueError``: one below 1)."""
         from ..forecast.probe import forecast_schedule
 
         if self._state.mode_active is not None:
@@ -309,14 +277,13 @@ class CaptureBackend:
         capture_inputs: Any = None,
         post_warmup_hook: Callable[[], None] | None = None,
     ) -> Any:
-        """Warm up, capture ``forward_fn`` for ``shape_key`` and return its static output.
+        """Warm up, capture ``forward_fn`` (no arguments) for ``shape_key``; returns its static output.
 
-        ``forward_fn`` takes no arguments and reads static inputs; ``capture_inputs`` (any
-        tree) is kept alive with the graph, whose kernels hold its addresses. Observers
-        (``sglang_bcg_capture_started`` / ``sglang_bcg_capture_finished``) see every capture: one
-        that raises when the capture starts aborts it (``ObserverError``, nothing captured); one
-        that raises when it finished is isolated (``ObserverWarning``; the capture stands).
-        """
+        ``capture_inputs`` (any tree) is kept alive with the graph.
+
+        :raises CaptureStateError: no session is open, or a capture is in progress.
+        :raises ValueError: ``shape_key`` is captured already.
+        :raises ObserverError: a ``sglang_bcg_capture_started`` observer raised."""
         key = check_key(shape_key)
         if not callable(forward_fn):
             msg = f"capture_one({key!r}): forward_fn must be callable, got {forward_fn!r}"
@@ -345,9 +312,7 @@ class CaptureBackend:
                     capture_inputs=capture_inputs,
                     seconds=measured.seconds,
                     memory_bytes=measured.memory_bytes,
-                    # released: the output's blocks go back to the pool (the eager engine has
-                    # no pool: its outputs stay owned)
-                    can_release=engine.name == "cuda",
+                    can_release=engine.name == "cuda",  # the eager engine has no pool
                 )
             except BaseException as exc:
                 self._state.policy.discard()
@@ -373,7 +338,9 @@ class CaptureBackend:
             raise ValueError(msg)
 
     def replay(self, shape_key: Hashable) -> Any:
-        """Replay the graph of ``shape_key`` and return its static output."""
+        """Replay the graph of ``shape_key`` and return its static output.
+
+        :raises KeyError: ``shape_key`` was never captured."""
         entry = self._state.entry(shape_key)
         if entry is None:
             sizes = sorted({getattr(k, "size", 0) for k in self._state.keys()})

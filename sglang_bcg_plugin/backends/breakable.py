@@ -1,16 +1,9 @@
-"""Breakable backend: per key, CUDA-graph segments split at eager break points.
-
-Model code marks break points with :func:`sglang_bcg_plugin.graph_break`; outside a capture the
-decorator is a plain call. On the eager engine (CPU) the same segment recorder runs with eager
-segments: the ops of each segment are recorded and re-run at replay, the breaks run eagerly
-between them, as on CUDA.
-"""
+"""Breakable backend: per key, CUDA-graph segments split at ``@graph_break`` functions (eager
+segments on CPU)."""
 
 from __future__ import annotations
 
-from ..engines.base import Engine
 from ..engines.breakable import BreakableFront
-from ..engines.eager_segments import EagerSegmentEngine
 from ..manager import hookimpl
 from ..registry import BackendRegistry
 from .base import CaptureBackend
@@ -20,14 +13,7 @@ class BreakableBackend(CaptureBackend):
     """Breakable CUDA graphs with per-partition output sharing."""
 
     name = "breakable"
-
-    def _make_eager_engine(self) -> Engine:
-        return EagerSegmentEngine(BreakableFront())
-
-    def _make_cuda_engine(self) -> Engine:
-        from ..engines.cuda import SegmentCudaEngine
-
-        return SegmentCudaEngine(BreakableFront())
+    _front = BreakableFront
 
 
 @hookimpl

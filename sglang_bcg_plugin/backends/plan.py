@@ -1,11 +1,5 @@
-"""``plan_session``: everything a capture session fixes, decided once, with why.
-
-Every host calls it when a session opens — :class:`~.base.CaptureBackend` from its options, the
-SGLang integration from SGLang's switches — and hands the frozen :class:`SessionPlan` to
-:meth:`~.state.CaptureState.open`. It is the only place a forecast (``CaptureBackend.forecast``)
-steers anything: the buffer source and the pool reserve with ``"auto"``, and whether mode
-``released`` keeps the largest capture's output. ``memory_report().plan`` shows the latest one.
-"""
+"""``plan_session``: everything a capture session fixes, decided once, with why; the only place a
+forecast steers anything. ``memory_report().plan`` shows the latest plan."""
 
 from __future__ import annotations
 
@@ -93,16 +87,12 @@ def plan_session(
     forecast: GraphMemoryForecast | None = None,
     captured: bool = False,
 ) -> SessionPlan:
-    """The plan of a session that resolved ``resolution``, on ``engine`` (``"cuda"``, ``"eager"``
-    or another host's engine name), after ``forecast`` (``None``: none was made).
+    """The plan of a session that resolved ``resolution`` on ``engine``, after ``forecast`` (or none).
 
-    ``shared_buffer``: ``"adopt"``/``"reserve"``, or ``"auto"``: adopt off CUDA (no pool to
-    fragment), on CUDA the source ``forecast`` found cheaper, else reserve (docs/index.md, "Output
-    sharing"). ``pool_reserve``: bytes, ``"off"``, or ``"auto"``: the block ``forecast`` sized;
-    nothing off CUDA. In mode ``released`` the largest capture keeps its output only when
-    ``forecast`` found that packs the pool tighter and nothing is ``captured`` yet (the forecast
-    models a schedule captured from nothing).
-    """
+    ``shared_buffer="auto"``: adopt off CUDA, else the source ``forecast`` found cheaper, else
+    reserve. ``pool_reserve="auto"``: the block ``forecast`` sized (nothing off CUDA). In mode
+    ``released`` the largest capture keeps its output only when ``forecast`` says so and nothing
+    is ``captured`` yet."""
     source, buffer_reason = _buffer(shared_buffer, engine, forecast)
     reserve, pool_reason = _pool(pool_reserve, engine, forecast)
     keeps = resolution.mode == RELEASED and not captured and forecast is not None and forecast.released_keeps_largest

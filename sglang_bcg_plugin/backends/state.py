@@ -1,21 +1,5 @@
-"""``CaptureState``: the one capture core — session, per-key records, replay hand-out, report.
-
-Every backend uses it: :class:`~.base.CaptureBackend` around its own engines, and the SGLang
-integration around SGLang's engine (the breakable segment engine, or SGLang 0.5.13's breakable
-runner), which only translates SGLang's keys, rows, pool and warmups. In the order capture runs:
-
-1. :meth:`open` a session with a :class:`~.plan.SessionPlan` (:func:`~.plan.plan_session`);
-2. per key: :meth:`begin` (a session is open), then the output policy :attr:`policy`
-   (:class:`~sglang_bcg_plugin.sharing.OutputPolicy`) is driven by the engine (or the SGLang
-   seam): ``reserve`` from the last warmup's output outside the capture, ``place`` inside it;
-   after the capture :meth:`commit` records the key and returns the output to hand out (a
-   released alias in mode ``released``);
-3. :meth:`close`; at every replay :func:`check_input_pointers` (``debug_check_inputs``) and
-   :meth:`hand_out` (the stale-output guard); :meth:`report`; :meth:`clear`.
-
-Nothing here knows which engine recorded the graph: the caller passes the graph object (its
-segment count for another engine's graph).
-"""
+"""``CaptureState``: the one capture core of every backend (ours and the SGLang integration's):
+the session, per-key records, the replay hand-out and the report."""
 
 from __future__ import annotations
 
@@ -25,7 +9,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import CaptureStateError
-from ..guard import StaleOutputGuard
 from ..output_mode import OutputMode, Resolution
 from ..report import KeyReport, MemoryReport, claim_resident_bytes
 from ..scan import walk_tensors
@@ -57,11 +40,9 @@ def input_pointers(capture_inputs: object) -> tuple[tuple[str, int], ...]:
 
 
 def check_input_pointers(key: Hashable, entry: _Entry) -> None:
-    """``BackendOptions.debug_check_inputs`` at replay: the inputs still where the graph reads them.
+    """``BackendOptions.debug_check_inputs`` at replay.
 
-    :raises RuntimeError: an input tensor of ``key`` has another data pointer than at capture, or
-        is gone (names the key and the input's path).
-    """
+    :raises RuntimeError: an input tensor of ``key`` moved or is gone since capture."""
     if entry.input_ptrs is None:
         return
     now = dict(input_pointers(entry.capture_inputs))
@@ -117,7 +98,10 @@ def input_storages(capture_inputs: object) -> frozenset[tuple[str, int]]:
 
 
 class CaptureState:
-    """Session, per-key records, replay hand-out and report of one backend (see the module doc)."""
+    """Session, per-key records, replay hand-out and report of one backend.
+
+    Per session: :meth:`open`, then per key :meth:`begin`, the engine drives :attr:`policy`,
+    :meth:`commit`; :meth:`close`. At replay :meth:`hand_out`."""
 
     def __init__(self, name: str, engine: str) -> None:
         self.name = name
@@ -129,12 +113,10 @@ class CaptureState:
         self.forecast: Any = None  # forecast.probe.GraphMemoryForecast of the next/last schedule
         self.measured_graph_bytes: int | None = None  # device memory the last session took
 
-    # -- session ---------------------------------------------------------------------------
     def open(self, plan: SessionPlan) -> None:
         """Start a session with ``plan``; the output policy starts afresh.
 
-        :raises CaptureStateError: a session is already open (sessions do not nest).
-        """
+        :raises CaptureStateError: a session is already open."""
         if self._open is not None:
             msg = f"{self.name} backend: capture_session() is already open; sessions do not nest"
             raise CaptureStateError(msg)
@@ -154,17 +136,8 @@ class CaptureState:
         """The output mode of the latest session and why."""
         return None if self.plan is None else self.plan.resolution
 
-    @property
-    def guard(self) -> StaleOutputGuard | None:
-        """The stale-output guard replays go through (``None``: off)."""
-        return self.policy.guard
-
-    # -- one key ---------------------------------------------------------------------------
     def begin(self, key: Hashable) -> None:
-        """Check a capture of ``key`` may start: a session is open.
-
-        :raises CaptureStateError: none is.
-        """
+        """:raises CaptureStateError: no session is open."""
         if self._open is None:
             msg = f"{self.name} backend: capture_one({key!r}) must run inside `with backend.capture_session():`"
             raise CaptureStateError(msg)
@@ -180,17 +153,14 @@ class CaptureState:
         memory_bytes: int | None = None,
         can_release: bool = True,
     ) -> Any:
-        """After a successful capture: commit ``key``'s placement (``OutputPolicy.commit``),
-        record the key; return the output to hand out.
+        """Commit ``key``'s placement and record the key; returns the output to hand out.
 
-        ``graph`` is another engine's graph (give ``num_segments``) or one of ours, an
-        ``engines.base.CapturedGraph`` (``num_segments=None``: it replays and hands out the output
-        itself). A released output is a non-owning alias: the caller must drop its own
-        references to the placed output for the memory to return to the pool.
-        """
+        ``graph``: one of ours (``num_segments=None``: its ``output`` is set here) or another engine's
+        (give ``num_segments``). A released output is a non-owning alias: the caller must drop its own
+        references to the placed output."""
         plan = self._open
         self.begin(key)
-        assert plan is not None  # begin() checked it
+        assert plan is not None
         placed = self.policy.commit(key, can_release=can_release)
         if num_segments is None:
             graph.output = placed.output
@@ -211,12 +181,9 @@ class CaptureState:
         )
         return placed.output
 
-    # -- replay, report, cleanup -----------------------------------------------------------
     def hand_out(self, key: Hashable, output: Any, *, pool: Hashable | None = None, entry: _Entry | None = None) -> Any:
-        """A replayed output of ``key`` (captured) as the caller gets it: through the
-        stale-output guard (unchanged when it is off), whose scope is ``pool`` (``None``: our
-        engines, one pool per partition). ``entry``: ``key``'s record, where the caller has it.
-        """
+        """A replayed output of captured ``key`` through the stale-output guard, scoped by ``pool``
+        (``None``: one pool per partition); ``entry``: ``key``'s record, if the caller has it."""
         entry = self._entries[key] if entry is None else entry
         return self.policy.hand_out(self, key, output, released=entry.released, pool=pool)
 
@@ -228,7 +195,7 @@ class CaptureState:
         return self._entries.get(key)
 
     def report(self, bridge_bytes: dict[int | None, int] | None = None) -> MemoryReport:
-        """Logical vs resident output bytes, fallbacks and capture seconds, per key; the plan."""
+        """The memory report: per key, with the plan."""
         entries = list(self._entries.values())
         report = MemoryReport.from_keys(self.name, self.engine, key_reports(entries), bridge_bytes=bridge_bytes)
         return dataclasses.replace(report, plan=self.plan, forecast=self.forecast, measured_graph_bytes=self.measured_graph_bytes)

@@ -1,21 +1,6 @@
-"""Does a bench run fit in memory? An estimate of its peak, checked before any work.
-
-The estimate is a lower bound of what one backend and variant hold at their peak (they run one
-after the other, each cleaned up): the weights, the static input, the captured outputs (every
-size's own output with sharing off, one max-size buffer with sharing on, none for ``floor``),
-the activations of a forward at the largest size (the eager reference's) and what the capture
-keeps of its own forwards. On CUDA that is one more forward's activations (the graph pool
-reuses its memory across sizes). On CPU, Breakable and Piecewise run on eager segments, whose
-op tape keeps the tensors each recorded op ran on, for every size: every op's result per layer
-for Breakable, the tensors crossing the pieces for Piecewise (:data:`TAPE_KEPT`, per token and
-layer, fitted to the peak RSS of small runs of both workloads, under it by a few %), times the
-sum of the capture sizes. It is compared with 90 % of the free memory of the CUDA device
-(``torch.cuda.mem_get_info``) or of this machine's physical RAM on CPU. A run that passes can
-still run out of memory; one that fails would certainly have, after minutes of capturing. The
-estimate needs only the count, sum and largest of the capture sizes
-(:func:`~.sizes.capture_size_stats`), so a ``--max-tokens`` of any size is checked without
-building its size list.
-"""
+"""Does a bench run fit in memory? A lower-bound estimate of its peak, from the count, sum and
+largest of the capture sizes, checked before any work against 90 % of the free device memory
+(CPU: physical RAM) (docs/getting-started.md)."""
 
 from __future__ import annotations
 
@@ -44,14 +29,7 @@ def human_bytes(n: float) -> str:
 
 
 #: Elements the eager segments (CPU) keep per captured token and layer, by workload and backend,
-#: from the hidden size ``h``, the query and key/value widths ``q``, ``kv`` and the MLP width
-#: ``i``. Breakable's tape keeps every op's result: the synthetic decoder's two RMSNorms (two
-#: each), qkv, the attention output, o_proj, down, gate_up and the activation; Llama's also the
-#: rotary embedding of q and k, separate projections and casts. Piecewise keeps what crosses its
-#: pieces: q, k, v and the attention output. Fitted to the peak RSS of runs on CPU (fp32, 1-2
-#: layers, hidden 128-512, intermediate 128-512, 30-42 sizes up to 2048 tokens): the whole
-#: estimate is 0.81-0.95 of the measured peak for Breakable, 0.58-0.96 for Piecewise (the
-#: synthetic decoder's pieces keep its residual too, Llama's more).
+#: from the hidden, query, key/value and MLP widths (fitted: docs/getting-started.md).
 TAPE_KEPT: dict[str, dict[str, Callable[[int, int, int, int], float]]] = {
     "synthetic": {
         "breakable": lambda h, q, kv, i: 6 * h + 2 * q + 2 * kv + 3 * i,
@@ -67,8 +45,8 @@ TAPE_KEPT: dict[str, dict[str, Callable[[int, int, int, int], float]]] = {
 def tape_kept_bytes(
     model: ModelShape, sizes: SizeStats, backends: Sequence[str], workload: str = "synthetic"
 ) -> int:
-    """Bytes the eager segments of the heaviest of ``backends`` keep over every size (0 on CUDA,
-    and for Full, the reference row and other backends: they keep no tape)."""
+    """Bytes the eager segments of the heaviest of ``backends`` keep over every size (0 on CUDA and
+    for backends without a tape)."""
     if model.device.startswith("cuda"):
         return 0
     b = torch.empty((), dtype=model.dtype).element_size()
@@ -82,13 +60,8 @@ def estimate_bytes(
     model: ModelShape, sizes: SizeStats | list[int], variants: list[str], *,
     backends: Sequence[str] = (), workload: str = "synthetic",
 ) -> int:
-    """Peak bytes of the heaviest of ``backends`` x ``variants`` capturing ``sizes`` (see the
-    module doc).
-
-    :param sizes: the capture sizes, or their :class:`~.sizes.SizeStats`.
-    :param backends: the backends run (only Breakable and Piecewise on CPU change the estimate:
-        their op tapes); ``workload``: ``synthetic`` or ``llama`` (what a tape keeps).
-    """
+    """Peak bytes of the heaviest of ``backends`` x ``variants`` capturing ``sizes`` (the sizes, or
+    their :class:`~.sizes.SizeStats`); ``workload``: ``synthetic`` or ``llama``."""
     if not isinstance(sizes, SizeStats):
         sizes = SizeStats(len(sizes), sum(sizes), max(sizes))
     b = torch.empty((), dtype=model.dtype).element_size()
@@ -103,11 +76,10 @@ def estimate_bytes(
         outputs = t * h * b  # sharing on (on, guard, adopt, packed, inductor...): one buffer per leaf
     else:
         outputs = 0  # floor, released: outputs left in graph memory
-    # Live at once in one layer: residual, normed input, qkv, k/v repeated to all heads, the
-    # attention output and its copy, o_proj, gate_up (2x), the activation.
+    # live at once in one layer: residual, normed input, qkv, k/v repeated, attention (2x),
+    # o_proj, gate_up (2x), the activation
     activations = t * b * (4 * h + 2 * kv + 4 * q + 3 * inter)
-    # The capture's own forwards: one more forward's activations in a graph pool, or every
-    # size's tape, whichever is more (a tape also holds the largest forward's).
+    # the capture's own forwards: one more forward's activations, or every size's tape
     kept = max(activations, tape_kept_bytes(model, sizes, backends, workload))
     return weights + t * h * b + outputs + activations + kept
 
@@ -125,8 +97,7 @@ def available_bytes(device: str) -> tuple[int, str] | None:
 
 
 def _largest_fitting(model: ModelShape, below: int, variants: list[str], limit: int, **run: Any) -> int | None:
-    """The largest ``--max-tokens`` below ``below`` whose estimate is within ``limit``
-    (``run``: :func:`estimate_bytes`'s ``backends`` and ``workload``)."""
+    """The largest ``--max-tokens`` below ``below`` whose estimate is within ``limit``."""
     lo, hi = MIN_CAPTURE_SIZE, below - 1
     if hi < lo or estimate_bytes(model, capture_size_stats(lo), variants, **run) > limit:
         return None
@@ -143,9 +114,8 @@ def check_fits(
     model: ModelShape, max_tokens: int, variants: list[str], *,
     backends: Sequence[str] = (), workload: str = "synthetic",
 ) -> None:
-    """:param max_tokens: the ``--max-tokens`` asked for (its sizes are never built here).
-    :param backends: the backends run, ``workload`` the model: as :func:`estimate_bytes`.
-    :raises UsageError: the estimate exceeds the available memory (says what would fit)."""
+    """:raises UsageError: the estimate for ``max_tokens`` exceeds the available memory (the
+        message says what would fit)."""
     run: dict[str, Any] = {"backends": backends, "workload": workload}
     found = available_bytes(model.device)
     if found is None:

@@ -10,12 +10,8 @@ import torch
 
 
 class CompileClock:
-    """A ``torch.compile``-d callable that sums the wall time of the calls that compiled
-    (dynamo's ``unique_graphs`` grew: tracing, Inductor, the first run), kernels finished.
-
-    The bench reports that time as ``compile_s``, apart from ``capture_s``: a capture's warmups
-    pay it once, and it says nothing about the capture itself.
-    """
+    """A ``torch.compile``-d callable that sums the wall time of the calls that compiled (reported
+    as ``compile_s``, apart from ``capture_s``)."""
 
     def __init__(self, fn: Callable[..., Any], device: str) -> None:
         self.fn = fn

@@ -1,11 +1,5 @@
-"""``sglang-bcg bench`` arguments, checked and resolved before any benchmark work.
-
-Every problem is a :class:`~sglang_bcg_plugin.errors.UsageError` saying what is wrong and what to
-do; the CLI prints it as one ``error:`` line. Checks run cheapest first and ``--out`` last, so a
-bad argument never leaves a new directory behind. Nothing here builds a model or a size list
-before its numbers are known to fit (``--max-tokens`` is checked against memory from the size
-schedule's closed form).
-"""
+"""``sglang-bcg bench`` arguments, checked (cheapest first, ``--out`` last) and resolved before
+any benchmark work; every problem is a ``UsageError`` saying what to do."""
 
 from __future__ import annotations
 
@@ -203,9 +197,8 @@ def _or(names: list[str]) -> str:
 
 
 def _variant_rows(backends: list[str], variants: list[str], available: list[str]) -> list[str]:
-    """Every variant must be run by a chosen backend (a usage error naming the backends that
-    run it); a chosen backend that skips a variant another one runs is one ``note:`` line.
-    ``graph-trees`` alone ignores ``--variants`` (it adds its one reference row)."""
+    """Every variant must be run by a chosen backend (else a usage error); a backend that skips a
+    variant another one runs is one ``note:`` line."""
     ours = [b for b in backends if b != GRAPH_TREES]
     if not ours:
         return []
@@ -230,8 +223,7 @@ def _variant_rows(backends: list[str], variants: list[str], available: list[str]
 def build_config(args: argparse.Namespace, available_backends: list[str]) -> BenchConfig:
     """Check every ``bench`` argument (and the environment) and resolve the defaults.
 
-    :raises UsageError: the first problem found, saying what to do.
-    """
+    :raises UsageError: the first problem found."""
     device = _device(args.device)
     gpu = device.startswith("cuda")
     backends = _names("--backends", args.backends, available_backends, unknown="unknown backends")

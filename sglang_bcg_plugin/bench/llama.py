@@ -1,22 +1,8 @@
-"""transformers' ``LlamaModel`` with random weights: real model code nobody here wrote.
+"""transformers' ``LlamaModel`` with random weights, built from a ``LlamaConfig`` (no download).
 
-Built from a ``LlamaConfig`` (no download). Its attention is transformers' own
-``sdpa_attention_forward``, reached through ``transformers.AttentionInterface`` under names of
-ours, one per backend:
-
-* ``sglang_bcg_sdpa`` (Full): the very same function under another name. For the name
-  ``"sdpa"`` transformers builds a materialized ``[1, 1, seq, seq]`` causal mask whenever it
-  cannot prove the mask is trivial — always under stream capture — which costs graph memory and
-  a slower kernel. Under a name it does not know, it passes no mask and the kernel runs causal.
-* ``sglang_bcg_break`` (Breakable): the same function as a ``@graph_break`` reading
-  ``query``/``key``/``value`` (``[1, heads, seq, head_dim]``: the layout that needs storage,
-  not rows, to share bridges across sizes).
-* ``sglang_bcg_split`` (Piecewise): a ``torch.library.custom_op`` computing the same attention,
-  the splitting op.
-
-Inputs are batch-first: ``input_ids`` ``[1, seq]``; the output is transformers'
-``BaseModelOutputWithPast`` (a dataclass that is also an ``OrderedDict``).
-"""
+Its attention is transformers' SDPA under names of ours, one per backend: ``sglang_bcg_sdpa``
+(Full; under ``"sdpa"`` transformers would build a materialized causal mask under capture),
+``sglang_bcg_break`` (a ``@graph_break``), ``sglang_bcg_split`` (a splitting op)."""
 
 from __future__ import annotations
 
@@ -66,11 +52,8 @@ def break_attention(
 
 @torch.library.custom_op("sglang_bcg_bench::llama_attention", mutates_args=())
 def split_attention_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float) -> torch.Tensor:
-    """Causal GQA attention ``[1, heads, seq, d]`` -> ``[1, seq, heads, d]``: the splitting op.
-
-    As transformers' SDPA attention computes it without a mask (``enable_gqa``: the kernel reads
-    the shared key/value heads; repeating them would write and read two ``[1, heads, seq, d]``
-    copies per layer that the other backends never make)."""
+    """Causal GQA attention ``[1, heads, seq, d]`` -> ``[1, seq, heads, d]``, without a mask and
+    without repeating the key/value heads: the splitting op."""
     gqa = query.shape[1] != key.shape[1]
     out = torch.nn.functional.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling, enable_gqa=gqa)
     return out.transpose(1, 2).contiguous()
@@ -109,8 +92,7 @@ def llama_config(
 ) -> Any:
     """transformers' ``LlamaConfig`` of these sizes (no cache).
 
-    :raises UsageError: transformers rejects it (the bench checks its known rules first).
-    """
+    :raises UsageError: transformers rejects it."""
     tf = _transformers()
     try:
         return tf.LlamaConfig(

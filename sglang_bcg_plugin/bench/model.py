@@ -14,10 +14,7 @@ from ..breaks import graph_break
 
 @torch.library.custom_op("sglang_bcg_bench::attention", mutates_args=("out",))
 def attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, num_heads: int, num_kv_heads: int) -> None:
-    """Causal prefill attention over one sequence of ``q.shape[0]`` tokens, written into ``out``.
-
-    The splitting op of the piecewise backend and the body of the breakable break point.
-    """
+    """Causal prefill attention over ``q.shape[0]`` tokens into ``out`` (the splitting op and break body)."""
     tokens = q.shape[0]
     head_dim = q.shape[1] // num_heads
     # (1, heads, tokens, head_dim): the fused kernels want 4-D inputs.
@@ -71,12 +68,8 @@ class DecoderConfig:
 
 
 class SyntheticDecoder(torch.nn.Module):
-    """``layers`` x (RMSNorm -> qkv -> attention -> o_proj -> residual -> RMSNorm -> MLP).
-
-    Tensor parallel (``world`` > 1): rank ``rank`` keeps its shard of the same full weights, the
-    heads and MLP columns split (qkv and gate_up column-parallel, o_proj and down row-parallel,
-    each followed by ``reduce``, the group's all-reduce, in place or returning the sum).
-    """
+    """``layers`` x (RMSNorm -> qkv -> attention -> o_proj -> residual -> RMSNorm -> MLP); with
+    ``world`` > 1, rank ``rank``'s tensor-parallel shard, ``reduce`` the all-reduce."""
 
     def __init__(
         self, cfg: DecoderConfig, attention: Callable[..., None] = attention_break, seed: int = 0,

@@ -1,19 +1,5 @@
-"""``--out``: checked before any work, held by one run at a time, written as one pair.
-
-* :func:`check_out_dir` (before any work): the folder is created and probed for writing; it needs
-  1 MiB free; an existing ``bench.json``/``bench.png`` must be a regular file (or a link to one):
-  a FIFO would hang the write, a device (``/dev/full``) would fail it after the benchmark.
-* :func:`hold` (before any work): a lock file ``.bench.lock`` made with ``O_EXCL`` holds the
-  run's pid; a folder another live run holds is refused. A lock whose pid is dead (a run that
-  was killed) is taken over; temporary files such a run left are removed.
-* :func:`write_pair`: ``bench.png`` and ``bench.json`` are rendered into temporary files of the
-  folder, then renamed over the old ones (``os.replace``), the png first, the json last, with
-  Ctrl-C held back until both are in place. A failed rename puts the old png back, so the
-  folder holds the old pair or the new pair, never one of each. When no plot is made (no
-  matplotlib), an old ``bench.png`` is removed with the same care: a png beside a json is
-  always from the same run. Only a ``SIGKILL`` or a power loss in the microseconds between the
-  two renames can leave a mix.
-"""
+"""``--out``: checked before any work, held by one run at a time (a pid lock file), written as one
+``bench.json``/``bench.png`` pair (docs/getting-started.md, "Run the benchmark")."""
 
 from __future__ import annotations
 
@@ -44,9 +30,8 @@ class OutputWriteError(UsageError):
 def check_out_dir(raw: str) -> Path:
     """Create ``--out`` (parents too) and prove it can take the pair, before the bench.
 
-    :raises UsageError: empty, an existing file, not writable, full, or a target that is not a
-        regular file.
-    """
+    :raises UsageError: empty, an existing file, not writable, under 1 MiB free, or a target that
+        is not a regular file."""
     if not raw:
         msg = "--out is empty; give a directory for bench.json and bench.png (--out . for the current one)"
         raise UsageError(msg)
@@ -161,8 +146,7 @@ def _take_over(out: Path, lock: Path, stale: int | None) -> None:
 def hold(out: Path | None) -> Iterator[None]:
     """Hold ``out`` for this run (nothing when ``None``).
 
-    :raises UsageError: another live run holds it.
-    """
+    :raises UsageError: another live run holds it."""
     if out is None:
         yield
         return
@@ -226,11 +210,11 @@ def _commit(out: Path, json_tmp: Path, png_tmp: Path | None) -> None:
 
 
 def write_pair(out: Path, write_json: Callable[[Path], None], write_png: Callable[[Path], bool]) -> list[Path]:
-    """Write ``bench.png`` (when ``write_png`` makes one) and ``bench.json`` into ``out`` as one
-    pair (see the module doc). :returns: the files written, the json first.
+    """Write ``bench.png`` (when ``write_png`` makes one) and ``bench.json`` into ``out`` as one pair:
+    temporary files renamed into place, the json last, Ctrl-C held back meanwhile. Returns the
+    files written, the json first.
 
-    :raises OutputWriteError: a write or rename failed; ``out`` keeps its old pair.
-    """
+    :raises OutputWriteError: a write or rename failed; ``out`` keeps its old pair."""
     json_tmp, png_tmp = _temp(out, "json"), _temp(out, "png")
     try:
         made_png = write_png(png_tmp)

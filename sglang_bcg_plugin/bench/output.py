@@ -46,11 +46,8 @@ def _mib(v: int | None) -> str:
 
 
 def ratios(rows: list[BenchRow], *, timings_meaningful: bool = True) -> dict[str, dict[str, float | None]]:
-    """Per backend: sharing-on / sharing-off ratios of graph memory, replay and capture time.
-
-    :param timings_meaningful: ``False`` on CPU: the timing ratios are ``None`` (the table's
-        ``n/m``, ``null`` in ``bench.json``).
-    """
+    """Per backend: sharing-on / sharing-off ratios of graph memory, replay and capture time (the
+    timing ratios ``None`` unless ``timings_meaningful``)."""
     out: dict[str, dict[str, float | None]] = {}
     by = {(r.backend, r.variant): r for r in rows}
     for backend in dict.fromkeys(r.backend for r in rows):
@@ -72,10 +69,8 @@ def ratios(rows: list[BenchRow], *, timings_meaningful: bool = True) -> dict[str
 
 
 def format_table(rows: list[BenchRow], *, timings_meaningful: bool = True) -> str:
-    """The rows as a text table, then the on/off ratios per backend.
-
-    :param timings_meaningful: ``False`` on CPU: timing ratios print as ``n/m`` with a footnote.
-    """
+    """The rows as a text table, then the on/off ratios per backend (timing ratios ``n/m`` with a
+    footnote unless ``timings_meaningful``)."""
     head = ["backend", "variant", "sizes", "max_tokens", "resident MiB", "logical MiB", "graph MiB", "forecast MiB", "error %", "bridges MiB", "capture s", "compile s", "replay ms", "max abs err", "fallbacks"]
     body = [
         [
@@ -131,8 +126,7 @@ def write_json(
     path.write_text(json.dumps(doc, indent=2) + "\n")
 
 
-#: The metrics of every bar of ``bench.png``, one panel each, in panel order: memory (graph pool
-#: memory on CUDA, resident output memory on CPU) and the median replay time.
+#: The metrics of every bar of ``bench.png``, one panel each, in panel order.
 PLOT_METRICS = ("memory_mib", "replay_ms")
 #: Legend label of each variant's bars.
 VARIANT_LABELS = {
@@ -164,8 +158,7 @@ VARIANT_COLORS = {
 GRAPH_TREES_LABEL = "torch's CUDA Graph Trees (torch.compile reduce-overhead)"
 FORECAST_LABEL = "forecast before capture (CaptureBackend.forecast)"
 GRAPH_TREES_CPU_LABEL = "torch.compile without mode (CPU stand-in: Graph Trees need CUDA)"
-#: Caption under the plot when the memory panel shows resident outputs (CPU): Graph Trees' bar is
-#: left out, not drawn as 0.
+#: Caption under the plot when Graph Trees' resident-output bar is left out (CPU).
 NO_RESIDENT_CAPTION = (
     "graph-trees: no memory bar: resident output does not apply (Graph Trees keep no output "
     "past the next step); graph memory is measured on CUDA only"
@@ -208,12 +201,9 @@ def _bar(row: BenchRow, *, graph_memory: bool, reference: bool) -> PlotBar:
 
 
 def plot_groups(rows: list[BenchRow], *, graph_memory: bool) -> list[PlotGroup]:
-    """``bench.png``'s bar groups: one per backend of ours, in row order, then Graph Trees' own
-    group (its one ``reference`` row), with the same ``PLOT_METRICS`` per bar.
+    """``bench.png``'s bar groups: one per backend of ours, in row order, then Graph Trees' own.
 
-    :param graph_memory: the memory panel shows graph memory (CUDA); else resident output
-        memory, which does not apply to Graph Trees (``None``: no bar).
-    """
+    :param graph_memory: the memory panel shows graph memory (CUDA), else resident output memory."""
     ours = [b for b in dict.fromkeys(r.backend for r in rows) if b != GRAPH_TREES]
     groups = [
         PlotGroup(b, b, False, [_bar(r, graph_memory=graph_memory, reference=False) for r in rows if r.backend == b])
@@ -258,14 +248,8 @@ def _draw(axes: dict[str, Any], groups: list[PlotGroup]) -> bool:
 def write_plot(
     path: Path, device: str, config: dict[str, Any], rows: list[BenchRow], *, timings_meaningful: bool = True
 ) -> bool:
-    """Write ``bench.png``; ``False`` (nothing written) when matplotlib is not installed.
-
-    Two panels (memory, replay time at the largest size), one bar group per backend of ours and,
-    beside them, Graph Trees' own group (:func:`plot_groups`), set apart by a dashed line and
-    hatched. Replay bars carry min–max error bars; on CPU (``timings_meaningful=False``) their
-    title says they are not meaningful. A metric that does not apply to a bar (Graph Trees'
-    resident output on CPU) is left out, marked ``n/a`` and explained under the plot.
-    """
+    """Write ``bench.png`` (memory and replay panels, one bar group per backend); ``False``
+    (nothing written) when matplotlib is not installed."""
     try:
         import matplotlib
     except ImportError:

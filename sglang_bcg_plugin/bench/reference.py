@@ -1,22 +1,5 @@
-"""The reference row: ``torch.compile(mode="reduce-overhead", dynamic=True)`` (CUDA Graph Trees).
-
-What PyTorch itself offers for the same job, measured like our rows (:func:`graph_trees_row`
-returns a :class:`~.runner.BenchRow`): one dynamic compilation of the whole model (attention
-included) by Inductor, whose CUDA Graph Trees record one graph per size in one shared pool and
-free each step's outputs at the next ``torch.compiler.cudagraph_mark_step_begin()``.
-
-* graph memory: ``torch.cuda.mem_get_info`` delta over the capture loop, after ``empty_cache``;
-* capture: per size, largest first, ``1 + num_warmups`` steps (Graph Trees warms a new size up
-  once, records it on the next step; the extra steps match our warmups). ``compile_s`` is the
-  wall time of the steps that compiled (dynamo's ``unique_graphs`` grew), ``capture_s`` the rest;
-* replay: median of CUDA-event-timed steps at the largest size (guards, tree lookup and replay:
-  what a caller of the compiled model pays);
-* max abs err: every size against the eager model after the inputs changed.
-
-Graph Trees keeps no output past the next step, so no output is resident; ``logical`` sums the
-outputs as for our rows. Without CUDA (CPU CI) it is the same compile without ``mode`` (Graph
-Trees need CUDA): a correctness check, not a figure.
-"""
+"""The reference row: ``torch.compile(mode="reduce-overhead", dynamic=True)`` (CUDA Graph Trees),
+measured like our rows (docs/getting-started.md); on CPU the same compile without ``mode``."""
 
 from __future__ import annotations
 
@@ -49,9 +32,8 @@ def variants_for(backend: str, variants: list[str]) -> list[str]:
 
 
 def runs(backend: str, variant: str) -> bool:
-    """Whether the bench runs ``variant`` for ``backend``, one of ours or a plugin's ("inductor"
-    variants need a compiled callable: :data:`INDUCTOR_BACKENDS`; ``graph-trees`` ignores
-    ``--variants``)."""
+    """Whether the bench runs ``variant`` for ``backend`` (``inductor`` variants need a compiled
+    callable; ``graph-trees`` ignores ``--variants``)."""
     return not variant.startswith("inductor") or backend in INDUCTOR_BACKENDS
 
 

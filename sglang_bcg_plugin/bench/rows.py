@@ -28,19 +28,11 @@ class BenchRow:
     #: fastest and slowest of the timed replays (the spread of ``replay_ms``, the median).
     replay_ms_min: float = 0.0
     replay_ms_max: float = 0.0
-    #: one dict per captured key, largest first: ``size``, ``stream_idx``, output bytes
-    #: (logical/resident), ``shared``, ``fallback``, ``capture_s`` and ``compile_s`` (as the
-    #: row's: capture without compile time), ``graph_memory_bytes`` (reserved-memory growth on
-    #: CUDA, ``None`` on CPU) and ``num_segments``.
+    #: one dict per captured key, largest first (:func:`per_size_rows`)
     per_size: list[dict[str, Any]] = field(default_factory=list)
-    #: seconds of the calls that compiled (dynamo, Inductor, first run), not in ``capture_s``;
-    #: ``None`` where nothing is compiled.
+    #: seconds of the calls that compiled, not in ``capture_s``; ``None``: nothing compiled
     compile_s: float | None = None
-    #: ``CaptureBackend.forecast`` before the capture (CUDA): the configured mode's total without
-    #: the CUDA driver's share (the bench measures after a warm-up paid that: ``warm_up``), its
-    #: error against ``graph_memory_bytes`` ((forecast − measured) / measured), the driver's share
-    #: apart (``forecast_driver_bytes``: what a fresh process would lose on top), the seconds the
-    #: forecast took, and every mode's parts (``GraphMemoryForecast.to_dict``); ``None`` elsewhere.
+    #: the forecast before the capture (CUDA; docs/getting-started.md), else ``None``
     forecast_bytes: int | None = None
     forecast_error: float | None = None
     forecast_s: float | None = None
@@ -63,11 +55,8 @@ class BenchRow:
 
 
 def per_size_rows(report: MemoryReport, compile_s: dict[Any, float] | None = None) -> list[dict[str, Any]]:
-    """``bench.json``'s per-size rows, from a backend's ``memory_report().keys``.
-
-    :param compile_s: seconds each key's capture spent compiling; taken out of its
-        ``capture_s`` (which the backend measures with them) and reported as its ``compile_s``.
-    """
+    """``bench.json``'s per-size rows from ``memory_report().keys``; ``compile_s`` per key is taken
+    out of its ``capture_s``."""
     spent = compile_s or {}
     return [
         {

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import gc
 import logging
 import statistics
 import time
@@ -12,6 +11,7 @@ from typing import Any, Literal
 
 import torch
 
+from ..accounting import device_free_bytes
 from ..errors import ForecastError
 from ..options import BackendOptions
 from ..output_mode import mode_of_option
@@ -29,10 +29,8 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class Variant:
-    """How one bench variant captures: sharing, whether outputs are kept, guard, buffer source;
-    ``inductor``: the model compiled by Inductor (piecewise: every piece; full: the model,
-    ``torch.compile(dynamic=True)``) before it is captured; ``pool_reserve`` and
-    ``pool_segments``: the options."""
+    """How one bench variant captures: sharing, kept outputs, guard, buffer source, Inductor first,
+    and the pool options."""
 
     share: bool | Literal["released"]
     keep: bool = True
@@ -43,9 +41,7 @@ class Variant:
     pool_segments: str = "fixed"
 
 
-#: "floor" drops every output inside its graph (the memory floor); "guard" is "on" with the
-#: stale-output guard; "adopt"/"reserve" are "on" with the shared buffer's source forced;
-#: "released" hands out zero-copy outputs left in pool memory (valid until the next replay).
+#: What each variant means: :data:`VARIANT_MEANINGS`.
 VARIANTS = {
     "off": Variant(False),
     "on": Variant(True),
@@ -92,12 +88,7 @@ def _sync(device: str) -> None:
 
 
 def _free_bytes(device: str) -> int | None:
-    if not device.startswith("cuda"):
-        return None
-    gc.collect()
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()
-    return int(torch.cuda.mem_get_info()[0])
+    return device_free_bytes() if device.startswith("cuda") else None
 
 
 def _time_replay(replay: Callable[[], Any], device: str, repeats: int) -> tuple[float, float, float]:
@@ -142,9 +133,8 @@ def run_variant(
     forecast: bool = True,
     after_capture: Callable[[ShapeKey], None] | None = None,
 ) -> BenchRow:
-    """Capture every size with one backend and variant; measure memory, time and error. On
-    CUDA (``forecast``) the backend forecasts the schedule's graph memory first;
-    ``after_capture(key)`` runs after each size's capture (a probe of the memory it took)."""
+    """Capture every size with one backend and variant; measure memory, time and error (on CUDA,
+    after a forecast of the schedule). ``after_capture(key)`` runs after each size's capture."""
     # Every variant compiles afresh, and dynamo's recompile limit (8 entries per code object,
     # whatever the backend) would otherwise count the entries of every earlier variant.
     torch._dynamo.reset()
@@ -264,10 +254,8 @@ def _forecast(
 
 
 def _forecast_fields(forecast: Any, graph_bytes: int | None, compile_s: float = 0.0) -> dict[str, Any]:
-    """The row's forecast fields; ``forecast_s`` leaves out ``compile_s``, the compilation the
-    first probe triggered (the capture would have paid it), as ``capture_s`` does. The bench
-    measures after :func:`warm_up` paid the CUDA driver's share, so the row's forecast leaves it
-    out and carries it apart (``forecast_driver_bytes``)."""
+    """The row's forecast fields: ``forecast_s`` without the compile time, the driver's share apart
+    (:func:`warm_up` paid it)."""
     if forecast is None:
         return {}
     total = forecast.bytes_for(driver=False)
@@ -277,11 +265,9 @@ def _forecast_fields(forecast: Any, graph_bytes: int | None, compile_s: float = 
 
 
 def warm_up(workload: Workload, backends: list[str], sizes: list[int] | None = None) -> None:
-    """One capture cycle per backend at the smallest size so lazy allocations (cuBLAS
-    workspaces, compiled kernels) are not charged to the first measured variant; on CUDA, with
-    ``sizes``, then the whole schedule once (outputs released): the CUDA driver keeps the
-    resources of the most graphs alive at once for the life of the process (docs/benchmarks.md
-    gives the size), which would otherwise be charged to the first measured variant alone."""
+    """One capture cycle per backend at the smallest size, and on CUDA with ``sizes`` the whole
+    schedule once (released), so lazy allocations and the CUDA driver's share are not charged to
+    the first measured variant."""
     for name in backends:
         run_variant(name, "off", workload, prefill_capture_sizes(4), repeats=1, progress=False, forecast=False)
     if sizes and workload.shape.device.startswith("cuda"):

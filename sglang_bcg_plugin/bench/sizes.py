@@ -1,9 +1,5 @@
-"""SGLang's prefill capture sizes (``generate_prefill_cuda_graph_batch_sizes``, 0.5.23).
-
-The schedule is a few arithmetic runs, so its length, sum and largest size up to any
-``max_tokens`` are computed without building the list (:func:`capture_size_stats`): the bench
-checks a ``--max-tokens`` of any size against memory before it builds anything.
-"""
+"""SGLang's prefill capture sizes (``generate_prefill_cuda_graph_batch_sizes``, 0.5.23); their
+count, sum and largest computed without building the list (:func:`capture_size_stats`)."""
 
 from __future__ import annotations
 
@@ -48,11 +44,7 @@ def capture_size_stats(max_tokens: int) -> SizeStats:
 
 
 def prefill_capture_sizes(max_tokens: int) -> list[int]:
-    """Token counts SGLang 0.5.23 captures for prefill, ascending, up to ``max_tokens``.
-
-    58 sizes up to 8192, 74 up to 16384. Mirrors SGLang's schedule (checked on the 0.5.23
-    wheel) so the benchmark needs no SGLang install. Builds the whole list: check
-    :func:`capture_size_stats` first for a ``max_tokens`` from a user.
-    """
+    """Token counts SGLang 0.5.23 captures for prefill, ascending, up to ``max_tokens`` (builds the
+    list: check :func:`capture_size_stats` first)."""
     _check(max_tokens)
     return [s for r in _runs(max_tokens) for s in r]

@@ -7,11 +7,8 @@ SHOWN_CHARS = 80
 
 
 def shown(value: object, limit: int = SHOWN_CHARS, *, quote: bool | None = None) -> str:
-    """A user's value for a message, cut to ``limit`` characters with ``…`` and the full
-    length, so a 100 KB argument is not echoed whole.
-
-    :param quote: ``repr`` the text; default: for strings only.
-    """
+    """A user's value for a message, cut to ``limit`` characters with ``…`` and the full length;
+    ``quote``: ``repr`` it (default: strings only)."""
     text = value if isinstance(value, str) else str(value)
     show = repr if (isinstance(value, str) if quote is None else quote) else str
     if len(text) <= limit:

@@ -1,9 +1,5 @@
-"""What the bench captures: the synthetic decoder or transformers' Llama, behind one interface.
-
-A workload builds, per backend, the module that backend captures (its attention as a break, a
-splitting op, or inside the graph), a static input at the largest size, and the call for one
-capture size; replay is checked against that same module run eagerly on the same inputs.
-"""
+"""What the bench captures (the synthetic decoder or transformers' Llama) behind one interface:
+per backend the module, a static input at the largest size, and the call for one size."""
 
 from __future__ import annotations
 
@@ -69,8 +65,7 @@ class SyntheticWorkload(Workload):
         self.splitting_ops = (torch.ops.sglang_bcg_bench.attention.default,)
 
     def model_for(self, backend: str, max_tokens: int) -> Callable[..., Any]:
-        model = SyntheticDecoder(self.cfg, attention=attention_op if backend != "breakable" else attention_break)
-        return model
+        return SyntheticDecoder(self.cfg, attention=attention_op if backend != "breakable" else attention_break)
 
     def static_input(self, max_tokens: int) -> torch.Tensor:
         return torch.randn(max_tokens, self.shape.hidden, dtype=self.shape.dtype, device=self.shape.device)

@@ -29,13 +29,7 @@ class CapturedGraph(Protocol):
 class CaptureRequest:
     """Everything an engine needs to capture one key.
 
-    :param policy: the backend's output policy: :func:`run_warmups` reserves from the last
-        warmup's output, the engine calls :meth:`place` on the forward's output *inside* the
-        capture (its copies are recorded into the graph) and keeps what it returns as the
-        graph's static output.
-    :param static_inputs: storages of the static inputs (``capture_inputs``): the output policy
-        never adopts them, and the piecewise recorder clones an output that is one.
-    """
+    ``static_inputs``: storages of ``capture_inputs``; the policy never adopts them."""
 
     key: object
     forward_fn: Callable[[], Any]
@@ -66,12 +60,7 @@ class Engine(Protocol):
 
 
 class Front(Protocol):
-    """A segmented capture's front-end: where breaks are and what crosses them.
-
-    Two siblings: the Breakable front (``engines/breakable.py``: ``@graph_break`` functions) and
-    the Piecewise front (``backends/piecewise/front.py``: FX pieces split at splitting ops). The
-    one segmented engine (:mod:`.eager_segments`) runs either over CUDA-graph or eager segments.
-    """
+    """A segmented capture's front-end: where breaks are and what crosses them (Breakable, Piecewise)."""
 
     #: Fewest warmups a CUDA capture needs (Piecewise: 1, so ``torch.compile`` runs first).
     min_cuda_warmups: int
@@ -87,16 +76,11 @@ class Front(Protocol):
 
 
 def run_warmups(request: CaptureRequest) -> Any:
-    """Eager warmup runs, each followed by ``post_warmup_hook``; then the policy reserves from the
-    last output and learns which storages are foreign (with no warmup, nothing is adopted).
+    """Run the warmups, each followed by ``post_warmup_hook``; then ``policy.reserve`` from the last
+    output, its storages marked foreign (docs/index.md, "Output sharing", rule 5).
 
-    A storage that the capture's output shares with the last warmup's output was not allocated
-    by the forward: memory the forward *returns* (a view of a static input, a weight, a cache, a
-    tensor the model keeps). It must never become a shared output buffer — smaller keys would
-    write into it (docs/index.md, "Output sharing", rule 5). Returns the last warmup's output:
-    **keep it alive until the capture ended**, so no storage the capture allocates can reuse its
-    memory and pass for foreign.
-    """
+    Returns the last warmup's output: keep it alive until the capture ends, so no capture
+    allocation can reuse its memory and pass for foreign."""
     out = None
     for _ in range(request.num_warmups):
         out = None  # the previous output is not kept: peak memory stays one output

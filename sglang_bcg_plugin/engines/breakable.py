@@ -1,26 +1,6 @@
-"""The Breakable front-end of the segment recorder: breaks are ``@graph_break`` functions.
+"""The Breakable front of the segment recorder: breaks are ``@graph_break`` functions.
 
-What crosses a break (``docs/breakable.md``) costs no bridge memory and no copy in:
-
-* arguments are passed **as they are**. Every tensor a captured forward hands a break already
-  has a stable address: graph-pool memory that this key's segment before the break writes at
-  every replay (q, k, v), or memory the caller keeps (static inputs, weights, caches). The
-  replay step keeps the arguments named in ``reads``/``writes`` through *non-owning aliases*
-  (:func:`~sglang_bcg_plugin.released.alias`) on CUDA, so the pool gets their blocks back once
-  the model drops them — later work of this key and later keys reuse them, exactly as a
-  whole-forward graph reuses the memory of its dead intermediates. At replay the step reads
-  them between the same two segments as at capture, so nothing has overwritten them yet;
-* a tensor the function *returns* (allocated by it, outside the graph) gets graph-pool memory
-  of its own: an empty tensor like it, allocated as the first thing of the next segment, which
-  the forward receives (the step refreshes it at every replay; no clone). A return that aliases
-  an argument is stable already and passed as is;
-* everything else (unnamed tensors, plain values) is passed as is and held strongly for the
-  graph's life.
-
-On the eager segments (CPU machines) nothing is captured, so the returned values are copied into
-that memory at once (outside the segment's op tape: the step refreshes it at replay) and
-references stay strong (CPU memory is not a graph pool).
-"""
+What crosses a break, and why it costs no bridge memory: docs/breakable.md."""
 
 from __future__ import annotations
 
@@ -33,10 +13,6 @@ import torch
 from ..released import maybe_alias
 from ..trees import flatten, storage_key, unflatten
 from .recorder import Recorder, Segments, refresh
-
-
-def _capturing(t: torch.Tensor) -> bool:
-    return t.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
 class BreakableRecorder(Recorder):
@@ -56,12 +32,7 @@ class BreakableRecorder(Recorder):
         with self.eager_break():
             result = fn(*args, **kwargs)
         spec, leaves = _flatten_return(fn, result)
-        # The next segment is open: returned tensors get pool memory as its first allocations.
-        targets = [t if storage_key(t) in arg_keys else torch.empty_like(t) for _, t in leaves]
-        with self.segments.paused():  # eager segments: the step refreshes it at replay
-            for target, (_, t) in zip(targets, leaves, strict=True):
-                if target is not t and not _capturing(target):
-                    target.copy_(t)
+        targets = self.fresh_returns([t for _, t in leaves], arg_keys)
         named = reads | writes
         kept = inspect.BoundArguments(bound.signature, bound.arguments.copy())
         for name in named & kept.arguments.keys():
@@ -72,18 +43,13 @@ class BreakableRecorder(Recorder):
         return unflatten(spec, targets)
 
 
-def _break_name(fn: Callable[..., Any]) -> str:
-    return getattr(fn, "__qualname__", None) or repr(fn)
-
-
 def _flatten_return(
     fn: Callable[..., Any], result: Any, path: str | None = None
 ) -> tuple[Any, list[tuple[str, torch.Tensor]]]:
-    """``flatten`` of what a break returned, its errors naming the break (not "at output");
-    ``path``: the leaves' root (default ``name(...)``).
+    """``flatten`` of what break ``fn`` returned, rooted at ``path`` (default ``name(...)``).
 
-    :raises TypeError: a return value replay cannot track (``trees.flatten``'s reasons)."""
-    name = _break_name(fn)
+    :raises TypeError: a return value replay cannot track, naming the break."""
+    name = getattr(fn, "__qualname__", None) or repr(fn)
     try:
         return flatten(result, path=f"{name}(...)" if path is None else path)
     except TypeError as exc:

@@ -1,11 +1,6 @@
 """CUDA engines: whole-forward graphs (Full) and the segmented engine over CUDA graphs.
 
-One private graph pool and one capture stream per stream partition: graphs
-of one partition never replay concurrently, so they may reuse each other's intermediate memory;
-graphs of different partitions may, so they share neither a pool nor a capture stream (cuBLAS
-workspaces are per stream). A session's ``stream`` overrides the capture stream. Warmups run on
-the capture stream, each followed by ``post_warmup_hook``.
-"""
+One private pool and one capture stream per partition (docs/breakable.md, "Pools and streams")."""
 
 from __future__ import annotations
 
@@ -45,8 +40,8 @@ class FullGraph:
 
 
 class CudaGraphEngine:
-    """What every CUDA engine shares: per partition a private pool and a capture stream; warmups
-    on that stream, then :meth:`_record` inside the capture (Full or segmented)."""
+    """Per partition a private pool and a capture stream; warmups on that stream, then
+    :meth:`_record` inside the capture."""
 
     name = "cuda"
 
@@ -57,20 +52,15 @@ class CudaGraphEngine:
         self._reserve: dict[int | None, int] = {}
 
     def reserve_pool(self, nbytes: int, partition: int | None = None) -> None:
-        """Start ``partition``'s pool, when it is made, with one free block of ``nbytes``
-        (``BackendOptions.pool_reserve``): allocated and freed inside the anchor's capture, it
-        is a segment of the pool that the captures carve their requests from."""
+        """Start ``partition``'s pool, when it is made, with one free block of ``nbytes``."""
         if nbytes > 0 and partition not in self._pools:
             self._reserve[partition] = nbytes
 
     def pool(self, partition: int | None) -> Any:
-        """The partition's private pool, anchored by an empty graph for the engine's lifetime.
+        """The partition's private pool, anchored by an empty graph until ``release()``.
 
-        A pool is freed when its last graph is destroyed, and a later ``capture_begin`` on the
-        same handle then trips an allocator assert. Dropped empty segments and rolled-back
-        captures destroy graphs, so an empty anchor graph keeps every pool alive until
-        ``release()``.
-        """
+        A pool whose last graph is destroyed is freed, and a later ``capture_begin`` on its handle
+        trips an allocator assert: the anchor keeps it alive."""
         if partition not in self._pools:
             handle = torch.cuda.graph_pool_handle()
             anchor = torch.cuda.CUDAGraph()
@@ -87,9 +77,7 @@ class CudaGraphEngine:
         return self._pools[partition]
 
     def _partition_stream(self, partition: int | None) -> torch.cuda.Stream:
-        """One capture stream per partition: cuBLAS keeps one workspace per (handle, stream), and
-        graphs captured on one stream share it, so graphs of partitions that replay concurrently
-        must not be captured on the same stream."""
+        """One capture stream per partition (cuBLAS keeps one workspace per stream)."""
         if partition not in self._streams:
             self._streams[partition] = torch.cuda.Stream()
         return self._streams[partition]
@@ -97,13 +85,8 @@ class CudaGraphEngine:
     def bridge_bytes(self) -> dict[int | None, int]:
         return {}
 
-    def _capture_stream(self, request: CaptureRequest) -> torch.cuda.Stream:
-        if request.stream is not None:
-            return request.stream  # type: ignore[no-any-return]
-        return self._partition_stream(request.partition)
-
     def capture(self, request: CaptureRequest) -> FullGraph | SegmentedGraph:
-        stream = self._capture_stream(request)
+        stream = request.stream if request.stream is not None else self._partition_stream(request.partition)
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             warm = run_warmups(request)  # kept alive until the capture ended (foreign storages)
@@ -160,17 +143,14 @@ class FullCudaEngine(CudaGraphEngine):
 
 
 class SegmentCudaEngine(CudaGraphEngine):
-    """The segmented engine over CUDA graphs: the front's recorder, one graph per segment in the
-    partition's pool (CPU machines: :class:`~.eager_segments.EagerSegmentEngine`)."""
+    """The segmented engine over CUDA graphs: one graph per segment in the partition's pool."""
 
     def __init__(self, front: Front) -> None:
         super().__init__()
         self.front = front
 
     def capture(self, request: CaptureRequest) -> FullGraph | SegmentedGraph:
-        if request.num_warmups < self.front.min_cuda_warmups:
-            # dynamo (re)compiles on a call that misses its cache, and compiling reads the CUDA
-            # RNG state, which is illegal inside a capture: a warmup must make that call first.
+        if request.num_warmups < self.front.min_cuda_warmups:  # compiling inside a capture fails
             msg = (
                 f"this backend on CUDA needs num_warmups >= {self.front.min_cuda_warmups} (got "
                 f"{request.num_warmups}) so torch.compile runs before the capture of {request.key!r}"

@@ -1,4 +1,4 @@
-"""CUDA-graph primitives shared by every segmented capture: segments, end, abort (CUDA only)."""
+"""CUDA-graph primitives of every capture: segments, end, abort (CUDA only)."""
 
 from __future__ import annotations
 
@@ -13,11 +13,9 @@ from .recorder import Action
 
 
 def end_capture(graph: torch.cuda.CUDAGraph, pool: Any = None) -> bool:
-    """End a capture; returns False when the segment captured no work (it is not replayed).
+    """End a capture; returns False when the segment captured no work.
 
-    :raises RuntimeError: the capture was invalidated (a host sync the forward caught); the
-        process is left able to capture again (:func:`abort_capture`).
-    """
+    :raises RuntimeError: the capture was invalidated; the process can capture again."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
@@ -37,13 +35,9 @@ def end_capture(graph: torch.cuda.CUDAGraph, pool: Any = None) -> bool:
 def abort_capture(graph: torch.cuda.CUDAGraph, pool: Any) -> None:
     """End a failed capture so the process can capture again; the graph is discarded.
 
-    An invalidated stream capture (a host sync, a refused op) makes ``capture_end`` raise before
-    it ends the allocator's recording into ``pool`` and before the CUDA generators leave capture
-    mode: the next ``capture_begin`` on the pool would raise "already recording to mempool_id"
-    and the next random op "Offset increment outside graph capture". Both are ended here (see
-    :func:`_recover`), and the pool is marked :func:`invalidated`: the engine captures the
-    partition's later keys into a fresh pool.
-    """
+    An invalidated capture's ``capture_end`` raises before it ends the allocator's recording into
+    ``pool`` and before the CUDA generators leave capture mode: :func:`_recover` ends both and
+    marks the pool :func:`invalidated` (docs/refusals.md)."""
     try:
         graph.capture_end()
     except Exception:  # noqa: BLE001 - the capture is already invalid; the caller re-raises
@@ -59,8 +53,7 @@ _INVALIDATED: set[Any] = set()
 
 
 def invalidated(pool: Any) -> bool:
-    """Whether a capture into ``pool`` was invalidated: the allocator may still count a
-    recording into it, so nothing more is captured there."""
+    """Whether a capture into ``pool`` was invalidated (nothing more is captured there)."""
     return pool is not None and _as_key(pool) in _INVALIDATED
 
 
@@ -95,9 +88,8 @@ def _end_pool_recording(pool: Any) -> None:
 
 
 def _leave_generator_capture() -> None:
-    """Take every CUDA generator out of capture mode: one empty capture (its ``capture_end``
-    runs the generators' epilogue); where the default generator still refuses an offset
-    increment outside a capture, it gets a fresh state with the same seed and offset."""
+    """Take every CUDA generator out of capture mode; where the default generator still refuses,
+    give it a fresh state with the same seed and offset."""
     with contextlib.suppress(Exception):
         reset = torch.cuda.CUDAGraph()
         reset.capture_begin(pool=torch.cuda.graph_pool_handle())

@@ -1,10 +1,5 @@
-"""The eager engine: CUDA-graph static-output semantics without CUDA graphs.
-
-Capture runs the forward once and keeps the (placed) output storage; replay runs the
-forward again and copies every tensor leaf into that storage, exactly as a graph replay
-rewrites the memory it owns. CPU machines use it, and so can anyone debugging a graph
-(``BackendOptions(engine="eager")``, like SGLang's ``--debug-cuda-graph``).
-"""
+"""The eager engine: CUDA-graph static-output semantics without CUDA graphs (Full on CPU,
+``BackendOptions(engine="eager")``): replay re-runs the forward and writes into the captured output."""
 
 from __future__ import annotations
 
@@ -29,9 +24,7 @@ class EagerGraph:
         self._forward_fn: Callable[[], Any] | None = forward_fn
         self._spec, leaves = flatten(output)
         self._static = [t for _, t in leaves]
-        # The forward re-runs in the autograd mode it was captured in: under torch.inference_mode()
-        # its output storage holds inference tensors, which only inference mode may write (a
-        # graph's kernels write them anywhere), and the forward's own in-place work may need it.
+        # the forward re-runs in the capture's autograd mode (docs/reliability.md)
         self._inference = torch.is_inference_mode_enabled()
 
     def replay(self) -> Any:
@@ -70,6 +63,6 @@ class EagerEngine:
         """Nothing to release."""
 
     def bridge_bytes(self) -> dict[int | None, int]:
-        """No breaks on this engine (a break is a plain call): no bridges."""
+        """No breaks on this engine: no bridges."""
         return {}
 

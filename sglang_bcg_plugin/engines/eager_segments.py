@@ -1,11 +1,4 @@
-"""The one segmented engine: a front-end's recorder over eager segments (CPU machines).
-
-Breakable and Piecewise captures are the same thing — ``segment, step, ..., segment`` per key —
-told apart only by their front-end (:class:`~.base.Front`): where the breaks are and what
-crosses them. :class:`EagerSegmentEngine` records them over the eager segments' op tape
-(:mod:`.tape`); :class:`~.cuda.SegmentCudaEngine` over CUDA graphs. Full graphs have no
-segments: :class:`~.eager.EagerEngine` and :class:`~.cuda.FullCudaEngine`.
-"""
+"""The segmented engine over eager segments (the op tape of :mod:`.tape`), for either front."""
 
 from __future__ import annotations
 

@@ -1,27 +1,7 @@
-"""Keep CUDA-graph destructors out of CUDA-graph captures.
+"""Keep CUDA-graph destructors out of CUDA-graph captures (docs/index.md, "GC safety").
 
-A backend dropped without ``cleanup()`` while it sits in a reference cycle is freed by the
-cyclic garbage collector, at whatever moment a collection happens to run. If that moment falls
-inside another graph's capture, the dropped graphs' destructors (``cudaGraphExecDestroy``, pool
-release) run on a capturing process and invalidate the capture ("operation not permitted when
-stream is capturing", then ``CUBLAS_STATUS_INTERNAL_ERROR`` or
-``cudaErrorStreamCaptureInvalidated``). Two defences, for every capture this package makes:
-
-* :func:`gc_safe_capture` — outermost entry (no capture of this process in progress, any
-  thread): ``gc.collect()``, so garbage dies *now*, outside the capture, then ``gc.disable()``,
-  so no automatic collection starts during it; the last exit restores the previous enabled flag.
-  The GC's frozen generation is never touched: ``gc.freeze()`` cannot be undone selectively, so
-  freezing would leave a caller's earlier freeze (SGLang's ``freeze_gc``, or any other)
-  covering our objects for good — dropped backends then never die;
-* :func:`defer_release` — every object that owns CUDA graphs (``engines.cuda.FullGraph``,
-  ``engines.cuda_segments.CudaSegments``, the engines' pool anchors) hands its graphs here from its
-  ``__del__``. Outside a capture nothing happens and the graphs go with their owner; inside one
-  (ours, or the current stream capturing) they are parked and destroyed when the last capture
-  ends. So even an explicit ``gc.collect()`` inside a capture, or dropping the last reference,
-  frees the backend without destroying a graph on a capturing process.
-
-Nested and concurrent captures (other threads) share one depth count, since the GC is global.
-"""
+:func:`gc_safe_capture` collects once and disables the cyclic GC while any capture runs;
+:func:`defer_release` parks the graphs of an owner that dies inside a capture until it ends."""
 
 from __future__ import annotations
 
@@ -52,11 +32,9 @@ def _stream_capturing() -> bool:
 
 
 def defer_release(graphs: Iterable[Any]) -> None:
-    """Called by a dying owner of ``graphs``: keep them alive while a capture is in progress.
+    """Called from a dying owner's ``__del__``: park ``graphs`` while a capture is in progress.
 
-    Outside a capture this does nothing (the caller's references go, the graphs are destroyed
-    as usual). Never raises: it runs from ``__del__``.
-    """
+    Outside a capture this does nothing. Never raises."""
     try:
         if _depth > 0 or _stream_capturing():
             with _lock:
@@ -77,13 +55,10 @@ def _drain() -> None:
 
 @contextlib.contextmanager
 def gc_safe_capture(*, collect: bool = True) -> Iterator[None]:
-    """Collect garbage, then disable the cyclic GC for the duration of a capture.
+    """Collect garbage, then disable the cyclic GC until the outermost exit restores it.
 
-    ``collect=False`` (outermost entry only) disables the GC without the collection: for
-    captures released before anything else runs (the forecast's probes), where a full collection
-    would cost more than the captures (docs/index.md, "GC safety"). Nested entries
-    never collect; graphs dropped meanwhile are parked as always (:func:`defer_release`).
-    """
+    ``collect=False`` skips the collection (outermost entry only). Nested and concurrent entries
+    share one depth count; the GC's frozen generation is never touched."""
     global _depth, _restore_enabled
     with _lock:
         if _depth == 0:

@@ -1,25 +1,7 @@
-"""The one segment recorder: ``segment, step, segment, step, ..., segment`` for one shape key.
+"""The one segment recorder: ``segment, step, segment, ..., segment`` for one shape key.
 
-Every segmented capture — Breakable (breaks marked with ``@graph_break``) and Piecewise (FX
-pieces split at splitting ops) — is recorded here; the front-ends (``engines/breakable.py``,
-``backends/piecewise/front.py``) only decide *where* a break is and *what* crosses it.
-
-* :class:`Segments` makes segments: ``engines.cuda_segments.CudaSegments`` (one ``torch.cuda.CUDAGraph``
-  per segment in the partition's pool; ``None`` for a segment that captured no work) or
-  :class:`~.tape.EagerSegments` (CPU machines: every op run while a segment is open, recorded by a
-  dispatch mode as a stream capture records kernels, plus the front-ends' actions; re-run in
-  order at replay).
-* :class:`Recorder` opens segment 0, closes a segment and runs the eager work of a break
-  (:meth:`Recorder.eager_break`), reopens, appends the break's replay step, and aborts every
-  segment when anything fails (:func:`record`).
-* a host read inside a segment (``.item()``, ``bool(t)``, ``.tolist()``, ``nonzero``) is
-  refused with :class:`~sglang_bcg_plugin.errors.HostReadError`: by the op tape before the op
-  runs on the eager segments, and on CUDA translated from the error the stream capture raised
-  (:func:`host_read_error`), so both engines name the key and the segment alike.
-* :class:`SegmentedGraph` replays ``run(segment 0), step 0, run(segment 1), step 1, ...`` and
-  holds strong references to everything crossing a boundary (weak references let later captures
-  re-carve the memory: SGLang #37606).
-"""
+Front-ends (``engines/breakable.py``, ``backends/piecewise/front.py``) decide where a break is
+and what crosses it; :class:`Segments` (CUDA graphs or the eager op tape) makes the segments."""
 
 from __future__ import annotations
 
@@ -33,6 +15,7 @@ import torch
 
 from ..errors import HostReadError, user_frame
 from ..storage import copy_broadcast
+from ..trees import storage_key
 
 
 Action = Callable[[], None]
@@ -59,18 +42,15 @@ class Segments(Protocol):
 
 
 def untracked() -> contextlib.AbstractContextManager[None]:
-    """Pause the open eager segment of the capture running in this context (if any): for work
-    whose replay is recorded otherwise (a compiled callable's pieces, a break's own result)."""
+    """Pause the open eager segment of this context's capture, if any (work replayed another way)."""
     rec = _active.get()
     return rec.segments.paused() if rec is not None else contextlib.nullcontext()
 
 
 def refresh(static: torch.Tensor, value: torch.Tensor, what: str) -> None:
-    """Write a replayed ``value`` into the captured ``static`` storage (a no-op when it is that
-    storage already), as a graph replay rewrites the memory it owns.
+    """Write a replayed ``value`` into the captured ``static`` storage (no-op when it is that storage).
 
-    :raises RuntimeError: the shape changed since capture; ``what`` names the producer.
-    """
+    :raises RuntimeError: the shape changed since capture; ``what`` names the producer."""
     if static.shape != value.shape:
         msg = f"{what} returned shape {tuple(value.shape)} on replay, captured {tuple(static.shape)}"
         raise RuntimeError(msg)
@@ -85,9 +65,7 @@ def refresh(static: torch.Tensor, value: torch.Tensor, what: str) -> None:
                 raise
 
 
-#: What CUDA and torch say when work inside a stream capture synchronises with the host (a value
-#: read on the host: ``.item()``, ``bool(t)``, ``nonzero``, a copy to pageable host memory), or
-#: what a capture that did so says next.
+#: What CUDA and torch say when a stream capture refuses a host sync, or what it says next.
 _CUDA_HOST_SYNC = (
     "operation not permitted when stream is capturing",
     "cudaErrorStreamCaptureUnsupported",
@@ -98,9 +76,8 @@ _CUDA_HOST_SYNC = (
 
 
 def host_read_error(exc: BaseException, key: object, segment: int | None) -> HostReadError | None:
-    """The :class:`HostReadError` a CUDA capture failure stands for (the stream capture refused a
-    host sync, most often a tensor's value read on the host), or ``None`` for any other error.
-    An error the eager tape raised is returned as it is."""
+    """The :class:`HostReadError` a CUDA capture failure stands for (a refused host sync), ``exc``
+    itself when it is one, else ``None``."""
     if isinstance(exc, HostReadError):
         return exc
     text = str(exc)
@@ -123,16 +100,12 @@ class SegmentedGraph:
         self._steps = steps
         self._held = held  # strong references to everything crossing a segment boundary
         self.num_segments = len(self._runners)
-        # Replay runs the eager work (breaks, the op tape) in the autograd mode of the capture: a
-        # capture under torch.inference_mode() made inference tensors, which only inference mode
-        # may write (a graph's kernels write them anywhere). Same cost as no_grad.
+        # eager work replays in the capture's autograd mode (docs/reliability.md)
         self._mode = torch.inference_mode if torch.is_inference_mode_enabled() else torch.no_grad
 
     @property
     def steps(self) -> tuple[Action, ...]:
-        """The eager steps replayed between segments, in order (step ``i`` runs after segment
-        ``i``): a break's or a splitting op's call with what it keeps (read-only; empty once
-        released)."""
+        """The eager steps replayed between segments (step ``i`` after segment ``i``); empty once released."""
         return tuple(self._steps)
 
     def replay(self) -> Any:
@@ -166,24 +139,33 @@ class Recorder:
         self.steps: list[Action] = []
         self.held: list[Any] = []
         self.segment = 0  # the open segment's index
-        self._in_break = False
-
-    @property
-    def in_break(self) -> bool:
-        """Whether eager break work is running (nested breaks and pieces run as plain calls)."""
-        return self._in_break
+        #: eager break work is running (nested breaks and pieces run as plain calls)
+        self.in_break = False
 
     @contextlib.contextmanager
     def eager_break(self) -> Iterator[None]:
         """Close the open segment, run the body eagerly, then open the next segment."""
         self.segments.end()
-        self._in_break = True
+        self.in_break = True
         try:
             yield
         finally:
-            self._in_break = False
+            self.in_break = False
         self.segments.begin()
         self.segment += 1
+
+    def fresh_returns(self, leaves: list[Any], arg_keys: set[tuple[str, int]]) -> list[Any]:
+        """Call right after :meth:`eager_break`: each tensor of ``leaves`` that aliases no argument
+        replaced by graph-pool memory of the open segment (filled at once off a capture)."""
+        targets = [
+            torch.empty_like(t) if isinstance(t, torch.Tensor) and storage_key(t) not in arg_keys else t
+            for t in leaves
+        ]
+        with self.segments.paused():  # eager segments: the step refreshes them at replay
+            for target, t in zip(targets, leaves, strict=True):
+                if target is not t and not (target.is_cuda and torch.cuda.is_current_stream_capturing()):
+                    target.copy_(t)
+        return targets
 
     def add_step(self, step: Action, held: Any) -> None:
         """The replay work of the break just run, and what it must keep alive."""
@@ -207,12 +189,10 @@ def active_recorder() -> Recorder | None:
 
 
 def record(recorder: Recorder, forward_fn: Callable[[], Any], finalize: Callable[[Any], Any]) -> SegmentedGraph:
-    """Run ``forward_fn`` with ``recorder`` active; returns the captured graph.
+    """Run ``forward_fn`` with ``recorder`` active; returns the captured graph. On any failure every
+    segment is aborted.
 
-    On any failure every segment is aborted (the stream is left not capturing, graphs reset).
-
-    :raises HostReadError: the forward read a tensor's value on the host inside a segment.
-    """
+    :raises HostReadError: the forward read a tensor's value on the host inside a segment."""
     token = _active.set(recorder)
     try:
         recorder.segments.begin()

@@ -1,24 +1,8 @@
 """The eager engine's segments: an op tape, the CPU stand-in of a CUDA stream capture.
 
-While a segment is open, a dispatch mode (:class:`_Tape`) records every op the forward runs,
-with the very tensors it ran on; replay runs the same ops again on those tensors and writes
-each result into the tensor captured for it (:func:`~.recorder.refresh`), as a graph replay
-rewrites the memory it owns. So work around the breaks or pieces — ``fn(x[:n] * 2)``,
-``fn(x) * 2``, the output policy's copies — replays on CPU exactly as on CUDA, and only ops
-replay: the forward's Python runs once, at capture, as with a CUDA graph.
-
-Allocations replay no work (a graph has no kernel for them either). Work whose replay is
-recorded another way (a compiled callable's pieces, a break's own result) runs inside
-:meth:`EagerSegments.paused`.
-
-What a stream capture refuses, the tape refuses: a tensor's value read on the host while a
-segment is open (``.item()``, ``bool(t)``, ``if t > 0:``, ``.tolist()``, ``torch.equal``, an op
-whose output shape depends on the values: ``nonzero``, ``masked_select``, ``x[mask]``,
-``unique``). The Python that used the value would run once, at capture, and every replay would
-reuse it; on CUDA the capture fails (a host sync). Each raises
-:class:`~sglang_bcg_plugin.errors.HostReadError` naming the op, the key and the segment, before
-the op runs. Reads in a ``@graph_break`` body, a splitting op or a warmup are outside any segment.
-"""
+A dispatch mode records every op run while a segment is open and replays it on the captured
+tensors; a host read inside a segment raises :class:`~sglang_bcg_plugin.errors.HostReadError`
+before the op runs (docs/refusals.md)."""
 
 from __future__ import annotations
 
@@ -57,10 +41,7 @@ _PY_READS = {
 
 
 def _reads_host(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | None:
-    """What ``func`` reads on the host, or ``None``: its value as a Python object (torch's tag
-    ``data_dependent_output``: ``.item()``, ``bool(t)``, ``torch.equal``) or an output shape that
-    depends on the values (``dynamic_output_shape``, less the overloads that do not: integer
-    indexing, ``repeat_interleave`` given ``output_size``)."""
+    """What ``func`` reads on the host (a value, or a value-dependent output shape), or ``None``."""
     tags = getattr(func, "tags", ())
     if torch.Tag.data_dependent_output in tags:
         if func is _aten._local_scalar_dense.default:
@@ -79,9 +60,7 @@ def _reads_host(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str
 
 
 def _validates_only(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
-    """Whether ``func``'s reads on the host only validate its arguments on CPU (the output does
-    not depend on them, and CUDA reads nothing): ``one_hot`` given ``num_classes`` checks its
-    labels' range."""
+    """Whether ``func``'s host reads only validate its arguments (``one_hot`` given ``num_classes``)."""
     if func is not torch.nn.functional.one_hot:
         return False
     return (args[1] if len(args) > 1 else kwargs.get("num_classes", -1)) != -1
@@ -108,9 +87,7 @@ class _OpStep:
 
 
 class _Tape(TorchDispatchMode):
-    """Records every op run while a segment of the eager engine is open: the eager stand-in of a
-    CUDA stream capture. Work the forward does around the breaks or pieces (``fn(x[:n] * 2)``,
-    ``fn(x) * 2``, the output policy's copies) is replayed as a graph would replay it."""
+    """Records every op run while an eager segment is open."""
 
     def __init__(self, sink: list[Action], refuse: Any) -> None:
         super().__init__()
@@ -130,8 +107,7 @@ class _Tape(TorchDispatchMode):
 
 
 class _PyReads(TorchFunctionMode):
-    """The tensor methods that read values without an op (``.tolist()``, ``.numpy()``): refused
-    while a segment is open, as the tape refuses ``.item()``."""
+    """Refuses the tensor methods that read values without an op (``.tolist()``, ``.numpy()``)."""
 
     def __init__(self, refuse: Any, tape: _Tape) -> None:
         super().__init__()
@@ -153,10 +129,7 @@ class _PyReads(TorchFunctionMode):
 
 
 class EagerSegments:
-    """Segments of the eager engine: the ops run while a segment is open (recorded by a
-    dispatch mode, as a CUDA stream capture records kernels) and the actions front-ends record
-    (piece re-runs), re-run in order at replay. Only ops are recorded: Python logic of the forward
-    runs once, at capture, exactly as with a CUDA graph."""
+    """Segments of the eager engine: recorded ops and front-end actions, re-run in order at replay."""
 
     #: Recorded actions are re-run at replay: what they read must be kept.
     reruns_actions = True
@@ -171,8 +144,8 @@ class EagerSegments:
         self._refused: HostReadError | None = None
 
     def _refuse(self, op: str) -> NoReturn:
-        """A host read inside the open segment: raise (and fail the segment, should the forward
-        catch it: a stream capture stays invalidated too)."""
+        """Raise for a host read inside the open segment; the segment stays failed if the forward
+        catches it."""
         self._refused = HostReadError(self.key, len(self._done), op, _where())
         raise self._refused
 

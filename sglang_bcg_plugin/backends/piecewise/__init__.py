@@ -1,21 +1,5 @@
-"""Piecewise backend: ``torch.compile`` split at splitting ops, one CUDA graph per piece per key.
-
-vLLM's design, with our output policy: ``backend.compile(model)`` compiles the model once for
-every size (dim 0 dynamic) with our compile backend (:mod:`.compile`), which cuts the FX
-graph at the splitting ops (attention). ``capture_one`` captures each piece of the forward as a
-CUDA graph in the partition's pool and runs the splitting ops eagerly between them
-(:mod:`.record`, the front of the segmented engine); ``replay`` replays the pieces in order. The last piece's output follows
-the output-sharing policy like every backend's (the copy is recorded in the last piece's graph).
-
-Usage::
-
-    backend = create_backend("piecewise", splitting_ops=[torch.ops.my.attention.default])
-    fn = backend.compile(model)
-    with backend.capture_session():
-        for size in sorted(sizes, reverse=True):
-            backend.capture_one(ShapeKey(size), lambda: fn(x[:size]), capture_inputs=x)
-    out = backend.replay(ShapeKey(8))
-"""
+"""Piecewise backend: ``torch.compile`` split at splitting ops, one CUDA graph per piece per key
+(docs/piecewise.md)."""
 
 from __future__ import annotations
 
@@ -25,8 +9,6 @@ from typing import Any
 import pluggy
 import torch
 
-from ...engines.base import Engine
-from ...engines.eager_segments import EagerSegmentEngine
 from ...manager import hookimpl
 from ...options import BackendOptions
 from ...output_mode import Resolution
@@ -43,16 +25,15 @@ from .split import SplitSummary
 class PiecewiseBackend(CaptureBackend):
     """Piecewise CUDA graphs of a ``torch.compile``-d model, split at ``splitting_ops``.
 
-    :param splitting_ops: ops that run eagerly between graph pieces (``OpOverload``,
-        ``OpOverloadPacket`` or ``torch.library.custom_op`` objects); validated here.
-    :param inductor: compile every piece with Inductor before it is captured (vLLM's design):
-        fused kernels, faster replay and a smaller pool, at the price of compile time and
-        Inductor's numerics (not bitwise eager). Off by default (docs/piecewise.md says why).
-    :param inductor_config: extra Inductor config patches for the pieces (only with
-        ``inductor=True``); ``triton.cudagraphs`` stays off.
-    """
+    :param splitting_ops: ops that run eagerly between pieces (``OpOverload``,
+        ``OpOverloadPacket`` or ``torch.library.custom_op`` objects).
+    :param inductor: compile every piece with Inductor before it is captured (off by default).
+    :param inductor_config: Inductor config patches for the pieces (only with ``inductor=True``).
+    :raises TypeError: ``inductor`` is not a bool, or a splitting op is not an op.
+    :raises ValueError: ``inductor_config`` without ``inductor=True``."""
 
     name = "piecewise"
+    _front = PieceFront
 
     def __init__(
         self,
@@ -84,20 +65,12 @@ class PiecewiseBackend(CaptureBackend):
     def compile(  # type: ignore[override]
         self, model: Callable[..., Any], *, dynamic: DynamicMode = "auto", dynamic_dim: int = 0
     ) -> PiecewiseCompiled:
-        """Compile ``model`` (a module or function) with this backend's piecewise compile backend.
+        """Compile ``model`` (``fullgraph=True``) with this backend's piecewise compile backend.
 
-        ``fullgraph=True``: a graph break would leave work outside the pieces, which replay
-        would skip. The size dim of every tensor argument that follows the capture size is
-        dynamic (fixed tensors stay static), so one compilation serves every capture size;
-        :attr:`num_compilations` tells if the model forced more.
-
-        :param dynamic: how the size dim is made dynamic: ``"auto"`` (default:
-            ``"size_oblivious"`` with ``inductor=True``, else ``"unbacked"``), ``"unbacked"`` (no
-            size is special), ``"size_oblivious"`` or ``"backed"`` (see :class:`PiecewiseCompiled`).
-        :param dynamic_dim: the dim that varies with the capture size: 0 (default) for
-            tokens-first inputs, 1 for batch-first ``[1, seq]`` inputs (transformers).
-        :raises ValueError: unknown ``dynamic``, or a negative / non-int ``dynamic_dim``.
-        """
+        :param dynamic: how the size dim is made dynamic: ``"auto"`` (``"size_oblivious"`` with
+            Inductor, else ``"unbacked"``), ``"unbacked"``, ``"size_oblivious"`` or ``"backed"``.
+        :param dynamic_dim: the dim that varies with the capture size (1 for batch-first inputs).
+        :raises ValueError: unknown ``dynamic``, or a negative / non-int ``dynamic_dim``."""
         compiler = PiecewiseCompiler(self._splitting_ops, self._summaries.append, self._inductor)
         self._compilers.append(compiler)
         return PiecewiseCompiled(model, compiler, dynamic=dynamic, dynamic_dim=dynamic_dim)
@@ -119,9 +92,8 @@ class PiecewiseBackend(CaptureBackend):
 
     @property
     def compile_seconds(self) -> float:
-        """Wall seconds of the calls of compiled callables that compiled (dynamo, split,
-        Inductor, first run); paid by warmups, so also inside the capture seconds reported per
-        key: subtract it to get the capture alone."""
+        """Wall seconds of the calls that compiled (dynamo, split, Inductor, first run); paid by
+        warmups, so also inside the per-key capture seconds."""
         return sum(c.compile_seconds for c in self._compilers)
 
     @property
@@ -141,20 +113,9 @@ class PiecewiseBackend(CaptureBackend):
         capture_inputs: Any = None,
         post_warmup_hook: Callable[[], None] | None = None,
     ) -> Any:
-        """:meth:`CaptureBackend.capture_one`, with the key's size known to the compiled
-        callables its warmups and capture call: a tensor argument is marked dynamic only where
-        its extent is that size (:class:`~.compile.SizeDims`)."""
+        """:meth:`CaptureBackend.capture_one`, with the key's size known to the compiled callables."""
         with capture_size(getattr(shape_key, "size", None)):
             return super().capture_one(shape_key, forward_fn, capture_inputs, post_warmup_hook)
-
-    # -- engine ---------------------------------------------------------------------------------
-    def _make_eager_engine(self) -> Engine:
-        return EagerSegmentEngine(PieceFront())
-
-    def _make_cuda_engine(self) -> Engine:
-        from ...engines.cuda import SegmentCudaEngine
-
-        return SegmentCudaEngine(PieceFront())
 
 
 @hookimpl

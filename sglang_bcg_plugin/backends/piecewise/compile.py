@@ -1,17 +1,6 @@
-"""Piecewise compilation: ``torch.compile`` with our compile backend (split at splitting ops).
-
-``torch.compile(model, backend=PiecewiseCompiler(ops), fullgraph=True)`` hands us one FX graph
-per compilation; :func:`~.split.split_graph` cuts it at the splitting ops and, with
-``inductor=True``, compiles every piece with Inductor (:mod:`.inductor`).
-
-The size dimension of every tensor argument that varies with the capture size is marked dynamic
-(unbacked, or backed and traced with size-oblivious reasoning when Inductor compiles the pieces),
-so one compilation serves every capture size (size 1 included: with plain dynamic shapes dynamo
-specializes sizes 0 and 1 and would recompile for them). A tensor whose size dim does not follow
-the capture size (a ``[1]`` scale, a fixed table, a 0-dim tensor) stays static
-(:class:`SizeDims`): marked dynamic, dynamo would reason about a symbol where the model relies on
-a fixed extent (``x * scale`` broadcasting) and fail its own guards.
-"""
+"""Piecewise compilation: ``torch.compile`` with our compile backend, split at splitting ops; the
+size dim of the tensors that follow the capture size marked dynamic (docs/piecewise.md,
+"Dynamic shapes")."""
 
 from __future__ import annotations
 
@@ -30,8 +19,7 @@ from .split import SplitProgram, SplitSummary, split_graph
 
 
 class PiecewiseCompileError(RuntimeError):
-    """Dynamo could not trace the model as one graph (``fullgraph=True``); dynamo's own report
-    is the cause (``__cause__``) and is quoted in the message."""
+    """Dynamo could not trace the model as one graph; dynamo's report is the cause."""
 
 
 def _untraceable(exc: Exception) -> PiecewiseCompileError:
@@ -47,10 +35,8 @@ def _untraceable(exc: Exception) -> PiecewiseCompileError:
 
 
 class PiecewiseCompiler:
-    """The ``torch.compile`` backend: split (compile the pieces), wrap, report each compilation.
-
-    :param inductor: compiles every piece with Inductor; ``None``: pieces run as traced.
-    """
+    """The ``torch.compile`` backend: split (and compile the pieces with ``inductor``, if given),
+    wrap, report each compilation to ``on_split``."""
 
     def __init__(
         self,
@@ -76,14 +62,7 @@ _MODES = ("auto", "unbacked", "size_oblivious", "backed")
 
 
 def resolve_dynamic(dynamic: DynamicMode, inductor: bool) -> DynamicMode:
-    """``"auto"`` made concrete: ``"size_oblivious"`` when Inductor compiles the pieces,
-    ``"unbacked"`` otherwise; any other mode as given.
-
-    Inductor picks kernels by size hints. An unbacked size has none (Inductor assumes a fallback
-    size), and its symbolic sizes block fusions, so Inductor's pieces get fewer, faster kernels
-    size-oblivious (the measured difference: ``docs/piecewise.md``). Pieces run as traced take no
-    hint, and unbacked compiles once for every size.
-    """
+    """``"auto"`` made concrete: ``"size_oblivious"`` with Inductor, else ``"unbacked"``."""
     if dynamic == "auto":
         return "size_oblivious" if inductor else "unbacked"
     return dynamic
@@ -98,13 +77,8 @@ def _size_oblivious() -> contextlib.AbstractContextManager[None]:
 
 
 def _canonical(t: torch.Tensor) -> torch.Tensor:
-    """``t``, or for a contiguous ``t`` whose size-1 dims have odd strides, a view with the
-    standard ones (same storage and elements).
-
-    A size-1 dim's stride never addresses anything, yet dynamo guards on it: ``ids[:, :s]`` of
-    a ``[1, max]`` buffer has stride ``(max, 1)``, contiguous only at ``s == max``, so every
-    smaller size failed ``stride()[0] == size()[1]`` and recompiled once.
-    """
+    """``t``, or for a contiguous ``t`` whose size-1 dims have odd strides, a view with the standard
+    strides (dynamo guards on them: ``ids[:, :s]`` of a ``[1, max]`` buffer would recompile)."""
     if not t.is_contiguous():
         return t
     want = []
@@ -121,8 +95,8 @@ _capture_size: contextvars.ContextVar[int | None] = contextvars.ContextVar("sgla
 
 @contextlib.contextmanager
 def capture_size(size: object) -> Iterator[None]:
-    """Calls of compiled callables in the body run for a key of this capture size (an int;
-    anything else: unknown). ``PiecewiseBackend.capture_one`` sets it around warmups and capture."""
+    """Calls of compiled callables in the body run for a key of capture size ``size`` (an int;
+    anything else: unknown)."""
     known = size if isinstance(size, int) and not isinstance(size, bool) else None
     token = _capture_size.set(known)
     try:
@@ -132,19 +106,11 @@ def capture_size(size: object) -> Iterator[None]:
 
 
 class SizeDims:
-    """Which tensor arguments of a compiled callable have a size dim that follows the capture size.
+    """Which tensor arguments have a size dim at ``dim`` that follows the capture size.
 
-    At each call, of the tensors with more than ``dim`` dims, those whose extent at ``dim``
-    is the call's *reference* are candidates: the capture size when the call runs inside
-    ``capture_one`` and some tensor has it there, else the largest extent at ``dim`` (a direct
-    call; or rows that are a multiple of the size, as in speculative decoding). A tensor is
-    marked dynamic while *every* call so far (of this argument structure) found it a candidate:
-    one whose extent differed once (a ``[1]`` scale, a fixed table) is static for good. So marks
-    only ever shrink after the first call, and dynamo, which recompiles when a call marks a dim
-    its graph compiled static, never recompiles for them. A reference of 1 tells nothing (every
-    broadcast dim has extent 1): such a call marks what the calls before it marked, nothing if
-    it is the first.
-    """
+    A tensor is marked while every call of its argument structure so far found its extent equal
+    to the call's reference (the capture size, else the largest extent); marks only shrink, so
+    dynamo never recompiles for them. A reference of 1 tells nothing (docs/piecewise.md)."""
 
     def __init__(self, dim: int) -> None:
         self.dim = dim
@@ -169,28 +135,11 @@ class SizeDims:
 
 
 class PiecewiseCompiled:
-    """``backend.compile(model)``: the model compiled with the piecewise compile backend.
+    """``backend.compile(model)``: marks the size dim (``dynamic_dim``) of each tensor argument that
+    follows the capture size dynamic, as ``dynamic`` says, then calls the compiled model.
 
-    Every call marks the size dim (``dynamic_dim``: 0 for tokens-first ``[tokens, hidden]``, 1
-    for batch-first ``[1, seq]`` such as transformers' ``input_ids``) of each tensor argument
-    (top level, or inside lists, tuples and dicts) whose extent there follows the capture size
-    (:class:`SizeDims`; other tensors, 0-dim ones and non-tensors stay static) dynamic before
-    dynamo sees it, as ``dynamic`` says:
-
-    * ``"auto"`` (default): ``"size_oblivious"`` with Inductor pieces (its kernels are chosen by
-      a real size hint), ``"unbacked"`` otherwise (:func:`resolve_dynamic`).
-    * ``"unbacked"``: ``mark_unbacked``; no size is special, so one compilation serves every
-      size, 1 included. A model that branches on the size fails to compile, loudly.
-    * ``"size_oblivious"``: ``maybe_mark_dynamic`` traced with ``backed_size_oblivious``; sizes
-      0/1 are not specialized unless an op insists (``.contiguous()`` of a split view does, so
-      size 1 may recompile once). The first size compiled is the hint Inductor tunes for.
-    * ``"backed"``: plain ``maybe_mark_dynamic``; dynamo specializes sizes 0 and 1 (one extra
-      compilation for size 1).
-
-    The compiler's ``compile_seconds`` sums the wall time of the calls that compiled (dynamo, the
-    split, Inductor if on, and the first run, where Inductor's kernels load and autotune): the
-    warmups pay it, never a capture.
-    """
+    :raises ValueError: unknown ``dynamic``, or ``dynamic_dim`` not an int >= 0.
+    :raises PiecewiseCompileError: dynamo could not trace the model as one graph."""
 
     def __init__(
         self,
@@ -228,8 +177,7 @@ class PiecewiseCompiled:
             leaves = [self._mark(t) if i in marks else t for i, t in enumerate(leaves)]
             args, kwargs = tree_unflatten(leaves, spec)
         calls, start = self.compiler.calls, time.perf_counter()
-        # On the eager engine the pieces record their own replay: the open segment's op tape
-        # pauses for the compiled call (and dynamo sees no dispatch mode).
+        # the pieces record their own replay: the eager op tape pauses for the call
         with untracked(), _size_oblivious() if self.dynamic == "size_oblivious" else contextlib.nullcontext():
             try:
                 out = self.compiled(*args, **kwargs)

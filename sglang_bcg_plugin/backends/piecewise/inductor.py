@@ -1,25 +1,6 @@
-"""Inductor for the pieces (vLLM's piecewise design): one dynamic compilation per piece.
-
-With ``inductor=True`` the compile backend hands every *piece* of the split graph (never a
-splitting call, which stays eager) to Inductor's ``compile_fx`` before wrapping it in its
-runner. Inductor fuses the piece's pointwise and reduction work, so the CUDA graph captured
-from it launches fewer, cheaper kernels and holds fewer intermediates in the pool.
-
-One artifact per piece serves every capture size: the pieces are compiled with *fake* example
-inputs carrying dynamo's symbolic sizes (dynamo's fake tensor of each graph input, propagated
-through the split graph by :class:`_FakeRun` under dynamo's ``FakeTensorMode``), so no size is
-baked in. Inductor's own CUDA graphs stay off (``triton.cudagraphs=False``): we
-capture the compiled pieces ourselves.
-
-Layouts: a compiled piece checks the strides of its inputs (they were fixed at compile time).
-A piece's outputs cross a splitting call as they are, in the layout Inductor gives them (the
-eager strides: a transposed query stays transposed, so the attention reads it without a copy).
-A tensor a splitting call returns reaches the next piece, at capture, through graph-pool memory
-made by ``torch.empty_like``, which keeps the strides of a dense layout (a permutation) but not
-of one with gaps or overlaps. So every such fresh return is made contiguous (:func:`dense_fresh`)
-in the fake run *and* in every plain call, and the compiled pieces see one layout, outside a
-capture and inside one; a dense return, transposed or not, is never copied.
-"""
+"""Inductor for the pieces (``inductor=True``): one dynamic compilation per piece, on fake inputs
+with dynamo's symbolic sizes; Inductor's own CUDA graphs stay off (docs/piecewise.md,
+"Inductor pieces")."""
 
 from __future__ import annotations
 
@@ -54,8 +35,7 @@ def _contiguous(t: torch.Tensor) -> bool:
 
 
 def _dense(t: torch.Tensor) -> bool:
-    """Non-overlapping and dense (a permutation of a contiguous layout): ``torch.empty_like``
-    gives the same strides. Undecidable for a fake tensor's unbacked size: no."""
+    """Non-overlapping and dense (``torch.empty_like`` keeps its strides); undecidable: no."""
     check = getattr(torch._prims_common, "is_non_overlapping_and_dense_or_false", None)
     if check is None:  # pragma: no cover - older torch: only the contiguous layout counts
         return _contiguous(t)
@@ -63,13 +43,8 @@ def _dense(t: torch.Tensor) -> bool:
 
 
 def dense_fresh(result: Any, args: Sequence[Any]) -> Any:
-    """``result`` with every tensor that aliases no argument and has gaps or overlaps made contiguous.
-
-    A splitting call's fresh return reaches the next piece, at capture, through
-    ``torch.empty_like`` pool memory: the same strides for a dense layout, contiguous ones
-    otherwise. Done outside a capture too, so a compiled piece meets one layout everywhere. A
-    dense return (contiguous, transposed, any permutation) passes as it is, never copied.
-    """
+    """``result`` with every tensor that aliases no argument and has gaps or overlaps made contiguous,
+    so a compiled piece meets one layout at capture and outside it; dense returns pass as they are."""
     leaves, spec = tree_flatten(result)
     if all(not isinstance(t, torch.Tensor) or _dense(t) for t in leaves):
         return result
@@ -84,19 +59,10 @@ def dense_fresh(result: Any, args: Sequence[Any]) -> Any:
 
 
 class CompiledPiece:
-    """A piece compiled by Inductor, returning what the FX piece returned.
+    """A piece compiled by Inductor, returning what the FX piece returned (a tuple, or one value).
 
-    Called *boxed* (``piece.boxed(args)``, one list) where the caller holds no other reference to
-    the arguments: Inductor's code empties the list and drops each input after its last use, so
-    a value the piece consumes early (the attention output before ``o_proj``) is freed inside
-    the piece, as a whole-model graph frees it, instead of living until the piece returns.
-    Inductor returns a list for a graph that returns a tuple; the recorder and the split graph
-    expect the piece's own structure, so a tuple is given back (one value stays one value).
-
-    :param compiled: Inductor's callable; takes one list when ``boxed``, the arguments otherwise.
-    :param returns_tuple: the FX piece returns a tuple (else its one value was made a 1-tuple
-        for Inductor).
-    """
+    Called boxed (``piece.boxed(args)``) it empties ``args``, so Inductor's code frees each input
+    after its last use."""
 
     def __init__(self, compiled: Callable[..., Any], returns_tuple: bool, boxed: bool = False) -> None:
         self.compiled = compiled
@@ -140,9 +106,8 @@ def _boxed_module(gm: torch.fx.GraphModule) -> torch.nn.Module | None:
 class InductorPieces:
     """Compiles the pieces of split graphs with Inductor; counts compilations and their seconds.
 
-    :param config: extra Inductor config patches (``torch._inductor.config`` names, e.g.
-        ``{"max_autotune": True}``); ``triton.cudagraphs`` is always ``False``.
-    """
+    :param config: extra ``torch._inductor.config`` patches; ``triton.cudagraphs`` stays ``False``.
+    :raises ValueError: ``config`` turns ``triton.cudagraphs`` on."""
 
     def __init__(self, config: Mapping[str, Any] | None = None) -> None:
         extra = dict(config or {})
@@ -160,12 +125,8 @@ class InductorPieces:
         pieces: Collection[str],
         dense: Collection[str],
     ) -> dict[str, CompiledPiece]:
-        """Compile the sub-modules ``pieces`` of ``split_gm`` (before they are wrapped).
-
-        :param example_inputs: what dynamo passed the compile backend (one per placeholder).
-        :param dense: the splitting calls: their fresh returns with gaps are made contiguous
-            (see module doc).
-        """
+        """Compile the sub-modules ``pieces`` of ``split_gm``; the fresh returns of the splitting calls
+        ``dense`` are made dense (:func:`dense_fresh`)."""
         start = time.perf_counter()
         run = _FakeRun(split_gm, self, frozenset(pieces), frozenset(dense))
         run.run(*_fake_inputs(example_inputs))
@@ -187,12 +148,8 @@ class InductorPieces:
 
 
 def _fake_inputs(example_inputs: Sequence[Any]) -> list[Any]:
-    """Dynamo's fake value of every example input: tensors with symbolic sizes, SymInts as is.
-
-    The tracing context's fake mode memoizes the fake tensor dynamo made of each real input
-    (marked dynamic, so its size is a symbol); the placeholders' ``example_value`` may live in
-    another fake mode (torch >= 2.13 re-fakes them for the backend), which Inductor rejects.
-    """
+    """Dynamo's fake value of every example input (from the tracing context's fake mode, which
+    memoizes them; the placeholders' ``example_value`` may be in another one)."""
     from torch._guards import detect_fake_mode
 
     fake_mode = detect_fake_mode(list(example_inputs))

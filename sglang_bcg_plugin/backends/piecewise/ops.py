@@ -9,16 +9,11 @@ from torch._library.custom_ops import CustomOpDef
 
 
 def resolve_splitting_ops(ops: Iterable[object] | None) -> tuple[torch._ops.OpOverload, ...]:
-    """Validate ``splitting_ops`` and resolve packets to all their overloads.
+    """Validate ``splitting_ops`` (``OpOverload``, ``OpOverloadPacket``, ``custom_op`` objects) and
+    resolve packets to all their overloads.
 
-    Accepted entries: ``torch._ops.OpOverload`` (``torch.ops.ns.op.default``),
-    ``torch._ops.OpOverloadPacket`` (``torch.ops.ns.op``: every overload splits) and the object
-    returned by ``torch.library.custom_op`` (its overload).
-
-    :raises TypeError: ``ops`` is not a list-like of ops, or an entry is not an op (the message
-        names the entry, its position and what is expected).
-    :raises ValueError: a packet without overloads.
-    """
+    :raises TypeError: ``ops`` is not a list-like of ops, or an entry is not an op.
+    :raises ValueError: a packet without overloads."""
     if ops is None:
         return ()
     if isinstance(ops, (str, bytes, torch._ops.OpOverload, torch._ops.OpOverloadPacket)) or not isinstance(

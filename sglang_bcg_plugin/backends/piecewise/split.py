@@ -1,15 +1,6 @@
-"""Split a dynamo FX graph at splitting ops; pieces and splitting calls become runners.
-
-We cut the graph before and after every call of a splitting op (keeping the original node order,
-which matters when ops mutate their arguments), so a graph with ``k`` splitting calls becomes
-``piece, op, piece, op, ..., piece``. Each piece becomes a :class:`PieceRunner` and each
-splitting call a :class:`SplitRunner`; outside a capture both just run their sub-graph. While a
-key is captured, both hand their work to the active recorder (:mod:`.record`), which captures
-pieces as CUDA graphs (or records them on the eager engine) and runs splitting ops eagerly
-between them; values cross them as they are (zero-copy). With an
-:class:`~.inductor.InductorPieces`, every piece runs as its Inductor-compiled callable instead
-of the traced FX graph (:mod:`.inductor`).
-"""
+"""Split a dynamo FX graph at splitting ops, in node order: ``piece, op, piece, ..., piece``;
+pieces become :class:`PieceRunner` and splitting calls :class:`SplitRunner`, which hand their
+work to the active piece recorder while a key is captured."""
 
 from __future__ import annotations
 
@@ -30,14 +21,7 @@ _graph_ids = itertools.count()
 
 @dataclass(frozen=True, slots=True)
 class SplitSummary:
-    """What one compilation was split into.
-
-    :param graph_id: process-unique id of the compiled FX graph.
-    :param num_pieces: non-empty pieces (CUDA-graph candidates); ``k + 1`` for ``k`` splitting
-        calls with work on both sides of each.
-    :param num_splitting_calls: calls of splitting ops in the graph (each runs eagerly).
-    :param splitting_targets: the op of each splitting call, in graph order.
-    """
+    """What one compilation was split into: non-empty pieces, splitting calls and their ops."""
 
     graph_id: int
     num_pieces: int
@@ -46,12 +30,8 @@ class SplitSummary:
 
 
 class PieceRunner(torch.nn.Module):
-    """A piece: plain call outside a capture, recorded/captured inside one.
-
-    :param compiled: the piece compiled by Inductor; runs instead of the FX ``piece``. Its
-        outputs keep the layout Inductor gives them (the eager strides): they cross a splitting
-        call as they are, so the next piece meets the same layout inside a capture and outside.
-    """
+    """A piece: a plain call outside a capture, recorded inside one; ``compiled`` (Inductor's) runs
+    instead of the FX ``piece``."""
 
     def __init__(self, piece: torch.fx.GraphModule, tag: str, compiled: CompiledPiece | None = None) -> None:
         super().__init__()
@@ -67,8 +47,7 @@ class PieceRunner(torch.nn.Module):
         return out
 
     def boxed(self, args: list[Any]) -> Any:
-        """Run on ``args``, a list this call empties (the caller keeps no other reference: a
-        compiled piece frees each argument after its last use)."""
+        """Run on ``args``, a list this call empties."""
         recorder = active_piece_recorder()
         if recorder is None:
             return self._run(args)
@@ -79,10 +58,7 @@ class PieceRunner(torch.nn.Module):
 
 
 class SplitRunner(torch.nn.Module):
-    """A splitting call: always eager; inside a capture it ends a piece and starts the next.
-
-    :param dense: make fresh outputs dense (the pieces are compiled).
-    """
+    """A splitting call: always eager; ``dense``: fresh outputs made dense (compiled pieces)."""
 
     def __init__(self, call: torch.fx.GraphModule, tag: str, dense: bool = False) -> None:
         super().__init__()
@@ -101,14 +77,8 @@ class SplitRunner(torch.nn.Module):
 
 
 class SplitProgram:
-    """What the compile backend returns to dynamo: the split module, run so that a value is
-    dropped by the program as soon as its last user starts (noting the program's inputs).
-
-    FX's generated code holds every argument of a call until the call returns, so a piece's
-    inputs would live through the whole piece. Here each piece gets its arguments in a list and
-    the program's own reference is gone first: a compiled piece frees an input after its last
-    use inside it (the attention output after ``o_proj``), and the graph pool reuses it.
-    """
+    """What the compile backend returns to dynamo: the split module, run so that the program drops
+    each value as soon as its last user starts (pieces get their arguments boxed)."""
 
     def __init__(self, module: torch.fx.GraphModule) -> None:
         self.module = module
@@ -183,8 +153,8 @@ def _matcher(ops: tuple[torch._ops.OpOverload, ...]) -> Callable[[torch.fx.Node]
 def _partition(
     gm: torch.fx.GraphModule, is_split: Callable[[torch.fx.Node], bool]
 ) -> tuple[dict[torch.fx.Node, int], set[int], list[str]]:
-    """Each node's partition (a new one before and after every splitting call), the partitions
-    that are splitting calls, and the calls' targets."""
+    """Each node's partition (a new one around every splitting call), the splitting partitions, and
+    the calls' targets."""
     part: dict[torch.fx.Node, int] = {}
     split_ids: set[int] = set()
     targets: list[str] = []
@@ -209,10 +179,8 @@ def split_graph(
     inductor: InductorPieces | None = None,
     example_inputs: list[Any] | None = None,
 ) -> tuple[torch.fx.GraphModule, SplitSummary]:
-    """Split ``gm`` at every call of ``ops``; pieces and calls become runner sub-modules.
-
-    With ``inductor``, every piece is compiled for dynamo's ``example_inputs`` first.
-    """
+    """Split ``gm`` at every call of ``ops`` into runner sub-modules; with ``inductor``, every piece
+    is compiled for dynamo's ``example_inputs`` first."""
     graph_id = next(_graph_ids)
     part, split_ids, targets = _partition(gm, _matcher(ops))
     # keep_original_order: splitting ops may mutate their arguments, so nodes must not move.
@@ -232,6 +200,4 @@ def split_graph(
             split_gm.add_module(name, SplitRunner(sub, tag, dense=inductor is not None))
         else:
             split_gm.add_module(name, PieceRunner(sub, tag, compiled.get(name)))
-    num_pieces = len(pieces)
-    summary = SplitSummary(graph_id, num_pieces, len(targets), tuple(targets))
-    return split_gm, summary
+    return split_gm, SplitSummary(graph_id, len(pieces), len(targets), tuple(targets))
