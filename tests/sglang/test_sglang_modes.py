@@ -156,7 +156,7 @@ def test_guard_on_shared_outputs_poisons_within_the_partition(monkeypatch: pytes
     a = replay(backend, shape_key(16))
     replay(backend, shape_key(8))
     assert [p[0] for p in poison] == [id(a)] and "same partition" in poison[0][1]
-    guard = backend._bcg_state.guard
+    guard = backend._bcg_state.policy.guard
     backend.cleanup()
     # private: the guard has no read API; cleanup() forgot every record of this backend
     assert all(h.owner != id(backend._bcg_state) for h in guard._last.values())
@@ -168,7 +168,7 @@ def test_guard_unsupported_warns(monkeypatch: pytest.MonkeyPatch) -> None:
     backend = make_backend()
     with pytest.warns(RuntimeWarning, match="cannot poison storages"), backend.capture_session(None):
         pass
-    assert backend._bcg_state.guard is None  # private: no public "guard active" read
+    assert backend._bcg_state.policy.guard is None  # private: no public "guard active" read
 
 
 def test_cleanup_leaves_the_global_pool_usable(monkeypatch: pytest.MonkeyPatch) -> None:
