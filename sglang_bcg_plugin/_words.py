@@ -1,9 +1,7 @@
 """The one parser of a switch's word: options, environment variables and the server flag.
 
-Every named choice (an output mode, a buffer source, a pool setting) and every boolean is read
-by :func:`parse_word`: any case, surrounding whitespace allowed; anything else is an error that
-names the switch and lists the accepted values. :func:`parse_env` reads an environment variable
-with it (unset or blank: ``None``, the caller's default).
+:func:`parse_word` reads every named choice and boolean (any case, surrounding whitespace);
+anything else is an error naming the switch and the accepted values.
 """
 
 from __future__ import annotations
@@ -40,9 +38,8 @@ def parse_word(raw: object, words: Mapping[str, T], what: str, *, kind: str, acc
     :param what: the switch, as the user wrote it (``BackendOptions.shared_buffer``, a variable).
     :param kind: what a value is (``"a boolean"``, ``"an output mode"``), for the message.
     :param accepted: how the message lists the accepted values (default: ``words``' keys).
-    :raises TypeError: ``raw`` is not a str (naming ``what``, the value and what is accepted).
-    :raises ValueError: ``raw`` is not one of ``words`` (naming ``what``, the value and what is
-        accepted).
+    :raises TypeError: ``raw`` is not a str. :raises ValueError: ``raw`` is not one of ``words``
+        (both name ``what``, the value and what is accepted).
     """
     accepted = names_text(words) if accepted is None else accepted
     if not isinstance(raw, str):

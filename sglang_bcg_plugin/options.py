@@ -45,8 +45,7 @@ def parse_pool_reserve(raw: object, *, what: str = "BackendOptions.pool_reserve"
 
 
 def parse_shared_buffer(raw: object, *, what: str = "BackendOptions.shared_buffer") -> SharedBufferSource:
-    """A buffer source: ``auto``, ``adopt`` or ``reserve``, any case, surrounding whitespace
-    allowed; returned lowercase.
+    """A buffer source: ``auto``, ``adopt`` or ``reserve`` (any case, whitespace allowed); returned lowercase.
 
     :raises TypeError: ``raw`` is not a str.
     :raises ValueError: not one of the names (``what`` and the value are named).
@@ -64,44 +63,26 @@ def _check_bool(field: str, value: object) -> None:
 class BackendOptions:
     """Settings of one backend instance; every field is type-checked on construction.
 
-    :param output_mode: ``"on"`` shares one output buffer per stream partition across all
-        capture sizes, ``"released"`` hands out zero-copy outputs that live in graph-pool memory
-        (:mod:`sglang_bcg_plugin.output_mode`), ``"off"`` keeps one output per key (any case).
-        ``None`` (the default) follows the switch: a host's resolution (``output_mode=`` of the
-        backend), then the environment variable ``SGLANG_ENABLE_BCG_SHARED_OUTPUT`` (which the
-        SGLang flag sets), then the default (off standalone), resolved at the start of every
-        capture session.
+    :param output_mode: ``"off"``, ``"on"`` or ``"released"`` (any case); ``None``: follow the
+        switch, resolved at the start of every capture session (:mod:`~sglang_bcg_plugin.output_mode`).
     :param strict_outputs: raise :class:`OutputStructureError` when a key's output does not fit
-        the shared buffer, instead of letting that key keep its own output with a warning.
-        Risky in serving: one odd shape key aborts the whole capture.
-    :param engine: ``"cuda"`` (real CUDA graphs), ``"eager"`` (CUDA-graph static-output
-        semantics without graphs: CPU machines, debugging) or ``"auto"`` (CUDA when available);
-        any case.
-    :param num_warmups: eager runs before each capture (two so lazy kernels and allocator
-        caches settle before the addresses are frozen).
+        the shared buffer, instead of that key keeping its own output with a warning.
+    :param engine: ``"cuda"``, ``"eager"`` (static-output semantics without graphs) or ``"auto"``
+        (CUDA when available); any case.
+    :param num_warmups: eager runs before each capture.
     :param stale_output_guard: poison views handed out by an earlier replay of another key of
-        the same partition so a stale read raises (debug aid; needs a torch build with
+        the same partition so a stale read raises (debug aid; needs
         ``torch._C._set_storage_access_error_msg``).
-    :param shared_buffer: where a partition's shared output buffer comes from when sharing is
-        on: ``"adopt"`` the first (largest) capture's own output storage, ``"reserve"`` a buffer
-        allocated before the first capture from the last warmup's output, or ``"auto"`` (adopt on
-        the eager engine; on CUDA the source a forecast found cheaper, else reserve:
-        docs/index.md, "Output sharing"); any case, stored
-        lowercase (``"ADOPT"`` is ``"adopt"``, as in the SGLang integration's variable).
-    :param pool_reserve: on CUDA, a block the graph pool starts with, made before the first
-        capture so the schedule's requests are carved from one segment instead of the many the
-        allocator would cut (docs/forecast.md, "One segment for the pool"): ``"off"`` (the
-        default: nothing changes), ``"auto"`` (the size a forecast of this schedule found to lower
-        the pool, none without a forecast or a saving) or bytes as an int.
-    :param pool_segments: on CUDA, how the allocator grows the graph pool while a capture
-        session is open: ``"fixed"`` (the default: the process's own setting, nothing changes)
-        or ``"expandable"`` (``expandable_segments`` switched on for the session only, then back
-        off: the pool is one segment grown in 20 MiB steps instead of a segment per request it
-        cannot place; docs/forecast.md, "expandable_segments"). Allocations made during the
-        session outside the pool (warmups, eager splitting ops) grow that way too.
-    :param debug_check_inputs: a debug aid (off by default): every ``replay`` checks that each
-        tensor of the key's ``capture_inputs`` still has the data pointer it had at capture (the
-        graph's kernels read those addresses); a moved or replaced input raises ``RuntimeError``
+    :param shared_buffer: the shared buffer's source with sharing on: ``"adopt"`` (the largest
+        capture's output), ``"reserve"`` (allocated before the first capture) or ``"auto"``
+        (docs/index.md, "Output sharing"); any case.
+    :param pool_reserve: on CUDA, a block the graph pool starts with: ``"off"``, ``"auto"`` (what
+        a forecast of this schedule found, else none) or bytes (docs/forecast.md).
+    :param pool_segments: on CUDA, ``"fixed"`` (the process's setting) or ``"expandable"``
+        (``expandable_segments`` on while a capture session is open, for every allocation in it;
+        docs/forecast.md).
+    :param debug_check_inputs: every ``replay`` checks that each tensor of the key's
+        ``capture_inputs`` still has its capture-time data pointer, else raises ``RuntimeError``
         naming the key and the input's path. Read when a capture session opens.
     :raises TypeError: a field of the wrong type (``strict_outputs="no"``, ``num_warmups=2.0``).
     :raises ValueError: ``output_mode``, ``engine``, ``shared_buffer``, ``pool_reserve`` or
@@ -120,7 +101,6 @@ class BackendOptions:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "output_mode", parse_output_mode(self.output_mode))
-        # Frozen: normalise through object.__setattr__ (any case: "ADOPT" == "adopt").
         object.__setattr__(self, "shared_buffer", parse_shared_buffer(self.shared_buffer))
         object.__setattr__(self, "pool_reserve", parse_pool_reserve(self.pool_reserve))
         object.__setattr__(self, "pool_segments", parse_pool_segments(self.pool_segments))

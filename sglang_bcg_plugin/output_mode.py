@@ -1,28 +1,7 @@
-"""The output mode: ``off``, ``on`` or ``released``, and how one switch resolves to it.
+"""The output mode (``off``, ``on`` or ``released``) and how one switch resolves to it.
 
-Why three modes: a CUDA graph's output lives at a fixed address that its next replay rewrites.
-
-* ``off``: every key keeps the output its own graph wrote (one output per key is resident);
-* ``on``: keys of one stream partition hand out views of one shared buffer (one output per
-  partition is resident; valid until the next replay of the partition);
-* ``released``: the output is handed out as a non-owning alias of graph-pool memory and the
-  graph's strong references are dropped, so the memory goes back to the pool (nothing is
-  resident; valid until the next replay of *any* graph of the same pool; see
-  :mod:`sglang_bcg_plugin.released`).
-
-The one switch is ``output_mode`` / ``SGLANG_ENABLE_BCG_SHARED_OUTPUT`` (which SGLang's
-``--enable-bcg-shared-output`` sets); its values:
-
-* ``BackendOptions(output_mode="off" | "on" | "released" | None)`` (``None``: follow the
-  environment);
-* a host's choice already resolved, with its reason: a :class:`Resolution` given as
-  ``explicit`` (this module knows nothing of SGLang);
-* the environment variable: ``1/0``, ``true/false``, ``yes/no``, ``on/off`` or ``released``
-  (any case, surrounding whitespace allowed; empty means unset).
-
-Precedence: explicit option > a host's :class:`Resolution` > the environment variable > the
-backend's default (off for our standalone backends; the installed SGLang's own behaviour for the
-SGLang-integrated backend, see ``integration.builtin``).
+Precedence: explicit option > a host's :class:`Resolution` > ``SGLANG_ENABLE_BCG_SHARED_OUTPUT``
+> the backend's default. docs/index.md ("The switch: output modes") defines the modes.
 """
 
 from __future__ import annotations
@@ -106,11 +85,9 @@ def explain_output_mode(
     default: OutputMode = OFF,
     default_reason: str = "default: off",
 ) -> Resolution:
-    """Resolve the output mode and say why (see the module docstring for the precedence).
+    """Resolve the output mode and say why (precedence: the module docstring).
 
-    ``explicit``: an option value (``BackendOptions.output_mode``), a :class:`Resolution`
-    resolved already by a host (returned as it is), or ``None`` (follow the environment, then
-    ``default``).
+    ``explicit``: an option value, a host's :class:`Resolution` (returned as it is), or ``None``.
 
     :raises TypeError: ``explicit`` is not a valid option value.
     :raises ValueError: ``explicit`` or the environment variable is not a mode.

@@ -1,10 +1,7 @@
 """A model of PyTorch's CUDA caching allocator for one memory pool (no CUDA needed).
 
-What a CUDA-graph schedule costs is decided by the caching allocator: every graph of a schedule
-allocates from one private pool, blocks freed inside a capture are reused by the next one, and
-what stays allocated (outputs with sharing off) fragments the pool. :class:`PoolModel` replays
-a sequence of ``malloc`` / ``free`` calls with the allocator's rules and reports the bytes of
-the device segments it had to create (``reserved_bytes``), which is what the pool holds.
+:class:`PoolModel` replays ``malloc`` / ``free`` calls with the allocator's rules and reports the
+bytes of the segments it created (``reserved_bytes``): what the pool holds.
 
 The rules (PyTorch's ``CUDACachingAllocator``, ``expandable_segments`` off, no
 ``max_split_size_mb``, ``roundup_power2_divisions`` unset):
@@ -47,10 +44,8 @@ ALLOC_CONF_VARS = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
 
 
 def expandable_segments(environ: dict[str, str] | None = None) -> bool:
-    """Whether the allocator's settings (``PYTORCH_CUDA_ALLOC_CONF`` / ``PYTORCH_ALLOC_CONF``)
-    turn ``expandable_segments`` on: the pool is then one segment that grows in 20 MiB steps,
-    not a segment per request it cannot place (``PoolModel(expandable=True)``). A setting
-    changed at run time through torch's private ``_set_allocator_settings`` is not seen."""
+    """Whether ``environ``'s (default: the process's) :data:`ALLOC_CONF_VARS` turn
+    ``expandable_segments`` on; a setting changed at run time is not seen."""
     env = os.environ if environ is None else environ
     for var in ALLOC_CONF_VARS:
         for item in env.get(var, "").split(","):
@@ -94,9 +89,8 @@ class _Block:
 class PoolModel:
     """One pool's segments and blocks; ``malloc`` returns a handle for ``free``.
 
-    Free blocks are kept in one list sorted by ``(small, stream, size, addr)``, so best fit is a
-    bisection. ``malloc`` and ``free`` are :meth:`run` with one request: every rule is written
-    once, in its loop, with no helper call per request (a forecast replays tens of thousands).
+    Free blocks are kept in one list sorted by ``(small, stream, size, addr)`` (best fit is a
+    bisection); ``malloc`` and ``free`` are :meth:`run` with one request.
     """
 
     segments: list[int] = field(default_factory=list)  # sizes, in creation order (expandable: mapped bytes)
@@ -188,10 +182,7 @@ class PoolModel:
 
     def _grow(self, small: bool, stream: int, need: int) -> _Block:
         """Map what ``need`` lacks at the end of the (small, stream) segment; returns the block
-        (taken from the free list) that now holds at least ``need`` bytes.
-
-        The segment's first block keeps its identity (a split keeps the low part, a merge the low
-        block), so its last block is found from it; growing is rare (20 MiB at a time)."""
+        (taken from the free list) that now holds at least ``need`` bytes."""
         step = SMALL_BUFFER if small else LARGE_BUFFER
         grown = self._grown.get((small, stream))
         last: _Block | None = None

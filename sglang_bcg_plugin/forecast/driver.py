@@ -1,23 +1,8 @@
 """The CUDA driver's share of a capture session: what instantiated graphs take outside PyTorch's allocator.
 
-A fresh process loses more free device memory over its first capture session than the caching
-allocator reserves: the driver takes memory for every instantiated graph (and, once per process,
-for the first capture). ``tests/gpu/driver_cost.py`` measures it in a fresh process per graph
-shape; its H200 recording (``tests/data/driver/h200_driver_cost.json``) fits
-
-    driver bytes = first capture (once per process) + per graph * graphs + per node * nodes
-
-within 3.3 MiB of each of its 63 readings (``tests/test_forecast_driver.py``). The driver keeps
-these resources for the most graphs alive at once, for the life of the process: a later session
-of no more graphs pays nothing again.
-
-The graphs and their nodes are counted while the probes capture (:func:`counting_captures`):
-every ``torch.cuda.CUDAGraph.capture_end`` of the process is seen, and just before it ends the
-capture, the number of nodes of the graph the capturing stream is recording into is read from
-the CUDA driver (``cuStreamGetCaptureInfo``, ``cuGraphGetNodes``, through ``ctypes``). A graph
-with no node (an empty segment, the engines' pool anchors) is not counted. Where the nodes
-cannot be read (no ``libcuda``), the graphs are still counted and the nodes are not
-(:attr:`DriverShare.nodes_counted`).
+Modelled as ``first capture (once per process) + per graph * graphs + per node * nodes``, the
+graphs and nodes counted while the probes capture (:func:`counting_captures`); docs/forecast.md
+gives the measurement and fit.
 """
 
 from __future__ import annotations
@@ -50,12 +35,8 @@ class DriverCoefficients:
                      + nodes * self.per_node_bytes)
 
 
-#: The one place the driver's coefficients live. Measured on an NVIDIA H200 with torch
-#: 2.11.0+cu130 (``python3 tests/gpu/driver_cost.py``, one fresh process per graph shape:
-#: ``tests/data/driver/h200_driver_cost.json``) and fitted by least squares, rounded: 69 MiB at
-#: a process's first capture, 106 KiB per graph, 2.5 KiB per node; within 3.3 MiB of every
-#: reading (``tests/test_forecast_driver.py``). Other GPUs, drivers and CUDA versions may differ:
-#: run ``tests/gpu/driver_cost.py`` there.
+#: The one place the driver's coefficients live (fit of ``tests/gpu/driver_cost.py``'s recording,
+#: ``tests/data/driver/``; docs/forecast.md, "The driver's share").
 DRIVER_COEFFICIENTS = DriverCoefficients(69 * MIB, 106 * KIB, 2560, "NVIDIA H200, torch 2.11.0+cu130")
 
 
@@ -67,8 +48,7 @@ class DriverShare:
     :param nodes: their nodes, in all (0 where they could not be counted: ``nodes_counted``).
     :param on_copy_nodes: what mode ``on`` adds: one copy into the shared buffer per output
         tensor per size.
-    :param first_capture: the process pays the first-capture cost in this session (the probes
-        found it paying it: their captures lost at least half of it outside the allocator).
+    :param first_capture: the process pays the first-capture cost in this session.
     :param nodes_counted: the nodes were read from the driver (else only graphs are counted).
     """
 
@@ -117,10 +97,8 @@ class ProbeCount:
 
 def schedule_share(probes: Sequence[ProbeCount], sizes: Sequence[int], *, on_copy_nodes_per_size: int = 0,
                    first_capture: bool = True, coefficients: DriverCoefficients = DRIVER_COEFFICIENTS) -> DriverShare:
-    """The :class:`DriverShare` of capturing every size of ``sizes``, from the probes' counts:
-    each size's graphs and nodes on the line through the two probes (by size, rounded); one
-    probe: the same at every size. Where the probes captured no graph, none is counted (and no
-    copy node for ``on``)."""
+    """The :class:`DriverShare` of capturing ``sizes``: each size's graphs and nodes on the line
+    through the probes' (one probe: constant); no graph captured: no ``on`` copy node either."""
     counted = all(p.nodes is not None for p in probes)
     if not any(p.graphs for p in probes):
         on_copy_nodes_per_size = 0

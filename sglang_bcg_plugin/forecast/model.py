@@ -1,14 +1,8 @@
 """The graph memory of a schedule, per output mode, from a :class:`~.trace.ScaledTrace`.
 
-Every size of the schedule is captured largest first into one pool (:class:`~.allocator.PoolModel`),
-each capture making its scaled trace's requests. What differs between the modes is what a
-capture leaves allocated: with ``off`` every graph keeps its output in the pool; with ``on`` and
-``released`` the output's blocks go back to the pool (``on`` copies it into one buffer the size
-of the largest output, outside the pool; ``released`` hands out an alias). Where keeping the
-largest capture's output packs the pool tighter than giving it back (the later, smaller captures
-would split its freed block and cut new segments), ``on`` adopts it as the buffer and
-``released`` may keep it too (``released_keeps="auto"``). Anything else a capture keeps (the
-forward holding a tensor across calls) stays in every mode.
+Every size is captured largest first into one :class:`~.allocator.PoolModel`. ``off`` keeps every
+output in the pool; ``on`` and ``released`` give the output's blocks back (``on`` copies into one
+buffer outside the pool, or adopts the largest output as it; ``released`` may keep the largest).
 """
 
 from __future__ import annotations
@@ -28,29 +22,18 @@ MODES = ("off", "on", "released")
 class ModeForecast:
     """The forecast graph memory of one output mode, in parts (bytes).
 
-    :param total_bytes: everything below, summed: the free device memory a process loses over
-        the capture session (``torch.cuda.mem_get_info`` before and after; what SGLang logs as
-        "mem usage"), the CUDA driver's share included (:attr:`driver_bytes`).
-    :param working_set_bytes: the pool with every output released: the largest forward's
-        activations, as the allocator's blocks and segments fall (``released`` is this alone,
-        unless it keeps the largest output).
-    :param outputs_bytes: what holding the outputs adds: with ``off`` every size's output in the
-        pool (fragmentation included), with ``on`` the one shared buffer, with ``released`` 0, or
-        what keeping the largest output adds where it keeps it (negative: it saves that much).
-    :param stream_bytes: device memory a capture stream costs once (its cuBLAS workspace), as
-        the probe measured it.
-    :param bridge_bytes: copies of values crossing a break or splitting op (0 for our backends).
-    :param keeps_largest: ``released`` only: the largest capture's output is kept (owned, not
-        released), because that packs the pool tighter than releasing it.
-    :param driver_bytes: what the CUDA driver takes for the instantiated graphs, outside
-        PyTorch's allocator (:mod:`.driver`): per graph and per node, and once per process at its
-        first capture where the probes found the process paying that. A process whose driver
-        already held resources for as many graphs pays none of it again (:attr:`allocator_bytes`).
-    :param probe_left_bytes: what the forecast's own probes left reserved in PyTorch's allocator
-        after their cleanup, measured: their capture stream's cuBLAS workspace, which torch keeps
-        per (handle, stream) for the life of the process, while the schedule's session captures
-        on another stream and pays its own (:attr:`stream_bytes`). Lost by the process from
-        before the forecast on, not by the session: outside :attr:`allocator_bytes`.
+    :param total_bytes: everything below, summed: the free device memory the capture session loses.
+    :param working_set_bytes: the pool with every output released.
+    :param outputs_bytes: what holding the outputs adds (``off``: every output; ``on``: the buffer;
+        ``released``: 0, or what keeping the largest adds, negative where it saves).
+    :param stream_bytes: what a capture stream costs once, as the probes measured it.
+    :param bridge_bytes: copies of values crossing a break or splitting op.
+    :param keeps_largest: ``released`` only: the largest capture's output is kept.
+    :param driver_bytes: the CUDA driver's share, outside PyTorch's allocator (:mod:`.driver`).
+    :param probe_left_bytes: what the forecast's probes left reserved after their cleanup
+        (outside :attr:`allocator_bytes`).
+
+    docs/forecast.md describes each part and how it is measured.
     """
 
     mode: str
@@ -65,8 +48,7 @@ class ModeForecast:
 
     @property
     def allocator_bytes(self) -> int:
-        """The total without the driver's share and what the probes left: what PyTorch's
-        allocator reserves for the session (pool, shared buffer, capture stream, bridges)."""
+        """The total without the driver's share and what the probes left: the allocator's bytes."""
         return self.total_bytes - self.driver_bytes - self.probe_left_bytes
 
     @property
@@ -84,14 +66,12 @@ class ModeForecast:
 
 def simulate(trace: ScaledTrace, sizes: Iterable[int], *, keep_outputs: str, outputs: frozenset[int],
              at: Mapping[int, KeyTrace] | None = None, reserve_bytes: int = 0, expandable: bool = False) -> PoolModel:
-    """Capture every size (largest first) into one modelled pool (which starts with a free block
-    of ``reserve_bytes``, :meth:`~.allocator.PoolModel.reserve`, when that is not 0).
+    """Capture every size (largest first) into one modelled pool starting with a free block of
+    ``reserve_bytes`` (0: none).
 
-    ``outputs``: indices of the trace's allocs that are the forward's output, freed at the end of
-    each capture unless ``keep_outputs`` is ``"all"`` (``off``) or ``"first"`` (the largest
-    output adopted as the shared buffer); other allocs a capture never frees stay allocated.
-    ``at``: ``trace.at(size)`` of the sizes, computed once for several simulations.
-    ``expandable``: the allocator runs with ``expandable_segments`` (one growing segment).
+    ``outputs``: indices of the trace's output allocs, freed after each capture unless
+    ``keep_outputs`` is ``"all"`` or ``"first"`` (the largest kept). ``at``: precomputed
+    ``trace.at(size)``. ``expandable``: one growing segment (``expandable_segments``).
     """
     pool = PoolModel(expandable=expandable)
     if reserve_bytes:
@@ -109,10 +89,8 @@ def simulate(trace: ScaledTrace, sizes: Iterable[int], *, keep_outputs: str, out
 def on_bytes_by_source(trace: ScaledTrace, sizes: list[int], *, outputs: frozenset[int], released: int,
                        largest_output_bytes: int, at: Mapping[int, KeyTrace] | None = None,
                        reserve_bytes: int = 0, expandable: bool = False) -> dict[str, int]:
-    """The pool plus buffer of ``on`` for each buffer source: ``reserve`` (the largest output's
-    bytes outside the pool, a segment of their own from 10 MiB; with ``expandable`` segments,
-    the 20 MiB steps it maps) and ``adopt`` (the largest capture's own output kept in the pool
-    as the buffer)."""
+    """The pool plus buffer of ``on`` per buffer source: ``reserve`` (the largest output outside
+    the pool) and ``adopt`` (the largest capture's output kept in the pool as the buffer)."""
     need = round_size(largest_output_bytes) if largest_output_bytes else 0
     if expandable and need > SMALL_SIZE:
         outside = LARGE_BUFFER * -(-need // LARGE_BUFFER)
@@ -132,12 +110,8 @@ RESERVE_STEPS_MIB = (0, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128)
 def best_reserve(trace: ScaledTrace, sizes: list[int], *, keep_outputs: str, outputs: frozenset[int],
                  baseline: int, at: Mapping[int, KeyTrace] | None = None) -> int:
     """The first block (bytes) that makes the schedule's pool smaller than ``baseline`` (its
-    reserved bytes without one), or 0 when none of :data:`RESERVE_STEPS_MIB` does.
-
-    One segment at least as large as the largest capture's peak lets the allocator carve every
-    request from it where, without it, it cuts a segment per request it cannot place (a pool of
-    many exact-size segments that no later request fits twice). The size is searched on the
-    two largest captures (cheap) and checked on the whole schedule."""
+    reserved bytes without one), or 0 when none of :data:`RESERVE_STEPS_MIB` does: searched on
+    the two largest captures, checked on the whole schedule."""
     order = sorted(set(sizes), reverse=True)
     peak = simulate(trace, order[:1], keep_outputs=keep_outputs, outputs=outputs, at=at).peak_allocated_bytes
     start = -(-peak // ROUND_LARGE) * ROUND_LARGE
@@ -149,12 +123,8 @@ def best_reserve(trace: ScaledTrace, sizes: list[int], *, keep_outputs: str, out
 
 
 def forecast_modes(trace: ScaledTrace, sizes: Iterable[int], **options: Any) -> dict[str, ModeForecast]:
-    """:class:`ModeForecast` of ``off``, ``on`` and ``released`` for the schedule ``sizes``: the
-    first part of :func:`schedule_forecast`, which takes the same keyword ``options``
-    (``outputs`` and ``largest_output_bytes`` required; ``on`` with the buffer ``source``:
-    ``"adopt"``, ``"reserve"``, or ``"auto"``, the smaller; the pool's first block as it decides;
-    ``driver``: the CUDA driver's share, in every mode's total).
-    """
+    """:class:`ModeForecast` per mode for ``sizes``: the first part of :func:`schedule_forecast`,
+    with the same keyword ``options`` (``outputs`` and ``largest_output_bytes`` required)."""
     return schedule_forecast(trace, sizes, **options)[0]
 
 
@@ -177,18 +147,12 @@ def schedule_forecast(
     """:func:`forecast_modes`, with ``on``'s pool plus buffer per source, the source taken
     (``"auto"`` resolved to the cheaper) and the pool's first block in bytes (0: none).
 
-    ``pool_reserve``: ``"off"``; bytes; or ``"auto"``: :func:`best_reserve` for what
-    ``configured_mode`` keeps (every output, the adopted one, or none), taken only where it
-    lowers that mode's pool. Every mode is then forecast with the same first block: it is what
-    the next session reserves, whatever its mode. ``expandable``: the allocator runs with
-    ``expandable_segments``; the pool is one growing segment, so no first block is searched.
-    ``released_keeps``: ``"none"`` (``released`` gives every output back) or ``"auto"``: where
-    keeping the largest capture's output (the ``adopt`` layout) makes the smaller pool, ``released``
-    keeps it (:attr:`ModeForecast.keeps_largest`), as our backends do after a forecast.
-    ``driver``: the CUDA driver's share of the schedule's graphs (:class:`~.driver.DriverShare`),
-    added to every mode's total as :attr:`ModeForecast.driver_bytes`; ``None``: none.
-    ``probe_left_bytes``: what the probes left reserved after their cleanup (their capture
-    stream's workspace), added to every mode's total as :attr:`ModeForecast.probe_left_bytes`."""
+    ``pool_reserve``: ``"off"``, bytes, or ``"auto"`` (:func:`best_reserve` for what
+    ``configured_mode`` keeps; none with ``expandable``); every mode is forecast with that block.
+    ``released_keeps``: ``"none"`` or ``"auto"`` (keep the largest output where the pool is smaller).
+    ``driver`` and ``probe_left_bytes`` are added to every mode's total.
+
+    :raises ValueError: ``released_keeps`` is neither."""
     if released_keeps not in ("none", "auto"):
         msg = f"released_keeps must be 'none' or 'auto', got {released_keeps!r}"
         raise ValueError(msg)
@@ -237,8 +201,7 @@ def schedule_forecast(
 
 
 def cheaper_source(by_source: dict[str, int]) -> str:
-    """The buffer source whose ``on`` forecast is smaller (``reserve`` on a tie: its cost is the
-    bound that always holds, one output)."""
+    """The buffer source whose ``on`` forecast is smaller (``reserve`` on a tie)."""
     return "adopt" if by_source["adopt"] < by_source["reserve"] else "reserve"
 
 
@@ -254,12 +217,9 @@ def reference_estimates(mode_forecasts: dict[str, ModeForecast], trace: ScaledTr
                         driver: DriverShare | None = None) -> dict[str, dict[str, int]]:
     """What two estimates in use would say of the same schedule, per mode, for comparison.
 
-    ``vllm_extrapolation``: vLLM's rule (``profile_cudagraph_memory``): capture the two largest
-    sizes into one pool and take the first capture's cost plus ``(N - 1)`` times the second's
-    (at least 1 MiB), applied here to the modelled captures: the first capture's cost is its
-    pool with the mode's buffer and stream, the second's what the second capture added to it;
-    with ``driver``, each capture's share of it too (the first-capture cost in the first's).
-    ``sglang_fixed_reserve``: SGLang's 8 MiB per capture size.
+    ``vllm_extrapolation``: the first capture's cost plus ``(N - 1)`` times the second's (at
+    least :data:`VLLM_MIN_PER_GRAPH`), on the modelled captures. ``sglang_fixed_reserve``:
+    :data:`SGLANG_RESERVE_PER_SIZE` per size.
     """
     order = sorted(set(sizes), reverse=True)
     n = len(order)

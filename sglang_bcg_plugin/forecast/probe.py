@@ -1,20 +1,7 @@
 """Two probe captures, their allocator traces, and the forecast built from them (CUDA only).
 
-:func:`forecast_schedule` runs on a backend that has captured nothing yet: it captures the
-schedule's largest and smallest sizes with outputs kept (mode ``off``) while PyTorch's
-allocator records its events, reads each capture's requests to its graph pool
-(:func:`~.trace.pool_trace`), fits them (:class:`~.trace.ScaledTrace`), releases the probes
-(``cleanup()``), and models every size of the schedule in one pool per output mode
-(:func:`~.model.forecast_modes`). What a capture stream costs (its cuBLAS workspace;
-docs/forecast.md gives its size) is measured as what PyTorch's allocator reserved
-during the probe session outside its graph pool, less what a segment cut for other work
-(compile-time autotuning) holds only because the workspace landed in it
-(:func:`~.trace.pinned_slack`). The probes' own capture stream is not the schedule's (each
-engine takes a new stream), and torch keeps its workspace for the life of the process: what the
-allocator still holds after the probes' cleanup is counted in every mode's total apart
-(``probe_left_bytes``), outside the session's allocator bytes. The CUDA driver's share (:mod:`.driver`) is modelled from the
-graphs and nodes the probes captured; the free device memory the probe session lost beyond what
-the allocator reserved says whether the process pays the driver's first-capture cost.
+:func:`forecast_schedule` captures a schedule's largest and smallest sizes in mode ``off``, fits
+their pool traces and models every size per output mode; docs/forecast.md says what each part measures.
 """
 
 from __future__ import annotations
@@ -75,49 +62,36 @@ class GraphMemoryForecast:
     modes: MappingProxyType[str, ModeForecast] = field(default_factory=lambda: MappingProxyType({}))
     probe_sizes: tuple[int, int] = (0, 0)
     seconds: float = 0.0
-    #: the shared buffer's source ``on`` is forecast with (and, for ``shared_buffer="auto"``,
-    #: the one the next session uses: the cheaper of ``on_by_source``).
+    #: the shared buffer's source ``on`` is forecast with (``shared_buffer="auto"``: the cheaper).
     buffer_source: str = "reserve"
     #: pool plus buffer of ``on`` per source (``adopt``, ``reserve``), without the stream's bytes.
     on_by_source: MappingProxyType[str, int] = field(default_factory=lambda: MappingProxyType({}))
-    #: per mode, what vLLM's extrapolation and SGLang's fixed reserve would say of the same
-    #: schedule (:func:`~.model.reference_estimates`), for comparison.
+    #: per mode, vLLM's and SGLang's estimates of the same schedule (:func:`~.model.reference_estimates`).
     references: MappingProxyType[str, dict[str, int]] = field(default_factory=lambda: MappingProxyType({}))
     #: of :attr:`seconds`, the probe captures' (warmups, captures, cleanup); the rest is the model.
     probe_seconds: float = 0.0
-    #: the block the graph pool starts with (``BackendOptions.pool_reserve``; 0: none), with which
-    #: every mode is forecast, and which the next session reserves with ``pool_reserve="auto"``.
+    #: the block the graph pool starts with (0: none); ``pool_reserve="auto"`` reserves it next.
     pool_reserve_bytes: int = 0
-    #: why the figures may not hold on this process's allocator ("" when the model is checked
-    #: for it): with ``expandable_segments`` on, the pool grows as one segment, which the model
-    #: follows (``PoolModel(expandable=True)``) but no GPU run has checked yet.
+    #: why the figures may not hold on this process's allocator ("": none known).
     caveat: str = ""
-    #: the CUDA driver's share of the schedule (graphs, nodes, whether the first-capture cost is
-    #: paid) behind every mode's :attr:`~.model.ModeForecast.driver_bytes`; ``None``: not modelled.
+    #: the CUDA driver's share behind every mode's ``driver_bytes``; ``None``: not modelled.
     driver: DriverShare | None = None
-    #: free device memory the probe session lost beyond what PyTorch's allocator reserved (the
-    #: driver's share of the probes: its first-capture cost in a process that had captured no
-    #: graph before, about 0 in one whose driver held as many graphs already).
+    #: free device memory the probe session lost beyond what PyTorch's allocator reserved.
     probe_driver_bytes: int = 0
-    #: free device memory the forecast left lost after its cleanup (from just before its probes
-    #: to after them, ``empty_cache`` at both ends): what the probes' graphs left with the driver,
-    #: and what they left reserved in the allocator (every mode's
-    #: :attr:`~.model.ModeForecast.probe_left_bytes`: their capture stream's cuBLAS workspace).
+    #: free device memory lost from before the probes to after their cleanup (driver and
+    #: allocator; the allocator's part is every mode's ``probe_left_bytes``).
     lasting_bytes: int = 0
 
     @property
     def released_keeps_largest(self) -> bool:
-        """Whether ``released`` keeps the largest capture's output, because the forecast found
-        that it packs the pool tighter than releasing it (:attr:`.model.ModeForecast.keeps_largest`);
-        a ``released`` session after this forecast does so."""
+        """Whether a ``released`` session after this forecast keeps the largest output
+        (:attr:`.model.ModeForecast.keeps_largest`)."""
         released = self.modes.get("released")
         return bool(released is not None and released.keeps_largest)
 
     def bytes_for(self, mode: str | None = None, *, driver: bool = True) -> int:
-        """The forecast total of ``mode`` (default: :attr:`mode`); ``driver=False``: what the
-        allocator reserves for the session, without the CUDA driver's share and what the probes
-        left reserved (a process whose driver already holds resources for as many graphs loses
-        that much over the session)."""
+        """The forecast total of ``mode`` (default: :attr:`mode`); ``driver=False``: the allocator's
+        bytes only (no driver share, nothing the probes left)."""
         f = self.modes[mode or self.mode]
         return f.total_bytes if driver else f.allocator_bytes
 
@@ -179,9 +153,8 @@ def reserved_bytes() -> int:
 
 @dataclass(frozen=True)
 class ProbeDevice:
-    """What the probe session did outside its pool's requests: the graphs each probe captured
-    (:class:`~.driver.ProbeCount`) and the free device memory it lost beyond what the allocator
-    reserved (the driver's share)."""
+    """The graphs each probe captured and the free device memory the probe session lost beyond
+    the allocator's reservations."""
 
     counts: tuple[ProbeCount, ...]
     driver_bytes: int
@@ -189,19 +162,15 @@ class ProbeDevice:
 
 def _probe(backend: ProbeTarget, sizes: Sequence[int], forward_for: Callable[[int], Callable[[], Any]],
            capture_inputs: Any) -> tuple[list[KeyTrace], list[int], int, int, ProbeDevice]:
-    """Capture the probe sizes in mode ``off``: their pool traces, the bytes of the first (largest)
-    probe's output storages, the bridge bytes, what the session's allocator reserved outside its
-    graph pool (what a capture stream costs: its cuBLAS workspace, which the schedule's own
-    stream pays again), and the graphs each probe captured with the
-    free device memory the session lost beyond the allocator's reservations."""
+    """Capture ``sizes`` (largest first): their pool traces, the largest probe's output storage
+    bytes, the bridge bytes, the stream's bytes (reserved outside the graph pool) and the device
+    figures."""
     pools = _pools()
     torch.cuda.memory._record_memory_history(enabled="all", context=None, stacks="python", max_entries=1_000_000)
     events: list[list[dict[str, Any]]] = []
     largest_output: list[int] = []
     try:
-        # The GC off for the probes without a full collection (the schedule's own session
-        # collects): the session nested inside does not collect either, and free memory
-        # is measured inside it, where nothing can be collected.
+        # No collection: free memory is measured inside the session (docs/index.md, "GC safety").
         with gc_safe_capture(collect=False), torch.no_grad(), backend.capture_session(), counting_captures() as count:
             free_before = device_free_bytes(collect=False)
             reserved_before = reserved_bytes()
@@ -276,8 +245,7 @@ def forecast_schedule(
     probe_sizes = (schedule[0], schedule[-1])
     free_start = device_free_bytes(collect=False)  # what the forecast leaves lost is counted from here
     reserved_start = reserved_bytes()  # after that empty_cache: what the allocator holds in use
-    # One warmup per probe (the engine's minimum still applies): lazy state is made by the first
-    # eager run, and the graph pool only sees the capture; the schedule keeps its own warmups.
+    # One warmup per probe: the graph pool sees only the capture.
     backend.configure(output_mode="off", stale_output_guard=False, num_warmups=min(options.num_warmups, 1),
                       pool_reserve="off", pool_segments="fixed")  # the probes' requests, the process's allocator
     try:
@@ -289,15 +257,11 @@ def forecast_schedule(
                           num_warmups=options.num_warmups, pool_reserve=options.pool_reserve,
                           pool_segments=options.pool_segments)
     lasting = max(0, free_start - device_free_bytes(collect=False))
-    # What the probes left reserved after their cleanup (empty_cache at both ends): their capture
-    # stream's cuBLAS workspace, which torch keeps per (handle, stream) for the process's life;
-    # the schedule's engine captures on another stream and pays its own (stream_bytes).
+    # The probes' stream's cuBLAS workspace, kept for the process's life (docs/forecast.md).
     probe_left = min(lasting, max(0, reserved_bytes() - reserved_start))
     probe_seconds = time.perf_counter() - start
     large, small = traces
-    # The model makes many short-lived objects: with the GC on they trigger collections, and
-    # one full collection would cost more than the model (docs/index.md, "GC safety"); its
-    # garbage goes by reference counting and the next collection.
+    # The model's many short-lived objects would trigger collections (docs/index.md, "GC safety").
     with gc_safe_capture(collect=False):
         fitted, outputs = ScaledTrace.fit(large, small), output_allocs(large, largest_output)
         expandable = expandable_segments() or options.pool_segments == "expandable"
@@ -316,10 +280,9 @@ def forecast_schedule(
 
 
 def probe_driver_share(device: ProbeDevice, schedule: Sequence[int], output_tensors: int) -> DriverShare:
-    """The driver's share of the schedule from what the probes captured: each size's graphs and
-    nodes on the line through the probes'; the first-capture cost where the probe session lost
-    at least half of it beyond the allocator's reservations (the process had captured no graph
-    before); ``on`` adds a copy node per output tensor per size."""
+    """The driver's share of ``schedule``: graphs and nodes on the line through the probes'; the
+    first-capture cost where the probes lost at least half of it; ``on`` adds a copy node per output
+    tensor per size."""
     first = device.driver_bytes >= DRIVER_COEFFICIENTS.first_capture_bytes // 2
     return schedule_share(device.counts, schedule, on_copy_nodes_per_size=output_tensors, first_capture=first)
 

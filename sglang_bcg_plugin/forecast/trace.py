@@ -1,14 +1,9 @@
 """Allocation traces of one capture, and how they scale with the capture size.
 
-A :class:`KeyTrace` is what one key's capture asked of its graph pool, in order: ``alloc`` (an
-index and the requested bytes) and ``free`` (of an earlier alloc); the allocs still live when
-the capture ends are what the graph keeps (its output, and whatever the forward holds on to).
-:func:`pool_trace` reads it from the events PyTorch's allocator records
-(``torch.cuda.memory._record_memory_history``), keeping the events inside the given pool's
-segments. :class:`ScaledTrace` fits two traces of the same forward at two sizes with one line
-per alloc, ``bytes(n) = a + b * n``, and writes the trace of any other size: a tokens-first
-forward makes the same sequence of allocs and frees at every size, paired by position; where the
-order differs (Inductor's pieces), the allocs are paired by what they are (:func:`pair_allocs`).
+A :class:`KeyTrace` is one capture's requests to its graph pool (:func:`pool_trace` reads it from
+the allocator's recorded events). :class:`ScaledTrace` fits two traces of one forward with one
+line per alloc, ``bytes(n) = a + b * n``, paired by position or, where the order differs, by what
+each alloc is (:func:`pair_allocs`), and writes the trace of any size.
 """
 
 from __future__ import annotations
@@ -63,14 +58,9 @@ def pool_trace(size: int, events: Iterable[dict[str, object]], segments: Sequenc
 
 def pinned_slack(events: Iterable[dict[str, object]], segments: Sequence[tuple[int, int]]) -> int:
     """Bytes of segments made outside the pool ``segments`` that stay reserved only because a
-    smaller live block sits in them.
-
-    Per segment made during ``events`` and still holding live blocks at their end: its bytes
-    less the segment those blocks alone would have made. When the first probe compiles on a cold
-    Inductor cache, autotuning makes large segments and frees them; the capture stream's cuBLAS
-    workspace then lands in one of them and pins all of it, which a later schedule (its kernels
-    compiled) never pays (docs/forecast.md gives the figures). A segment with no live block is
-    released by ``empty_cache`` and costs nothing.
+    smaller live block sits in them: per segment made during ``events`` and still holding live
+    blocks at their end, its bytes less the segment those blocks alone would have made
+    (docs/forecast.md says when this happens).
     """
     made: dict[int, int] = {}
     live: dict[int, int] = {}
@@ -97,16 +87,15 @@ def pinned_slack(events: Iterable[dict[str, object]], segments: Sequence[tuple[i
 
 @dataclass(frozen=True, slots=True)
 class ScaledTrace:
-    """Traces of one forward at any size, from two measured ones (see the module doc)."""
+    """Traces of one forward at any size, one line per op (see the module doc)."""
 
     shape: tuple[tuple[int, int], ...]  # ops with frees as in the probes, allocs' bytes unused
     lines: tuple[tuple[float, float], ...]  # per op: (a, b) of bytes = a + b * size (allocs)
 
     @classmethod
     def fit(cls, large: KeyTrace, small: KeyTrace) -> ScaledTrace:
-        """The lines through the two traces' allocations, paired: by position where the two are
-        the same sequence of requests, else by what each allocation is (:func:`pair_allocs`);
-        the schedule's sizes are then modelled in ``large``'s order of requests.
+        """The lines through the two traces' allocations, paired by position where the two are
+        the same sequence, else by :func:`pair_allocs`; modelled in ``large``'s order.
 
         :raises ForecastError: the two probe sizes are equal, or the allocations cannot be paired."""
         if large.size == small.size:
@@ -130,9 +119,10 @@ class ScaledTrace:
 
     @classmethod
     def proportional(cls, trace: KeyTrace, constant_below: int = 64 * 1024) -> ScaledTrace:
-        """One trace alone (the largest size's): requests of ``constant_below`` bytes or more
-        scale with the size (``b * n``), smaller ones stay as they are. What a capture path that
-        sees only its first size can fit (inside SGLang; its accuracy: docs/sglang.md)."""
+        """One trace alone: requests of ``constant_below`` bytes or more scale with the size
+        (``b * n``), smaller ones stay constant (docs/sglang.md gives its accuracy).
+
+        :raises ForecastError: ``trace.size`` is not positive."""
         if trace.size <= 0:
             msg = f"forecast: the probe size must be positive, got {trace.size}"
             raise ForecastError(msg)
@@ -157,10 +147,8 @@ PROPORTIONAL_SLACK = 512
 
 
 def pair_allocs(large: KeyTrace, small: KeyTrace) -> dict[int, int]:
-    """Pair the allocations of two probes of one forward whose requests come in another order at
-    the two sizes (Inductor's pieces, compiled per size, may order their buffers differently),
-    by what each allocation is rather than where it comes: ``{alloc's index in large.ops: its
-    pair's index in small.ops}``.
+    """Pair the allocations of two probes of one forward whose requests come in another order
+    by what each allocation is: ``{alloc's index in large.ops: its pair's index in small.ops}``.
 
     Only allocations that both keep (held at the capture's end: outputs, state) or both free
     are paired. In three passes, each in order of occurrence (the first still unpaired
