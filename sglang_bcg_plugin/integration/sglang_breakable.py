@@ -1,31 +1,25 @@
-"""Our Breakable backend *inside* SGLang (0.5.14+): SGLang's own capture, our output policy.
+"""Our Breakable backend *inside* SGLang (0.5.14+): the release's own capture, our output policy.
 
 SGLang's prefill runner checks ``isinstance(backend, BreakableCudaGraphBackend)`` in about ten
-places, and model code's ``eager_on_graph`` break points talk to SGLang's own segment engine.
-So the class built by :func:`sglang_breakable_backend_class` *subclasses* the installed
-release's ``BreakableCudaGraphBackend``, keeps its constructor ``(cuda_graph_runner, *,
-enable_memory_saver=False, debug_eager=False)``, and runs its session, ``capture_one``, replay
-and cleanup: whatever the release does around a capture (warmups, barriers, pool scopes,
-precarve, graph dedup, the debug form) is the release's own code.
+places and model code's ``eager_on_graph`` breaks talk to SGLang's segment engine, so
+:func:`sglang_breakable_backend_class` *subclasses* the installed release's
+``BreakableCudaGraphBackend`` (same constructor) and runs its session, ``capture_one``, replay
+and cleanup: warmups, barriers, pool scopes, precarve, graph dedup and the debug form are the
+release's own code. Our ``capture_one`` calls the release's with a forward and a post-warmup hook
+of ours (:class:`_Forward`) and overrides the output helpers it calls (:data:`INTERCEPTED`):
 
-``capture_one`` wraps the release's own: it hands SGLang a forward function and a post-warmup
-hook of ours, and overrides the release's output helpers, so that
-
-1. the warmups' outputs are seen by our forward; after the last warmup (our hook) the core's
-   output policy ``reserve``\\ s the shared buffer outside the graph pool;
-2. the captured call of the forward (inside SGLang's capture) goes through the policy's
-   ``place`` (the in-graph copy into the shared slice); with ``debug_eager`` the release runs
-   the whole forward as one eager break and our forward runs it outside the capture;
-3. SGLang's own buffer is never made: ``_shared_output_buffer`` always reads ``None`` and
-   ``_alloc_full_buffer`` / ``_output_rows`` / ``_copy_output_to_buffer`` / ``_slice_output``
-   (:data:`INTERCEPTED`) do nothing;
-4. after the release's ``capture_one`` returns, the state commits the key and its output
+1. after the last warmup (our hook) the core's output policy ``reserve``\ s the shared buffer
+   from that warmup's output, outside the graph pool;
+2. the captured call of the forward goes through the policy's ``place`` (the in-graph copy);
+   under ``debug_eager`` the release runs it as one eager break and our forward runs it outside
+   the capture (its own breaks inline), refreshing the placed output at each replay;
+3. SGLang's own buffer is never made (``_shared_output_buffer`` reads ``None``, the helpers do
+   nothing); after the release's ``capture_one`` the state commits the key and its output
    replaces the one SGLang stored.
 
-``tests/sglang/test_sglang_upstream.py`` fails when a release's ``capture_one`` uses a helper
-this list does not know. ``cleanup()`` also drops SGLang's process-global pool handle when it is
-ours (:func:`.sglang_session.drop_global_pool`), so a new capture session works in the same
-process.
+``tests/sglang/test_sglang_upstream.py`` fails when a release's ``capture_one`` uses a private
+name neither :data:`INTERCEPTED` nor :data:`NEUTRAL` lists. ``cleanup()`` also drops SGLang's
+process-global pool handle when it is ours (:func:`.sglang_session.drop_global_pool`).
 """
 
 from __future__ import annotations
@@ -43,55 +37,59 @@ from ..output_mode import ON, OutputMode, Resolution
 from ..report import MemoryReport
 from ..shape_key import check_key
 from ..trees import flatten
+from .builtin import code_names
 from .compat import BACKEND_CLASS, BACKEND_MODULE, capture_one_args, capture_var, installed, num_segments, run_outside_capture, runner_rows
 from .forecast_log import SessionForecast
 from .sglang_session import apply_runner_rows, drop_global_pool, open_state, reserve_from_warmup
 
-__all__ = ["INTERCEPTED", "SGLANG_BCG_CLASS", "SharingPolicyMixin", "apply_runner_rows", "sglang_breakable_backend_class"]
+__all__ = ["INTERCEPTED", "NEUTRAL", "SGLANG_BCG_CLASS", "SharingPolicyMixin", "sglang_breakable_backend_class", "unknown_capture_helpers"]
 
 #: Dotted path of SGLang's breakable backend class (our base class).
 SGLANG_BCG_CLASS = BACKEND_CLASS
 
-#: Warmups SGLang's ``capture_one`` runs before its capture (every release: two); the policy
-#: reserves after the last one.
+#: Warmups the release's ``capture_one`` runs before its capture (every release; checked at capture).
 WARMUPS = 2
 
 #: The release's output helpers our subclass overrides (step 3 of the module doc).
 INTERCEPTED = ("_shared_output_buffer", "_alloc_full_buffer", "_output_rows", "_copy_output_to_buffer", "_slice_output")
+#: The other private names the releases' ``capture_one`` (0.5.14-0.5.23) use: none holds an output.
+NEUTRAL = ("_device_module", "_tp_group", "_precarve", "_pool", "_capture_stream", "_debug_eager",
+           "_cuda_graph_runner", "_graphs", "_outputs", "_capture_inputs")
+
+
+def unknown_capture_helpers(capture_one: object) -> list[str]:
+    """Private names a release's ``capture_one`` uses that neither :data:`INTERCEPTED` nor
+    :data:`NEUTRAL` lists (a new helper may keep an output of SGLang's own)."""
+    names = code_names(capture_one)
+    return ["<no code>"] if names is None else sorted(n for n in names if n.startswith("_") and not n.startswith("__") and n not in INTERCEPTED + NEUTRAL)
 
 
 class _Forward:
-    """The forward function and post-warmup hook SGLang's ``capture_one`` gets for one key."""
+    """The forward and the post-warmup hook the release's ``capture_one`` gets for one key."""
 
     def __init__(self, backend: Any, key: Hashable, forward_fn: Callable[[], Any], hook: Callable[[], None] | None,
                  capture_inputs: Any) -> None:
-        self.backend, self.key, self.forward_fn, self.hook = backend, key, forward_fn, hook
-        self.capture_inputs = capture_inputs
+        self.backend, self.key, self.forward_fn, self.hook, self.inputs = backend, key, forward_fn, hook, capture_inputs
         self.engine = importlib.import_module(BACKEND_MODULE).BreakableCUDAGraph  # its module holds the capture var
-        self.var = capture_var(self.engine)
-        self.warmups = 0
-        self.last_warmup: Any = None
-        self.placed: Any = None
-        self.captured = False  # the captured call ran; later calls are debug_eager replays
+        self.warmups, self.last_warmup, self.placed, self.captured = 0, None, None, False
         self.output_bytes: list[int] = []
 
     def forward(self) -> Any:  # a named function: releases <= 0.5.21 log a debug break's __name__
-        backend, state = self.backend, self.backend._bcg_state
-        if self.captured:  # SGLang's debug break replays the whole forward: refresh our output
-            return _refresh(self.placed, self._rows(self.forward_fn()))
-        if self.var.get() is None:  # a warmup
+        if self.captured:  # a debug_eager replay: the release's break reruns the forward; refresh ours
+            for (_, dst), (_, src) in zip(flatten(self.placed)[1], flatten(self._rows(self.forward_fn()))[1], strict=True):
+                dst.copy_(src)
+            return self.placed
+        if capture_var(self.engine).get() is None:  # a warmup
             self.warmups += 1
             self.last_warmup = self.forward_fn()
             return self.last_warmup
         if self.warmups != WARMUPS:
-            msg = (f"SGLang {installed().release}'s capture_one ran {self.warmups} warmups before its capture; "
-                   f"sglang_bcg reserves the shared output after warmup {WARMUPS} (a changed release: see docs/sglang.md)")
+            msg = f"SGLang {installed().release}'s capture_one ran {self.warmups} warmups, not {WARMUPS}, before its capture"
             raise RuntimeError(msg)
-        # the captured call; under debug_eager it runs inside SGLang's one eager break, whose
-        # own breaks must run inline
-        out = run_outside_capture(self.engine, self.forward_fn) if backend._debug_eager else self.forward_fn()
+        # the captured call (under debug_eager inside the release's one eager break: run it outside)
+        out = run_outside_capture(self.engine, self.forward_fn) if self.backend._debug_eager else self.forward_fn()
         self.output_bytes.extend(t.untyped_storage().nbytes() for _, t in flatten(out)[1])
-        self.placed = state.policy.place(self.key, self._rows(out), input_storages(self.capture_inputs))
+        self.placed = self.backend._bcg_state.policy.place(self.key, self._rows(out), input_storages(self.inputs))
         self.captured = True
         return self.placed
 
@@ -104,12 +102,6 @@ class _Forward:
 
     def _rows(self, out: Any) -> Any:
         return apply_runner_rows(out, runner_rows(self.backend._cuda_graph_runner, out)[0])
-
-
-def _refresh(placed: Any, fresh: Any) -> Any:
-    for (_, dst), (_, src) in zip(flatten(placed)[1], flatten(fresh)[1], strict=True):
-        dst.copy_(src)
-    return placed
 
 
 class SharingPolicyMixin:
@@ -184,26 +176,13 @@ class SharingPolicyMixin:
         if forecast is not None:
             forecast.key_done(key.size, num_segments(self._graphs[key]))
 
-    # -- the release's output helpers, called by its capture_one: no buffer of SGLang's own --
-    @property
-    def _shared_output_buffer(self) -> None:
+    # -- the release's output helpers (INTERCEPTED), called by its capture_one: no buffer of SGLang's own --
+    _shared_output_buffer = property(lambda self: None, lambda self, value: None)
+
+    def _alloc_full_buffer(self, *args: Any) -> None:
         return None
 
-    @_shared_output_buffer.setter
-    def _shared_output_buffer(self, value: object) -> None:
-        """SGLang's adopted (0.5.14-0.5.15) or allocated buffer: never kept."""
-
-    def _alloc_full_buffer(self, output: Any, size: int) -> None:
-        return None
-
-    def _output_rows(self, output: Any, cap: int) -> int:
-        return cap
-
-    def _copy_output_to_buffer(self, output: Any, output_buffer: Any, num_tokens: int) -> None:
-        return None
-
-    def _slice_output(self, output: Any, num_tokens: int) -> None:
-        return None  # the key's output is the committed one (capture_one)
+    _output_rows = _copy_output_to_buffer = _slice_output = _alloc_full_buffer
 
     def __del__(self) -> None:  # dropped inside a capture: SGLang's graphs die after it
         defer_release(list(getattr(self, "_graphs", {}).values()))
