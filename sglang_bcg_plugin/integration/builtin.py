@@ -78,7 +78,8 @@ def inspect_builtin(cls: type) -> BuiltinPolicy:
         return BuiltinPolicy(None, f"cannot read {name}'s code; assuming it does not share")
     if not all(n in capture for n in SHARING_NAMES) or SHARING_NAMES[0] not in init:
         return BuiltinPolicy(False, f"{name}.capture_one keeps one output per shape key")
-    switches = [w for w in SWITCH_WORDS if any(w in n.lower() for n in capture)]
+    words = " ".join(capture).lower()
+    switches = [w for w in SWITCH_WORDS if w in words]
     if switches:
         return BuiltinPolicy(
             None, f"{name}.capture_one shares under a switch ({', '.join(switches)}) this plugin does not know; assuming off"

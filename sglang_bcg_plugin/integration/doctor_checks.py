@@ -22,6 +22,7 @@ Check = tuple[str, Callable[[], str | None]]
 #: Attributes SGLang's ``BreakableCudaGraphBackend.__init__`` must set (our capture reads them).
 BACKEND_ATTRS = ("_graphs", "_outputs", "_pool", "_debug_eager")
 
+
 def _obj(dotted: str) -> Any:
     module, _, rest = dotted.partition(":")
     obj: Any = importlib.import_module(module)
