@@ -8,7 +8,7 @@ and cleanup: warmups, barriers, pool scopes, precarve, graph dedup and the debug
 release's own code. Our ``capture_one`` calls the release's with a forward and a post-warmup hook
 of ours (:class:`_Forward`) and overrides the output helpers it calls (:data:`INTERCEPTED`):
 
-1. after the last warmup (our hook) the core's output policy ``reserve``\ s the shared buffer
+1. after the last warmup (our hook) the core's output policy reserves the shared buffer
    from that warmup's output, outside the graph pool;
 2. the captured call of the forward goes through the policy's ``place`` (the in-graph copy);
    under ``debug_eager`` the release runs it as one eager break and our forward runs it outside
