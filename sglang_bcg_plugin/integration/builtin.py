@@ -3,20 +3,17 @@
 Installing the plugin must not change SGLang's memory behaviour by itself, so with neither
 ``--enable-bcg-shared-output`` nor ``SGLANG_ENABLE_BCG_SHARED_OUTPUT`` our SGLang-integrated
 backend shares exactly when the installed SGLang's built-in ``BreakableCudaGraphBackend``
-would. That is *read from the installed class's compiled code* (:func:`code_names`: the
-attribute and global names its functions use, nested functions included; no source text, so
-comments, formatting and a missing ``.py`` do not matter), not assumed from a version number:
+would. That is read from the names the installed class's compiled code uses
+(:func:`code_names`; no source text), not assumed from a version number:
 
-* ``capture_one`` uses ``_shared_output_buffer`` and ``_copy_output_to_buffer``, and
-  ``__init__`` sets ``_shared_output_buffer``: it copies every key's output into one buffer, with
-  no switch around it (0.5.14 to 0.5.23): ``on``. With ``_alloc_full_buffer`` the buffer comes
-  from the warmup (0.5.16+); without, the first capture's output is adopted (0.5.14, 0.5.15);
-* 0.5.13's ``BreakableCudaGraphRunner`` uses none of those names (one ``output_buffers`` entry
-  per size, :func:`inspect_runner`): ``off``;
-* a class without those names does not share: ``off``;
+* ``capture_one`` uses ``_shared_output_buffer`` and ``_copy_output_to_buffer`` and ``__init__``
+  sets the buffer: every key's output is copied into one buffer (0.5.14-0.5.23), ``on``; from the
+  warmup with ``_alloc_full_buffer`` (0.5.16+), else the first capture's output is adopted;
+* 0.5.13's ``BreakableCudaGraphRunner`` (:func:`inspect_runner`) and any class without those
+  names keep one output per size or key: ``off``;
 * the names present but the code also names a switch (a later SGLang that made sharing
-  optional), or no code to read: unknown, so ``off`` (the safe value: one output per key),
-  and ``sglang-bcg doctor`` says so.
+  optional), or no code to read: unknown, so ``off`` (the safe value), and
+  ``sglang-bcg doctor`` says so.
 
 Only this backend follows SGLang's default; our standalone backends stay ``off`` by default.
 """

@@ -38,11 +38,15 @@ from ..report import MemoryReport
 from ..shape_key import check_key
 from ..trees import flatten
 from .builtin import code_names
-from .compat import BACKEND_CLASS, BACKEND_MODULE, capture_one_args, capture_var, installed, num_segments, run_outside_capture, runner_rows
+from .compat import (
+    BACKEND_CLASS, BACKEND_MODULE, capture_one_args, capture_var, installed, num_segments, run_outside_capture, runner_rows,
+)
 from .forecast_log import SessionForecast
 from .sglang_session import apply_runner_rows, drop_global_pool, open_state, reserve_from_warmup
 
-__all__ = ["INTERCEPTED", "NEUTRAL", "SGLANG_BCG_CLASS", "SharingPolicyMixin", "sglang_breakable_backend_class", "unknown_capture_helpers"]
+__all__ = [
+    "INTERCEPTED", "NEUTRAL", "SGLANG_BCG_CLASS", "SharingPolicyMixin", "sglang_breakable_backend_class", "unknown_capture_helpers",
+]
 
 #: Dotted path of SGLang's breakable backend class (our base class).
 SGLANG_BCG_CLASS = BACKEND_CLASS
@@ -61,7 +65,9 @@ def unknown_capture_helpers(capture_one: object) -> list[str]:
     """Private names a release's ``capture_one`` uses that neither :data:`INTERCEPTED` nor
     :data:`NEUTRAL` lists (a new helper may keep an output of SGLang's own)."""
     names = code_names(capture_one)
-    return ["<no code>"] if names is None else sorted(n for n in names if n.startswith("_") and not n.startswith("__") and n not in INTERCEPTED + NEUTRAL)
+    if names is None:
+        return ["<no code>"]
+    return sorted(n for n in names if n.startswith("_") and not n.startswith("__") and n not in INTERCEPTED + NEUTRAL)
 
 
 class _Forward:
