@@ -9,10 +9,12 @@ of two seams:
 * ``runner``: ``model_executor/breakable_cuda_graph_runner.py``'s ``BreakableCudaGraphRunner``
   (0.5.13), whose ``_capture_all`` / ``_capture_one`` we wrap (:mod:`.runner_seam`).
 
-Inside the backend seam the releases differ in small ways; each is a probe of the installed
-classes (attributes, ``inspect.signature``), never a comparison of version strings. The version
-is read only to name the release in messages. :data:`FEATURES` is the table: what each probe
-looks at and what our capture does with it.
+Inside the backend seam our capture runs the release's own ``capture_one``, so the releases'
+differences there (graph dedup, TP barriers, pool scopes, precarve, the debug form) need no
+probe. The few our code still meets are probes of the installed classes (attributes,
+``inspect.signature``), never a comparison of version strings; the version is read only to name
+the release in messages. :data:`FEATURES` is the table: what each probe looks at and what it
+changes.
 """
 
 from __future__ import annotations
@@ -44,18 +46,10 @@ SHAPE_KEY = "sglang.srt.model_executor.runner.shape_key.ShapeKey"
 #: (feature, what is probed, what our capture does with it; where it first appeared, for
 #: people reading this: it is never compared).
 FEATURES: tuple[tuple[str, str, str], ...] = (
-    ("graph_takes_dedup", "BreakableCUDAGraph.__init__ has a parameter and the release's capture_one passes it",
-     "BreakableCUDAGraph(self.deduped_cuda_graph), else BreakableCUDAGraph() (0.5.15, 0.5.17+)"),
     ("dedup_mixin", "the backend has begin_cuda_graph_capture / close",
      "SGLang's session opens dedup registries; the seam closes the replaced instance (0.5.15+)"),
-    ("barrier_fn", "BreakableCUDAGraphCapture.__init__ takes barrier_fn",
-     "segments end with the TP barrier (0.5.17+)"),
     ("capture_inputs", "capture_one's third parameter is capture_inputs (else dummies)",
      "static inputs are kept with the graph either way, in our per-key record (0.5.17+)"),
-    ("pool_capture_scope", "the backend module has graph_pool_capture_scope",
-     "the capture runs inside it (0.5.19+)"),
-    ("precarve", "the backend module has GraphPoolPrecarve",
-     "warmups run under _precarve.measure(), the capture starts with _precarve.mint() (0.5.20+)"),
     ("global_pool", "runner_utils.pool has get_or_create_global_graph_memory_pool",
      "one process-global graph pool (0.5.15+), else one pool per backend"),
     ("row_hooks", "BaseCudaGraphRunner has cuda_graph_output_rows",
@@ -73,12 +67,8 @@ class Seam:
     release: str
     why: str
     builtin: BuiltinPolicy
-    graph_takes_dedup: bool = False
     dedup_mixin: bool = False
-    barrier_fn: bool = False
     capture_inputs: bool = False
-    pool_capture_scope: bool = False
-    precarve: bool = False
     global_pool: bool = False
     row_hooks: bool = False
     eager_form: str = "enable"
@@ -134,28 +124,13 @@ def probe_backend(cls: type, module: Any) -> dict[str, object]:
     capture_params = list(inspect.signature(cls.capture_one).parameters)
     key_cls = _resolve(SHAPE_KEY)
     return {
-        "graph_takes_dedup": _graph_takes_dedup(cls, module),
         "dedup_mixin": hasattr(cls, "begin_cuda_graph_capture") and hasattr(cls, "close"),
-        "barrier_fn": "barrier_fn" in inspect.signature(module.BreakableCUDAGraphCapture.__init__).parameters,
         "capture_inputs": len(capture_params) > 3 and capture_params[3] == "capture_inputs",
-        "pool_capture_scope": hasattr(module, "graph_pool_capture_scope"),
-        "precarve": hasattr(module, "GraphPoolPrecarve"),
         "global_pool": _has(f"{POOL_MODULE}.get_or_create_global_graph_memory_pool"),
         "row_hooks": _has_attr(RUNNER_BASE, "cuda_graph_output_rows"),
         "eager_form": _first_param(module.eager_on_graph) or "enable",
         "shape_key_fields": tuple(getattr(key_cls, "__dataclass_fields__", {})) if key_cls is not None else (),
     }
-
-
-def _graph_takes_dedup(cls: type, module: Any) -> bool:
-    """Whether the release's own ``capture_one`` builds ``BreakableCUDAGraph(self.deduped_cuda_graph)``
-    (0.5.15, 0.5.17+; 0.5.16's graph takes the argument but its backend passes none)."""
-    if len(inspect.signature(module.BreakableCUDAGraph.__init__).parameters) < 2:
-        return False
-    try:
-        return "BreakableCUDAGraph(self.deduped_cuda_graph)" in inspect.getsource(cls.capture_one)
-    except (OSError, TypeError):
-        return hasattr(cls, "deduped_cuda_graph")
 
 
 def _resolve(dotted: str) -> Any:

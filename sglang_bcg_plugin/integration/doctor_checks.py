@@ -13,12 +13,14 @@ import inspect
 from collections.abc import Callable
 from typing import Any
 
+from .builtin import code_names
 from .compat import BACKEND_CLASS, BACKEND_MODULE, RUNNER_CLASS, RUNNER_MODULE, Seam
+from .sglang_breakable import unknown_capture_helpers
 
 Check = tuple[str, Callable[[], str | None]]
 
 #: Attributes SGLang's ``BreakableCudaGraphBackend.__init__`` must set (our capture reads them).
-BACKEND_ATTRS = ("_graphs", "_outputs", "_pool", "_device_module", "_tp_group", "_capture_stream", "_debug_eager")
+BACKEND_ATTRS = ("_graphs", "_outputs", "_pool", "_debug_eager")
 
 
 def _obj(dotted: str) -> Any:
@@ -65,37 +67,39 @@ def _colon(dotted_class: str) -> str:
 
 def backend_checks(seam: Seam) -> list[Check]:
     cls, mod = _colon(BACKEND_CLASS), f"{BACKEND_MODULE}:"
-    checks: list[Check] = [
+    inputs = "capture_inputs" if seam.capture_inputs else "dummies"
+    return [
         (f"{BACKEND_CLASS}.__init__(cuda_graph_runner, *, enable_memory_saver, debug_eager)",
          _params(f"{cls}.__init__", "cuda_graph_runner", "enable_memory_saver", "debug_eager")),
-        (f"{BACKEND_CLASS}.__init__ sets {', '.join(BACKEND_ATTRS)}",
-         _source_has(f"{cls}.__init__", *(f"self.{a}" for a in BACKEND_ATTRS))),
+        (f"{BACKEND_CLASS}.__init__ sets {', '.join(BACKEND_ATTRS)}", _uses(f"{cls}.__init__", *BACKEND_ATTRS)),
         (f"{BACKEND_CLASS}.capture_session / replay / cleanup",
          lambda: next((f"no {m}" for m in ("capture_session", "replay", "cleanup") if not hasattr(_obj(cls), m)), None)),
-        (f"{BACKEND_MODULE}.BreakableCUDAGraph({'deduped_cuda_graph' if seam.graph_takes_dedup else ''})",
-         _params(f"{mod}BreakableCUDAGraph.__init__", *(("deduped_cuda_graph",) if seam.graph_takes_dedup else ()))),
-        (f"{BACKEND_MODULE}.BreakableCUDAGraphCapture(cuda_graph, pool, stream{', barrier_fn' if seam.barrier_fn else ''})",
-         _params(f"{mod}BreakableCUDAGraphCapture.__init__", "cuda_graph", "pool", "stream",
-                 *(("barrier_fn",) if seam.barrier_fn else ()))),
-        (f"{BACKEND_MODULE}.eager_on_graph ({seam.eager_form!r} form)", _params(f"{mod}eager_on_graph", seam.eager_form)),
-        (f"{BACKEND_MODULE}.BreakableCUDAGraphCapture's module: _current_capture_var", _capture_var_check(f"{mod}BreakableCUDAGraphCapture")),
+        (f"{BACKEND_CLASS}.capture_one(shape_key, forward_fn, {inputs}, post_warmup_hook)",
+         _params(f"{cls}.capture_one", "shape_key", "forward_fn", inputs, "post_warmup_hook")),
+        (f"{BACKEND_CLASS}.capture_one keeps outputs only through the helpers sglang_bcg overrides",
+         lambda: (f"uses {u}, unknown to sglang_bcg" if (u := unknown_capture_helpers(_obj(f"{cls}.capture_one"))) else None)),
+        (f"{BACKEND_MODULE}.BreakableCUDAGraphCapture(cuda_graph, pool, stream)",
+         _params(f"{mod}BreakableCUDAGraphCapture.__init__", "cuda_graph", "pool", "stream")),
+        (f"{BACKEND_MODULE}.BreakableCUDAGraph's module: _current_capture_var", _capture_var_check(f"{mod}BreakableCUDAGraph")),
         ("sglang.srt.model_executor.runner_backend.base_cuda_graph_backend.BaseCudaGraphBackend",
          _exists("sglang.srt.model_executor.runner_backend.base_cuda_graph_backend:BaseCudaGraphBackend")),
     ]
-    if seam.pool_capture_scope:
-        checks.append((f"{BACKEND_MODULE}.graph_pool_capture_scope", _exists(f"{mod}graph_pool_capture_scope")))
-    if seam.precarve:
-        checks.append((f"{BACKEND_CLASS}.__init__ sets _precarve (measure, mint)", _source_has(f"{cls}.__init__", "self._precarve")))
-    if seam.graph_takes_dedup:
-        checks.append((f"{BACKEND_CLASS}.deduped_cuda_graph", lambda: None if hasattr(_obj(cls), "deduped_cuda_graph") else "missing"))
-    return checks
 
 
-def _capture_var_check(capture_cls: str) -> Callable[[], str | None]:
+def _uses(dotted: str, *names: str) -> Callable[[], str | None]:
+    def check() -> str | None:
+        used = code_names(_obj(dotted)) or frozenset()
+        missing = [n for n in names if n not in used]
+        return f"does not use {missing}" if missing else None
+
+    return check
+
+
+def _capture_var_check(engine_cls: str) -> Callable[[], str | None]:
     def check() -> str | None:
         import sys
 
-        module = sys.modules[_obj(capture_cls).__module__]
+        module = sys.modules[_obj(engine_cls).__module__]
         return None if hasattr(module, "_current_capture_var") else f"{module.__name__} has no _current_capture_var"
 
     return check

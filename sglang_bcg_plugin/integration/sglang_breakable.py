@@ -1,27 +1,25 @@
-"""Our Breakable backend *inside* SGLang (0.5.14+): SGLang's BCG segment engine, our output policy.
+"""Our Breakable backend *inside* SGLang (0.5.14+): the release's own capture, our output policy.
 
 SGLang's prefill runner checks ``isinstance(backend, BreakableCudaGraphBackend)`` in about ten
-places, and model code's ``eager_on_graph`` break points talk to SGLang's own segment engine
-(``BreakableCUDAGraph`` / ``BreakableCUDAGraphCapture``). So the class built by
+places and model code's ``eager_on_graph`` breaks talk to SGLang's segment engine, so
 :func:`sglang_breakable_backend_class` *subclasses* the installed release's
-``BreakableCudaGraphBackend``, keeps its constructor ``(cuda_graph_runner, *,
-enable_memory_saver=False, debug_eager=False)``, and reuses its session (pool, dedup
-registries), replay and cleanup unchanged.
+``BreakableCudaGraphBackend`` (same constructor) and runs its session, ``capture_one``, replay
+and cleanup: warmups, barriers, pool scopes, precarve, graph dedup and the debug form are the
+release's own code. Our ``capture_one`` calls the release's with a forward and a post-warmup hook
+of ours (:class:`_Forward`) and overrides the output helpers it calls (:data:`INTERCEPTED`):
 
-This class is a thin adapter: it translates SGLang's keys, rows, pool and warmups into the
-core's :class:`~sglang_bcg_plugin.backends.state.CaptureState` (mode, output policy, guard,
-per-key records, report). ``capture_one`` is SGLang's capture sequence, with each difference
-between releases taken from :func:`.compat.installed` (the graph's constructor, the capture's
-``barrier_fn``, ``graph_pool_capture_scope``, the precarve, the ``eager_on_graph`` form):
+1. after the last warmup (our hook) the core's output policy reserves the shared buffer
+   from that warmup's output, outside the graph pool;
+2. the captured call of the forward goes through the policy's ``place`` (the in-graph copy);
+   under ``debug_eager`` the release runs it as one eager break and our forward runs it outside
+   the capture (its own breaks inline), refreshing the placed output at each replay;
+3. SGLang's own buffer is never made (``_shared_output_buffer`` reads ``None``, the helpers do
+   nothing); after the release's ``capture_one`` the state commits the key and its output
+   replaces the one SGLang stored.
 
-1. two warmups, as SGLang runs them (device sync and TP barrier before each);
-2. ``reserve``: the shared buffer from the last warmup, outside the graph pool (rows from the
-   runner's hooks where the release has them);
-3. the segment capture; inside it the core's output policy places the output (the in-graph copy);
-4. commit: the state records the key and returns the output to hand out.
-
-``cleanup()`` also drops SGLang's process-global pool handle when it is ours
-(:func:`.sglang_session.drop_global_pool`), so a new capture session works in the same process.
+``tests/sglang/test_sglang_upstream.py`` fails when a release's ``capture_one`` uses a private
+name neither :data:`INTERCEPTED` nor :data:`NEUTRAL` lists. ``cleanup()`` also drops SGLang's
+process-global pool handle when it is ours (:func:`.sglang_session.drop_global_pool`).
 """
 
 from __future__ import annotations
@@ -30,7 +28,7 @@ import contextlib
 import functools
 import importlib
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Hashable, Iterator
 from typing import Any
 
 from ..backends.state import CaptureState, input_storages
@@ -39,38 +37,77 @@ from ..output_mode import ON, OutputMode, Resolution
 from ..report import MemoryReport
 from ..shape_key import check_key
 from ..trees import flatten
+from .builtin import code_names
 from .compat import (
-    BACKEND_CLASS,
-    BACKEND_MODULE,
-    Seam,
-    capture_one_args,
-    eager_break,
-    installed,
-    num_segments,
-    run_outside_capture,
-    runner_rows,
+    BACKEND_CLASS, BACKEND_MODULE, capture_one_args, capture_var, installed, num_segments, run_outside_capture, runner_rows,
 )
 from .forecast_log import SessionForecast
-from .sglang_session import (
-    apply_runner_rows,
-    drop_global_pool,
-    open_state,
-    reserve_from_warmup,
-)
+from .sglang_session import apply_runner_rows, drop_global_pool, open_state, reserve_from_warmup
 
-__all__ = ["SGLANG_BCG_CLASS", "SharingPolicyMixin", "apply_runner_rows", "sglang_breakable_backend_class"]
+__all__ = [
+    "INTERCEPTED", "NEUTRAL", "SGLANG_BCG_CLASS", "SharingPolicyMixin", "sglang_breakable_backend_class", "unknown_capture_helpers",
+]
 
 #: Dotted path of SGLang's breakable backend class (our base class).
 SGLANG_BCG_CLASS = BACKEND_CLASS
 
-#: SGLang's warmup count before each capture (every release runs two).
+#: Warmups the release's ``capture_one`` runs before its capture (every release; checked at capture).
 WARMUPS = 2
 
+#: The release's output helpers our subclass overrides (step 3 of the module doc).
+INTERCEPTED = ("_shared_output_buffer", "_alloc_full_buffer", "_output_rows", "_copy_output_to_buffer", "_slice_output")
+#: The other private names the releases' ``capture_one`` (0.5.14-0.5.23) use: none holds an output.
+NEUTRAL = ("_device_module", "_tp_group", "_precarve", "_pool", "_capture_stream", "_debug_eager",
+           "_cuda_graph_runner", "_graphs", "_outputs", "_capture_inputs")
 
-def _bcg_module() -> Any:
-    # Read the segment engine's names from SGLang's backend module at call time, exactly where
-    # SGLang's own capture_one reads them (patches of that module apply to both).
-    return importlib.import_module(BACKEND_MODULE)
+
+def unknown_capture_helpers(capture_one: object) -> list[str]:
+    """Private names a release's ``capture_one`` uses that neither :data:`INTERCEPTED` nor
+    :data:`NEUTRAL` lists (a new helper may keep an output of SGLang's own)."""
+    names = code_names(capture_one)
+    if names is None:
+        return ["<no code>"]
+    return sorted(n for n in names if n.startswith("_") and not n.startswith("__") and n not in INTERCEPTED + NEUTRAL)
+
+
+class _Forward:
+    """The forward and the post-warmup hook the release's ``capture_one`` gets for one key."""
+
+    def __init__(self, backend: Any, key: Hashable, forward_fn: Callable[[], Any], hook: Callable[[], None] | None,
+                 capture_inputs: Any) -> None:
+        self.backend, self.key, self.forward_fn, self.hook, self.inputs = backend, key, forward_fn, hook, capture_inputs
+        self.engine = importlib.import_module(BACKEND_MODULE).BreakableCUDAGraph  # its module holds the capture var
+        self.warmups, self.last_warmup, self.placed, self.captured = 0, None, None, False
+        self.output_bytes: list[int] = []
+
+    def forward(self) -> Any:  # a named function: releases <= 0.5.21 log a debug break's __name__
+        if self.captured:  # a debug_eager replay: the release's break reruns the forward; refresh ours
+            for (_, dst), (_, src) in zip(flatten(self.placed)[1], flatten(self._rows(self.forward_fn()))[1], strict=True):
+                dst.copy_(src)
+            return self.placed
+        if capture_var(self.engine).get() is None:  # a warmup
+            self.warmups += 1
+            self.last_warmup = self.forward_fn()
+            return self.last_warmup
+        if self.warmups != WARMUPS:
+            msg = f"SGLang {installed().release}'s capture_one ran {self.warmups} warmups, not {WARMUPS}, before its capture"
+            raise RuntimeError(msg)
+        # the captured call (under debug_eager inside the release's one eager break: run it outside)
+        out = run_outside_capture(self.engine, self.forward_fn) if self.backend._debug_eager else self.forward_fn()
+        self.output_bytes.extend(t.untyped_storage().nbytes() for _, t in flatten(out)[1])
+        self.placed = self.backend._bcg_state.policy.place(self.key, self._rows(out), input_storages(self.inputs))
+        self.captured = True
+        return self.placed
+
+    def after_warmup(self) -> None:
+        if self.hook is not None:
+            self.hook()
+        if self.warmups == WARMUPS:  # reserve: outside the graph pool, from the last warmup
+            reserve_from_warmup(self.backend._bcg_state, self.key, self.backend._cuda_graph_runner, self.last_warmup)
+            self.last_warmup = None
+
+    def _rows(self, out: Any) -> Any:
+        return apply_runner_rows(out, runner_rows(self.backend._cuda_graph_runner, out)[0])
 
 
 class SharingPolicyMixin:
@@ -81,9 +118,6 @@ class SharingPolicyMixin:
     _graphs: dict[Any, Any]
     _outputs: dict[Any, Any]
     _pool: Any
-    _device_module: Any
-    _tp_group: Any
-    _capture_stream: Any
     _debug_eager: bool
 
     name = "breakable"
@@ -95,13 +129,12 @@ class SharingPolicyMixin:
             cuda_graph_runner, enable_memory_saver=enable_memory_saver, debug_eager=debug_eager
         )
         self._cuda_graph_runner = cuda_graph_runner  # set by SGLang itself only from 0.5.21
-        self._seam: Seam = installed()
         self._bcg_state = CaptureState(self.name, "sglang-bcg")
 
     @contextlib.contextmanager
     def capture_session(self, stream: Any) -> Iterator[None]:
         """SGLang's session (pool, dedup, BCG mode) plus a freshly resolved output policy."""
-        plan = open_state(self._bcg_state, seam=self._seam)
+        plan = open_state(self._bcg_state, seam=installed())
         mode = plan.mode
         self._bcg_forecast = SessionForecast(self._cuda_graph_runner, mode, lambda: getattr(self, "_pool", None))
         try:  # gc: one collection per session, not per key (docs/index.md "GC safety")
@@ -122,74 +155,40 @@ class SharingPolicyMixin:
         """The output mode of the open capture session (``None`` outside one)."""
         return self._bcg_state.mode_active
 
-    def _warmups(self, key: Any, forward_fn: Callable[[], Any], post_warmup_hook: Callable[[], None] | None) -> Any:
-        precarve = getattr(self, "_precarve", None) if self._seam.precarve else None
-        out = None
-        for _ in range(WARMUPS):  # as SGLang does, so lazy kernels settle first
-            self._device_module.synchronize()
-            self._tp_group.barrier()
-            with precarve.measure() if precarve is not None else contextlib.nullcontext():
-                out = forward_fn()
-            if post_warmup_hook is not None:
-                post_warmup_hook()
-        return out
-
-    def _capture_context(self, mod: Any, graph: Any) -> contextlib.ExitStack:
-        seam, stack = self._seam, contextlib.ExitStack()
-        if seam.pool_capture_scope:
-            stack.enter_context(mod.graph_pool_capture_scope())
-        kwargs = {"barrier_fn": self._tp_group.barrier} if seam.barrier_fn else {}
-        stack.enter_context(
-            mod.BreakableCUDAGraphCapture(cuda_graph=graph, pool=self._pool, stream=self._capture_stream, **kwargs)
-        )
-        return stack
-
     def capture_one(self, shape_key: Any, forward_fn: Callable[[], Any], *args: Any, **kwargs: Any) -> None:
-        """SGLang's warmups and segment capture; the output goes through the core's policy.
+        """The release's own ``capture_one``; the output goes through the core's policy.
 
         Takes ``(capture_inputs, post_warmup_hook)`` under the installed release's names
         (:func:`.compat.capture_one_args`: 0.5.14-0.5.16 call the first ``dummies``)."""
         capture_inputs, post_warmup_hook = capture_one_args(args, kwargs)
         key, state = check_key(shape_key), self._bcg_state
-        output_bytes: list[int] = []  # the first capture's output storages, for the forecast
+        state.begin(key)
+        forward = _Forward(self, key, forward_fn, post_warmup_hook, capture_inputs)
         forecast = getattr(self, "_bcg_forecast", None)
-        with forecast.first_capture(key.size, output_bytes) if forecast is not None else contextlib.nullcontext():
-            self._capture_one(key, state, forward_fn, capture_inputs, post_warmup_hook, output_bytes)
+        with forecast.first_capture(key.size, forward.output_bytes) if forecast is not None else contextlib.nullcontext():
+            start = time.perf_counter()
+            with gc_safe_capture():
+                super().capture_one(shape_key, forward.forward, capture_inputs, forward.after_warmup)  # type: ignore[misc]
+            if not forward.captured:
+                msg = f"SGLang {installed().release}'s capture_one did not call the forward inside its capture"
+                raise RuntimeError(msg)
+            if not self._debug_eager:  # released: the policy holds the last reference to the graph's output
+                forward.placed = None
+            output = state.commit(
+                key, graph=self._graphs[key], num_segments=num_segments(self._graphs[key]),
+                capture_inputs=capture_inputs, seconds=time.perf_counter() - start,
+            )
+            self._outputs[key] = output
         if forecast is not None:
             forecast.key_done(key.size, num_segments(self._graphs[key]))
 
-    def _capture_one(self, key: Any, state: CaptureState, forward_fn: Callable[[], Any], capture_inputs: Any,
-                     post_warmup_hook: Callable[[], None] | None, output_bytes: list[int]) -> None:
-        seam = self._seam
-        state.begin(key)
-        mod = _bcg_module()
-        start = time.perf_counter()
-        warmup_out = self._warmups(key, forward_fn, post_warmup_hook)
-        reserve_from_warmup(state, key, self._cuda_graph_runner, warmup_out)
-        del warmup_out
-        graph = mod.BreakableCUDAGraph(self.deduped_cuda_graph) if seam.graph_takes_dedup else mod.BreakableCUDAGraph()  # type: ignore[attr-defined]
-        with gc_safe_capture(), self._capture_context(mod, graph):
-            if seam.precarve:
-                self._precarve.mint()  # type: ignore[attr-defined]
-            if self._debug_eager:
-                # The whole forward is one eager break; its output (held by the break) is what
-                # the policy copies from. The model's own breaks inside it run inline.
-                def whole_forward() -> Any:  # a named function: releases <= 0.5.21 log its __name__
-                    return run_outside_capture(mod.BreakableCUDAGraphCapture, forward_fn)
+    # -- the release's output helpers (INTERCEPTED), called by its capture_one: no buffer of SGLang's own --
+    _shared_output_buffer = property(lambda self: None, lambda self, value: None)
 
-                out = eager_break(mod, whole_forward, seam.eager_form)()
-            else:
-                out = forward_fn()
-            output_bytes.extend(t.untyped_storage().nbytes() for _, t in flatten(out)[1])
-            out = apply_runner_rows(out, runner_rows(self._cuda_graph_runner, out)[0])
-            state.policy.place(key, out, input_storages(capture_inputs))  # in-graph copy into the shared slice
-        del out
-        output = state.commit(  # released: the policy dropped its last reference to the graph's own output
-            key, graph=graph, num_segments=num_segments(graph), capture_inputs=capture_inputs,
-            seconds=time.perf_counter() - start,
-        )
-        self._graphs[key] = graph
-        self._outputs[key] = output
+    def _alloc_full_buffer(self, *args: Any) -> None:
+        return None
+
+    _output_rows = _copy_output_to_buffer = _slice_output = _alloc_full_buffer
 
     def __del__(self) -> None:  # dropped inside a capture: SGLang's graphs die after it
         defer_release(list(getattr(self, "_graphs", {}).values()))
@@ -228,7 +227,7 @@ def sglang_breakable_backend_class() -> type[Any]:
             "the plugin hooks this release's breakable graph through its runner instead"
         )
         raise RuntimeError(msg)
-    base = _bcg_module().BreakableCudaGraphBackend
+    base = importlib.import_module(BACKEND_MODULE).BreakableCudaGraphBackend
     return type(
         "SGLangBreakableBackend",
         (SharingPolicyMixin, base),

@@ -58,7 +58,7 @@ def test_other_policies_are_off_with_a_reason() -> None:
     switched = inspect_builtin(Switched)
     assert switched.shares is None and "under a switch (share_output)" in switched.reason
     sourceless = type("Sourceless", (), {"capture_one": print, "__init__": object.__init__})
-    assert inspect_builtin(sourceless).shares is None and "cannot read Sourceless's source" in inspect_builtin(sourceless).reason
+    assert inspect_builtin(sourceless).shares is None and "cannot read Sourceless's code" in inspect_builtin(sourceless).reason
 
 
 def test_sglang_that_does_not_import_means_off(monkeypatch: pytest.MonkeyPatch) -> None:
