@@ -1,0 +1,474 @@
+"""Switch the output mode of a running SGLang server: ``GET``/``POST /bcg/output_mode``.
+
+Two HookRegistry hooks (:mod:`.hooks`), each registered only in the process that uses it:
+
+* HTTP (the launcher, which serves SGLang's FastAPI ``app``): a BEFORE hook on
+  ``http_server._setup_and_run_http_server`` adds the route, marked ``ADMIN_FORCE`` for SGLang's
+  own auth middleware, only when the server has ``--admin-api-key``;
+* scheduler (every TP rank): an AROUND hook on ``Scheduler.handle_rpc_request``, SGLang's generic
+  RPC (the path of ``Engine.collective_rpc``: ``RpcReqInput`` on the scheduler's RPC socket,
+  broadcast to every TP rank, handled between two batches of the event loop, one reply from rank 0).
+  Our method name is answered here; every other call goes to SGLang's handler.
+
+A switch on a rank (:func:`switch_rank`): refuse what cannot run (no prefill graphs of ours, a
+mode the release cannot serve) before touching anything; then drop the prefill graphs
+(``backend.cleanup()``, keeping SGLang's graph pool where the decode graphs still live), set
+``SGLANG_ENABLE_BCG_SHARED_OUTPUT`` in the scheduler process and re-capture with SGLang's own
+``ModelRunner.init_prefill_cuda_graph()`` (the start-up path: our backend seam, our session). A
+capture that fails is followed by a re-capture in the previous mode (the old graphs are gone by
+then: holding both sets would leave the freed set cached in the pool), and the answer says why.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import json
+import logging
+import multiprocessing
+import os
+import sys
+import threading
+import time
+from collections.abc import Callable, MutableMapping
+from typing import Any
+
+from .._constants import ENV_SHARE_OUTPUT
+from .._words import parse_word
+from ..output_mode import MODES, OutputMode
+
+logger = logging.getLogger(__name__)
+
+ROUTE = "/bcg/output_mode"
+RPC_METHOD = "sglang_bcg_output_mode"
+HTTP_TARGET = "sglang.srt.entrypoints.http_server._setup_and_run_http_server"
+RPC_TARGET = "sglang.srt.managers.scheduler.Scheduler.handle_rpc_request"
+#: How long the HTTP side waits for the schedulers' answer (a re-capture of a large model).
+RPC_TIMEOUT_S = float(os.environ.get("SGLANG_BCG_SWITCH_TIMEOUT", "900"))
+#: What the flag writes for each mode (:mod:`.flag`).
+ENV_TEXT: dict[str, str] = {"on": "1", "off": "0", "released": "released"}
+BODY_HELP = 'send {"mode": "off"|"on"|"released"}'
+
+
+def one_line(text: object) -> str:
+    return " ".join(str(text).split())[:500]
+
+
+# --- where each hook is registered ----------------------------------------------------------
+
+
+def is_launcher() -> bool:
+    """The process SGLang's HTTP server runs in (not one multiprocessing spawned)."""
+    return multiprocessing.parent_process() is None
+
+
+def is_scheduler() -> bool:
+    """A scheduler process: it imported SGLang's scheduler before loading plugins."""
+    return "sglang.srt.managers.scheduler" in sys.modules
+
+
+#: target -> whether this process registers it (others would import modules they never use).
+WHERE: dict[str, Callable[[], bool]] = {HTTP_TARGET: is_launcher, RPC_TARGET: is_scheduler}
+
+
+# --- the body ---------------------------------------------------------------------------------
+
+
+class BodyError(ValueError):
+    """A POST body that is not ``{"mode": MODE}``; its text is the one line the 400 says."""
+
+
+def parse_body(raw: bytes) -> OutputMode:
+    """The mode a POST body asks for.
+
+    :raises BodyError: not JSON, not an object, a key other than ``mode``, no ``mode``, or not
+        a mode (one line each).
+    """
+    try:
+        body = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise BodyError(f"the body is not JSON ({one_line(exc)}); {BODY_HELP}") from None
+    if not isinstance(body, dict):
+        raise BodyError(f"the body must be a JSON object, got {type(body).__name__}; {BODY_HELP}")
+    extra = sorted(str(k) for k in body if k != "mode")
+    if extra:
+        raise BodyError(f"unknown key(s) {', '.join(map(repr, extra))}; {BODY_HELP}")
+    if "mode" not in body:
+        raise BodyError(f"no 'mode' in the body; {BODY_HELP}")
+    try:
+        return parse_word(body["mode"], {m: m for m in MODES}, "mode", kind="an output mode")
+    except (TypeError, ValueError) as exc:
+        raise BodyError(one_line(exc)) from None
+
+
+# --- one scheduler rank ---------------------------------------------------------------------
+
+
+class Refused(Exception):
+    """The rank cannot switch; nothing was touched."""
+
+
+def prefill_backend(model_runner: Any) -> Any:
+    return getattr(getattr(model_runner, "prefill_cuda_graph_runner", None), "backend", None)
+
+
+def _ours(backend: Any) -> bool:
+    from .sglang_breakable import SharingPolicyMixin
+
+    return isinstance(backend, SharingPolicyMixin)
+
+
+def refusal(model_runner: Any, seam_kind: str) -> str | None:
+    """Why this rank cannot re-capture its prefill graphs, in one line; ``None`` when it can."""
+    if seam_kind == "runner":
+        return ("SGLang 0.5.13's BreakableCudaGraphRunner cannot drop its graphs (no cleanup; they stay in the "
+                "process-global pool), so a re-capture would hold two sets: restart with --enable-bcg-shared-output=MODE")
+    if seam_kind != "backend":
+        return "this SGLang has no breakable CUDA graph the plugin hooks"
+    backend = prefill_backend(model_runner)
+    if not _ours(backend):
+        device = str(getattr(model_runner, "device", "?"))
+        if device != "cuda":
+            return f"no prefill CUDA graphs in this server ({device} engine): nothing to re-capture"
+        name = type(backend).__name__ if backend is not None else "none"
+        return (f"the prefill graphs are not the plugin's breakable backend (prefill backend: {name}); "
+                "start the server with --cuda-graph-backend-prefill breakable")
+    if not callable(getattr(model_runner, "init_prefill_cuda_graph", None)):
+        return "this SGLang's ModelRunner has no init_prefill_cuda_graph() to re-capture with"
+    return None
+
+
+def _device_memory() -> dict[str, int]:
+    import torch
+
+    if not torch.cuda.is_available():
+        return {}
+    free, total = torch.cuda.mem_get_info()
+    return {"free_bytes": int(free), "total_bytes": int(total), "reserved_bytes": int(torch.cuda.memory_reserved())}
+
+
+def _pool_bytes(pool: Any) -> int | None:
+    """The bytes the caching allocator holds for graph pool ``pool`` (its segments)."""
+    import torch
+
+    if pool is None or not torch.cuda.is_available():
+        return None
+    segments = torch.cuda.memory_snapshot()
+    return sum(int(s["total_size"]) for s in segments if tuple(s.get("segment_pool_id", ())) == tuple(pool))
+
+
+def describe_rank(model_runner: Any, environ: MutableMapping[str, str] | None = None) -> dict[str, Any]:
+    """What one rank reports: its process, the mode a capture resolves now, and its graphs."""
+    env = os.environ if environ is None else environ
+    out: dict[str, Any] = {"pid": os.getpid(), "env": env.get(ENV_SHARE_OUTPUT)}
+    backend = prefill_backend(model_runner)
+    out["prefill_backend"] = type(backend).__name__ if backend is not None else None
+    if _ours(backend):
+        resolution = backend.last_output_mode
+        out["mode"] = resolution.mode if resolution is not None else None
+        out["reason"] = resolution.source if resolution is not None else None
+        report = backend.memory_report()
+        out["keys"] = len(getattr(backend, "_graphs", {}))
+        out["resident_output_bytes"] = int(report.resident_output_bytes)
+        out["logical_output_bytes"] = int(report.logical_output_bytes)
+        out["pool_bytes"] = _pool_bytes(getattr(backend, "_pool", None))
+    else:
+        from .sglang_session import resolve_mode
+
+        with contextlib.suppress(ValueError):
+            out["mode"] = resolve_mode(env).mode
+        out["reason"] = "no prefill graphs of the plugin in this process"
+    out.update(_device_memory())
+    return out
+
+
+def _drop_prefill_graphs(model_runner: Any) -> None:
+    """``cleanup()`` the prefill backend; keep SGLang's global pool handle while the decode graphs
+    still live in it (a new pool would leave the freed prefill blocks cached in the old one)."""
+    backend = prefill_backend(model_runner)
+    pool = getattr(backend, "_pool", None)
+    decode = getattr(model_runner, "decode_cuda_graph_runner", None)
+    decode_alive = decode is not None and decode is not getattr(model_runner, "eager_runner", None)
+    try:
+        from sglang.srt.model_executor.runner_utils import pool as sglang_pool
+
+        was_global = pool is not None and sglang_pool.get_global_graph_memory_pool() == pool
+    except ImportError:  # pragma: no cover - every backend-seam release has it
+        sglang_pool, was_global = None, False
+    backend.cleanup()
+    if was_global and decode_alive and sglang_pool is not None and sglang_pool.get_global_graph_memory_pool() is None:
+        sglang_pool.set_global_graph_memory_pool(pool)
+    model_runner.prefill_cuda_graph_runner = None
+    del backend
+    gc.collect()
+    _empty_cache()
+
+
+def _synchronize() -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def _empty_cache() -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def switch_rank(model_runner: Any, mode: OutputMode, seam_kind: str,
+                environ: MutableMapping[str, str] | None = None) -> dict[str, Any]:
+    """Re-capture this rank's prefill graphs in ``mode``.
+
+    :raises Refused: nothing was touched (the old graphs serve on).
+    :returns: ``ok``, ``previous``, ``mode``, ``seconds`` and this rank's report; on a failed
+        capture ``ok`` is false, ``error`` says why and ``rolled_back`` whether the previous
+        mode was re-captured.
+    """
+    env = os.environ if environ is None else environ
+    why = refusal(model_runner, seam_kind)
+    if why is not None:
+        raise Refused(why)
+    from .compat import installed
+    from .sglang_session import session_switches
+
+    previous_env = env.get(ENV_SHARE_OUTPUT)
+    resolution = prefill_backend(model_runner).last_output_mode
+    previous = resolution.mode if resolution is not None else None
+    trial = dict(env)
+    trial[ENV_SHARE_OUTPUT] = ENV_TEXT[mode]
+    try:
+        session_switches(trial, installed())  # what the release cannot serve: refused before any drop
+    except ValueError as exc:
+        raise Refused(one_line(exc)) from None
+    start = time.perf_counter()
+    _synchronize()  # a batch the overlap scheduler launched finishes on the old graphs
+    _drop_prefill_graphs(model_runner)
+    env[ENV_SHARE_OUTPUT] = ENV_TEXT[mode]
+    result: dict[str, Any] = {"previous": previous, "mode": mode}
+    try:
+        model_runner.init_prefill_cuda_graph()
+        got = prefill_backend(model_runner)
+        if not _ours(got) or got.last_output_mode is None or got.last_output_mode.mode != mode:
+            raise RuntimeError(f"the re-captured prefill backend is {type(got).__name__}, not ours in mode {mode!r}")
+        result["ok"] = True
+    except Exception as exc:  # noqa: BLE001 - any capture failure is reported, then rolled back
+        result.update(ok=False, error=f"{type(exc).__name__}: {one_line(exc)}", rolled_back=_roll_back(model_runner, env, previous_env))
+    _synchronize()
+    result["seconds"] = round(time.perf_counter() - start, 3)
+    result.update(describe_rank(model_runner, env))
+    return result
+
+
+def _roll_back(model_runner: Any, env: MutableMapping[str, str], previous_env: str | None) -> bool:
+    """Re-capture in the previous mode after a failed capture; ``False`` if that fails too
+    (prefill then runs without graphs, as SGLang does when its capture is disabled)."""
+    if previous_env is None:
+        env.pop(ENV_SHARE_OUTPUT, None)
+    else:
+        env[ENV_SHARE_OUTPUT] = previous_env
+    with contextlib.suppress(Exception):
+        if prefill_backend(model_runner) is not None:
+            _drop_prefill_graphs(model_runner)
+    try:
+        model_runner.init_prefill_cuda_graph()
+    except Exception:  # noqa: BLE001 - reported as rolled_back=False
+        logger.exception("sglang_bcg: re-capturing the previous output mode failed too")
+        model_runner.prefill_cuda_graph_runner = getattr(model_runner, "eager_runner", None)
+        return False
+    return True
+
+
+def answer_rank(model_runner: Any, params: dict[str, Any], seam_kind: str) -> dict[str, Any]:
+    """One rank's answer to ``{"action": "show"}`` or ``{"action": "switch", "mode": MODE}``."""
+    try:
+        if params.get("action") == "switch":
+            mode = parse_word(params.get("mode"), {m: m for m in MODES}, "mode", kind="an output mode")
+            return switch_rank(model_runner, mode, seam_kind)
+        out = describe_rank(model_runner)
+        out["ok"], out["refusal"] = True, refusal(model_runner, seam_kind)
+        return out
+    except Refused as exc:
+        return {"ok": False, "refused": str(exc), "pid": os.getpid()}
+    except Exception as exc:  # noqa: BLE001 - the scheduler keeps serving; the HTTP side says why
+        logger.exception("sglang_bcg: output mode request failed")
+        return {"ok": False, "error": f"{type(exc).__name__}: {one_line(exc)}", "pid": os.getpid()}
+
+
+def _gather(scheduler: Any, local: dict[str, Any]) -> list[dict[str, Any]]:
+    """Every TP rank's answer (rank order), gathered on the TP group's CPU group."""
+    group = getattr(getattr(scheduler, "tp_group", None), "cpu_group", None)
+    size = int(getattr(scheduler, "tp_size", 1) or 1)
+    if group is None or size == 1:
+        return [local]
+    import torch.distributed as dist
+
+    out: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, local, group=group)
+    return list(out)
+
+
+def around_handle_rpc_request(original_fn: Callable[..., Any], scheduler: Any, recv_req: Any, *args: Any, **kwargs: Any) -> Any:
+    """AROUND hook of ``Scheduler.handle_rpc_request``: answer our method, pass on the rest."""
+    if getattr(recv_req, "method", None) != RPC_METHOD:
+        return original_fn(scheduler, recv_req, *args, **kwargs)
+    from sglang.srt.managers.io_struct import RpcReqOutput
+
+    from .compat import seam_kind
+
+    params = dict(getattr(recv_req, "parameters", None) or {})
+    local = answer_rank(scheduler.tp_worker.model_runner, params, seam_kind())
+    local["tp_rank"] = int(getattr(scheduler, "tp_rank", 0) or 0)
+    ranks = _gather(scheduler, local)
+    message = json.dumps({"id": params.get("id"), "ranks": ranks})
+    return RpcReqOutput(success=all(r.get("ok") for r in ranks), message=message)
+
+
+# --- the HTTP side --------------------------------------------------------------------------
+
+
+class Busy(Exception):
+    """A switch is running; its text is the one line the 409 says."""
+
+
+class SwitchGate:
+    """One switch at a time: a second is refused at once, never queued."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._lock = threading.Lock()
+        self._clock = clock
+        self.running: tuple[str, float] | None = None
+
+    @contextlib.contextmanager
+    def hold(self, what: str) -> Any:
+        if not self._lock.acquire(blocking=False):
+            mode, since = self.running or ("?", self._clock())
+            raise Busy(f"a switch to {mode!r} is running ({self._clock() - since:.0f} s so far); try again when it ends")
+        self.running = (what, self._clock())
+        try:
+            yield
+        finally:
+            self.running = None
+            self._lock.release()
+
+
+class RpcClient:
+    """SGLang's RPC socket, bound here as ``Engine`` binds it (``launch_server`` makes no Engine)."""
+
+    def __init__(self, endpoint: str) -> None:
+        self.endpoint = endpoint
+        self._socket: Any = None
+        self._next = 0
+
+    def _open(self) -> Any:
+        if self._socket is None:
+            import zmq
+            from sglang.srt.utils.network import get_zmq_socket
+
+            self._socket = get_zmq_socket(zmq.Context(1), zmq.DEALER, self.endpoint, True)
+        return self._socket
+
+    def call(self, params: dict[str, Any], timeout_s: float = RPC_TIMEOUT_S) -> tuple[bool, dict[str, Any]]:
+        """Send ``params`` to every TP rank; their answers (``ranks``), skipping stale replies."""
+        from sglang.srt.managers import io_struct
+
+        sock = self._open()
+        self._next += 1
+        params = {**params, "id": self._next}
+        req = io_struct.RpcReqInput(method=RPC_METHOD, parameters=params)
+        send = getattr(io_struct, "sock_send", None)
+        send(sock, req) if send is not None else sock.send_pyobj(req)  # noqa: B018 - 0.5.13-0.5.14 pickle
+        recv = getattr(io_struct, "sock_recv", None)
+        deadline = time.monotonic() + timeout_s
+        while (left := deadline - time.monotonic()) > 0:
+            if not sock.poll(int(left * 1000)):
+                break
+            out = recv(sock) if recv is not None else sock.recv_pyobj()
+            try:
+                body = json.loads(out.message)
+            except (TypeError, ValueError):
+                body = {}
+            if body.get("id") == params["id"]:
+                return bool(out.success), body
+        raise TimeoutError(f"the schedulers did not answer in {timeout_s:.0f} s (SGLANG_BCG_SWITCH_TIMEOUT)")
+
+
+def http_answer(client: RpcClient, gate: SwitchGate, mode: OutputMode | None) -> tuple[int, dict[str, Any]]:
+    """(status, JSON) of a GET (``mode=None``) or a POST: 200, 409 busy, 422 refused, 500 a failed
+    capture (rolled back), 504 no answer."""
+    action = "show" if mode is None else "switch"
+    try:
+        with gate.hold(mode or "show"):
+            start = time.perf_counter()
+            ok, body = client.call({"action": action, **({"mode": mode} if mode else {})})
+            seconds = round(time.perf_counter() - start, 3)
+    except Busy as exc:
+        return 409, {"error": str(exc)}
+    except TimeoutError as exc:
+        return 504, {"error": one_line(exc)}
+    ranks = body.get("ranks", [])
+    out: dict[str, Any] = {"ranks": ranks, "pids": [r.get("pid") for r in ranks]}
+    modes = {r.get("mode") for r in ranks}
+    out["mode"] = modes.pop() if len(modes) == 1 else sorted(map(str, modes))
+    if mode is not None:
+        out["seconds"] = seconds
+        out["previous"] = ranks[0].get("previous") if ranks else None
+    if ok:
+        return 200, out
+    refused = [r["refused"] for r in ranks if r.get("refused")]
+    if refused:
+        return 422, {**out, "error": f"refused: {refused[0]}"}
+    errors = [r.get("error") for r in ranks if r.get("error")]
+    rolled = all(r.get("rolled_back") for r in ranks if "rolled_back" in r)
+    tail = f"; the previous mode {out.get('previous')!r} was re-captured" if rolled else "; re-capturing the previous mode failed too: prefill runs without graphs"
+    return 500, {**out, "error": f"re-capture failed: {errors[0] if errors else 'unknown error'}{tail if mode else ''}"}
+
+
+def add_routes(app: Any, client: RpcClient, gate: SwitchGate, dp_size: int = 1) -> None:
+    """``GET``/``POST`` :data:`ROUTE` on SGLang's app, ``ADMIN_FORCE`` for its auth middleware."""
+    import asyncio
+
+    from fastapi import Request
+    from fastapi.responses import ORJSONResponse
+    from sglang.srt.utils.auth import AuthLevel, auth_level
+
+    async def reply(mode: OutputMode | None) -> Any:
+        if dp_size > 1:
+            return ORJSONResponse({"error": f"not supported with --dp-size {dp_size}: SGLang's RPC reaches one scheduler group"}, status_code=422)
+        status, body = await asyncio.to_thread(http_answer, client, gate, mode)
+        return ORJSONResponse(body, status_code=status)
+
+    @auth_level(AuthLevel.ADMIN_FORCE)
+    async def bcg_output_mode_get() -> Any:
+        return await reply(None)
+
+    @auth_level(AuthLevel.ADMIN_FORCE)
+    async def bcg_output_mode_post(request: Request) -> Any:
+        try:
+            mode = parse_body(await request.body())
+        except BodyError as exc:
+            return ORJSONResponse({"error": str(exc)}, status_code=400)
+        return await reply(mode)
+
+    app.add_api_route(ROUTE, bcg_output_mode_get, methods=["GET"])
+    app.add_api_route(ROUTE, bcg_output_mode_post, methods=["POST"])
+
+
+def before_setup_and_run_http_server(*args: Any, **kwargs: Any) -> None:
+    """BEFORE hook of ``_setup_and_run_http_server(server_args, tokenizer_manager,
+    template_manager, port_args, ...)``: the route, where ``--admin-api-key`` is set."""
+    server_args = kwargs.get("server_args", args[0] if args else None)
+    port_args = kwargs.get("port_args", args[3] if len(args) > 3 else None)
+    if not getattr(server_args, "admin_api_key", None):
+        logger.info("sglang_bcg: %s not registered: the server has no --admin-api-key", ROUTE)
+        return None
+    if port_args is None or not getattr(port_args, "rpc_ipc_name", None):
+        logger.warning("sglang_bcg: %s not registered: SGLang's RPC endpoint is unknown here", ROUTE)
+        return None
+    from sglang.srt.entrypoints import http_server
+
+    add_routes(http_server.app, RpcClient(port_args.rpc_ipc_name), SwitchGate(), int(getattr(server_args, "dp_size", 1) or 1))
+    logger.info("sglang_bcg: %s registered (admin API key required)", ROUTE)
+    return None
