@@ -58,8 +58,11 @@ def one_line(text: object) -> str:
 
 
 def is_launcher() -> bool:
-    """The process SGLang's HTTP server runs in (not one multiprocessing spawned)."""
-    return multiprocessing.parent_process() is None
+    """The process SGLang's HTTP server runs in: not one multiprocessing spawned, and FastAPI is
+    installed (without it there is no HTTP server, and ``http_server`` does not import)."""
+    import importlib.util
+
+    return multiprocessing.parent_process() is None and importlib.util.find_spec("fastapi") is not None
 
 
 def is_scheduler() -> bool:
@@ -69,6 +72,47 @@ def is_scheduler() -> bool:
 
 #: target -> whether this process registers it (others would import modules they never use).
 WHERE: dict[str, Callable[[], bool]] = {HTTP_TARGET: is_launcher, RPC_TARGET: is_scheduler}
+
+
+def defined_in_source(target: str, module: str) -> bool:
+    """Whether ``module``'s source defines ``target`` (``module.func`` or ``module.Class.method``),
+    read with ``ast``, without importing it (the HTTP server's module needs FastAPI)."""
+    import ast
+    import importlib.util
+
+    try:
+        spec = importlib.util.find_spec(module)
+    except (ImportError, ValueError):
+        return False
+    if spec is None or not spec.origin or not os.path.isfile(spec.origin):
+        return False
+    with open(spec.origin, encoding="utf-8") as f:
+        tree = ast.parse(f.read())
+    body: list[ast.stmt] = tree.body
+    for part in target[len(module) + 1:].split("."):
+        node = next((n for n in body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and n.name == part), None)
+        if node is None:
+            return False
+        body = node.body
+    return True
+
+
+#: Each switch target and the module that holds it.
+MODULES = {HTTP_TARGET: "sglang.srt.entrypoints.http_server", RPC_TARGET: "sglang.srt.managers.scheduler"}
+
+
+def doctor_line(seam_kind: str) -> str:
+    """``sglang-bcg doctor``'s one line on the live switch."""
+    missing = [t for t, m in MODULES.items() if not defined_in_source(t, m)]
+    if seam_kind not in ("backend", "runner"):
+        return "not available (no breakable CUDA graph to switch)"
+    if missing:
+        return f"not available on this release: {', '.join(missing)} not found"
+    where = (f"GET/POST {ROUTE} registered only when the server starts with --admin-api-key (SGLang's admin "
+             "authentication); without it the route does not exist")
+    if seam_kind == "runner":
+        return where + "; on this release a POST is refused (its runner cannot drop its graphs)"
+    return where + "; sglang-bcg switch --url URL --api-key KEY off|on|released"
 
 
 # --- the body ---------------------------------------------------------------------------------
@@ -452,6 +496,9 @@ def add_routes(app: Any, client: RpcClient, gate: SwitchGate, dp_size: int = 1) 
             return ORJSONResponse({"error": str(exc)}, status_code=400)
         return await reply(mode)
 
+    # this module's annotations are strings (PEP 563) and Request is not a global here: FastAPI
+    # would read the parameter as a query field
+    bcg_output_mode_post.__annotations__ = {"request": Request}
     app.add_api_route(ROUTE, bcg_output_mode_get, methods=["GET"])
     app.add_api_route(ROUTE, bcg_output_mode_post, methods=["POST"])
 
