@@ -30,7 +30,7 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Callable, MutableMapping
+from collections.abc import Callable, Mapping, MutableMapping
 from typing import Any
 
 from .._constants import ENV_SHARE_OUTPUT
@@ -215,6 +215,7 @@ def describe_rank(model_runner: Any, environ: MutableMapping[str, str] | None = 
         out["keys"] = len(getattr(backend, "_graphs", {}))
         out["resident_output_bytes"] = int(report.resident_output_bytes)
         out["logical_output_bytes"] = int(report.logical_output_bytes)
+        out["measured_graph_bytes"] = report.measured_graph_bytes
         out["pool_bytes"] = _pool_bytes(getattr(backend, "_pool", None))
     else:
         from .sglang_session import resolve_mode
@@ -237,7 +238,7 @@ def _drop_prefill_graphs(model_runner: Any) -> None:
         from sglang.srt.model_executor.runner_utils import pool as sglang_pool
 
         was_global = pool is not None and sglang_pool.get_global_graph_memory_pool() == pool
-    except ImportError:  # pragma: no cover - every backend-seam release has it
+    except Exception:  # noqa: BLE001 - no SGLang pool module (a stand-in runner): nothing to keep
         sglang_pool, was_global = None, False
     backend.cleanup()
     if was_global and decode_alive and sglang_pool is not None and sglang_pool.get_global_graph_memory_pool() is None:
@@ -262,9 +263,20 @@ def _empty_cache() -> None:
         torch.cuda.empty_cache()
 
 
+def _release_check(environ: Mapping[str, str]) -> None:
+    from .compat import installed
+    from .sglang_session import session_switches
+
+    session_switches(environ, installed())
+
+
 def switch_rank(model_runner: Any, mode: OutputMode, seam_kind: str,
-                environ: MutableMapping[str, str] | None = None) -> dict[str, Any]:
+                environ: MutableMapping[str, str] | None = None,
+                check: Callable[[Mapping[str, str]], object] = _release_check) -> dict[str, Any]:
     """Re-capture this rank's prefill graphs in ``mode``.
+
+    ``check`` refuses (``ValueError``) an environment the release cannot serve: by default the
+    check every capture session makes (:func:`.sglang_session.session_switches`).
 
     :raises Refused: nothing was touched (the old graphs serve on).
     :returns: ``ok``, ``previous``, ``mode``, ``seconds`` and this rank's report; on a failed
@@ -275,16 +287,13 @@ def switch_rank(model_runner: Any, mode: OutputMode, seam_kind: str,
     why = refusal(model_runner, seam_kind)
     if why is not None:
         raise Refused(why)
-    from .compat import installed
-    from .sglang_session import session_switches
-
     previous_env = env.get(ENV_SHARE_OUTPUT)
     resolution = prefill_backend(model_runner).last_output_mode
     previous = resolution.mode if resolution is not None else None
     trial = dict(env)
     trial[ENV_SHARE_OUTPUT] = ENV_TEXT[mode]
     try:
-        session_switches(trial, installed())  # what the release cannot serve: refused before any drop
+        check(trial)  # what the release cannot serve: refused before any drop
     except ValueError as exc:
         raise Refused(one_line(exc)) from None
     start = time.perf_counter()
