@@ -55,6 +55,23 @@ class FakeRunner:
         self.prefill_cuda_graph_runner = NS(backend=FakeBackend(mode, self.calls))
 
 
+class FakeDecode:
+    def __init__(self, calls: list[str]) -> None:
+        self.backend = NS(cleanup=lambda: calls.append("cleanup decode"))
+
+
+class DecodeRunner(FakeRunner):
+    """With decode graphs: they are dropped and re-captured after prefill (start-up order)."""
+
+    def __init__(self, env: dict[str, str], fail: tuple[str, ...] = ()) -> None:
+        super().__init__(env, fail)
+        self.decode_cuda_graph_runner = FakeDecode(self.calls)
+
+    def init_decode_cuda_graph(self) -> None:
+        self.calls.append("capture decode")
+        self.decode_cuda_graph_runner = FakeDecode(self.calls)
+
+
 def no_check(env: Any) -> None:
     return None
 
@@ -84,6 +101,17 @@ def test_switch_recaptures_in_the_new_mode() -> None:
     assert result["seconds"] >= 0 and result["keys"] == 2 and result["resident_output_bytes"] == 0
     shown = switch.answer_rank(runner, {"action": "show"}, "backend")
     assert shown["mode"] == "off" and shown["refusal"] is None and shown["ok"]
+
+
+def test_decode_graphs_are_recaptured_after_prefill() -> None:
+    env = {ENV: "released"}
+    runner = DecodeRunner(env)
+    result = switch.switch_rank(runner, "on", "backend", env, check=no_check)
+    assert result["ok"] and result["decode_recaptured"] and env[ENV] == "1"
+    assert runner.calls == ["cleanup released", "cleanup decode", "capture on", "capture decode"]
+    runner = DecodeRunner(env := {ENV: "1"}, fail=("off",))
+    result = switch.switch_rank(runner, "off", "backend", env, check=no_check)
+    assert result["rolled_back"] and runner.calls == ["cleanup on", "cleanup decode", "capture off", "capture on", "capture decode"]
 
 
 def test_a_failed_capture_recaptures_the_previous_mode() -> None:

@@ -11,12 +11,13 @@ Two HookRegistry hooks (:mod:`.hooks`), each registered only in the process that
   Our method name is answered here; every other call goes to SGLang's handler.
 
 A switch on a rank (:func:`switch_rank`): refuse what cannot run (no prefill graphs of ours, a
-mode the release cannot serve) before touching anything; then drop the prefill graphs
-(``backend.cleanup()``, keeping SGLang's graph pool where the decode graphs still live), set
-``SGLANG_ENABLE_BCG_SHARED_OUTPUT`` in the scheduler process and re-capture with SGLang's own
-``ModelRunner.init_prefill_cuda_graph()`` (the start-up path: our backend seam, our session). A
-capture that fails is followed by a re-capture in the previous mode (the old graphs are gone by
-then: holding both sets would leave the freed set cached in the pool), and the answer says why.
+mode the release cannot serve) before touching anything; then drop the prefill and decode graphs
+and SGLang's global graph pool (:func:`_drop_graphs`), set ``SGLANG_ENABLE_BCG_SHARED_OUTPUT`` in
+the scheduler process and re-capture with SGLang's own ``ModelRunner.init_prefill_cuda_graph()``
+and ``init_decode_cuda_graph()`` (the start-up path: our backend seam, our session, start-up
+order, a fresh pool). A capture that fails is followed by a re-capture in the previous mode (the
+old graphs are gone by then: both sets at once would leave the freed set cached in the shared
+pool), and the answer says why.
 """
 
 from __future__ import annotations
@@ -227,26 +228,42 @@ def describe_rank(model_runner: Any, environ: MutableMapping[str, str] | None = 
     return out
 
 
-def _drop_prefill_graphs(model_runner: Any) -> None:
-    """``cleanup()`` the prefill backend; keep SGLang's global pool handle while the decode graphs
-    still live in it (a new pool would leave the freed prefill blocks cached in the old one)."""
-    backend = prefill_backend(model_runner)
-    pool = getattr(backend, "_pool", None)
-    decode = getattr(model_runner, "decode_cuda_graph_runner", None)
-    decode_alive = decode is not None and decode is not getattr(model_runner, "eager_runner", None)
-    try:
+def _graph_runners(model_runner: Any) -> list[tuple[str, Any]]:
+    """The model runner's prefill and decode graph runners that hold graphs (not the eager one)."""
+    eager = getattr(model_runner, "eager_runner", None)
+    found = []
+    for name in ("prefill_cuda_graph_runner", "decode_cuda_graph_runner"):
+        runner = getattr(model_runner, name, None)
+        if runner is not None and runner is not eager and getattr(runner, "backend", None) is not None:
+            found.append((name, runner))
+    return found
+
+
+def _drop_graphs(model_runner: Any) -> bool:
+    """Drop the prefill and decode graphs and forget SGLang's global graph pool, so the pool's
+    memory goes back at ``empty_cache()`` and the re-capture starts a fresh pool in start-up
+    order (prefill, then decode): the pool is shared, and blocks freed in a pool that other graphs
+    still use stay cached in it. SGLang's own ``drop_elastic_cuda_graph_state`` does the same for
+    decode. Returns whether decode graphs were dropped (to re-capture them too)."""
+    decode = False
+    for name, runner in _graph_runners(model_runner):
+        runner.backend.cleanup()
+        setattr(model_runner, name, None)
+        decode = decode or name.startswith("decode")
+    with contextlib.suppress(Exception):  # a stand-in runner without SGLang's pool module
         from sglang.srt.model_executor.runner_utils import pool as sglang_pool
 
-        was_global = pool is not None and sglang_pool.get_global_graph_memory_pool() == pool
-    except Exception:  # noqa: BLE001 - no SGLang pool module (a stand-in runner): nothing to keep
-        sglang_pool, was_global = None, False
-    backend.cleanup()
-    if was_global and decode_alive and sglang_pool is not None and sglang_pool.get_global_graph_memory_pool() is None:
-        sglang_pool.set_global_graph_memory_pool(pool)
-    model_runner.prefill_cuda_graph_runner = None
-    del backend
+        sglang_pool.set_global_graph_memory_pool(None)
     gc.collect()
     _empty_cache()
+    return decode
+
+
+def _capture(model_runner: Any, decode: bool) -> None:
+    """SGLang's own start-up captures, in start-up order."""
+    model_runner.init_prefill_cuda_graph()
+    if decode:
+        model_runner.init_decode_cuda_graph()
 
 
 def _synchronize() -> None:
@@ -298,38 +315,41 @@ def switch_rank(model_runner: Any, mode: OutputMode, seam_kind: str,
         raise Refused(one_line(exc)) from None
     start = time.perf_counter()
     _synchronize()  # a batch the overlap scheduler launched finishes on the old graphs
-    _drop_prefill_graphs(model_runner)
+    decode = _drop_graphs(model_runner)
     env[ENV_SHARE_OUTPUT] = ENV_TEXT[mode]
-    result: dict[str, Any] = {"previous": previous, "mode": mode}
+    result: dict[str, Any] = {"previous": previous, "mode": mode, "decode_recaptured": decode}
     try:
-        model_runner.init_prefill_cuda_graph()
+        _capture(model_runner, decode)
         got = prefill_backend(model_runner)
         if not _ours(got) or got.last_output_mode is None or got.last_output_mode.mode != mode:
             raise RuntimeError(f"the re-captured prefill backend is {type(got).__name__}, not ours in mode {mode!r}")
         result["ok"] = True
     except Exception as exc:  # noqa: BLE001 - any capture failure is reported, then rolled back
-        result.update(ok=False, error=f"{type(exc).__name__}: {one_line(exc)}", rolled_back=_roll_back(model_runner, env, previous_env))
+        logger.exception("sglang_bcg: re-capture in output mode %r failed", mode)
+        result.update(ok=False, error=f"{type(exc).__name__}: {one_line(exc)}",
+                      rolled_back=_roll_back(model_runner, env, previous_env, decode))
     _synchronize()
     result["seconds"] = round(time.perf_counter() - start, 3)
     result.update(describe_rank(model_runner, env))
     return result
 
 
-def _roll_back(model_runner: Any, env: MutableMapping[str, str], previous_env: str | None) -> bool:
+def _roll_back(model_runner: Any, env: MutableMapping[str, str], previous_env: str | None, decode: bool) -> bool:
     """Re-capture in the previous mode after a failed capture; ``False`` if that fails too
-    (prefill then runs without graphs, as SGLang does when its capture is disabled)."""
+    (prefill and decode then run without graphs, as SGLang does when its capture is disabled)."""
     if previous_env is None:
         env.pop(ENV_SHARE_OUTPUT, None)
     else:
         env[ENV_SHARE_OUTPUT] = previous_env
-    with contextlib.suppress(Exception):
-        if prefill_backend(model_runner) is not None:
-            _drop_prefill_graphs(model_runner)
     try:
-        model_runner.init_prefill_cuda_graph()
+        _drop_graphs(model_runner)
+        _capture(model_runner, decode)
     except Exception:  # noqa: BLE001 - reported as rolled_back=False
         logger.exception("sglang_bcg: re-capturing the previous output mode failed too")
-        model_runner.prefill_cuda_graph_runner = getattr(model_runner, "eager_runner", None)
+        eager = getattr(model_runner, "eager_runner", None)
+        model_runner.prefill_cuda_graph_runner = eager
+        if decode:
+            model_runner.decode_cuda_graph_runner = eager
         return False
     return True
 
