@@ -192,14 +192,17 @@ def _device_memory() -> dict[str, int]:
     return {"free_bytes": int(free), "total_bytes": int(total), "reserved_bytes": int(torch.cuda.memory_reserved())}
 
 
-def _pool_bytes(pool: Any) -> int | None:
-    """The bytes the caching allocator holds for graph pool ``pool`` (its segments)."""
+def _pool_bytes(pool: Any) -> tuple[int | None, int | None]:
+    """The bytes the caching allocator holds for graph pool ``pool`` (its segments), and for every
+    graph pool of the process (a dropped pool still cached shows there)."""
     import torch
 
-    if pool is None or not torch.cuda.is_available():
-        return None
+    if not torch.cuda.is_available():
+        return None, None
     segments = torch.cuda.memory_snapshot()
-    return sum(int(s["total_size"]) for s in segments if tuple(s.get("segment_pool_id", ())) == tuple(pool))
+    pooled = [s for s in segments if tuple(s.get("segment_pool_id", (0, 0))) != (0, 0)]
+    mine = None if pool is None else sum(int(s["total_size"]) for s in pooled if tuple(s["segment_pool_id"]) == tuple(pool))
+    return mine, sum(int(s["total_size"]) for s in pooled)
 
 
 def describe_rank(model_runner: Any, environ: MutableMapping[str, str] | None = None) -> dict[str, Any]:
@@ -217,7 +220,7 @@ def describe_rank(model_runner: Any, environ: MutableMapping[str, str] | None = 
         out["resident_output_bytes"] = int(report.resident_output_bytes)
         out["logical_output_bytes"] = int(report.logical_output_bytes)
         out["measured_graph_bytes"] = report.measured_graph_bytes
-        out["pool_bytes"] = _pool_bytes(getattr(backend, "_pool", None))
+        out["pool_bytes"], out["graph_pools_bytes"] = _pool_bytes(getattr(backend, "_pool", None))
     else:
         from .sglang_session import resolve_mode
 
@@ -329,6 +332,7 @@ def switch_rank(model_runner: Any, mode: OutputMode, seam_kind: str,
         result.update(ok=False, error=f"{type(exc).__name__}: {one_line(exc)}",
                       rolled_back=_roll_back(model_runner, env, previous_env, decode))
     _synchronize()
+    _empty_cache()  # the old pool, once nothing holds its blocks
     result["seconds"] = round(time.perf_counter() - start, 3)
     result.update(describe_rank(model_runner, env))
     return result
