@@ -81,13 +81,17 @@ def defined_in_source(target: str, module: str) -> bool:
     import ast
     import importlib.util
 
-    try:
-        spec = importlib.util.find_spec(module)
+    try:  # the top package only: find_spec of a submodule would import its parents
+        spec = importlib.util.find_spec(module.split(".", 1)[0])
     except (ImportError, ValueError):
         return False
-    if spec is None or not spec.origin or not os.path.isfile(spec.origin):
+    if spec is None or not spec.submodule_search_locations:
         return False
-    with open(spec.origin, encoding="utf-8") as f:
+    parts = module.split(".")[1:]
+    path = os.path.join(list(spec.submodule_search_locations)[0], *parts[:-1], parts[-1] + ".py")
+    if not os.path.isfile(path):
+        return False
+    with open(path, encoding="utf-8") as f:
         tree = ast.parse(f.read())
     body: list[ast.stmt] = tree.body
     for part in target[len(module) + 1:].split("."):
