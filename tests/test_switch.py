@@ -188,6 +188,12 @@ def test_http_answers() -> None:
     failed = {**rank, "ok": False, "mode": "on", "error": "RuntimeError: oom", "rolled_back": True}
     status, body = switch.http_answer(FakeClient((False, {"ranks": [failed]})), switch.SwitchGate(), "released")  # type: ignore[arg-type]
     assert status == 500 and body["error"] == "re-capture failed: RuntimeError: oom; the previous mode 'on' was re-captured"
+    broken = {"ok": False, "error": "AttributeError: no tp_worker", "pid": 7}
+    status, body = switch.http_answer(FakeClient((False, {"ranks": [broken]})), switch.SwitchGate(), None)  # type: ignore[arg-type]
+    assert status == 500 and body["error"] == "a scheduler could not answer: AttributeError: no tp_worker"
+    both_failed = {**failed, "rolled_back": False}
+    status, body = switch.http_answer(FakeClient((False, {"ranks": [both_failed]})), switch.SwitchGate(), "off")  # type: ignore[arg-type]
+    assert body["error"].endswith("re-capturing the previous mode failed too: prefill runs without graphs")
     status, body = switch.http_answer(FakeClient(TimeoutError("no answer in 9 s")), switch.SwitchGate(), None)  # type: ignore[arg-type]
     assert status == 504 and body == {"error": "no answer in 9 s"}
     # A second switch while one runs: 409, at once.

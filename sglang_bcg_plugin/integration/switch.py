@@ -479,32 +479,39 @@ class RpcClient:
 def http_answer(client: RpcClient, gate: SwitchGate, mode: OutputMode | None) -> tuple[int, dict[str, Any]]:
     """(status, JSON) of a GET (``mode=None``) or a POST: 200, 409 busy, 422 refused, 500 a failed
     capture (rolled back), 504 no answer."""
-    action = "show" if mode is None else "switch"
     try:
         with gate.hold(mode or "show"):
             start = time.perf_counter()
-            ok, body = client.call({"action": action, **({"mode": mode} if mode else {})})
+            ok, body = client.call({"action": "show"} if mode is None else {"action": "switch", "mode": mode})
             seconds = round(time.perf_counter() - start, 3)
     except Busy as exc:
         return 409, {"error": str(exc)}
     except TimeoutError as exc:
         return 504, {"error": one_line(exc)}
     ranks = body.get("ranks", [])
-    out: dict[str, Any] = {"ranks": ranks, "pids": [r.get("pid") for r in ranks]}
     modes = {r.get("mode") for r in ranks}
-    out["mode"] = modes.pop() if len(modes) == 1 else sorted(map(str, modes))
+    out: dict[str, Any] = {"mode": modes.pop() if len(modes) == 1 else sorted(map(str, modes)),
+                           "pids": [r.get("pid") for r in ranks], "ranks": ranks}
     if mode is not None:
-        out["seconds"] = seconds
-        out["previous"] = ranks[0].get("previous") if ranks else None
+        out.update(seconds=seconds, previous=ranks[0].get("previous") if ranks else None)
     if ok:
         return 200, out
+    return _failure(out, ranks)
+
+
+def _failure(out: dict[str, Any], ranks: list[dict[str, Any]]) -> tuple[int, dict[str, Any]]:
+    """422 when a rank refused (nothing was touched), else 500 with the first rank's error."""
     refused = [r["refused"] for r in ranks if r.get("refused")]
     if refused:
         return 422, {**out, "error": f"refused: {refused[0]}"}
-    errors = [r.get("error") for r in ranks if r.get("error")]
-    rolled = all(r.get("rolled_back") for r in ranks if "rolled_back" in r)
-    tail = f"; the previous mode {out.get('previous')!r} was re-captured" if rolled else "; re-capturing the previous mode failed too: prefill runs without graphs"
-    return 500, {**out, "error": f"re-capture failed: {errors[0] if errors else 'unknown error'}{tail if mode else ''}"}
+    errors = [r["error"] for r in ranks if r.get("error")]
+    first = errors[0] if errors else "unknown error"
+    error = f"re-capture failed: {first}" if "seconds" in out else f"a scheduler could not answer: {first}"
+    if "seconds" in out:  # a switch: say what serves now
+        rolled = all(r.get("rolled_back") for r in ranks if "rolled_back" in r)
+        error += (f"; the previous mode {out.get('previous')!r} was re-captured" if rolled
+                  else "; re-capturing the previous mode failed too: prefill runs without graphs")
+    return 500, {**out, "error": error}
 
 
 def add_routes(app: Any, client: RpcClient, gate: SwitchGate, dp_size: int = 1) -> None:
