@@ -285,3 +285,88 @@ def test_client_request_against_a_local_http_server() -> None:
         server.server_close()
     with pytest.raises(cli_switch.SwitchError, match="cannot reach"):
         cli_switch.request(url, "k", None, 5)
+
+
+def test_where_each_hook_is_registered(monkeypatch: pytest.MonkeyPatch) -> None:
+    import sys
+
+    from sglang_bcg_plugin.integration.hooks import wanted
+
+    monkeypatch.setitem(sys.modules, "sglang.srt.managers.scheduler", NS())
+    assert switch.is_scheduler() and wanted(switch.RPC_TARGET)
+    monkeypatch.delitem(sys.modules, "sglang.srt.managers.scheduler")
+    assert not wanted(switch.RPC_TARGET) and wanted("any.other.target")
+    assert switch.is_launcher() == (__import__("importlib").util.find_spec("fastapi") is not None)
+
+
+def test_doctor_line_and_the_source_check(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert not switch.defined_in_source("no_such_package_x.mod.f", "no_such_package_x.mod")
+    assert not switch.defined_in_source("json.nothing.f", "json.nothing")  # no such file
+    assert switch.defined_in_source("json.decoder.JSONDecoder.decode", "json.decoder")
+    assert not switch.defined_in_source("json.decoder.JSONDecoder.nope", "json.decoder")
+    assert switch.doctor_line("none") == "not available (no breakable CUDA graph to switch)"
+    monkeypatch.setattr(switch, "MODULES", {"json.decoder.JSONDecoder.decode": "json.decoder"})
+    assert switch.doctor_line("runner").endswith("on this release a POST is refused (its runner cannot drop its graphs)")
+    assert switch.doctor_line("backend").endswith("sglang-bcg switch --url URL --api-key KEY off|on|released")
+    monkeypatch.setattr(switch, "MODULES", {"json.decoder.gone": "json.decoder"})
+    assert switch.doctor_line("backend") == "not available on this release: json.decoder.gone not found"
+
+
+def test_more_failures_of_one_rank() -> None:
+    env = {ENV: "1"}
+    runner = FakeRunner(env)
+    runner.init_prefill_cuda_graph = None  # type: ignore[assignment,method-assign]
+    assert "no init_prefill_cuda_graph()" in str(switch.refusal(runner, "backend"))
+    # The capture "succeeds" without our backend: a failure, rolled back; an unset variable stays unset.
+    env = {ENV: "1"}
+    runner = FakeRunner(env)
+
+    def not_ours() -> None:
+        runner.calls.append("capture")
+        runner.prefill_cuda_graph_runner = NS(backend=object())
+
+    runner.init_prefill_cuda_graph = not_ours  # type: ignore[method-assign]
+    env_without: dict[str, str] = {}
+    runner.env = env_without
+    result = switch.switch_rank(runner, "off", "backend", env_without, check=no_check)
+    assert not result["ok"] and "not ours in mode 'off'" in result["error"] and ENV not in env_without, result
+
+
+def test_client_progress_on_a_terminal_and_a_silent_server(monkeypatch: pytest.MonkeyPatch,
+                                                           capsys: pytest.CaptureFixture[str]) -> None:
+    import socket
+    import sys
+    import time
+
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(1)  # connects, never answers
+    url = f"http://127.0.0.1:{listener.getsockname()[1]}"
+    try:
+        with pytest.raises(cli_switch.SwitchError, match=r"^no answer from .* in 0 s"):
+            cli_switch.request(url, None, None, 0.3)
+    finally:
+        listener.close()
+
+    def slow(*args: Any) -> dict[str, Any]:
+        time.sleep(0.7)
+        return {"mode": "on", "ranks": [{"pid": 1}]}
+
+    monkeypatch.setattr(cli_switch, "request", slow)
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
+    assert cli_switch.run("http://h", None, None, 5) == 0
+    err = capsys.readouterr().err
+    assert "\rsglang-bcg switch: reading the output mode of http://h ... " in err and err.endswith("\n")
+
+
+def test_sglang_bcg_switch_command(capsys: pytest.CaptureFixture[str]) -> None:
+    from sglang_bcg_plugin.cli import main
+
+    assert main(["switch", "--url", "http://127.0.0.1:1", "--api-key", "k", "ON"]) == 1
+    assert capsys.readouterr().err.splitlines()[-1].startswith("error: cannot reach http://127.0.0.1:1/bcg/output_mode")
+    for argv, why in ((["switch", "--url", "u"], "one of the arguments mode --show is required"),
+                      (["switch", "--url", "u", "--show", "on"], "not allowed with argument --show"),
+                      (["switch", "--url", "u", "sometimes"], "invalid choice: 'sometimes'")):
+        with pytest.raises(SystemExit) as info:
+            main(argv)
+        assert info.value.code == 2 and why in capsys.readouterr().err

@@ -46,6 +46,8 @@ HTTP_TARGET = "sglang.srt.entrypoints.http_server._setup_and_run_http_server"
 RPC_TARGET = "sglang.srt.managers.scheduler.Scheduler.handle_rpc_request"
 #: How long the HTTP side waits for the schedulers' answer (a re-capture of a large model).
 RPC_TIMEOUT_S = float(os.environ.get("SGLANG_BCG_SWITCH_TIMEOUT", "900"))
+#: How long a request waits for a scheduler to take it (one connected peer is all it needs).
+SEND_TIMEOUT_MS = 10_000
 #: What the flag writes for each mode (:mod:`.flag`).
 ENV_TEXT: dict[str, str] = {"on": "1", "off": "0", "released": "released"}
 BODY_HELP = 'send {"mode": "off"|"on"|"released"}'
@@ -187,26 +189,31 @@ def refusal(model_runner: Any, seam_kind: str) -> str | None:
     return None
 
 
-def _device_memory() -> dict[str, int]:
+def _cuda() -> bool:
     import torch
 
-    if not torch.cuda.is_available():
+    return bool(torch.cuda.is_available())
+
+
+def _device_memory() -> dict[str, int]:
+    if not _cuda():
         return {}
-    free, total = torch.cuda.mem_get_info()
-    return {"free_bytes": int(free), "total_bytes": int(total), "reserved_bytes": int(torch.cuda.memory_reserved())}
+    import torch  # pragma: no cover - CUDA only (tests/gpu/test_sglang_switch_gpu.py)
+
+    free, total = torch.cuda.mem_get_info()  # pragma: no cover
+    return {"free_bytes": int(free), "total_bytes": int(total), "reserved_bytes": int(torch.cuda.memory_reserved())}  # pragma: no cover
 
 
 def _pool_bytes(pool: Any) -> tuple[int | None, int | None]:
     """The bytes the caching allocator holds for graph pool ``pool`` (its segments), and for every
     graph pool of the process (a dropped pool still cached shows there)."""
-    import torch
-
-    if not torch.cuda.is_available():
+    if not _cuda():
         return None, None
-    segments = torch.cuda.memory_snapshot()
-    pooled = [s for s in segments if tuple(s.get("segment_pool_id", (0, 0))) != (0, 0)]
-    mine = None if pool is None else sum(int(s["total_size"]) for s in pooled if tuple(s["segment_pool_id"]) == tuple(pool))
-    return mine, sum(int(s["total_size"]) for s in pooled)
+    import torch  # pragma: no cover - CUDA only (tests/gpu/test_sglang_switch_gpu.py)
+
+    pooled = [s for s in torch.cuda.memory_snapshot() if tuple(s.get("segment_pool_id", (0, 0))) != (0, 0)]  # pragma: no cover
+    mine = None if pool is None else sum(int(s["total_size"]) for s in pooled if tuple(s["segment_pool_id"]) == tuple(pool))  # pragma: no cover
+    return mine, sum(int(s["total_size"]) for s in pooled)  # pragma: no cover
 
 
 def describe_rank(model_runner: Any, environ: MutableMapping[str, str] | None = None) -> dict[str, Any]:
@@ -274,16 +281,16 @@ def _capture(model_runner: Any, decode: bool) -> None:
 
 
 def _synchronize() -> None:
-    import torch
+    if _cuda():  # pragma: no cover - CUDA only
+        import torch
 
-    if torch.cuda.is_available():
         torch.cuda.synchronize()
 
 
 def _empty_cache() -> None:
-    import torch
+    if _cuda():  # pragma: no cover - CUDA only
+        import torch
 
-    if torch.cuda.is_available():
         torch.cuda.empty_cache()
 
 
@@ -448,8 +455,16 @@ class RpcClient:
             import zmq
             from sglang.srt.utils.network import get_zmq_socket
 
-            self._socket = get_zmq_socket(zmq.Context(1), zmq.DEALER, self.endpoint, True)
+            self._context = zmq.Context(1)
+            self._socket = get_zmq_socket(self._context, zmq.DEALER, self.endpoint, True)
+            self._socket.setsockopt(zmq.SNDTIMEO, SEND_TIMEOUT_MS)  # no scheduler connected: not forever
         return self._socket
+
+    def close(self) -> None:
+        if self._socket is not None:
+            self._socket.close(linger=0)
+            self._context.term()
+            self._socket = None
 
     def call(self, params: dict[str, Any], timeout_s: float = RPC_TIMEOUT_S) -> tuple[bool, dict[str, Any]]:
         """Send ``params`` to every TP rank; their answers (``ranks``), skipping stale replies."""
@@ -460,7 +475,12 @@ class RpcClient:
         params = {**params, "id": self._next}
         req = io_struct.RpcReqInput(method=RPC_METHOD, parameters=params)
         send = getattr(io_struct, "sock_send", None)
-        send(sock, req) if send is not None else sock.send_pyobj(req)  # noqa: B018 - 0.5.13-0.5.14 pickle
+        import zmq
+
+        try:
+            send(sock, req) if send is not None else sock.send_pyobj(req)  # noqa: B018 - 0.5.13-0.5.14 pickle
+        except zmq.Again:
+            raise TimeoutError(f"no scheduler took the request in {SEND_TIMEOUT_MS // 1000} s (is it running?)") from None
         recv = getattr(io_struct, "sock_recv", None)
         deadline = time.monotonic() + timeout_s
         while (left := deadline - time.monotonic()) > 0:
@@ -519,14 +539,14 @@ def add_routes(app: Any, client: RpcClient, gate: SwitchGate, dp_size: int = 1) 
     import asyncio
 
     from fastapi import Request
-    from fastapi.responses import ORJSONResponse
+    from fastapi.responses import JSONResponse
     from sglang.srt.utils.auth import AuthLevel, auth_level
 
     async def reply(mode: OutputMode | None) -> Any:
         if dp_size > 1:
-            return ORJSONResponse({"error": f"not supported with --dp-size {dp_size}: SGLang's RPC reaches one scheduler group"}, status_code=422)
+            return JSONResponse({"error": f"not supported with --dp-size {dp_size}: SGLang's RPC reaches one scheduler group"}, status_code=422)
         status, body = await asyncio.to_thread(http_answer, client, gate, mode)
-        return ORJSONResponse(body, status_code=status)
+        return JSONResponse(body, status_code=status)
 
     @auth_level(AuthLevel.ADMIN_FORCE)
     async def bcg_output_mode_get() -> Any:
@@ -537,7 +557,7 @@ def add_routes(app: Any, client: RpcClient, gate: SwitchGate, dp_size: int = 1) 
         try:
             mode = parse_body(await request.body())
         except BodyError as exc:
-            return ORJSONResponse({"error": str(exc)}, status_code=400)
+            return JSONResponse({"error": str(exc)}, status_code=400)
         return await reply(mode)
 
     # this module's annotations are strings (PEP 563) and Request is not a global here: FastAPI

@@ -9,6 +9,7 @@ hooked handler and back (a scheduler stand-in with a CPU model runner: the answe
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 
 import pytest
@@ -78,3 +79,108 @@ def test_rpc_round_trip_through_the_hooked_scheduler_handler(dist_dir: Path) -> 
     assert body["ranks"][0]["refusal"].startswith(why), body
     status, body = r["posted"]
     assert status == 422 and body["error"].startswith(f"refused: {why}"), body
+
+
+def test_rpc_round_trip_in_process(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same round trip in this process (the hook called as HookRegistry would call it)."""
+    import tempfile
+    import threading
+    from types import SimpleNamespace as NS
+
+    import zmq
+
+    with warnings.catch_warnings():  # SGLang's import-time warnings on CPU (conftest.py)
+        warnings.simplefilter("ignore")
+        from sglang.srt.managers import io_struct
+        from sglang.srt.utils.network import get_zmq_socket
+
+    from sglang_bcg_plugin.integration import switch
+
+    endpoint = "ipc://" + tempfile.mktemp(prefix="bcg-rpc-")
+    client = switch.RpcClient(endpoint)
+    client._open()
+    fake = NS(tp_worker=NS(model_runner=NS(device="cpu", prefill_cuda_graph_runner=None)), tp_rank=0, tp_size=1)
+    send, recv = getattr(io_struct, "sock_send", None), getattr(io_struct, "sock_recv", None)
+    passed_on = []
+
+    def sglangs(scheduler: object, req: object) -> object:
+        passed_on.append(req)
+        return io_struct.RpcReqOutput(success=True, message="")
+
+    def scheduler_side() -> None:
+        context = zmq.Context(1)
+        sock = get_zmq_socket(context, zmq.DEALER, endpoint, False)
+        stale = io_struct.RpcReqOutput(success=True, message='{"id": -1}')  # a late reply to an older call
+        for _ in range(2):
+            req = recv(sock) if recv else sock.recv_pyobj()
+            out = switch.around_handle_rpc_request(sglangs, fake, req)
+            for msg in (stale, out):
+                send(sock, msg) if send else sock.send_pyobj(msg)
+        sock.recv()  # a third request, taken and never answered
+        done.wait(30)
+        sock.close(linger=0)
+        context.term()
+
+    done = threading.Event()
+    thread = threading.Thread(target=scheduler_side, daemon=True)
+    thread.start()
+    ok, body = client.call({"action": "show"}, timeout_s=60)
+    assert ok and body["ranks"][0]["refusal"].startswith(("no prefill CUDA graphs", "SGLang 0.5.13's")), body
+    assert body["ranks"][0]["pid"] == __import__("os").getpid()
+    status, answer = switch.http_answer(client, switch.SwitchGate(), "released")
+    assert status == 422 and answer["error"].startswith("refused: "), answer
+    with pytest.raises(TimeoutError, match="did not answer in 0 s"):
+        client.call({"action": "show"}, timeout_s=0.2)
+    done.set()
+    thread.join(30)
+    assert passed_on == []  # only our method was asked
+    client.close()
+    client = switch.RpcClient("ipc://" + tempfile.mktemp(prefix="bcg-rpc-"))
+    monkeypatch.setattr(switch, "SEND_TIMEOUT_MS", 100)
+    with pytest.raises(TimeoutError, match="no scheduler took the request"):  # nobody connected
+        client.call({"action": "show"})
+    client.close()
+
+
+@pytest.mark.filterwarnings("ignore:Using `httpx` with `starlette.testclient` is deprecated")
+@pytest.mark.filterwarnings("ignore:ORJSONResponse is deprecated")  # SGLang's own 401 (FastAPI 0.165)
+def test_route_behind_sglangs_admin_auth(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The route on a FastAPI app with SGLang's own auth middleware, registered by the hook."""
+    pytest.importorskip("fastapi")
+    pytest.importorskip("httpx")
+    from types import SimpleNamespace as NS
+
+    with warnings.catch_warnings():  # SGLang's import-time warnings on CPU (conftest.py)
+        warnings.simplefilter("ignore")
+        from fastapi import FastAPI
+        from fastapi.testclient import TestClient
+        from sglang.srt.entrypoints import http_server
+        from sglang.srt.utils.auth import add_api_key_middleware
+
+    from sglang_bcg_plugin.integration import switch
+
+    app = FastAPI()
+    monkeypatch.setattr(http_server, "app", app)
+    answers = {"show": (True, {"ranks": [{"ok": True, "mode": "on", "pid": 5, "tp_rank": 0}]})}
+
+    def call(self: switch.RpcClient, params: dict[str, object], timeout_s: float = 1) -> object:
+        assert self.endpoint == "ipc://rpc"
+        return answers[str(params["action"])]
+
+    monkeypatch.setattr(switch.RpcClient, "call", call)
+    switch.before_setup_and_run_http_server(NS(admin_api_key="k", dp_size=1), None, None, NS(rpc_ipc_name="ipc://rpc"))
+    add_api_key_middleware(app, api_key=None, admin_api_key="k")  # what _setup_and_run_http_server does next
+    web = TestClient(app)
+    auth = {"Authorization": "Bearer k"}
+    got = web.get(switch.ROUTE, headers=auth)
+    assert got.status_code == 200 and got.json()["mode"] == "on" and got.json()["pids"] == [5], got.text
+    assert web.get(switch.ROUTE).status_code == 401
+    assert web.post(switch.ROUTE, json={"mode": "on"}, headers={"Authorization": "Bearer wrong"}).status_code == 401
+    bad = web.post(switch.ROUTE, content=b"{", headers=auth)
+    assert bad.status_code == 400 and bad.json()["error"].startswith("the body is not JSON"), bad.text
+    answers["switch"] = (False, {"ranks": [{"ok": False, "refused": "no graphs", "pid": 5}]})
+    refused = web.post(switch.ROUTE, json={"mode": "off"}, headers=auth)
+    assert refused.status_code == 422 and refused.json()["error"] == "refused: no graphs"
+    dp = FastAPI()
+    switch.add_routes(dp, switch.RpcClient("ipc://rpc"), switch.SwitchGate(), dp_size=2)
+    assert "--dp-size 2" in TestClient(dp).get(switch.ROUTE).json()["error"]
