@@ -224,6 +224,18 @@ def test_rpc_hook_passes_other_methods_on() -> None:
     assert switch._gather(NS(), {"pid": 1}) == [{"pid": 1}]
 
 
+def test_every_tp_rank_answers(monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch.distributed as dist
+
+    def all_gather_object(out: list[Any], obj: Any, group: Any) -> None:
+        assert group == "cpu"
+        out[:] = [obj, {**obj, "pid": 2}]
+
+    monkeypatch.setattr(dist, "all_gather_object", all_gather_object)
+    scheduler = NS(tp_group=NS(world_size=2, cpu_group="cpu"))
+    assert switch._gather(scheduler, {"pid": 1}) == [{"pid": 1}, {"pid": 2}]
+
+
 def test_client_lines_and_errors(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     body = {"mode": "released", "previous": "on", "seconds": 3.2,
             "ranks": [{"pid": 11, "pool_bytes": 2**30, "resident_output_bytes": 0}, {"pid": 12}]}

@@ -386,15 +386,15 @@ def answer_rank(model_runner: Any, params: dict[str, Any], seam_kind: str) -> di
 
 
 def _gather(scheduler: Any, local: dict[str, Any]) -> list[dict[str, Any]]:
-    """Every TP rank's answer (rank order), gathered on the TP group's CPU group."""
-    group = getattr(getattr(scheduler, "tp_group", None), "cpu_group", None)
-    size = int(getattr(scheduler, "tp_size", 1) or 1)
-    if group is None or size == 1:
+    """Every TP rank's answer (rank order), gathered on the TP group's CPU group (SGLang's
+    ``GroupCoordinator``: ``world_size``, ``cpu_group``)."""
+    tp_group = getattr(scheduler, "tp_group", None)
+    if int(getattr(tp_group, "world_size", 1) or 1) == 1:
         return [local]
     import torch.distributed as dist
 
-    out: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(out, local, group=group)
+    out: list[Any] = [None] * int(tp_group.world_size)
+    dist.all_gather_object(out, local, group=tp_group.cpu_group)
     return list(out)
 
 
@@ -407,8 +407,9 @@ def around_handle_rpc_request(original_fn: Callable[..., Any], scheduler: Any, r
     from .compat import seam_kind
 
     params = dict(getattr(recv_req, "parameters", None) or {})
-    local = answer_rank(scheduler.tp_worker.model_runner, params, seam_kind())
-    local["tp_rank"] = int(getattr(scheduler, "tp_rank", 0) or 0)
+    model_runner = getattr(getattr(scheduler, "tp_worker", None), "model_runner", None)
+    local = answer_rank(model_runner, params, seam_kind())  # never raises: every rank reaches the gather
+    local["tp_rank"] = int(getattr(getattr(scheduler, "tp_group", None), "rank_in_group", 0) or 0)
     ranks = _gather(scheduler, local)
     message = json.dumps({"id": params.get("id"), "ranks": ranks})
     return RpcReqOutput(success=all(r.get("ok") for r in ranks), message=message)

@@ -45,7 +45,7 @@ endpoint = "ipc://" + tempfile.mktemp(prefix="bcg-rpc-")
 client = switch.RpcClient(endpoint)
 client._open()  # bound here, as Engine binds it
 runner = NS(device="cpu", prefill_cuda_graph_runner=None)
-fake = NS(tp_worker=NS(model_runner=runner), tp_rank=0, tp_size=1)
+fake = NS(tp_worker=NS(model_runner=runner), tp_group=NS(world_size=1, rank_in_group=0))
 send = getattr(io_struct, "sock_send", None)
 recv = getattr(io_struct, "sock_recv", None)
 
@@ -99,7 +99,7 @@ def test_rpc_round_trip_in_process(monkeypatch: pytest.MonkeyPatch) -> None:
     endpoint = "ipc://" + tempfile.mktemp(prefix="bcg-rpc-")
     client = switch.RpcClient(endpoint)
     client._open()
-    fake = NS(tp_worker=NS(model_runner=NS(device="cpu", prefill_cuda_graph_runner=None)), tp_rank=0, tp_size=1)
+    fake = NS(tp_worker=NS(model_runner=NS(device="cpu", prefill_cuda_graph_runner=None)))
     send, recv = getattr(io_struct, "sock_send", None), getattr(io_struct, "sock_recv", None)
     passed_on = []
 
