@@ -142,45 +142,45 @@ def test_rpc_round_trip_in_process(monkeypatch: pytest.MonkeyPatch) -> None:
     client.close()
 
 
-@pytest.mark.filterwarnings("ignore:Using `httpx` with `starlette.testclient` is deprecated")
-@pytest.mark.filterwarnings("ignore:ORJSONResponse is deprecated")  # SGLang's own 401 (FastAPI 0.165)
-def test_route_behind_sglangs_admin_auth(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The route on a FastAPI app with SGLang's own auth middleware, registered by the hook."""
+ROUTE = """
+import warnings
+warnings.simplefilter("ignore")
+from types import SimpleNamespace as NS
+from fastapi import FastAPI
+from fastapi.testclient import TestClient
+from sglang.srt.utils.auth import add_api_key_middleware
+from sglang_bcg_plugin.integration import switch
+
+answers = {"show": (True, {"ranks": [{"ok": True, "mode": "on", "pid": 5, "tp_rank": 0}]}),
+           "switch": (False, {"ranks": [{"ok": False, "refused": "no graphs", "pid": 5}]})}
+switch.RpcClient.call = lambda self, params, timeout_s=1: answers[str(params["action"])]
+app = FastAPI()  # SGLang's http_server.app in a server (the hook on it: tests/server/test_server_cpu.py)
+switch.add_routes(app, switch.RpcClient("ipc://rpc"), switch.SwitchGate())  # what the hook adds with a key
+add_api_key_middleware(app, api_key=None, admin_api_key="k")  # what _setup_and_run_http_server does next
+web = TestClient(app)
+auth = {"Authorization": "Bearer k"}
+got = web.get(switch.ROUTE, headers=auth)
+dp = FastAPI()
+switch.add_routes(dp, switch.RpcClient("ipc://rpc"), switch.SwitchGate(), dp_size=2)
+report(
+    get=[got.status_code, got.json()],
+    no_key=web.get(switch.ROUTE).status_code,
+    wrong_key=web.post(switch.ROUTE, json={"mode": "on"}, headers={"Authorization": "Bearer wrong"}).status_code,
+    bad=[(r := web.post(switch.ROUTE, content=b"{", headers=auth)).status_code, r.json()],
+    refused=[(r := web.post(switch.ROUTE, json={"mode": "off"}, headers=auth)).status_code, r.json()],
+    dp=TestClient(dp).get(switch.ROUTE).json(),
+)
+"""
+
+
+def test_route_behind_sglangs_admin_auth(dist_dir: Path) -> None:
+    """The route on a FastAPI app with SGLang's own auth middleware, in a child interpreter (the
+    hook itself, on SGLang's app, is tested against a real server: tests/server/test_server_cpu.py)."""
     pytest.importorskip("fastapi")
     pytest.importorskip("httpx")
-    from types import SimpleNamespace as NS
-
-    with warnings.catch_warnings():  # SGLang's import-time warnings on CPU (conftest.py)
-        warnings.simplefilter("ignore")
-        from fastapi import FastAPI
-        from fastapi.testclient import TestClient
-        from sglang.srt.entrypoints import http_server
-        from sglang.srt.utils.auth import add_api_key_middleware
-
-    from sglang_bcg_plugin.integration import switch
-
-    app = FastAPI()
-    monkeypatch.setattr(http_server, "app", app)
-    answers = {"show": (True, {"ranks": [{"ok": True, "mode": "on", "pid": 5, "tp_rank": 0}]})}
-
-    def call(self: switch.RpcClient, params: dict[str, object], timeout_s: float = 1) -> object:
-        assert self.endpoint == "ipc://rpc"
-        return answers[str(params["action"])]
-
-    monkeypatch.setattr(switch.RpcClient, "call", call)
-    switch.before_setup_and_run_http_server(NS(admin_api_key="k", dp_size=1), None, None, NS(rpc_ipc_name="ipc://rpc"))
-    add_api_key_middleware(app, api_key=None, admin_api_key="k")  # what _setup_and_run_http_server does next
-    web = TestClient(app)
-    auth = {"Authorization": "Bearer k"}
-    got = web.get(switch.ROUTE, headers=auth)
-    assert got.status_code == 200 and got.json()["mode"] == "on" and got.json()["pids"] == [5], got.text
-    assert web.get(switch.ROUTE).status_code == 401
-    assert web.post(switch.ROUTE, json={"mode": "on"}, headers={"Authorization": "Bearer wrong"}).status_code == 401
-    bad = web.post(switch.ROUTE, content=b"{", headers=auth)
-    assert bad.status_code == 400 and bad.json()["error"].startswith("the body is not JSON"), bad.text
-    answers["switch"] = (False, {"ranks": [{"ok": False, "refused": "no graphs", "pid": 5}]})
-    refused = web.post(switch.ROUTE, json={"mode": "off"}, headers=auth)
-    assert refused.status_code == 422 and refused.json()["error"] == "refused: no graphs"
-    dp = FastAPI()
-    switch.add_routes(dp, switch.RpcClient("ipc://rpc"), switch.SwitchGate(), dp_size=2)
-    assert "--dp-size 2" in TestClient(dp).get(switch.ROUTE).json()["error"]
+    r = run_child(ROUTE, dist_dir).result
+    assert r["get"][0] == 200 and r["get"][1]["mode"] == "on" and r["get"][1]["pids"] == [5], r
+    assert r["no_key"] == 401 and r["wrong_key"] == 401, r
+    assert r["bad"][0] == 400 and r["bad"][1]["error"].startswith("the body is not JSON"), r
+    assert r["refused"] == [422, {**r["refused"][1], "error": "refused: no graphs"}], r
+    assert "--dp-size 2" in r["dp"]["error"], r
