@@ -264,6 +264,7 @@ def _drop_graphs(model_runner: Any) -> bool:
         runner.backend.cleanup()
         setattr(model_runner, name, None)
         decode = decode or name.startswith("decode")
+    runner = None  # noqa: F841 - the loop's last runner must not outlive the collection below
     with contextlib.suppress(Exception):  # a stand-in runner without SGLang's pool module
         from sglang.srt.model_executor.runner_utils import pool as sglang_pool
 
@@ -343,6 +344,7 @@ def switch_rank(model_runner: Any, mode: OutputMode, seam_kind: str,
         result.update(ok=False, error=f"{type(exc).__name__}: {one_line(exc)}",
                       rolled_back=_roll_back(model_runner, env, previous_env, decode))
     _synchronize()
+    gc.collect()
     _empty_cache()  # the old pool, once nothing holds its blocks
     result["seconds"] = round(time.perf_counter() - start, 3)
     result.update(describe_rank(model_runner, env))
