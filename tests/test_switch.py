@@ -36,6 +36,9 @@ class FakeBackend(SharingPolicyMixin):
     def cleanup(self) -> None:
         self._calls.append(f"cleanup {self._mode}")
 
+    def __del__(self) -> None:  # no SGLang graphs to park (the mixin's __del__ would reach SGLang's)
+        return None
+
 
 class FakeRunner:
     """A model runner whose ``init_prefill_cuda_graph`` captures in the mode of the environment,
@@ -382,3 +385,33 @@ def test_sglang_bcg_switch_command(capsys: pytest.CaptureFixture[str]) -> None:
         with pytest.raises(SystemExit) as info:
             main(argv)
         assert info.value.code == 2 and why in capsys.readouterr().err
+
+
+def test_routes_answer_in_process(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The two endpoints ``add_routes`` registers, called as FastAPI calls them (the real app and
+    SGLang's auth middleware: tests/sglang/test_sglang_switch.py and the CPU server test)."""
+    import asyncio
+
+    pytest.importorskip("fastapi")
+    pytest.importorskip("sglang.srt.utils.auth")
+    routes: dict[str, Any] = {}
+    app = NS(add_api_route=lambda path, fn, methods: routes.update({methods[0]: fn}))
+    rank = {"ok": True, "mode": "on", "pid": 5}
+    monkeypatch.setattr(switch.RpcClient, "call", lambda self, params, timeout_s=1: (True, {"ranks": [rank]}))
+    switch.add_routes(app, switch.RpcClient("ipc://x"), switch.SwitchGate())
+    assert routes["GET"]._auth_level.value == routes["POST"]._auth_level.value == "admin_force"
+
+    def body(raw: bytes) -> Any:
+        async def read() -> bytes:
+            return raw
+        return NS(body=read)
+
+    got = asyncio.run(routes["GET"]())
+    assert got.status_code == 200 and json.loads(got.body)["pids"] == [5]
+    bad = asyncio.run(routes["POST"](body(b"[")))
+    assert bad.status_code == 400 and json.loads(bad.body)["error"].startswith("the body is not JSON")
+    assert asyncio.run(routes["POST"](body(b'{"mode": "on"}'))).status_code == 200
+    monkeypatch.setitem(__import__("sys").modules, "sglang.srt.entrypoints.http_server", NS(app=app))
+    routes.clear()
+    switch.before_setup_and_run_http_server(NS(admin_api_key="k", dp_size=1), None, None, NS(rpc_ipc_name="ipc://x"))
+    assert set(routes) == {"GET", "POST"}

@@ -232,12 +232,12 @@ def describe_rank(model_runner: Any, environ: MutableMapping[str, str] | None = 
         out["logical_output_bytes"] = int(report.logical_output_bytes)
         out["measured_graph_bytes"] = report.measured_graph_bytes
         out["pool_bytes"], out["graph_pools_bytes"] = _pool_bytes(getattr(backend, "_pool", None))
-    else:
-        from .sglang_session import resolve_mode
+    else:  # the mode a capture would take from the variable (unset: the release's default)
+        from ..output_mode import parse_mode_text
 
         with contextlib.suppress(ValueError):
-            out["mode"] = resolve_mode(env).mode
-        out["reason"] = "no prefill graphs of the plugin in this process"
+            out["mode"] = parse_mode_text(env.get(ENV_SHARE_OUTPUT))
+        out["reason"] = f"no prefill graphs of the plugin in this process; {ENV_SHARE_OUTPUT}={env.get(ENV_SHARE_OUTPUT)!r}"
     out.update(_device_memory())
     return out
 
@@ -265,9 +265,9 @@ def _drop_graphs(model_runner: Any) -> bool:
         setattr(model_runner, name, None)
         decode = decode or name.startswith("decode")
     runner = None  # noqa: F841 - the loop's last runner must not outlive the collection below
-    with contextlib.suppress(Exception):  # a stand-in runner without SGLang's pool module
-        from sglang.srt.model_executor.runner_utils import pool as sglang_pool
-
+    # SGLang's runners imported it; never imported here (a stand-in runner: not at all)
+    sglang_pool = sys.modules.get("sglang.srt.model_executor.runner_utils.pool")
+    if sglang_pool is not None:
         sglang_pool.set_global_graph_memory_pool(None)
     gc.collect()
     _empty_cache()
