@@ -1,9 +1,10 @@
-"""``sglang-bcg``: ``bench`` (the main job), ``backends``, ``doctor``.
+"""``sglang-bcg``: ``bench`` (the main job), ``backends``, ``doctor``, ``switch``.
 
 Exit codes: 0 success; 1 ``backends`` found a plugin that failed to load, or the benchmark ran
 out of memory; 2 a bad argument (one ``error:`` line on stderr, before any benchmark work), or
 ``--out`` could not take the results (its previous pair is kept); 130 interrupted (Ctrl-C, one
-``error: interrupted`` line); ``doctor`` has its own (docs/sglang.md). ``--debug`` (or ``-v``)
+``error: interrupted`` line); ``doctor`` has its own (docs/sglang.md); ``switch`` exits 1 when the
+server cannot be reached, refuses or fails (one ``error:`` line). ``--debug`` (or ``-v``)
 shows tracebacks.
 """
 
@@ -174,6 +175,15 @@ def _parser() -> argparse.ArgumentParser:
     _debug_flags(backends, argparse.SUPPRESS)
     doctor = sub.add_parser("doctor", help="check the SGLang integration (version, hook targets, entry point, flag)")
     _debug_flags(doctor, argparse.SUPPRESS)  # it takes no other argument: a stray one is one error: line here
+    switch = sub.add_parser("switch", help="switch (or --show) the output mode of a running SGLang server "
+                            "(POST/GET /bcg/output_mode; the server needs --admin-api-key)")
+    _debug_flags(switch, argparse.SUPPRESS)
+    switch.add_argument("--url", required=True, help="the server, e.g. http://127.0.0.1:30000")
+    switch.add_argument("--api-key", default=None, help="the server's --admin-api-key (default: $SGLANG_BCG_ADMIN_API_KEY)")
+    switch.add_argument("--timeout", type=_positive, default=900, help="seconds to wait for the answer (default 900)")
+    target = switch.add_mutually_exclusive_group(required=True)
+    target.add_argument("mode", nargs="?", type=str.lower, choices=("off", "on", "released"), help="the new output mode")
+    target.add_argument("--show", action="store_true", help="print the current mode and graph memory")
     return parser
 
 
@@ -196,6 +206,10 @@ def main(argv: list[str] | None = None) -> int:
             return _bench(args)
         if args.command == "backends":
             return _backends(args)
+        if args.command == "switch":
+            from .cli_switch import key_of, run
+
+            return run(args.url, key_of(args.api_key), None if args.show else args.mode, float(args.timeout))
         from .integration.doctor import doctor_main
 
         return doctor_main([])

@@ -29,6 +29,8 @@ from .doctor_checks import seam_checks
 from .forecast_log import forecast_enabled
 from .compat import BACKEND_CLASS, RUNNER_CLASS, Seam, installed, seam_kind
 from .hooks import hooks_for
+from .switch import MODULES as SWITCH_MODULES
+from .switch import doctor_line as switch_doctor_line
 
 #: The SGLang releases this integration was checked against (the ``[sglang]`` extra allows them).
 SUPPORTED_SGLANG = tuple(f"0.5.{n}" for n in range(13, 24))
@@ -282,7 +284,8 @@ def doctor_main(argv: list[str] | None = None, *, out: TextIO | None = None) -> 
     kind = seam_kind()
     say("hook targets:")
     for target, _, hook_kind in hooks_for(kind):
-        report(f"{hook_kind:<6} ", target)
+        if target not in SWITCH_MODULES:  # read from source below: the HTTP server's module needs FastAPI
+            report(f"{hook_kind:<6} ", target)
     say("seam names:")
     for name in (*COMMON_NAMES, *({"backend": (BACKEND_CLASS,), "runner": (RUNNER_CLASS,)}.get(kind, ()))):
         report("", name)
@@ -292,6 +295,7 @@ def doctor_main(argv: list[str] | None = None, *, out: TextIO | None = None) -> 
     say(f"entry point ({ENTRY_POINT_GROUP}): " + (ep or f"NOT FOUND (expected {ENTRY_POINT_VALUE})"))
     say(f"--enable-bcg-shared-output (resolved now): {_flag()}")
     say(f"graph memory forecast: {forecast_line(kind)}")
+    say(f"live switch: {switch_doctor_line(kind)}")
     lines, code = _summary(problems, ep is not None)
     for line in lines:
         say(line)

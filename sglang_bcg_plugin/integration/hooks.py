@@ -2,7 +2,8 @@
 
 Which hooks depends on the installed release's seam (:func:`.compat.seam_kind`, found from the
 files SGLang ships, without importing them): the flag hooks always; the backend seam's two
-resolver hooks (0.5.14+), or the runner seam's two ``BreakableCudaGraphRunner`` hooks (0.5.13).
+resolver hooks (0.5.14+), or the runner seam's two ``BreakableCudaGraphRunner`` hooks (0.5.13);
+and the live switch's two (:mod:`.switch`), each only in the process that uses it (:func:`wanted`).
 Registering a target the release does not have would make SGLang log a traceback at startup.
 
 SGLang's ``load_plugins()`` calls it once in every process that loads plugins (main, scheduler
@@ -23,16 +24,20 @@ from .compat import SeamKind, seam_kind
 from .flag import ADD_CLI_ARGS_TARGET, FROM_CLI_ARGS_TARGET, after_add_cli_args, after_from_cli_args
 from .runner_seam import CAPTURE_ALL_TARGET, CAPTURE_ONE_TARGET, around_capture_all, around_capture_one
 from .seam import DECODE_TARGET, PREFILL_TARGET, around_resolve_decode_backend, around_resolve_prefill_backend
+from .switch import HTTP_TARGET, RPC_TARGET, WHERE, around_handle_rpc_request, before_setup_and_run_http_server
 
 logger = logging.getLogger(__name__)
 
 Hook = tuple[str, Callable[..., Any], str]
 
 #: (HookRegistry target, hook, HookType member name), in registration order: the flag hooks,
-#: then the backend seam's (SGLang 0.5.14+).
+#: the live switch's (``GET``/``POST /bcg/output_mode``: :mod:`.switch`), then the backend
+#: seam's (SGLang 0.5.14+).
 HOOKS: tuple[Hook, ...] = (
     (ADD_CLI_ARGS_TARGET, after_add_cli_args, "AFTER"),
     (FROM_CLI_ARGS_TARGET, after_from_cli_args, "AFTER"),
+    (HTTP_TARGET, before_setup_and_run_http_server, "BEFORE"),
+    (RPC_TARGET, around_handle_rpc_request, "AROUND"),
     (PREFILL_TARGET, around_resolve_prefill_backend, "AROUND"),
     (DECODE_TARGET, around_resolve_decode_backend, "AROUND"),
 )
@@ -44,10 +49,18 @@ RUNNER_HOOKS: tuple[Hook, ...] = (
 
 
 def hooks_for(kind: SeamKind) -> tuple[Hook, ...]:
-    """The hooks to register for a seam kind (the flag hooks alone where there is no seam)."""
+    """The hooks to register for a seam kind (the flag hooks alone where there is no seam; the
+    switch's on 0.5.13 too, where its route answers with the reason it cannot re-capture)."""
     if kind == "backend":
         return HOOKS
-    return HOOKS[:2] + (RUNNER_HOOKS if kind == "runner" else ())
+    return HOOKS[:4] + RUNNER_HOOKS if kind == "runner" else HOOKS[:2]
+
+
+def wanted(target: str) -> bool:
+    """Whether this process registers ``target``: the switch's HTTP hook in the launcher, its RPC
+    hook in schedulers (:data:`.switch.WHERE`); every other hook everywhere."""
+    where = WHERE.get(target)
+    return where is None or where()
 
 _lock = threading.Lock()
 _registered = False
@@ -61,7 +74,7 @@ def register() -> None:
             return
         from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-        hooks = hooks_for(seam_kind())
+        hooks = tuple(h for h in hooks_for(seam_kind()) if wanted(h[0]))
         for target, hook, kind in hooks:
             # HookRegistry's own idempotence: never add the same hook to a target twice.
             if any(h is hook for _, h, *_rest in HookRegistry._hooks.get(target, ())):

@@ -1,6 +1,7 @@
 """A real SGLang 0.5.23 server on CPU with the plugin installed (CI).
 
-One ``sglang.Engine`` and one ``python -m sglang.launch_server ... --enable-bcg-shared-output``,
+One ``sglang.Engine`` and one ``python -m sglang.launch_server ... --enable-bcg-shared-output
+--admin-api-key KEY``,
 each in its own process group, on a tiny dummy-weight Llama (``scripts/server/make_model.py``,
 ``--load-format dummy``), with SGLang's CPU engine (``SGLANG_USE_CPU_ENGINE=1``: its
 ``torch_native`` attention and every layer's ``forward_native``). Real: SGLang's launcher,
@@ -46,6 +47,8 @@ START_S = 240
 REQUEST_S = 60
 STOP_S = 30
 SAMPLING = {"temperature": 0.0, "max_new_tokens": 6, "ignore_eos": True}
+#: The server's --admin-api-key: /bcg/output_mode exists only with it.
+ADMIN_KEY = "bcg-test-admin-key"
 PLUGIN_LOG = re.compile(r"^SGLANG_BCG_PLUGIN_LOG pid=(\d+) (.*)$", re.M)
 #: What SGLang's plugin loader logs when our register() ran and its hooks were applied.
 EXECUTED = "Executed general plugin: sglang_bcg"
@@ -210,7 +213,8 @@ def server(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
            "--load-format", "dummy", "--device", "cpu", "--dtype", "bfloat16", "--disable-radix-cache",
            "--skip-server-warmup", "--grammar-backend", "none", "--random-seed", "0",
            "--max-total-tokens", "2048", "--chunked-prefill-size", "512", "--log-level", "info",
-           "--host", "127.0.0.1", "--port", str(port), "--enable-bcg-shared-output"]
+           "--host", "127.0.0.1", "--port", str(port), "--enable-bcg-shared-output",
+           "--admin-api-key", ADMIN_KEY]
     with log.open("w") as out:
         proc = subprocess.Popen(cmd, cwd=str(ROOT), env=server_env(), stdout=out, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL, start_new_session=True)
@@ -260,3 +264,66 @@ def test_doctor_in_the_server_environment() -> None:
     assert proc.returncode == 0, out + proc.stderr
     assert "entry point (sglang.srt.plugins): sglang_bcg = sglang_bcg_plugin.integration:register" in out, out
     assert out.startswith("SGLang 0.5.23 (supported)") and out.rstrip().endswith("doctor: ok"), out
+
+
+def _call(url: str, method: str = "GET", data: bytes | None = None, key: str | None = ADMIN_KEY) -> tuple[int, Any]:
+    headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
+    req = urllib.request.Request(url, data=data, headers=headers, method=method)
+    try:
+        with urllib.request.urlopen(req, timeout=REQUEST_S) as resp:  # noqa: S310 - our own 127.0.0.1 server
+            return int(resp.status), json.loads(resp.read())
+    except urllib.error.HTTPError as exc:
+        return int(exc.code), json.loads(exc.read() or b"null")
+
+
+def test_output_mode_route_reaches_the_scheduler_behind_sglangs_admin_auth(server: Server) -> None:
+    route = server.url + "/bcg/output_mode"
+    status, body = _call(route)
+    assert status == 200, body
+    scheduler = titled(server.children(), "sglang::scheduler")
+    # The answer came from the scheduler process (SGLang's RPC, our AROUND hook there), not the launcher.
+    assert body["pids"] == [scheduler] and body["ranks"][0]["tp_rank"] == 0, (body, scheduler)
+    assert body["mode"] == "on" and body["ranks"][0]["env"] == "1", body
+    assert body["ranks"][0]["refusal"] == "no prefill CUDA graphs in this server (cpu engine): nothing to re-capture"
+    # SGLang's own middleware: no key or a wrong one is its 401.
+    assert _call(route, key=None) == (401, {"error": "Unauthorized"})
+    assert _call(route, key="wrong")[0] == 401
+    assert _call(route, "POST", b'{"mode": "off"}', key=None)[0] == 401
+    # A bad body: 400 with one line, never a traceback.
+    for data, why in ((b"not json", "the body is not JSON"), (b"[1]", "must be a JSON object"),
+                      (b'{"mode": "on", "x": 1}', "unknown key(s) 'x'"), (b"{}", "no 'mode'"),
+                      (b'{"mode": "sometimes"}', "mode='sometimes' is not an output mode"),
+                      (b'{"mode": 1}', "mode must be")):
+        status, body = _call(route, "POST", data)
+        assert status == 400 and why in body["error"] and "\n" not in body["error"], (data, status, body)
+    # On CPU there is nothing to re-capture: refused with the reason, the mode unchanged.
+    status, body = _call(route, "POST", b'{"mode": "off"}')
+    assert status == 422, body
+    assert body["error"] == "refused: no prefill CUDA graphs in this server (cpu engine): nothing to re-capture", body
+    assert _call(route)[1]["mode"] == "on"
+    # Generation still works after the control requests.
+    ids = server.post("/generate", {"input_ids": [5, 6, 7, 8], "sampling_params": SAMPLING})
+    assert len(ids["output_ids"]) == SAMPLING["max_new_tokens"]
+
+
+def test_switch_client_against_the_server(server: Server) -> None:
+    cli = Path(sys.executable).with_name("sglang-bcg")
+    env = {**server_env(), "SGLANG_BCG_ADMIN_API_KEY": ""}
+
+    def switch(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([str(cli), "switch", "--url", server.url, *args], cwd=str(ROOT), env=env,
+                              capture_output=True, text=True, timeout=START_S, check=False)
+
+    shown = switch("--api-key", ADMIN_KEY, "--show")
+    scheduler = titled(server.children(), "sglang::scheduler")
+    assert shown.returncode == 0, shown.stderr
+    assert shown.stdout.startswith(f"output mode: on on 1 TP rank(s) (scheduler pid {scheduler})"), shown.stdout
+    assert "waiting" in shown.stderr or "reading the output mode" in shown.stderr, shown.stderr  # the progress line
+    refused = switch("--api-key", ADMIN_KEY, "off")
+    assert refused.returncode == 1 and refused.stdout == "", refused
+    assert refused.stderr.splitlines()[-1] == (
+        "error: 422: refused: no prefill CUDA graphs in this server (cpu engine): nothing to re-capture"), refused.stderr
+    unauthorized = switch("off")
+    assert unauthorized.returncode == 1 and unauthorized.stderr.splitlines()[-1].startswith("error: 401 Unauthorized"), unauthorized
+    for proc in (refused, unauthorized):
+        assert "Traceback" not in proc.stderr

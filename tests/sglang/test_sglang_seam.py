@@ -180,13 +180,14 @@ def test_register_is_idempotent(monkeypatch: pytest.MonkeyPatch) -> None:
     from sglang.srt.plugins.hook_registry import HookRegistry
 
     from sglang_bcg_plugin.integration import HOOKS, hooks, register
+    from sglang_bcg_plugin.integration.hooks import wanted
 
     # private: SGLang's HookRegistry has no public read of what is registered or patched
     monkeypatch.setattr(HookRegistry, "_hooks", defaultdict(list))
     monkeypatch.setattr(hooks, "_registered", False)
     register()
     register()
-    assert {t: len(h) for t, h in HookRegistry._hooks.items()} == {t: 1 for t, _, _ in HOOKS}
+    assert {t: len(h) for t, h in HookRegistry._hooks.items()} == {t: 1 for t, _, _ in HOOKS if wanted(t)}
     monkeypatch.setattr(hooks, "_registered", False)  # module guard lost: HookRegistry check holds
     register()
     assert all(len(h) == 1 for h in HookRegistry._hooks.values())

@@ -1,0 +1,268 @@
+"""Switch the output mode of a real SGLang server on the GPU while it serves (issue 37).
+
+With ``scripts/server/server_check.py``'s server (``launch_server``, SGLang's Llama, prefill
+breakable CUDA graph) and ``--admin-api-key``, one server after another (graph memory is
+compared, so never two at once):
+
+1. references, one fresh server per mode (``on``, ``off``, ``released``): greedy output ids one
+   request at a time, the graph memory the server reports (``GET /bcg/output_mode``: the graph
+   pool's bytes and the resident output bytes), and the answers under the same concurrent load
+   as below (a control: what a server that never switched answers under that batching);
+   graph memory is the pool the prefill graphs live in, every graph pool of the process (a
+   dropped pool still cached shows there) and the resident outputs;
+2. the switch: a server started ``on``, a background load of concurrent greedy ``/generate``
+   requests (``SGLANG_BCG_SWITCH_WORKERS``, default 4), and ``POST /bcg/output_mode``
+   on → off → released → on, a second POST sent during one switch, ``GET`` after each.
+
+Checked: every switch answers 200 in the mode asked, with its time; the second POST is 409;
+no request fails, and every answer equals the target mode's reference (one at a time, or an
+answer a fresh server gave under the same load); graph memory after each switch equals the fresh
+server's in that mode (±2 MiB). Needs a server bundle set up (``scripts/server/setup.sh``
+exports ``PLUGIN_SITE``; ``scripts/server/gpu-server-check.sh`` does all of it, then run this
+file); skipped otherwise. Results and every server's log:
+``$SGLANG_BCG_GPU_RESULTS_DIR/sglang_switch.json``, ``switch-*.log``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+SERVER = ROOT / "scripts" / "server"
+SHAPE = os.environ.get("SGLANG_BCG_SERVER_SHAPE", "tiny")
+CHUNK = {"tiny": 4096, "llama3-8b": 16384}
+KEY = "bcg-gpu-switch-key"
+MODES = ("on", "off", "released")
+#: From ``on``: on → off → released → on.
+SEQUENCE = ("off", "released", "on")
+WORKERS = int(os.environ.get("SGLANG_BCG_SWITCH_WORKERS", "4"))
+#: Prompt lengths (tokens): several prefill graph sizes, one chunk at most.
+LENGTHS = (5, 37, 200, 511, 900, 1500)
+NEW_TOKENS = 12
+#: Bounds, in seconds.
+START_S, REQUEST_S, SWITCH_S, CONTROL_S, SETTLE_S = 600.0, 300.0, 900.0, 20.0, 5.0
+MIB = 1 << 20
+TOLERANCE = 2 * MIB
+
+pytestmark = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run on the H200 machine)"),
+    pytest.mark.skipif(importlib.util.find_spec("sglang") is None or not os.environ.get("PLUGIN_SITE"),
+                       reason="needs a server bundle set up (scripts/server/gpu-server-check.sh)"),
+]
+
+
+def _load(name: str) -> Any:
+    spec = importlib.util.spec_from_file_location(f"_server_{name}", SERVER / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def admin(base: str, method: str = "GET", mode: str | None = None, timeout: float = REQUEST_S) -> tuple[int, Any]:
+    data = None if mode is None else json.dumps({"mode": mode}).encode()
+    req = urllib.request.Request(base + "/bcg/output_mode", data=data, method=method,
+                                 headers={"Content-Type": "application/json", "Authorization": f"Bearer {KEY}"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:  # noqa: S310 - 127.0.0.1 only
+            return int(r.status), json.loads(r.read())
+    except urllib.error.HTTPError as exc:
+        return int(exc.code), json.loads(exc.read() or b"null")
+
+
+def memory(body: dict[str, Any]) -> dict[str, Any]:
+    """Graph memory as the server reports it, per rank: the pool's bytes and the resident outputs."""
+    return {"pool_bytes": [r.get("pool_bytes") for r in body["ranks"]],
+            "graph_pools_bytes": [r.get("graph_pools_bytes") for r in body["ranks"]],
+            "resident_output_bytes": [r.get("resident_output_bytes") for r in body["ranks"]],
+            "mode": body.get("mode")}
+
+
+class Load:
+    """``WORKERS`` threads, each posting one prompt at a time (greedy) until stopped."""
+
+    def __init__(self, check: Any, base: str, prompts: list[list[int]]) -> None:
+        self.check, self.base, self.prompts = check, base, prompts
+        self.answers: list[dict[str, Any]] = []
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._threads = [threading.Thread(target=self._work, args=(w,), daemon=True) for w in range(WORKERS)]
+
+    def _work(self, worker: int) -> None:
+        i = worker
+        while not self._stop.is_set():
+            k = i % len(self.prompts)
+            t0 = time.time()
+            try:
+                ids = self.check.generate(self.base, self.prompts[k], NEW_TOKENS, REQUEST_S)["output_ids"]
+                err = None
+            except Exception as exc:  # noqa: BLE001 - a failed request is a finding
+                ids, err = None, f"{type(exc).__name__}: {exc}"
+            with self._lock:
+                self.answers.append({"prompt": k, "ids": ids, "error": err, "t0": t0, "t1": time.time()})
+            i += WORKERS
+
+    def __enter__(self) -> Load:
+        for t in self._threads:
+            t.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        for t in self._threads:
+            t.join(REQUEST_S + 10)
+
+
+class Server:
+    def __init__(self, check: Any, model: Path, mode: str, log: Path) -> None:
+        self.check, self.log = check, log
+        port = check.free_port()
+        self.base = f"http://127.0.0.1:{port}"
+        cmd = check.server_command(str(model), port, mode, CHUNK[SHAPE], 0.3 if SHAPE == "tiny" else 0.5,
+                                   131072, ["--admin-api-key", KEY])
+        with log.open("wb") as out:
+            self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                                         env=check.server_env(mode, os.environ["PLUGIN_SITE"]),
+                                         cwd=tempfile.mkdtemp(prefix=f"sglang-switch-{mode}-"))  # no checkout on the path
+
+    def __enter__(self) -> Server:
+        try:
+            self.check.wait_healthy(self.base, self.proc, START_S)
+        except Exception as exc:
+            self.check.stop(self.proc)
+            pytest.fail(f"server did not start ({exc}); its log {self.log}:\n{self.log.read_text(errors='replace')[-4000:]}")
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.check.stop(self.proc)
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    check, make = _load("server_check"), _load("make_model")
+    out = Path(os.environ.get("SGLANG_BCG_GPU_RESULTS_DIR", tmp_path_factory.mktemp("switch")))
+    out.mkdir(parents=True, exist_ok=True)
+    model = make.make_model(tmp_path_factory.mktemp("model") / SHAPE, **make.SHAPES[SHAPE])
+    prompts = check.prompts(LENGTHS)
+    found: dict[str, Any] = {"shape": SHAPE, "workers": WORKERS, "lengths": LENGTHS, "fresh": {}, "switches": []}
+    path = out / "sglang_switch.json"
+
+    def save() -> None:
+        path.write_text(json.dumps(found, indent=1) + "\n")
+
+    for mode in MODES:  # 1. references
+        with Server(check, model, mode, out / f"switch-fresh-{mode}.log") as srv:
+            status, body = admin(srv.base)
+            assert status == 200, f"fresh {mode}: GET /bcg/output_mode answered {status}: {body}"
+            one = [check.generate(srv.base, p, NEW_TOKENS, REQUEST_S)["output_ids"] for p in prompts]
+            with Load(check, srv.base, prompts) as load:
+                time.sleep(CONTROL_S)
+            found["fresh"][mode] = {"get": body, "memory": memory(body), "one_at_a_time": one,
+                                    "control": load.answers}
+        save()
+    with Server(check, model, "on", out / "switch-live.log") as srv:  # 2. the switch
+        found["initial"] = admin(srv.base)[1]
+        with Load(check, srv.base, prompts) as load:
+            time.sleep(SETTLE_S)
+            for i, mode in enumerate(SEQUENCE):
+                second: dict[str, Any] = {}
+
+                def post_again(box: dict[str, Any] = second, target: str = mode) -> None:
+                    time.sleep(0.2)
+                    box["sent"] = time.time()
+                    # the same mode: should it land after the first ended, it changes nothing
+                    box["status"], box["body"] = admin(srv.base, "POST", target, timeout=SWITCH_S)
+
+                racer = threading.Thread(target=post_again, daemon=True) if i == 1 else None
+                t0 = time.time()
+                if racer is not None:
+                    racer.start()
+                status, body = admin(srv.base, "POST", mode, timeout=SWITCH_S)
+                t1 = time.time()
+                if racer is not None:
+                    racer.join(REQUEST_S)
+                time.sleep(SETTLE_S)
+                after = admin(srv.base)[1]
+                found["switches"].append({"mode": mode, "status": status, "body": body, "t0": t0, "t1": t1,
+                                          "wall_s": round(t1 - t0, 3), "after": after, "memory": memory(after),
+                                          "second": second or None})
+                print(f"switch to {mode}: {status} in {body.get('seconds')} s; {json.dumps(memory(after))}", flush=True)
+                save()
+        found["answers"] = load.answers
+    save()
+    return found
+
+
+def _reference(results: dict[str, Any]) -> list[list[int]]:
+    return list(results["fresh"]["on"]["one_at_a_time"])
+
+
+def test_references_agree_across_modes(results: dict[str, Any]) -> None:
+    ref = _reference(results)
+    for mode in MODES:
+        assert results["fresh"][mode]["one_at_a_time"] == ref, f"a fresh {mode} server answers differently from on"
+
+
+def test_every_switch_answers_in_the_mode_asked_with_its_time(results: dict[str, Any]) -> None:
+    assert [s["mode"] for s in results["switches"]] == list(SEQUENCE)
+    for s in results["switches"]:
+        assert s["status"] == 200, f"switch to {s['mode']}: {s['status']} {s['body']}"
+        assert s["body"]["mode"] == s["mode"] and s["after"]["mode"] == s["mode"], s
+        assert isinstance(s["body"]["seconds"], float) and 0 < s["body"]["seconds"] <= s["wall_s"] + 1, s
+
+
+def test_a_second_switch_while_one_runs_is_refused(results: dict[str, Any]) -> None:
+    raced = results["switches"][1]
+    second = raced["second"]
+    assert second and second.get("status") is not None, raced
+    if second["sent"] >= raced["t1"]:
+        pytest.skip(f"the switch to {raced['mode']} took {raced['wall_s']} s: over before the second POST")
+    assert second["status"] == 409 and "is running" in second["body"]["error"], second
+
+
+def test_no_request_is_lost_or_answered_wrong(results: dict[str, Any]) -> None:
+    ref = _reference(results)
+    allowed: dict[int, set[tuple[int, ...]]] = {k: {tuple(ids)} for k, ids in enumerate(ref)}
+    control = 0
+    for mode in MODES:
+        for a in results["fresh"][mode]["control"]:
+            if a["ids"] is not None:
+                allowed[a["prompt"]].add(tuple(a["ids"]))
+                control += tuple(a["ids"]) != tuple(ref[a["prompt"]])
+    answers = results["answers"]
+    failed = [a for a in answers if a["error"] is not None]
+    assert not failed, f"{len(failed)} of {len(answers)} requests failed: {failed[:3]}"
+    wrong = [a for a in answers if tuple(a["ids"]) not in allowed[a["prompt"]]]
+    first, last = results["switches"][0]["t0"], results["switches"][-1]["t1"]
+    during = sum(a["t0"] <= last and a["t1"] >= first for a in answers)
+    assert during > 0, "no request was in flight while the switches ran"
+    assert not wrong, (f"{len(wrong)} of {len(answers)} answers differ from every fresh server's "
+                       f"(fresh servers under the same load differed from one-at-a-time in {control}): {wrong[:3]}")
+
+
+def test_graph_memory_after_each_switch_equals_a_fresh_servers(results: dict[str, Any]) -> None:
+    rows = []
+    for s in results["switches"]:
+        fresh = results["fresh"][s["mode"]]["memory"]
+        for what in ("pool_bytes", "graph_pools_bytes", "resident_output_bytes"):
+            for rank, (got, want) in enumerate(zip(s["memory"][what], fresh[what])):
+                rows.append((s["mode"], what, rank, got, want))
+    bad = [r for r in rows if r[3] is None or r[4] is None or abs(r[3] - r[4]) > TOLERANCE]
+    assert rows and not bad, "after switch vs fresh (mode, figure, rank, after, fresh): " + "; ".join(
+        f"{m} {w} rank {k}: {g} vs {f}" for m, w, k, g, f in bad)

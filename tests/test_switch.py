@@ -1,0 +1,417 @@
+"""The live switch without a server (``integration/switch.py``): the body, the state machine of one
+rank (with a runner that records calls), the gate, the HTTP answers, and the client."""
+
+from __future__ import annotations
+
+import json
+import threading
+from types import SimpleNamespace as NS
+from typing import Any
+
+import pytest
+
+from sglang_bcg_plugin import cli_switch
+from sglang_bcg_plugin.integration import switch
+from sglang_bcg_plugin.integration.sglang_breakable import SharingPolicyMixin
+from sglang_bcg_plugin.output_mode import Resolution
+from sglang_bcg_plugin.report import MemoryReport
+
+ENV = "SGLANG_ENABLE_BCG_SHARED_OUTPUT"
+MODE_OF_ENV = {"1": "on", "0": "off", "released": "released"}
+
+
+class FakeBackend(SharingPolicyMixin):
+    """Our backend's surface the switch uses: mode, report, cleanup."""
+
+    def __init__(self, mode: str, calls: list[str]) -> None:  # noqa: D107 - no SGLang base here
+        self._mode, self._calls, self._pool, self._graphs = mode, calls, None, {1: "g", 2: "g"}
+
+    @property
+    def last_output_mode(self) -> Resolution:
+        return Resolution(self._mode, "test")  # type: ignore[arg-type]
+
+    def memory_report(self) -> MemoryReport:
+        return MemoryReport("breakable", "sglang-bcg", resident_output_bytes=2**20 if self._mode == "on" else 0, logical_output_bytes=2**21)
+
+    def cleanup(self) -> None:
+        self._calls.append(f"cleanup {self._mode}")
+
+    def __del__(self) -> None:  # no SGLang graphs to park (the mixin's __del__ would reach SGLang's)
+        return None
+
+
+class FakeRunner:
+    """A model runner whose ``init_prefill_cuda_graph`` captures in the mode of the environment,
+    failing for the modes in ``fail``."""
+
+    def __init__(self, env: dict[str, str], fail: tuple[str, ...] = (), device: str = "cuda") -> None:
+        self.env, self.fail, self.device, self.calls = env, fail, device, []
+        self.eager_runner = object()
+        self.decode_cuda_graph_runner = self.eager_runner
+        self.prefill_cuda_graph_runner: Any = NS(backend=FakeBackend(MODE_OF_ENV[env[ENV]], self.calls))
+
+    def init_prefill_cuda_graph(self) -> None:
+        mode = MODE_OF_ENV[self.env[ENV]]
+        self.calls.append(f"capture {mode}")
+        if mode in self.fail:
+            raise RuntimeError(f"CUDA out of memory capturing {mode}\nsecond line")
+        self.prefill_cuda_graph_runner = NS(backend=FakeBackend(mode, self.calls))
+
+
+class FakeDecode:
+    def __init__(self, calls: list[str]) -> None:
+        self.backend = NS(cleanup=lambda: calls.append("cleanup decode"))
+
+
+class DecodeRunner(FakeRunner):
+    """With decode graphs: they are dropped and re-captured after prefill (start-up order)."""
+
+    def __init__(self, env: dict[str, str], fail: tuple[str, ...] = ()) -> None:
+        super().__init__(env, fail)
+        self.decode_cuda_graph_runner = FakeDecode(self.calls)
+
+    def init_decode_cuda_graph(self) -> None:
+        self.calls.append("capture decode")
+        self.decode_cuda_graph_runner = FakeDecode(self.calls)
+
+
+def no_check(env: Any) -> None:
+    return None
+
+
+@pytest.mark.parametrize(("raw", "why"), [
+    (b"not json", "the body is not JSON"), (b"\xff", "the body is not JSON"), (b"[1]", "must be a JSON object, got list"),
+    (b'{"mode": "on", "x": 1}', "unknown key(s) 'x'"), (b"{}", "no 'mode' in the body"),
+    (b'{"mode": "sometimes"}', "mode='sometimes' is not an output mode"), (b'{"mode": true}', "mode must be"),
+])
+def test_bad_bodies_are_one_line(raw: bytes, why: str) -> None:
+    with pytest.raises(switch.BodyError) as info:
+        switch.parse_body(raw)
+    assert why in str(info.value) and "\n" not in str(info.value), str(info.value)
+
+
+def test_good_bodies() -> None:
+    assert switch.parse_body(b'{"mode": " Released "}') == "released"
+    assert switch.parse_body(b'{"mode": "OFF"}') == "off"
+
+
+def test_switch_recaptures_in_the_new_mode() -> None:
+    env = {ENV: "1"}
+    runner = FakeRunner(env)
+    result = switch.switch_rank(runner, "off", "backend", env, check=no_check)
+    assert result["ok"] and result["previous"] == "on" and result["mode"] == "off", result
+    assert runner.calls == ["cleanup on", "capture off"] and env[ENV] == "0"
+    assert result["seconds"] >= 0 and result["keys"] == 2 and result["resident_output_bytes"] == 0
+    shown = switch.answer_rank(runner, {"action": "show"}, "backend")
+    assert shown["mode"] == "off" and shown["refusal"] is None and shown["ok"]
+
+
+def test_decode_graphs_are_recaptured_after_prefill() -> None:
+    env = {ENV: "released"}
+    runner = DecodeRunner(env)
+    result = switch.switch_rank(runner, "on", "backend", env, check=no_check)
+    assert result["ok"] and result["decode_recaptured"] and env[ENV] == "1"
+    assert runner.calls == ["cleanup released", "cleanup decode", "capture on", "capture decode"]
+    runner = DecodeRunner(env := {ENV: "1"}, fail=("off",))
+    result = switch.switch_rank(runner, "off", "backend", env, check=no_check)
+    assert result["rolled_back"] and runner.calls == ["cleanup on", "cleanup decode", "capture off", "capture on", "capture decode"]
+
+
+def test_a_failed_capture_recaptures_the_previous_mode() -> None:
+    env = {ENV: "1"}
+    runner = FakeRunner(env, fail=("released",))
+    result = switch.switch_rank(runner, "released", "backend", env, check=no_check)
+    assert not result["ok"] and result["rolled_back"] and result["mode"] == "on", result
+    assert result["error"] == "RuntimeError: CUDA out of memory capturing released second line"
+    assert runner.calls == ["cleanup on", "capture released", "capture on"] and env[ENV] == "1"
+    # Both fail: prefill runs eagerly (as with SGLang's capture disabled), and the answer says so.
+    runner = FakeRunner(env := {ENV: "0"}, fail=("on", "off"))
+    result = switch.switch_rank(runner, "on", "backend", env, check=no_check)
+    assert not result["ok"] and result["rolled_back"] is False
+    assert runner.prefill_cuda_graph_runner is runner.eager_runner and env[ENV] == "0"
+
+
+def test_refusals_touch_nothing() -> None:
+    env = {ENV: "1"}
+    runner = FakeRunner(env)
+
+    def release_refuses(trial: Any) -> None:
+        assert trial[ENV] == "released"
+        raise ValueError("output mode 'released' cannot run with SGLANG_ENABLE_GRAPH_POOL_BORROW=1:\nuse on")
+
+    with pytest.raises(switch.Refused, match="cannot run with SGLANG_ENABLE_GRAPH_POOL_BORROW=1: use on"):
+        switch.switch_rank(runner, "released", "backend", env, check=release_refuses)
+    for kind, why in (("runner", "SGLang 0.5.13's BreakableCudaGraphRunner cannot drop its graphs"),
+                      ("none", "no breakable CUDA graph")):
+        assert why in switch.answer_rank(runner, {"action": "switch", "mode": "off"}, kind)["refused"]
+    assert runner.calls == [] and env[ENV] == "1"
+    cpu = FakeRunner(env, device="cpu")
+    cpu.prefill_cuda_graph_runner = None
+    assert switch.refusal(cpu, "backend") == "no prefill CUDA graphs in this server (cpu engine): nothing to re-capture"
+    cpu.device = "cuda"
+    cpu.prefill_cuda_graph_runner = NS(backend=object())
+    assert "not the plugin's breakable backend (prefill backend: object)" in str(switch.refusal(cpu, "backend"))
+    bad = switch.answer_rank(runner, {"action": "switch", "mode": "sometimes"}, "backend")
+    assert not bad["ok"] and "is not an output mode" in bad["error"]
+
+
+def test_a_second_switch_is_refused_while_one_runs() -> None:
+    gate = switch.SwitchGate(clock=iter([0.0, 12.0, 12.4]).__next__)
+    with gate.hold("on"):
+        with pytest.raises(switch.Busy, match=r"a switch to 'on' is running \(12 s so far\)"):
+            with gate.hold("off"):
+                pass
+    with gate.hold("off"):  # free again
+        assert gate.running is not None
+
+
+class FakeClient:
+    def __init__(self, answer: tuple[bool, dict[str, Any]] | Exception, wait: threading.Event | None = None) -> None:
+        self.answer, self.wait = answer, wait
+        self.params: list[dict[str, Any]] = []
+        self.started = threading.Event()
+
+    def call(self, params: dict[str, Any]) -> tuple[bool, dict[str, Any]]:
+        self.params.append(params)
+        self.started.set()
+        if self.wait is not None:
+            self.wait.wait(10)
+        if isinstance(self.answer, Exception):
+            raise self.answer
+        return self.answer
+
+
+def test_http_answers() -> None:
+    rank = {"ok": True, "pid": 7, "mode": "off", "previous": "on", "tp_rank": 0}
+    status, body = switch.http_answer(FakeClient((True, {"ranks": [rank]})), switch.SwitchGate(), "off")  # type: ignore[arg-type]
+    assert status == 200 and body["mode"] == "off" and body["previous"] == "on" and body["pids"] == [7] and "seconds" in body
+    refused = {"ok": False, "refused": "no prefill CUDA graphs in this server (cpu engine): nothing to re-capture", "pid": 7}
+    status, body = switch.http_answer(FakeClient((False, {"ranks": [refused]})), switch.SwitchGate(), "off")  # type: ignore[arg-type]
+    assert status == 422 and body["error"].startswith("refused: no prefill CUDA graphs")
+    failed = {**rank, "ok": False, "mode": "on", "error": "RuntimeError: oom", "rolled_back": True}
+    status, body = switch.http_answer(FakeClient((False, {"ranks": [failed]})), switch.SwitchGate(), "released")  # type: ignore[arg-type]
+    assert status == 500 and body["error"] == "re-capture failed: RuntimeError: oom; the previous mode 'on' was re-captured"
+    broken = {"ok": False, "error": "AttributeError: no tp_worker", "pid": 7}
+    status, body = switch.http_answer(FakeClient((False, {"ranks": [broken]})), switch.SwitchGate(), None)  # type: ignore[arg-type]
+    assert status == 500 and body["error"] == "a scheduler could not answer: AttributeError: no tp_worker"
+    both_failed = {**failed, "rolled_back": False}
+    status, body = switch.http_answer(FakeClient((False, {"ranks": [both_failed]})), switch.SwitchGate(), "off")  # type: ignore[arg-type]
+    assert body["error"].endswith("re-capturing the previous mode failed too: prefill runs without graphs")
+    status, body = switch.http_answer(FakeClient(TimeoutError("no answer in 9 s")), switch.SwitchGate(), None)  # type: ignore[arg-type]
+    assert status == 504 and body == {"error": "no answer in 9 s"}
+    # A second switch while one runs: 409, at once.
+    gate, release = switch.SwitchGate(), threading.Event()
+    slow = FakeClient((True, {"ranks": [rank]}), wait=release)
+    first = threading.Thread(target=switch.http_answer, args=(slow, gate, "off"))
+    first.start()
+    assert slow.started.wait(10)
+    status, body = switch.http_answer(FakeClient((True, {"ranks": [rank]})), gate, "on")  # type: ignore[arg-type]
+    assert status == 409 and body["error"].startswith("a switch to 'off' is running"), body
+    release.set()
+    first.join(10)
+    assert slow.params == [{"action": "switch", "mode": "off"}]
+
+
+def test_route_not_registered_without_an_admin_key(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level("INFO")
+    assert switch.before_setup_and_run_http_server(NS(admin_api_key=None), None, None, NS(rpc_ipc_name="ipc://x")) is None
+    assert "/bcg/output_mode not registered: the server has no --admin-api-key" in caplog.text
+    assert switch.before_setup_and_run_http_server(server_args=NS(admin_api_key="k"), port_args=None) is None
+    assert "SGLang's RPC endpoint is unknown here" in caplog.text
+
+
+def test_rpc_hook_passes_other_methods_on() -> None:
+    seen = []
+    out = switch.around_handle_rpc_request(lambda s, r: seen.append(r.method) or "sglang's", NS(), NS(method="save_remote_model"))
+    assert out == "sglang's" and seen == ["save_remote_model"]
+    assert switch._gather(NS(), {"pid": 1}) == [{"pid": 1}]
+
+
+def test_every_tp_rank_answers(monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch.distributed as dist
+
+    def all_gather_object(out: list[Any], obj: Any, group: Any) -> None:
+        assert group == "cpu"
+        out[:] = [obj, {**obj, "pid": 2}]
+
+    monkeypatch.setattr(dist, "all_gather_object", all_gather_object)
+    scheduler = NS(tp_group=NS(world_size=2, cpu_group="cpu"))
+    assert switch._gather(scheduler, {"pid": 1}) == [{"pid": 1}, {"pid": 2}]
+
+
+def test_client_lines_and_errors(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    body = {"mode": "released", "previous": "on", "seconds": 3.2,
+            "ranks": [{"pid": 11, "pool_bytes": 2**30, "resident_output_bytes": 0}, {"pid": 12}]}
+    assert cli_switch.result_line(body, "released") == (
+        "output mode: released (was on), switched in 3.2 s on 2 TP rank(s) (scheduler pid 11,12); "
+        "graph pool 1024.0 MiB, resident outputs 0.0 MiB")
+    assert cli_switch.result_line({"mode": "on", "ranks": [{"pid": 3, "refusal": "no graphs"}]}, None).endswith(
+        "switch refused here: no graphs")
+    assert cli_switch._error_of(401, b'{"error": "Unauthorized"}', "U").startswith("401 Unauthorized: U wants")
+    assert cli_switch._error_of(403, b"", "U") == "403 Forbidden: U (the server has no --admin-api-key)"
+    assert "started without --admin-api-key" in cli_switch._error_of(404, b'{"detail": "Not Found"}', "U")
+    assert cli_switch._error_of(409, b'{"error": "a switch to \'on\' is running"}', "U") == "409: a switch to 'on' is running"
+    assert cli_switch._error_of(400, b"plain\ntext", "U") == "400: plain text"
+    monkeypatch.setattr(cli_switch, "request", lambda *a: body)
+    assert cli_switch.run("http://h", "k", "released", 5) == 0
+    out = capsys.readouterr()
+    assert out.out.startswith("output mode: released (was on)") and "switching the output mode to released" in out.err
+
+    def refuse(*a: Any) -> Any:
+        raise cli_switch.SwitchError("409: busy")
+
+    monkeypatch.setattr(cli_switch, "request", refuse)
+    assert cli_switch.run("http://h", None, None, 5) == 1
+    assert capsys.readouterr().err.splitlines()[-1] == "error: 409: busy"
+    monkeypatch.setenv(cli_switch.ENV_KEY, "from-env")
+    assert cli_switch.key_of(None) == "from-env" and cli_switch.key_of("given") == "given"
+
+
+def test_client_request_against_a_local_http_server() -> None:
+    from http.server import BaseHTTPRequestHandler, HTTPServer
+
+    class Handler(BaseHTTPRequestHandler):
+        def log_message(self, *args: Any) -> None:
+            return None
+
+        def _send(self, status: int, body: bytes) -> None:
+            self.send_response(status)
+            self.end_headers()
+            self.wfile.write(body)
+
+        def do_GET(self) -> None:  # noqa: N802 - http.server's name
+            ok = self.headers.get("Authorization") == "Bearer k"
+            self._send(200 if ok else 401, json.dumps({"mode": "on", "ranks": []} if ok else {"error": "Unauthorized"}).encode())
+
+        def do_POST(self) -> None:  # noqa: N802
+            self._send(200, b"not json")
+
+    server = HTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    try:
+        assert cli_switch.request(url, "k", None, 5) == {"mode": "on", "ranks": []}
+        with pytest.raises(cli_switch.SwitchError, match="^401 Unauthorized"):
+            cli_switch.request(url, None, None, 5)
+        with pytest.raises(cli_switch.SwitchError, match="answered something that is not JSON"):
+            cli_switch.request(url, "k", "on", 5)
+    finally:
+        server.shutdown()
+        server.server_close()
+    with pytest.raises(cli_switch.SwitchError, match="cannot reach"):
+        cli_switch.request(url, "k", None, 5)
+
+
+def test_where_each_hook_is_registered(monkeypatch: pytest.MonkeyPatch) -> None:
+    import sys
+
+    from sglang_bcg_plugin.integration.hooks import wanted
+
+    monkeypatch.setitem(sys.modules, "sglang.srt.managers.scheduler", NS())
+    assert switch.is_scheduler() and wanted(switch.RPC_TARGET)
+    monkeypatch.delitem(sys.modules, "sglang.srt.managers.scheduler")
+    assert not wanted(switch.RPC_TARGET) and wanted("any.other.target")
+    assert switch.is_launcher() == (__import__("importlib").util.find_spec("fastapi") is not None)
+
+
+def test_doctor_line_and_the_source_check(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert not switch.defined_in_source("no_such_package_x.mod.f", "no_such_package_x.mod")
+    assert not switch.defined_in_source("json.nothing.f", "json.nothing")  # no such file
+    assert switch.defined_in_source("json.decoder.JSONDecoder.decode", "json.decoder")
+    assert not switch.defined_in_source("json.decoder.JSONDecoder.nope", "json.decoder")
+    assert switch.doctor_line("none") == "not available (no breakable CUDA graph to switch)"
+    monkeypatch.setattr(switch, "MODULES", {"json.decoder.JSONDecoder.decode": "json.decoder"})
+    assert switch.doctor_line("runner").endswith("on this release a POST is refused (its runner cannot drop its graphs)")
+    assert switch.doctor_line("backend").endswith("sglang-bcg switch --url URL --api-key KEY off|on|released")
+    monkeypatch.setattr(switch, "MODULES", {"json.decoder.gone": "json.decoder"})
+    assert switch.doctor_line("backend") == "not available on this release: json.decoder.gone not found"
+
+
+def test_more_failures_of_one_rank() -> None:
+    env = {ENV: "1"}
+    runner = FakeRunner(env)
+    runner.init_prefill_cuda_graph = None  # type: ignore[assignment,method-assign]
+    assert "no init_prefill_cuda_graph()" in str(switch.refusal(runner, "backend"))
+    # The capture "succeeds" without our backend: a failure, rolled back; an unset variable stays unset.
+    env = {ENV: "1"}
+    runner = FakeRunner(env)
+
+    def not_ours() -> None:
+        runner.calls.append("capture")
+        runner.prefill_cuda_graph_runner = NS(backend=object())
+
+    runner.init_prefill_cuda_graph = not_ours  # type: ignore[method-assign]
+    env_without: dict[str, str] = {}
+    runner.env = env_without
+    result = switch.switch_rank(runner, "off", "backend", env_without, check=no_check)
+    assert not result["ok"] and "not ours in mode 'off'" in result["error"] and ENV not in env_without, result
+
+
+def test_client_progress_on_a_terminal_and_a_silent_server(monkeypatch: pytest.MonkeyPatch,
+                                                           capsys: pytest.CaptureFixture[str]) -> None:
+    import socket
+    import sys
+    import time
+
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(1)  # connects, never answers
+    url = f"http://127.0.0.1:{listener.getsockname()[1]}"
+    try:
+        with pytest.raises(cli_switch.SwitchError, match=r"^no answer from .* in 0 s"):
+            cli_switch.request(url, None, None, 0.3)
+    finally:
+        listener.close()
+
+    def slow(*args: Any) -> dict[str, Any]:
+        time.sleep(0.7)
+        return {"mode": "on", "ranks": [{"pid": 1}]}
+
+    monkeypatch.setattr(cli_switch, "request", slow)
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
+    assert cli_switch.run("http://h", None, None, 5) == 0
+    err = capsys.readouterr().err
+    assert "\rsglang-bcg switch: reading the output mode of http://h ... " in err and err.endswith("\n")
+
+
+def test_sglang_bcg_switch_command(capsys: pytest.CaptureFixture[str]) -> None:
+    from sglang_bcg_plugin.cli import main
+
+    assert main(["switch", "--url", "http://127.0.0.1:1", "--api-key", "k", "ON"]) == 1
+    assert capsys.readouterr().err.splitlines()[-1].startswith("error: cannot reach http://127.0.0.1:1/bcg/output_mode")
+    for argv, why in ((["switch", "--url", "u"], "one of the arguments mode --show is required"),
+                      (["switch", "--url", "u", "--show", "on"], "not allowed with argument --show"),
+                      (["switch", "--url", "u", "sometimes"], "invalid choice: 'sometimes'")):
+        with pytest.raises(SystemExit) as info:
+            main(argv)
+        assert info.value.code == 2 and why in capsys.readouterr().err
+
+
+def test_routes_answer_in_process(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The two endpoints ``add_routes`` registers, called as FastAPI calls them (the real app and
+    SGLang's auth middleware: tests/sglang/test_sglang_switch.py and the CPU server test)."""
+    import asyncio
+
+    pytest.importorskip("fastapi")
+    pytest.importorskip("sglang.srt.utils.auth")
+    routes: dict[str, Any] = {}
+    app = NS(add_api_route=lambda path, fn, methods: routes.update({methods[0]: fn}))
+    rank = {"ok": True, "mode": "on", "pid": 5}
+    monkeypatch.setattr(switch.RpcClient, "call", lambda self, params, timeout_s=1: (True, {"ranks": [rank]}))
+    switch.add_routes(app, switch.RpcClient("ipc://x"), switch.SwitchGate())
+    assert routes["GET"]._auth_level.value == routes["POST"]._auth_level.value == "admin_force"
+
+    def body(raw: bytes) -> Any:
+        async def read() -> bytes:
+            return raw
+        return NS(body=read)
+
+    got = asyncio.run(routes["GET"]())
+    assert got.status_code == 200 and json.loads(got.body)["pids"] == [5]
+    bad = asyncio.run(routes["POST"](body(b"[")))
+    assert bad.status_code == 400 and json.loads(bad.body)["error"].startswith("the body is not JSON")
+    assert asyncio.run(routes["POST"](body(b'{"mode": "on"}'))).status_code == 200
+    monkeypatch.setitem(__import__("sys").modules, "sglang.srt.entrypoints.http_server", NS(app=app))
+    routes.clear()
+    switch.before_setup_and_run_http_server(NS(admin_api_key="k", dp_size=1), None, None, NS(rpc_ipc_name="ipc://x"))
+    assert set(routes) == {"GET", "POST"}
