@@ -415,3 +415,42 @@ def test_routes_answer_in_process(monkeypatch: pytest.MonkeyPatch) -> None:
     routes.clear()
     switch.before_setup_and_run_http_server(NS(admin_api_key="k", dp_size=1), None, None, NS(rpc_ipc_name="ipc://x"))
     assert set(routes) == {"GET", "POST"}
+
+
+def _gpu_switch_checks() -> Any:
+    """tests/gpu/test_sglang_switch_gpu.py as a module (its checks read a results dict)."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    gpu = Path(__file__).parent / "gpu"
+    sys.path.insert(0, str(gpu))
+    try:
+        spec = importlib.util.spec_from_file_location("_switch_gpu_checks", gpu / "test_sglang_switch_gpu.py")
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(gpu))
+    return module
+
+
+def test_the_h200_recording_passes_the_gpu_checks() -> None:
+    """The GPU test's own checks on its recorded H200 run (tiny shape, 2026-12-03): on → off →
+    released → on under load; a check that cannot see a leak would pass a doctored recording too."""
+    import copy
+    import gzip
+    from pathlib import Path
+
+    recorded = json.loads(gzip.decompress((Path(__file__).parent / "data" / "server" / "switch-h200-tiny.json.gz").read_bytes()))
+    checks = _gpu_switch_checks()
+    for name in sorted(n for n in dir(checks) if n.startswith("test_")):
+        getattr(checks, name)(copy.deepcopy(recorded))
+    leaked = copy.deepcopy(recorded)
+    leaked["switches"][-1]["after"]["ranks"][0]["free_bytes"] -= 3 << 20  # old graphs' driver memory kept
+    with pytest.raises(AssertionError, match="outside the allocator"):
+        checks.test_the_old_graphs_driver_memory_is_freed(leaked)
+    wrong = copy.deepcopy(recorded)
+    wrong["answers"][100]["ids"] = [0] * len(wrong["answers"][100]["ids"])
+    with pytest.raises(AssertionError, match="differ from every fresh server"):
+        checks.test_no_request_is_lost_or_answered_wrong(wrong)

@@ -14,18 +14,14 @@ reference). Results: ``$SGLANG_BCG_GPU_RESULTS_DIR/sglang_server_<shape>.json``.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
+from server_scripts import NEEDS_SERVER, load
 
-ROOT = Path(__file__).resolve().parents[2]
-SERVER = ROOT / "scripts" / "server"
 SHAPE = os.environ.get("SGLANG_BCG_SERVER_SHAPE", "tiny")
 CHUNK = {"tiny": 4096, "llama3-8b": 16384}
 #: Variants whose prefill and decode throughput is measured (ratios to stock).
@@ -33,21 +29,8 @@ THROUGHPUT = ("stock", "on", "released")
 #: SGLang's "mem usage" line has 0.01 GB resolution.
 RESOLUTION_GB = 0.01
 
-pytestmark = [
-    pytest.mark.cuda,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run on the H200 machine)"),
-    pytest.mark.skipif(importlib.util.find_spec("sglang") is None or not os.environ.get("PLUGIN_SITE"),
-                       reason="needs a server bundle set up (scripts/server/gpu-server-check.sh)"),
-]
+pytestmark = NEEDS_SERVER
 
-
-def _load(name: str) -> Any:
-    spec = importlib.util.spec_from_file_location(f"_server_{name}", SERVER / f"{name}.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 def _variants() -> list[str]:
@@ -58,7 +41,7 @@ def _variants() -> list[str]:
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
-    check, make = _load("server_check"), _load("make_model")
+    check, make = load("server_check"), load("make_model")
     out = Path(os.environ.get("SGLANG_BCG_GPU_RESULTS_DIR", tmp_path_factory.mktemp("server")))
     out.mkdir(parents=True, exist_ok=True)
     model = make.make_model(tmp_path_factory.mktemp("model") / SHAPE, **make.SHAPES[SHAPE])

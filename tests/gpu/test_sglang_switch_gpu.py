@@ -25,11 +25,9 @@ file); skipped otherwise. Results and every server's log:
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -39,10 +37,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
+from server_scripts import NEEDS_SERVER, load
 
-ROOT = Path(__file__).resolve().parents[2]
-SERVER = ROOT / "scripts" / "server"
 SHAPE = os.environ.get("SGLANG_BCG_SERVER_SHAPE", "tiny")
 CHUNK = {"tiny": 4096, "llama3-8b": 16384}
 KEY = "bcg-gpu-switch-key"
@@ -58,21 +54,8 @@ START_S, REQUEST_S, SWITCH_S, CONTROL_S, SETTLE_S = 600.0, 300.0, 900.0, 20.0, 5
 MIB = 1 << 20
 TOLERANCE = 2 * MIB
 
-pytestmark = [
-    pytest.mark.cuda,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run on the H200 machine)"),
-    pytest.mark.skipif(importlib.util.find_spec("sglang") is None or not os.environ.get("PLUGIN_SITE"),
-                       reason="needs a server bundle set up (scripts/server/gpu-server-check.sh)"),
-]
+pytestmark = NEEDS_SERVER
 
-
-def _load(name: str) -> Any:
-    spec = importlib.util.spec_from_file_location(f"_server_{name}", SERVER / f"{name}.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 def admin(base: str, method: str = "GET", mode: str | None = None, timeout: float = REQUEST_S) -> tuple[int, Any]:
@@ -155,7 +138,7 @@ class Server:
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    check, make = _load("server_check"), _load("make_model")
+    check, make = load("server_check"), load("make_model")
     out = Path(os.environ.get("SGLANG_BCG_GPU_RESULTS_DIR", tmp_path_factory.mktemp("switch")))
     out.mkdir(parents=True, exist_ok=True)
     model = make.make_model(tmp_path_factory.mktemp("model") / SHAPE, **make.SHAPES[SHAPE])
@@ -266,3 +249,21 @@ def test_graph_memory_after_each_switch_equals_a_fresh_servers(results: dict[str
     bad = [r for r in rows if r[3] is None or r[4] is None or abs(r[3] - r[4]) > TOLERANCE]
     assert rows and not bad, "after switch vs fresh (mode, figure, rank, after, fresh): " + "; ".join(
         f"{m} {w} rank {k}: {g} vs {f}" for m, w, k, g, f in bad)
+
+
+def outside_allocator(rank: dict[str, Any]) -> int:
+    """Device memory the process holds outside PyTorch's allocator: the CUDA driver's (the graphs
+    instantiated, the context), read as total - free - reserved (the server is alone on the GPU)."""
+    return int(rank["total_bytes"]) - int(rank["free_bytes"]) - int(rank["reserved_bytes"])
+
+
+def test_the_old_graphs_driver_memory_is_freed(results: dict[str, Any]) -> None:
+    """What the driver holds for graphs after each switch equals a fresh server's in that mode
+    (old graphs not destroyed would show here, beside an exact pool)."""
+    bad = []
+    for s in results["switches"]:
+        fresh = [outside_allocator(r) for r in results["fresh"][s["mode"]]["get"]["ranks"]]
+        after = [outside_allocator(r) for r in s["after"]["ranks"]]
+        assert len(after) == len(fresh), s
+        bad += [(s["mode"], k, a, f) for k, (a, f) in enumerate(zip(after, fresh)) if abs(a - f) > TOLERANCE]
+    assert not bad, "outside the allocator after switch vs fresh (mode, rank, after, fresh): " + "; ".join(map(str, bad))
