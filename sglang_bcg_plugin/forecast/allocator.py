@@ -13,7 +13,8 @@ The rules (PyTorch's ``CUDACachingAllocator``, ``expandable_segments`` off, no
 * a chosen block is split when what remains is at least 512 bytes (small) or more than 1 MiB
   (large): the allocation takes the low addresses, the rest stays free;
 * with no block free, a new segment is created: 2 MiB for small requests, 20 MiB for requests
-  under 10 MiB, else the request rounded up to 2 MiB;
+  under 10 MiB, else the request rounded up to 2 MiB; cudaMalloc hands it out below the segments
+  before it, so of equal free blocks the newest segment's is taken;
 * a freed block merges with free neighbours of its segment; segments are never returned
   (``empty_cache`` is outside the schedule).
 
@@ -99,7 +100,8 @@ class PoolModel:
     _grown: dict[tuple[bool, int], tuple[int, _Block]] = field(default_factory=dict)  # segment index, its first block
     _free: list[tuple[bool, int, int, int]] = field(default_factory=list)  # (small, stream, size, addr), sorted
     _by_addr: dict[int, _Block] = field(default_factory=dict)
-    _next_addr: int = 0
+    _next_addr: int = 0  # expandable: the next virtual range
+    _next_segment: int = 1 << 62  # the last segment's address
     allocated_bytes: int = 0
     peak_allocated_bytes: int = 0
 
@@ -214,8 +216,10 @@ class PoolModel:
         return block
 
     def _new_segment(self, small: bool, stream: int, size: int) -> _Block:
-        addr = self._next_addr
-        self._next_addr += size + ROUND_LARGE  # segments are never adjacent: no merging across them
+        # below every segment before it, as cudaMalloc hands them out: equal free blocks go to the
+        # newest segment first; never adjacent, so nothing merges across segments
+        self._next_segment -= size + ROUND_LARGE
+        addr = self._next_segment
         self.segments.append(size)
         block = _Block(addr, size, small, stream, False)
         self._by_addr[addr] = block
