@@ -41,7 +41,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _positive(value: str) -> int:
-    from .bench.text import shown
+    from .bench.usage import shown
 
     try:
         n = int(value)
@@ -60,8 +60,7 @@ def _debug_flags(p: argparse.ArgumentParser, default: object) -> None:
 
 def _variants_epilog() -> str:
     """``bench --help``'s last paragraph: one line per variant, then the reference row."""
-    from .bench.reference import GRAPH_TREES, REFERENCE_VARIANT
-    from .bench.runner import VARIANT_MEANINGS
+    from .bench.runner import GRAPH_TREES, REFERENCE_VARIANT, VARIANT_MEANINGS
 
     width = max(map(len, VARIANT_MEANINGS))
     lines = [f"  {name.ljust(width)}  {meaning}" for name, meaning in VARIANT_MEANINGS.items()]
@@ -100,7 +99,7 @@ def _bench_parser(sub: argparse._SubParsersAction[Any]) -> None:
 def _bench(args: argparse.Namespace) -> int:
     from .bench.config import build_config
     from .bench.outdir import hold
-    from .bench.reference import GRAPH_TREES
+    from .bench.runner import GRAPH_TREES
     from .registry import available_backends
 
     cfg = build_config(args, [*available_backends(), GRAPH_TREES])  # every check, before any work
@@ -111,8 +110,7 @@ def _bench(args: argparse.Namespace) -> int:
 def _run_bench(cfg: BenchConfig) -> int:
     from .bench.outdir import write_pair
     from .bench.output import PLOT_SKIPPED, format_table, write_json, write_plot
-    from .bench.reference import GRAPH_TREES, graph_trees_row, variants_for
-    from .bench.runner import run_variant, warm_up
+    from .bench.runner import GRAPH_TREES, graph_trees_row, run_variant, variants_for, warm_up
 
     if ":" in cfg.device:  # pragma: no cover - CUDA only: streams and pools on the chosen GPU
         torch.cuda.set_device(torch.device(cfg.device))

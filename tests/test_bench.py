@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from sglang_bcg_plugin.bench.model import DecoderConfig, SyntheticDecoder, attention_break, attention_op
-from sglang_bcg_plugin.bench.rows import BenchRow
+from sglang_bcg_plugin.bench.runner import BenchRow
 from sglang_bcg_plugin.bench.sizes import prefill_capture_sizes
 from sglang_bcg_plugin.cli import main
 
@@ -138,7 +138,7 @@ def test_bench_without_tqdm_and_matplotlib(
 def test_line_progress_hidden() -> None:
     import io
 
-    from sglang_bcg_plugin.bench.progress import LineProgress
+    from sglang_bcg_plugin.bench.runner import LineProgress
 
     stream = io.StringIO()
     bar = LineProgress(3, "x", stream, enabled=False)

@@ -11,10 +11,9 @@ from typing import Any
 import torch
 
 from .runner import VARIANTS
-from .usage import UsageError
-from .workload import ModelShape
 from .sizes import MIN_CAPTURE_SIZE, SizeStats, capture_size_stats
-from .text import plural
+from .usage import UsageError, plural
+from .workload import ModelShape
 
 #: Share of the available memory a run may plan to use.
 FRACTION = 0.9

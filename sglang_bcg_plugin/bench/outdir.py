@@ -12,9 +12,8 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from .usage import UsageError
 from .budget import human_bytes
-from .text import shown
+from .usage import UsageError, shown
 
 BENCH_JSON, BENCH_PNG, LOCK = "bench.json", "bench.png", ".bench.lock"
 #: Free bytes ``--out`` must have (bench.json of the CUDA defaults is about 0.3 MiB).

@@ -12,8 +12,7 @@ from typing import Any
 import torch
 
 from .._version import __version__
-from .reference import GRAPH_TREES
-from .rows import BenchRow
+from .runner import GRAPH_TREES, VARIANTS, BenchRow
 
 MIB = 1024 * 1024
 
@@ -128,32 +127,8 @@ def write_json(
 
 #: The metrics of every bar of ``bench.png``, one panel each, in panel order.
 PLOT_METRICS = ("memory_mib", "replay_ms")
-#: Legend label of each variant's bars.
-VARIANT_LABELS = {
-    "off": "sharing off",
-    "on": "sharing on",
-    "floor": "outputs released (floor)",
-    "guard": "sharing on + stale-output guard",
-    "inductor": "sharing on, Inductor-compiled",
-    "inductor-released": "outputs released, Inductor-compiled",
-    "released": "outputs released (zero-copy)",
-    "adopt": "sharing on, buffer adopted",
-    "reserve": "sharing on, buffer reserved",
-    "packed": "sharing on, pool as one block",
-    "packed-released": "outputs released, pool as one block",
-    "inductor-packed": "sharing on, Inductor, pool as one block",
-    "inductor-packed-released": "outputs released, Inductor, pool as one block",
-    "expandable-released": "outputs released, pool as one expandable segment",
-    "inductor-expandable": "sharing on, Inductor, pool as one expandable segment",
-    "inductor-expandable-released": "outputs released, Inductor, pool as one expandable segment",
-}
-VARIANT_COLORS = {
-    "off": "#c0504d", "on": "#4f81bd", "floor": "#9bbb59", "guard": "#8064a2", "inductor": "#f79646",
-    "inductor-released": "#e46c0a",
-    "reference": "#4bacc6", "released": "#77933c", "adopt": "#95b3d7", "reserve": "#1f497d",
-    "packed": "#2c4d75", "packed-released": "#4f6228", "inductor-packed": "#984807", "inductor-packed-released": "#632523",
-    "expandable-released": "#b3a2c7", "inductor-expandable": "#fac090", "inductor-expandable-released": "#7f6084",
-}
+#: The reference row's color (each variant's: ``VARIANTS``).
+REFERENCE_COLOR = "#4bacc6"
 #: Graph Trees' legend label: torch's own CUDA graphs (on CPU the same compile, without graphs).
 GRAPH_TREES_LABEL = "torch's CUDA Graph Trees (torch.compile reduce-overhead)"
 FORECAST_LABEL = "forecast before capture (CaptureBackend.forecast)"
@@ -190,10 +165,12 @@ class PlotGroup:
 def _bar(row: BenchRow, *, graph_memory: bool, reference: bool) -> PlotBar:
     if graph_memory:
         held = row.graph_memory_bytes
-        label = GRAPH_TREES_LABEL if reference else VARIANT_LABELS.get(row.variant, row.variant)
     else:  # resident output: ours hold outputs, Graph Trees hold none past the next step
         held = None if reference else row.resident_output_bytes
-        label = GRAPH_TREES_CPU_LABEL if reference else VARIANT_LABELS.get(row.variant, row.variant)
+    variant = VARIANTS.get(row.variant)
+    label = variant.label if variant else row.variant
+    if reference:
+        label = GRAPH_TREES_LABEL if graph_memory else GRAPH_TREES_CPU_LABEL
     lo, hi = min(row.replay_ms_min, row.replay_ms), max(row.replay_ms_max, row.replay_ms)
     values = {"memory_mib": None if held is None else held / MIB, "replay_ms": row.replay_ms}
     forecast = row.forecast_bytes / MIB if graph_memory and row.forecast_bytes is not None else None
@@ -224,7 +201,9 @@ def _draw(axes: dict[str, Any], groups: list[PlotGroup]) -> bool:
     for j, group in enumerate(groups):
         for i, bar in enumerate(group.bars):
             x = j + (i - (len(group.bars) - 1) / 2) * width
-            style = {"color": VARIANT_COLORS.get(bar.variant), "hatch": "//" if group.reference else None,
+            variant = VARIANTS.get(bar.variant)
+            color = REFERENCE_COLOR if group.reference else variant.color if variant else None
+            style = {"color": color, "hatch": "//" if group.reference else None,
                      "edgecolor": "white" if group.reference else None,
                      "label": bar.label if bar.label not in seen else "_nolegend_"}
             seen.add(bar.label)
