@@ -1,11 +1,7 @@
 """``sglang-bcg``: ``bench`` (the main job), ``backends``, ``doctor``, ``switch``.
 
-Exit codes: 0 success; 1 ``backends`` found a plugin that failed to load, or the benchmark ran
-out of memory; 2 a bad argument (one ``error:`` line on stderr, before any benchmark work), or
-``--out`` could not take the results (its previous pair is kept); 130 interrupted (Ctrl-C, one
-``error: interrupted`` line); ``doctor`` has its own (docs/sglang.md); ``switch`` exits 1 when the
-server cannot be reached, refuses or fails (one ``error:`` line). ``--debug`` (or ``-v``)
-shows tracebacks.
+Exit codes (docs/getting-started.md): 0 success; 1 a broken plugin, out of memory, or ``switch``
+failed; 2 a bad argument or an ``--out`` that could not take the results; 130 interrupted.
 """
 
 from __future__ import annotations
@@ -133,11 +129,10 @@ def _run_bench(cfg: BenchConfig) -> int:
     print(format_table(rows, timings_meaningful=cfg.gpu))
     print(f"({time.perf_counter() - start:.1f} s)", file=sys.stderr)
     if cfg.out is not None:
-        meaningful = cfg.gpu
         wrote = write_pair(
             cfg.out,
-            lambda p: write_json(p, cfg.device_name, config, rows, timings_meaningful=meaningful),
-            lambda p: write_plot(p, cfg.device_name, config, rows, timings_meaningful=meaningful),
+            lambda p: write_json(p, cfg.device_name, config, rows, timings_meaningful=cfg.gpu),
+            lambda p: write_plot(p, cfg.device_name, config, rows, timings_meaningful=cfg.gpu),
         )
         if len(wrote) == 1:
             print(PLOT_SKIPPED, file=sys.stderr)
@@ -185,14 +180,8 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _one_line(exc: BaseException) -> str:
-    return " ".join(str(exc).split())
-
-
 def _is_out_of_memory(exc: BaseException) -> bool:
-    if isinstance(exc, torch.cuda.OutOfMemoryError):
-        return True
-    return isinstance(exc, RuntimeError) and "can't allocate memory" in str(exc)
+    return isinstance(exc, torch.cuda.OutOfMemoryError) or "can't allocate memory" in str(exc)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -214,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
     except (UsageError, BackendRegistrationError) as exc:
         if debug:
             raise
-        print(f"error: {_one_line(exc)}", file=sys.stderr)
+        print(f"error: {' '.join(str(exc).split())}", file=sys.stderr)
         return 2
     except (torch.cuda.OutOfMemoryError, RuntimeError) as exc:
         if debug or not _is_out_of_memory(exc):
