@@ -195,8 +195,7 @@ def _or(names: list[str]) -> str:
 
 
 def _variant_rows(backends: list[str], variants: list[str], available: list[str]) -> list[str]:
-    """Every variant must be run by a chosen backend (else a usage error); a backend that skips a
-    variant another one runs is one ``note:`` line."""
+    """``note:`` lines for backends that skip a variant. :raises UsageError: no backend runs one."""
     ours = [b for b in backends if b != GRAPH_TREES]
     if not ours:
         return []

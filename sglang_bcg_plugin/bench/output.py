@@ -45,8 +45,7 @@ def _mib(v: int | None) -> str:
 
 
 def ratios(rows: list[BenchRow], *, timings_meaningful: bool = True) -> dict[str, dict[str, float | None]]:
-    """Per backend: sharing-on / sharing-off ratios of graph memory, replay and capture time (the
-    timing ratios ``None`` unless ``timings_meaningful``)."""
+    """Per backend: sharing-on / sharing-off ratios (the timing ones ``None`` unless meaningful)."""
     out: dict[str, dict[str, float | None]] = {}
     by = {(r.backend, r.variant): r for r in rows}
     for backend in dict.fromkeys(r.backend for r in rows):
@@ -68,8 +67,7 @@ def ratios(rows: list[BenchRow], *, timings_meaningful: bool = True) -> dict[str
 
 
 def format_table(rows: list[BenchRow], *, timings_meaningful: bool = True) -> str:
-    """The rows as a text table, then the on/off ratios per backend (timing ratios ``n/m`` with a
-    footnote unless ``timings_meaningful``)."""
+    """The rows as a text table, then the on/off ratios per backend."""
     head = ["backend", "variant", "sizes", "max_tokens", "resident MiB", "logical MiB", "graph MiB", "forecast MiB", "error %", "bridges MiB", "capture s", "compile s", "replay ms", "max abs err", "fallbacks"]
     body = [
         [
@@ -110,8 +108,7 @@ def format_table(rows: list[BenchRow], *, timings_meaningful: bool = True) -> st
 def write_json(
     path: Path, device: str, config: dict[str, Any], rows: list[BenchRow], *, timings_meaningful: bool = True
 ) -> None:
-    """``bench.json``: versions, UTC timestamp, config, rows (with per-size rows), ratios (the
-    timing ratios ``null`` when not ``timings_meaningful``, as the table's ``n/m``)."""
+    """``bench.json``: versions, UTC timestamp, config, rows (with per-size rows), ratios."""
     doc = {
         "package_version": __version__,
         "torch_version": torch.__version__,
@@ -178,9 +175,8 @@ def _bar(row: BenchRow, *, graph_memory: bool, reference: bool) -> PlotBar:
 
 
 def plot_groups(rows: list[BenchRow], *, graph_memory: bool) -> list[PlotGroup]:
-    """``bench.png``'s bar groups: one per backend of ours, in row order, then Graph Trees' own.
-
-    :param graph_memory: the memory panel shows graph memory (CUDA), else resident output memory."""
+    """``bench.png``'s bar groups: one per backend of ours, in row order, then Graph Trees' own;
+    ``graph_memory``: the memory panel shows graph memory (CUDA), else resident output memory."""
     ours = [b for b in dict.fromkeys(r.backend for r in rows) if b != GRAPH_TREES]
     groups = [
         PlotGroup(b, b, False, [_bar(r, graph_memory=graph_memory, reference=False) for r in rows if r.backend == b])
@@ -193,8 +189,7 @@ def plot_groups(rows: list[BenchRow], *, graph_memory: bool) -> list[PlotGroup]:
 
 
 def _draw(axes: dict[str, Any], groups: list[PlotGroup]) -> bool:
-    """Draw every group's bars on ``axes`` (one per ``PLOT_METRICS`` key); ``True`` when a
-    metric was left out (its place is marked ``n/a``)."""
+    """Draw every group's bars on ``axes`` (one per ``PLOT_METRICS`` key); ``True``: one left out."""
     width = 0.8 / max((len(g.bars) for g in groups), default=1)
     seen: set[str] = set()
     left_out = False
@@ -227,8 +222,7 @@ def _draw(axes: dict[str, Any], groups: list[PlotGroup]) -> bool:
 def write_plot(
     path: Path, device: str, config: dict[str, Any], rows: list[BenchRow], *, timings_meaningful: bool = True
 ) -> bool:
-    """Write ``bench.png`` (memory and replay panels, one bar group per backend); ``False``
-    (nothing written) when matplotlib is not installed."""
+    """Write ``bench.png`` (memory and replay panels); ``False`` when matplotlib is not installed."""
     try:
         import matplotlib
     except ImportError:

@@ -21,7 +21,6 @@ from .driver import DRIVER_COEFFICIENTS, DriverShare, ProbeCount, counting_captu
 from .model import MODES, ModeForecast, reference_estimates, schedule_forecast
 from .trace import KeyTrace, ScaledTrace, output_allocs, pinned_slack, pool_trace
 
-
 if TYPE_CHECKING:
     from ..backends.base import CaptureBackend
 
