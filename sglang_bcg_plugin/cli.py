@@ -1,11 +1,7 @@
 """``sglang-bcg``: ``bench`` (the main job), ``backends``, ``doctor``, ``switch``.
 
-Exit codes: 0 success; 1 ``backends`` found a plugin that failed to load, or the benchmark ran
-out of memory; 2 a bad argument (one ``error:`` line on stderr, before any benchmark work), or
-``--out`` could not take the results (its previous pair is kept); 130 interrupted (Ctrl-C, one
-``error: interrupted`` line); ``doctor`` has its own (docs/sglang.md); ``switch`` exits 1 when the
-server cannot be reached, refuses or fails (one ``error:`` line). ``--debug`` (or ``-v``)
-shows tracebacks.
+Exit codes (docs/getting-started.md): 0 success; 1 a broken plugin, out of memory, or ``switch``
+failed; 2 a bad argument or an ``--out`` that could not take the results; 130 interrupted.
 """
 
 from __future__ import annotations
@@ -41,7 +37,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _positive(value: str) -> int:
-    from .bench.text import shown
+    from .bench.usage import shown
 
     try:
         n = int(value)
@@ -60,8 +56,7 @@ def _debug_flags(p: argparse.ArgumentParser, default: object) -> None:
 
 def _variants_epilog() -> str:
     """``bench --help``'s last paragraph: one line per variant, then the reference row."""
-    from .bench.reference import GRAPH_TREES, REFERENCE_VARIANT
-    from .bench.runner import VARIANT_MEANINGS
+    from .bench.runner import GRAPH_TREES, REFERENCE_VARIANT, VARIANT_MEANINGS
 
     width = max(map(len, VARIANT_MEANINGS))
     lines = [f"  {name.ljust(width)}  {meaning}" for name, meaning in VARIANT_MEANINGS.items()]
@@ -100,7 +95,7 @@ def _bench_parser(sub: argparse._SubParsersAction[Any]) -> None:
 def _bench(args: argparse.Namespace) -> int:
     from .bench.config import build_config
     from .bench.outdir import hold
-    from .bench.reference import GRAPH_TREES
+    from .bench.runner import GRAPH_TREES
     from .registry import available_backends
 
     cfg = build_config(args, [*available_backends(), GRAPH_TREES])  # every check, before any work
@@ -111,8 +106,7 @@ def _bench(args: argparse.Namespace) -> int:
 def _run_bench(cfg: BenchConfig) -> int:
     from .bench.outdir import write_pair
     from .bench.output import PLOT_SKIPPED, format_table, write_json, write_plot
-    from .bench.reference import GRAPH_TREES, graph_trees_row, variants_for
-    from .bench.runner import run_variant, warm_up
+    from .bench.runner import GRAPH_TREES, graph_trees_row, run_variant, variants_for, warm_up
 
     if ":" in cfg.device:  # pragma: no cover - CUDA only: streams and pools on the chosen GPU
         torch.cuda.set_device(torch.device(cfg.device))
@@ -135,11 +129,10 @@ def _run_bench(cfg: BenchConfig) -> int:
     print(format_table(rows, timings_meaningful=cfg.gpu))
     print(f"({time.perf_counter() - start:.1f} s)", file=sys.stderr)
     if cfg.out is not None:
-        meaningful = cfg.gpu
         wrote = write_pair(
             cfg.out,
-            lambda p: write_json(p, cfg.device_name, config, rows, timings_meaningful=meaningful),
-            lambda p: write_plot(p, cfg.device_name, config, rows, timings_meaningful=meaningful),
+            lambda p: write_json(p, cfg.device_name, config, rows, timings_meaningful=cfg.gpu),
+            lambda p: write_plot(p, cfg.device_name, config, rows, timings_meaningful=cfg.gpu),
         )
         if len(wrote) == 1:
             print(PLOT_SKIPPED, file=sys.stderr)
@@ -187,14 +180,8 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _one_line(exc: BaseException) -> str:
-    return " ".join(str(exc).split())
-
-
 def _is_out_of_memory(exc: BaseException) -> bool:
-    if isinstance(exc, torch.cuda.OutOfMemoryError):
-        return True
-    return isinstance(exc, RuntimeError) and "can't allocate memory" in str(exc)
+    return isinstance(exc, torch.cuda.OutOfMemoryError) or "can't allocate memory" in str(exc)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -216,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
     except (UsageError, BackendRegistrationError) as exc:
         if debug:
             raise
-        print(f"error: {_one_line(exc)}", file=sys.stderr)
+        print(f"error: {' '.join(str(exc).split())}", file=sys.stderr)
         return 2
     except (torch.cuda.OutOfMemoryError, RuntimeError) as exc:
         if debug or not _is_out_of_memory(exc):

@@ -1,9 +1,5 @@
-"""``sglang-bcg switch``: the client of a running server's ``/bcg/output_mode`` (docs/sglang.md).
-
-Standard library only (no SGLang, no torch work): one request, a progress line on stderr while
-it waits, one result line on stdout. Exit 0 done; 1 the server refused or failed (its one line,
-``error: ...`` on stderr); 2 a bad argument.
-"""
+"""``sglang-bcg switch``: the client of a running server's ``/bcg/output_mode`` (docs/sglang.md),
+standard library only: one request, a progress line on stderr, one result line on stdout."""
 
 from __future__ import annotations
 
@@ -42,10 +38,7 @@ def _error_of(status: int, data: bytes, url: str) -> str:
 
 
 def request(url: str, key: str | None, mode: str | None, timeout_s: float) -> dict[str, Any]:
-    """GET (``mode=None``) or POST ``{"mode": mode}``; the JSON answer.
-
-    :raises SwitchError: unreachable, a refusal or an error status (one line).
-    """
+    """GET (``mode=None``) or POST ``{"mode": mode}``; the JSON answer. :raises SwitchError: any failure."""
     full = url.rstrip("/") + ROUTE
     data = None if mode is None else json.dumps({"mode": mode}).encode()
     headers = {"Content-Type": "application/json"}

@@ -12,13 +12,9 @@ from .trees import flatten, storage_key
 
 @dataclass(frozen=True, slots=True)
 class KeyReport:
-    """Accounting for one captured shape key.
-
-    :param resident_output_bytes: output storage this key holds that no earlier key holds.
-    :param fallback: why the key keeps its own output although sharing was on, else ``None``.
-    :param capture_seconds: wall time of warmups plus capture.
-    :param graph_memory_bytes: growth of reserved device memory during the capture (``None`` on
-        the eager engine)."""
+    """Accounting for one captured shape key: ``resident_output_bytes`` no earlier key holds, the
+    ``fallback`` reason (else ``None``), warmups plus capture seconds, reserved device memory growth
+    (``None`` on the eager engine)."""
 
     key: Hashable
     logical_output_bytes: int
@@ -54,8 +50,7 @@ class MemoryReport:
 
     @property
     def lost_bytes(self) -> int | None:
-        """:attr:`measured_graph_bytes` plus what the forecast's probes left lost (docs/forecast.md);
-        ``None`` without both."""
+        """:attr:`measured_graph_bytes` plus what the forecast's probes left lost; ``None`` without both."""
         if self.forecast is None or self.measured_graph_bytes is None:
             return None
         return self.measured_graph_bytes + int(getattr(self.forecast, "lasting_bytes", 0) or 0)

@@ -67,18 +67,18 @@ def _flatten(obj: object, path: str, leaves: list[tuple[str, torch.Tensor]], dep
     depth += 1
     if isinstance(obj, (tuple, list)):  # named tuples too
         seq = list(obj)  # type: ignore[call-overload]
-        kids = tuple(_flatten(v, f"{path}[{i}]", leaves, depth) for i, v in enumerate(seq))
+        kids = tuple(_flatten(v, _child("seq", path, i), leaves, depth) for i, v in enumerate(seq))
         _refuse_attributes(obj, path, "one of its items", lambda name, value: False)
         return Node("seq", type(obj), tuple(range(len(seq))), kids)
     if isinstance(obj, dict):
         keys = tuple(obj)
-        kids = tuple(_flatten(obj[k], f"{path}[{k!r}]", leaves, depth) for k in keys)
+        kids = tuple(_flatten(obj[k], _child("map", path, k), leaves, depth) for k in keys)
         # a ModelOutput keeps its fields as attributes too: the very values of its keys
         _refuse_attributes(obj, path, "one of its keys", lambda name, value: name in obj and obj[name] is value)
         return Node("map", type(obj), keys, kids, template=obj)
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         names = tuple(f.name for f in dataclasses.fields(obj))
-        kids = tuple(_flatten(getattr(obj, n), f"{path}.{n}", leaves, depth) for n in names)
+        kids = tuple(_flatten(getattr(obj, n), _child("attrs", path, n), leaves, depth) for n in names)
         fields = frozenset(names)
         _refuse_attributes(obj, path, "one of its fields", lambda name, value: name in fields)
         return Node("attrs", type(obj), names, kids, template=obj)
@@ -97,6 +97,11 @@ def _flatten(obj: object, path: str, leaves: list[tuple[str, torch.Tensor]], dep
         )
         raise TypeError(msg)
     return Node("value", type(obj), value=obj)
+
+
+def _child(kind: str, path: str, key: Any) -> str:
+    """The path of a node's child: ``output[0]``, ``output['x']``, ``output.x``."""
+    return f"{path}[{key}]" if kind == "seq" else f"{path}[{key!r}]" if kind == "map" else f"{path}.{key}"
 
 
 def _refuse_attributes(obj: object, path: str, walked: str, known: Callable[[str, object], bool]) -> None:
@@ -188,13 +193,7 @@ def diff(a: Node, b: Node, path: str = "output") -> tuple[str, str] | None:
             return path, f"dict keys changed: expected {list(a.keys)}, got {list(b.keys)}"
         return path, f"fields changed: expected {list(a.keys)}, got {list(b.keys)}"  # pragma: no cover - same type implies same fields
     for key, ka, kb in zip(a.keys, a.children, b.children, strict=True):
-        if a.kind == "seq":
-            sub = f"{path}[{key}]"
-        elif a.kind == "map":
-            sub = f"{path}[{key!r}]"
-        else:
-            sub = f"{path}.{key}"
-        found = diff(ka, kb, sub)
+        found = diff(ka, kb, _child(a.kind, path, key))
         if found is not None:
             return found
     return None

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from sglang_bcg_plugin.bench.model import DecoderConfig, SyntheticDecoder, attention_break, attention_op
-from sglang_bcg_plugin.bench.rows import BenchRow
+from sglang_bcg_plugin.bench.runner import BenchRow
 from sglang_bcg_plugin.bench.sizes import prefill_capture_sizes
 from sglang_bcg_plugin.cli import main
 
@@ -138,7 +138,7 @@ def test_bench_without_tqdm_and_matplotlib(
 def test_line_progress_hidden() -> None:
     import io
 
-    from sglang_bcg_plugin.bench.progress import LineProgress
+    from sglang_bcg_plugin.bench.runner import LineProgress
 
     stream = io.StringIO()
     bar = LineProgress(3, "x", stream, enabled=False)
@@ -288,7 +288,7 @@ def test_split_attention_fake_has_the_value_head_size() -> None:
     pytest.importorskip("transformers")
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from sglang_bcg_plugin.bench.llama import split_attention_op
+    from sglang_bcg_plugin.bench.workload import split_attention_op
 
     q, k, v = torch.randn(1, 4, 6, 2), torch.randn(1, 2, 6, 2), torch.randn(1, 2, 6, 3)
     real = split_attention_op(q, k, v, 0.5)
@@ -299,12 +299,15 @@ def test_split_attention_fake_has_the_value_head_size() -> None:
 
 def test_llama_config_rejection_is_a_usage_error() -> None:
     pytest.importorskip("transformers")
-    from sglang_bcg_plugin.bench.llama import llama_config
     from sglang_bcg_plugin.bench.usage import UsageError
+    from sglang_bcg_plugin.bench.workload import ModelShape, llama_config
 
-    assert llama_config(hidden=32, layers=1, heads=2, kv_heads=1, head_dim=16, intermediate=32, max_tokens=8, vocab=64).head_dim == 16
+    def shape(hidden: int, heads: int, head_dim: int) -> ModelShape:
+        return ModelShape(hidden, 1, heads, 1, head_dim, 32, torch.float32, "cpu")
+
+    assert llama_config(shape(32, 2, 16), 8, 64).head_dim == 16
     with pytest.raises(UsageError, match=r"transformers' LlamaConfig rejects --hidden 63 --heads 4 .*\(The hidden size \(63\) is not a multiple"):
-        llama_config(hidden=63, layers=1, heads=4, kv_heads=1, head_dim=8, intermediate=32, max_tokens=8, vocab=64)
+        llama_config(shape(63, 4, 8), 8, 64)
 
 
 def test_json_ratios_follow_the_table() -> None:

@@ -324,8 +324,7 @@ def test_a_variant_one_chosen_backend_skips_is_noted() -> None:
 
 def test_help_and_getting_started_list_every_bench_option() -> None:
     """Every bench flag, variant and backend is in ``--help`` and in docs/getting-started.md."""
-    from sglang_bcg_plugin.bench.reference import GRAPH_TREES
-    from sglang_bcg_plugin.bench.runner import VARIANTS
+    from sglang_bcg_plugin.bench.runner import GRAPH_TREES, VARIANTS
     from sglang_bcg_plugin.cli import _parser
     from sglang_bcg_plugin.registry import available_backends
 

@@ -736,7 +736,7 @@ def test_the_forecast_names_an_allocator_it_does_not_model(monkeypatch: pytest.M
 
 # -- the bench -----------------------------------------------------------------------------------
 def _row(**kw: Any) -> Any:
-    from sglang_bcg_plugin.bench.rows import BenchRow
+    from sglang_bcg_plugin.bench.runner import BenchRow
 
     base = {"backend": "full", "variant": "on", "share_output": True, "num_sizes": 3, "max_tokens": 16,
             "resident_output_bytes": 90 << 20, "logical_output_bytes": 200 << 20, "graph_memory_bytes": 500 << 20,

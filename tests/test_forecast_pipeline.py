@@ -108,7 +108,7 @@ def end_graph(nodes: int | None) -> None:
 
 
 class RecordedBackend:
-    """A backend whose captures replay the H200's recorded events (``ProbeTarget``)."""
+    """A backend whose captures replay the H200's recorded events (what the probes use of ``CaptureBackend``)."""
 
     name = "full"
     engine_name = "cuda"

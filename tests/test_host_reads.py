@@ -200,7 +200,7 @@ def break_read_case(mode: str, device: str, engine: str) -> None:
 
 def _llama(attention: str, device: str) -> Any:
     transformers = pytest.importorskip("transformers")
-    from sglang_bcg_plugin.bench.llama import register_attention
+    from sglang_bcg_plugin.bench.workload import register_attention
 
     register_attention()
     config = transformers.LlamaConfig(

@@ -21,8 +21,7 @@ from sglang_bcg_plugin.backends.piecewise import PiecewiseBackend
 from sglang_bcg_plugin.backends.piecewise.compile import _canonical
 from sglang_bcg_plugin.backends.piecewise.inductor import CompiledPiece, InductorPieces, dense_fresh
 from sglang_bcg_plugin.bench.output import plot_groups
-from sglang_bcg_plugin.bench.reference import variants_for
-from sglang_bcg_plugin.bench.rows import BenchRow
+from sglang_bcg_plugin.bench.runner import BenchRow, variants_for
 from sglang_bcg_plugin.cli import main
 from sglang_bcg_plugin.trees import flatten
 

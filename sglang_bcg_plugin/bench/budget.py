@@ -1,6 +1,5 @@
-"""Does a bench run fit in memory? A lower-bound estimate of its peak, from the count, sum and
-largest of the capture sizes, checked before any work against 90 % of the free device memory
-(CPU: physical RAM) (docs/getting-started.md)."""
+"""Does a bench run fit in memory? A lower bound of its peak against 90 % of the free device
+memory (CPU: physical RAM), before any work (docs/getting-started.md)."""
 
 from __future__ import annotations
 
@@ -11,10 +10,9 @@ from typing import Any
 import torch
 
 from .runner import VARIANTS
-from .usage import UsageError
-from .workload import ModelShape
 from .sizes import MIN_CAPTURE_SIZE, SizeStats, capture_size_stats
-from .text import plural
+from .usage import UsageError, plural
+from .workload import ModelShape
 
 #: Share of the available memory a run may plan to use.
 FRACTION = 0.9
@@ -45,8 +43,7 @@ TAPE_KEPT: dict[str, dict[str, Callable[[int, int, int, int], float]]] = {
 def tape_kept_bytes(
     model: ModelShape, sizes: SizeStats, backends: Sequence[str], workload: str = "synthetic"
 ) -> int:
-    """Bytes the eager segments of the heaviest of ``backends`` keep over every size (0 on CUDA and
-    for backends without a tape)."""
+    """Bytes the eager segments of the heaviest of ``backends`` keep over every size (CPU)."""
     if model.device.startswith("cuda"):
         return 0
     b = torch.empty((), dtype=model.dtype).element_size()
@@ -60,8 +57,7 @@ def estimate_bytes(
     model: ModelShape, sizes: SizeStats | list[int], variants: list[str], *,
     backends: Sequence[str] = (), workload: str = "synthetic",
 ) -> int:
-    """Peak bytes of the heaviest of ``backends`` x ``variants`` capturing ``sizes`` (the sizes, or
-    their :class:`~.sizes.SizeStats`); ``workload``: ``synthetic`` or ``llama``."""
+    """Peak bytes of the heaviest of ``backends`` x ``variants`` capturing ``sizes`` (or their stats)."""
     if not isinstance(sizes, SizeStats):
         sizes = SizeStats(len(sizes), sum(sizes), max(sizes))
     b = torch.empty((), dtype=model.dtype).element_size()
@@ -114,8 +110,7 @@ def check_fits(
     model: ModelShape, max_tokens: int, variants: list[str], *,
     backends: Sequence[str] = (), workload: str = "synthetic",
 ) -> None:
-    """:raises UsageError: the estimate for ``max_tokens`` exceeds the available memory (the
-        message says what would fit)."""
+    """:raises UsageError: the estimate for ``max_tokens`` exceeds the available memory."""
     run: dict[str, Any] = {"backends": backends, "workload": workload}
     found = available_bytes(model.device)
     if found is None:

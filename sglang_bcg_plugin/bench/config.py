@@ -14,15 +14,13 @@ from typing import Any
 import torch
 
 from .._constants import ENV_SHARE_OUTPUT
-from .usage import UsageError
 from ..output_mode import parse_mode_text
 from .budget import check_fits
 from .outdir import check_out_dir
-from .workload import WORKLOADS, ModelShape, Workload
-from .reference import GRAPH_TREES, runs
-from .runner import VARIANTS
+from .runner import GRAPH_TREES, VARIANTS, runs
 from .sizes import MIN_CAPTURE_SIZE, capture_size_stats, prefill_capture_sizes
-from .text import shown
+from .usage import UsageError, shown
+from .workload import WORKLOADS, ModelShape, Workload
 
 DTYPES = {
     "float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
@@ -197,8 +195,7 @@ def _or(names: list[str]) -> str:
 
 
 def _variant_rows(backends: list[str], variants: list[str], available: list[str]) -> list[str]:
-    """Every variant must be run by a chosen backend (else a usage error); a backend that skips a
-    variant another one runs is one ``note:`` line."""
+    """``note:`` lines for backends that skip a variant. :raises UsageError: no backend runs one."""
     ours = [b for b in backends if b != GRAPH_TREES]
     if not ours:
         return []

@@ -1,5 +1,5 @@
 """``--out``: checked before any work, held by one run at a time (a pid lock file), written as one
-``bench.json``/``bench.png`` pair (docs/getting-started.md, "Run the benchmark")."""
+``bench.json``/``bench.png`` pair (docs/getting-started.md)."""
 
 from __future__ import annotations
 
@@ -12,9 +12,8 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from .usage import UsageError
 from .budget import human_bytes
-from .text import shown
+from .usage import UsageError, shown
 
 BENCH_JSON, BENCH_PNG, LOCK = "bench.json", "bench.png", ".bench.lock"
 #: Free bytes ``--out`` must have (bench.json of the CUDA defaults is about 0.3 MiB).
@@ -30,8 +29,7 @@ class OutputWriteError(UsageError):
 def check_out_dir(raw: str) -> Path:
     """Create ``--out`` (parents too) and prove it can take the pair, before the bench.
 
-    :raises UsageError: empty, an existing file, not writable, under 1 MiB free, or a target that
-        is not a regular file."""
+    :raises UsageError: it cannot (the message says why)."""
     if not raw:
         msg = "--out is empty; give a directory for bench.json and bench.png (--out . for the current one)"
         raise UsageError(msg)
@@ -144,9 +142,7 @@ def _take_over(out: Path, lock: Path, stale: int | None) -> None:
 
 @contextlib.contextmanager
 def hold(out: Path | None) -> Iterator[None]:
-    """Hold ``out`` for this run (nothing when ``None``).
-
-    :raises UsageError: another live run holds it."""
+    """Hold ``out`` for this run (nothing when ``None``). :raises UsageError: another live run holds it."""
     if out is None:
         yield
         return
@@ -210,9 +206,8 @@ def _commit(out: Path, json_tmp: Path, png_tmp: Path | None) -> None:
 
 
 def write_pair(out: Path, write_json: Callable[[Path], None], write_png: Callable[[Path], bool]) -> list[Path]:
-    """Write ``bench.png`` (when ``write_png`` makes one) and ``bench.json`` into ``out`` as one pair:
-    temporary files renamed into place, the json last, Ctrl-C held back meanwhile. Returns the
-    files written, the json first.
+    """Write ``bench.png`` (when ``write_png`` makes one) and ``bench.json`` into ``out`` as one pair
+    (renamed into place, the json last, Ctrl-C held back); the files written, the json first.
 
     :raises OutputWriteError: a write or rename failed; ``out`` keeps its old pair."""
     json_tmp, png_tmp = _temp(out, "json"), _temp(out, "png")

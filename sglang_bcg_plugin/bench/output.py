@@ -12,8 +12,7 @@ from typing import Any
 import torch
 
 from .._version import __version__
-from .reference import GRAPH_TREES
-from .rows import BenchRow
+from .runner import GRAPH_TREES, VARIANTS, BenchRow
 
 MIB = 1024 * 1024
 
@@ -46,8 +45,7 @@ def _mib(v: int | None) -> str:
 
 
 def ratios(rows: list[BenchRow], *, timings_meaningful: bool = True) -> dict[str, dict[str, float | None]]:
-    """Per backend: sharing-on / sharing-off ratios of graph memory, replay and capture time (the
-    timing ratios ``None`` unless ``timings_meaningful``)."""
+    """Per backend: sharing-on / sharing-off ratios (the timing ones ``None`` unless meaningful)."""
     out: dict[str, dict[str, float | None]] = {}
     by = {(r.backend, r.variant): r for r in rows}
     for backend in dict.fromkeys(r.backend for r in rows):
@@ -69,8 +67,7 @@ def ratios(rows: list[BenchRow], *, timings_meaningful: bool = True) -> dict[str
 
 
 def format_table(rows: list[BenchRow], *, timings_meaningful: bool = True) -> str:
-    """The rows as a text table, then the on/off ratios per backend (timing ratios ``n/m`` with a
-    footnote unless ``timings_meaningful``)."""
+    """The rows as a text table, then the on/off ratios per backend."""
     head = ["backend", "variant", "sizes", "max_tokens", "resident MiB", "logical MiB", "graph MiB", "forecast MiB", "error %", "bridges MiB", "capture s", "compile s", "replay ms", "max abs err", "fallbacks"]
     body = [
         [
@@ -111,8 +108,7 @@ def format_table(rows: list[BenchRow], *, timings_meaningful: bool = True) -> st
 def write_json(
     path: Path, device: str, config: dict[str, Any], rows: list[BenchRow], *, timings_meaningful: bool = True
 ) -> None:
-    """``bench.json``: versions, UTC timestamp, config, rows (with per-size rows), ratios (the
-    timing ratios ``null`` when not ``timings_meaningful``, as the table's ``n/m``)."""
+    """``bench.json``: versions, UTC timestamp, config, rows (with per-size rows), ratios."""
     doc = {
         "package_version": __version__,
         "torch_version": torch.__version__,
@@ -128,32 +124,8 @@ def write_json(
 
 #: The metrics of every bar of ``bench.png``, one panel each, in panel order.
 PLOT_METRICS = ("memory_mib", "replay_ms")
-#: Legend label of each variant's bars.
-VARIANT_LABELS = {
-    "off": "sharing off",
-    "on": "sharing on",
-    "floor": "outputs released (floor)",
-    "guard": "sharing on + stale-output guard",
-    "inductor": "sharing on, Inductor-compiled",
-    "inductor-released": "outputs released, Inductor-compiled",
-    "released": "outputs released (zero-copy)",
-    "adopt": "sharing on, buffer adopted",
-    "reserve": "sharing on, buffer reserved",
-    "packed": "sharing on, pool as one block",
-    "packed-released": "outputs released, pool as one block",
-    "inductor-packed": "sharing on, Inductor, pool as one block",
-    "inductor-packed-released": "outputs released, Inductor, pool as one block",
-    "expandable-released": "outputs released, pool as one expandable segment",
-    "inductor-expandable": "sharing on, Inductor, pool as one expandable segment",
-    "inductor-expandable-released": "outputs released, Inductor, pool as one expandable segment",
-}
-VARIANT_COLORS = {
-    "off": "#c0504d", "on": "#4f81bd", "floor": "#9bbb59", "guard": "#8064a2", "inductor": "#f79646",
-    "inductor-released": "#e46c0a",
-    "reference": "#4bacc6", "released": "#77933c", "adopt": "#95b3d7", "reserve": "#1f497d",
-    "packed": "#2c4d75", "packed-released": "#4f6228", "inductor-packed": "#984807", "inductor-packed-released": "#632523",
-    "expandable-released": "#b3a2c7", "inductor-expandable": "#fac090", "inductor-expandable-released": "#7f6084",
-}
+#: The reference row's color (each variant's: ``VARIANTS``).
+REFERENCE_COLOR = "#4bacc6"
 #: Graph Trees' legend label: torch's own CUDA graphs (on CPU the same compile, without graphs).
 GRAPH_TREES_LABEL = "torch's CUDA Graph Trees (torch.compile reduce-overhead)"
 FORECAST_LABEL = "forecast before capture (CaptureBackend.forecast)"
@@ -190,10 +162,12 @@ class PlotGroup:
 def _bar(row: BenchRow, *, graph_memory: bool, reference: bool) -> PlotBar:
     if graph_memory:
         held = row.graph_memory_bytes
-        label = GRAPH_TREES_LABEL if reference else VARIANT_LABELS.get(row.variant, row.variant)
     else:  # resident output: ours hold outputs, Graph Trees hold none past the next step
         held = None if reference else row.resident_output_bytes
-        label = GRAPH_TREES_CPU_LABEL if reference else VARIANT_LABELS.get(row.variant, row.variant)
+    variant = VARIANTS.get(row.variant)
+    label = variant.label if variant else row.variant
+    if reference:
+        label = GRAPH_TREES_LABEL if graph_memory else GRAPH_TREES_CPU_LABEL
     lo, hi = min(row.replay_ms_min, row.replay_ms), max(row.replay_ms_max, row.replay_ms)
     values = {"memory_mib": None if held is None else held / MIB, "replay_ms": row.replay_ms}
     forecast = row.forecast_bytes / MIB if graph_memory and row.forecast_bytes is not None else None
@@ -201,9 +175,8 @@ def _bar(row: BenchRow, *, graph_memory: bool, reference: bool) -> PlotBar:
 
 
 def plot_groups(rows: list[BenchRow], *, graph_memory: bool) -> list[PlotGroup]:
-    """``bench.png``'s bar groups: one per backend of ours, in row order, then Graph Trees' own.
-
-    :param graph_memory: the memory panel shows graph memory (CUDA), else resident output memory."""
+    """``bench.png``'s bar groups: one per backend of ours, in row order, then Graph Trees' own;
+    ``graph_memory``: the memory panel shows graph memory (CUDA), else resident output memory."""
     ours = [b for b in dict.fromkeys(r.backend for r in rows) if b != GRAPH_TREES]
     groups = [
         PlotGroup(b, b, False, [_bar(r, graph_memory=graph_memory, reference=False) for r in rows if r.backend == b])
@@ -216,15 +189,16 @@ def plot_groups(rows: list[BenchRow], *, graph_memory: bool) -> list[PlotGroup]:
 
 
 def _draw(axes: dict[str, Any], groups: list[PlotGroup]) -> bool:
-    """Draw every group's bars on ``axes`` (one per ``PLOT_METRICS`` key); ``True`` when a
-    metric was left out (its place is marked ``n/a``)."""
+    """Draw every group's bars on ``axes`` (one per ``PLOT_METRICS`` key); ``True``: one left out."""
     width = 0.8 / max((len(g.bars) for g in groups), default=1)
     seen: set[str] = set()
     left_out = False
     for j, group in enumerate(groups):
         for i, bar in enumerate(group.bars):
             x = j + (i - (len(group.bars) - 1) / 2) * width
-            style = {"color": VARIANT_COLORS.get(bar.variant), "hatch": "//" if group.reference else None,
+            variant = VARIANTS.get(bar.variant)
+            color = REFERENCE_COLOR if group.reference else variant.color if variant else None
+            style = {"color": color, "hatch": "//" if group.reference else None,
                      "edgecolor": "white" if group.reference else None,
                      "label": bar.label if bar.label not in seen else "_nolegend_"}
             seen.add(bar.label)
@@ -248,8 +222,7 @@ def _draw(axes: dict[str, Any], groups: list[PlotGroup]) -> bool:
 def write_plot(
     path: Path, device: str, config: dict[str, Any], rows: list[BenchRow], *, timings_meaningful: bool = True
 ) -> bool:
-    """Write ``bench.png`` (memory and replay panels, one bar group per backend); ``False``
-    (nothing written) when matplotlib is not installed."""
+    """Write ``bench.png`` (memory and replay panels); ``False`` when matplotlib is not installed."""
     try:
         import matplotlib
     except ImportError:

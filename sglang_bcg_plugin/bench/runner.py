@@ -1,13 +1,18 @@
-"""Measure each backend x variant on a workload (synthetic decoder or transformers' Llama)."""
+"""Measure each backend x variant on a workload, and the reference row: torch's CUDA Graph Trees
+(``torch.compile(mode="reduce-overhead", dynamic=True)``; on CPU the same compile without
+``mode``), measured alike (docs/getting-started.md)."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import statistics
+import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any, Literal
+from contextlib import AbstractContextManager
+from dataclasses import asdict, dataclass, field
+from typing import Any, Literal, TextIO
 
 import torch
 
@@ -16,23 +21,29 @@ from ..errors import ForecastError
 from ..options import BackendOptions
 from ..output_mode import mode_of_option
 from ..registry import create_backend
+from ..report import MemoryReport
 from ..shape_key import ShapeKey
 from ..trees import flatten
-from .clock import CompileClock
-from .progress import progress as progress_bar
-from .rows import BenchRow, per_size_rows
 from .sizes import prefill_capture_sizes
 from .workload import Workload
 
 log = logging.getLogger(__name__)
 
+GRAPH_TREES = "graph-trees"
+REFERENCE_VARIANT = "reference"
+#: Backends the "inductor" variants apply to (breakable has no compiled callable to capture).
+INDUCTOR_BACKENDS = ("piecewise", "full")
+
 
 @dataclass(frozen=True)
 class Variant:
-    """How one bench variant captures: sharing, kept outputs, guard, buffer source, Inductor first,
-    and the pool options."""
+    """How one bench variant captures (sharing, kept outputs, guard, buffer source, Inductor
+    first, the pool options), its ``--help`` line and its legend label in ``bench.png``."""
 
     share: bool | Literal["released"]
+    meaning: str
+    label: str
+    color: str
     keep: bool = True
     guard: bool = False
     shared_buffer: str = "auto"
@@ -41,45 +52,196 @@ class Variant:
     pool_segments: str = "fixed"
 
 
-#: What each variant means: :data:`VARIANT_MEANINGS`.
+_ON, _RELEASED, _BLOCK = "sharing on", "outputs released", "pool as one block"
+_EXPANDABLE = "pool as one expandable segment"
+#: Every variant; docs/getting-started.md lists the same meanings (tests/test_cli.py checks it).
 VARIANTS = {
-    "off": Variant(False),
-    "on": Variant(True),
-    "floor": Variant(False, keep=False),
-    "guard": Variant(True, guard=True),
-    "adopt": Variant(True, shared_buffer="adopt"),
-    "reserve": Variant(True, shared_buffer="reserve"),
-    "released": Variant("released"),
-    "inductor": Variant(True, inductor=True),
-    "inductor-released": Variant("released", inductor=True),
-    "packed": Variant(True, pool_reserve="auto"),
-    "packed-released": Variant("released", pool_reserve="auto"),
-    "inductor-packed": Variant(True, inductor=True, pool_reserve="auto"),
-    "inductor-packed-released": Variant("released", inductor=True, pool_reserve="auto"),
-    "expandable-released": Variant("released", pool_segments="expandable"),
-    "inductor-expandable": Variant(True, inductor=True, pool_segments="expandable"),
-    "inductor-expandable-released": Variant("released", inductor=True, pool_segments="expandable"),
+    "off": Variant(False, "sharing off: every size keeps its own output", "sharing off", "#c0504d"),
+    "on": Variant(True, "sharing on: one output buffer per stream, shared by every size", _ON, "#4f81bd"),
+    "floor": Variant(
+        False, "every output released inside its graph: the memory floor (no output to check)",
+        f"{_RELEASED} (floor)", "#9bbb59", keep=False,
+    ),
+    "guard": Variant(True, "sharing on, with the stale-output guard", f"{_ON} + stale-output guard", "#8064a2", guard=True),
+    "adopt": Variant(
+        True, "sharing on, the first capture's own output adopted as the buffer", f"{_ON}, buffer adopted", "#95b3d7",
+        shared_buffer="adopt",
+    ),
+    "reserve": Variant(
+        True, "sharing on, the buffer reserved before the first capture", f"{_ON}, buffer reserved", "#1f497d",
+        shared_buffer="reserve",
+    ),
+    "released": Variant(
+        "released", "zero-copy outputs left in graph-pool memory, valid until the next replay",
+        f"{_RELEASED} (zero-copy)", "#77933c",
+    ),
+    "inductor": Variant(
+        True, "sharing on, the model compiled by Inductor first (piecewise and full only)",
+        f"{_ON}, Inductor-compiled", "#f79646", inductor=True,
+    ),
+    "inductor-released": Variant(
+        "released", "zero-copy outputs (released), the model compiled by Inductor first (piecewise and full only)",
+        f"{_RELEASED}, Inductor-compiled", "#e46c0a", inductor=True,
+    ),
+    "packed": Variant(
+        True, "sharing on, the graph pool started as one block the forecast sized (pool_reserve='auto', CUDA)",
+        f"{_ON}, {_BLOCK}", "#2c4d75", pool_reserve="auto",
+    ),
+    "packed-released": Variant(
+        "released", "zero-copy outputs (released), the pool started as one block the forecast sized (CUDA)",
+        f"{_RELEASED}, {_BLOCK}", "#4f6228", pool_reserve="auto",
+    ),
+    "inductor-packed": Variant(
+        True, "sharing on, Inductor first, the pool started as one block the forecast sized (CUDA)",
+        f"{_ON}, Inductor, {_BLOCK}", "#984807", inductor=True, pool_reserve="auto",
+    ),
+    "inductor-packed-released": Variant(
+        "released", "released outputs, Inductor first, the pool started as one block the forecast sized (CUDA)",
+        f"{_RELEASED}, Inductor, {_BLOCK}", "#632523", inductor=True, pool_reserve="auto",
+    ),
+    "expandable-released": Variant(
+        "released", "released outputs, the pool grown as one expandable segment while capturing (pool_segments, CUDA)",
+        f"{_RELEASED}, {_EXPANDABLE}", "#b3a2c7", pool_segments="expandable",
+    ),
+    "inductor-expandable": Variant(
+        True, "sharing on, Inductor first, the pool grown as one expandable segment (CUDA)",
+        f"{_ON}, Inductor, {_EXPANDABLE}", "#fac090", inductor=True, pool_segments="expandable",
+    ),
+    "inductor-expandable-released": Variant(
+        "released", "released outputs, Inductor first, the pool grown as one expandable segment (CUDA)",
+        f"{_RELEASED}, Inductor, {_EXPANDABLE}", "#7f6084", inductor=True, pool_segments="expandable",
+    ),
 }
-#: One line per variant: ``sglang-bcg bench --help`` prints them and docs/getting-started.md
-#: lists the same words (tests/test_cli.py checks both).
-VARIANT_MEANINGS = {
-    "off": "sharing off: every size keeps its own output",
-    "on": "sharing on: one output buffer per stream, shared by every size",
-    "floor": "every output released inside its graph: the memory floor (no output to check)",
-    "guard": "sharing on, with the stale-output guard",
-    "adopt": "sharing on, the first capture's own output adopted as the buffer",
-    "reserve": "sharing on, the buffer reserved before the first capture",
-    "released": "zero-copy outputs left in graph-pool memory, valid until the next replay",
-    "inductor": "sharing on, the model compiled by Inductor first (piecewise and full only)",
-    "inductor-released": "zero-copy outputs (released), the model compiled by Inductor first (piecewise and full only)",
-    "packed": "sharing on, the graph pool started as one block the forecast sized (pool_reserve='auto', CUDA)",
-    "packed-released": "zero-copy outputs (released), the pool started as one block the forecast sized (CUDA)",
-    "inductor-packed": "sharing on, Inductor first, the pool started as one block the forecast sized (CUDA)",
-    "inductor-packed-released": "released outputs, Inductor first, the pool started as one block the forecast sized (CUDA)",
-    "expandable-released": "released outputs, the pool grown as one expandable segment while capturing (pool_segments, CUDA)",
-    "inductor-expandable": "sharing on, Inductor first, the pool grown as one expandable segment (CUDA)",
-    "inductor-expandable-released": "released outputs, Inductor first, the pool grown as one expandable segment (CUDA)",
-}
+#: One line per variant: ``sglang-bcg bench --help`` prints them.
+VARIANT_MEANINGS = {name: v.meaning for name, v in VARIANTS.items()}
+
+
+def runs(backend: str, variant: str) -> bool:
+    """Whether the bench runs ``variant`` for ``backend`` (``inductor`` variants need a compiled
+    callable; ``graph-trees`` ignores ``--variants``)."""
+    return not variant.startswith("inductor") or backend in INDUCTOR_BACKENDS
+
+
+def variants_for(backend: str, variants: list[str]) -> list[str]:
+    """The variants the bench runs for ``backend``: the reference once for Graph Trees."""
+    return [REFERENCE_VARIANT] if backend == GRAPH_TREES else [v for v in variants if runs(backend, v)]
+
+
+@dataclass
+class BenchRow:
+    """One backend x variant, with its per-size rows: what the table, ``bench.json`` and
+    ``bench.png`` show."""
+
+    backend: str
+    variant: str
+    share_output: bool | Literal["released"]
+    num_sizes: int
+    max_tokens: int
+    resident_output_bytes: int
+    logical_output_bytes: int
+    graph_memory_bytes: int | None
+    capture_s: float
+    replay_ms: float
+    max_abs_err: float | None
+    fallbacks: int
+    bridge_bytes: int = 0
+    model: str = "synthetic"
+    #: fastest and slowest of the timed replays (the spread of ``replay_ms``, the median).
+    replay_ms_min: float = 0.0
+    replay_ms_max: float = 0.0
+    #: one dict per captured key, largest first (:func:`per_size_rows`)
+    per_size: list[dict[str, Any]] = field(default_factory=list)
+    #: seconds of the calls that compiled, not in ``capture_s``; ``None``: nothing compiled
+    compile_s: float | None = None
+    #: the forecast before the capture (CUDA; docs/getting-started.md), else ``None``
+    forecast_bytes: int | None = None
+    forecast_error: float | None = None
+    forecast_s: float | None = None
+    forecast: dict[str, Any] | None = None
+    forecast_driver_bytes: int | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def summary(self) -> str:
+        """One line for the progress log (the table has everything)."""
+        graph = "-" if self.graph_memory_bytes is None else f"{self.graph_memory_bytes / 2**20:,.1f}"
+        err = "-" if self.max_abs_err is None else f"{self.max_abs_err:.3g}"
+        return (
+            f"resident {self.resident_output_bytes / 2**20:,.2f} MiB, graph {graph} MiB, "
+            f"bridges {self.bridge_bytes / 2**20:,.1f} MiB, capture {self.capture_s:.2f} s, "
+            f"replay {self.replay_ms:.3f} ms, max abs err {err}, fallbacks {self.fallbacks}"
+            + ("" if self.forecast_bytes is None else f", forecast {self.forecast_bytes / 2**20:,.1f} MiB")
+        )
+
+
+def per_size_rows(report: MemoryReport, compile_s: dict[Any, float] | None = None) -> list[dict[str, Any]]:
+    """``bench.json``'s per-size rows from ``memory_report().keys``; ``compile_s`` per key is taken
+    out of its ``capture_s``."""
+    spent = compile_s or {}
+    return [
+        {
+            "size": getattr(k.key, "size", None),
+            "stream_idx": getattr(k.key, "stream_idx", None),
+            "logical_output_bytes": k.logical_output_bytes,
+            "resident_output_bytes": k.resident_output_bytes,
+            "shared": k.shared,
+            "fallback": k.fallback,
+            "capture_s": None if k.capture_seconds is None else k.capture_seconds - spent.get(k.key, 0.0),
+            "compile_s": spent.get(k.key) if compile_s is not None else None,
+            "graph_memory_bytes": k.graph_memory_bytes,
+            "num_segments": k.num_segments,
+        }
+        for k in report.keys
+    ]
+
+
+class CompileClock:
+    """A ``torch.compile``-d callable that sums the wall time of the calls that compiled (reported
+    as ``compile_s``, apart from ``capture_s``)."""
+
+    def __init__(self, fn: Callable[..., Any], device: str) -> None:
+        self.fn = fn
+        self.device = device
+        self.seconds = 0.0
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        from torch._dynamo.utils import counters
+
+        graphs, start = counters["stats"]["unique_graphs"], time.perf_counter()
+        out = self.fn(*args, **kwargs)
+        if counters["stats"]["unique_graphs"] != graphs:
+            _sync(self.device)
+            self.seconds += time.perf_counter() - start
+        return out
+
+
+class LineProgress:
+    """tqdm's ``update``/``close`` subset, written as one rewritten stderr line (without tqdm)."""
+
+    def __init__(self, total: int, desc: str, stream: TextIO, enabled: bool) -> None:
+        self.total, self.desc, self.stream, self.enabled = total, desc, stream, enabled
+        self.n = 0
+
+    def update(self, n: int = 1) -> None:
+        self.n += n
+        if self.enabled:
+            self.stream.write(f"\r{self.desc}: {self.n}/{self.total} sizes")
+            self.stream.flush()
+
+    def close(self) -> None:
+        if self.enabled and self.n:
+            self.stream.write("\r" + " " * (len(self.desc) + 2 * len(str(self.total)) + 10) + "\r")
+            self.stream.flush()
+
+
+def progress_bar(total: int, desc: str, enabled: bool) -> Any:
+    """A progress bar over ``total`` capture sizes: tqdm when installed (the ``[bench]`` extra)."""
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return LineProgress(total, desc, sys.stderr, enabled)
+    return tqdm(total=total, desc=desc, unit="size", file=sys.stderr, disable=not enabled, leave=False)
 
 
 def _sync(device: str) -> None:
@@ -120,6 +282,43 @@ def max_abs_error(out: Any, ref: Any) -> float:
         msg = f"replay returned {len(a)} tensors, the eager forward {len(b)}"
         raise RuntimeError(msg)
     return max((float((x.float() - y.float()).abs().max()) for (_, x), (_, y) in zip(a, b, strict=True) if x.numel()), default=0.0)
+
+
+def _capture_all(
+    device: str, sizes: list[int], label: str, progress: bool, session: AbstractContextManager[Any],
+    capture: Callable[[int], None],
+) -> tuple[float, int | None]:
+    """``capture(size)`` for every size, largest first, inside ``session``: the seconds it took and
+    the device memory it kept (``None`` off CUDA)."""
+    free_before = _free_bytes(device)
+    start = time.perf_counter()
+    with torch.no_grad(), session:
+        bar = progress_bar(len(sizes), label, progress)
+        try:
+            for size in sorted(sizes, reverse=True):
+                capture(size)
+                bar.update(1)
+        finally:
+            bar.close()  # a clean stderr line for an error or Ctrl-C
+    _sync(device)
+    seconds = time.perf_counter() - start
+    free_after = _free_bytes(device)
+    return seconds, None if free_before is None or free_after is None else free_before - free_after
+
+
+def _replay_all(
+    workload: Workload, sizes: list[int], static: Any, replay: Callable[[int], Any], model: Callable[..., Any] | None,
+    repeats: int,
+) -> tuple[float | None, tuple[float, float, float]]:
+    """After new inputs, every size's largest error against the eager ``model`` (``None``: not
+    checked), and the median, min and max milliseconds of the largest size's replay."""
+    with torch.no_grad():
+        workload.refill(static)  # inputs change after capture
+        max_err = None
+        if model is not None:
+            errors = (max_abs_error(replay(s), workload.call(model, static, s)) for s in sorted(sizes, reverse=True))
+            max_err = max([0.0, *errors])
+        return max_err, _time_replay(lambda: replay(max(sizes)), workload.shape.device, repeats)
 
 
 def run_variant(
@@ -175,41 +374,22 @@ def run_variant(
         return getattr(backend, "compile_seconds", fn.seconds if isinstance(fn, CompileClock) else None)
 
     predicted, forecast_compile = _forecast(backend, sizes, forward_for, static, compiled_s) if forecast else (None, 0.0)
-    free_before = _free_bytes(device)
-    start = time.perf_counter()
-    keys = [ShapeKey(s) for s in sorted(sizes, reverse=True)]
     per_key_compile: dict[Any, float] = {}
-    with torch.no_grad(), backend.capture_session():
-        bar = progress_bar(len(keys), f"{backend_name}/{variant}", progress)
-        try:
-            for key in keys:
-                before = compiled_s()
-                backend.capture_one(
-                    key, forward_for(key.size), capture_inputs=static, post_warmup_hook=workload.post_warmup_hook
-                )
-                if before is not None:
-                    per_key_compile[key] = compiled_s() - before  # type: ignore[operator]
-                if after_capture is not None:
-                    after_capture(key)
-                bar.update(1)
-        finally:
-            bar.close()  # a clean stderr line for an error or Ctrl-C
-    _sync(device)
-    compile_s = compiled_s()
-    capture_s = time.perf_counter() - start - ((compile_s or 0.0) - forecast_compile)
-    free_after = _free_bytes(device)
-    graph_bytes = None if free_before is None or free_after is None else free_before - free_after
-    report = backend.memory_report()
 
-    with torch.no_grad():
-        workload.refill(static)  # inputs change after capture
-        max_err = 0.0
-        if v.keep:
-            for key in keys:
-                out = backend.replay(key)
-                max_err = max(max_err, max_abs_error(out, workload.call(model, static, key.size)))
-        largest = keys[0]
-        replay_ms, replay_min, replay_max = _time_replay(lambda: backend.replay(largest), device, repeats)
+    def capture(size: int) -> None:
+        key, before = ShapeKey(size), compiled_s()
+        backend.capture_one(key, forward_for(size), capture_inputs=static, post_warmup_hook=workload.post_warmup_hook)
+        if before is not None:
+            per_key_compile[key] = compiled_s() - before  # type: ignore[operator]
+        if after_capture is not None:
+            after_capture(key)
+
+    elapsed, graph_bytes = _capture_all(device, sizes, f"{backend_name}/{variant}", progress, backend.capture_session(), capture)
+    compile_s = compiled_s()
+    report = backend.memory_report()
+    max_err, (replay_ms, replay_min, replay_max) = _replay_all(
+        workload, sizes, static, lambda s: backend.replay(ShapeKey(s)), model if v.keep else None, repeats
+    )
     backend.cleanup()  # the graphs, pools and buffers go; the next variant measures from here
     row = BenchRow(
         backend=backend_name,
@@ -220,9 +400,9 @@ def run_variant(
         resident_output_bytes=report.resident_output_bytes,
         logical_output_bytes=report.logical_output_bytes,
         graph_memory_bytes=graph_bytes,
-        capture_s=capture_s,
+        capture_s=elapsed - ((compile_s or 0.0) - forecast_compile),
         replay_ms=replay_ms,
-        max_abs_err=max_err if v.keep else None,
+        max_abs_err=max_err,
         fallbacks=len(report.fallbacks),
         bridge_bytes=report.total_bridge_bytes,
         model=workload.name,
@@ -262,6 +442,63 @@ def _forecast_fields(forecast: Any, graph_bytes: int | None, compile_s: float = 
     error = None if not graph_bytes else (total - graph_bytes) / graph_bytes
     return {"forecast_bytes": total, "forecast_error": error, "forecast_s": forecast.seconds - compile_s,
             "forecast": forecast.to_dict(), "forecast_driver_bytes": forecast.modes[forecast.mode].driver_bytes}
+
+
+def graph_trees_row(
+    workload: Workload, sizes: list[int], *, repeats: int, num_warmups: int = 2, progress: bool = True
+) -> BenchRow:
+    """Capture every size with Graph Trees; measure like :func:`run_variant`."""
+    torch._dynamo.reset()  # a fresh compile, as for every variant
+    device = workload.shape.device
+    gpu = device.startswith("cuda")
+    max_tokens = max(sizes)
+    model = workload.model_for("full", max_tokens)  # attention inside the compiled graph
+    static = workload.static_input(max_tokens)
+    compiled = CompileClock(torch.compile(model, mode="reduce-overhead" if gpu else None, dynamic=True), device)
+    logical = [0]
+
+    def step(size: int) -> Any:
+        if gpu:
+            torch.compiler.cudagraph_mark_step_begin()
+        return workload.call(compiled, static, size)
+
+    def capture(size: int) -> None:
+        out = None
+        for _ in range(1 + num_warmups):
+            out = step(size)  # the previous step's output is alive meanwhile, as in a serving loop
+        logical[0] += sum(t.numel() * t.element_size() for _, t in flatten(out)[1])
+
+    if gpu:
+        # Graph Trees clear cuBLAS's workspaces before recording; cleared here first, the ones
+        # earlier rows left are not credited to this row, and the ones it makes are charged.
+        torch._C._cuda_clearCublasWorkspaces()
+    label = f"{GRAPH_TREES}/{REFERENCE_VARIANT}"
+    elapsed, graph_bytes = _capture_all(device, sizes, label, progress, contextlib.nullcontext(), capture)
+    compile_s = compiled.seconds
+    max_err, (replay_ms, replay_min, replay_max) = _replay_all(workload, sizes, static, step, model, repeats)
+    del compiled, model
+    torch._dynamo.reset()  # drops the compiled code; then the Graph Trees and their pool
+    if gpu:
+        torch._inductor.cudagraph_trees.reset_cudagraph_trees()
+    _free_bytes(device)
+    return BenchRow(
+        backend=GRAPH_TREES,
+        variant=REFERENCE_VARIANT,
+        share_output=False,
+        num_sizes=len(sizes),
+        max_tokens=max_tokens,
+        resident_output_bytes=0,
+        logical_output_bytes=logical[0],
+        graph_memory_bytes=graph_bytes,
+        capture_s=elapsed - compile_s,
+        replay_ms=replay_ms,
+        max_abs_err=max_err,
+        fallbacks=0,
+        model=workload.name,
+        replay_ms_min=replay_min,
+        replay_ms_max=replay_max,
+        compile_s=compile_s,
+    )
 
 
 def warm_up(workload: Workload, backends: list[str], sizes: list[int] | None = None) -> None:

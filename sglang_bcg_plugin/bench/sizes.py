@@ -1,5 +1,4 @@
-"""SGLang's prefill capture sizes (``generate_prefill_cuda_graph_batch_sizes``, 0.5.23); their
-count, sum and largest computed without building the list (:func:`capture_size_stats`)."""
+"""SGLang's prefill capture sizes (``generate_prefill_cuda_graph_batch_sizes``, 0.5.23)."""
 
 from __future__ import annotations
 
@@ -44,7 +43,6 @@ def capture_size_stats(max_tokens: int) -> SizeStats:
 
 
 def prefill_capture_sizes(max_tokens: int) -> list[int]:
-    """Token counts SGLang 0.5.23 captures for prefill, ascending, up to ``max_tokens`` (builds the
-    list: check :func:`capture_size_stats` first)."""
+    """Token counts SGLang 0.5.23 captures for prefill, ascending, up to ``max_tokens``."""
     _check(max_tokens)
     return [s for r in _runs(max_tokens) for s in r]

@@ -1,7 +1,26 @@
-"""``UsageError``: a command-line input of ``sglang-bcg`` is invalid (the CLI's error type)."""
+"""``UsageError``: a command-line input of ``sglang-bcg`` is invalid (the CLI's error type), and
+the helpers of its messages."""
 
 from __future__ import annotations
+
+#: Characters of a user's value echoed in a message before it is cut.
+SHOWN_CHARS = 80
 
 
 class UsageError(ValueError):
     """A command-line input is invalid; ``sglang-bcg`` prints it as one ``error:`` line."""
+
+
+def shown(value: object, limit: int = SHOWN_CHARS, *, quote: bool | None = None) -> str:
+    """A user's value for a message, cut to ``limit`` characters with ``…`` and the full length;
+    ``quote``: ``repr`` it (default: strings only)."""
+    text = value if isinstance(value, str) else str(value)
+    show = repr if (isinstance(value, str) if quote is None else quote) else str
+    if len(text) <= limit:
+        return show(text)
+    return f"{show(text[:limit])}… ({len(text)} characters)"
+
+
+def plural(n: int, word: str) -> str:
+    """``1 capture size``, ``2 capture sizes``."""
+    return f"{n} {word}" + ("" if n == 1 else "s")

@@ -1,15 +1,26 @@
-"""What the bench captures (the synthetic decoder or transformers' Llama) behind one interface:
-per backend the module, a static input at the largest size, and the call for one size."""
+"""What the bench captures, behind one interface: per backend the module, a static input at the
+largest size, and the call for one size. The synthetic decoder (``bench/model.py``), or
+transformers' ``LlamaModel`` with random weights from a ``LlamaConfig`` (no download), its
+attention transformers' SDPA under names of ours, one per backend: ``sglang_bcg_sdpa`` (Full; under
+``"sdpa"`` transformers would build a materialized causal mask under capture), ``sglang_bcg_break``
+(a ``@graph_break``), ``sglang_bcg_split`` (a splitting op)."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from ..breaks import graph_break
 from .model import DecoderConfig, SyntheticDecoder, attention_break, attention_op
+from .usage import UsageError
+
+FULL_ATTENTION = "sglang_bcg_sdpa"
+BREAK_ATTENTION = "sglang_bcg_break"
+SPLIT_ATTENTION = "sglang_bcg_split"
 
 
 @dataclass(frozen=True)
@@ -74,6 +85,94 @@ class SyntheticWorkload(Workload):
         return fn(static[:size])
 
 
+class TransformersMissingError(UsageError):
+    """``--model llama`` needs transformers."""
+
+
+def _transformers() -> Any:
+    try:
+        import transformers
+    except ImportError as exc:  # pragma: no cover - transformers is in the test extra
+        msg = (
+            f"--model llama needs transformers ({exc}); install it with "
+            "`pip install transformers` (from a checkout: `pip install -e '.[llama]'`)"
+        )
+        raise TransformersMissingError(msg) from None
+    return transformers
+
+
+def _sdpa() -> Callable[..., Any]:
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    return sdpa_attention_forward  # type: ignore[no-any-return]
+
+
+@graph_break(reads=("query", "key", "value"))
+def break_attention(
+    module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: Any, **kwargs: Any
+) -> tuple[torch.Tensor, None]:
+    """transformers' SDPA attention as an eager break point of the Breakable backend."""
+    return _sdpa()(module, query, key, value, attention_mask, **kwargs)  # type: ignore[no-any-return]
+
+
+@torch.library.custom_op("sglang_bcg_bench::llama_attention", mutates_args=())
+def split_attention_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float) -> torch.Tensor:
+    """Causal GQA attention ``[1, heads, seq, d]`` -> ``[1, seq, heads, d]``, without a mask and
+    without repeating the key/value heads: the splitting op."""
+    gqa = query.shape[1] != key.shape[1]
+    out = torch.nn.functional.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling, enable_gqa=gqa)
+    return out.transpose(1, 2).contiguous()
+
+
+@split_attention_op.register_fake
+def _(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float) -> torch.Tensor:
+    # SDPA's output has the query's heads and length and the value's head size.
+    return query.new_empty(query.shape[0], query.shape[2], query.shape[1], value.shape[3])
+
+
+def split_attention(
+    module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: Any, **kwargs: Any
+) -> tuple[torch.Tensor, None]:
+    """Attention through the splitting op (``attention_mask`` is ``None`` under our name)."""
+    scaling: float = kwargs.get("scaling") or module.scaling  # type: ignore[assignment]
+    return split_attention_op(query, key, value, float(scaling)), None
+
+
+@functools.cache
+def register_attention() -> None:
+    """Register our three attention names with transformers (once per process)."""
+    tf = _transformers()
+    tf.AttentionInterface.register(FULL_ATTENTION, _sdpa())
+    tf.AttentionInterface.register(BREAK_ATTENTION, break_attention)
+    tf.AttentionInterface.register(SPLIT_ATTENTION, split_attention)
+
+
+def llama_config(shape: ModelShape, max_tokens: int, vocab: int) -> Any:
+    """transformers' ``LlamaConfig`` of these sizes (no cache).
+
+    :raises UsageError: transformers rejects it."""
+    try:
+        return _transformers().LlamaConfig(
+            hidden_size=shape.hidden,
+            intermediate_size=shape.intermediate,
+            num_hidden_layers=shape.layers,
+            num_attention_heads=shape.heads,
+            num_key_value_heads=shape.kv_heads,
+            head_dim=shape.head_dim,
+            vocab_size=vocab,
+            max_position_embeddings=max(max_tokens, 16),
+            use_cache=False,
+        )
+    except Exception as exc:  # noqa: BLE001 - ValueError, TypeError, huggingface_hub's StrictDataclassError (5.x)
+        cause = exc.__cause__ if isinstance(exc.__cause__, ValueError) else exc
+        msg = (
+            f"transformers' LlamaConfig rejects --hidden {shape.hidden} --heads {shape.heads} --kv-heads "
+            f"{shape.kv_heads} --head-dim {shape.head_dim} --intermediate {shape.intermediate} "
+            f"({' '.join(str(cause).split())}); change them"
+        )
+        raise UsageError(msg) from None
+
+
 class LlamaWorkload(Workload):
     """transformers' ``LlamaModel`` with random weights, batch-first ``input_ids`` ``[1, seq]``."""
 
@@ -83,24 +182,20 @@ class LlamaWorkload(Workload):
 
     def __init__(self, shape: ModelShape) -> None:
         super().__init__(shape)
-        from . import llama
-
-        llama.register_attention()  # raises TransformersMissingError naming the extra
-        llama.llama_config(  # transformers' own checks, before any work (a UsageError)
-            hidden=shape.hidden, layers=shape.layers, heads=shape.heads, kv_heads=shape.kv_heads,
-            head_dim=shape.head_dim, intermediate=shape.intermediate, max_tokens=16, vocab=self.vocab,
-        )
+        register_attention()  # raises TransformersMissingError naming the extra
+        llama_config(shape, 16, self.vocab)  # transformers' own checks, before any work (a UsageError)
         self.splitting_ops = (torch.ops.sglang_bcg_bench.llama_attention.default,)
 
     def model_for(self, backend: str, max_tokens: int) -> Callable[..., Any]:
-        from .llama import attention_for, build_llama
-
-        s = self.shape
-        return build_llama(
-            hidden=s.hidden, layers=s.layers, heads=s.heads, kv_heads=s.kv_heads, head_dim=s.head_dim,
-            intermediate=s.intermediate, max_tokens=max_tokens, dtype=s.dtype, device=s.device,
-            attention=attention_for(backend), vocab=self.vocab,
+        """A ``LlamaModel`` with random weights (seeded: the same for every backend's attention)."""
+        config = llama_config(self.shape, max_tokens, self.vocab)
+        config._attn_implementation = {"breakable": BREAK_ATTENTION, "piecewise": SPLIT_ATTENTION}.get(
+            backend, FULL_ATTENTION
         )
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            model = _transformers().LlamaModel(config)
+        return model.to(device=self.shape.device, dtype=self.shape.dtype).eval().requires_grad_(False)  # type: ignore[no-any-return]
 
     def static_input(self, max_tokens: int) -> torch.Tensor:
         return torch.randint(0, self.vocab, (1, max_tokens), device=self.shape.device)

@@ -1,29 +1,5 @@
-"""A model of PyTorch's CUDA caching allocator for one memory pool (no CUDA needed).
-
-:class:`PoolModel` replays ``malloc`` / ``free`` calls with the allocator's rules and reports the
-bytes of the segments it created (``reserved_bytes``): what the pool holds.
-
-The rules (PyTorch's ``CUDACachingAllocator``, ``expandable_segments`` off, no
-``max_split_size_mb``, ``roundup_power2_divisions`` unset):
-
-* a request is rounded up to a multiple of 512 bytes (at least 512);
-* requests up to 1 MiB come from the *small* blocks, larger ones from the *large* blocks;
-* a free block is chosen best-fit: the smallest free block of the right kind and stream that
-  is at least as large, the lowest address among equal sizes;
-* a chosen block is split when what remains is at least 512 bytes (small) or more than 1 MiB
-  (large): the allocation takes the low addresses, the rest stays free;
-* with no block free, a new segment is created: 2 MiB for small requests, 20 MiB for requests
-  under 10 MiB, else the request rounded up to 2 MiB; cudaMalloc hands it out below the segments
-  before it, so of equal free blocks the newest segment's is taken;
-* a freed block merges with free neighbours of its segment; segments are never returned
-  (``empty_cache`` is outside the schedule).
-
-With ``expandable_segments`` (``PoolModel(expandable=True)``) the last two rules change: the
-pool has one segment per stream and request kind, a virtual range mapped as it grows. A request
-no free block fits takes the free block at the end of the mapped range (if the block there is
-free) and maps what it lacks, rounded up to 2 MiB (small) or 20 MiB (large), after it; what the
-request leaves of that is split off as usual. The pool holds what is mapped.
-"""
+"""A model of PyTorch's CUDA caching allocator for one memory pool (no CUDA needed): its rules,
+fixed or ``expandable_segments``, are listed in docs/forecast.md ("How it works")."""
 
 from __future__ import annotations
 
@@ -46,7 +22,7 @@ ALLOC_CONF_VARS = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
 
 def expandable_segments(environ: dict[str, str] | None = None) -> bool:
     """Whether ``environ``'s (default: the process's) :data:`ALLOC_CONF_VARS` turn
-    ``expandable_segments`` on; a setting changed at run time is not seen."""
+    ``expandable_segments`` on."""
     env = os.environ if environ is None else environ
     for var in ALLOC_CONF_VARS:
         for item in env.get(var, "").split(","):
@@ -63,9 +39,7 @@ ALLOC, FREE, FREE_ADDR = 0, 1, 2
 
 def round_size(size: int) -> int:
     """The bytes a request of ``size`` takes from a block."""
-    if size < MIN_BLOCK:
-        return MIN_BLOCK
-    return MIN_BLOCK * ((size + MIN_BLOCK - 1) // MIN_BLOCK)
+    return MIN_BLOCK * max(1, -(-size // MIN_BLOCK))
 
 
 def segment_size(size: int) -> int:
@@ -88,14 +62,11 @@ class _Block:
 
 @dataclass
 class PoolModel:
-    """One pool's segments and blocks; ``malloc`` returns a handle for ``free``.
-
-    Free blocks are kept in one list sorted by ``(small, stream, size, addr)`` (best fit is a
-    bisection); ``malloc`` and ``free`` are :meth:`run` with one request.
-    """
+    """One pool's segments and blocks (free ones in one list sorted by ``(small, stream, size,
+    addr)``: best fit is a bisection); ``malloc`` returns a handle for ``free``."""
 
     segments: list[int] = field(default_factory=list)  # sizes, in creation order (expandable: mapped bytes)
-    #: ``expandable_segments``: one growing segment per (small, stream) (see the module doc).
+    #: ``expandable_segments``: one growing segment per (small, stream).
     expandable: bool = False
     _grown: dict[tuple[bool, int], tuple[int, _Block]] = field(default_factory=dict)  # segment index, its first block
     _free: list[tuple[bool, int, int, int]] = field(default_factory=list)  # (small, stream, size, addr), sorted
@@ -123,9 +94,8 @@ class PoolModel:
         self.free(self.malloc(nbytes))
 
     def run(self, ops: Iterable[tuple[int, int]], stream: int = 0) -> dict[int, int]:
-        """Replay a sequence of requests on ``stream``: ``(ALLOC, bytes)``, ``(FREE, i)`` (the block
-        the ``i``-th op allocated) or ``(FREE_ADDR, addr)``; returns the blocks still allocated by
-        op index. One loop with everything local: a forecast replays tens of thousands of requests."""
+        """Replay requests on ``stream``: ``(ALLOC, bytes)``, ``(FREE, i)`` (the block the ``i``-th op
+        allocated) or ``(FREE_ADDR, addr)``; returns the blocks still allocated by op index."""
         free, by_addr = self._free, self._by_addr
         bisect_left, insort = bisect.bisect_left, bisect.insort
         handles: dict[int, int] = {}

@@ -1,18 +1,15 @@
-"""The CUDA driver's share of a capture session: what instantiated graphs take outside PyTorch's allocator.
-
-Modelled as ``first capture (once per process) + per graph * graphs + per node * nodes``, the
-graphs and nodes counted while the probes capture (:func:`counting_captures`); docs/forecast.md
-gives the measurement and fit.
-"""
+"""The CUDA driver's share of a capture session, outside PyTorch's allocator: ``first capture +
+per graph * graphs + per node * nodes``, counted while the probes capture (docs/forecast.md)."""
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
+import dataclasses
 import functools
 import sys
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 KIB = 1024
@@ -21,8 +18,7 @@ MIB = 1024 * KIB
 
 @dataclass(frozen=True, slots=True)
 class DriverCoefficients:
-    """What the CUDA driver takes outside PyTorch's allocator, in bytes: once per process at its
-    first capture, per instantiated graph, and per graph node (kernel, memcpy or memset)."""
+    """The driver's bytes once per process at its first capture, per graph and per graph node."""
 
     first_capture_bytes: int
     per_graph_bytes: int
@@ -42,15 +38,8 @@ DRIVER_COEFFICIENTS = DriverCoefficients(69 * MIB, 106 * KIB, 2560, "NVIDIA H200
 
 @dataclass(frozen=True, slots=True)
 class DriverShare:
-    """The driver's share of one schedule's capture: its graphs and nodes, and the bytes per mode.
-
-    :param graphs: graphs the schedule leaves alive (every size's, with at least one node).
-    :param nodes: their nodes, in all (0 where they could not be counted: ``nodes_counted``).
-    :param on_copy_nodes: what mode ``on`` adds: one copy into the shared buffer per output
-        tensor per size.
-    :param first_capture: the process pays the first-capture cost in this session.
-    :param nodes_counted: the nodes were read from the driver (else only graphs are counted).
-    """
+    """The driver's share of one schedule's capture: the graphs it leaves alive, their nodes (0
+    unless ``nodes_counted``), the copy nodes mode ``on`` adds, whether it pays the first capture."""
 
     graphs: int
     nodes: int
@@ -65,8 +54,8 @@ class DriverShare:
         return self.coefficients.bytes_for(self.graphs, nodes, first_capture=self.first_capture)
 
     def per_size_bytes(self, sizes: int, mode: str) -> tuple[int, int]:
-        """With output mode ``mode``, the first size's bytes (the first-capture cost with it,
-        where paid) and every other size's, the graphs and nodes split evenly over ``sizes``."""
+        """The first size's bytes (with the first-capture cost) and every other size's, the graphs
+        and nodes split evenly over ``sizes``."""
         all_nodes = self.nodes + (self.on_copy_nodes if mode == "on" else 0)
         graphs, nodes = self.graphs / max(sizes, 1), all_nodes / max(sizes, 1)
         return (self.coefficients.bytes_for(graphs, nodes, first_capture=self.first_capture),
@@ -78,17 +67,12 @@ class DriverShare:
         return f"{self.graphs:,} graphs, {nodes}, {first} the first-capture cost"
 
     def to_dict(self) -> dict[str, Any]:
-        c = self.coefficients
-        return {"graphs": self.graphs, "nodes": self.nodes, "on_copy_nodes": self.on_copy_nodes,
-                "first_capture": self.first_capture, "nodes_counted": self.nodes_counted,
-                "coefficients": {"first_capture_bytes": c.first_capture_bytes, "per_graph_bytes": c.per_graph_bytes,
-                                 "per_node_bytes": c.per_node_bytes, "measured_on": c.measured_on}}
+        return asdict(self)
 
 
 @dataclass(frozen=True, slots=True)
 class ProbeCount:
-    """The graphs one probe capture (one size) made: ``nodes`` is ``None`` where any graph's nodes
-    could not be read."""
+    """The graphs one probe capture made (``nodes``: ``None`` where any could not be read)."""
 
     size: int
     graphs: int
@@ -98,7 +82,7 @@ class ProbeCount:
 def schedule_share(probes: Sequence[ProbeCount], sizes: Sequence[int], *, on_copy_nodes_per_size: int = 0,
                    first_capture: bool = True, coefficients: DriverCoefficients = DRIVER_COEFFICIENTS) -> DriverShare:
     """The :class:`DriverShare` of capturing ``sizes``: each size's graphs and nodes on the line
-    through the probes' (one probe: constant); no graph captured: no ``on`` copy node either."""
+    through the probes'."""
     counted = all(p.nodes is not None for p in probes)
     if not any(p.graphs for p in probes):
         on_copy_nodes_per_size = 0
@@ -122,9 +106,8 @@ def _at(ordered: Sequence[ProbeCount], size: int, value: Any) -> int:
 # -- counting the graphs and their nodes while they are captured ----------------------------------
 @dataclass
 class CaptureCount:
-    """Graphs captured while :func:`counting_captures` was open: ``graphs`` with at least one node
-    (every graph where nodes could not be read), their ``nodes``, ``empty`` ones, and ``unread``:
-    graphs whose nodes could not be read."""
+    """Graphs captured while :func:`counting_captures` was open: with nodes (or ``unread``), their
+    ``nodes``, and ``empty`` ones."""
 
     graphs: int = 0
     nodes: int = 0
@@ -147,14 +130,13 @@ class CaptureCount:
                           None if self.unread > earlier.unread else self.nodes - earlier.nodes)
 
     def copy(self) -> CaptureCount:
-        return CaptureCount(self.graphs, self.nodes, self.empty, self.unread)
+        return dataclasses.replace(self)
 
 
 @contextlib.contextmanager
 def counting_captures() -> Iterator[CaptureCount]:
-    """While open, every ``torch.cuda.CUDAGraph.capture_end`` in the process counts its graph and
-    the graph's nodes (read just before the capture ends: :func:`capture_nodes`). A capture whose
-    ``capture_end`` raises is not counted."""
+    """While open, every ``torch.cuda.CUDAGraph.capture_end`` that returns counts its graph and its
+    nodes (read just before: :func:`capture_nodes`)."""
     import torch
 
     cls = torch.cuda.CUDAGraph
@@ -217,8 +199,7 @@ def driver_api() -> tuple[_DriverApi | None, str]:
 
 
 def capture_nodes() -> int | None:
-    """Nodes of the graph the current stream is capturing into (``None``: not capturing, or they
-    cannot be read). Reading is one of the operations CUDA permits on a graph under capture."""
+    """Nodes of the graph the current stream is capturing into (``None``: not capturing, or unread)."""
     api, _ = driver_api()
     if api is None:
         return None

@@ -1,14 +1,10 @@
-"""The graph memory of a schedule, per output mode, from a :class:`~.trace.ScaledTrace`.
-
-Every size is captured largest first into one :class:`~.allocator.PoolModel`. ``off`` keeps every
-output in the pool; ``on`` and ``released`` give the output's blocks back (``on`` copies into one
-buffer outside the pool, or adopts the largest output as it; ``released`` may keep the largest).
-"""
+"""The graph memory of a schedule, per output mode: every size of a :class:`~.trace.ScaledTrace`
+captured largest first into one :class:`~.allocator.PoolModel` (docs/forecast.md)."""
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 from .allocator import LARGE_BUFFER, MB, ROUND_LARGE, SMALL_SIZE, PoolModel, round_size, segment_size
@@ -20,21 +16,8 @@ MODES = ("off", "on", "released")
 
 @dataclass(frozen=True, slots=True)
 class ModeForecast:
-    """The forecast graph memory of one output mode, in parts (bytes).
-
-    :param total_bytes: everything below, summed: the free device memory the capture session loses.
-    :param working_set_bytes: the pool with every output released.
-    :param outputs_bytes: what holding the outputs adds (``off``: every output; ``on``: the buffer;
-        ``released``: 0, or what keeping the largest adds, negative where it saves).
-    :param stream_bytes: what a capture stream costs once, as the probes measured it.
-    :param bridge_bytes: copies of values crossing a break or splitting op.
-    :param keeps_largest: ``released`` only: the largest capture's output is kept.
-    :param driver_bytes: the CUDA driver's share, outside PyTorch's allocator (:mod:`.driver`).
-    :param probe_left_bytes: what the forecast's probes left reserved after their cleanup
-        (outside :attr:`allocator_bytes`).
-
-    docs/forecast.md describes each part and how it is measured.
-    """
+    """The forecast graph memory of one output mode, in parts (bytes; docs/forecast.md describes
+    each): ``total_bytes`` is their sum, the free device memory the capture session loses."""
 
     mode: str
     total_bytes: int
@@ -48,7 +31,7 @@ class ModeForecast:
 
     @property
     def allocator_bytes(self) -> int:
-        """The total without the driver's share and what the probes left: the allocator's bytes."""
+        """The total without the driver's share and what the probes left."""
         return self.total_bytes - self.driver_bytes - self.probe_left_bytes
 
     @property
@@ -57,22 +40,14 @@ class ModeForecast:
         return self.working_set_bytes + self.outputs_bytes
 
     def to_dict(self) -> dict[str, int | str | bool]:
-        return {"mode": self.mode, "total_bytes": self.total_bytes, "working_set_bytes": self.working_set_bytes,
-                "outputs_bytes": self.outputs_bytes, "stream_bytes": self.stream_bytes,
-                "bridge_bytes": self.bridge_bytes, "keeps_largest": self.keeps_largest,
-                "driver_bytes": self.driver_bytes, "probe_left_bytes": self.probe_left_bytes,
-                "allocator_bytes": self.allocator_bytes}
+        return {**asdict(self), "allocator_bytes": self.allocator_bytes}
 
 
 def simulate(trace: ScaledTrace, sizes: Iterable[int], *, keep_outputs: str, outputs: frozenset[int],
              at: Mapping[int, KeyTrace] | None = None, reserve_bytes: int = 0, expandable: bool = False) -> PoolModel:
     """Capture every size (largest first) into one modelled pool starting with a free block of
-    ``reserve_bytes`` (0: none).
-
-    ``outputs``: indices of the trace's output allocs, freed after each capture unless
-    ``keep_outputs`` is ``"all"`` or ``"first"`` (the largest kept). ``at``: precomputed
-    ``trace.at(size)``. ``expandable``: one growing segment (``expandable_segments``).
-    """
+    ``reserve_bytes``; the ``outputs`` allocs are freed after each capture unless ``keep_outputs``
+    is ``"all"`` or ``"first"`` (the largest kept). ``at``: precomputed ``trace.at(size)``."""
     pool = PoolModel(expandable=expandable)
     if reserve_bytes:
         pool.reserve(reserve_bytes)
@@ -109,9 +84,8 @@ RESERVE_STEPS_MIB = (0, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128)
 
 def best_reserve(trace: ScaledTrace, sizes: list[int], *, keep_outputs: str, outputs: frozenset[int],
                  baseline: int, at: Mapping[int, KeyTrace] | None = None) -> int:
-    """The first block (bytes) that makes the schedule's pool smaller than ``baseline`` (its
-    reserved bytes without one), or 0 when none of :data:`RESERVE_STEPS_MIB` does: searched on
-    the two largest captures, checked on the whole schedule."""
+    """The first block (bytes) that makes the schedule's pool smaller than ``baseline``, or 0 when
+    none of :data:`RESERVE_STEPS_MIB` does (searched on the two largest captures)."""
     order = sorted(set(sizes), reverse=True)
     peak = simulate(trace, order[:1], keep_outputs=keep_outputs, outputs=outputs, at=at).peak_allocated_bytes
     start = -(-peak // ROUND_LARGE) * ROUND_LARGE
@@ -145,14 +119,11 @@ def schedule_forecast(
     probe_left_bytes: int = 0,
 ) -> tuple[dict[str, ModeForecast], dict[str, int], str, int]:
     """:func:`forecast_modes`, with ``on``'s pool plus buffer per source, the source taken
-    (``"auto"`` resolved to the cheaper) and the pool's first block in bytes (0: none).
+    (``"auto"``: the cheaper) and the pool's first block (``pool_reserve``: ``"off"``, bytes, or
+    ``"auto"``: :func:`best_reserve`); ``released_keeps="auto"`` keeps the largest output where the
+    pool is smaller.
 
-    ``pool_reserve``: ``"off"``, bytes, or ``"auto"`` (:func:`best_reserve` for what
-    ``configured_mode`` keeps; none with ``expandable``); every mode is forecast with that block.
-    ``released_keeps``: ``"none"`` or ``"auto"`` (keep the largest output where the pool is smaller).
-    ``driver`` and ``probe_left_bytes`` are added to every mode's total.
-
-    :raises ValueError: ``released_keeps`` is neither."""
+    :raises ValueError: ``released_keeps`` is neither ``"none"`` nor ``"auto"``."""
     if released_keeps not in ("none", "auto"):
         msg = f"released_keeps must be 'none' or 'auto', got {released_keeps!r}"
         raise ValueError(msg)
@@ -215,12 +186,8 @@ SGLANG_RESERVE_PER_SIZE = 8 << 20
 def reference_estimates(mode_forecasts: dict[str, ModeForecast], trace: ScaledTrace, sizes: Iterable[int], *,
                         outputs: frozenset[int], expandable: bool = False,
                         driver: DriverShare | None = None) -> dict[str, dict[str, int]]:
-    """What two estimates in use would say of the same schedule, per mode, for comparison.
-
-    ``vllm_extrapolation``: the first capture's cost plus ``(N - 1)`` times the second's (at
-    least :data:`VLLM_MIN_PER_GRAPH`), on the modelled captures. ``sglang_fixed_reserve``:
-    :data:`SGLANG_RESERVE_PER_SIZE` per size.
-    """
+    """Per mode, what vLLM's extrapolation (the first capture plus ``N - 1`` times the second's
+    cost) and SGLang's fixed reserve would say of the same schedule."""
     order = sorted(set(sizes), reverse=True)
     n = len(order)
     out: dict[str, dict[str, int]] = {}

@@ -1,17 +1,13 @@
-"""Two probe captures, their allocator traces, and the forecast built from them (CUDA only).
-
-:func:`forecast_schedule` captures a schedule's largest and smallest sizes in mode ``off``, fits
-their pool traces and models every size per output mode; docs/forecast.md says what each part measures.
-"""
+"""Two probe captures (a schedule's largest and smallest sizes, mode ``off``), their allocator
+traces, and the forecast of every size per output mode built from them (CUDA only; docs/forecast.md)."""
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable, Sequence
-from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -25,36 +21,16 @@ from .driver import DRIVER_COEFFICIENTS, DriverShare, ProbeCount, counting_captu
 from .model import MODES, ModeForecast, reference_estimates, schedule_forecast
 from .trace import KeyTrace, ScaledTrace, output_allocs, pinned_slack, pool_trace
 
-
-class ProbeTarget(Protocol):
-    """What the probes use of a backend (``CaptureBackend`` has it all)."""
-
-    name: str
-
-    @property
-    def engine_name(self) -> str: ...
-    @property
-    def options(self) -> Any: ...
-    def captured_keys(self) -> list[Any]: ...
-    def configure(self, **changes: Any) -> Any: ...
-    def capture_session(self, stream: Any = None) -> AbstractContextManager[None]: ...
-    def capture_one(self, shape_key: Any, forward_fn: Callable[[], Any], capture_inputs: Any = None) -> Any: ...
-    def memory_report(self) -> Any: ...
-    def cleanup(self) -> None: ...
-
+if TYPE_CHECKING:
+    from ..backends.base import CaptureBackend
 
 MIB = 1 << 20
 
 
 @dataclass(frozen=True)
 class GraphMemoryForecast:
-    """The forecast graph memory of one schedule, per output mode (see ``docs/forecast.md``).
-
-    :param backend: the backend's name. :param sizes: the schedule, largest first.
-    :param mode: the output mode the backend's next session resolves to (the one to compare).
-    :param modes: ``off`` / ``on`` / ``released`` → :class:`~.model.ModeForecast`.
-    :param probe_sizes: the two sizes captured to make it. :param seconds: what it took.
-    """
+    """The forecast graph memory of one schedule (largest first), per output mode
+    (:class:`~.model.ModeForecast`); ``mode``: the one the backend's next session resolves to."""
 
     backend: str
     sizes: tuple[int, ...]
@@ -84,14 +60,12 @@ class GraphMemoryForecast:
 
     @property
     def released_keeps_largest(self) -> bool:
-        """Whether a ``released`` session after this forecast keeps the largest output
-        (:attr:`.model.ModeForecast.keeps_largest`)."""
+        """Whether a ``released`` session after this forecast keeps the largest output."""
         released = self.modes.get("released")
         return bool(released is not None and released.keeps_largest)
 
     def bytes_for(self, mode: str | None = None, *, driver: bool = True) -> int:
-        """The forecast total of ``mode`` (default: :attr:`mode`); ``driver=False``: the allocator's
-        bytes only (no driver share, nothing the probes left)."""
+        """The forecast total of ``mode`` (default: :attr:`mode`); ``driver=False``: the allocator's only."""
         f = self.modes[mode or self.mode]
         return f.total_bytes if driver else f.allocator_bytes
 
@@ -147,24 +121,22 @@ def _pools() -> set[tuple[int, int]]:
 
 
 def reserved_bytes() -> int:
-    """Bytes PyTorch's caching allocator holds (``memory_reserved``; read after ``empty_cache``)."""
+    """Bytes PyTorch's caching allocator holds (read after ``empty_cache``)."""
     return int(torch.cuda.memory_reserved())
 
 
 @dataclass(frozen=True)
 class ProbeDevice:
-    """The graphs each probe captured and the free device memory the probe session lost beyond
-    the allocator's reservations."""
+    """The graphs each probe captured; the free device memory the session lost beyond the allocator's."""
 
     counts: tuple[ProbeCount, ...]
     driver_bytes: int
 
 
-def _probe(backend: ProbeTarget, sizes: Sequence[int], forward_for: Callable[[int], Callable[[], Any]],
+def _probe(backend: CaptureBackend, sizes: Sequence[int], forward_for: Callable[[int], Callable[[], Any]],
            capture_inputs: Any) -> tuple[list[KeyTrace], list[int], int, int, ProbeDevice]:
-    """Capture ``sizes`` (largest first): their pool traces, the largest probe's output storage
-    bytes, the bridge bytes, the stream's bytes (reserved outside the graph pool) and the device
-    figures."""
+    """Capture ``sizes`` (largest first): their pool traces, the largest's output storage bytes, the
+    bridge bytes, the stream's bytes (reserved outside the graph pool) and the device figures."""
     pools = _pools()
     torch.cuda.memory._record_memory_history(enabled="all", context=None, stacks="python", max_entries=1_000_000)
     events: list[list[dict[str, Any]]] = []
@@ -200,11 +172,9 @@ def _probe(backend: ProbeTarget, sizes: Sequence[int], forward_for: Callable[[in
 
 
 def _checked_sizes(name: str, sizes: Iterable[int]) -> list[int]:
-    """``sizes`` as a list of ints ``>= 1``, as :class:`~sglang_bcg_plugin.shape_key.ShapeKey`
-    takes them (a ``float`` is never truncated, a ``bool`` is not a size).
+    """``sizes`` as a list of ints ``>= 1``, as ``ShapeKey`` takes them.
 
-    :raises TypeError: ``sizes`` is not an iterable, or one is not an int (named).
-    :raises ValueError: one is below 1 (named)."""
+    :raises TypeError: not an iterable, or one is not an int. :raises ValueError: one is below 1."""
     if isinstance(sizes, (str, bytes)) or not isinstance(sizes, Iterable):
         msg = f"{name} backend: forecast() takes the capture sizes as an iterable of ints, got {sizes!r:.200}"
         raise TypeError(msg)
@@ -221,7 +191,7 @@ def _checked_sizes(name: str, sizes: Iterable[int]) -> list[int]:
 
 
 def forecast_schedule(
-    backend: ProbeTarget,
+    backend: CaptureBackend,
     sizes: Iterable[int],
     forward_for: Callable[[int], Callable[[], Any]],
     capture_inputs: Any = None,
@@ -280,9 +250,8 @@ def forecast_schedule(
 
 
 def probe_driver_share(device: ProbeDevice, schedule: Sequence[int], output_tensors: int) -> DriverShare:
-    """The driver's share of ``schedule``: graphs and nodes on the line through the probes'; the
-    first-capture cost where the probes lost at least half of it; ``on`` adds a copy node per output
-    tensor per size."""
+    """The driver's share of ``schedule`` (:func:`~.driver.schedule_share`), with the first-capture
+    cost where the probes lost at least half of it."""
     first = device.driver_bytes >= DRIVER_COEFFICIENTS.first_capture_bytes // 2
     return schedule_share(device.counts, schedule, on_copy_nodes_per_size=output_tensors, first_capture=first)
 

@@ -1,13 +1,9 @@
-"""Allocation traces of one capture, and how they scale with the capture size.
-
-A :class:`KeyTrace` is one capture's requests to its graph pool (:func:`pool_trace` reads it from
-the allocator's recorded events). :class:`ScaledTrace` fits two traces of one forward with one
-line per alloc, ``bytes(n) = a + b * n``, paired by position or, where the order differs, by what
-each alloc is (:func:`pair_allocs`), and writes the trace of any size.
-"""
+"""Allocation traces of one capture (:class:`KeyTrace`), and how they scale with the capture size
+(:class:`ScaledTrace`: one line per alloc, ``bytes(n) = a + b * n``; docs/forecast.md)."""
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -40,8 +36,8 @@ def _inside(addr: int, segments: Sequence[tuple[int, int]]) -> bool:
 
 
 def pool_trace(size: int, events: Iterable[dict[str, object]], segments: Sequence[tuple[int, int]]) -> KeyTrace:
-    """The :class:`KeyTrace` of the events (allocator trace entries: ``action``, ``addr``,
-    ``size``) that fall in ``segments`` (``(address, bytes)`` of the capture's pool)."""
+    """The :class:`KeyTrace` of the allocator's events that fall in ``segments`` (``(address,
+    bytes)`` of the capture's pool)."""
     ops: list[tuple[int, int]] = []
     live: dict[int, int] = {}
     for e in events:
@@ -57,11 +53,8 @@ def pool_trace(size: int, events: Iterable[dict[str, object]], segments: Sequenc
 
 
 def pinned_slack(events: Iterable[dict[str, object]], segments: Sequence[tuple[int, int]]) -> int:
-    """Bytes of segments made outside the pool ``segments`` that stay reserved only because a
-    smaller live block sits in them: per segment made during ``events`` and still holding live
-    blocks at their end, its bytes less the segment those blocks alone would have made
-    (docs/forecast.md says when this happens).
-    """
+    """Bytes of segments made outside the pool ``segments`` during ``events`` beyond what the blocks
+    still live in them would have made alone (docs/forecast.md)."""
     made: dict[int, int] = {}
     live: dict[int, int] = {}
     for e in events:
@@ -87,15 +80,15 @@ def pinned_slack(events: Iterable[dict[str, object]], segments: Sequence[tuple[i
 
 @dataclass(frozen=True, slots=True)
 class ScaledTrace:
-    """Traces of one forward at any size, one line per op (see the module doc)."""
+    """Traces of one forward at any size, one line per op."""
 
     shape: tuple[tuple[int, int], ...]  # ops with frees as in the probes, allocs' bytes unused
     lines: tuple[tuple[float, float], ...]  # per op: (a, b) of bytes = a + b * size (allocs)
 
     @classmethod
     def fit(cls, large: KeyTrace, small: KeyTrace) -> ScaledTrace:
-        """The lines through the two traces' allocations, paired by position where the two are
-        the same sequence, else by :func:`pair_allocs`; modelled in ``large``'s order.
+        """The lines through the two traces' allocations, paired by position where the two are the
+        same sequence, else by :func:`pair_allocs`.
 
         :raises ForecastError: the two probe sizes are equal, or the allocations cannot be paired."""
         if large.size == small.size:
@@ -119,10 +112,8 @@ class ScaledTrace:
 
     @classmethod
     def proportional(cls, trace: KeyTrace, constant_below: int = 64 * 1024) -> ScaledTrace:
-        """One trace alone: requests of ``constant_below`` bytes or more scale with the size
-        (``b * n``), smaller ones stay constant (docs/sglang.md gives its accuracy).
-
-        :raises ForecastError: ``trace.size`` is not positive."""
+        """One trace alone: requests of ``constant_below`` bytes or more scale with the size, smaller
+        ones stay constant. :raises ForecastError: ``trace.size`` is not positive."""
         if trace.size <= 0:
             msg = f"forecast: the probe size must be positive, got {trace.size}"
             raise ForecastError(msg)
@@ -147,20 +138,10 @@ PROPORTIONAL_SLACK = 512
 
 
 def pair_allocs(large: KeyTrace, small: KeyTrace) -> dict[int, int]:
-    """Pair the allocations of two probes of one forward whose requests come in another order
-    by what each allocation is: ``{alloc's index in large.ops: its pair's index in small.ops}``.
+    """Pair the allocations of two probes whose requests come in another order by what each is
+    (docs/forecast.md, "How it works"): ``{index in large.ops: its pair's index in small.ops}``.
 
-    Only allocations that both keep (held at the capture's end: outputs, state) or both free
-    are paired. In three passes, each in order of occurrence (the first still unpaired
-    allocation of ``small`` that fits):
-
-    1. the same bytes at both sizes (a constant: a workspace, a scalar);
-    2. bytes proportional to the capture size, within the allocator's 512-byte rounding at the
-       smaller size (activations: tokens times a width);
-    3. what remains, in order, where the bytes do not shrink as the size grows.
-
-    :raises ForecastError: the two traces make a different number of allocations, keep a
-        different number, or an allocation finds no pair (the message says which)."""
+    :raises ForecastError: the counts of allocations (or kept ones) differ, or one finds no pair."""
     def allocs(trace: KeyTrace) -> list[tuple[int, int, bool]]:
         kept = set(trace.kept)
         return [(i, v, i in kept) for i, (k, v) in enumerate(trace.ops) if k == 0]
@@ -176,18 +157,12 @@ def pair_allocs(large: KeyTrace, small: KeyTrace) -> dict[int, int]:
     (big, lo), (n_big, n_lo) = ((al, as_), (large.size, small.size)) if large.size > small.size else (
         (as_, al), (small.size, large.size))
 
-    def same(bl: int, bs: int) -> bool:
-        return bl == bs
-
     def proportional(bl: int, bs: int) -> bool:
         return bl != bs and abs(bl * n_lo - bs * n_big) <= PROPORTIONAL_SLACK * n_big
 
-    def grows(bl: int, bs: int) -> bool:
-        return bl >= bs
-
     pairs: dict[int, int] = {}  # index in big -> index in lo (positions in the lists)
     free = list(range(len(lo)))
-    for rule in (same, proportional, grows):
+    for rule in (operator.eq, proportional, operator.ge):  # the same bytes, in proportion, not fewer
         for a, (_, bl, kl) in enumerate(big):
             if a in pairs:
                 continue
@@ -211,8 +186,7 @@ def pair_allocs(large: KeyTrace, small: KeyTrace) -> dict[int, int]:
 
 
 def output_allocs(trace: KeyTrace, output_bytes: Sequence[int]) -> frozenset[int]:
-    """The allocs ``trace`` keeps that hold the output: matched by bytes (a storage's bytes are
-    the bytes its allocation asked for), first kept alloc first."""
+    """The allocs ``trace`` keeps that hold the output, matched by bytes, first kept alloc first."""
     wanted = list(output_bytes)
     found = []
     for i in trace.kept:
