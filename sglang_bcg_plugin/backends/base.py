@@ -17,8 +17,7 @@ import torch
 
 from ..accounting import Measure, device_free_bytes
 from ..engines.base import CaptureRequest, Engine, Front
-from ..engines.eager import EagerEngine
-from ..engines.eager_segments import EagerSegmentEngine
+from ..engines.eager import EagerEngine, EagerSegmentEngine
 from ..engines.gcsafe import gc_safe_capture
 from ..errors import CaptureStateError, ObserverError, ObserverWarning, warn_user
 from ..forecast.allocator import ALLOC_CONF_VARS, expandable_segments

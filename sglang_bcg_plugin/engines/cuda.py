@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from .base import CaptureRequest, Front, run_warmups
+from .base import CaptureRequest, Engine, Front, run_warmups
 from .gcsafe import defer_release, gc_safe_capture
 from .cuda_segments import CudaSegments, abort_capture, end_capture, invalidated
 from .recorder import SegmentedGraph, host_read_error, record
@@ -39,7 +39,7 @@ class FullGraph:
         defer_release([getattr(self, "_graph", None)])  # dropped inside a capture: destroyed after it
 
 
-class CudaGraphEngine:
+class CudaGraphEngine(Engine):
     """Per partition a private pool and a capture stream; warmups on that stream, then
     :meth:`_record` inside the capture."""
 
@@ -81,9 +81,6 @@ class CudaGraphEngine:
         if partition not in self._streams:
             self._streams[partition] = torch.cuda.Stream()
         return self._streams[partition]
-
-    def bridge_bytes(self) -> dict[int | None, int]:
-        return {}
 
     def capture(self, request: CaptureRequest) -> FullGraph | SegmentedGraph:
         stream = request.stream if request.stream is not None else self._partition_stream(request.partition)
