@@ -16,7 +16,6 @@ from .guard import GUARD, StaleOutputGuard, guard_supported
 from .output_mode import ON, RELEASED
 from .released import release_output
 from .scan import cut
-from .storage import flat_of, view_of
 from .trees import Node, diff, flatten, storage_key, unflatten
 
 if TYPE_CHECKING:
@@ -48,6 +47,11 @@ class Placed:
     released: bool = False
     #: the partition this key creates (its first capture), installed at commit
     creates: _Partition | None = field(default=None, repr=False)
+
+
+def _view_of(flat: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+    """The contiguous ``shape``-shaped view at the start of the flat buffer ``flat`` (storage, not rows)."""
+    return flat[: math.prod(shape)].view(shape)
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -104,7 +108,13 @@ class OutputPolicy:
         """A session with ``plan``: fresh partitions; the guard read now serves every replay."""
         self.enabled, self.strict, self.source = plan.mode == ON, plan.strict, plan.buffer_source
         self.release, self.keep_first = plan.mode == RELEASED, plan.released_keeps_largest
-        self.guard = _guard(plan.guard, self.guard)
+        if plan.guard and not guard_supported() and self.guard is None:
+            msg = (
+                "stale_output_guard is on but this torch build cannot poison storages (needs "
+                "torch._C._set_storage_access_error_msg, present in CUDA builds); the guard does nothing"
+            )
+            warn_user(msg, RuntimeWarning)
+        self.guard = GUARD if plan.guard and guard_supported() else None
 
     def close(self) -> None:
         """The session ended: drop its partitions (the graphs hold their outputs) and pending keys."""
@@ -191,16 +201,6 @@ class OutputPolicy:
             placed.output = release_output(placed.output)
         return placed
 
-    def hand_out(self, owner: object, key: Hashable, output: Any, *, released: bool, pool: Hashable | None = None) -> Any:
-        """A replayed output through the stale-output guard (unchanged when it is off)."""
-        if self.guard is None:
-            return output
-        return self.guard.hand_out(owner, key, output, released=released, pool=pool)
-
-    def clear(self, owner: object) -> None:
-        """Forget the guard's records of ``owner`` (``cleanup()``)."""
-        GUARD.forget(owner)
-
     @staticmethod
     def _misfit(part: _Partition, node: Node, leaves: list[tuple[str, torch.Tensor]]) -> tuple[str, str] | None:
         found = diff(part.spec, node)
@@ -217,7 +217,7 @@ class OutputPolicy:
     ) -> Placed:
         views = []
         for (_, leaf), buf in zip(leaves, part.buffers, strict=True):
-            view = view_of(buf, leaf.shape)
+            view = _view_of(buf, leaf.shape)
             view.copy_(leaf)
             views.append(view)
         return Placed(unflatten(node, views), shared=True, logical_bytes=logical, creates=creates)
@@ -237,11 +237,11 @@ class OutputPolicy:
         for _, leaf in leaves:
             sk = storage_key(leaf)
             owned = foreign is not None and sk not in foreign and sk not in protected
-            flat = flat_of(leaf) if owned and sk not in seen else None
+            flat = leaf.view(-1) if owned and sk not in seen and leaf.is_contiguous() else None
             seen.add(sk)
             if flat is None:
                 flat = torch.empty(max(leaf.numel(), 1), dtype=leaf.dtype, device=leaf.device)
-                view = view_of(flat, leaf.shape)
+                view = _view_of(flat, leaf.shape)
                 view.copy_(leaf)
                 outs.append(view)
             else:
@@ -256,18 +256,3 @@ class OutputPolicy:
         msg = f"{key!r} keeps its own output (no sharing): leaf {cut(path)}: {reason}"
         warn_user(msg, SharedOutputFallbackWarning)
         return Placed(output, shared=False, fallback=f"{path}: {reason}", logical_bytes=logical)
-
-
-def _guard(enabled: bool, current: StaleOutputGuard | None) -> StaleOutputGuard | None:
-    """The guard of a new session: the process's, while enabled; where this torch cannot poison
-    storages, a warning and none."""
-    if enabled and guard_supported():
-        return GUARD
-    if enabled and current is None:
-        warn_user(
-            "stale_output_guard is on but this torch build cannot poison storages "
-            "(needs torch._C._set_storage_access_error_msg, present in CUDA builds); "
-            "the guard does nothing",
-            RuntimeWarning,
-        )
-    return None

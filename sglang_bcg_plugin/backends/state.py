@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import CaptureStateError
+from ..guard import GUARD
 from ..output_mode import OutputMode, Resolution
 from ..report import KeyReport, MemoryReport, claim_resident_bytes
 from ..scan import walk_tensors
@@ -185,7 +186,8 @@ class CaptureState:
         """A replayed output of captured ``key`` through the stale-output guard, scoped by ``pool``
         (``None``: one pool per partition); ``entry``: ``key``'s record, if the caller has it."""
         entry = self._entries[key] if entry is None else entry
-        return self.policy.hand_out(self, key, output, released=entry.released, pool=pool)
+        guard = self.policy.guard
+        return output if guard is None else guard.hand_out(self, key, output, released=entry.released, pool=pool)
 
     def keys(self) -> list[Hashable]:
         return list(self._entries)
@@ -207,4 +209,4 @@ class CaptureState:
         self._entries.clear()
         self.forecast = None
         self.measured_graph_bytes = None
-        self.policy.clear(self)
+        GUARD.forget(self)
