@@ -6,7 +6,6 @@ import difflib
 import importlib
 import importlib.metadata
 import os
-import re
 import threading
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -17,7 +16,7 @@ import pluggy
 
 from . import hookspecs
 from ._constants import ENV_BLOCK_PLUGINS, NAME
-from .errors import PluginLoadWarning, warn_user
+from .errors import PluginLoadWarning, one_line, warn_user
 
 hookimpl = pluggy.HookimplMarker(NAME)
 
@@ -80,11 +79,6 @@ def running_hookimpl(impls: Sequence[Any], frames: Iterable[FrameType]) -> int |
     return None
 
 
-def _one_line(exc: BaseException) -> str:
-    """``Type: message`` on one line (pluggy's validation errors span several)."""
-    return re.sub(r"\s*\n\s*", " ", f"{type(exc).__name__}: {exc}").strip()
-
-
 def _check_known_hooks(pm: pluggy.PluginManager, name: str) -> None:
     """:raises pluggy.PluginValidationError: plugin ``name`` implements a hook no hookspec declares."""
     plugin = pm.get_plugin(name)
@@ -114,7 +108,7 @@ def _load_entry_points(pm: _Manager) -> None:
                 if pm.has_plugin(ep.name):
                     pm.unregister(name=ep.name)
                 failed.add(ep.name)
-                broken = BrokenPlugin(ep.name, ep.value, dist.metadata["Name"] or "?", dist.version, _one_line(exc))
+                broken = BrokenPlugin(ep.name, ep.value, dist.metadata["Name"] or "?", dist.version, one_line(exc))
                 pm.broken_plugins.append(broken)
                 warn_user(
                     f"{broken.describe()}; its backends are unavailable, the others work "
