@@ -72,11 +72,6 @@ def user_stacklevel() -> int:
     return level
 
 
-def one_line(exc: BaseException) -> str:
-    """``Type: message`` on one line (pluggy's validation errors span several)."""
-    return f"{type(exc).__name__}: {' '.join(str(exc).split())}"
-
-
 def warn_user(message: str, category: type[Warning]) -> None:
     """``warnings.warn`` attributed to the user's line, not to this package's internals."""
     warnings.warn(message, category, stacklevel=user_stacklevel())

@@ -19,9 +19,9 @@ from ..accounting import Measure, device_free_bytes
 from ..engines.base import CaptureRequest, Engine, Front
 from ..engines.eager import EagerEngine, EagerSegmentEngine
 from ..engines.gcsafe import gc_safe_capture
-from ..errors import CaptureStateError, ObserverError, ObserverWarning, one_line, warn_user
+from ..errors import CaptureStateError
 from ..forecast.allocator import ALLOC_CONF_VARS, expandable_segments
-from ..manager import get_plugin_manager, running_hookimpl
+from ..manager import get_plugin_manager, observe_finished, observe_started
 from ..options import BackendOptions
 from ..output_mode import OutputMode, Resolution, explain_output_mode
 from ..report import MemoryReport
@@ -58,59 +58,6 @@ def allocator_segments(choice: str, engine: Engine) -> Iterator[None]:
         yield
     finally:
         setter(f"{conf},expandable_segments:False" if conf else "expandable_segments:False")
-
-
-STARTED = "sglang_bcg_capture_started"
-FINISHED = "sglang_bcg_capture_finished"
-
-
-def _raising_plugin(caller: Any, exc: BaseException) -> tuple[int | None, str]:
-    """The index among ``caller``'s hookimpls of the one that raised ``exc``, and its plugin name."""
-    impls = caller.get_hookimpls()
-    frames, tb = [], exc.__traceback__
-    while tb is not None:
-        frames.append(tb.tb_frame)
-        tb = tb.tb_next
-    i = running_hookimpl(impls, reversed(frames))
-    return i, "<unknown>" if i is None else impls[i].plugin_name
-
-
-def _observe_started(pm: pluggy.PluginManager, backend: CaptureBackend, key: Hashable) -> None:
-    """:raises ObserverError: an observer raised (its error is the cause); nothing was captured."""
-    caller = pm.hook.sglang_bcg_capture_started
-    try:
-        caller(backend=backend, shape_key=key)
-    except Exception as exc:
-        _, plugin = _raising_plugin(caller, exc)
-        msg = (
-            f"capture_one({key!r}) aborted before it began: observer plugin {plugin!r} raised in "
-            f"{STARTED}: {one_line(exc)}; nothing was captured: fix or unregister the plugin, then "
-            "capture the key again"
-        )
-        raise ObserverError(msg, plugin=plugin, hook=STARTED, shape_key=key) from exc
-
-
-def _observe_finished(pm: pluggy.PluginManager, key: Hashable, **kwargs: Any) -> None:
-    """Tell every observer a capture ended; one that raises is isolated (an ``ObserverWarning``)."""
-    outcome = "the capture stands and the key replays" if kwargs["error"] is None else "the capture's own error propagates"
-    caller: Any = pm.hook.sglang_bcg_capture_finished
-    told: list[object] = []
-    while True:
-        try:
-            caller(shape_key=key, **kwargs)
-            return
-        except Exception as exc:
-            i, plugin = _raising_plugin(caller, exc)
-            msg = (
-                f"observer plugin {plugin!r} raised in {FINISHED} for {key!r}: {one_line(exc)}; the "
-                f"error is isolated: {outcome}"
-            )
-            warn_user(msg, ObserverWarning)
-            if i is None:  # which observers ran is unknown: tell none twice
-                return
-            # pluggy calls the list last-first: the culprit and every one after it have run
-            told.extend(impl.plugin for impl in caller.get_hookimpls()[i:])
-            caller = pm.subset_hook_caller(FINISHED, remove_plugins=told)
 
 
 class CaptureBackend:
@@ -279,7 +226,7 @@ class CaptureBackend:
             self._check_can_capture(key)
             self._capturing = key
             try:
-                _observe_started(self._pm, self, key)
+                observe_started(self._pm, self, key)
                 engine = self._get_engine()
                 request = CaptureRequest(
                     key=key,
@@ -303,12 +250,12 @@ class CaptureBackend:
                 )
             except BaseException as exc:
                 self._state.policy.discard()
-                _observe_finished(self._pm, key, backend=self, report=None, error=exc)
+                observe_finished(self._pm, key, backend=self, report=None, error=exc)
                 raise
             finally:
                 self._capturing = None
             report = self._state.report().keys[-1]
-            _observe_finished(self._pm, key, backend=self, report=report, error=None)
+            observe_finished(self._pm, key, backend=self, report=report, error=None)
             return output
 
     def _check_can_capture(self, key: Hashable) -> None:
