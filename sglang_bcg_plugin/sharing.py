@@ -1,6 +1,5 @@
-"""The output policy: one buffer per leaf path per stream partition, released outputs, hand-out
-(docs/index.md, "Output sharing"). A key goes ``reserve`` (last warmup) → ``place`` (inside the
-capture) → ``commit`` (after it succeeded) → ``hand_out`` (every replay)."""
+"""The output policy: one buffer per leaf path per stream partition, released outputs (docs/index.md,
+"Output sharing"). A key goes ``reserve`` (last warmup) → ``place`` (inside the capture) → ``commit``."""
 
 from __future__ import annotations
 
@@ -124,10 +123,9 @@ class OutputPolicy:
         self, key: Hashable, output: object, capacity_rows: int | None = None,
         foreign: frozenset[tuple[str, int]] = frozenset(),
     ) -> None:
-        """Outside the capture, from the last warmup's ``output``: note ``foreign`` (storages the forward
-        returned but did not allocate; never adopted), and with the ``"reserve"`` source and no buffer
-        yet, allocate ``key``'s partition's buffers (leaves whose leading dim is the padded row dim
-        grown to ``capacity_rows``). A key ``reserve`` never saw adopts nothing."""
+        """From the last warmup's ``output``: note ``foreign`` storages (never adopted; a key never seen
+        here adopts nothing); with the ``"reserve"`` source and no buffer yet, allocate the partition's
+        buffers (the padded row dim grown to ``capacity_rows``)."""
         self._foreign[key] = foreign
         stream = getattr(key, "stream_idx", None)
         if not self.enabled or self.source != "reserve" or output is None or stream in self.partitions:
@@ -146,12 +144,11 @@ class OutputPolicy:
         self._reserved[stream] = _Partition(node, tuple(buffers))
 
     def place(self, key: Hashable, output: object, protected: frozenset[tuple[str, int]] = frozenset()) -> Any:
-        """Inside the capture: hold ``key``'s output (in-graph copy, adopt or own); returns the graph's
-        static output. ``protected``: storages never adopted (static inputs).
+        """Inside the capture: hold ``key``'s output (in-graph copy, adopt or own; never adopting the
+        ``protected`` storages); returns the graph's static output.
 
-        :raises OutputStructureError: a misfit in strict mode.
-        :raises ValueError: a leaf requires grad while autograd is on (sharing on).
-        :raises TypeError: an output the tree walk cannot track."""
+        :raises OutputStructureError: a misfit in strict mode. :raises ValueError: a leaf requires
+            grad with sharing on. :raises TypeError: an output the tree walk cannot track."""
         placed = self._place(key, output, protected, self._foreign.pop(key, None))
         self._placed = {key: placed}  # one key in flight (captures do not nest): a failed one's is dropped
         return placed.output
@@ -181,9 +178,8 @@ class OutputPolicy:
         return self._copy_into(part, node, leaves, logical, creates=None)
 
     def commit(self, key: Hashable, *, can_release: bool = True) -> Placed:
-        """After a successful capture: make ``key``'s placement permanent and return it. In mode
-        ``released`` (where ``can_release``) its output is a non-owning alias, unless the plan keeps the
-        session's first capture's; the caller must drop its own references to the placed output.
+        """After a successful capture: make ``key``'s placement permanent and return it (mode
+        ``released``, ``can_release``: a non-owning alias, unless the plan keeps the first capture's).
 
         :raises CaptureStateError: ``key``'s output was never placed."""
         placed = self._placed.pop(key, None)

@@ -1,7 +1,5 @@
-"""``CaptureBackend``: the contract every backend implements (docs/index.md, "Backends").
-
-``capture_one`` reads top-down: check → observers → the engine (warmups and ``policy.reserve``,
-the recording with ``policy.place`` inside it) → ``state.commit`` → observers."""
+"""``CaptureBackend``: the contract every backend implements (docs/index.md, "Backends"); ``capture_one``
+reads top-down: check → observers → the engine (warmups, the recording) → ``state.commit`` → observers."""
 
 from __future__ import annotations
 

@@ -1,7 +1,5 @@
-"""The one segment recorder: ``segment, step, segment, ..., segment`` for one shape key.
-
-Front-ends (``engines/breakable.py``, ``backends/piecewise/front.py``) decide where a break is
-and what crosses it; :class:`Segments` (CUDA graphs or the eager op tape) makes the segments."""
+"""The one segment recorder: ``segment, step, segment, ..., segment`` for one shape key; fronts
+decide where a break is and what crosses it, :class:`Segments` (CUDA graphs, the op tape) make them."""
 
 from __future__ import annotations
 
@@ -214,10 +212,8 @@ def active_recorder() -> Recorder | None:
 
 
 def record(recorder: Recorder, forward_fn: Callable[[], Any], finalize: Callable[[Any], Any]) -> SegmentedGraph:
-    """Run ``forward_fn`` with ``recorder`` active; returns the captured graph. On any failure every
-    segment is aborted.
-
-    :raises HostReadError: the forward read a tensor's value on the host inside a segment."""
+    """Run ``forward_fn`` with ``recorder`` active; returns the captured graph (any failure aborts
+    every segment). :raises HostReadError: a host read inside a segment."""
     token = _active.set(recorder)
     try:
         recorder.segments.begin()

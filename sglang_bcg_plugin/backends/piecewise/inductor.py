@@ -59,10 +59,8 @@ def dense_fresh(result: Any, args: Sequence[Any]) -> Any:
 
 
 class CompiledPiece:
-    """A piece compiled by Inductor, returning what the FX piece returned (a tuple, or one value).
-
-    Called boxed (``piece.boxed(args)``) it empties ``args``, so Inductor's code frees each input
-    after its last use."""
+    """A piece compiled by Inductor, returning what the FX piece returned (a tuple, or one value);
+    ``boxed(args)`` empties ``args`` so Inductor's code frees each input after its last use."""
 
     def __init__(self, compiled: Callable[..., Any], returns_tuple: bool, boxed: bool = False) -> None:
         self.compiled = compiled
@@ -95,9 +93,8 @@ def _as_tuple_graph(gm: torch.fx.GraphModule) -> None:
 
 
 class InductorPieces:
-    """Compiles the pieces of split graphs with Inductor; counts compilations and their seconds.
+    """Compiles the pieces of split graphs with Inductor (``config``: extra patches); counts them.
 
-    :param config: extra ``torch._inductor.config`` patches; ``triton.cudagraphs`` stays ``False``.
     :raises ValueError: ``config`` turns ``triton.cudagraphs`` on."""
 
     def __init__(self, config: Mapping[str, Any] | None = None) -> None:
