@@ -18,25 +18,35 @@ hookspec = pluggy.HookspecMarker(NAME)
 
 @hookspec
 def sglang_bcg_register_backends(registry: BackendRegistry) -> None:
-    """Add backends with ``registry.add(name, factory)`` (``factory(options=..., **kwargs)`` returns a
-    :class:`~sglang_bcg_plugin.backends.base.CaptureBackend`); called once per registry build."""
+    """Add backend classes to ``registry``; called once per registry build.
+
+    :param registry: call ``registry.add(name, factory)``; ``factory(options=..., **kwargs)``
+        must return a :class:`~sglang_bcg_plugin.backends.base.CaptureBackend`."""
 
 
 @hookspec
 def sglang_bcg_capture_started(backend: CaptureBackend, shape_key: object) -> None:
-    """Observe: ``backend`` begins a capture of ``shape_key`` (checks passed, before the warmups).
-    Raising aborts the capture: ``capture_one`` raises :class:`~sglang_bcg_plugin.errors.ObserverError`."""
+    """Observe: a capture of ``shape_key`` begins (checks passed, before the warmups). Raising aborts
+    the capture: ``capture_one`` raises :class:`~sglang_bcg_plugin.errors.ObserverError`.
+
+    :param backend: the backend capturing.
+    :param shape_key: the key being captured."""
 
 
 @hookspec
 def sglang_bcg_capture_finished(
     backend: CaptureBackend, shape_key: object, report: KeyReport | None, error: BaseException | None
 ) -> None:
-    """Observe: a capture of ``shape_key`` ended with ``report`` (its :class:`~sglang_bcg_plugin.report.KeyReport`)
-    or ``error`` (which propagates after the observers). Raising is isolated (an ``ObserverWarning``)."""
+    """Observe: a capture of ``shape_key`` ended. Raising is isolated (an ``ObserverWarning``).
+
+    :param report: the key's :class:`~sglang_bcg_plugin.report.KeyReport`, or ``None`` on failure.
+    :param error: the capture's exception (it propagates after the observers), or ``None``."""
 
 
 @hookspec(firstresult=True)
 def sglang_bcg_select_backend(phase: str, server_args: object) -> str | None:
-    """The registered backend SGLang uses for ``phase`` (``"prefill"`` or ``"decode"``) given this
-    process's ``ServerArgs`` (or ``None``); ``None`` keeps the default; the first non-None wins."""
+    """Choose the registered backend SGLang uses for ``phase`` (first non-None result wins).
+
+    :param phase: ``"prefill"`` or ``"decode"``.
+    :param server_args: SGLang's ``ServerArgs`` of this process (may be ``None``).
+    :returns: a backend name, or ``None`` to keep the default (``"breakable"``)."""
