@@ -1,7 +1,5 @@
-"""Names shared by every module: the project name, the hook prefix, the core's env vars.
-
-The SGLang integration's own names live in :mod:`sglang_bcg_plugin.integration._names`.
-"""
+"""Names shared by every module: the project name, the hook prefix, the core's env vars (the
+SGLang integration's own: :mod:`sglang_bcg_plugin.integration._names`)."""
 
 from __future__ import annotations
 

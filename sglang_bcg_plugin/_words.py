@@ -1,8 +1,5 @@
-"""The one parser of a switch's word: options, environment variables and the server flag.
-
-:func:`parse_word` reads every named choice and boolean (any case, surrounding whitespace);
-anything else is an error naming the switch and the accepted values.
-"""
+"""The one parser of a switch's word (options, environment variables, the server flag): any case,
+surrounding whitespace; anything else is an error naming the switch and the accepted values."""
 
 from __future__ import annotations
 
@@ -33,14 +30,10 @@ def names_text(names: Iterable[str]) -> str:
 
 
 def parse_word(raw: object, words: Mapping[str, T], what: str, *, kind: str, accepted: str | None = None) -> T:
-    """``words[raw]``, ``raw`` in any case with surrounding whitespace (``words``' keys are lowercase).
+    """``words[raw]``, ``raw`` in any case with surrounding whitespace (``words``' keys are lowercase);
+    messages name ``what`` (the switch), the value, ``kind`` and ``accepted`` (default: the keys).
 
-    :param what: the switch, as the user wrote it (``BackendOptions.shared_buffer``, a variable).
-    :param kind: what a value is (``"a boolean"``, ``"an output mode"``), for the message.
-    :param accepted: how the message lists the accepted values (default: ``words``' keys).
-    :raises TypeError: ``raw`` is not a str. :raises ValueError: ``raw`` is not one of ``words``
-        (both name ``what``, the value and what is accepted).
-    """
+    :raises TypeError: ``raw`` is not a str. :raises ValueError: ``raw`` is not one of ``words``."""
     accepted = names_text(words) if accepted is None else accepted
     if not isinstance(raw, str):
         msg = f"{what} must be {accepted}, got {repr(raw)[:200]} of type {type(raw).__name__}"
@@ -55,10 +48,7 @@ def parse_word(raw: object, words: Mapping[str, T], what: str, *, kind: str, acc
 def parse_env(
     name: str, words: Mapping[str, T], *, kind: str, accepted: str | None = None, environ: Mapping[str, str] | None = None
 ) -> T | None:
-    """The environment variable ``name`` read by :func:`parse_word`; ``None`` when unset or blank.
-
-    :raises ValueError: set to something else (the variable and the accepted values are named).
-    """
+    """The environment variable ``name`` read by :func:`parse_word`; ``None`` when unset or blank."""
     raw = (os.environ if environ is None else environ).get(name)
     if raw is None or not raw.strip():
         return None
@@ -66,8 +56,5 @@ def parse_env(
 
 
 def parse_bool_env(name: str, environ: Mapping[str, str] | None = None) -> bool | None:
-    """A boolean environment variable (:data:`BOOLEAN`); ``None`` when unset or blank.
-
-    :raises ValueError: set to something else, naming the variable and the accepted values.
-    """
+    """A boolean environment variable (:data:`BOOLEAN`); ``None`` when unset or blank."""
     return parse_env(name, BOOLEAN, kind="a boolean", accepted=BOOLEAN_TEXT, environ=environ)

@@ -18,8 +18,7 @@ def _reserved(engine: str) -> int | None:
 
 
 class Measure:
-    """``with Measure(engine_name) as m:`` times the block; ``m.memory_bytes`` is the growth of
-    ``torch.cuda.memory_reserved()`` across it on the CUDA engine (``None`` elsewhere)."""
+    """Times the block; ``memory_bytes``: the growth of reserved CUDA memory across it (CUDA engine only)."""
 
     def __init__(self, engine: str) -> None:
         self.engine = engine

@@ -62,8 +62,7 @@ _INTERNAL = (
 
 
 def user_stacklevel() -> int:
-    """The ``stacklevel`` at which the caller's ``warnings.warn`` points at the first frame outside
-    this package, pluggy and ``contextlib``."""
+    """The ``stacklevel`` of the first frame outside this package, pluggy and ``contextlib``."""
     frame = sys._getframe(1)
     level = 1
     while frame.f_back is not None and os.path.abspath(frame.f_code.co_filename).startswith(_INTERNAL):
@@ -90,9 +89,8 @@ _TRANSFORMERS_HINT = (
 
 
 class HostReadError(RuntimeError):
-    """A capture read a tensor's value on the host while a graph segment was open
-    (docs/refusals.md). Carries ``shape_key``, ``segment`` (``None`` for a Full graph), ``op`` and
-    ``where`` (the first frame outside torch and this package, or ``None``)."""
+    """A capture read a tensor's value on the host inside a graph segment (docs/refusals.md); carries
+    ``shape_key``, ``segment`` (``None``: a Full graph), ``op`` and ``where`` (the user's frame or ``None``)."""
 
     def __init__(self, shape_key: object, segment: int | None, op: str, where: str | None = None) -> None:
         self.shape_key = shape_key
@@ -113,16 +111,12 @@ class HostReadError(RuntimeError):
         super().__init__(msg)
 
 
-def _skipped() -> tuple[str, ...]:
-    import torch
-
-    return (*_INTERNAL, os.path.dirname(os.path.abspath(torch.__file__)) + os.sep)
-
-
 def user_frame(frames: list[tuple[str, int, str]]) -> str | None:
     """``file:line in function`` of the innermost of ``frames`` (outermost first) outside torch, this
     package, pluggy and ``contextlib``, else ``None``."""
-    skipped = _skipped()
+    import torch
+
+    skipped = (*_INTERNAL, os.path.dirname(os.path.abspath(torch.__file__)) + os.sep)
     for filename, lineno, function in reversed(frames):
         if not os.path.abspath(filename).startswith(skipped):
             return f"{filename}:{lineno} in {function}"

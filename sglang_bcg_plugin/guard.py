@@ -11,15 +11,13 @@ from typing import Any
 import torch
 
 from . import released as _released
-from .released import alias, maybe_alias
+from .released import alias, maybe_alias, released_supported
 from .trees import flatten, unflatten
 
 
 def guard_supported() -> bool:
     """Whether this torch build can poison storages."""
-    return hasattr(torch._C, "_set_storage_access_error_msg") and hasattr(
-        torch._C, "_construct_storage_from_data_pointer"
-    )
+    return hasattr(torch._C, "_set_storage_access_error_msg") and released_supported()
 
 
 @dataclass(eq=False)
@@ -54,11 +52,8 @@ class StaleOutputGuard:
 
     def hand_out(self, owner: object, key: Hashable, output: Any, *, released: bool, pool: Hashable | None = None) -> Any:
         """``owner`` replayed ``key``'s graph: poison what the previous replay of another graph of its
-        scope handed out; return ``output`` as fresh aliases, remembered.
-
-        :param released: ``output`` lives in free pool memory: any other graph of ``pool`` invalidates
-            it; otherwise another key of the partition does.
-        :param pool: the graph pool (``None``: the owner's partition is its own pool)."""
+        scope handed out (``released``: of ``pool``, ``None`` for the owner's partition; otherwise of
+        the partition); return ``output`` as fresh aliases, remembered."""
         partition = (id(owner), getattr(key, "stream_idx", None))
         in_pool = partition if pool is None else ("pool", pool)
         with self._lock:

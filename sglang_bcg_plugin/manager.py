@@ -1,4 +1,4 @@
-"""The plugin manager: built lazily, cached, never at import time."""
+"""The plugin manager (built lazily, cached, never at import time) and the observers' calls."""
 
 from __future__ import annotations
 
@@ -6,9 +6,8 @@ import difflib
 import importlib
 import importlib.metadata
 import os
-import re
 import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass
 from types import FrameType
 from typing import Any
@@ -17,7 +16,7 @@ import pluggy
 
 from . import hookspecs
 from ._constants import ENV_BLOCK_PLUGINS, NAME
-from .errors import PluginLoadWarning, warn_user
+from .errors import ObserverError, ObserverWarning, PluginLoadWarning, warn_user
 
 hookimpl = pluggy.HookimplMarker(NAME)
 
@@ -66,6 +65,11 @@ class _Manager(pluggy.PluginManager):
         return self.list_plugin_distributions()
 
 
+def _one_line(exc: BaseException) -> str:
+    """``Type: message`` on one line (pluggy's validation errors span several)."""
+    return f"{type(exc).__name__}: {' '.join(str(exc).split())}"
+
+
 def running_hookimpl(impls: Sequence[Any], frames: Iterable[FrameType]) -> int | None:
     """The index in ``impls`` of the hookimpl running in the first of ``frames`` (innermost first)
     that runs one; plugins of one class are told apart by the frame's ``self``."""
@@ -78,11 +82,6 @@ def running_hookimpl(impls: Sequence[Any], frames: Iterable[FrameType]) -> int |
         if matches:
             return matches[0]
     return None
-
-
-def _one_line(exc: BaseException) -> str:
-    """``Type: message`` on one line (pluggy's validation errors span several)."""
-    return re.sub(r"\s*\n\s*", " ", f"{type(exc).__name__}: {exc}").strip()
 
 
 def _check_known_hooks(pm: pluggy.PluginManager, name: str) -> None:
@@ -160,3 +159,56 @@ def broken_plugins(pm: pluggy.PluginManager | None = None) -> tuple[BrokenPlugin
     """The ``sglang_bcg`` entry points that failed to load into ``pm`` (default: the process's)."""
     pm = pm or get_plugin_manager()
     return tuple(getattr(pm, "broken_plugins", ()))
+
+
+STARTED = "sglang_bcg_capture_started"
+FINISHED = "sglang_bcg_capture_finished"
+
+
+def _raising_plugin(caller: Any, exc: BaseException) -> tuple[int | None, str]:
+    """The index among ``caller``'s hookimpls of the one that raised ``exc``, and its plugin name."""
+    impls = caller.get_hookimpls()
+    frames, tb = [], exc.__traceback__
+    while tb is not None:
+        frames.append(tb.tb_frame)
+        tb = tb.tb_next
+    i = running_hookimpl(impls, reversed(frames))
+    return i, "<unknown>" if i is None else impls[i].plugin_name
+
+
+def observe_started(pm: pluggy.PluginManager, backend: object, key: Hashable) -> None:
+    """:raises ObserverError: an observer raised (its error is the cause); nothing was captured."""
+    caller = pm.hook.sglang_bcg_capture_started
+    try:
+        caller(backend=backend, shape_key=key)
+    except Exception as exc:
+        _, plugin = _raising_plugin(caller, exc)
+        msg = (
+            f"capture_one({key!r}) aborted before it began: observer plugin {plugin!r} raised in "
+            f"{STARTED}: {_one_line(exc)}; nothing was captured: fix or unregister the plugin, then "
+            "capture the key again"
+        )
+        raise ObserverError(msg, plugin=plugin, hook=STARTED, shape_key=key) from exc
+
+
+def observe_finished(pm: pluggy.PluginManager, key: Hashable, **kwargs: Any) -> None:
+    """Tell every observer a capture ended; one that raises is isolated (an ``ObserverWarning``)."""
+    outcome = "the capture stands and the key replays" if kwargs["error"] is None else "the capture's own error propagates"
+    caller: Any = pm.hook.sglang_bcg_capture_finished
+    told: list[object] = []
+    while True:
+        try:
+            caller(shape_key=key, **kwargs)
+            return
+        except Exception as exc:
+            i, plugin = _raising_plugin(caller, exc)
+            msg = (
+                f"observer plugin {plugin!r} raised in {FINISHED} for {key!r}: {_one_line(exc)}; the "
+                f"error is isolated: {outcome}"
+            )
+            warn_user(msg, ObserverWarning)
+            if i is None:  # which observers ran is unknown: tell none twice
+                return
+            # pluggy calls the list last-first: the culprit and every one after it have run
+            told.extend(impl.plugin for impl in caller.get_hookimpls()[i:])
+            caller = pm.subset_hook_caller(FINISHED, remove_plugins=told)

@@ -28,13 +28,10 @@ _OPTION_WORDS: dict[str, OutputMode] = {mode: mode for mode in MODES}
 
 
 def parse_output_mode(value: object, *, name: str = "BackendOptions.output_mode") -> OutputMode | None:
-    """Validate an ``output_mode`` option: ``"off"``, ``"on"``, ``"released"`` (any case,
-    surrounding whitespace allowed; returned lowercase) or ``None`` (follow the switch).
+    """An ``output_mode`` option: a mode (any case; returned lowercase) or ``None`` (follow the switch).
 
-    :raises ValueError: a string that is not a mode, naming ``name``, the value and the modes.
-    :raises TypeError: anything else, naming ``name``, the value and what is accepted (a bool
-        says which mode it meant).
-    """
+    :raises ValueError: a string that is not a mode. :raises TypeError: anything else (a bool says
+        which mode it meant); both name ``name``, the value and what is accepted."""
     if value is None:
         return None
     accepted = f"'off', 'on', 'released' or None (follow --enable-bcg-shared-output / {ENV_SHARE_OUTPUT})"
@@ -53,10 +50,9 @@ def mode_of_option(value: bool | str | None) -> OutputMode | None:
 
 
 def parse_mode_text(raw: str | None, *, what: str = ENV_SHARE_OUTPUT) -> OutputMode | None:
-    """Parse a textual mode (environment variable or flag value); ``None`` when unset/empty.
+    """A textual mode (environment variable or flag value); ``None`` when unset/empty.
 
-    :raises ValueError: not one of :data:`ACCEPTED_TEXT`, naming ``what`` and the value.
-    """
+    :raises ValueError: not one of :data:`ACCEPTED_TEXT`, naming ``what`` and the value."""
     if raw is None or not raw.strip():
         return None
     return parse_word(raw, TEXT_WORDS, what, kind="an output mode", accepted=ACCEPTED_TEXT)
@@ -85,20 +81,16 @@ def explain_output_mode(
     default: OutputMode = OFF,
     default_reason: str = "default: off",
 ) -> Resolution:
-    """Resolve the output mode and say why (precedence: the module docstring).
+    """The output mode and why (precedence: the module docstring); ``explicit``: an option value, a
+    host's :class:`Resolution` (returned as it is), or ``None``.
 
-    ``explicit``: an option value, a host's :class:`Resolution` (returned as it is), or ``None``.
-
-    :raises TypeError: ``explicit`` is not a valid option value.
-    :raises ValueError: ``explicit`` or the environment variable is not a mode.
-    """
+    :raises TypeError, ValueError: ``explicit`` or the environment variable is not a mode."""
     if isinstance(explicit, Resolution):
         return explicit
     mode = parse_output_mode(explicit)
     if mode is not None:
         return Resolution(mode, f"BackendOptions.output_mode={mode!r}")
-    env = os.environ if environ is None else environ
-    raw = env.get(ENV_SHARE_OUTPUT)
+    raw = (os.environ if environ is None else environ).get(ENV_SHARE_OUTPUT)
     from_env = parse_mode_text(raw)
     if from_env is not None:
         return Resolution(from_env, f"{ENV_SHARE_OUTPUT}={raw!r}")

@@ -16,8 +16,7 @@ from .backends.state import CaptureState
 from .engines.base import CapturedGraph, CaptureRequest, Engine, Front, run_warmups
 from .engines.breakable import BreakableFront
 from .engines.cuda import FullCudaEngine, SegmentCudaEngine
-from .engines.eager import EagerEngine
-from .engines.eager_segments import EagerSegmentEngine
+from .engines.eager import EagerEngine, EagerSegmentEngine
 from .manager import hookimpl
 from .registry import BackendRegistry
 from .sharing import OutputPolicy

@@ -99,8 +99,7 @@ def create_backend(
 ) -> CaptureBackend:
     """Create the backend registered as ``name``.
 
-    :raises BackendRegistrationError: unknown name.
-    :raises TypeError: ``options`` is not a ``BackendOptions``."""
+    :raises BackendRegistrationError: unknown name. :raises TypeError: ``options`` is not a ``BackendOptions``."""
     if options is not None and not isinstance(options, BackendOptions):
         msg = (
             f"create_backend({name!r}): options must be a BackendOptions or None, got "

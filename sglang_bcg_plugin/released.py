@@ -37,10 +37,8 @@ def maybe_alias(t: Any) -> Any:
 
 
 def release_output(output: Any) -> Any:
-    """``output`` with every device tensor leaf replaced by a non-owning alias; the caller must drop
-    its own references to ``output`` for the memory to go back to the pool.
-
-    :raises RuntimeError: this torch build cannot build aliases."""
+    """``output`` with every device tensor leaf a non-owning alias (drop ``output`` itself for its
+    memory to go back to the pool). :raises RuntimeError: this torch build cannot build aliases."""
     if not released_supported():
         msg = (
             "output mode 'released' needs torch._C._construct_storage_from_data_pointer, which "

@@ -44,11 +44,9 @@ def _check(name: str, value: object, want: str, typed: bool, valid: bool) -> Non
 
 
 def check_key(key: object) -> Hashable:
-    """Validate a key from any source (ours or SGLang's): any hashable object with ``size`` (int >= 1)
-    and ``stream_idx``; returns it.
+    """``key``, any hashable object with ``size`` (an int >= 1) and ``stream_idx`` (ours or SGLang's).
 
-    :raises TypeError: no ``size``/``stream_idx``, or not hashable.
-    :raises ValueError: ``size`` is not an int >= 1."""
+    :raises TypeError: no ``size``/``stream_idx``, or not hashable. :raises ValueError: a bad ``size``."""
     size = getattr(key, "size", None)
     if not hasattr(key, "stream_idx") or size is None:
         msg = (

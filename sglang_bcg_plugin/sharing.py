@@ -1,6 +1,5 @@
-"""The output policy: one buffer per leaf path per stream partition, released outputs, hand-out
-(docs/index.md, "Output sharing"). A key goes ``reserve`` (last warmup) → ``place`` (inside the
-capture) → ``commit`` (after it succeeded) → ``hand_out`` (every replay)."""
+"""The output policy: one buffer per leaf path per stream partition, released outputs (docs/index.md,
+"Output sharing"). A key goes ``reserve`` (last warmup) → ``place`` (inside the capture) → ``commit``."""
 
 from __future__ import annotations
 
@@ -16,7 +15,6 @@ from .guard import GUARD, StaleOutputGuard, guard_supported
 from .output_mode import ON, RELEASED
 from .released import release_output
 from .scan import cut
-from .storage import flat_of, view_of
 from .trees import Node, diff, flatten, storage_key, unflatten
 
 if TYPE_CHECKING:
@@ -48,6 +46,11 @@ class Placed:
     released: bool = False
     #: the partition this key creates (its first capture), installed at commit
     creates: _Partition | None = field(default=None, repr=False)
+
+
+def _view_of(flat: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+    """The contiguous ``shape``-shaped view at the start of the flat buffer ``flat`` (storage, not rows)."""
+    return flat[: math.prod(shape)].view(shape)
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -104,7 +107,13 @@ class OutputPolicy:
         """A session with ``plan``: fresh partitions; the guard read now serves every replay."""
         self.enabled, self.strict, self.source = plan.mode == ON, plan.strict, plan.buffer_source
         self.release, self.keep_first = plan.mode == RELEASED, plan.released_keeps_largest
-        self.guard = _guard(plan.guard, self.guard)
+        if plan.guard and not guard_supported() and self.guard is None:
+            msg = (
+                "stale_output_guard is on but this torch build cannot poison storages (needs "
+                "torch._C._set_storage_access_error_msg, present in CUDA builds); the guard does nothing"
+            )
+            warn_user(msg, RuntimeWarning)
+        self.guard = GUARD if plan.guard and guard_supported() else None
 
     def close(self) -> None:
         """The session ended: drop its partitions (the graphs hold their outputs) and pending keys."""
@@ -114,10 +123,9 @@ class OutputPolicy:
         self, key: Hashable, output: object, capacity_rows: int | None = None,
         foreign: frozenset[tuple[str, int]] = frozenset(),
     ) -> None:
-        """Outside the capture, from the last warmup's ``output``: note ``foreign`` (storages the forward
-        returned but did not allocate; never adopted), and with the ``"reserve"`` source and no buffer
-        yet, allocate ``key``'s partition's buffers (leaves whose leading dim is the padded row dim
-        grown to ``capacity_rows``). A key ``reserve`` never saw adopts nothing."""
+        """From the last warmup's ``output``: note ``foreign`` storages (never adopted; a key never seen
+        here adopts nothing); with the ``"reserve"`` source and no buffer yet, allocate the partition's
+        buffers (the padded row dim grown to ``capacity_rows``)."""
         self._foreign[key] = foreign
         stream = getattr(key, "stream_idx", None)
         if not self.enabled or self.source != "reserve" or output is None or stream in self.partitions:
@@ -136,12 +144,11 @@ class OutputPolicy:
         self._reserved[stream] = _Partition(node, tuple(buffers))
 
     def place(self, key: Hashable, output: object, protected: frozenset[tuple[str, int]] = frozenset()) -> Any:
-        """Inside the capture: hold ``key``'s output (in-graph copy, adopt or own); returns the graph's
-        static output. ``protected``: storages never adopted (static inputs).
+        """Inside the capture: hold ``key``'s output (in-graph copy, adopt or own; never adopting the
+        ``protected`` storages); returns the graph's static output.
 
-        :raises OutputStructureError: a misfit in strict mode.
-        :raises ValueError: a leaf requires grad while autograd is on (sharing on).
-        :raises TypeError: an output the tree walk cannot track."""
+        :raises OutputStructureError: a misfit in strict mode. :raises ValueError: a leaf requires
+            grad with sharing on. :raises TypeError: an output the tree walk cannot track."""
         placed = self._place(key, output, protected, self._foreign.pop(key, None))
         self._placed = {key: placed}  # one key in flight (captures do not nest): a failed one's is dropped
         return placed.output
@@ -171,9 +178,8 @@ class OutputPolicy:
         return self._copy_into(part, node, leaves, logical, creates=None)
 
     def commit(self, key: Hashable, *, can_release: bool = True) -> Placed:
-        """After a successful capture: make ``key``'s placement permanent and return it. In mode
-        ``released`` (where ``can_release``) its output is a non-owning alias, unless the plan keeps the
-        session's first capture's; the caller must drop its own references to the placed output.
+        """After a successful capture: make ``key``'s placement permanent and return it (mode
+        ``released``, ``can_release``: a non-owning alias, unless the plan keeps the first capture's).
 
         :raises CaptureStateError: ``key``'s output was never placed."""
         placed = self._placed.pop(key, None)
@@ -191,16 +197,6 @@ class OutputPolicy:
             placed.output = release_output(placed.output)
         return placed
 
-    def hand_out(self, owner: object, key: Hashable, output: Any, *, released: bool, pool: Hashable | None = None) -> Any:
-        """A replayed output through the stale-output guard (unchanged when it is off)."""
-        if self.guard is None:
-            return output
-        return self.guard.hand_out(owner, key, output, released=released, pool=pool)
-
-    def clear(self, owner: object) -> None:
-        """Forget the guard's records of ``owner`` (``cleanup()``)."""
-        GUARD.forget(owner)
-
     @staticmethod
     def _misfit(part: _Partition, node: Node, leaves: list[tuple[str, torch.Tensor]]) -> tuple[str, str] | None:
         found = diff(part.spec, node)
@@ -217,7 +213,7 @@ class OutputPolicy:
     ) -> Placed:
         views = []
         for (_, leaf), buf in zip(leaves, part.buffers, strict=True):
-            view = view_of(buf, leaf.shape)
+            view = _view_of(buf, leaf.shape)
             view.copy_(leaf)
             views.append(view)
         return Placed(unflatten(node, views), shared=True, logical_bytes=logical, creates=creates)
@@ -237,11 +233,11 @@ class OutputPolicy:
         for _, leaf in leaves:
             sk = storage_key(leaf)
             owned = foreign is not None and sk not in foreign and sk not in protected
-            flat = flat_of(leaf) if owned and sk not in seen else None
+            flat = leaf.view(-1) if owned and sk not in seen and leaf.is_contiguous() else None
             seen.add(sk)
             if flat is None:
                 flat = torch.empty(max(leaf.numel(), 1), dtype=leaf.dtype, device=leaf.device)
-                view = view_of(flat, leaf.shape)
+                view = _view_of(flat, leaf.shape)
                 view.copy_(leaf)
                 outs.append(view)
             else:
@@ -256,18 +252,3 @@ class OutputPolicy:
         msg = f"{key!r} keeps its own output (no sharing): leaf {cut(path)}: {reason}"
         warn_user(msg, SharedOutputFallbackWarning)
         return Placed(output, shared=False, fallback=f"{path}: {reason}", logical_bytes=logical)
-
-
-def _guard(enabled: bool, current: StaleOutputGuard | None) -> StaleOutputGuard | None:
-    """The guard of a new session: the process's, while enabled; where this torch cannot poison
-    storages, a warning and none."""
-    if enabled and guard_supported():
-        return GUARD
-    if enabled and current is None:
-        warn_user(
-            "stale_output_guard is on but this torch build cannot poison storages "
-            "(needs torch._C._set_storage_access_error_msg, present in CUDA builds); "
-            "the guard does nothing",
-            RuntimeWarning,
-        )
-    return None

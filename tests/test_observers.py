@@ -27,7 +27,7 @@ from sglang_bcg_plugin import (
     get_plugin_manager,
     hookimpl,
 )
-from sglang_bcg_plugin.backends import base
+from sglang_bcg_plugin import manager
 from sglang_bcg_plugin.manager import reset_plugin_manager
 from test_plugins import _write_dist, on_path  # noqa: F401 - the fixture, reused
 
@@ -199,7 +199,7 @@ def test_two_observers_of_one_class_are_told_apart() -> None:
 
 def test_an_observer_that_cannot_be_named(monkeypatch: pytest.MonkeyPatch, raising_plugin: Callable[[str], Any]) -> None:
     """Where no frame of the traceback is a hookimpl's, the messages say so; no observer is told twice."""
-    monkeypatch.setattr(base, "running_hookimpl", lambda impls, frames: None)
+    monkeypatch.setattr(manager, "running_hookimpl", lambda impls, frames: None)
     raising_plugin("finished")
     backend = _backend("full")
     with backend.capture_session(), pytest.warns(ObserverWarning, match="observer plugin '<unknown>'"):
@@ -208,7 +208,7 @@ def test_an_observer_that_cannot_be_named(monkeypatch: pytest.MonkeyPatch, raisi
 
 
 def test_a_started_observer_that_cannot_be_named(monkeypatch: pytest.MonkeyPatch, raising_plugin: Callable[[str], Any]) -> None:
-    monkeypatch.setattr(base, "running_hookimpl", lambda impls, frames: None)
+    monkeypatch.setattr(manager, "running_hookimpl", lambda impls, frames: None)
     raising_plugin("started")
     backend = _backend("full")
     with backend.capture_session(), pytest.raises(ObserverError, match="observer plugin '<unknown>'"):

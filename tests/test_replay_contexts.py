@@ -26,7 +26,7 @@ import torch
 
 from sglang_bcg_plugin import BackendOptions, ShapeKey, SharedOutputFallbackWarning, create_backend, graph_break
 from sglang_bcg_plugin.engines.recorder import refresh
-from sglang_bcg_plugin.storage import copy_broadcast
+from sglang_bcg_plugin.engines.recorder import copy_broadcast
 from splitting_ops import write_softmax
 
 MODES = ["off", "on", "released"]

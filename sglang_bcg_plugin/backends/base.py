@@ -1,7 +1,5 @@
-"""``CaptureBackend``: the contract every backend implements (docs/index.md, "Backends").
-
-``capture_one`` reads top-down: check → observers → the engine (warmups and ``policy.reserve``,
-the recording with ``policy.place`` inside it) → ``state.commit`` → observers."""
+"""``CaptureBackend``: the contract every backend implements (docs/index.md, "Backends"); ``capture_one``
+reads top-down: check → observers → the engine (warmups, the recording) → ``state.commit`` → observers."""
 
 from __future__ import annotations
 
@@ -17,12 +15,11 @@ import torch
 
 from ..accounting import Measure, device_free_bytes
 from ..engines.base import CaptureRequest, Engine, Front
-from ..engines.eager import EagerEngine
-from ..engines.eager_segments import EagerSegmentEngine
+from ..engines.eager import EagerEngine, EagerSegmentEngine
 from ..engines.gcsafe import gc_safe_capture
-from ..errors import CaptureStateError, ObserverError, ObserverWarning, warn_user
+from ..errors import CaptureStateError
 from ..forecast.allocator import ALLOC_CONF_VARS, expandable_segments
-from ..manager import get_plugin_manager, running_hookimpl
+from ..manager import get_plugin_manager, observe_finished, observe_started
 from ..options import BackendOptions
 from ..output_mode import OutputMode, Resolution, explain_output_mode
 from ..report import MemoryReport
@@ -36,8 +33,8 @@ if TYPE_CHECKING:
 
 @contextlib.contextmanager
 def allocator_segments(choice: str, engine: Engine) -> Iterator[None]:
-    """``BackendOptions.pool_segments`` for one session: with ``"expandable"`` on a CUDA engine, the
-    allocator's ``expandable_segments`` is on while the session is open (nothing otherwise).
+    """``BackendOptions.pool_segments="expandable"`` on a CUDA engine: the allocator's
+    ``expandable_segments`` on while the session is open.
 
     :raises RuntimeError: this torch cannot switch it at run time."""
     if choice != "expandable" or engine.name != "cuda" or expandable_segments():
@@ -61,66 +58,6 @@ def allocator_segments(choice: str, engine: Engine) -> Iterator[None]:
         setter(f"{conf},expandable_segments:False" if conf else "expandable_segments:False")
 
 
-STARTED = "sglang_bcg_capture_started"
-FINISHED = "sglang_bcg_capture_finished"
-
-
-def _one_line(exc: BaseException) -> str:
-    return f"{type(exc).__name__}: {' '.join(str(exc).split())}"
-
-
-def _raising_plugin(caller: Any, exc: BaseException) -> tuple[int | None, str]:
-    """The index among ``caller``'s hookimpls of the one that raised ``exc``, and its plugin name."""
-    impls = caller.get_hookimpls()
-    frames, tb = [], exc.__traceback__
-    while tb is not None:
-        frames.append(tb.tb_frame)
-        tb = tb.tb_next
-    i = running_hookimpl(impls, reversed(frames))
-    return i, "<unknown>" if i is None else impls[i].plugin_name
-
-
-def _observe_started(pm: pluggy.PluginManager, backend: CaptureBackend, key: Hashable) -> None:
-    """Tell the observers a capture begins.
-
-    :raises ObserverError: an observer raised (its error is the cause); nothing was captured."""
-    caller = pm.hook.sglang_bcg_capture_started
-    try:
-        caller(backend=backend, shape_key=key)
-    except Exception as exc:
-        _, plugin = _raising_plugin(caller, exc)
-        msg = (
-            f"capture_one({key!r}) aborted before it began: observer plugin {plugin!r} raised in "
-            f"{STARTED}: {_one_line(exc)}; nothing was captured: fix or unregister the plugin, then "
-            "capture the key again"
-        )
-        raise ObserverError(msg, plugin=plugin, hook=STARTED, shape_key=key) from exc
-
-
-def _observe_finished(pm: pluggy.PluginManager, key: Hashable, **kwargs: Any) -> None:
-    """Tell every observer a capture ended; one that raises is isolated (an ``ObserverWarning``), the
-    rest are still told, and the capture stands."""
-    outcome = "the capture stands and the key replays" if kwargs["error"] is None else "the capture's own error propagates"
-    caller: Any = pm.hook.sglang_bcg_capture_finished
-    told: list[object] = []
-    while True:
-        try:
-            caller(shape_key=key, **kwargs)
-            return
-        except Exception as exc:
-            i, plugin = _raising_plugin(caller, exc)
-            msg = (
-                f"observer plugin {plugin!r} raised in {FINISHED} for {key!r}: {_one_line(exc)}; the "
-                f"error is isolated: {outcome}"
-            )
-            warn_user(msg, ObserverWarning)
-            if i is None:  # which observers ran is unknown: tell none twice
-                return
-            # pluggy calls the list last-first: the culprit and every one after it have run
-            told.extend(impl.plugin for impl in caller.get_hookimpls()[i:])
-            caller = pm.subset_hook_caller(FINISHED, remove_plugins=told)
-
-
 class CaptureBackend:
     """Base class of the Full, Breakable and Piecewise backends."""
 
@@ -135,9 +72,8 @@ class CaptureBackend:
         plugin_manager: pluggy.PluginManager | None = None,
         output_mode: Resolution | None = None,
     ) -> None:
-        """:param output_mode: a mode a host resolved, with its reason; ``options.output_mode`` wins over
-            it, it wins over the environment and the default.
-        :raises TypeError: ``output_mode`` is not a ``Resolution``."""
+        """:param output_mode: a mode a host resolved (below ``options.output_mode``, above the
+            environment). :raises TypeError: ``output_mode`` is not a ``Resolution``."""
         self._options = options or BackendOptions()
         self._pm = plugin_manager or get_plugin_manager()
         if output_mode is not None and not isinstance(output_mode, Resolution):
@@ -185,13 +121,12 @@ class CaptureBackend:
 
     def _get_engine(self) -> Engine:
         if self._engine is None:
-            self._engine = self._make_cuda_engine() if self._use_cuda() else self._make_eager_engine()
+            if self._use_cuda():
+                self._engine = self._make_cuda_engine()
+            else:
+                self._engine = EagerEngine() if self._front is None else EagerSegmentEngine(self._front())
             self._state.engine = self._engine.name
         return self._engine
-
-    def _make_eager_engine(self) -> Engine:
-        """The engine without CUDA graphs (CPU machines, ``engine="eager"``)."""
-        return EagerEngine() if self._front is None else EagerSegmentEngine(self._front())
 
     def _make_cuda_engine(self) -> Engine:
         if self._front is None:  # pragma: no cover - overridden per backend
@@ -242,10 +177,8 @@ class CaptureBackend:
         forward_for: Callable[[int], Callable[[], Any]],
         capture_inputs: Any = None,
     ) -> GraphMemoryForecast:
-        """Forecast the graph memory of capturing ``sizes``, per output mode (docs/forecast.md).
-
-        ``forward_for(size)`` returns the ``forward_fn`` ``capture_one`` would get. The backend must
-        have captured nothing; afterwards it is as before, but the next session's plan may use it.
+        """Forecast the graph memory of capturing ``sizes`` per output mode, before any capture; the next
+        session's plan may use it (docs/forecast.md). ``forward_for(size)``: ``capture_one``'s ``forward_fn``.
 
         :raises ForecastError: fewer than two sizes, not the CUDA engine, or forwards whose
             allocations at the two probed sizes are not one pattern.
@@ -278,7 +211,6 @@ class CaptureBackend:
         post_warmup_hook: Callable[[], None] | None = None,
     ) -> Any:
         """Warm up, capture ``forward_fn`` (no arguments) for ``shape_key``; returns its static output.
-
         ``capture_inputs`` (any tree) is kept alive with the graph.
 
         :raises CaptureStateError: no session is open, or a capture is in progress.
@@ -292,7 +224,7 @@ class CaptureBackend:
             self._check_can_capture(key)
             self._capturing = key
             try:
-                _observe_started(self._pm, self, key)
+                observe_started(self._pm, self, key)
                 engine = self._get_engine()
                 request = CaptureRequest(
                     key=key,
@@ -316,12 +248,12 @@ class CaptureBackend:
                 )
             except BaseException as exc:
                 self._state.policy.discard()
-                _observe_finished(self._pm, key, backend=self, report=None, error=exc)
+                observe_finished(self._pm, key, backend=self, report=None, error=exc)
                 raise
             finally:
                 self._capturing = None
             report = self._state.report().keys[-1]
-            _observe_finished(self._pm, key, backend=self, report=report, error=None)
+            observe_finished(self._pm, key, backend=self, report=report, error=None)
             return output
 
     def _check_can_capture(self, key: Hashable) -> None:
@@ -333,7 +265,7 @@ class CaptureBackend:
                 "capture keys one after another"
             )
             raise CaptureStateError(msg)
-        if self._state.entry(key) is not None:
+        if key in self._state:
             msg = f"{key!r} is already captured by the {self.name} backend; cleanup() first to capture it again"
             raise ValueError(msg)
 
@@ -342,29 +274,19 @@ class CaptureBackend:
 
         :raises KeyError: ``shape_key`` was never captured."""
         entry = self._state.entry(shape_key)
-        if entry is None:
-            sizes = sorted({getattr(k, "size", 0) for k in self._state.keys()})
-            msg = (
-                f"{shape_key!r} was never captured by the {self.name} backend; "
-                f"captured sizes: {sizes or 'none'}"
-            )
-            raise KeyError(msg)
         check_input_pointers(shape_key, entry)
-        return self._state.hand_out(shape_key, entry.graph.replay(), entry=entry)
+        return self._state.hand_out(shape_key, entry.graph.replay())
 
     def can_run(self, shape_key: Hashable) -> bool:
         """Whether ``replay(shape_key)`` would run a captured graph."""
-        return self._state.entry(shape_key) is not None
+        return shape_key in self._state
 
     def captured_keys(self) -> list[Hashable]:
         return self._state.keys()
 
     def num_segments(self, shape_key: Hashable) -> int:
-        entry = self._state.entry(shape_key)
-        if entry is None:
-            msg = f"{shape_key!r} was never captured by the {self.name} backend"
-            raise KeyError(msg)
-        return int(entry.graph.num_segments)
+        """:raises KeyError: ``shape_key`` was never captured."""
+        return int(self._state.entry(shape_key).graph.num_segments)
 
     def memory_report(self) -> MemoryReport:
         """Logical vs resident output bytes, fallbacks, capture seconds per key; bridges per partition."""

@@ -3,7 +3,7 @@ forecast steers anything. ``memory_report().plan`` shows the latest plan."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING
 
 from ..output_mode import RELEASED, OutputMode, Resolution
@@ -35,12 +35,8 @@ class SessionPlan:
         return self.resolution.mode
 
     def to_dict(self) -> dict[str, object]:
-        return {
-            "mode": self.mode, "mode_reason": self.resolution.source, "buffer_source": self.buffer_source,
-            "buffer_reason": self.buffer_reason, "guard": self.guard, "strict": self.strict,
-            "check_inputs": self.check_inputs, "released_keeps_largest": self.released_keeps_largest,
-            "pool_reserve_bytes": self.pool_reserve_bytes, "pool_reason": self.pool_reason,
-        }
+        rest = {f.name: getattr(self, f.name) for f in fields(self)[1:]}  # after the resolution
+        return {"mode": self.mode, "mode_reason": self.resolution.source, **rest}
 
     def format(self) -> str:
         """One line: the mode and why, then what else the session fixed."""
@@ -87,12 +83,9 @@ def plan_session(
     forecast: GraphMemoryForecast | None = None,
     captured: bool = False,
 ) -> SessionPlan:
-    """The plan of a session that resolved ``resolution`` on ``engine``, after ``forecast`` (or none).
-
-    ``shared_buffer="auto"``: adopt off CUDA, else the source ``forecast`` found cheaper, else
-    reserve. ``pool_reserve="auto"``: the block ``forecast`` sized (nothing off CUDA). In mode
-    ``released`` the largest capture keeps its output only when ``forecast`` says so and nothing
-    is ``captured`` yet."""
+    """The plan of a session that resolved ``resolution`` on ``engine``, after ``forecast`` (or none);
+    in mode ``released`` the largest capture keeps its output only when ``forecast`` says so and
+    nothing is ``captured`` yet."""
     source, buffer_reason = _buffer(shared_buffer, engine, forecast)
     reserve, pool_reason = _pool(pool_reserve, engine, forecast)
     keeps = resolution.mode == RELEASED and not captured and forecast is not None and forecast.released_keeps_largest

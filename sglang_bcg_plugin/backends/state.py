@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import CaptureStateError
+from ..guard import GUARD
 from ..output_mode import OutputMode, Resolution
 from ..report import KeyReport, MemoryReport, claim_resident_bytes
 from ..scan import walk_tensors
@@ -78,15 +79,11 @@ def key_reports(entries: list[_Entry]) -> list[KeyReport]:
 
 @dataclass(eq=False)
 class ForeignGraph:
-    """A graph recorded by another engine, as :func:`key_reports` reads it."""
+    """A graph recorded by another engine (replayed by it), as :func:`key_reports` reads it."""
 
     graph: Any
     output: Any
     num_segments: int
-
-    def replay(self) -> Any:  # pragma: no cover - the owning engine replays its own graphs
-        msg = "a ForeignGraph is replayed by the engine that recorded it"
-        raise NotImplementedError(msg)
 
     def release(self) -> None:
         self.graph = self.output = None
@@ -98,10 +95,8 @@ def input_storages(capture_inputs: object) -> frozenset[tuple[str, int]]:
 
 
 class CaptureState:
-    """Session, per-key records, replay hand-out and report of one backend.
-
-    Per session: :meth:`open`, then per key :meth:`begin`, the engine drives :attr:`policy`,
-    :meth:`commit`; :meth:`close`. At replay :meth:`hand_out`."""
+    """Session, per-key records, replay hand-out and report of one backend: :meth:`open`, per key
+    :meth:`begin`, the engine drives :attr:`policy`, :meth:`commit`; :meth:`close`; :meth:`hand_out`."""
 
     def __init__(self, name: str, engine: str) -> None:
         self.name = name
@@ -114,9 +109,7 @@ class CaptureState:
         self.measured_graph_bytes: int | None = None  # device memory the last session took
 
     def open(self, plan: SessionPlan) -> None:
-        """Start a session with ``plan``; the output policy starts afresh.
-
-        :raises CaptureStateError: a session is already open."""
+        """:raises CaptureStateError: a session is already open."""
         if self._open is not None:
             msg = f"{self.name} backend: capture_session() is already open; sessions do not nest"
             raise CaptureStateError(msg)
@@ -153,11 +146,9 @@ class CaptureState:
         memory_bytes: int | None = None,
         can_release: bool = True,
     ) -> Any:
-        """Commit ``key``'s placement and record the key; returns the output to hand out.
-
-        ``graph``: one of ours (``num_segments=None``: its ``output`` is set here) or another engine's
-        (give ``num_segments``). A released output is a non-owning alias: the caller must drop its own
-        references to the placed output."""
+        """Commit ``key``'s placement and record the key; returns the output to hand out. ``graph``: one
+        of ours (``num_segments=None``: its ``output`` is set here) or another engine's. The caller
+        drops its own references to the placed output (a released output is a non-owning alias)."""
         plan = self._open
         self.begin(key)
         assert plan is not None
@@ -168,31 +159,34 @@ class CaptureState:
         else:
             held = ForeignGraph(graph, None if placed.released else placed.output, num_segments)
         self._entries[key] = _Entry(
-            key,
-            held,
-            capture_inputs,
-            placed.shared,
-            placed.fallback,
-            placed.logical_bytes,
-            seconds=seconds,
-            memory_bytes=memory_bytes,
-            released=placed.released,
+            key, held, capture_inputs, placed.shared, placed.fallback, placed.logical_bytes, seconds=seconds,
+            memory_bytes=memory_bytes, released=placed.released,
             input_ptrs=input_pointers(capture_inputs) if plan.check_inputs else None,
         )
         return placed.output
 
-    def hand_out(self, key: Hashable, output: Any, *, pool: Hashable | None = None, entry: _Entry | None = None) -> Any:
+    def hand_out(self, key: Hashable, output: Any, *, pool: Hashable | None = None) -> Any:
         """A replayed output of captured ``key`` through the stale-output guard, scoped by ``pool``
-        (``None``: one pool per partition); ``entry``: ``key``'s record, if the caller has it."""
-        entry = self._entries[key] if entry is None else entry
-        return self.policy.hand_out(self, key, output, released=entry.released, pool=pool)
+        (``None``: one pool per partition)."""
+        entry = self._entries[key]
+        guard = self.policy.guard
+        return output if guard is None else guard.hand_out(self, key, output, released=entry.released, pool=pool)
 
     def keys(self) -> list[Hashable]:
         return list(self._entries)
 
-    def entry(self, key: Hashable) -> _Entry | None:
-        """The record of ``key`` (``None``: not captured)."""
-        return self._entries.get(key)
+    def __contains__(self, key: object) -> bool:
+        return key in self._entries
+
+    def entry(self, key: Hashable) -> _Entry:
+        """The record of ``key``.
+
+        :raises KeyError: ``key`` was never captured (naming the captured sizes)."""
+        if key not in self._entries:
+            sizes = sorted({getattr(k, "size", 0) for k in self._entries})
+            msg = f"{key!r} was never captured by the {self.name} backend; captured sizes: {sizes or 'none'}"
+            raise KeyError(msg)
+        return self._entries[key]
 
     def report(self, bridge_bytes: dict[int | None, int] | None = None) -> MemoryReport:
         """The memory report: per key, with the plan."""
@@ -207,4 +201,4 @@ class CaptureState:
         self._entries.clear()
         self.forecast = None
         self.measured_graph_bytes = None
-        self.policy.clear(self)
+        GUARD.forget(self)

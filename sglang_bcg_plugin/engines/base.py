@@ -13,23 +13,19 @@ from ..trees import collect_tensors, storage_key
 
 
 class CapturedGraph(Protocol):
-    """One captured shape key."""
+    """One captured shape key: ``replay()`` refreshes ``output``; ``release()`` drops the graph."""
 
     output: Any
     num_segments: int
 
-    def replay(self) -> Any:
-        """Run the graph; the static output now holds this run's values."""
-
-    def release(self) -> None:
-        """Drop graph resources (after this, ``replay`` must not be called)."""
+    def replay(self) -> Any: ...
+    def release(self) -> None: ...
 
 
 @dataclass(frozen=True, slots=True)
 class CaptureRequest:
-    """Everything an engine needs to capture one key.
-
-    ``static_inputs``: storages of ``capture_inputs``; the policy never adopts them."""
+    """Everything an engine needs to capture one key (``static_inputs``: storages of
+    ``capture_inputs``, never adopted)."""
 
     key: object
     forward_fn: Callable[[], Any]
@@ -46,41 +42,39 @@ class CaptureRequest:
 
 
 class Engine(Protocol):
-    """Captures graphs; one engine per backend."""
+    """Captures graphs; one engine per backend. ``release()``: pools and streams, after every graph."""
 
     name: str
 
     def capture(self, request: CaptureRequest) -> CapturedGraph: ...
-
-    def release(self) -> None:
-        """Release pools and streams (after every graph was released)."""
+    def release(self) -> None: ...
 
     def bridge_bytes(self) -> dict[int | None, int]:
-        """Bytes of bridge storage per partition (0 for engines without breaks)."""
+        """Bytes of bridge storage per partition (none by default)."""
+        return {}
 
 
 class Front(Protocol):
-    """A segmented capture's front-end: where breaks are and what crosses them (Breakable, Piecewise)."""
+    """A segmented capture's front-end: where breaks are and what crosses them (Breakable, Piecewise);
+    ``release()`` drops bridge storage, after every graph was released."""
 
     #: Fewest warmups a CUDA capture needs (Piecewise: 1, so ``torch.compile`` runs first).
-    min_cuda_warmups: int
+    min_cuda_warmups: int = 0
 
     def recorder(self, key: object, segments: Any, partition: int | None, static_inputs: frozenset[tuple[str, int]]) -> Any:
         """A :class:`~.recorder.Recorder` for one key over ``segments``."""
 
     def bridge_bytes(self) -> dict[int | None, int]:
-        """Bytes of bridge storage per partition."""
+        """Bytes of bridge storage per partition (none by default)."""
+        return {}
 
-    def release(self) -> None:
-        """Drop bridge storage (after every graph was released)."""
+    def release(self) -> None: ...
 
 
 def run_warmups(request: CaptureRequest) -> Any:
-    """Run the warmups, each followed by ``post_warmup_hook``; then ``policy.reserve`` from the last
-    output, its storages marked foreign (docs/index.md, "Output sharing", rule 5).
-
-    Returns the last warmup's output: keep it alive until the capture ends, so no capture
-    allocation can reuse its memory and pass for foreign."""
+    """Run the warmups (each followed by ``post_warmup_hook``), then ``policy.reserve`` from the last
+    output, its storages marked foreign; returns that output: keep it alive until the capture ends,
+    so no capture allocation can reuse its memory and pass for foreign."""
     out = None
     for _ in range(request.num_warmups):
         out = None  # the previous output is not kept: peak memory stays one output

@@ -12,6 +12,7 @@ import torch
 
 from ..released import maybe_alias
 from ..trees import flatten, storage_key, unflatten
+from .base import Front
 from .recorder import Recorder, Segments, refresh
 
 
@@ -75,18 +76,10 @@ class _Step:
             refresh(view, t, f"break {self.fn.__qualname__} at {path}")
 
 
-class BreakableFront:
+class BreakableFront(Front):
     """The Breakable front of the segmented engine: no bridges (arguments pass as they are)."""
-
-    min_cuda_warmups = 0
 
     def recorder(
         self, key: object, segments: Segments, partition: int | None, static_inputs: frozenset[tuple[str, int]]
     ) -> BreakableRecorder:
         return BreakableRecorder(key, segments)
-
-    def bridge_bytes(self) -> dict[int | None, int]:
-        return {}
-
-    def release(self) -> None:
-        """Nothing held between keys."""

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from .base import CaptureRequest, Front, run_warmups
+from .base import CaptureRequest, Engine, Front, run_warmups
 from .gcsafe import defer_release, gc_safe_capture
 from .cuda_segments import CudaSegments, abort_capture, end_capture, invalidated
 from .recorder import SegmentedGraph, host_read_error, record
@@ -39,9 +39,8 @@ class FullGraph:
         defer_release([getattr(self, "_graph", None)])  # dropped inside a capture: destroyed after it
 
 
-class CudaGraphEngine:
-    """Per partition a private pool and a capture stream; warmups on that stream, then
-    :meth:`_record` inside the capture."""
+class CudaGraphEngine(Engine):
+    """Per partition a private pool and a capture stream; warmups on it, then :meth:`_record`."""
 
     name = "cuda"
 
@@ -57,10 +56,8 @@ class CudaGraphEngine:
             self._reserve[partition] = nbytes
 
     def pool(self, partition: int | None) -> Any:
-        """The partition's private pool, anchored by an empty graph until ``release()``.
-
-        A pool whose last graph is destroyed is freed, and a later ``capture_begin`` on its handle
-        trips an allocator assert: the anchor keeps it alive."""
+        """The partition's private pool, anchored by an empty graph until ``release()`` (a pool whose
+        last graph is destroyed is freed: a later ``capture_begin`` on its handle would assert)."""
         if partition not in self._pools:
             handle = torch.cuda.graph_pool_handle()
             anchor = torch.cuda.CUDAGraph()
@@ -81,9 +78,6 @@ class CudaGraphEngine:
         if partition not in self._streams:
             self._streams[partition] = torch.cuda.Stream()
         return self._streams[partition]
-
-    def bridge_bytes(self) -> dict[int | None, int]:
-        return {}
 
     def capture(self, request: CaptureRequest) -> FullGraph | SegmentedGraph:
         stream = request.stream if request.stream is not None else self._partition_stream(request.partition)
@@ -125,18 +119,15 @@ class FullCudaEngine(CudaGraphEngine):
         g = torch.cuda.CUDAGraph()
         g.capture_begin(pool=pool)
         try:
-            output = request.place(request.forward_fn())
-        except BaseException as exc:
-            abort_capture(g, pool)
-            host = host_read_error(exc, request.key, None)  # a host sync: one clear error
-            if host is not None:
-                raise host from exc
-            raise
-        try:
+            try:
+                output = request.place(request.forward_fn())
+            except BaseException:
+                abort_capture(g, pool)
+                raise
             end_capture(g, pool)
-        except RuntimeError as exc:
-            host = host_read_error(exc, request.key, None)
-            if host is not None:
+        except BaseException as exc:
+            host = host_read_error(exc, request.key, None)  # a host sync: one clear error
+            if host is not None and host is not exc:
                 raise host from exc
             raise
         return FullGraph(g, output)

@@ -33,11 +33,8 @@ def end_capture(graph: torch.cuda.CUDAGraph, pool: Any = None) -> bool:
 
 
 def abort_capture(graph: torch.cuda.CUDAGraph, pool: Any) -> None:
-    """End a failed capture so the process can capture again; the graph is discarded.
-
-    An invalidated capture's ``capture_end`` raises before it ends the allocator's recording into
-    ``pool`` and before the CUDA generators leave capture mode: :func:`_recover` ends both and
-    marks the pool :func:`invalidated` (docs/refusals.md)."""
+    """End a failed capture so the process can capture again; the graph is discarded (an invalidated
+    capture's ``capture_end`` raises first: :func:`_recover`, docs/refusals.md)."""
     try:
         graph.capture_end()
     except Exception:  # noqa: BLE001 - the capture is already invalid; the caller re-raises
@@ -62,7 +59,8 @@ def _as_key(pool: Any) -> Any:
 
 
 def _recover(pool: Any) -> None:
-    """After a ``capture_end`` that raised: end what it left open (see :func:`abort_capture`)."""
+    """After a ``capture_end`` that raised: end the allocator's recording into ``pool`` and the
+    generators' capture mode, which it left open; mark ``pool`` :func:`invalidated`."""
     if pool is not None:
         _INVALIDATED.add(_as_key(pool))
     _end_pool_recording(pool)

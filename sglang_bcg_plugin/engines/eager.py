@@ -1,5 +1,6 @@
-"""The eager engine: CUDA-graph static-output semantics without CUDA graphs (Full on CPU,
-``BackendOptions(engine="eager")``): replay re-runs the forward and writes into the captured output."""
+"""Engines without CUDA graphs (CPU machines, ``BackendOptions(engine="eager")``): Full's eager engine
+(replay re-runs the forward and writes into the captured output) and the segmented engine over eager
+segments (the op tape of :mod:`.tape`), for either front."""
 
 from __future__ import annotations
 
@@ -9,8 +10,9 @@ from typing import Any
 import torch
 
 from ..trees import diff, flatten
-from .base import CaptureRequest, run_warmups
-from .recorder import refresh
+from .base import CaptureRequest, Engine, Front, run_warmups
+from .recorder import SegmentedGraph, record, refresh
+from .tape import EagerSegments
 
 
 class EagerGraph:
@@ -48,8 +50,8 @@ class EagerGraph:
         self._forward_fn = None
 
 
-class EagerEngine:
-    """Full's engine for CPU machines and debugging (segmented backends: :mod:`.eager_segments`)."""
+class EagerEngine(Engine):
+    """Full's engine for CPU machines and debugging."""
 
     name = "eager"
 
@@ -59,10 +61,24 @@ class EagerEngine:
         del warm
         return EagerGraph(request.key, request.forward_fn, output)
 
+
+class EagerSegmentEngine(Engine):
+    """Segments of ops recorded on the eager tape; the front's breaks run eagerly between them."""
+
+    name = "eager"
+
+    def __init__(self, front: Front) -> None:
+        self.front = front
+
+    def capture(self, request: CaptureRequest) -> SegmentedGraph:
+        warm = run_warmups(request)  # kept alive until the output is placed (foreign storages)
+        recorder = self.front.recorder(request.key, EagerSegments(request.key), request.partition, request.static_inputs)
+        graph = record(recorder, request.forward_fn, request.place)
+        del warm
+        return graph
+
     def release(self) -> None:
-        """Nothing to release."""
+        self.front.release()
 
     def bridge_bytes(self) -> dict[int | None, int]:
-        """No breaks on this engine: no bridges."""
-        return {}
-
+        return self.front.bridge_bytes()

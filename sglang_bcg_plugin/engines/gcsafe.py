@@ -1,7 +1,5 @@
-"""Keep CUDA-graph destructors out of CUDA-graph captures (docs/index.md, "GC safety").
-
-:func:`gc_safe_capture` collects once and disables the cyclic GC while any capture runs;
-:func:`defer_release` parks the graphs of an owner that dies inside a capture until it ends."""
+"""Keep CUDA-graph destructors out of CUDA-graph captures (docs/index.md, "GC safety"): one
+collection, then no cyclic GC while any capture runs; graphs dropped inside a capture parked."""
 
 from __future__ import annotations
 
@@ -32,9 +30,7 @@ def _stream_capturing() -> bool:
 
 
 def defer_release(graphs: Iterable[Any]) -> None:
-    """Called from a dying owner's ``__del__``: park ``graphs`` while a capture is in progress.
-
-    Outside a capture this does nothing. Never raises."""
+    """From a dying owner's ``__del__``: park ``graphs`` while a capture is in progress; never raises."""
     try:
         if _depth > 0 or _stream_capturing():
             with _lock:
@@ -55,10 +51,8 @@ def _drain() -> None:
 
 @contextlib.contextmanager
 def gc_safe_capture(*, collect: bool = True) -> Iterator[None]:
-    """Collect garbage, then disable the cyclic GC until the outermost exit restores it.
-
-    ``collect=False`` skips the collection (outermost entry only). Nested and concurrent entries
-    share one depth count; the GC's frozen generation is never touched."""
+    """Collect garbage (unless not ``collect``), then disable the cyclic GC until the outermost exit
+    restores it; nested and concurrent entries share one depth count."""
     global _depth, _restore_enabled
     with _lock:
         if _depth == 0:

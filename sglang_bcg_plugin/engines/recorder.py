@@ -1,7 +1,5 @@
-"""The one segment recorder: ``segment, step, segment, ..., segment`` for one shape key.
-
-Front-ends (``engines/breakable.py``, ``backends/piecewise/front.py``) decide where a break is
-and what crosses it; :class:`Segments` (CUDA graphs or the eager op tape) makes the segments."""
+"""The one segment recorder: ``segment, step, segment, ..., segment`` for one shape key; fronts
+decide where a break is and what crosses it, :class:`Segments` (CUDA graphs, the op tape) make them."""
 
 from __future__ import annotations
 
@@ -14,7 +12,6 @@ from typing import Any, Protocol
 import torch
 
 from ..errors import HostReadError, user_frame
-from ..storage import copy_broadcast
 from ..trees import storage_key
 
 
@@ -22,7 +19,9 @@ Action = Callable[[], None]
 
 
 class Segments(Protocol):
-    """How segments are made and replayed."""
+    """How segments are made and replayed: ``record`` remembers work to redo at replay (nothing on
+    CUDA, where the kernels are captured); work inside ``paused()`` is not recorded by the open
+    segment (its replay is recorded another way)."""
 
     #: ``record``-ed actions are re-run at replay (eager segments), so what they read is kept;
     #: ``False`` (CUDA graphs): nothing need outlive the call that recorded it.
@@ -30,12 +29,8 @@ class Segments(Protocol):
 
     def begin(self) -> None: ...
     def end(self) -> None: ...
-    def record(self, action: Action) -> None:
-        """Remember work to redo at replay (no-op on CUDA, where the kernels were captured)."""
-
-    def paused(self) -> contextlib.AbstractContextManager[None]:
-        """Work inside is not recorded by the open segment (its replay is recorded another way)."""
-
+    def record(self, action: Action) -> None: ...
+    def paused(self) -> contextlib.AbstractContextManager[None]: ...
     def abort(self) -> None: ...
     def runners(self) -> list[Action | None]: ...
     def release(self) -> None: ...
@@ -50,7 +45,7 @@ def untracked() -> contextlib.AbstractContextManager[None]:
 def refresh(static: torch.Tensor, value: torch.Tensor, what: str) -> None:
     """Write a replayed ``value`` into the captured ``static`` storage (no-op when it is that storage).
 
-    :raises RuntimeError: the shape changed since capture; ``what`` names the producer."""
+    :raises RuntimeError: the shape changed since capture, or a broadcast cannot hold ``value``."""
     if static.shape != value.shape:
         msg = f"{what} returned shape {tuple(value.shape)} on replay, captured {tuple(static.shape)}"
         raise RuntimeError(msg)
@@ -63,6 +58,37 @@ def refresh(static: torch.Tensor, value: torch.Tensor, what: str) -> None:
             # a broadcast output (stride 0): write the elements it views (nothing on the fast path)
             if not copy_broadcast(static, value, what):
                 raise
+
+
+def copy_broadcast(static: torch.Tensor, value: torch.Tensor, what: str) -> bool:
+    """Write ``value`` into a captured ``static`` that broadcasts (stride 0, size > 1: a graph replay
+    rewrites only index 0 of each such dim, so only that is written); ``False`` when ``static`` does
+    not broadcast (nothing written).
+
+    :raises RuntimeError: ``value`` differs along a dim where ``static`` broadcasts."""
+    dims = [d for d, (size, stride) in enumerate(zip(static.shape, static.stride(), strict=True)) if stride == 0 and size > 1]
+    if not dims:
+        return False
+    dst, src = static, value
+    for d in dims:
+        dst, src = dst.narrow(d, 0, 1), src.narrow(d, 0, 1)
+    dst.copy_(src)
+    if all(value.stride(d) == 0 for d in dims):
+        return True  # the same broadcast: nothing else to hold
+    same = (
+        torch.allclose(static, value, rtol=0.0, atol=0.0, equal_nan=True)
+        if static.is_floating_point() or static.is_complex()
+        else torch.equal(static, value)
+    )
+    if not same:
+        dim = next(d for d in dims if value.stride(d) != 0)
+        msg = (
+            f"{what} returned values that vary along dim {dim} on replay, where the captured output "
+            f"broadcasts one value (stride 0, shape {tuple(static.shape)}); a CUDA graph replays the "
+            "broadcast it captured: return the same broadcast (.expand) at every call, or .contiguous()"
+        )
+        raise RuntimeError(msg)
+    return True
 
 
 #: What CUDA and torch say when a stream capture refuses a host sync, or what it says next.
@@ -176,9 +202,6 @@ class Recorder:
         """Apply the output policy inside the last segment; returns the static output."""
         return finalize(output)
 
-    def graph(self, output: Any) -> SegmentedGraph:
-        return SegmentedGraph(self.key, self.segments, self.steps, output, self.held)
-
 
 _active: contextvars.ContextVar[Recorder | None] = contextvars.ContextVar("sglang_bcg_recorder", default=None)
 
@@ -189,10 +212,8 @@ def active_recorder() -> Recorder | None:
 
 
 def record(recorder: Recorder, forward_fn: Callable[[], Any], finalize: Callable[[Any], Any]) -> SegmentedGraph:
-    """Run ``forward_fn`` with ``recorder`` active; returns the captured graph. On any failure every
-    segment is aborted.
-
-    :raises HostReadError: the forward read a tensor's value on the host inside a segment."""
+    """Run ``forward_fn`` with ``recorder`` active; returns the captured graph (any failure aborts
+    every segment). :raises HostReadError: a host read inside a segment."""
     token = _active.set(recorder)
     try:
         recorder.segments.begin()
@@ -206,4 +227,4 @@ def record(recorder: Recorder, forward_fn: Callable[[], Any], finalize: Callable
         raise
     finally:
         _active.reset(token)
-    return recorder.graph(output)
+    return SegmentedGraph(recorder.key, recorder.segments, recorder.steps, output, recorder.held)

@@ -1,8 +1,6 @@
-"""The eager engine's segments: an op tape, the CPU stand-in of a CUDA stream capture.
-
-A dispatch mode records every op run while a segment is open and replays it on the captured
-tensors; a host read inside a segment raises :class:`~sglang_bcg_plugin.errors.HostReadError`
-before the op runs (docs/refusals.md)."""
+"""The eager engine's segments: an op tape (a dispatch mode recording every op run while a segment
+is open, replayed on the captured tensors), the CPU stand-in of a CUDA stream capture; a host read
+inside a segment raises :class:`~sglang_bcg_plugin.errors.HostReadError` (docs/refusals.md)."""
 
 from __future__ import annotations
 
@@ -20,17 +18,12 @@ from torch.utils._pytree import tree_leaves
 from ..errors import HostReadError, user_frame
 from .recorder import Action, refresh
 
+_aten = torch.ops.aten
 #: Ops that only allocate: a CUDA graph replays no kernel for them, so neither does the tape.
 _ALLOCATIONS = frozenset(
-    getattr(torch.ops.aten, name).default if name != "empty" else torch.ops.aten.empty.memory_format
+    getattr(_aten, name).default if name != "empty" else _aten.empty.memory_format
     for name in ("empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided")
 )
-
-
-_aten = torch.ops.aten
-#: Dynamic-shape ops that read no value on the host for some arguments (see :func:`_reads_host`).
-_INDEX = _aten.index.Tensor
-_REPEAT = _aten.repeat_interleave.Tensor
 
 #: Tensor methods that read values without dispatching an op (seen by a function mode).
 _PY_READS = {
@@ -49,12 +42,12 @@ def _reads_host(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str
         return str(func)
     if torch.Tag.dynamic_output_shape not in tags:
         return None
-    if func is _INDEX:
+    if func is _aten.index.Tensor:
         indices = args[1] if len(args) > 1 else kwargs.get("indices", ())
         if not any(isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8) for i in indices):
             return None
         return f"{func} with a boolean mask (x[mask]): its output shape depends on the mask's values"
-    if func is _REPEAT and kwargs.get("output_size") is not None:
+    if func is _aten.repeat_interleave.Tensor and kwargs.get("output_size") is not None:
         return None
     return f"{func}: its output shape depends on the values"
 
@@ -64,10 +57,6 @@ def _validates_only(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) ->
     if func is not torch.nn.functional.one_hot:
         return False
     return (args[1] if len(args) > 1 else kwargs.get("num_classes", -1)) != -1
-
-
-def _where() -> str | None:
-    return user_frame([(f.filename, f.lineno or 0, f.name) for f in traceback.extract_stack()])
 
 
 class _OpStep:
@@ -109,16 +98,15 @@ class _Tape(TorchDispatchMode):
 class _PyReads(TorchFunctionMode):
     """Refuses the tensor methods that read values without an op (``.tolist()``, ``.numpy()``)."""
 
-    def __init__(self, refuse: Any, tape: _Tape) -> None:
+    def __init__(self, tape: _Tape) -> None:
         super().__init__()
-        self.refuse = refuse
         self.tape = tape
 
     def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         read = _PY_READS.get(func)
         if read is not None:
-            self.refuse(read)
+            self.tape.refuse(read)
         if not _validates_only(func, args, kwargs):
             return func(*args, **kwargs)
         self.tape.validating += 1
@@ -144,15 +132,15 @@ class EagerSegments:
         self._refused: HostReadError | None = None
 
     def _refuse(self, op: str) -> NoReturn:
-        """Raise for a host read inside the open segment; the segment stays failed if the forward
-        catches it."""
-        self._refused = HostReadError(self.key, len(self._done), op, _where())
+        """Raise for a host read inside the open segment (failed even if the forward catches it)."""
+        where = user_frame([(f.filename, f.lineno or 0, f.name) for f in traceback.extract_stack()])
+        self._refused = HostReadError(self.key, len(self._done), op, where)
         raise self._refused
 
     def _start(self) -> None:
         if self._current is not None and self._pauses == 0 and self._tape is None:
             self._tape = _Tape(self._current, self._refuse)
-            self._reads = _PyReads(self._refuse, self._tape)
+            self._reads = _PyReads(self._tape)
             self._reads.__enter__()
             self._tape.__enter__()
 

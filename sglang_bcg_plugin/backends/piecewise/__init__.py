@@ -69,8 +69,7 @@ class PiecewiseBackend(CaptureBackend):
 
         :param dynamic: how the size dim is made dynamic: ``"auto"`` (``"size_oblivious"`` with
             Inductor, else ``"unbacked"``), ``"unbacked"``, ``"size_oblivious"`` or ``"backed"``.
-        :param dynamic_dim: the dim that varies with the capture size (1 for batch-first inputs).
-        :raises ValueError: unknown ``dynamic``, or a negative / non-int ``dynamic_dim``."""
+        :param dynamic_dim: the dim that varies with the capture size (1 for batch-first inputs)."""
         compiler = PiecewiseCompiler(self._splitting_ops, self._summaries.append, self._inductor)
         self._compilers.append(compiler)
         return PiecewiseCompiled(model, compiler, dynamic=dynamic, dynamic_dim=dynamic_dim)
@@ -113,7 +112,7 @@ class PiecewiseBackend(CaptureBackend):
         capture_inputs: Any = None,
         post_warmup_hook: Callable[[], None] | None = None,
     ) -> Any:
-        """:meth:`CaptureBackend.capture_one`, with the key's size known to the compiled callables."""
+        """:meth:`CaptureBackend.capture_one`; the compiled callables know the key's size."""
         with capture_size(getattr(shape_key, "size", None)):
             return super().capture_one(shape_key, forward_fn, capture_inputs, post_warmup_hook)
 

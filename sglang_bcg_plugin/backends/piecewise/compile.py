@@ -8,7 +8,7 @@ import contextlib
 import contextvars
 import time
 from collections.abc import Callable, Iterator
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import torch
 from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
@@ -58,14 +58,7 @@ class PiecewiseCompiler:
 
 
 DynamicMode = Literal["auto", "unbacked", "size_oblivious", "backed"]
-_MODES = ("auto", "unbacked", "size_oblivious", "backed")
-
-
-def resolve_dynamic(dynamic: DynamicMode, inductor: bool) -> DynamicMode:
-    """``"auto"`` made concrete: ``"size_oblivious"`` with Inductor, else ``"unbacked"``."""
-    if dynamic == "auto":
-        return "size_oblivious" if inductor else "unbacked"
-    return dynamic
+_MODES = get_args(DynamicMode)
 
 
 def _size_oblivious() -> contextlib.AbstractContextManager[None]:
@@ -106,11 +99,9 @@ def capture_size(size: object) -> Iterator[None]:
 
 
 class SizeDims:
-    """Which tensor arguments have a size dim at ``dim`` that follows the capture size.
-
-    A tensor is marked while every call of its argument structure so far found its extent equal
-    to the call's reference (the capture size, else the largest extent); marks only shrink, so
-    dynamo never recompiles for them. A reference of 1 tells nothing (docs/piecewise.md)."""
+    """Which tensor arguments have a size dim at ``dim`` that follows the capture size: those whose
+    extent every call of their argument structure found equal to the call's reference (the capture
+    size, else the largest extent; 1 tells nothing); marks only shrink (docs/piecewise.md)."""
 
     def __init__(self, dim: int) -> None:
         self.dim = dim
@@ -139,7 +130,7 @@ class PiecewiseCompiled:
     follows the capture size dynamic, as ``dynamic`` says, then calls the compiled model.
 
     :raises ValueError: unknown ``dynamic``, or ``dynamic_dim`` not an int >= 0.
-    :raises PiecewiseCompileError: dynamo could not trace the model as one graph."""
+    :raises PiecewiseCompileError: (at a call) dynamo could not trace the model as one graph."""
 
     def __init__(
         self,
@@ -157,7 +148,9 @@ class PiecewiseCompiled:
             raise ValueError(msg)
         self.original = model
         self.compiler = compiler
-        self.dynamic = resolve_dynamic(dynamic, compiler.inductor is not None)
+        if dynamic == "auto":  # made concrete: size-oblivious with Inductor, else unbacked
+            dynamic = "size_oblivious" if compiler.inductor is not None else "unbacked"
+        self.dynamic = dynamic
         self.dynamic_dim = dynamic_dim
         self.size_dims = SizeDims(dynamic_dim)
         self.compiled = torch.compile(model, backend=compiler, fullgraph=True)

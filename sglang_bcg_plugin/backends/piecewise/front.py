@@ -11,6 +11,7 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
 
+from ...engines.base import Front
 from ...engines.recorder import Recorder, Segments, active_recorder, refresh
 from ...released import maybe_alias
 from ...trees import flatten, storage_key, unflatten
@@ -84,7 +85,7 @@ class PieceRecorder(Recorder):
         return finalize(unflatten(node, owned))
 
 
-class PieceFront:
+class PieceFront(Front):
     """The Piecewise front of the segmented engine: a :class:`PieceRecorder` per key, no bridges."""
 
     min_cuda_warmups = 1
@@ -93,9 +94,3 @@ class PieceFront:
         self, key: object, segments: Segments, partition: int | None, static_inputs: frozenset[tuple[str, int]]
     ) -> PieceRecorder:
         return PieceRecorder(key, segments, static_inputs)
-
-    def bridge_bytes(self) -> dict[int | None, int]:
-        return {}
-
-    def release(self) -> None:
-        """Nothing held between keys."""

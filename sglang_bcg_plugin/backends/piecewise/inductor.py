@@ -59,10 +59,8 @@ def dense_fresh(result: Any, args: Sequence[Any]) -> Any:
 
 
 class CompiledPiece:
-    """A piece compiled by Inductor, returning what the FX piece returned (a tuple, or one value).
-
-    Called boxed (``piece.boxed(args)``) it empties ``args``, so Inductor's code frees each input
-    after its last use."""
+    """A piece compiled by Inductor, returning what the FX piece returned (a tuple, or one value);
+    ``boxed(args)`` empties ``args`` so Inductor's code frees each input after its last use."""
 
     def __init__(self, compiled: Callable[..., Any], returns_tuple: bool, boxed: bool = False) -> None:
         self.compiled = compiled
@@ -94,19 +92,9 @@ def _as_tuple_graph(gm: torch.fx.GraphModule) -> None:
     gm.recompile()
 
 
-def _boxed_module(gm: torch.fx.GraphModule) -> torch.nn.Module | None:
-    """``gm`` wrapped so that ``compile_fx`` returns a boxed callable (one list, emptied), or
-    ``None`` where this torch has no such wrapper."""
-    wrapper = getattr(torch._dynamo.utils, "GmWrapper", None)
-    if wrapper is None:  # pragma: no cover - torch < 2.4
-        return None
-    return wrapper(gm, tuple)  # type: ignore[no-any-return]
-
-
 class InductorPieces:
-    """Compiles the pieces of split graphs with Inductor; counts compilations and their seconds.
+    """Compiles the pieces of split graphs with Inductor (``config``: extra patches); counts them.
 
-    :param config: extra ``torch._inductor.config`` patches; ``triton.cudagraphs`` stays ``False``.
     :raises ValueError: ``config`` turns ``triton.cudagraphs`` on."""
 
     def __init__(self, config: Mapping[str, Any] | None = None) -> None:
@@ -141,10 +129,11 @@ class InductorPieces:
         returns_tuple = _returns_tuple(gm)
         if not returns_tuple:
             _as_tuple_graph(gm)
-        boxed = _boxed_module(gm)
-        compiled = compile_fx(gm if boxed is None else boxed, list(fake_args), config_patches=dict(self.config))
+        # wrapped, compile_fx returns a boxed callable (one list, emptied)
+        boxed = torch._dynamo.utils.GmWrapper(gm, tuple)
+        compiled = compile_fx(boxed, list(fake_args), config_patches=dict(self.config))
         self.num_compilations += 1
-        return CompiledPiece(compiled, returns_tuple, boxed=boxed is not None)  # type: ignore[arg-type]
+        return CompiledPiece(compiled, returns_tuple, boxed=True)  # type: ignore[arg-type]
 
 
 def _fake_inputs(example_inputs: Sequence[Any]) -> list[Any]:

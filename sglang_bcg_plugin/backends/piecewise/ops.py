@@ -9,11 +9,8 @@ from torch._library.custom_ops import CustomOpDef
 
 
 def resolve_splitting_ops(ops: Iterable[object] | None) -> tuple[torch._ops.OpOverload, ...]:
-    """Validate ``splitting_ops`` (``OpOverload``, ``OpOverloadPacket``, ``custom_op`` objects) and
-    resolve packets to all their overloads.
-
-    :raises TypeError: ``ops`` is not a list-like of ops, or an entry is not an op.
-    :raises ValueError: a packet without overloads."""
+    """``splitting_ops`` (``OpOverload``, ``OpOverloadPacket``, ``custom_op`` objects), packets resolved
+    to all their overloads. :raises TypeError: not a list of ops. :raises ValueError: an empty packet."""
     if ops is None:
         return ()
     if isinstance(ops, (str, bytes, torch._ops.OpOverload, torch._ops.OpOverloadPacket)) or not isinstance(

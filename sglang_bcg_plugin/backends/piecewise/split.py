@@ -136,25 +136,13 @@ class SplitProgram:
         return fn(*call_args, **call_kwargs)
 
 
-def _matcher(ops: tuple[torch._ops.OpOverload, ...]) -> Callable[[torch.fx.Node], bool]:
-    overloads = frozenset(ops)
-    packets = frozenset(op.overloadpacket for op in ops)
-
-    def is_split(node: torch.fx.Node) -> bool:
-        if node.op != "call_function":
-            return False
-        target = node.target
-        # dynamo records `torch.ops.ns.op(...)` as the packet: it splits if any overload does.
-        return target in overloads or (isinstance(target, torch._ops.OpOverloadPacket) and target in packets)
-
-    return is_split
-
-
 def _partition(
-    gm: torch.fx.GraphModule, is_split: Callable[[torch.fx.Node], bool]
+    gm: torch.fx.GraphModule, ops: tuple[torch._ops.OpOverload, ...]
 ) -> tuple[dict[torch.fx.Node, int], set[int], list[str]]:
-    """Each node's partition (a new one around every splitting call), the splitting partitions, and
+    """Each node's partition (a new one around every call of ``ops``), the splitting partitions, and
     the calls' targets."""
+    # dynamo records `torch.ops.ns.op(...)` as the packet: it splits if any overload does.
+    splitting = {*ops, *(op.overloadpacket for op in ops)}
     part: dict[torch.fx.Node, int] = {}
     split_ids: set[int] = set()
     targets: list[str] = []
@@ -162,7 +150,7 @@ def _partition(
     for node in gm.graph.nodes:
         if node.op in ("placeholder", "output"):
             continue
-        if is_split(node):
+        if node.op == "call_function" and node.target in splitting:
             pid += 1
             part[node] = pid
             split_ids.add(pid)
@@ -182,7 +170,7 @@ def split_graph(
     """Split ``gm`` at every call of ``ops`` into runner sub-modules; with ``inductor``, every piece
     is compiled for dynamo's ``example_inputs`` first."""
     graph_id = next(_graph_ids)
-    part, split_ids, targets = _partition(gm, _matcher(ops))
+    part, split_ids, targets = _partition(gm, ops)
     # keep_original_order: splitting ops may mutate their arguments, so nodes must not move.
     split_gm = split_module(gm, None, lambda n: part[n], keep_original_order=True)  # type: ignore[arg-type]
     order = [n.target for n in split_gm.graph.nodes if n.op == "call_module"]
