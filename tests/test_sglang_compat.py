@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from sglang_bcg_plugin.integration import compat
-from sglang_bcg_plugin.integration.builtin import BuiltinPolicy
+from sglang_bcg_plugin.integration.compat import BuiltinPolicy
 from sglang_bcg_plugin.integration.compat import Seam
 from sglang_bcg_plugin.integration.sglang_session import refusal
 
@@ -112,7 +112,7 @@ def test_checks_per_seam_kind() -> None:
 
 
 def test_runner_policy_reads_the_class() -> None:
-    from sglang_bcg_plugin.integration.builtin import inspect_runner
+    from sglang_bcg_plugin.integration.compat import inspect_runner
 
     class KeepsOne:
         def _capture_all(self) -> None:

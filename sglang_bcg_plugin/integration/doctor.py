@@ -24,10 +24,10 @@ from dataclasses import dataclass
 from collections.abc import Callable, Mapping
 from typing import TextIO
 
-from ._names import ENV_FORECAST
+from .compat import ENV_FORECAST
 from .doctor_checks import seam_checks
 from .forecast_log import forecast_enabled
-from .compat import BACKEND_CLASS, RUNNER_CLASS, Seam, installed, seam_kind
+from .compat import BACKEND_CLASS, RUNNER_CLASS, Seam, installed, one_line, seam_kind
 from .hooks import hooks_for
 from .switch import MODULES as SWITCH_MODULES
 from .switch import doctor_line as switch_doctor_line
@@ -61,11 +61,6 @@ class Problem:
 
 #: How transformers words a missing optional dependency in an ``ImportError``.
 _REQUIRES = re.compile(r"requires the (\w+) library but it was not found")
-
-
-def one_line(exc: BaseException) -> str:
-    """The first non-empty line of an exception's text."""
-    return next((line.strip() for line in str(exc).splitlines() if line.strip()), "")
 
 
 def _diagnose(target: str) -> Problem | None:

@@ -13,7 +13,7 @@ import inspect
 from collections.abc import Callable
 from typing import Any
 
-from .builtin import code_names
+from .compat import code_names
 from .compat import BACKEND_CLASS, BACKEND_MODULE, RUNNER_CLASS, RUNNER_MODULE, Seam
 from .sglang_breakable import unknown_capture_helpers
 

@@ -1,17 +1,8 @@
-"""``--enable-bcg-shared-output``: AFTER hooks on ``ServerArgs.add_cli_args`` / ``from_cli_args``.
+"""``--enable-bcg-shared-output[=on|off|released]`` and ``--no-enable-bcg-shared-output``: AFTER
+hooks on ``ServerArgs.add_cli_args`` / ``from_cli_args``; the last form given wins.
 
-Forms (:class:`OutputModeAction` and a ``store_const``, both into one destination):
-
-* ``--enable-bcg-shared-output``: ``on`` (one shared output buffer per stream);
-* ``--enable-bcg-shared-output=MODE``: ``on``, ``off`` or ``released`` (booleans such as ``1``
-  and ``0`` too); ``released`` hands out zero-copy outputs in graph-pool memory;
-* ``--no-enable-bcg-shared-output``: ``off``. The last one given wins.
-
-``ServerArgs`` is a sealed msgspec Struct (a plugin cannot add a field, and ``from_cli_args``
-drops unknown argparse attributes), so the parsed value travels one way: the launcher's
-``from_cli_args`` hook writes it to the environment variable ``SGLANG_ENABLE_BCG_SHARED_OUTPUT``
-(``1``, ``0`` or ``released``, replacing the operator's value), which every process SGLang spawns
-(its scheduler included) inherits, and which the core's resolver reads at every capture session.
+``ServerArgs`` is sealed, so the launcher's ``from_cli_args`` hook writes the value to
+``SGLANG_ENABLE_BCG_SHARED_OUTPUT``, which every process SGLang spawns inherits (docs/sglang.md).
 """
 
 from __future__ import annotations
@@ -24,7 +15,7 @@ from typing import Any
 from .._constants import ENV_SHARE_OUTPUT
 from .._words import parse_bool_env
 from ..output_mode import OFF, ON, RELEASED, OutputMode, parse_mode_text
-from ._names import ENV_STALE_OUTPUT_GUARD
+from .compat import ENV_STALE_OUTPUT_GUARD
 
 FLAG = "--enable-bcg-shared-output"
 NO_FLAG = "--no-enable-bcg-shared-output"
@@ -44,7 +35,7 @@ HELP = (
 )
 
 #: What the parsed value becomes: the env var's text.
-_ENV_TEXT: dict[OutputMode, str] = {ON: "1", OFF: "0", RELEASED: RELEASED}
+ENV_TEXT: dict[OutputMode, str] = {ON: "1", OFF: "0", RELEASED: RELEASED}
 
 
 class OutputModeAction(argparse.Action):
@@ -73,24 +64,18 @@ def after_add_cli_args(result: None, parser: argparse.ArgumentParser, *args: Any
 
 
 def after_from_cli_args(result: Any, cls: type, args: argparse.Namespace, *rest: Any, **kwargs: Any) -> Any:
-    """AFTER hook of the classmethod ``ServerArgs.from_cli_args(args)``: carry the flag on.
-
-    Not given (``None``): the environment is left alone, so ``SGLANG_ENABLE_BCG_SHARED_OUTPUT``
-    set by the operator still decides (then the installed SGLang's default).
-    """
+    """AFTER hook of the classmethod ``ServerArgs.from_cli_args(args)``: the flag, when given, to
+    ``SGLANG_ENABLE_BCG_SHARED_OUTPUT`` (not given: the operator's value still decides)."""
     value = getattr(args, DEST, None)
     if value is not None:
-        os.environ[ENV_SHARE_OUTPUT] = _ENV_TEXT[value]
+        os.environ[ENV_SHARE_OUTPUT] = ENV_TEXT[value]
     refuse_unsupported()
     return result
 
 
 def refuse_unsupported() -> None:
-    """At startup: stop with one line when the installed release cannot run what was asked, with
-    the check every capture session makes (:func:`.sglang_session.session_switches`).
-
-    Only an explicit choice is checked (the flag, ``SGLANG_ENABLE_BCG_SHARED_OUTPUT`` or the
-    guard): the default is the release's own behaviour, which it can always run.
+    """At startup, when something was asked (the release's own default always runs): the check
+    every capture session makes (:func:`.sglang_session.session_switches`).
 
     :raises SystemExit: naming the switch or the release and the reason (no traceback).
     """

@@ -45,7 +45,7 @@ from ..forecast.driver import (
 from ..forecast.model import MODES, forecast_modes, reference_estimates
 from ..forecast.probe import allocator_caveat
 from ..forecast.trace import KeyTrace, ScaledTrace, output_allocs, pool_trace
-from ._names import ENV_FORECAST, ENV_FORECAST_TRACE
+from .compat import ENV_FORECAST, ENV_FORECAST_TRACE
 
 log = logging.getLogger("sglang_bcg_plugin")
 MIB = 1 << 20

@@ -1,25 +1,9 @@
 """Our Breakable backend *inside* SGLang (0.5.14+): the release's own capture, our output policy.
 
-SGLang's prefill runner checks ``isinstance(backend, BreakableCudaGraphBackend)`` in about ten
-places and model code's ``eager_on_graph`` breaks talk to SGLang's segment engine, so
-:func:`sglang_breakable_backend_class` *subclasses* the installed release's
-``BreakableCudaGraphBackend`` (same constructor) and runs its session, ``capture_one``, replay
-and cleanup: warmups, barriers, pool scopes, precarve, graph dedup and the debug form are the
-release's own code. Our ``capture_one`` calls the release's with a forward and a post-warmup hook
-of ours (:class:`_Forward`) and overrides the output helpers it calls (:data:`INTERCEPTED`):
-
-1. after the last warmup (our hook) the core's output policy reserves the shared buffer
-   from that warmup's output, outside the graph pool;
-2. the captured call of the forward goes through the policy's ``place`` (the in-graph copy);
-   under ``debug_eager`` the release runs it as one eager break and our forward runs it outside
-   the capture (its own breaks inline), refreshing the placed output at each replay;
-3. SGLang's own buffer is never made (``_shared_output_buffer`` reads ``None``, the helpers do
-   nothing); after the release's ``capture_one`` the state commits the key and its output
-   replaces the one SGLang stored.
-
-``tests/sglang/test_sglang_upstream.py`` fails when a release's ``capture_one`` uses a private
-name neither :data:`INTERCEPTED` nor :data:`NEUTRAL` lists. ``cleanup()`` also drops SGLang's
-process-global pool handle when it is ours (:func:`.sglang_session.drop_global_pool`).
+A subclass of the installed ``BreakableCudaGraphBackend`` (SGLang's prefill runner checks
+``isinstance``) whose ``capture_one`` runs the release's own with our forward and post-warmup hook
+(:class:`_Forward`), and overrides the output helpers that ``capture_one`` calls
+(:data:`INTERCEPTED`). Why and how: docs/sglang.md, "The release's own capture".
 """
 
 from __future__ import annotations
@@ -37,24 +21,17 @@ from ..output_mode import ON, OutputMode, Resolution
 from ..report import MemoryReport
 from ..shape_key import check_key
 from ..trees import flatten
-from .builtin import code_names
+from .compat import code_names
 from .compat import (
     BACKEND_CLASS, BACKEND_MODULE, capture_one_args, capture_var, installed, num_segments, run_outside_capture, runner_rows,
 )
 from .forecast_log import SessionForecast
 from .sglang_session import apply_runner_rows, drop_global_pool, open_state, reserve_from_warmup
 
-__all__ = [
-    "INTERCEPTED", "NEUTRAL", "SGLANG_BCG_CLASS", "SharingPolicyMixin", "sglang_breakable_backend_class", "unknown_capture_helpers",
-]
-
-#: Dotted path of SGLang's breakable backend class (our base class).
-SGLANG_BCG_CLASS = BACKEND_CLASS
-
 #: Warmups the release's ``capture_one`` runs before its capture (every release; checked at capture).
 WARMUPS = 2
 
-#: The release's output helpers our subclass overrides (step 3 of the module doc).
+#: The release's output helpers our subclass overrides (SGLang makes no buffer of its own).
 INTERCEPTED = ("_shared_output_buffer", "_alloc_full_buffer", "_output_rows", "_copy_output_to_buffer", "_slice_output")
 #: The other private names the releases' ``capture_one`` (0.5.14-0.5.23) use: none holds an output.
 NEUTRAL = ("_device_module", "_tp_group", "_precarve", "_pool", "_capture_stream", "_debug_eager",

@@ -29,7 +29,7 @@ from ..output_mode import ON, RELEASED, OutputMode, Resolution, explain_output_m
 from ..released import released_supported
 from ..sharing import BufferSource
 from ..trees import flatten, unflatten
-from ._names import ENV_SHARED_BUFFER, ENV_STALE_OUTPUT_GUARD
+from .compat import ENV_SHARED_BUFFER, ENV_STALE_OUTPUT_GUARD
 from .compat import Seam, installed, pool_borrowing_exists, runner_rows, sglang_builtin_policy
 
 #: SGLang's switch for eager tensors borrowing free graph-pool memory between replays.

@@ -1,23 +1,10 @@
 """Switch the output mode of a running SGLang server: ``GET``/``POST /bcg/output_mode``.
 
-Two HookRegistry hooks (:mod:`.hooks`), each registered only in the process that uses it:
-
-* HTTP (the launcher, which serves SGLang's FastAPI ``app``): a BEFORE hook on
-  ``http_server._setup_and_run_http_server`` adds the route, marked ``ADMIN_FORCE`` for SGLang's
-  own auth middleware, only when the server has ``--admin-api-key``;
-* scheduler (every TP rank): an AROUND hook on ``Scheduler.handle_rpc_request``, SGLang's generic
-  RPC (the path of ``Engine.collective_rpc``: ``RpcReqInput`` on the scheduler's RPC socket,
-  broadcast to every TP rank, handled between two batches of the event loop, one reply from rank 0).
-  Our method name is answered here; every other call goes to SGLang's handler.
-
-A switch on a rank (:func:`switch_rank`): refuse what cannot run (no prefill graphs of ours, a
-mode the release cannot serve) before touching anything; then drop the prefill and decode graphs
-and SGLang's global graph pool (:func:`_drop_graphs`), set ``SGLANG_ENABLE_BCG_SHARED_OUTPUT`` in
-the scheduler process and re-capture with SGLang's own ``ModelRunner.init_prefill_cuda_graph()``
-and ``init_decode_cuda_graph()`` (the start-up path: our backend seam, our session, start-up
-order, a fresh pool). A capture that fails is followed by a re-capture in the previous mode (the
-old graphs are gone by then: both sets at once would leave the freed set cached in the shared
-pool), and the answer says why.
+Two hooks, each registered only in the process that uses it (:data:`WHERE`): the route in the
+launcher (BEFORE ``_setup_and_run_http_server``, only with ``--admin-api-key``), and SGLang's
+generic RPC in every TP rank's scheduler (AROUND ``Scheduler.handle_rpc_request``), where
+:func:`switch_rank` drops the graphs and re-captures with SGLang's own start-up calls
+(docs/sglang.md, "Switching the mode of a running server").
 """
 
 from __future__ import annotations
@@ -37,6 +24,8 @@ from typing import Any
 from .._constants import ENV_SHARE_OUTPUT
 from .._words import parse_word
 from ..output_mode import MODES, OutputMode
+from .compat import sglang_source
+from .flag import ENV_TEXT
 
 logger = logging.getLogger(__name__)
 
@@ -48,8 +37,6 @@ RPC_TARGET = "sglang.srt.managers.scheduler.Scheduler.handle_rpc_request"
 RPC_TIMEOUT_S = float(os.environ.get("SGLANG_BCG_SWITCH_TIMEOUT", "900"))
 #: How long a request waits for a scheduler to take it (one connected peer is all it needs).
 SEND_TIMEOUT_MS = 10_000
-#: What the flag writes for each mode (:mod:`.flag`).
-ENV_TEXT: dict[str, str] = {"on": "1", "off": "0", "released": "released"}
 BODY_HELP = 'send {"mode": "off"|"on"|"released"}'
 
 
@@ -81,21 +68,11 @@ def defined_in_source(target: str, module: str) -> bool:
     """Whether ``module``'s source defines ``target`` (``module.func`` or ``module.Class.method``),
     read with ``ast``, without importing it (the HTTP server's module needs FastAPI)."""
     import ast
-    import importlib.util
 
-    try:  # the top package only: find_spec of a submodule would import its parents
-        spec = importlib.util.find_spec(module.split(".", 1)[0])
-    except (ImportError, ValueError):
+    path = sglang_source(module)
+    if path is None:
         return False
-    if spec is None or not spec.submodule_search_locations:
-        return False
-    parts = module.split(".")[1:]
-    path = os.path.join(list(spec.submodule_search_locations)[0], *parts[:-1], parts[-1] + ".py")
-    if not os.path.isfile(path):
-        return False
-    with open(path, encoding="utf-8") as f:
-        tree = ast.parse(f.read())
-    body: list[ast.stmt] = tree.body
+    body: list[ast.stmt] = ast.parse(path.read_text(encoding="utf-8")).body
     for part in target[len(module) + 1:].split("."):
         node = next((n for n in body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and n.name == part), None)
         if node is None:
@@ -270,7 +247,7 @@ def _drop_graphs(model_runner: Any) -> bool:
     if sglang_pool is not None:
         sglang_pool.set_global_graph_memory_pool(None)
     gc.collect()
-    _empty_cache()
+    _on_cuda("empty_cache")
     return decode
 
 
@@ -281,18 +258,12 @@ def _capture(model_runner: Any, decode: bool) -> None:
         model_runner.init_decode_cuda_graph()
 
 
-def _synchronize() -> None:
+def _on_cuda(call: str) -> None:
+    """``torch.cuda.<call>()`` (``synchronize``, ``empty_cache``) where there is CUDA."""
     if _cuda():  # pragma: no cover - CUDA only
         import torch
 
-        torch.cuda.synchronize()
-
-
-def _empty_cache() -> None:
-    if _cuda():  # pragma: no cover - CUDA only
-        import torch
-
-        torch.cuda.empty_cache()
+        getattr(torch.cuda, call)()
 
 
 def _release_check(environ: Mapping[str, str]) -> None:
@@ -329,7 +300,7 @@ def switch_rank(model_runner: Any, mode: OutputMode, seam_kind: str,
     except ValueError as exc:
         raise Refused(one_line(exc)) from None
     start = time.perf_counter()
-    _synchronize()  # a batch the overlap scheduler launched finishes on the old graphs
+    _on_cuda("synchronize")  # a batch the overlap scheduler launched finishes on the old graphs
     decode = _drop_graphs(model_runner)
     env[ENV_SHARE_OUTPUT] = ENV_TEXT[mode]
     result: dict[str, Any] = {"previous": previous, "mode": mode, "decode_recaptured": decode}
@@ -343,9 +314,9 @@ def switch_rank(model_runner: Any, mode: OutputMode, seam_kind: str,
         logger.exception("sglang_bcg: re-capture in output mode %r failed", mode)
         result.update(ok=False, error=f"{type(exc).__name__}: {one_line(exc)}",
                       rolled_back=_roll_back(model_runner, env, previous_env, decode))
-    _synchronize()
+    _on_cuda("synchronize")
     gc.collect()
-    _empty_cache()  # the old pool, once nothing holds its blocks
+    _on_cuda("empty_cache")  # the old pool, once nothing holds its blocks
     result["seconds"] = round(time.perf_counter() - start, 3)
     result.update(describe_rank(model_runner, env))
     return result
