@@ -21,9 +21,8 @@ from ..output_mode import ON, OutputMode, Resolution
 from ..report import MemoryReport
 from ..shape_key import check_key
 from ..trees import flatten
-from .compat import code_names
 from .compat import (
-    BACKEND_CLASS, BACKEND_MODULE, capture_one_args, capture_var, installed, num_segments, run_outside_capture, runner_rows,
+    BACKEND_MODULE, capture_one_args, capture_var, code_names, installed, num_segments, run_outside_capture, runner_rows,
 )
 from .forecast_log import SessionForecast
 from .sglang_session import apply_runner_rows, drop_global_pool, open_state, reserve_from_warmup
