@@ -64,7 +64,7 @@ def around_capture_one(
         return original_fn(runner, num_tokens, pool, stream, *args, **kwargs)
     key = RunnerKey(num_tokens)
     state.begin(key)
-    var = capture_var(importlib.import_module(RUNNER_MODULE).BreakableCUDAGraphCapture)
+    var = capture_var(_capture_cls())
     shadowed = runner.__dict__.get("_run_forward")  # an instance's own, restored below
     forward = runner._run_forward
     placed: list[Any] = []
@@ -95,6 +95,11 @@ def around_capture_one(
     placed.clear()  # released: the policy holds the last reference to the graph's own output
     output = state.commit(key, graph=graph, num_segments=num_segments(graph), seconds=time.perf_counter() - start)
     return graph, output
+
+
+def _capture_cls() -> type:
+    cls: type = importlib.import_module(RUNNER_MODULE).BreakableCUDAGraphCapture
+    return cls
 
 
 def runner_report(runner: Any) -> Any:

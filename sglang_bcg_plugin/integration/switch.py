@@ -219,25 +219,14 @@ def describe_rank(model_runner: Any, environ: MutableMapping[str, str] | None = 
     return out
 
 
-def _graph_runners(model_runner: Any) -> list[tuple[str, Any]]:
-    """The model runner's prefill and decode graph runners that hold graphs (not the eager one)."""
-    eager = getattr(model_runner, "eager_runner", None)
-    found = []
+def _drop_graphs(model_runner: Any) -> bool:
+    """Drop the prefill and decode graphs (not the eager runner) and forget SGLang's global graph
+    pool, so the re-capture starts a fresh pool in start-up order; whether decode graphs were dropped."""
+    decode, eager = False, getattr(model_runner, "eager_runner", None)
     for name in ("prefill_cuda_graph_runner", "decode_cuda_graph_runner"):
         runner = getattr(model_runner, name, None)
-        if runner is not None and runner is not eager and getattr(runner, "backend", None) is not None:
-            found.append((name, runner))
-    return found
-
-
-def _drop_graphs(model_runner: Any) -> bool:
-    """Drop the prefill and decode graphs and forget SGLang's global graph pool, so the pool's
-    memory goes back at ``empty_cache()`` and the re-capture starts a fresh pool in start-up
-    order (prefill, then decode): the pool is shared, and blocks freed in a pool that other graphs
-    still use stay cached in it. SGLang's own ``drop_elastic_cuda_graph_state`` does the same for
-    decode. Returns whether decode graphs were dropped (to re-capture them too)."""
-    decode = False
-    for name, runner in _graph_runners(model_runner):
+        if runner is None or runner is eager or getattr(runner, "backend", None) is None:
+            continue
         runner.backend.cleanup()
         setattr(model_runner, name, None)
         decode = decode or name.startswith("decode")
