@@ -79,18 +79,11 @@ def refuse_unsupported() -> None:
 
     :raises SystemExit: naming the switch or the release and the reason (no traceback).
     """
-    from .compat import Seam, installed
     from .sglang_session import session_switches
 
     env = os.environ
     try:
-        if not (env.get(ENV_SHARE_OUTPUT) or "").strip() and not parse_bool_env(ENV_STALE_OUTPUT_GUARD, env):
-            return
-        seam: Seam | None
-        try:
-            seam = installed()
-        except Exception:  # noqa: BLE001 - SGLang does not fully import here: `sglang-bcg doctor` says why
-            seam = None
-        session_switches(env, seam)
+        if (env.get(ENV_SHARE_OUTPUT) or "").strip() or parse_bool_env(ENV_STALE_OUTPUT_GUARD, env):
+            session_switches(env)
     except ValueError as exc:
         raise SystemExit(f"sglang_bcg: {exc}") from None

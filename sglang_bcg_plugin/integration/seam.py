@@ -13,7 +13,7 @@ import contextlib
 import functools
 import importlib
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 from ..backends.base import CaptureBackend
@@ -82,10 +82,8 @@ class CaptureBackendAdapterMixin:
         self.backend = backend
         self._cuda_graph_runner = cuda_graph_runner
 
-    @contextlib.contextmanager
-    def capture_session(self, stream: Any) -> Iterator[None]:
-        with self.backend.capture_session(stream):
-            yield
+    def capture_session(self, stream: Any) -> contextlib.AbstractContextManager[None]:
+        return self.backend.capture_session(stream)
 
     def capture_one(self, shape_key: Any, forward_fn: Callable[[], Any], *args: Any, **kwargs: Any) -> None:
         """``(capture_inputs, post_warmup_hook)`` under any release's names (``dummies`` up to 0.5.16)."""
@@ -94,9 +92,8 @@ class CaptureBackendAdapterMixin:
     def can_run(self, forward_batch: Any, shape_key: Any) -> bool:
         return self.backend.can_run(shape_key)
 
-    @contextlib.contextmanager
-    def replay_session(self) -> Iterator[None]:
-        yield
+    def replay_session(self) -> contextlib.AbstractContextManager[None]:
+        return contextlib.nullcontext()
 
     def replay(self, shape_key: Any, static_forward_batch: Any, **kwargs: Any) -> Any:
         return self.backend.replay(shape_key)

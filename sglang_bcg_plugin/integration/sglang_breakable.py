@@ -110,7 +110,7 @@ class SharingPolicyMixin:
     @contextlib.contextmanager
     def capture_session(self, stream: Any) -> Iterator[None]:
         """SGLang's session (pool, dedup, BCG mode) plus a freshly resolved output policy."""
-        plan = open_state(self._bcg_state, seam=installed())
+        plan = open_state(self._bcg_state)
         mode = plan.mode
         self._bcg_forecast = SessionForecast(self._cuda_graph_runner, mode, lambda: getattr(self, "_pool", None))
         try:  # gc: one collection per session, not per key (docs/index.md "GC safety")

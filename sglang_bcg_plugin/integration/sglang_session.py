@@ -17,7 +17,8 @@ from ..released import released_supported
 from ..sharing import BufferSource
 from ..trees import flatten, unflatten
 from .compat import ENV_SHARED_BUFFER, ENV_STALE_OUTPUT_GUARD
-from .compat import Seam, installed, pool_borrowing_exists, runner_rows, sglang_builtin_policy
+from . import compat
+from .compat import Seam, pool_borrowing_exists, runner_rows, sglang_builtin_policy
 
 #: SGLang's switch for eager tensors borrowing free graph-pool memory between replays.
 BORROW_ENV = "SGLANG_ENABLE_GRAPH_POOL_BORROW"
@@ -66,30 +67,32 @@ def refusal(seam: Seam, mode: OutputMode, guard: bool, environ: Mapping[str, str
     return None
 
 
-def session_switches(environ: Mapping[str, str], seam: Seam | None) -> tuple[Resolution, bool]:
+def session_switches(environ: Mapping[str, str]) -> tuple[Resolution, bool]:
     """The output mode (with its reason) and the guard a capture session runs with, checked
-    against ``seam`` (``None``: the release could not be probed, nothing is refused).
+    against the installed release (one that cannot be probed refuses nothing: doctor says why).
 
     :raises ValueError: a switch holds an invalid value, or the installed release cannot run the
         resolved mode (:func:`refusal`).
     """
     resolution = resolve_mode(environ)
     guard = bool(parse_bool_env(ENV_STALE_OUTPUT_GUARD, environ))
+    try:
+        seam: Seam | None = compat.installed()
+    except Exception:  # noqa: BLE001 - SGLang does not fully import here: `sglang-bcg doctor` says why
+        seam = None
     reason = None if seam is None else refusal(seam, resolution.mode, guard, environ)
     if reason is not None:
         raise ValueError(reason)
     return resolution, guard
 
 
-def open_state(state: CaptureState, environ: Mapping[str, str] | None = None, seam: Seam | None = None) -> SessionPlan:
-    """Plan the session from SGLang's switches (read at every session: :func:`plan_session`, as
-    the core does) and open ``state`` with it.
+def open_state(state: CaptureState) -> SessionPlan:
+    """Plan the session from SGLang's switches, read at every session, and open ``state`` with it.
 
     :raises ValueError: as :func:`session_switches`, or ``SGLANG_BCG_SHARED_BUFFER`` is invalid.
     """
-    env = os.environ if environ is None else environ
-    resolution, guard = session_switches(env, seam or installed())
-    plan = plan_session(resolution, engine=state.engine, shared_buffer=shared_buffer(env), guard=guard)
+    resolution, guard = session_switches(os.environ)
+    plan = plan_session(resolution, engine=state.engine, shared_buffer=shared_buffer(), guard=guard)
     state.open(plan)
     return plan
 

@@ -26,6 +26,7 @@ from .._words import parse_word
 from ..output_mode import MODES, OutputMode
 from .compat import sglang_source
 from .flag import ENV_TEXT
+from .sglang_session import session_switches
 
 logger = logging.getLogger(__name__)
 
@@ -255,16 +256,9 @@ def _on_cuda(call: str) -> None:
         getattr(torch.cuda, call)()
 
 
-def _release_check(environ: Mapping[str, str]) -> None:
-    from .compat import installed
-    from .sglang_session import session_switches
-
-    session_switches(environ, installed())
-
-
 def switch_rank(model_runner: Any, mode: OutputMode, seam_kind: str,
                 environ: MutableMapping[str, str] | None = None,
-                check: Callable[[Mapping[str, str]], object] = _release_check) -> dict[str, Any]:
+                check: Callable[[Mapping[str, str]], object] = session_switches) -> dict[str, Any]:
     """Re-capture this rank's prefill graphs in ``mode``.
 
     ``check`` refuses (``ValueError``) an environment the release cannot serve: by default the
