@@ -5,7 +5,7 @@ Two seams (docs/sglang.md, "Supported SGLang"): ``backend``, the ``BreakableCuda
 0.5.14+ (subclassed: :mod:`.sglang_breakable`), and ``runner``, the ``BreakableCudaGraphRunner`` of
 0.5.13 (wrapped: :mod:`.runner_seam`). Probes read the installed classes (attributes, signatures,
 the names their compiled code uses), never version strings (the version only names the release);
-:data:`FEATURES` is the table. What SGLang's own backend does with outputs is our default there
+:data:`FEATURES` names them. What SGLang's own backend does with outputs is our default there
 (:func:`inspect_builtin`, :func:`inspect_runner`).
 """
 
@@ -45,20 +45,9 @@ POOL_MODULE = "sglang.srt.model_executor.runner_utils.pool"
 RUNNER_BASE = "sglang.srt.model_executor.runner.base_cuda_graph_runner.BaseCudaGraphRunner"
 SHAPE_KEY = "sglang.srt.model_executor.runner.shape_key.ShapeKey"
 
-#: (feature, what is probed, what our capture does with it; where it first appeared, for
-#: people reading this: it is never compared).
-FEATURES: tuple[tuple[str, str, str], ...] = (
-    ("dedup_mixin", "the backend has begin_cuda_graph_capture / close",
-     "SGLang's session opens dedup registries; the seam closes the replaced instance (0.5.15+)"),
-    ("capture_inputs", "capture_one's third parameter is capture_inputs (else dummies)",
-     "static inputs are kept with the graph either way, in our per-key record (0.5.17+)"),
-    ("global_pool", "runner_utils.pool has get_or_create_global_graph_memory_pool",
-     "one process-global graph pool (0.5.15+), else one pool per backend"),
-    ("row_hooks", "BaseCudaGraphRunner has cuda_graph_output_rows",
-     "rows handed out and buffer capacity from the runner (0.5.21+), else from the output"),
-    ("eager_form", "eager_on_graph's first parameter",
-     "'enable': eager_on_graph(True)(fn) (<= 0.5.21); 'fn': eager_on_graph(fn) (0.5.22+)"),
-)
+#: The probed features, printed by ``sglang-bcg doctor`` (what each probes and changes: docs/sglang.md,
+#: "What differs between releases").
+FEATURES = ("dedup_mixin", "capture_inputs", "global_pool", "row_hooks", "eager_form")
 
 
 #: Names whose use in SGLang's ``capture_one`` means "copies every output into one buffer".
@@ -156,7 +145,7 @@ class Seam:
         return f"SGLang {self.release}: {self.kind} seam ({self.why})"
 
     def features(self) -> dict[str, object]:
-        return {name: getattr(self, name) for name, _, _ in FEATURES}
+        return {name: getattr(self, name) for name in FEATURES}
 
 
 def release() -> str:
@@ -239,10 +228,7 @@ def installed() -> Seam:
 
 def eager_break(module: Any, fn: Callable[..., Any], form: str) -> Callable[..., Any]:
     """``fn`` as one eager break of SGLang's segment engine, in the installed form."""
-    if form == "enable":
-        wrapped: Callable[..., Any] = module.eager_on_graph(True)(fn)
-        return wrapped
-    wrapped = module.eager_on_graph(fn)
+    wrapped: Callable[..., Any] = module.eager_on_graph(True)(fn) if form == "enable" else module.eager_on_graph(fn)
     return wrapped
 
 

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from .._words import parse_bool_env
+from ..accounting import device_free_bytes
 from ..forecast.allocator import expandable_segments
 from ..forecast.driver import (
     DRIVER_COEFFICIENTS,
@@ -29,7 +30,7 @@ from ..forecast.driver import (
     schedule_share,
 )
 from ..forecast.model import MODES, forecast_modes, reference_estimates
-from ..forecast.probe import allocator_caveat
+from ..forecast.probe import allocator_caveat, reserved_bytes
 from ..forecast.trace import KeyTrace, ScaledTrace, output_allocs, pool_trace
 from .compat import ENV_FORECAST, ENV_FORECAST_TRACE
 
@@ -38,10 +39,7 @@ MIB = 1 << 20
 
 
 def forecast_enabled(environ: Mapping[str, str]) -> bool:
-    """Whether ``SGLANG_BCG_FORECAST`` asks for the forecast lines (a boolean; unset or blank: no).
-
-    :raises ValueError: the variable is not a boolean (named, with the accepted values).
-    """
+    """Whether ``SGLANG_BCG_FORECAST`` asks for the forecast lines (:raises ValueError: not a boolean)."""
     return bool(parse_bool_env(ENV_FORECAST, environ))
 
 
@@ -107,28 +105,16 @@ def driver_caveat(driver: DriverShare | None) -> str:
 def reserved_device_bytes() -> int | None:
     """What PyTorch's caching allocator holds now; ``None`` where it cannot be read."""
     try:
-        return int(torch.cuda.memory_reserved())
+        return reserved_bytes()
     except Exception:  # noqa: BLE001 - no figure rather than no log line
         return None
 
 
-def reserved_buffer_source() -> bool:
-    """Whether the shared buffer is reserved outside the pool (not ``SGLANG_BCG_SHARED_BUFFER=adopt``)."""
-    from .sglang_session import shared_buffer
-
-    try:
-        return shared_buffer() == "reserve"
-    except ValueError:
-        return True
-
-
 def free_device_bytes() -> int | None:
-    """Free device memory after a synchronize and ``empty_cache`` (what SGLang's "avail mem"
-    reads); ``None`` where it cannot be read."""
+    """Free device memory after ``empty_cache`` (what SGLang's "avail mem" reads); ``None`` where
+    it cannot be read."""
     try:
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()
-        return int(torch.cuda.mem_get_info()[0])
+        return device_free_bytes(collect=False)
     except Exception:  # noqa: BLE001 - no figure rather than no log line
         return None
 
@@ -184,12 +170,12 @@ def outputs_kept(trace: KeyTrace, output_bytes: Sequence[int]) -> tuple[KeyTrace
 class SessionForecast:
     """One capture session's forecast: :meth:`first_capture` around the first ``capture_one``,
     :meth:`close` at the session's end. ``pool`` returns SGLang's graph pool handle (read late:
-    SGLang's session sets it)."""
+    SGLang's session sets it); ``buffer_source``: the plan's (a reserved buffer is outside the pool)."""
 
     def __init__(self, cuda_graph_runner: object, mode: str, pool: Callable[[], Any],
-                 environ: Mapping[str, str] | None = None) -> None:
+                 environ: Mapping[str, str] | None = None, buffer_source: str = "reserve") -> None:
         env = os.environ if environ is None else environ
-        self.runner, self.mode, self.pool = cuda_graph_runner, mode, pool
+        self.runner, self.mode, self.pool, self.buffer_source = cuda_graph_runner, mode, pool, buffer_source
         self.sizes = schedule_sizes(cuda_graph_runner)
         self.enabled = forecast_enabled(env)
         self.done = False
@@ -291,7 +277,7 @@ class SessionForecast:
         modes = forecast_modes(fitted, self.sizes, **options)
         if outside or self.driver is not None:
             # what the first capture reserved outside the pool, less a reserved shared buffer (modelled)
-            buffer = modes["on"].outputs_bytes if self.mode == "on" and reserved_buffer_source() else 0
+            buffer = modes["on"].outputs_bytes if self.mode == "on" and self.buffer_source == "reserve" else 0
             modes = forecast_modes(fitted, self.sizes, **options, stream_bytes=max(0, outside - buffer),
                                    driver=self.driver)
         self.forecast = {"modes": modes,

@@ -111,12 +111,12 @@ class SharingPolicyMixin:
     def capture_session(self, stream: Any) -> Iterator[None]:
         """SGLang's session (pool, dedup, BCG mode) plus a freshly resolved output policy."""
         plan = open_state(self._bcg_state)
-        mode = plan.mode
-        self._bcg_forecast = SessionForecast(self._cuda_graph_runner, mode, lambda: getattr(self, "_pool", None))
+        self._bcg_forecast = SessionForecast(self._cuda_graph_runner, plan.mode, lambda: getattr(self, "_pool", None),
+                                             buffer_source=plan.buffer_source)
         try:  # gc: one collection per session, not per key (docs/index.md "GC safety")
             with gc_safe_capture(), super().capture_session(stream):  # type: ignore[misc]
                 yield
-            reserved = mode == ON and plan.buffer_source == "reserve"
+            reserved = plan.mode == ON and plan.buffer_source == "reserve"
             self._bcg_forecast.close(self._bcg_state.report().resident_output_bytes if reserved else 0)
         finally:
             self._bcg_state.close()

@@ -173,18 +173,9 @@ def _cuda() -> bool:
     return bool(torch.cuda.is_available())
 
 
-def _device_memory() -> dict[str, int]:
-    if not _cuda():
-        return {}
-    import torch  # pragma: no cover - CUDA only (tests/gpu/test_sglang_switch_gpu.py)
-
-    free, total = torch.cuda.mem_get_info()  # pragma: no cover
-    return {"free_bytes": int(free), "total_bytes": int(total), "reserved_bytes": int(torch.cuda.memory_reserved())}  # pragma: no cover
-
-
 def _pool_bytes(pool: Any) -> tuple[int | None, int | None]:
-    """The bytes the caching allocator holds for graph pool ``pool`` (its segments), and for every
-    graph pool of the process (a dropped pool still cached shows there)."""
+    """The bytes the caching allocator holds for graph pool ``pool``, and for every graph pool of
+    the process (a dropped pool still cached shows there)."""
     if not _cuda():
         return None, None
     import torch  # pragma: no cover - CUDA only (tests/gpu/test_sglang_switch_gpu.py)
@@ -216,7 +207,11 @@ def describe_rank(model_runner: Any, environ: MutableMapping[str, str] | None = 
         with contextlib.suppress(ValueError):
             out["mode"] = parse_mode_text(env.get(ENV_SHARE_OUTPUT))
         out["reason"] = f"no prefill graphs of the plugin in this process; {ENV_SHARE_OUTPUT}={env.get(ENV_SHARE_OUTPUT)!r}"
-    out.update(_device_memory())
+    if _cuda():  # pragma: no cover - CUDA only (tests/gpu/test_sglang_switch_gpu.py)
+        import torch
+
+        free, total = torch.cuda.mem_get_info()
+        out.update(free_bytes=int(free), total_bytes=int(total), reserved_bytes=int(torch.cuda.memory_reserved()))
     return out
 
 
