@@ -30,6 +30,7 @@ from .compat import (
 from .forecast_log import forecast_enabled
 from .hooks import hooks_for
 from .sglang_breakable import unknown_capture_helpers
+from .sglang_session import resolve_mode
 from .switch import MODULES as SWITCH_MODULES
 from .switch import doctor_line as switch_doctor_line
 
@@ -112,8 +113,6 @@ def _entry_point() -> str | None:
 
 def _flag() -> str:
     """The output mode a capture session would resolve now, and why (env var or SGLang's default)."""
-    from .sglang_session import resolve_mode
-
     try:
         resolution = resolve_mode()
     except ValueError as exc:
@@ -138,11 +137,10 @@ def _summary(problems: list[Problem], entry_point_found: bool) -> tuple[list[str
     for dep, n in Counter(p.dependency for p in problems if p.kind == "dependency").items():
         lines.append(f"doctor: SGLang could not be imported: dependency {dep!r} is missing ({_advice(dep)}); {n} name(s) could not be checked")
         code = code or EXIT_IMPORT
-    for p in problems:
-        if p.kind == "import":
-            lines.append(f"doctor: SGLang could not be imported: {p.detail}")
-            code = code or EXIT_IMPORT
-            break
+    failed = next((p for p in problems if p.kind == "import"), None)
+    if failed is not None:
+        lines.append(f"doctor: SGLang could not be imported: {failed.detail}")
+        code = code or EXIT_IMPORT
     return lines or ["doctor: ok"], code
 
 
@@ -312,11 +310,7 @@ def forecast_line(kind: str | None, environ: Mapping[str, str] | None = None) ->
 
 
 def doctor_main(argv: list[str] | None = None, *, out: TextIO | None = None) -> int:
-    """Run the checks, print a report and return the exit code.
-
-    0 ok; 1 a seam moved or the entry point is missing; 2 SGLang is not installed; 3 SGLang is
-    installed but some of its modules do not import (a missing dependency such as torchvision).
-    """
+    """Run the checks, print a report and return the exit code (the module's doc lists them)."""
     parser = argparse.ArgumentParser(prog="sglang-bcg doctor", description=__doc__.splitlines()[0])
     parser.parse_args(argv)
     stream = out if out is not None else sys.stdout

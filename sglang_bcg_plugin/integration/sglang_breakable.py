@@ -111,9 +111,9 @@ class SharingPolicyMixin:
     def capture_session(self, stream: Any) -> Iterator[None]:
         """SGLang's session (pool, dedup, BCG mode) plus a freshly resolved output policy."""
         plan = open_state(self._bcg_state)
-        self._bcg_forecast = SessionForecast(self._cuda_graph_runner, plan.mode, lambda: getattr(self, "_pool", None),
-                                             buffer_source=plan.buffer_source)
         try:  # gc: one collection per session, not per key (docs/index.md "GC safety")
+            self._bcg_forecast = SessionForecast(self._cuda_graph_runner, plan.mode, lambda: getattr(self, "_pool", None),
+                                                 buffer_source=plan.buffer_source)
             with gc_safe_capture(), super().capture_session(stream):  # type: ignore[misc]
                 yield
             reserved = plan.mode == ON and plan.buffer_source == "reserve"
@@ -132,16 +132,14 @@ class SharingPolicyMixin:
         return self._bcg_state.mode_active
 
     def capture_one(self, shape_key: Any, forward_fn: Callable[[], Any], *args: Any, **kwargs: Any) -> None:
-        """The release's own ``capture_one``; the output goes through the core's policy.
-
-        Takes ``(capture_inputs, post_warmup_hook)`` under the installed release's names
-        (:func:`.compat.capture_one_args`: 0.5.14-0.5.16 call the first ``dummies``)."""
+        """The release's own ``capture_one`` (its arguments under any release's names:
+        :func:`.compat.capture_one_args`); the output goes through the core's policy."""
         capture_inputs, post_warmup_hook = capture_one_args(args, kwargs)
         key, state = check_key(shape_key), self._bcg_state
         state.begin(key)
         forward = _Forward(self, key, forward_fn, post_warmup_hook, capture_inputs)
-        forecast = getattr(self, "_bcg_forecast", None)
-        with forecast.first_capture(key.size, forward.output_bytes) if forecast is not None else contextlib.nullcontext():
+        forecast = self._bcg_forecast  # made when the session opened (state.begin checked it is open)
+        with forecast.first_capture(key.size, forward.output_bytes):
             start = time.perf_counter()
             with gc_safe_capture():
                 super().capture_one(shape_key, forward.forward, capture_inputs, forward.after_warmup)  # type: ignore[misc]
@@ -155,8 +153,7 @@ class SharingPolicyMixin:
                 capture_inputs=capture_inputs, seconds=time.perf_counter() - start,
             )
             self._outputs[key] = output
-        if forecast is not None:
-            forecast.key_done(key.size, num_segments(self._graphs[key]))
+        forecast.key_done(key.size, num_segments(self._graphs[key]))
 
     # -- the release's output helpers (INTERCEPTED), called by its capture_one: no buffer of SGLang's own --
     _shared_output_buffer = property(lambda self: None, lambda self, value: None)
@@ -189,12 +186,10 @@ class SharingPolicyMixin:
 
 @functools.cache
 def sglang_breakable_backend_class() -> type[Any]:
-    """Our breakable backend class, a subclass of the installed SGLang's ``BreakableCudaGraphBackend``.
+    """Our breakable backend class, a subclass of the installed SGLang's ``BreakableCudaGraphBackend``,
+    built on first call (imports SGLang), the same class for every caller.
 
-    Built on first call (imports SGLang) and cached, so every caller gets the same class.
-
-    :raises RuntimeError: the installed SGLang has no backend seam (0.5.13: its breakable graph is
-        a runner, hooked by :mod:`.runner_seam`).
+    :raises RuntimeError: the installed SGLang has no backend seam (0.5.13: :mod:`.runner_seam`).
     """
     seam = installed()
     if seam.kind != "backend":
