@@ -43,7 +43,6 @@ RUNNER_MODULE = "sglang.srt.model_executor.breakable_cuda_graph_runner"
 RUNNER_CLASS = f"{RUNNER_MODULE}.BreakableCudaGraphRunner"
 POOL_MODULE = "sglang.srt.model_executor.runner_utils.pool"
 RUNNER_BASE = "sglang.srt.model_executor.runner.base_cuda_graph_runner.BaseCudaGraphRunner"
-SHAPE_KEY = "sglang.srt.model_executor.runner.shape_key.ShapeKey"
 
 #: The probed features, printed by ``sglang-bcg doctor`` (what each probes and changes: docs/sglang.md,
 #: "What differs between releases").
@@ -137,7 +136,6 @@ class Seam:
     global_pool: bool = False
     row_hooks: bool = False
     eager_form: str = "enable"
-    shape_key_fields: tuple[str, ...] = ()
 
     def describe(self) -> str:
         if self.kind == "none":
@@ -195,7 +193,6 @@ def probe_backend(cls: type, module: Any) -> dict[str, object]:
         "global_pool": _resolve(f"{POOL_MODULE}.get_or_create_global_graph_memory_pool") is not None,
         "row_hooks": hasattr(_resolve(RUNNER_BASE), "cuda_graph_output_rows"),
         "eager_form": _first_param(module.eager_on_graph) or "enable",
-        "shape_key_fields": tuple(getattr(_resolve(SHAPE_KEY), "__dataclass_fields__", ())),
     }
 
 

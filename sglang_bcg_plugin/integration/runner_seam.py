@@ -11,11 +11,11 @@ from __future__ import annotations
 import importlib
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 from ..backends.state import CaptureState
 from ..engines.gcsafe import gc_safe_capture
+from ..shape_key import ShapeKey
 from .compat import RUNNER_MODULE, capture_var, num_segments
 from .sglang_session import open_state
 
@@ -25,14 +25,6 @@ CAPTURE_ONE_TARGET = "sglang.srt.model_executor.breakable_cuda_graph_runner.Brea
 
 #: The attribute our state lives in on the runner.
 STATE_ATTR = "_bcg_state"
-
-
-@dataclass(frozen=True, slots=True)
-class RunnerKey:
-    """The key of one size of the runner (prefill tokens; one stream)."""
-
-    size: int
-    stream_idx: int | None = None
 
 
 def runner_state(runner: Any) -> CaptureState:
@@ -62,7 +54,7 @@ def around_capture_one(
     state: CaptureState | None = runner.__dict__.get(STATE_ATTR)
     if state is None or state.mode_active is None:  # called outside _capture_all: SGLang's own
         return original_fn(runner, num_tokens, pool, stream, *args, **kwargs)
-    key = RunnerKey(num_tokens)
+    key = ShapeKey(num_tokens)  # prefill tokens, one stream
     state.begin(key)
     var = capture_var(_capture_cls())
     shadowed = runner.__dict__.get("_run_forward")  # an instance's own, restored below
