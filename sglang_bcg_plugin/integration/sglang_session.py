@@ -16,9 +16,8 @@ from ..output_mode import ON, RELEASED, OutputMode, Resolution, explain_output_m
 from ..released import released_supported
 from ..sharing import BufferSource
 from ..trees import flatten, unflatten
-from .compat import ENV_SHARED_BUFFER, ENV_STALE_OUTPUT_GUARD
 from . import compat
-from .compat import Seam, pool_borrowing_exists, runner_rows, sglang_builtin_policy
+from .compat import ENV_SHARED_BUFFER, ENV_STALE_OUTPUT_GUARD, Seam, pool_borrowing_exists, runner_rows, sglang_builtin_policy
 
 #: SGLang's switch for eager tensors borrowing free graph-pool memory between replays.
 BORROW_ENV = "SGLANG_ENABLE_GRAPH_POOL_BORROW"
