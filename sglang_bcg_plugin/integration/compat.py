@@ -184,18 +184,6 @@ def _resolve(dotted: str) -> Any:
         return None
 
 
-def probe_backend(cls: type, module: Any) -> dict[str, object]:
-    """The backend-seam features of ``cls`` (SGLang's ``BreakableCudaGraphBackend``) and its module."""
-    capture_params = list(inspect.signature(cls.capture_one).parameters)
-    return {
-        "dedup_mixin": hasattr(cls, "begin_cuda_graph_capture") and hasattr(cls, "close"),
-        "capture_inputs": len(capture_params) > 3 and capture_params[3] == "capture_inputs",
-        "global_pool": _resolve(f"{POOL_MODULE}.get_or_create_global_graph_memory_pool") is not None,
-        "row_hooks": hasattr(_resolve(RUNNER_BASE), "cuda_graph_output_rows"),
-        "eager_form": _first_param(module.eager_on_graph) or "enable",
-    }
-
-
 @functools.cache
 def installed() -> Seam:
     """The installed SGLang's seam (probed once per process; imports SGLang)."""
@@ -203,9 +191,14 @@ def installed() -> Seam:
     if kind == "backend":
         module = importlib.import_module(BACKEND_MODULE)
         cls = module.BreakableCudaGraphBackend
+        params = list(inspect.signature(cls.capture_one).parameters)
         return Seam(
-            "backend", version, "runner_backend.BreakableCudaGraphBackend, subclassed",
-            inspect_builtin(cls), **probe_backend(cls, module),  # type: ignore[arg-type]
+            "backend", version, "runner_backend.BreakableCudaGraphBackend, subclassed", inspect_builtin(cls),
+            dedup_mixin=hasattr(cls, "begin_cuda_graph_capture") and hasattr(cls, "close"),
+            capture_inputs=len(params) > 3 and params[3] == "capture_inputs",
+            global_pool=_resolve(f"{POOL_MODULE}.get_or_create_global_graph_memory_pool") is not None,
+            row_hooks=hasattr(_resolve(RUNNER_BASE), "cuda_graph_output_rows"),
+            eager_form=_first_param(module.eager_on_graph) or "enable",
         )
     if kind == "runner":
         module = importlib.import_module(RUNNER_MODULE)
@@ -284,10 +277,7 @@ CAPTURE_INPUT_NAMES = ("capture_inputs", "dummies")
 
 def capture_one_args(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Callable[[], None] | None]:
     """``(capture_inputs, post_warmup_hook)`` from what a runner passed after ``(shape_key, forward_fn)``,
-    under any release's parameter names (:data:`CAPTURE_INPUT_NAMES`).
-
-    :raises TypeError: too many arguments, one given twice, or a keyword no release has.
-    """
+    under any release's names (:raises TypeError: as Python's own binding would)."""
     if len(args) > 2:
         msg = f"capture_one() takes at most 4 arguments after self ({len(args) + 2} given)"
         raise TypeError(msg)

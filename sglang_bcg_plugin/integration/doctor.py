@@ -62,11 +62,8 @@ _REQUIRES = re.compile(r"requires the (\w+) library but it was not found")
 
 
 def _diagnose(target: str) -> Problem | None:
-    """``None`` when ``target`` resolves, else why not.
-
-    ``pkgutil.resolve_name`` reports a module that fails to import (a missing dependency such
-    as torchvision) as a missing attribute of its parent; name the import error instead.
-    """
+    """``None`` when ``target`` resolves, else why not (the import error of a module that does
+    not import, which ``pkgutil.resolve_name`` reports as a missing attribute of its parent)."""
     try:
         pkgutil.resolve_name(target)
     except Exception as exc:  # noqa: BLE001 - any failure to resolve is a finding, not a crash

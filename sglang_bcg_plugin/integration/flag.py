@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import argparse
 import os
-from collections.abc import Sequence
 from typing import Any
 
 from .._constants import ENV_SHARE_OUTPUT
 from .._words import parse_bool_env
 from ..output_mode import OFF, ON, RELEASED, OutputMode, parse_mode_text
 from .compat import ENV_STALE_OUTPUT_GUARD
+from .sglang_session import session_switches
 
 FLAG = "--enable-bcg-shared-output"
 NO_FLAG = "--no-enable-bcg-shared-output"
@@ -39,10 +39,7 @@ ENV_TEXT: dict[OutputMode, str] = {ON: "1", OFF: "0", RELEASED: RELEASED}
 
 
 class OutputModeAction(argparse.Action):
-    """``--enable-bcg-shared-output[=MODE]``: a bare flag means ``on``."""
-
-    def __init__(self, option_strings: Sequence[str], dest: str, default: Any = None, help: str | None = None) -> None:  # noqa: A002 - argparse's name
-        super().__init__(option_strings, dest, nargs="?", default=default, help=help, metavar="{on,off,released}")
+    """``--enable-bcg-shared-output[=MODE]`` (``nargs="?"``): a bare flag means ``on``."""
 
     def __call__(
         self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any, option_string: str | None = None
@@ -58,7 +55,8 @@ def after_add_cli_args(result: None, parser: argparse.ArgumentParser, *args: Any
     """AFTER hook of the staticmethod ``ServerArgs.add_cli_args(parser)``: add the flag."""
     if FLAG in parser._option_string_actions:  # the same parser extended twice
         return None
-    parser.add_argument(FLAG, dest=DEST, action=OutputModeAction, default=None, help=HELP)
+    parser.add_argument(FLAG, dest=DEST, action=OutputModeAction, nargs="?", metavar="{on,off,released}", default=None,
+                        help=HELP)
     parser.add_argument(NO_FLAG, dest=DEST, action="store_const", const=OFF, help=f"Same as {FLAG}=off.")
     return None
 
@@ -79,8 +77,6 @@ def refuse_unsupported() -> None:
 
     :raises SystemExit: naming the switch or the release and the reason (no traceback).
     """
-    from .sglang_session import session_switches
-
     env = os.environ
     try:
         if (env.get(ENV_SHARE_OUTPUT) or "").strip() or parse_bool_env(ENV_STALE_OUTPUT_GUARD, env):

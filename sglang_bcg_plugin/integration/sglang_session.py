@@ -31,9 +31,7 @@ def resolve_mode(environ: Mapping[str, str] | None = None) -> Resolution:
 
 def shared_buffer(environ: Mapping[str, str] | None = None) -> BufferSource:
     """``SGLANG_BCG_SHARED_BUFFER=adopt|reserve``; unset or blank: ``reserve`` (docs/sglang.md).
-
-    :raises ValueError: the variable holds something else (named, with the accepted values).
-    """
+    :raises ValueError: anything else."""
     words: dict[str, BufferSource] = {"adopt": "adopt", "reserve": "reserve"}
     source = parse_env(ENV_SHARED_BUFFER, words, kind="a buffer source", accepted="'adopt' or 'reserve', or unset it", environ=environ)
     return source or "reserve"

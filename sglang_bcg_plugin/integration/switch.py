@@ -254,15 +254,12 @@ def _on_cuda(call: str) -> None:
 def switch_rank(model_runner: Any, mode: OutputMode, seam_kind: str,
                 environ: MutableMapping[str, str] | None = None,
                 check: Callable[[Mapping[str, str]], object] = session_switches) -> dict[str, Any]:
-    """Re-capture this rank's prefill graphs in ``mode``.
-
-    ``check`` refuses (``ValueError``) an environment the release cannot serve: by default the
-    check every capture session makes (:func:`.sglang_session.session_switches`).
+    """Re-capture this rank's prefill graphs in ``mode``; ``check`` raises ``ValueError`` for an
+    environment the release cannot serve (by default the check every capture session makes).
 
     :raises Refused: nothing was touched (the old graphs serve on).
-    :returns: ``ok``, ``previous``, ``mode``, ``seconds`` and this rank's report; on a failed
-        capture ``ok`` is false, ``error`` says why and ``rolled_back`` whether the previous
-        mode was re-captured.
+    :returns: ``ok``, ``previous``, ``mode``, ``seconds``, this rank's report; on a failed capture
+        ``error`` and ``rolled_back`` (whether the previous mode was re-captured).
     """
     env = os.environ if environ is None else environ
     why = refusal(model_runner, seam_kind)
