@@ -24,7 +24,7 @@ from typing import Any
 from .._constants import ENV_SHARE_OUTPUT
 from .._words import parse_word
 from ..output_mode import MODES, OutputMode
-from .compat import sglang_source
+from . import compat
 from .flag import ENV_TEXT
 from .sglang_session import session_switches
 
@@ -70,7 +70,7 @@ def defined_in_source(target: str, module: str) -> bool:
     read with ``ast``, without importing it (the HTTP server's module needs FastAPI)."""
     import ast
 
-    path = sglang_source(module)
+    path = compat.sglang_source(module)
     if path is None:
         return False
     body: list[ast.stmt] = ast.parse(path.read_text(encoding="utf-8")).body
@@ -352,11 +352,9 @@ def around_handle_rpc_request(original_fn: Callable[..., Any], scheduler: Any, r
         return original_fn(scheduler, recv_req, *args, **kwargs)
     from sglang.srt.managers.io_struct import RpcReqOutput
 
-    from .compat import seam_kind
-
     params = dict(getattr(recv_req, "parameters", None) or {})
     model_runner = getattr(getattr(scheduler, "tp_worker", None), "model_runner", None)
-    local = answer_rank(model_runner, params, seam_kind())  # never raises: every rank reaches the gather
+    local = answer_rank(model_runner, params, compat.seam_kind())  # never raises: every rank reaches the gather
     local["tp_rank"] = int(getattr(getattr(scheduler, "tp_group", None), "rank_in_group", 0) or 0)
     ranks = _gather(scheduler, local)
     message = json.dumps({"id": params.get("id"), "ranks": ranks})
