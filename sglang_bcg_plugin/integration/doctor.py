@@ -23,6 +23,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TextIO
 
+import torch
+
 from .compat import (
     BACKEND_CLASS, BACKEND_MODULE, ENV_FORECAST, RUNNER_CLASS, RUNNER_MODULE, Seam, code_names, installed, one_line,
     release, seam_kind,
@@ -155,8 +157,6 @@ def torchvision_for(torch_version: str) -> str | None:
 def _advice(dep: str | None) -> str:
     if dep not in TORCH_BOUND:
         return "install it into this environment: SGLang imports it"
-    import torch
-
     pair = torchvision_for(torch.__version__) if dep == "torchvision" else None
     if pair is None:
         return (

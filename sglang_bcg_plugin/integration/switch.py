@@ -9,8 +9,11 @@ generic RPC in every TP rank's scheduler (AROUND ``Scheduler.handle_rpc_request`
 
 from __future__ import annotations
 
+import ast
+import asyncio
 import contextlib
 import gc
+import importlib.util
 import json
 import logging
 import multiprocessing
@@ -21,11 +24,15 @@ import time
 from collections.abc import Callable, Mapping, MutableMapping
 from typing import Any
 
+import torch
+import torch.distributed
+
 from .._constants import ENV_SHARE_OUTPUT
 from .._words import parse_word
-from ..output_mode import MODES, OutputMode
+from ..output_mode import MODES, OutputMode, parse_mode_text
 from . import compat
 from .flag import ENV_TEXT
+from .sglang_breakable import SharingPolicyMixin
 from .sglang_session import session_switches
 
 logger = logging.getLogger(__name__)
@@ -51,8 +58,6 @@ def one_line(text: object) -> str:
 def is_launcher() -> bool:
     """The process SGLang's HTTP server runs in: not one multiprocessing spawned, and FastAPI is
     installed (without it there is no HTTP server, and ``http_server`` does not import)."""
-    import importlib.util
-
     return multiprocessing.parent_process() is None and importlib.util.find_spec("fastapi") is not None
 
 
@@ -68,8 +73,6 @@ WHERE: dict[str, Callable[[], bool]] = {HTTP_TARGET: is_launcher, RPC_TARGET: is
 def defined_in_source(target: str, module: str) -> bool:
     """Whether ``module``'s source defines ``target`` (``module.func`` or ``module.Class.method``),
     read with ``ast``, without importing it (the HTTP server's module needs FastAPI)."""
-    import ast
-
     path = compat.sglang_source(module)
     if path is None:
         return False
@@ -142,8 +145,6 @@ def prefill_backend(model_runner: Any) -> Any:
 
 
 def _ours(backend: Any) -> bool:
-    from .sglang_breakable import SharingPolicyMixin
-
     return isinstance(backend, SharingPolicyMixin)
 
 
@@ -167,19 +168,11 @@ def refusal(model_runner: Any, seam_kind: str) -> str | None:
     return None
 
 
-def _cuda() -> bool:
-    import torch
-
-    return bool(torch.cuda.is_available())
-
-
 def _pool_bytes(pool: Any) -> tuple[int | None, int | None]:
     """The bytes the caching allocator holds for graph pool ``pool``, and for every graph pool of
     the process (a dropped pool still cached shows there)."""
-    if not _cuda():
+    if not torch.cuda.is_available():
         return None, None
-    import torch  # pragma: no cover - CUDA only (tests/gpu/test_sglang_switch_gpu.py)
-
     pooled = [s for s in torch.cuda.memory_snapshot() if tuple(s.get("segment_pool_id", (0, 0))) != (0, 0)]  # pragma: no cover
     mine = None if pool is None else sum(int(s["total_size"]) for s in pooled if tuple(s["segment_pool_id"]) == tuple(pool))  # pragma: no cover
     return mine, sum(int(s["total_size"]) for s in pooled)  # pragma: no cover
@@ -202,14 +195,10 @@ def describe_rank(model_runner: Any, environ: MutableMapping[str, str] | None = 
         out["measured_graph_bytes"] = report.measured_graph_bytes
         out["pool_bytes"], out["graph_pools_bytes"] = _pool_bytes(getattr(backend, "_pool", None))
     else:  # the mode a capture would take from the variable (unset: the release's default)
-        from ..output_mode import parse_mode_text
-
         with contextlib.suppress(ValueError):
             out["mode"] = parse_mode_text(env.get(ENV_SHARE_OUTPUT))
         out["reason"] = f"no prefill graphs of the plugin in this process; {ENV_SHARE_OUTPUT}={env.get(ENV_SHARE_OUTPUT)!r}"
-    if _cuda():  # pragma: no cover - CUDA only (tests/gpu/test_sglang_switch_gpu.py)
-        import torch
-
+    if torch.cuda.is_available():  # pragma: no cover - CUDA only (tests/gpu/test_sglang_switch_gpu.py)
         free, total = torch.cuda.mem_get_info()
         out.update(free_bytes=int(free), total_bytes=int(total), reserved_bytes=int(torch.cuda.memory_reserved()))
     return out
@@ -245,9 +234,7 @@ def _capture(model_runner: Any, decode: bool) -> None:
 
 def _on_cuda(call: str) -> None:
     """``torch.cuda.<call>()`` (``synchronize``, ``empty_cache``) where there is CUDA."""
-    if _cuda():  # pragma: no cover - CUDA only
-        import torch
-
+    if torch.cuda.is_available():  # pragma: no cover - CUDA only
         getattr(torch.cuda, call)()
 
 
@@ -339,10 +326,8 @@ def _gather(scheduler: Any, local: dict[str, Any]) -> list[dict[str, Any]]:
     tp_group = getattr(scheduler, "tp_group", None)
     if int(getattr(tp_group, "world_size", 1) or 1) == 1:
         return [local]
-    import torch.distributed as dist
-
     out: list[Any] = [None] * int(tp_group.world_size)
-    dist.all_gather_object(out, local, group=tp_group.cpu_group)
+    torch.distributed.all_gather_object(out, local, group=tp_group.cpu_group)
     return list(out)
 
 
@@ -483,8 +468,6 @@ def _failure(out: dict[str, Any], ranks: list[dict[str, Any]]) -> tuple[int, dic
 
 def add_routes(app: Any, client: RpcClient, gate: SwitchGate, dp_size: int = 1) -> None:
     """``GET``/``POST`` :data:`ROUTE` on SGLang's app, ``ADMIN_FORCE`` for its auth middleware."""
-    import asyncio
-
     from fastapi import Request
     from fastapi.responses import JSONResponse
     from sglang.srt.utils.auth import AuthLevel, auth_level
