@@ -1,20 +1,12 @@
 """What the installed SGLang offers, found by probing its code: the one place per-release
-differences live.
+differences live, and the integration's environment variables.
 
-Every SGLang release from 0.5.13 to 0.5.23 has a breakable CUDA graph (BCG), reached through one
-of two seams:
-
-* ``backend``: ``runner_backend/breakable_cuda_graph_backend.py``'s ``BreakableCudaGraphBackend``
-  (0.5.14+), which we subclass (:mod:`.sglang_breakable`);
-* ``runner``: ``model_executor/breakable_cuda_graph_runner.py``'s ``BreakableCudaGraphRunner``
-  (0.5.13), whose ``_capture_all`` / ``_capture_one`` we wrap (:mod:`.runner_seam`).
-
-Inside the backend seam our capture runs the release's own ``capture_one``, so the releases'
-differences there (graph dedup, TP barriers, pool scopes, precarve, the debug form) need no
-probe. The few our code still meets are probes of the installed classes (attributes,
-``inspect.signature``), never a comparison of version strings; the version is read only to name
-the release in messages. :data:`FEATURES` is the table: what each probe looks at and what it
-changes.
+Two seams (docs/sglang.md, "Supported SGLang"): ``backend``, the ``BreakableCudaGraphBackend`` of
+0.5.14+ (subclassed: :mod:`.sglang_breakable`), and ``runner``, the ``BreakableCudaGraphRunner`` of
+0.5.13 (wrapped: :mod:`.runner_seam`). Probes read the installed classes (attributes, signatures,
+the names their compiled code uses), never version strings (the version only names the release);
+:data:`FEATURES` names them. What SGLang's own backend does with outputs is our default there
+(:func:`inspect_builtin`, :func:`inspect_runner`).
 """
 
 from __future__ import annotations
@@ -25,15 +17,25 @@ import importlib.metadata
 import importlib.util
 import inspect
 import sys
+import types
 from collections.abc import Callable
 from contextvars import ContextVar
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from .builtin import BuiltinPolicy, inspect_builtin, inspect_runner
+from ..output_mode import OFF, ON, OutputMode
 
 SeamKind = Literal["backend", "runner", "none"]
+
+#: Turns the stale-output guard on for the SGLang-integrated backend (it has no ``BackendOptions``).
+ENV_STALE_OUTPUT_GUARD = "SGLANG_BCG_STALE_OUTPUT_GUARD"
+#: Where that backend's shared buffer comes from, ``adopt`` or ``reserve`` (unset: ``reserve``).
+ENV_SHARED_BUFFER = "SGLANG_BCG_SHARED_BUFFER"
+#: ``1``: the graph memory forecast lines in SGLang's log (:mod:`.forecast_log`); off by default.
+ENV_FORECAST = "SGLANG_BCG_FORECAST"
+#: A JSON file: per size, what the capture took from free memory, the pool and the driver.
+ENV_FORECAST_TRACE = "SGLANG_BCG_FORECAST_TRACE"
 
 BACKEND_MODULE = "sglang.srt.model_executor.runner_backend.breakable_cuda_graph_backend"
 BACKEND_CLASS = f"{BACKEND_MODULE}.BreakableCudaGraphBackend"
@@ -41,22 +43,84 @@ RUNNER_MODULE = "sglang.srt.model_executor.breakable_cuda_graph_runner"
 RUNNER_CLASS = f"{RUNNER_MODULE}.BreakableCudaGraphRunner"
 POOL_MODULE = "sglang.srt.model_executor.runner_utils.pool"
 RUNNER_BASE = "sglang.srt.model_executor.runner.base_cuda_graph_runner.BaseCudaGraphRunner"
-SHAPE_KEY = "sglang.srt.model_executor.runner.shape_key.ShapeKey"
 
-#: (feature, what is probed, what our capture does with it; where it first appeared, for
-#: people reading this: it is never compared).
-FEATURES: tuple[tuple[str, str, str], ...] = (
-    ("dedup_mixin", "the backend has begin_cuda_graph_capture / close",
-     "SGLang's session opens dedup registries; the seam closes the replaced instance (0.5.15+)"),
-    ("capture_inputs", "capture_one's third parameter is capture_inputs (else dummies)",
-     "static inputs are kept with the graph either way, in our per-key record (0.5.17+)"),
-    ("global_pool", "runner_utils.pool has get_or_create_global_graph_memory_pool",
-     "one process-global graph pool (0.5.15+), else one pool per backend"),
-    ("row_hooks", "BaseCudaGraphRunner has cuda_graph_output_rows",
-     "rows handed out and buffer capacity from the runner (0.5.21+), else from the output"),
-    ("eager_form", "eager_on_graph's first parameter",
-     "'enable': eager_on_graph(True)(fn) (<= 0.5.21); 'fn': eager_on_graph(fn) (0.5.22+)"),
-)
+#: The probed features, printed by ``sglang-bcg doctor`` (what each probes and changes: docs/sglang.md,
+#: "What differs between releases").
+FEATURES = ("dedup_mixin", "capture_inputs", "global_pool", "row_hooks", "eager_form")
+
+
+#: Names whose use in SGLang's ``capture_one`` means "copies every output into one buffer".
+SHARING_NAMES = ("_shared_output_buffer", "_copy_output_to_buffer")
+#: Used too when the buffer comes from the warmup (0.5.16+); without it the first output is adopted.
+WARMUP_BUFFER = "_alloc_full_buffer"
+#: Words that would make that sharing conditional (then we cannot tell what SGLang does).
+SWITCH_WORDS = ("share_output", "enable_bcg", "reuse_output")
+
+
+@dataclass(frozen=True, slots=True)
+class BuiltinPolicy:
+    """Whether SGLang's built-in BCG shares outputs (``None``: cannot tell) and why."""
+
+    shares: bool | None
+    reason: str
+
+    @property
+    def default_mode(self) -> OutputMode:
+        return ON if self.shares else OFF
+
+    def default_reason(self) -> str:
+        return f"default: {self.default_mode}, the installed SGLang's own behaviour: {self.reason}"
+
+
+def code_names(fn: object) -> frozenset[str] | None:
+    """The names ``fn``'s compiled code uses (attributes, globals, string constants), nested
+    functions included; ``None`` when ``fn`` has no Python code (a builtin, a missing name)."""
+    code = getattr(getattr(fn, "__func__", fn), "__code__", None)
+    if code is None:
+        return None
+    names: set[str] = set()
+    stack = [code]
+    while stack:
+        c = stack.pop()
+        names.update(c.co_names)
+        for const in c.co_consts:
+            if isinstance(const, types.CodeType):
+                stack.append(const)
+            elif isinstance(const, str):
+                names.add(const)
+    return frozenset(names)
+
+
+def inspect_builtin(cls: type) -> BuiltinPolicy:
+    """Read ``cls`` (SGLang's ``BreakableCudaGraphBackend`` or a stand-in) for its output policy."""
+    name = cls.__qualname__
+    capture, init = code_names(getattr(cls, "capture_one", None)), code_names(getattr(cls, "__init__", None))
+    if capture is None or init is None:
+        return BuiltinPolicy(None, f"cannot read {name}'s code; assuming it does not share")
+    if not all(n in capture for n in SHARING_NAMES) or SHARING_NAMES[0] not in init:
+        return BuiltinPolicy(False, f"{name}.capture_one keeps one output per shape key")
+    words = " ".join(capture).lower()
+    switches = [w for w in SWITCH_WORDS if w in words]
+    if switches:
+        return BuiltinPolicy(
+            None, f"{name}.capture_one shares under a switch ({', '.join(switches)}) this plugin does not know; assuming off"
+        )
+    if WARMUP_BUFFER in capture:
+        return BuiltinPolicy(True, f"{name}.capture_one always copies outputs into one _shared_output_buffer")
+    return BuiltinPolicy(
+        True, f"{name}.capture_one adopts the first capture's output as one _shared_output_buffer and copies the others into it"
+    )
+
+
+def inspect_runner(cls: type) -> BuiltinPolicy:
+    """Read SGLang 0.5.13's ``BreakableCudaGraphRunner`` (or a stand-in) for its output policy."""
+    name = cls.__qualname__
+    found = [n for n in map(code_names, vars(cls).values()) if n is not None]
+    if not found:
+        return BuiltinPolicy(None, f"cannot read {name}'s code; assuming it does not share")
+    if any(s in names for names in found for s in SHARING_NAMES):
+        return BuiltinPolicy(None, f"{name} shares outputs in a way this plugin does not know; assuming off")
+    return BuiltinPolicy(False, f"{name}._capture_all keeps one output_buffers entry per size")
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,7 +136,6 @@ class Seam:
     global_pool: bool = False
     row_hooks: bool = False
     eager_form: str = "enable"
-    shape_key_fields: tuple[str, ...] = ()
 
     def describe(self) -> str:
         if self.kind == "none":
@@ -80,7 +143,7 @@ class Seam:
         return f"SGLang {self.release}: {self.kind} seam ({self.why})"
 
     def features(self) -> dict[str, object]:
-        return {name: getattr(self, name) for name, _, _ in FEATURES}
+        return {name: getattr(self, name) for name in FEATURES}
 
 
 def release() -> str:
@@ -90,60 +153,35 @@ def release() -> str:
         return "?"
 
 
+def sglang_source(module: str) -> Path | None:
+    """The source file of ``module`` of the installed top package, found without importing it."""
+    try:  # the top package only: find_spec of a submodule would import its parents
+        spec = importlib.util.find_spec(module.split(".", 1)[0])
+    except (ImportError, ValueError):
+        return None
+    rel = Path(*module.split(".")[1:]).with_suffix(".py")
+    roots = (spec.submodule_search_locations or []) if spec is not None else []
+    return next((Path(root) / rel for root in roots if (Path(root) / rel).is_file()), None)
+
+
 def seam_kind() -> SeamKind:
     """Which seam the installed SGLang has, by file presence (imports no SGLang module)."""
-    try:
-        spec = importlib.util.find_spec("sglang")
-    except (ImportError, ValueError):
-        spec = None
-    roots = list(spec.submodule_search_locations or []) if spec is not None else []
-    for kind, module in (("backend", BACKEND_MODULE), ("runner", RUNNER_MODULE)):
-        rel = Path(*module.split(".")[1:]).with_suffix(".py")
-        if any((Path(root) / rel).is_file() for root in roots):
-            return kind  # type: ignore[return-value]
-    return "none"
+    if sglang_source(BACKEND_MODULE) is not None:
+        return "backend"
+    return "runner" if sglang_source(RUNNER_MODULE) is not None else "none"
 
 
-def _first_param(fn: Callable[..., Any], skip_self: bool = False) -> str | None:
-    params = list(inspect.signature(fn).parameters)
-    if skip_self:
-        params = params[1:]
-    return params[0] if params else None
-
-
-def _has(dotted: str) -> bool:
-    module, _, name = dotted.rpartition(".")
-    try:
-        return hasattr(importlib.import_module(module), name)
-    except ImportError:
-        return False
-
-
-def probe_backend(cls: type, module: Any) -> dict[str, object]:
-    """The backend-seam features of ``cls`` (SGLang's ``BreakableCudaGraphBackend``) and its module."""
-    capture_params = list(inspect.signature(cls.capture_one).parameters)
-    key_cls = _resolve(SHAPE_KEY)
-    return {
-        "dedup_mixin": hasattr(cls, "begin_cuda_graph_capture") and hasattr(cls, "close"),
-        "capture_inputs": len(capture_params) > 3 and capture_params[3] == "capture_inputs",
-        "global_pool": _has(f"{POOL_MODULE}.get_or_create_global_graph_memory_pool"),
-        "row_hooks": _has_attr(RUNNER_BASE, "cuda_graph_output_rows"),
-        "eager_form": _first_param(module.eager_on_graph) or "enable",
-        "shape_key_fields": tuple(getattr(key_cls, "__dataclass_fields__", {})) if key_cls is not None else (),
-    }
+def _first_param(fn: Callable[..., Any]) -> str | None:
+    return next(iter(inspect.signature(fn).parameters), None)
 
 
 def _resolve(dotted: str) -> Any:
+    """``module.name`` (``None`` where the module does not import or has no such name)."""
     module, _, name = dotted.rpartition(".")
     try:
         return getattr(importlib.import_module(module), name, None)
     except ImportError:
         return None
-
-
-def _has_attr(dotted_class: str, attr: str) -> bool:
-    cls = _resolve(dotted_class)
-    return cls is not None and hasattr(cls, attr)
 
 
 @functools.cache
@@ -153,9 +191,14 @@ def installed() -> Seam:
     if kind == "backend":
         module = importlib.import_module(BACKEND_MODULE)
         cls = module.BreakableCudaGraphBackend
+        params = list(inspect.signature(cls.capture_one).parameters)
         return Seam(
-            "backend", version, "runner_backend.BreakableCudaGraphBackend, subclassed",
-            inspect_builtin(cls), **probe_backend(cls, module),  # type: ignore[arg-type]
+            "backend", version, "runner_backend.BreakableCudaGraphBackend, subclassed", inspect_builtin(cls),
+            dedup_mixin=hasattr(cls, "begin_cuda_graph_capture") and hasattr(cls, "close"),
+            capture_inputs=len(params) > 3 and params[3] == "capture_inputs",
+            global_pool=_resolve(f"{POOL_MODULE}.get_or_create_global_graph_memory_pool") is not None,
+            row_hooks=hasattr(_resolve(RUNNER_BASE), "cuda_graph_output_rows"),
+            eager_form=_first_param(module.eager_on_graph) or "enable",
         )
     if kind == "runner":
         module = importlib.import_module(RUNNER_MODULE)
@@ -175,10 +218,7 @@ def installed() -> Seam:
 
 def eager_break(module: Any, fn: Callable[..., Any], form: str) -> Callable[..., Any]:
     """``fn`` as one eager break of SGLang's segment engine, in the installed form."""
-    if form == "enable":
-        wrapped: Callable[..., Any] = module.eager_on_graph(True)(fn)
-        return wrapped
-    wrapped = module.eager_on_graph(fn)
+    wrapped: Callable[..., Any] = module.eager_on_graph(True)(fn) if form == "enable" else module.eager_on_graph(fn)
     return wrapped
 
 
@@ -214,7 +254,7 @@ def runner_rows(runner: Any, output: Any) -> tuple[object, object]:
 
 def pool_borrowing_exists() -> bool:
     """Whether this SGLang lends free graph-pool blocks to eager tensors (``borrow_graph_pool``)."""
-    return _has(f"{POOL_MODULE}.borrow_graph_pool")
+    return _resolve(f"{POOL_MODULE}.borrow_graph_pool") is not None
 
 
 def sglang_builtin_policy() -> BuiltinPolicy:
@@ -222,13 +262,12 @@ def sglang_builtin_policy() -> BuiltinPolicy:
     try:
         return installed().builtin
     except Exception as exc:  # noqa: BLE001 - any import failure means "cannot tell"
-        first = next((line.strip() for line in str(exc).splitlines() if line.strip()), "")
-        return BuiltinPolicy(None, f"SGLang's breakable graph does not import ({type(exc).__name__}: {first})")
+        return BuiltinPolicy(None, f"SGLang's breakable graph does not import ({type(exc).__name__}: {one_line(exc)})")
 
 
-def sglang_builtin_shares() -> bool | None:
-    """Whether the installed SGLang's built-in BCG shares outputs (``None``: cannot tell)."""
-    return sglang_builtin_policy().shares
+def one_line(exc: BaseException) -> str:
+    """The first non-empty line of an exception's text."""
+    return next((line.strip() for line in str(exc).splitlines() if line.strip()), "")
 
 
 #: The names SGLang gives ``capture_one``'s third parameter: ``dummies`` (0.5.14-0.5.16, whose
@@ -238,10 +277,7 @@ CAPTURE_INPUT_NAMES = ("capture_inputs", "dummies")
 
 def capture_one_args(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Callable[[], None] | None]:
     """``(capture_inputs, post_warmup_hook)`` from what a runner passed after ``(shape_key, forward_fn)``,
-    under any release's parameter names (:data:`CAPTURE_INPUT_NAMES`).
-
-    :raises TypeError: too many arguments, one given twice, or a keyword no release has.
-    """
+    under any release's names (:raises TypeError: as Python's own binding would)."""
     if len(args) > 2:
         msg = f"capture_one() takes at most 4 arguments after self ({len(args) + 2} given)"
         raise TypeError(msg)

@@ -1,34 +1,38 @@
 """``sglang-bcg doctor``: is this SGLang install one our hooks fit?
 
-Prints the installed SGLang version, whether every hook target (and each SGLang name our
-breakable backend relies on) exists, whether our ``sglang.srt.plugins`` entry point is
-discoverable, and the resolved sharing flag. Findings are grouped by cause: a seam that moved
-(SGLang imports, the name is gone) is not a dependency SGLang itself is missing. Exit codes: 0
-all good, 1 a seam moved or the entry point is missing, 2 SGLang is not installed, 3 SGLang is
-installed but does not import (e.g. its dependency torchvision is missing). SGLang is imported
-only inside :func:`doctor_main`.
+Prints the installed SGLang, whether every hook target and each SGLang name our capture calls
+exists (grouped by cause: a moved seam is not a missing dependency), the entry point and the
+resolved switches. Exit codes: 0 all good, 1 a seam moved or the entry point is missing, 2 SGLang
+is not installed, 3 SGLang is installed but does not import. SGLang is imported only when it runs.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib
 import importlib.metadata
 import importlib.util
+import inspect
 import os
 import pkgutil
 import re
 import sys
 from collections import Counter
-from dataclasses import dataclass
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import TextIO
 
-from ._names import ENV_FORECAST
-from .doctor_checks import seam_checks
+import torch
+
+from .compat import (
+    BACKEND_CLASS, BACKEND_MODULE, ENV_FORECAST, RUNNER_CLASS, RUNNER_MODULE, Seam, code_names, installed, one_line,
+    release, seam_kind,
+)
 from .forecast_log import forecast_enabled
-from .compat import BACKEND_CLASS, RUNNER_CLASS, Seam, installed, seam_kind
 from .hooks import hooks_for
+from .sglang_breakable import unknown_capture_helpers
+from .sglang_session import resolve_mode
 from .switch import MODULES as SWITCH_MODULES
 from .switch import doctor_line as switch_doctor_line
 
@@ -47,12 +51,8 @@ COMMON_NAMES = ("sglang.srt.plugins.hook_registry.HookRegistry",)
 
 @dataclass(frozen=True)
 class Problem:
-    """Why one name does not resolve.
-
-    ``kind``: ``"moved"`` (its module imports, the name is not there: an SGLang upgrade moved a
-    seam), ``"dependency"`` (an SGLang module needs a package that is not installed, named by
-    ``dependency``) or ``"import"`` (an SGLang module raises something else on import).
-    """
+    """Why one name does not resolve: ``"moved"`` (its module imports, the name is not there),
+    ``"dependency"`` (a package SGLang imports is missing: ``dependency``) or ``"import"``."""
 
     kind: str
     detail: str
@@ -63,17 +63,9 @@ class Problem:
 _REQUIRES = re.compile(r"requires the (\w+) library but it was not found")
 
 
-def one_line(exc: BaseException) -> str:
-    """The first non-empty line of an exception's text."""
-    return next((line.strip() for line in str(exc).splitlines() if line.strip()), "")
-
-
 def _diagnose(target: str) -> Problem | None:
-    """``None`` when ``target`` resolves, else why not.
-
-    ``pkgutil.resolve_name`` reports a module that fails to import (a missing dependency such
-    as torchvision) as a missing attribute of its parent; name the import error instead.
-    """
+    """``None`` when ``target`` resolves, else why not (the import error of a module that does
+    not import, which ``pkgutil.resolve_name`` reports as a missing attribute of its parent)."""
     try:
         pkgutil.resolve_name(target)
     except Exception as exc:  # noqa: BLE001 - any failure to resolve is a finding, not a crash
@@ -102,24 +94,12 @@ def _diagnose(target: str) -> Problem | None:
     return Problem("moved", f"{type(error).__name__}: {error}")
 
 
-def _check(target: str) -> str | None:
-    """``None`` when ``target`` resolves, else why not, in words."""
-    problem = _diagnose(target)
-    return None if problem is None else problem.detail
-
-
 def _sglang_version() -> str | None:
-    """The installed SGLang's version; ``None`` without an importable, installed ``sglang``.
-
-    Both are required: a stray ``sglang`` directory (a namespace package) is not SGLang.
-    """
+    """The installed SGLang's version; ``None`` without one (a stray ``sglang`` directory, a
+    namespace package, is not SGLang)."""
     spec = importlib.util.find_spec("sglang")
-    if spec is None or spec.origin is None:
-        return None
-    try:
-        return importlib.metadata.version("sglang")
-    except importlib.metadata.PackageNotFoundError:
-        return None
+    version = release() if spec is not None and spec.origin is not None else "?"
+    return None if version == "?" else version
 
 
 def _entry_point() -> str | None:
@@ -132,8 +112,6 @@ def _entry_point() -> str | None:
 
 def _flag() -> str:
     """The output mode a capture session would resolve now, and why (env var or SGLang's default)."""
-    from .sglang_session import resolve_mode
-
     try:
         resolution = resolve_mode()
     except ValueError as exc:
@@ -158,11 +136,10 @@ def _summary(problems: list[Problem], entry_point_found: bool) -> tuple[list[str
     for dep, n in Counter(p.dependency for p in problems if p.kind == "dependency").items():
         lines.append(f"doctor: SGLang could not be imported: dependency {dep!r} is missing ({_advice(dep)}); {n} name(s) could not be checked")
         code = code or EXIT_IMPORT
-    for p in problems:
-        if p.kind == "import":
-            lines.append(f"doctor: SGLang could not be imported: {p.detail}")
-            code = code or EXIT_IMPORT
-            break
+    failed = next((p for p in problems if p.kind == "import"), None)
+    if failed is not None:
+        lines.append(f"doctor: SGLang could not be imported: {failed.detail}")
+        code = code or EXIT_IMPORT
     return lines or ["doctor: ok"], code
 
 
@@ -180,8 +157,6 @@ def torchvision_for(torch_version: str) -> str | None:
 def _advice(dep: str | None) -> str:
     if dep not in TORCH_BOUND:
         return "install it into this environment: SGLang imports it"
-    import torch
-
     pair = torchvision_for(torch.__version__) if dep == "torchvision" else None
     if pair is None:
         return (
@@ -202,6 +177,86 @@ def _advice(dep: str | None) -> str:
         f"install torchvision {pair} (the release made for torch {base}) into this environment, pip install "
         f"'torchvision=={pair}.*', keeping that torch (a torchvision built for another torch makes pip replace torch)"
     )
+
+
+Check = tuple[str, Callable[[], str | None]]
+
+#: Attributes SGLang's ``BreakableCudaGraphBackend.__init__`` must set (our capture reads them).
+BACKEND_ATTRS = ("_graphs", "_outputs", "_pool", "_debug_eager")
+
+
+def _params(dotted: str, *names: str) -> str | None:
+    have = list(inspect.signature(pkgutil.resolve_name(dotted)).parameters)
+    missing = [n for n in names if n not in have]
+    return f"parameters {missing} missing from ({', '.join(have)})" if missing else None
+
+
+def _source_has(dotted: str, *needles: str) -> str | None:
+    try:
+        source = inspect.getsource(pkgutil.resolve_name(dotted))
+    except (OSError, TypeError) as exc:
+        return f"cannot read the source ({type(exc).__name__})"
+    missing = [n for n in needles if n not in source]
+    return f"does not contain {missing}" if missing else None
+
+
+def _uses(dotted: str, *names: str) -> str | None:
+    used = code_names(pkgutil.resolve_name(dotted)) or frozenset()
+    missing = [n for n in names if n not in used]
+    return f"does not use {missing}" if missing else None
+
+
+def _capture_var(dotted: str) -> str | None:
+    module = sys.modules[pkgutil.resolve_name(dotted).__module__]
+    return None if hasattr(module, "_current_capture_var") else f"{module.__name__} has no _current_capture_var"
+
+
+def _first_missing(dotted: str, *names: str) -> str | None:
+    return next((f"no {n}" for n in names if not hasattr(pkgutil.resolve_name(dotted), n)), None)
+
+
+def _unknown_helpers(dotted: str) -> str | None:
+    unknown = unknown_capture_helpers(pkgutil.resolve_name(dotted))
+    return f"uses {unknown}, unknown to sglang_bcg" if unknown else None
+
+
+def seam_checks(seam: Seam) -> list[Check]:
+    """What our capture calls or reads on ``seam``, one check each (``None``: it holds; else why
+    not); none where the release has no seam (doctor reports that itself)."""
+    p = functools.partial
+    if seam.kind == "backend":
+        cls, mod = f"{BACKEND_MODULE}:BreakableCudaGraphBackend", f"{BACKEND_MODULE}:"
+        inputs = "capture_inputs" if seam.capture_inputs else "dummies"
+        base = "sglang.srt.model_executor.runner_backend.base_cuda_graph_backend"
+        return [
+            (f"{BACKEND_CLASS}.__init__(cuda_graph_runner, *, enable_memory_saver, debug_eager)",
+             p(_params, f"{cls}.__init__", "cuda_graph_runner", "enable_memory_saver", "debug_eager")),
+            (f"{BACKEND_CLASS}.__init__ sets {', '.join(BACKEND_ATTRS)}", p(_uses, f"{cls}.__init__", *BACKEND_ATTRS)),
+            (f"{BACKEND_CLASS}.capture_session / replay / cleanup",
+             p(_first_missing, cls, "capture_session", "replay", "cleanup")),
+            (f"{BACKEND_CLASS}.capture_one(shape_key, forward_fn, {inputs}, post_warmup_hook)",
+             p(_params, f"{cls}.capture_one", "shape_key", "forward_fn", inputs, "post_warmup_hook")),
+            (f"{BACKEND_CLASS}.capture_one keeps outputs only through the helpers sglang_bcg overrides",
+             p(_unknown_helpers, f"{cls}.capture_one")),
+            (f"{BACKEND_MODULE}.BreakableCUDAGraphCapture(cuda_graph, pool, stream)",
+             p(_params, f"{mod}BreakableCUDAGraphCapture.__init__", "cuda_graph", "pool", "stream")),
+            (f"{BACKEND_MODULE}.BreakableCUDAGraph's module: _current_capture_var", p(_capture_var, f"{mod}BreakableCUDAGraph")),
+            (f"{base}.BaseCudaGraphBackend", lambda: pkgutil.resolve_name(f"{base}:BaseCudaGraphBackend") and None),
+        ]
+    if seam.kind != "runner":
+        return []
+    cls = f"{RUNNER_MODULE}:BreakableCudaGraphRunner"
+    return [
+        (f"{RUNNER_CLASS}._capture_one(num_tokens, pool, stream)", p(_params, f"{cls}._capture_one", "num_tokens", "pool", "stream")),
+        (f"{RUNNER_CLASS}._capture_one runs self._run_forward inside BreakableCUDAGraphCapture",
+         p(_source_has, f"{cls}._capture_one", "self._run_forward(", "BreakableCUDAGraphCapture(")),
+        (f"{RUNNER_CLASS}._capture_all stores output_buffers[num_tokens] from _capture_one",
+         p(_source_has, f"{cls}._capture_all", "self._capture_one(", "self.output_buffers[num_tokens] = output")),
+        (f"{RUNNER_CLASS}.replay returns output_buffers[static_num_tokens]",
+         p(_source_has, f"{cls}.replay", "self.output_buffers[static_num_tokens]")),
+        (f"{RUNNER_MODULE}.BreakableCUDAGraphCapture's module: _current_capture_var",
+         p(_capture_var, f"{RUNNER_MODULE}:BreakableCUDAGraphCapture")),
+    ]
 
 
 def _seam_lines(say: Callable[[str], None], problems: list[Problem]) -> Seam | None:
@@ -252,11 +307,7 @@ def forecast_line(kind: str | None, environ: Mapping[str, str] | None = None) ->
 
 
 def doctor_main(argv: list[str] | None = None, *, out: TextIO | None = None) -> int:
-    """Run the checks, print a report and return the exit code.
-
-    0 ok; 1 a seam moved or the entry point is missing; 2 SGLang is not installed; 3 SGLang is
-    installed but some of its modules do not import (a missing dependency such as torchvision).
-    """
+    """Run the checks, print a report and return the exit code (the module's doc lists them)."""
     parser = argparse.ArgumentParser(prog="sglang-bcg doctor", description=__doc__.splitlines()[0])
     parser.parse_args(argv)
     stream = out if out is not None else sys.stdout

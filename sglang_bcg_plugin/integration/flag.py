@@ -1,30 +1,21 @@
-"""``--enable-bcg-shared-output``: AFTER hooks on ``ServerArgs.add_cli_args`` / ``from_cli_args``.
+"""``--enable-bcg-shared-output[=on|off|released]`` and ``--no-enable-bcg-shared-output``: AFTER
+hooks on ``ServerArgs.add_cli_args`` / ``from_cli_args``; the last form given wins.
 
-Forms (:class:`OutputModeAction` and a ``store_const``, both into one destination):
-
-* ``--enable-bcg-shared-output``: ``on`` (one shared output buffer per stream);
-* ``--enable-bcg-shared-output=MODE``: ``on``, ``off`` or ``released`` (booleans such as ``1``
-  and ``0`` too); ``released`` hands out zero-copy outputs in graph-pool memory;
-* ``--no-enable-bcg-shared-output``: ``off``. The last one given wins.
-
-``ServerArgs`` is a sealed msgspec Struct (a plugin cannot add a field, and ``from_cli_args``
-drops unknown argparse attributes), so the parsed value travels one way: the launcher's
-``from_cli_args`` hook writes it to the environment variable ``SGLANG_ENABLE_BCG_SHARED_OUTPUT``
-(``1``, ``0`` or ``released``, replacing the operator's value), which every process SGLang spawns
-(its scheduler included) inherits, and which the core's resolver reads at every capture session.
+``ServerArgs`` is sealed, so the launcher's ``from_cli_args`` hook writes the value to
+``SGLANG_ENABLE_BCG_SHARED_OUTPUT``, which every process SGLang spawns inherits (docs/sglang.md).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-from collections.abc import Sequence
 from typing import Any
 
 from .._constants import ENV_SHARE_OUTPUT
 from .._words import parse_bool_env
 from ..output_mode import OFF, ON, RELEASED, OutputMode, parse_mode_text
-from ._names import ENV_STALE_OUTPUT_GUARD
+from .compat import ENV_STALE_OUTPUT_GUARD
+from .sglang_session import session_switches
 
 FLAG = "--enable-bcg-shared-output"
 NO_FLAG = "--no-enable-bcg-shared-output"
@@ -44,14 +35,11 @@ HELP = (
 )
 
 #: What the parsed value becomes: the env var's text.
-_ENV_TEXT: dict[OutputMode, str] = {ON: "1", OFF: "0", RELEASED: RELEASED}
+ENV_TEXT: dict[OutputMode, str] = {ON: "1", OFF: "0", RELEASED: RELEASED}
 
 
 class OutputModeAction(argparse.Action):
-    """``--enable-bcg-shared-output[=MODE]``: a bare flag means ``on``."""
-
-    def __init__(self, option_strings: Sequence[str], dest: str, default: Any = None, help: str | None = None) -> None:  # noqa: A002 - argparse's name
-        super().__init__(option_strings, dest, nargs="?", default=default, help=help, metavar="{on,off,released}")
+    """``--enable-bcg-shared-output[=MODE]`` (``nargs="?"``): a bare flag means ``on``."""
 
     def __call__(
         self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any, option_string: str | None = None
@@ -67,45 +55,31 @@ def after_add_cli_args(result: None, parser: argparse.ArgumentParser, *args: Any
     """AFTER hook of the staticmethod ``ServerArgs.add_cli_args(parser)``: add the flag."""
     if FLAG in parser._option_string_actions:  # the same parser extended twice
         return None
-    parser.add_argument(FLAG, dest=DEST, action=OutputModeAction, default=None, help=HELP)
+    parser.add_argument(FLAG, dest=DEST, action=OutputModeAction, nargs="?", metavar="{on,off,released}", default=None,
+                        help=HELP)
     parser.add_argument(NO_FLAG, dest=DEST, action="store_const", const=OFF, help=f"Same as {FLAG}=off.")
     return None
 
 
 def after_from_cli_args(result: Any, cls: type, args: argparse.Namespace, *rest: Any, **kwargs: Any) -> Any:
-    """AFTER hook of the classmethod ``ServerArgs.from_cli_args(args)``: carry the flag on.
-
-    Not given (``None``): the environment is left alone, so ``SGLANG_ENABLE_BCG_SHARED_OUTPUT``
-    set by the operator still decides (then the installed SGLang's default).
-    """
+    """AFTER hook of the classmethod ``ServerArgs.from_cli_args(args)``: the flag, when given, to
+    ``SGLANG_ENABLE_BCG_SHARED_OUTPUT`` (not given: the operator's value still decides)."""
     value = getattr(args, DEST, None)
     if value is not None:
-        os.environ[ENV_SHARE_OUTPUT] = _ENV_TEXT[value]
+        os.environ[ENV_SHARE_OUTPUT] = ENV_TEXT[value]
     refuse_unsupported()
     return result
 
 
 def refuse_unsupported() -> None:
-    """At startup: stop with one line when the installed release cannot run what was asked, with
-    the check every capture session makes (:func:`.sglang_session.session_switches`).
-
-    Only an explicit choice is checked (the flag, ``SGLANG_ENABLE_BCG_SHARED_OUTPUT`` or the
-    guard): the default is the release's own behaviour, which it can always run.
+    """At startup, when something was asked (the release's own default always runs): the check
+    every capture session makes (:func:`.sglang_session.session_switches`).
 
     :raises SystemExit: naming the switch or the release and the reason (no traceback).
     """
-    from .compat import Seam, installed
-    from .sglang_session import session_switches
-
     env = os.environ
     try:
-        if not (env.get(ENV_SHARE_OUTPUT) or "").strip() and not parse_bool_env(ENV_STALE_OUTPUT_GUARD, env):
-            return
-        seam: Seam | None
-        try:
-            seam = installed()
-        except Exception:  # noqa: BLE001 - SGLang does not fully import here: `sglang-bcg doctor` says why
-            seam = None
-        session_switches(env, seam)
+        if (env.get(ENV_SHARE_OUTPUT) or "").strip() or parse_bool_env(ENV_STALE_OUTPUT_GUARD, env):
+            session_switches(env)
     except ValueError as exc:
         raise SystemExit(f"sglang_bcg: {exc}") from None

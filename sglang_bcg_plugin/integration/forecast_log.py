@@ -1,23 +1,9 @@
 """Inside SGLang: the graph-memory forecast of the whole schedule, logged after its first capture.
 
-SGLang hands a backend one size at a time, largest first, so no probe can run before the
-schedule; the session's first capture is the probe. While it runs (warmups and capture), PyTorch's
-allocator records its events; the requests that went to SGLang's graph pool are fitted with one
-line per request (:meth:`~sglang_bcg_plugin.forecast.trace.ScaledTrace.proportional`) and every
-size of the runner's schedule (``capture_num_tokens``, or ``capture_bs``) is modelled per output
-mode (docs/forecast.md). The forecast is of the free device memory the session loses (SGLang's
-"mem usage"): the graph pool and shared buffer (modelled), what the first capture's allocator
-kept outside the pool (the capture stream's cuBLAS workspace and the like, measured), and the
-CUDA driver's share (:mod:`~sglang_bcg_plugin.forecast.driver`: the graphs and nodes of the first
-capture, counted, times the sizes; the first-capture cost where the first capture lost at least
-half of it beyond the allocator's reservations). One INFO line says the configured mode's
-forecast and what it frees against the others, in MiB and in KV-cache tokens (the KV pool's bytes
-per token); at the session's end a second line gives the graph pool SGLang's allocator really
-holds beside the pool's forecast, and the free device memory the session lost beside the whole.
-
-Opt-in, ``SGLANG_BCG_FORECAST=1`` (installing the plugin changes nothing until asked); skipped
-(one DEBUG line) without CUDA, without a schedule on the runner, or when the allocator's history
-is already being recorded (someone else's).
+The session's first (largest) capture is the probe: its allocator events fitted per request
+(:meth:`~sglang_bcg_plugin.forecast.trace.ScaledTrace.proportional`), every size of the runner's
+schedule modelled per output mode, plus what the capture kept outside the pool and the CUDA
+driver's share. Opt-in, ``SGLANG_BCG_FORECAST=1`` (docs/sglang.md, "Graph memory forecast in the log").
 """
 
 from __future__ import annotations
@@ -33,6 +19,7 @@ from typing import Any
 import torch
 
 from .._words import parse_bool_env
+from ..accounting import device_free_bytes
 from ..forecast.allocator import expandable_segments
 from ..forecast.driver import (
     DRIVER_COEFFICIENTS,
@@ -43,19 +30,16 @@ from ..forecast.driver import (
     schedule_share,
 )
 from ..forecast.model import MODES, forecast_modes, reference_estimates
-from ..forecast.probe import allocator_caveat
+from ..forecast.probe import allocator_caveat, reserved_bytes
 from ..forecast.trace import KeyTrace, ScaledTrace, output_allocs, pool_trace
-from ._names import ENV_FORECAST, ENV_FORECAST_TRACE
+from .compat import ENV_FORECAST, ENV_FORECAST_TRACE
 
 log = logging.getLogger("sglang_bcg_plugin")
 MIB = 1 << 20
 
 
 def forecast_enabled(environ: Mapping[str, str]) -> bool:
-    """Whether ``SGLANG_BCG_FORECAST`` asks for the forecast lines (a boolean; unset or blank: no).
-
-    :raises ValueError: the variable is not a boolean (named, with the accepted values).
-    """
+    """Whether ``SGLANG_BCG_FORECAST`` asks for the forecast lines (:raises ValueError: not a boolean)."""
     return bool(parse_bool_env(ENV_FORECAST, environ))
 
 
@@ -85,8 +69,7 @@ def kv_bytes_per_token(cuda_graph_runner: object) -> int | None:
 
 def format_forecast(modes: Mapping[str, Any], mode: str, sizes: Sequence[int], kv_per_token: int | None,
                     driver: DriverShare | None = None) -> str:
-    """The log line: the configured mode's forecast and what it frees against the others; where
-    it holds more than the pool (a capture stream, the driver's share), its parts."""
+    """The log line: the configured mode's forecast, what it frees against the others, its parts."""
     mine = modes[mode].total_bytes
     parts = []
     for other in MODES:
@@ -120,41 +103,25 @@ def driver_caveat(driver: DriverShare | None) -> str:
 
 
 def reserved_device_bytes() -> int | None:
-    """What PyTorch's caching allocator holds now (after :func:`free_device_bytes` emptied its
-    cache); ``None`` where it cannot be read."""
+    """What PyTorch's caching allocator holds now; ``None`` where it cannot be read."""
     try:
-        return int(torch.cuda.memory_reserved())
+        return reserved_bytes()
     except Exception:  # noqa: BLE001 - no figure rather than no log line
         return None
 
 
-def reserved_buffer_source() -> bool:
-    """Whether SGLang's engine reserves the shared buffer outside the pool (the default) rather
-    than adopting an output in it (``SGLANG_BCG_SHARED_BUFFER=adopt``)."""
-    from .sglang_session import shared_buffer
-
-    try:
-        return shared_buffer() == "reserve"
-    except ValueError:
-        return True
-
-
 def free_device_bytes() -> int | None:
-    """Free device memory now, cached blocks given back first (``cudaMemGetInfo`` after a
-    synchronize and ``empty_cache``: what SGLang's "avail mem" reads); ``None`` where it cannot
-    be read. Graph pools keep their memory; what the warmups cached does not count."""
+    """Free device memory after ``empty_cache`` (what SGLang's "avail mem" reads); ``None`` where
+    it cannot be read."""
     try:
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()
-        return int(torch.cuda.mem_get_info()[0])
+        return device_free_bytes(collect=False)
     except Exception:  # noqa: BLE001 - no figure rather than no log line
         return None
 
 
 def sglang_baseline_free() -> int | None:
-    """The free device memory SGLang read before building the graph runner, when a caller's frame
-    holds it (``before_mem``, GiB, in ``capture_prefill_graph`` and its kin): what SGLang's
-    "mem usage" line is measured from. ``None`` where no frame has it."""
+    """The free device memory SGLang read before building the graph runner (``before_mem``, GiB,
+    in a caller's ``capture*`` frame), its "mem usage" baseline; ``None`` where no frame has it."""
     frame = sys._getframe(1)
     while frame is not None:
         value = frame.f_locals.get("before_mem") if "capture" in frame.f_code.co_name else None
@@ -165,20 +132,11 @@ def sglang_baseline_free() -> int | None:
 
 
 def outputs_kept(trace: KeyTrace, output_bytes: Sequence[int]) -> tuple[KeyTrace, frozenset[int]]:
-    """The first capture's trace as the forecast model wants it, and the indices of its output allocs.
+    """The first capture's trace with its output held to the end, as the model wants it (the
+    session's own policy freed it inside the recording), and the indices of the output allocs.
 
-    The model (:func:`~sglang_bcg_plugin.forecast.model.simulate`) takes a trace whose output is
-    still allocated at its end and decides per mode what becomes of it: ``off`` keeps it, ``on``
-    and ``released`` free it. Inside SGLang the recording spans the whole first capture,
-    including the output policy of the session's own mode: with ``on`` (the output copied into
-    the shared buffer) and ``released`` (its last strong reference dropped) the output is freed
-    *inside* the recorded trace, so no kept alloc holds it, and every mode's simulation would
-    free it as the trace says, ``off`` included (``off`` then came out equal to ``released``).
-    Here the output's allocs are found among the kept ones first, then among those still live
-    after the trace's last alloc (the forward has returned; the policy frees the output last, so
-    the latest freed first), matched by their bytes; their frees are taken out, so the output is
-    held to the end of the trace as with ``off``. Without any match, every kept alloc counts as
-    output (the former fallback).
+    The output is matched by its bytes among the kept allocs, then among those freed after the
+    last alloc, latest first; no match: every kept alloc counts as output (docs/sglang.md).
     """
     wanted = list(output_bytes)
     found = list(output_allocs(trace, wanted))
@@ -212,12 +170,12 @@ def outputs_kept(trace: KeyTrace, output_bytes: Sequence[int]) -> tuple[KeyTrace
 class SessionForecast:
     """One capture session's forecast: :meth:`first_capture` around the first ``capture_one``,
     :meth:`close` at the session's end. ``pool`` returns SGLang's graph pool handle (read late:
-    SGLang's session sets it)."""
+    SGLang's session sets it); ``buffer_source``: the plan's (a reserved buffer is outside the pool)."""
 
     def __init__(self, cuda_graph_runner: object, mode: str, pool: Callable[[], Any],
-                 environ: Mapping[str, str] | None = None) -> None:
+                 environ: Mapping[str, str] | None = None, buffer_source: str = "reserve") -> None:
         env = os.environ if environ is None else environ
-        self.runner, self.mode, self.pool = cuda_graph_runner, mode, pool
+        self.runner, self.mode, self.pool, self.buffer_source = cuda_graph_runner, mode, pool, buffer_source
         self.sizes = schedule_sizes(cuda_graph_runner)
         self.enabled = forecast_enabled(env)
         self.done = False
@@ -319,7 +277,7 @@ class SessionForecast:
         modes = forecast_modes(fitted, self.sizes, **options)
         if outside or self.driver is not None:
             # what the first capture reserved outside the pool, less a reserved shared buffer (modelled)
-            buffer = modes["on"].outputs_bytes if self.mode == "on" and reserved_buffer_source() else 0
+            buffer = modes["on"].outputs_bytes if self.mode == "on" and self.buffer_source == "reserve" else 0
             modes = forecast_modes(fitted, self.sizes, **options, stream_bytes=max(0, outside - buffer),
                                    driver=self.driver)
         self.forecast = {"modes": modes,

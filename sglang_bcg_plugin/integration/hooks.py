@@ -1,16 +1,9 @@
 """``register()``: the ``sglang.srt.plugins`` entry point; installs our HookRegistry hooks.
 
-Which hooks depends on the installed release's seam (:func:`.compat.seam_kind`, found from the
-files SGLang ships, without importing them): the flag hooks always; the backend seam's two
-resolver hooks (0.5.14+), or the runner seam's two ``BreakableCudaGraphRunner`` hooks (0.5.13);
-and the live switch's two (:mod:`.switch`), each only in the process that uses it (:func:`wanted`).
-Registering a target the release does not have would make SGLang log a traceback at startup.
-
-SGLang's ``load_plugins()`` calls it once in every process that loads plugins (main, scheduler
-and TP workers, DP controller, detokenizer; not Ray actors), then ``HookRegistry.apply_hooks()``
-patches the targets. Registering is cheap (SGLang's hook registry is already imported by the
-caller; nothing heavy is imported) and idempotent. Errors are not caught here: SGLang logs and
-swallows plugin errors, and ``sglang-bcg doctor`` reports a moved target.
+Which hooks depends on the installed release's seam (:func:`.compat.seam_kind`, from the files
+SGLang ships, without importing them; a target the release lacks would make SGLang log a
+traceback) and on the process (:func:`wanted`). SGLang's ``load_plugins()`` calls it once in
+every process that loads plugins; errors are SGLang's to log, ``sglang-bcg doctor`` names a moved target.
 """
 
 from __future__ import annotations

@@ -1,30 +1,9 @@
 """SGLang 0.5.13: our output policy on ``BreakableCudaGraphRunner`` (the runner seam).
 
-0.5.13 has no ``runner_backend``: its breakable graph is
-``model_executor/breakable_cuda_graph_runner.py``'s ``BreakableCudaGraphRunner`` (prefill only,
-``--enable-breakable-cuda-graph``). ``_capture_all`` captures every size, largest first, as
-``graph, output = self._capture_one(num_tokens, pool, stream)`` and keeps
-``output_buffers[num_tokens] = output``: one output per size, no sharing (SGLang #27659 tried to
-add sharing there and was reverted, #27758). ``replay`` returns ``output_buffers[static]`` to the
-model's eager tail.
-
-Two AROUND hooks (HookRegistry) put the core's
-:class:`~sglang_bcg_plugin.backends.state.CaptureState` around that loop, changing nothing else:
-
-* ``_capture_all``: one capture session (mode resolved as everywhere: env, which the flag sets, > the
-  release's own default, ``off`` here);
-* ``_capture_one``: for the duration of one size, the runner's ``_run_forward`` is shadowed by
-  an instance attribute that sees each of SGLang's calls: a warmup's output (outside the capture)
-  reserves the shared buffer, the captured call's output goes through the policy *inside* the
-  capture (the in-graph copy), and after SGLang's ``_capture_one`` returns ``(graph, output)`` the
-  hook returns ``(graph, ours)``, which ``_capture_all`` stores in ``output_buffers``.
-
-What #27659 got wrong is the core's job here: rows come from each output leaf (never from
-``num_tokens``), any output tree works (tuples, dataclasses such as ``LogitsProcessorOutput``,
-``PPProxyTensors``, ``None`` leaves), a size whose output does not fit keeps its own output with
-one warning, and a failed capture leaves the policy as it was. Not available on this seam: the
-stale-output guard (``replay`` is SGLang's own), the decode phase (0.5.13's breakable graph is
-prefill only) and ``sglang_bcg_select_backend`` routing.
+Two AROUND hooks put the core's :class:`~sglang_bcg_plugin.backends.state.CaptureState` around
+SGLang's own loop: ``_capture_all`` is one capture session; in ``_capture_one`` the runner's
+``_run_forward`` is shadowed for one size, so a warmup's output reserves the shared buffer and the
+captured call's output goes through the policy (docs/sglang.md, "SGLang 0.5.13: the runner seam").
 """
 
 from __future__ import annotations
@@ -32,11 +11,11 @@ from __future__ import annotations
 import importlib
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 from ..backends.state import CaptureState
 from ..engines.gcsafe import gc_safe_capture
+from ..shape_key import ShapeKey
 from .compat import RUNNER_MODULE, capture_var, num_segments
 from .sglang_session import open_state
 
@@ -46,14 +25,6 @@ CAPTURE_ONE_TARGET = "sglang.srt.model_executor.breakable_cuda_graph_runner.Brea
 
 #: The attribute our state lives in on the runner.
 STATE_ATTR = "_bcg_state"
-
-
-@dataclass(frozen=True, slots=True)
-class RunnerKey:
-    """The key of one size of the runner (prefill tokens; one stream)."""
-
-    size: int
-    stream_idx: int | None = None
 
 
 def runner_state(runner: Any) -> CaptureState:
@@ -83,7 +54,7 @@ def around_capture_one(
     state: CaptureState | None = runner.__dict__.get(STATE_ATTR)
     if state is None or state.mode_active is None:  # called outside _capture_all: SGLang's own
         return original_fn(runner, num_tokens, pool, stream, *args, **kwargs)
-    key = RunnerKey(num_tokens)
+    key = ShapeKey(num_tokens)  # prefill tokens, one stream
     state.begin(key)
     var = capture_var(_capture_cls())
     shadowed = runner.__dict__.get("_run_forward")  # an instance's own, restored below

@@ -1,30 +1,28 @@
 """The backend seam: AROUND hooks on SGLang's ``resolve_prefill_backend`` / ``resolve_decode_backend``.
 
-SGLang's ``runner_backend/utils.py`` is the documented place for out-of-tree backends. Each hook
-calls SGLang's resolver (``original_fn``: never a module global, since HookRegistry rebinds every
-module attribute that held the original), then:
-
-* SGLang returned exactly its ``BreakableCudaGraphBackend`` → ask the pluggy hook
-  ``sglang_bcg_select_backend(phase, server_args)``; ``None`` or ``"breakable"`` gives our
-  :func:`~sglang_bcg_plugin.integration.sglang_breakable_backend_class` built with the same
-  ``debug_eager`` / memory-saver setting; another name routes the phase to that registered backend
-  (a registered subclass of SGLang's ``BaseCudaGraphBackend`` is built with SGLang's breakable
-  constructor signature, anything else runs behind :mod:`.adapter`);
-* anything else (Full, NPU, XPU, out-of-tree platform backends, subclasses installed by other
-  plugins) is returned unchanged.
+Each hook calls SGLang's resolver (``original_fn``: HookRegistry rebinds the module global). When
+it returns exactly SGLang's ``BreakableCudaGraphBackend``, the pluggy hook
+``sglang_bcg_select_backend`` picks the replacement: ours (``None`` or ``"breakable"``), a
+registered SGLang backend class, or any other registered backend behind :class:`CaptureBackendAdapterMixin`
+(docs/sglang.md, "Routing a phase to another backend"). Every other backend is returned unchanged.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import importlib
 import logging
 from collections.abc import Callable
 from typing import Any
 
+from ..backends.base import CaptureBackend
 from ..manager import get_plugin_manager
 from ..options import BackendOptions
 from ..registry import build_registry
-from .adapter import sglang_adapter_class
-from .sglang_breakable import SGLANG_BCG_CLASS, sglang_breakable_backend_class
+from ..report import MemoryReport
+from .compat import BACKEND_MODULE, capture_one_args
+from .sglang_breakable import sglang_breakable_backend_class
 from .sglang_session import runner_server_args
 
 logger = logging.getLogger(__name__)
@@ -32,17 +30,12 @@ logger = logging.getLogger(__name__)
 #: HookRegistry targets of the two AROUND hooks.
 PREFILL_TARGET = "sglang.srt.model_executor.runner_backend.utils.resolve_prefill_backend"
 DECODE_TARGET = "sglang.srt.model_executor.runner_backend.utils.resolve_decode_backend"
-
-
-def _sglang_bcg_class() -> Any:
-    import pkgutil
-
-    return pkgutil.resolve_name(SGLANG_BCG_CLASS)
+BASE_MODULE = "sglang.srt.model_executor.runner_backend.base_cuda_graph_backend"
 
 
 def swap_backend(phase: str, backend: Any, cuda_graph_runner: Any) -> Any:
     """Replace SGLang's own breakable backend by the one our configuration selects."""
-    if type(backend) is not _sglang_bcg_class():
+    if type(backend) is not importlib.import_module(BACKEND_MODULE).BreakableCudaGraphBackend:
         return backend  # Full and platform backends: SGLang's choice, unchanged
     adapter = getattr(backend, "_memory_saver_adapter", None)
     kwargs = {
@@ -58,10 +51,8 @@ def swap_backend(phase: str, backend: Any, cuda_graph_runner: Any) -> Any:
     if name is None or name == "breakable":
         chosen: Any = sglang_breakable_backend_class()(cuda_graph_runner, **kwargs)
     else:
-        from sglang.srt.model_executor.runner_backend.base_cuda_graph_backend import BaseCudaGraphBackend
-
         factory = build_registry(pm).get(name)
-        if isinstance(factory, type) and issubclass(factory, BaseCudaGraphBackend):
+        if isinstance(factory, type) and issubclass(factory, importlib.import_module(BASE_MODULE).BaseCudaGraphBackend):
             chosen = factory(cuda_graph_runner, **kwargs)
         else:
             ours = factory(options=BackendOptions(), plugin_manager=pm)
@@ -82,3 +73,41 @@ def around_resolve_decode_backend(
 ) -> Any:
     """AROUND hook of ``resolve_decode_backend``."""
     return swap_backend("decode", original_fn(cuda_graph_runner, *args, **kwargs), cuda_graph_runner)
+
+
+class CaptureBackendAdapterMixin:
+    """SGLang's six-method backend contract, forwarded to one of our :class:`CaptureBackend`."""
+
+    def __init__(self, backend: CaptureBackend, cuda_graph_runner: object = None) -> None:
+        self.backend = backend
+        self._cuda_graph_runner = cuda_graph_runner
+
+    def capture_session(self, stream: Any) -> contextlib.AbstractContextManager[None]:
+        return self.backend.capture_session(stream)
+
+    def capture_one(self, shape_key: Any, forward_fn: Callable[[], Any], *args: Any, **kwargs: Any) -> None:
+        """``(capture_inputs, post_warmup_hook)`` under any release's names (``dummies`` up to 0.5.16)."""
+        self.backend.capture_one(shape_key, forward_fn, *capture_one_args(args, kwargs))
+
+    def can_run(self, forward_batch: Any, shape_key: Any) -> bool:
+        return self.backend.can_run(shape_key)
+
+    def replay_session(self) -> contextlib.AbstractContextManager[None]:
+        return contextlib.nullcontext()
+
+    def replay(self, shape_key: Any, static_forward_batch: Any, **kwargs: Any) -> Any:
+        return self.backend.replay(shape_key)
+
+    def cleanup(self) -> None:
+        self.backend.cleanup()
+
+    def memory_report(self) -> MemoryReport:
+        return self.backend.memory_report()
+
+
+@functools.cache
+def sglang_adapter_class() -> type[Any]:
+    """The adapter class: our mixin over SGLang's ``BaseCudaGraphBackend`` (built once)."""
+    base = importlib.import_module(BASE_MODULE).BaseCudaGraphBackend
+    return type("CaptureBackendAdapter", (CaptureBackendAdapterMixin, base),
+                {"__module__": __name__, "__doc__": CaptureBackendAdapterMixin.__doc__})

@@ -1,25 +1,9 @@
 """Our Breakable backend *inside* SGLang (0.5.14+): the release's own capture, our output policy.
 
-SGLang's prefill runner checks ``isinstance(backend, BreakableCudaGraphBackend)`` in about ten
-places and model code's ``eager_on_graph`` breaks talk to SGLang's segment engine, so
-:func:`sglang_breakable_backend_class` *subclasses* the installed release's
-``BreakableCudaGraphBackend`` (same constructor) and runs its session, ``capture_one``, replay
-and cleanup: warmups, barriers, pool scopes, precarve, graph dedup and the debug form are the
-release's own code. Our ``capture_one`` calls the release's with a forward and a post-warmup hook
-of ours (:class:`_Forward`) and overrides the output helpers it calls (:data:`INTERCEPTED`):
-
-1. after the last warmup (our hook) the core's output policy reserves the shared buffer
-   from that warmup's output, outside the graph pool;
-2. the captured call of the forward goes through the policy's ``place`` (the in-graph copy);
-   under ``debug_eager`` the release runs it as one eager break and our forward runs it outside
-   the capture (its own breaks inline), refreshing the placed output at each replay;
-3. SGLang's own buffer is never made (``_shared_output_buffer`` reads ``None``, the helpers do
-   nothing); after the release's ``capture_one`` the state commits the key and its output
-   replaces the one SGLang stored.
-
-``tests/sglang/test_sglang_upstream.py`` fails when a release's ``capture_one`` uses a private
-name neither :data:`INTERCEPTED` nor :data:`NEUTRAL` lists. ``cleanup()`` also drops SGLang's
-process-global pool handle when it is ours (:func:`.sglang_session.drop_global_pool`).
+A subclass of the installed ``BreakableCudaGraphBackend`` (SGLang's prefill runner checks
+``isinstance``) whose ``capture_one`` runs the release's own with our forward and post-warmup hook
+(:class:`_Forward`), and overrides the output helpers that ``capture_one`` calls
+(:data:`INTERCEPTED`). Why and how: docs/sglang.md, "The release's own capture".
 """
 
 from __future__ import annotations
@@ -37,24 +21,16 @@ from ..output_mode import ON, OutputMode, Resolution
 from ..report import MemoryReport
 from ..shape_key import check_key
 from ..trees import flatten
-from .builtin import code_names
 from .compat import (
-    BACKEND_CLASS, BACKEND_MODULE, capture_one_args, capture_var, installed, num_segments, run_outside_capture, runner_rows,
+    BACKEND_MODULE, capture_one_args, capture_var, code_names, installed, num_segments, run_outside_capture, runner_rows,
 )
 from .forecast_log import SessionForecast
 from .sglang_session import apply_runner_rows, drop_global_pool, open_state, reserve_from_warmup
 
-__all__ = [
-    "INTERCEPTED", "NEUTRAL", "SGLANG_BCG_CLASS", "SharingPolicyMixin", "sglang_breakable_backend_class", "unknown_capture_helpers",
-]
-
-#: Dotted path of SGLang's breakable backend class (our base class).
-SGLANG_BCG_CLASS = BACKEND_CLASS
-
 #: Warmups the release's ``capture_one`` runs before its capture (every release; checked at capture).
 WARMUPS = 2
 
-#: The release's output helpers our subclass overrides (step 3 of the module doc).
+#: The release's output helpers our subclass overrides (SGLang makes no buffer of its own).
 INTERCEPTED = ("_shared_output_buffer", "_alloc_full_buffer", "_output_rows", "_copy_output_to_buffer", "_slice_output")
 #: The other private names the releases' ``capture_one`` (0.5.14-0.5.23) use: none holds an output.
 NEUTRAL = ("_device_module", "_tp_group", "_precarve", "_pool", "_capture_stream", "_debug_eager",
@@ -134,13 +110,13 @@ class SharingPolicyMixin:
     @contextlib.contextmanager
     def capture_session(self, stream: Any) -> Iterator[None]:
         """SGLang's session (pool, dedup, BCG mode) plus a freshly resolved output policy."""
-        plan = open_state(self._bcg_state, seam=installed())
-        mode = plan.mode
-        self._bcg_forecast = SessionForecast(self._cuda_graph_runner, mode, lambda: getattr(self, "_pool", None))
+        plan = open_state(self._bcg_state)
         try:  # gc: one collection per session, not per key (docs/index.md "GC safety")
+            self._bcg_forecast = SessionForecast(self._cuda_graph_runner, plan.mode, lambda: getattr(self, "_pool", None),
+                                                 buffer_source=plan.buffer_source)
             with gc_safe_capture(), super().capture_session(stream):  # type: ignore[misc]
                 yield
-            reserved = mode == ON and plan.buffer_source == "reserve"
+            reserved = plan.mode == ON and plan.buffer_source == "reserve"
             self._bcg_forecast.close(self._bcg_state.report().resident_output_bytes if reserved else 0)
         finally:
             self._bcg_state.close()
@@ -156,16 +132,14 @@ class SharingPolicyMixin:
         return self._bcg_state.mode_active
 
     def capture_one(self, shape_key: Any, forward_fn: Callable[[], Any], *args: Any, **kwargs: Any) -> None:
-        """The release's own ``capture_one``; the output goes through the core's policy.
-
-        Takes ``(capture_inputs, post_warmup_hook)`` under the installed release's names
-        (:func:`.compat.capture_one_args`: 0.5.14-0.5.16 call the first ``dummies``)."""
+        """The release's own ``capture_one`` (its arguments under any release's names:
+        :func:`.compat.capture_one_args`); the output goes through the core's policy."""
         capture_inputs, post_warmup_hook = capture_one_args(args, kwargs)
         key, state = check_key(shape_key), self._bcg_state
         state.begin(key)
         forward = _Forward(self, key, forward_fn, post_warmup_hook, capture_inputs)
-        forecast = getattr(self, "_bcg_forecast", None)
-        with forecast.first_capture(key.size, forward.output_bytes) if forecast is not None else contextlib.nullcontext():
+        forecast = self._bcg_forecast  # made when the session opened (state.begin checked it is open)
+        with forecast.first_capture(key.size, forward.output_bytes):
             start = time.perf_counter()
             with gc_safe_capture():
                 super().capture_one(shape_key, forward.forward, capture_inputs, forward.after_warmup)  # type: ignore[misc]
@@ -179,8 +153,7 @@ class SharingPolicyMixin:
                 capture_inputs=capture_inputs, seconds=time.perf_counter() - start,
             )
             self._outputs[key] = output
-        if forecast is not None:
-            forecast.key_done(key.size, num_segments(self._graphs[key]))
+        forecast.key_done(key.size, num_segments(self._graphs[key]))
 
     # -- the release's output helpers (INTERCEPTED), called by its capture_one: no buffer of SGLang's own --
     _shared_output_buffer = property(lambda self: None, lambda self, value: None)
@@ -213,12 +186,10 @@ class SharingPolicyMixin:
 
 @functools.cache
 def sglang_breakable_backend_class() -> type[Any]:
-    """Our breakable backend class, a subclass of the installed SGLang's ``BreakableCudaGraphBackend``.
+    """Our breakable backend class, a subclass of the installed SGLang's ``BreakableCudaGraphBackend``,
+    built on first call (imports SGLang), the same class for every caller.
 
-    Built on first call (imports SGLang) and cached, so every caller gets the same class.
-
-    :raises RuntimeError: the installed SGLang has no backend seam (0.5.13: its breakable graph is
-        a runner, hooked by :mod:`.runner_seam`).
+    :raises RuntimeError: the installed SGLang has no backend seam (0.5.13: :mod:`.runner_seam`).
     """
     seam = installed()
     if seam.kind != "backend":

@@ -1,19 +1,6 @@
-"""What a capture session of the SGLang-integrated backend reads from SGLang, and its pool housekeeping.
-
-The capture state itself (output policy, guard, per-key records, report) is the core's
-:class:`~sglang_bcg_plugin.backends.state.CaptureState`; this module only translates SGLang's
-switches and hooks into it:
-
-* :func:`session_switches` resolves the output mode (``SGLANG_ENABLE_BCG_SHARED_OUTPUT``, which
-  the flag sets, > the installed SGLang's own default, :mod:`.builtin`) and the guard, and
-  refuses what the installed release cannot serve (:func:`refusal`): the one resolution, at
-  startup (the flag hook) and at every capture session (:func:`open_state`, which adds the
-  shared-buffer strategy, plans the session with the core's ``plan_session`` and opens the
-  state's session with the plan);
-* :func:`apply_runner_rows` / :func:`reserve_from_warmup` translate the runner's row hooks;
-* :func:`drop_global_pool` makes ``cleanup()`` leave SGLang's process-global graph pool in a
-  state a new capture session can use (see its docstring).
-"""
+"""What a capture session of the SGLang-integrated backend reads from SGLang: its switches
+(:func:`session_switches`, the one resolution, at startup and at every session), the runner's
+row hooks, and the housekeeping of SGLang's global graph pool."""
 
 from __future__ import annotations
 
@@ -29,8 +16,8 @@ from ..output_mode import ON, RELEASED, OutputMode, Resolution, explain_output_m
 from ..released import released_supported
 from ..sharing import BufferSource
 from ..trees import flatten, unflatten
-from ._names import ENV_SHARED_BUFFER, ENV_STALE_OUTPUT_GUARD
-from .compat import Seam, installed, pool_borrowing_exists, runner_rows, sglang_builtin_policy
+from . import compat
+from .compat import ENV_SHARED_BUFFER, ENV_STALE_OUTPUT_GUARD, Seam, pool_borrowing_exists, runner_rows, sglang_builtin_policy
 
 #: SGLang's switch for eager tensors borrowing free graph-pool memory between replays.
 BORROW_ENV = "SGLANG_ENABLE_GRAPH_POOL_BORROW"
@@ -43,11 +30,8 @@ def resolve_mode(environ: Mapping[str, str] | None = None) -> Resolution:
 
 
 def shared_buffer(environ: Mapping[str, str] | None = None) -> BufferSource:
-    """Where the shared buffer comes from on SGLang's engine: ``SGLANG_BCG_SHARED_BUFFER=adopt|reserve``
-    (any case); unset or blank: ``reserve`` (why: docs/sglang.md, "Why reserve").
-
-    :raises ValueError: the variable holds something else (named, with the accepted values).
-    """
+    """``SGLANG_BCG_SHARED_BUFFER=adopt|reserve``; unset or blank: ``reserve`` (docs/sglang.md).
+    :raises ValueError: anything else."""
     words: dict[str, BufferSource] = {"adopt": "adopt", "reserve": "reserve"}
     source = parse_env(ENV_SHARED_BUFFER, words, kind="a buffer source", accepted="'adopt' or 'reserve', or unset it", environ=environ)
     return source or "reserve"
@@ -80,47 +64,42 @@ def refusal(seam: Seam, mode: OutputMode, guard: bool, environ: Mapping[str, str
     return None
 
 
-def session_switches(environ: Mapping[str, str], seam: Seam | None) -> tuple[Resolution, bool]:
+def session_switches(environ: Mapping[str, str]) -> tuple[Resolution, bool]:
     """The output mode (with its reason) and the guard a capture session runs with, checked
-    against ``seam`` (``None``: the release could not be probed, nothing is refused).
+    against the installed release (one that cannot be probed refuses nothing: doctor says why).
 
     :raises ValueError: a switch holds an invalid value, or the installed release cannot run the
         resolved mode (:func:`refusal`).
     """
     resolution = resolve_mode(environ)
     guard = bool(parse_bool_env(ENV_STALE_OUTPUT_GUARD, environ))
+    try:
+        seam: Seam | None = compat.installed()
+    except Exception:  # noqa: BLE001 - SGLang does not fully import here: `sglang-bcg doctor` says why
+        seam = None
     reason = None if seam is None else refusal(seam, resolution.mode, guard, environ)
     if reason is not None:
         raise ValueError(reason)
     return resolution, guard
 
 
-def open_state(state: CaptureState, environ: Mapping[str, str] | None = None, seam: Seam | None = None) -> SessionPlan:
-    """Plan the session from SGLang's switches (read at every session: :func:`plan_session`, as
-    the core does) and open ``state`` with it.
+def open_state(state: CaptureState) -> SessionPlan:
+    """Plan the session from SGLang's switches, read at every session, and open ``state`` with it.
 
     :raises ValueError: as :func:`session_switches`, or ``SGLANG_BCG_SHARED_BUFFER`` is invalid.
     """
-    env = os.environ if environ is None else environ
-    resolution, guard = session_switches(env, seam or installed())
-    plan = plan_session(resolution, engine=state.engine, shared_buffer=shared_buffer(env), guard=guard)
+    resolution, guard = session_switches(os.environ)
+    plan = plan_session(resolution, engine=state.engine, shared_buffer=shared_buffer(), guard=guard)
     state.open(plan)
     return plan
 
 
 def apply_runner_rows(output: Any, rows: object) -> Any:
-    """Trim the padded-row leaves of ``output`` to ``rows`` (``cuda_graph_output_rows``).
-
-    The *padded row dim* ``P`` is the largest leading dim among the output's tensor leaves;
-    every leaf whose leading dim equals ``P`` is handed out as ``leaf[:rows]`` (only when
-    ``rows < P``). Leaves with another leading dim keep all their rows. ``None`` leaves the
-    output as the body produced it.
-    """
+    """Trim to ``rows`` (``cuda_graph_output_rows``; ``None``: unchanged) the leaves whose leading
+    dim is the largest among the output's leaves (the padded row dim); others keep their rows."""
+    rows = _check_rows("cuda_graph_output_rows", rows)
     if rows is None:
         return output
-    if isinstance(rows, bool) or not isinstance(rows, int):
-        msg = f"cuda_graph_output_rows() returned {rows!r}; expected None or an int >= 0"
-        raise TypeError(msg)
     if rows < 0:
         msg = f"cuda_graph_output_rows() returned {rows}; expected None or an int >= 0"
         raise ValueError(msg)
@@ -139,12 +118,8 @@ def _check_rows(name: str, rows: object) -> int | None:
 
 
 def reserve_from_warmup(state: CaptureState, key: Hashable, runner: Any, warmup_out: Any) -> None:
-    """``reserve``: the partition's buffer from the last warmup's output, outside the pool.
-
-    Rows as the capture will hand them out (``cuda_graph_output_rows``), grown to
-    ``cuda_graph_output_capacity_rows`` when the runner asks for more (SGLang's own capacity hook);
-    a release or runner without the hooks: the output's own rows.
-    """
+    """``reserve``: the partition's buffer from the last warmup's output, outside the pool, with
+    the rows the capture hands out, grown to ``cuda_graph_output_capacity_rows`` where asked."""
     if state.mode_active != ON or warmup_out is None:
         return
     rows, capacity = runner_rows(runner, warmup_out)
@@ -153,19 +128,8 @@ def reserve_from_warmup(state: CaptureState, key: Hashable, runner: Any, warmup_
 
 
 def drop_global_pool(pool: Any) -> bool:
-    """After ``cleanup()``: forget SGLang's process-global pool handle when it is ``pool``.
-
-    Why: ``cleanup()`` destroys every graph of the pool, so the caching allocator marks the
-    pool freeable (its use count drops to 0) but keeps it until an ``empty_cache()`` finds all
-    its blocks free. SGLang's ``get_or_create_global_graph_memory_pool`` would hand the same
-    handle to the next capture session, and capturing into a freeable pool fails
-    (``it->second->use_count > 0`` INTERNAL ASSERT in ``CUDACachingAllocator.cpp``), as does
-    every later capture. SGLang's own recapture path does the same reset
-    (``model_runner_components/cuda_graph_setup.py``, ``drop_elastic_cuda_graph_state``), so the
-    next session gets a fresh handle and the old pool's memory returns at the next
-    ``empty_cache()``. A handle another backend installed since is left alone; backends still
-    holding graphs in the old pool keep their own handle (``self._pool``) and keep working.
-    """
+    """After ``cleanup()``: forget SGLang's process-global pool handle when it is ``pool``, so the
+    next session captures into a fresh pool (why: docs/sglang.md, "Recapture in one process")."""
     from sglang.srt.model_executor.runner_utils import pool as sglang_pool
 
     if pool is None or sglang_pool.get_global_graph_memory_pool() != pool:

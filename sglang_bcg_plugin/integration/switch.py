@@ -1,29 +1,19 @@
 """Switch the output mode of a running SGLang server: ``GET``/``POST /bcg/output_mode``.
 
-Two HookRegistry hooks (:mod:`.hooks`), each registered only in the process that uses it:
-
-* HTTP (the launcher, which serves SGLang's FastAPI ``app``): a BEFORE hook on
-  ``http_server._setup_and_run_http_server`` adds the route, marked ``ADMIN_FORCE`` for SGLang's
-  own auth middleware, only when the server has ``--admin-api-key``;
-* scheduler (every TP rank): an AROUND hook on ``Scheduler.handle_rpc_request``, SGLang's generic
-  RPC (the path of ``Engine.collective_rpc``: ``RpcReqInput`` on the scheduler's RPC socket,
-  broadcast to every TP rank, handled between two batches of the event loop, one reply from rank 0).
-  Our method name is answered here; every other call goes to SGLang's handler.
-
-A switch on a rank (:func:`switch_rank`): refuse what cannot run (no prefill graphs of ours, a
-mode the release cannot serve) before touching anything; then drop the prefill and decode graphs
-and SGLang's global graph pool (:func:`_drop_graphs`), set ``SGLANG_ENABLE_BCG_SHARED_OUTPUT`` in
-the scheduler process and re-capture with SGLang's own ``ModelRunner.init_prefill_cuda_graph()``
-and ``init_decode_cuda_graph()`` (the start-up path: our backend seam, our session, start-up
-order, a fresh pool). A capture that fails is followed by a re-capture in the previous mode (the
-old graphs are gone by then: both sets at once would leave the freed set cached in the shared
-pool), and the answer says why.
+Two hooks, each registered only in the process that uses it (:data:`WHERE`): the route in the
+launcher (BEFORE ``_setup_and_run_http_server``, only with ``--admin-api-key``), and SGLang's
+generic RPC in every TP rank's scheduler (AROUND ``Scheduler.handle_rpc_request``), where
+:func:`switch_rank` drops the graphs and re-captures with SGLang's own start-up calls
+(docs/sglang.md, "Switching the mode of a running server").
 """
 
 from __future__ import annotations
 
+import ast
+import asyncio
 import contextlib
 import gc
+import importlib.util
 import json
 import logging
 import multiprocessing
@@ -34,9 +24,16 @@ import time
 from collections.abc import Callable, Mapping, MutableMapping
 from typing import Any
 
+import torch
+import torch.distributed
+
 from .._constants import ENV_SHARE_OUTPUT
 from .._words import parse_word
-from ..output_mode import MODES, OutputMode
+from ..output_mode import MODES, OutputMode, parse_mode_text
+from . import compat
+from .flag import ENV_TEXT
+from .sglang_breakable import SharingPolicyMixin
+from .sglang_session import session_switches
 
 logger = logging.getLogger(__name__)
 
@@ -48,8 +45,6 @@ RPC_TARGET = "sglang.srt.managers.scheduler.Scheduler.handle_rpc_request"
 RPC_TIMEOUT_S = float(os.environ.get("SGLANG_BCG_SWITCH_TIMEOUT", "900"))
 #: How long a request waits for a scheduler to take it (one connected peer is all it needs).
 SEND_TIMEOUT_MS = 10_000
-#: What the flag writes for each mode (:mod:`.flag`).
-ENV_TEXT: dict[str, str] = {"on": "1", "off": "0", "released": "released"}
 BODY_HELP = 'send {"mode": "off"|"on"|"released"}'
 
 
@@ -63,8 +58,6 @@ def one_line(text: object) -> str:
 def is_launcher() -> bool:
     """The process SGLang's HTTP server runs in: not one multiprocessing spawned, and FastAPI is
     installed (without it there is no HTTP server, and ``http_server`` does not import)."""
-    import importlib.util
-
     return multiprocessing.parent_process() is None and importlib.util.find_spec("fastapi") is not None
 
 
@@ -80,22 +73,10 @@ WHERE: dict[str, Callable[[], bool]] = {HTTP_TARGET: is_launcher, RPC_TARGET: is
 def defined_in_source(target: str, module: str) -> bool:
     """Whether ``module``'s source defines ``target`` (``module.func`` or ``module.Class.method``),
     read with ``ast``, without importing it (the HTTP server's module needs FastAPI)."""
-    import ast
-    import importlib.util
-
-    try:  # the top package only: find_spec of a submodule would import its parents
-        spec = importlib.util.find_spec(module.split(".", 1)[0])
-    except (ImportError, ValueError):
+    path = compat.sglang_source(module)
+    if path is None:
         return False
-    if spec is None or not spec.submodule_search_locations:
-        return False
-    parts = module.split(".")[1:]
-    path = os.path.join(list(spec.submodule_search_locations)[0], *parts[:-1], parts[-1] + ".py")
-    if not os.path.isfile(path):
-        return False
-    with open(path, encoding="utf-8") as f:
-        tree = ast.parse(f.read())
-    body: list[ast.stmt] = tree.body
+    body: list[ast.stmt] = ast.parse(path.read_text(encoding="utf-8")).body
     for part in target[len(module) + 1:].split("."):
         node = next((n for n in body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and n.name == part), None)
         if node is None:
@@ -164,8 +145,6 @@ def prefill_backend(model_runner: Any) -> Any:
 
 
 def _ours(backend: Any) -> bool:
-    from .sglang_breakable import SharingPolicyMixin
-
     return isinstance(backend, SharingPolicyMixin)
 
 
@@ -189,28 +168,11 @@ def refusal(model_runner: Any, seam_kind: str) -> str | None:
     return None
 
 
-def _cuda() -> bool:
-    import torch
-
-    return bool(torch.cuda.is_available())
-
-
-def _device_memory() -> dict[str, int]:
-    if not _cuda():
-        return {}
-    import torch  # pragma: no cover - CUDA only (tests/gpu/test_sglang_switch_gpu.py)
-
-    free, total = torch.cuda.mem_get_info()  # pragma: no cover
-    return {"free_bytes": int(free), "total_bytes": int(total), "reserved_bytes": int(torch.cuda.memory_reserved())}  # pragma: no cover
-
-
 def _pool_bytes(pool: Any) -> tuple[int | None, int | None]:
-    """The bytes the caching allocator holds for graph pool ``pool`` (its segments), and for every
-    graph pool of the process (a dropped pool still cached shows there)."""
-    if not _cuda():
+    """The bytes the caching allocator holds for graph pool ``pool``, and for every graph pool of
+    the process (a dropped pool still cached shows there)."""
+    if not torch.cuda.is_available():
         return None, None
-    import torch  # pragma: no cover - CUDA only (tests/gpu/test_sglang_switch_gpu.py)
-
     pooled = [s for s in torch.cuda.memory_snapshot() if tuple(s.get("segment_pool_id", (0, 0))) != (0, 0)]  # pragma: no cover
     mine = None if pool is None else sum(int(s["total_size"]) for s in pooled if tuple(s["segment_pool_id"]) == tuple(pool))  # pragma: no cover
     return mine, sum(int(s["total_size"]) for s in pooled)  # pragma: no cover
@@ -233,34 +195,23 @@ def describe_rank(model_runner: Any, environ: MutableMapping[str, str] | None = 
         out["measured_graph_bytes"] = report.measured_graph_bytes
         out["pool_bytes"], out["graph_pools_bytes"] = _pool_bytes(getattr(backend, "_pool", None))
     else:  # the mode a capture would take from the variable (unset: the release's default)
-        from ..output_mode import parse_mode_text
-
         with contextlib.suppress(ValueError):
             out["mode"] = parse_mode_text(env.get(ENV_SHARE_OUTPUT))
         out["reason"] = f"no prefill graphs of the plugin in this process; {ENV_SHARE_OUTPUT}={env.get(ENV_SHARE_OUTPUT)!r}"
-    out.update(_device_memory())
+    if torch.cuda.is_available():  # pragma: no cover - CUDA only (tests/gpu/test_sglang_switch_gpu.py)
+        free, total = torch.cuda.mem_get_info()
+        out.update(free_bytes=int(free), total_bytes=int(total), reserved_bytes=int(torch.cuda.memory_reserved()))
     return out
 
 
-def _graph_runners(model_runner: Any) -> list[tuple[str, Any]]:
-    """The model runner's prefill and decode graph runners that hold graphs (not the eager one)."""
-    eager = getattr(model_runner, "eager_runner", None)
-    found = []
+def _drop_graphs(model_runner: Any) -> bool:
+    """Drop the prefill and decode graphs (not the eager runner) and forget SGLang's global graph
+    pool, so the re-capture starts a fresh pool in start-up order; whether decode graphs were dropped."""
+    decode, eager = False, getattr(model_runner, "eager_runner", None)
     for name in ("prefill_cuda_graph_runner", "decode_cuda_graph_runner"):
         runner = getattr(model_runner, name, None)
-        if runner is not None and runner is not eager and getattr(runner, "backend", None) is not None:
-            found.append((name, runner))
-    return found
-
-
-def _drop_graphs(model_runner: Any) -> bool:
-    """Drop the prefill and decode graphs and forget SGLang's global graph pool, so the pool's
-    memory goes back at ``empty_cache()`` and the re-capture starts a fresh pool in start-up
-    order (prefill, then decode): the pool is shared, and blocks freed in a pool that other graphs
-    still use stay cached in it. SGLang's own ``drop_elastic_cuda_graph_state`` does the same for
-    decode. Returns whether decode graphs were dropped (to re-capture them too)."""
-    decode = False
-    for name, runner in _graph_runners(model_runner):
+        if runner is None or runner is eager or getattr(runner, "backend", None) is None:
+            continue
         runner.backend.cleanup()
         setattr(model_runner, name, None)
         decode = decode or name.startswith("decode")
@@ -270,7 +221,7 @@ def _drop_graphs(model_runner: Any) -> bool:
     if sglang_pool is not None:
         sglang_pool.set_global_graph_memory_pool(None)
     gc.collect()
-    _empty_cache()
+    _on_cuda("empty_cache")
     return decode
 
 
@@ -281,39 +232,21 @@ def _capture(model_runner: Any, decode: bool) -> None:
         model_runner.init_decode_cuda_graph()
 
 
-def _synchronize() -> None:
-    if _cuda():  # pragma: no cover - CUDA only
-        import torch
-
-        torch.cuda.synchronize()
-
-
-def _empty_cache() -> None:
-    if _cuda():  # pragma: no cover - CUDA only
-        import torch
-
-        torch.cuda.empty_cache()
-
-
-def _release_check(environ: Mapping[str, str]) -> None:
-    from .compat import installed
-    from .sglang_session import session_switches
-
-    session_switches(environ, installed())
+def _on_cuda(call: str) -> None:
+    """``torch.cuda.<call>()`` (``synchronize``, ``empty_cache``) where there is CUDA."""
+    if torch.cuda.is_available():  # pragma: no cover - CUDA only
+        getattr(torch.cuda, call)()
 
 
 def switch_rank(model_runner: Any, mode: OutputMode, seam_kind: str,
                 environ: MutableMapping[str, str] | None = None,
-                check: Callable[[Mapping[str, str]], object] = _release_check) -> dict[str, Any]:
-    """Re-capture this rank's prefill graphs in ``mode``.
-
-    ``check`` refuses (``ValueError``) an environment the release cannot serve: by default the
-    check every capture session makes (:func:`.sglang_session.session_switches`).
+                check: Callable[[Mapping[str, str]], object] = session_switches) -> dict[str, Any]:
+    """Re-capture this rank's prefill graphs in ``mode``; ``check`` raises ``ValueError`` for an
+    environment the release cannot serve (by default the check every capture session makes).
 
     :raises Refused: nothing was touched (the old graphs serve on).
-    :returns: ``ok``, ``previous``, ``mode``, ``seconds`` and this rank's report; on a failed
-        capture ``ok`` is false, ``error`` says why and ``rolled_back`` whether the previous
-        mode was re-captured.
+    :returns: ``ok``, ``previous``, ``mode``, ``seconds``, this rank's report; on a failed capture
+        ``error`` and ``rolled_back`` (whether the previous mode was re-captured).
     """
     env = os.environ if environ is None else environ
     why = refusal(model_runner, seam_kind)
@@ -329,7 +262,7 @@ def switch_rank(model_runner: Any, mode: OutputMode, seam_kind: str,
     except ValueError as exc:
         raise Refused(one_line(exc)) from None
     start = time.perf_counter()
-    _synchronize()  # a batch the overlap scheduler launched finishes on the old graphs
+    _on_cuda("synchronize")  # a batch the overlap scheduler launched finishes on the old graphs
     decode = _drop_graphs(model_runner)
     env[ENV_SHARE_OUTPUT] = ENV_TEXT[mode]
     result: dict[str, Any] = {"previous": previous, "mode": mode, "decode_recaptured": decode}
@@ -343,9 +276,9 @@ def switch_rank(model_runner: Any, mode: OutputMode, seam_kind: str,
         logger.exception("sglang_bcg: re-capture in output mode %r failed", mode)
         result.update(ok=False, error=f"{type(exc).__name__}: {one_line(exc)}",
                       rolled_back=_roll_back(model_runner, env, previous_env, decode))
-    _synchronize()
+    _on_cuda("synchronize")
     gc.collect()
-    _empty_cache()  # the old pool, once nothing holds its blocks
+    _on_cuda("empty_cache")  # the old pool, once nothing holds its blocks
     result["seconds"] = round(time.perf_counter() - start, 3)
     result.update(describe_rank(model_runner, env))
     return result
@@ -393,10 +326,8 @@ def _gather(scheduler: Any, local: dict[str, Any]) -> list[dict[str, Any]]:
     tp_group = getattr(scheduler, "tp_group", None)
     if int(getattr(tp_group, "world_size", 1) or 1) == 1:
         return [local]
-    import torch.distributed as dist
-
     out: list[Any] = [None] * int(tp_group.world_size)
-    dist.all_gather_object(out, local, group=tp_group.cpu_group)
+    torch.distributed.all_gather_object(out, local, group=tp_group.cpu_group)
     return list(out)
 
 
@@ -406,11 +337,9 @@ def around_handle_rpc_request(original_fn: Callable[..., Any], scheduler: Any, r
         return original_fn(scheduler, recv_req, *args, **kwargs)
     from sglang.srt.managers.io_struct import RpcReqOutput
 
-    from .compat import seam_kind
-
     params = dict(getattr(recv_req, "parameters", None) or {})
     model_runner = getattr(getattr(scheduler, "tp_worker", None), "model_runner", None)
-    local = answer_rank(model_runner, params, seam_kind())  # never raises: every rank reaches the gather
+    local = answer_rank(model_runner, params, compat.seam_kind())  # never raises: every rank reaches the gather
     local["tp_rank"] = int(getattr(getattr(scheduler, "tp_group", None), "rank_in_group", 0) or 0)
     ranks = _gather(scheduler, local)
     message = json.dumps({"id": params.get("id"), "ranks": ranks})
@@ -539,8 +468,6 @@ def _failure(out: dict[str, Any], ranks: list[dict[str, Any]]) -> tuple[int, dic
 
 def add_routes(app: Any, client: RpcClient, gate: SwitchGate, dp_size: int = 1) -> None:
     """``GET``/``POST`` :data:`ROUTE` on SGLang's app, ``ADMIN_FORCE`` for its auth middleware."""
-    import asyncio
-
     from fastapi import Request
     from fastapi.responses import JSONResponse
     from sglang.srt.utils.auth import AuthLevel, auth_level

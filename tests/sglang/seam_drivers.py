@@ -118,10 +118,10 @@ class RunnerDriver:
         return self.forwards[num_tokens]()
 
     def key(self, size: int, stream_idx: int | None = None) -> Any:
-        from sglang_bcg_plugin.integration.runner_seam import RunnerKey
+        from sglang_bcg_plugin.shape_key import ShapeKey
 
         assert stream_idx is None, "0.5.13's runner has one stream"
-        return RunnerKey(size)
+        return ShapeKey(size)
 
     def capture(self, forwards: dict[Any, Forward]) -> None:
         self.forwards = {key.size: f for key, f in forwards.items()}

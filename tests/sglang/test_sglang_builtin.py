@@ -7,8 +7,8 @@ import sys
 import pytest
 
 from sglang_bcg_plugin.integration import compat as builtin
-from sglang_bcg_plugin.integration.builtin import BuiltinPolicy, inspect_builtin
-from sglang_bcg_plugin.integration.compat import sglang_builtin_policy, sglang_builtin_shares
+from sglang_bcg_plugin.integration.compat import BuiltinPolicy, inspect_builtin
+from sglang_bcg_plugin.integration.compat import sglang_builtin_policy
 
 pytestmark = pytest.mark.sglang
 
@@ -30,7 +30,7 @@ def test_installed_sglang_default_is_its_own_behaviour() -> None:
 
     shares, reason = EXPECTED[importlib.metadata.version("sglang")]
     policy = sglang_builtin_policy()
-    assert sglang_builtin_shares() is shares and policy.default_mode == ("on" if shares else "off")
+    assert policy.shares is shares and policy.default_mode == ("on" if shares else "off")
     assert policy.default_reason().startswith(f"default: {policy.default_mode}, the installed SGLang's own behaviour: {reason}")
 
 
@@ -70,13 +70,13 @@ def test_sglang_that_does_not_import_means_off(monkeypatch: pytest.MonkeyPatch) 
     try:
         policy = sglang_builtin_policy()
         assert policy.shares is None and policy.reason.startswith("SGLang's breakable graph does not import")
-        assert builtin.sglang_builtin_shares() is None
+        assert builtin.sglang_builtin_policy().shares is None
     finally:
         compat.installed.cache_clear()
 
 
 def test_runner_policies() -> None:
-    from sglang_bcg_plugin.integration.builtin import inspect_runner
+    from sglang_bcg_plugin.integration.compat import inspect_runner
 
     class Sharing:
         def _capture_all(self) -> None:

@@ -105,7 +105,11 @@ def test_missing_entry_point_and_bad_env_exit_1(monkeypatch: pytest.MonkeyPatch)
 
 
 def test_check_names_the_import_error(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    from sglang_bcg_plugin.integration.doctor import _check
+    from sglang_bcg_plugin.integration.doctor import _diagnose
+
+    def _check(target: str) -> str | None:
+        problem = _diagnose(target)
+        return None if problem is None else problem.detail
 
     (tmp_path / "bcg_needs_missing_dep.py").write_text("import bcg_no_such_dependency\n")
     (tmp_path / "bcg_raises_on_import.py").write_text("raise RuntimeError('boom')\n")

@@ -38,7 +38,7 @@ def test_capture_one_uses_only_helpers_we_know() -> None:
 
 def test_every_helper_the_release_calls_is_ours() -> None:
     from sglang_bcg_plugin.integration import sglang_breakable_backend_class
-    from sglang_bcg_plugin.integration.builtin import code_names
+    from sglang_bcg_plugin.integration.compat import code_names
     from sglang_bcg_plugin.integration.sglang_breakable import INTERCEPTED, SharingPolicyMixin
 
     used = code_names(_sglang_class().capture_one) or frozenset()
