@@ -10,19 +10,30 @@
 # the release's sglang and pins shadow 0.5.23's. Runs are independent, so JOBS of them (default 2,
 # the cores of CI's machine) run at once; each prints its output as one block when it ends.
 #
-# Usage: [JOBS=N] bash .ci/releases.sh PYTHON RELEASE...
+# Usage: [JOBS=N] bash .ci/releases.sh [--dir DIR [--lay-out-only]] PYTHON RELEASE...
+#   --dir DIR: the folders go in DIR (kept; ones already there are reused) instead of a temporary
+#   folder; --lay-out-only: stop once they are laid out (.ci/run does that during its main run).
 set -euo pipefail
+WORK="" ONLY=0
+while [ "${1:-}" = "--dir" ] || [ "${1:-}" = "--lay-out-only" ]; do
+    if [ "$1" = "--dir" ]; then WORK="$(realpath -m "$2")"; shift 2; else ONLY=1; shift; fi
+done
 PY="$1"; shift
 cd "$(dirname "$0")/.."
 JOBS="${JOBS:-2}"
-WORK="$(mktemp -d -t bcg-releases.XXXXXX)"
-trap 'rm -rf "$WORK"' EXIT
+if [ -z "$WORK" ]; then
+    WORK="$(mktemp -d -t bcg-releases.XXXXXX)"
+    trap 'rm -rf "$WORK"' EXIT
+fi
+mkdir -p "$WORK"
 echo 'torch==2.13.0' > "$WORK/constraints"
-pip_target() {  # DIR SPEC...: SPEC... --no-deps into DIR, nothing else touched
+pip_target() {  # DIR SPEC...: SPEC... --no-deps into DIR (whole or not at all), nothing else touched
     local dir="$1"; shift
+    rm -rf "$dir.part"
     "$PY" -m pip install -q --disable-pip-version-check --no-warn-conflicts -c "$WORK/constraints" \
-        --no-deps --target "$dir" "$@" 2>&1 | grep -v "is ignored: it is neither a file nor a directory" || true
-    [ -d "$dir" ] || { echo "releases.sh: pip install --target $dir $* failed"; return 1; }
+        --no-deps --target "$dir.part" "$@" > "$dir.pip.log" 2>&1 \
+        || { grep -v "is ignored: it is neither" "$dir.pip.log"; echo "releases.sh: pip install --target $dir $* failed"; return 1; }
+    mv "$dir.part" "$dir"
 }
 
 # 1. The folders: one per group (its pins that PYTHON's environment lacks), one per release.
@@ -40,10 +51,11 @@ for release in "$@"; do
         group="$WORK/group-$(printf '%s\n' "${differ[@]}" | md5sum | cut -c1-12)"
         [ -d "$group" ] || pip_target "$group" "${differ[@]}"
     fi
-    pip_target "$WORK/sglang-$release" "sglang==$release"
+    [ -d "$WORK/sglang-$release" ] || pip_target "$WORK/sglang-$release" "sglang==$release"
     PATHS[$release]="$WORK/sglang-$release${group:+:$group}"
 done
 echo "=== releases.sh: wheels and group pins laid out in $(( $(date +%s) - start )) s"
+if (( ONLY )); then exit 0; fi
 
 # 2. One pytest run per release, JOBS at a time.
 run_one() {  # RELEASE: its tests/sglang, output in $WORK/RELEASE.log, status in $WORK/RELEASE.rc
