@@ -4,11 +4,13 @@
 # model_executor.runner_backend, model_executor.runner; 0.5.13: the breakable runner).
 #
 # Usage: bash .ci/install-sglang.sh [PYTHON] [RELEASE]   (PYTHON defaults to `python`)
+#        bash .ci/install-sglang.sh --group RELEASE   (prints RELEASE's group pins, one a line)
 #
 # Two import sets, grouped by the transformers pin in each release's METADATA: 0.5.22+ use
 # transformers 5.19.0; 0.5.15-0.5.21 pin 5.12.1 (0.5.13-0.5.14 pin 5.8.1 and import with 5.12.1
 # too, so one environment serves 0.5.13-0.5.21) and import xgrammar==0.2.1. Other releases of a
-# group are then swapped in with `pip install --no-deps sglang==X` (.ci/releases.sh).
+# group are then swapped in with `pip install --no-deps sglang==X` (.ci/releases.sh, which lays the
+# 5.12.1 group's pins and each release's wheel in folders of their own over the 0.5.23 environment).
 #
 # Preconditions: torch==2.13.0 (the CPU wheel) is already installed in PYTHON's
 # environment. Every pip call below gets a constraints file pinning
@@ -22,8 +24,11 @@
 # install tests/sglang/torchvision_standin.py before importing SGLang.
 set -euo pipefail
 
-PY="${1:-python}"
-RELEASE="${2:-0.5.23}"
+if [ "${1:-}" = "--group" ]; then
+    PRINT_GROUP=1; PY=""; RELEASE="${2:?--group RELEASE}"
+else
+    PRINT_GROUP=0; PY="${1:-python}"; RELEASE="${2:-0.5.23}"
+fi
 case "$RELEASE" in
     0.5.2[2-3])
         GROUP=('transformers==5.19.0' 'tokenizers==0.23.2' 'openai==2.8.0') ;;
@@ -31,6 +36,7 @@ case "$RELEASE" in
         GROUP=('transformers==5.12.1' 'tokenizers==0.22.2' 'openai==2.6.1' 'xgrammar==0.2.1') ;;
     *) echo "install-sglang.sh: SGLang $RELEASE is outside 0.5.13-0.5.23" >&2; exit 2 ;;
 esac
+if [ "$PRINT_GROUP" = 1 ]; then printf '%s\n' "${GROUP[@]}"; exit 0; fi
 
 if ! "$PY" -c 'import torch, sys; sys.exit(0 if torch.__version__.split("+")[0] == "2.13.0" else 1)' 2>/dev/null; then
     echo "install-sglang.sh: torch==2.13.0 must already be installed for $PY" >&2

@@ -1,33 +1,90 @@
 #!/usr/bin/env bash
-# Run tests/sglang against the real wheel of each RELEASE, swapping only the sglang wheel
-# (`pip install --no-deps`) over the base environment of PYTHON, one pytest run per release,
+# Run tests/sglang against the real wheel of each RELEASE, over the environment of PYTHON (the
+# main run's: SGLang 0.5.23, its import set and its server's packages), one pytest run per release,
 # with SGLANG_BCG_REQUIRE_SGLANG=1 (a release that does not import fails instead of skipping).
 #
-# Usage: bash .ci/releases.sh PYTHON RELEASE...
+# Nothing in PYTHON's environment changes. Each release's wheel goes into a folder of its own
+# (`pip install --no-deps --target`), and the pins of its transformers group where they differ from
+# that environment's (`.ci/install-sglang.sh --group`: for 0.5.13-0.5.21 transformers 5.12.1,
+# tokenizers, openai, xgrammar 0.2.1) into one folder per group; both go first on PYTHONPATH, so
+# the release's sglang and pins shadow 0.5.23's. Runs are independent, so JOBS of them (default 2,
+# the cores of CI's machine) run at once; each prints its output as one block when it ends.
+#
+# Usage: [JOBS=N] bash .ci/releases.sh [--dir DIR [--lay-out-only]] PYTHON RELEASE...
+#   --dir DIR: the folders go in DIR (kept; ones already there are reused) instead of a temporary
+#   folder; --lay-out-only: stop once they are laid out (.ci/run does that during its main run).
 set -euo pipefail
+WORK="" ONLY=0
+while [ "${1:-}" = "--dir" ] || [ "${1:-}" = "--lay-out-only" ]; do
+    if [ "$1" = "--dir" ]; then WORK="$(realpath -m "$2")"; shift 2; else ONLY=1; shift; fi
+done
 PY="$1"; shift
 cd "$(dirname "$0")/.."
-CONSTRAINTS="$(mktemp -t bcg-constraints.XXXXXX)"
-trap 'rm -f "$CONSTRAINTS"' EXIT
-echo 'torch==2.13.0' > "$CONSTRAINTS"
-export SGLANG_BCG_REQUIRE_SGLANG=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+JOBS="${JOBS:-2}"
+if [ -z "$WORK" ]; then
+    WORK="$(mktemp -d -t bcg-releases.XXXXXX)"
+    trap 'rm -rf "$WORK"' EXIT
+fi
+mkdir -p "$WORK"
+echo 'torch==2.13.0' > "$WORK/constraints"
+pip_target() {  # DIR SPEC...: SPEC... --no-deps into DIR (whole or not at all), nothing else touched
+    local dir="$1"; shift
+    rm -rf "$dir.part"
+    "$PY" -m pip install -q --disable-pip-version-check --no-warn-conflicts -c "$WORK/constraints" \
+        --no-deps --target "$dir.part" "$@" > "$dir.pip.log" 2>&1 \
+        || { grep -v "is ignored: it is neither" "$dir.pip.log"; echo "releases.sh: pip install --target $dir $* failed"; return 1; }
+    mv "$dir.part" "$dir"
+}
+
+# 1. The folders: one per group (its pins that PYTHON's environment lacks), one per release.
+start=$(date +%s)
+declare -A PATHS
+for release in "$@"; do
+    mapfile -t pins < <(bash .ci/install-sglang.sh --group "$release")
+    differ=()
+    for pin in "${pins[@]}"; do
+        "$PY" -c "import importlib.metadata as md, sys; n, v = sys.argv[1].split('=='); sys.exit(md.version(n) != v)" "$pin" \
+            2>/dev/null || differ+=("$pin")
+    done
+    group=""
+    if (( ${#differ[@]} )); then
+        group="$WORK/group-$(printf '%s\n' "${differ[@]}" | md5sum | cut -c1-12)"
+        [ -d "$group" ] || pip_target "$group" "${differ[@]}"
+    fi
+    [ -d "$WORK/sglang-$release" ] || pip_target "$WORK/sglang-$release" "sglang==$release"
+    PATHS[$release]="$WORK/sglang-$release${group:+:$group}"
+done
+echo "=== releases.sh: wheels and group pins laid out in $(( $(date +%s) - start )) s"
+if (( ONLY )); then exit 0; fi
+
+# 2. One pytest run per release, JOBS at a time.
+run_one() {  # RELEASE: its tests/sglang, output in $WORK/RELEASE.log, status in $WORK/RELEASE.rc
+    local release="$1" t0 rc=0
+    t0=$(date +%s)
+    {
+        export SGLANG_BCG_REQUIRE_SGLANG=1 PYTHONPATH="${PATHS[$release]}:$PWD${PYTHONPATH:+:$PYTHONPATH}"
+        echo "=== SGLang $release: pytest tests/sglang (PYTHONPATH=$PYTHONPATH)"
+        "$PY" -c "import importlib.metadata as md, sys; v = md.version('sglang'); sys.exit(0 if v == '$release' else f'sglang {v} found, expected $release')" \
+            && "$PY" -m pytest -q -p no:cacheprovider --basetemp "$WORK/tmp-$release" tests/sglang || rc=$?
+        if (( rc == 0 )); then echo "=== SGLang $release: ok ($(( $(date +%s) - t0 )) s)"
+        else echo "=== SGLang $release: FAILED ($rc, $(( $(date +%s) - t0 )) s)"; fi
+    } > "$WORK/$release.log" 2>&1
+    echo "$rc" > "$WORK/$release.rc"
+    cat "$WORK/$release.log"
+}
+running=0
+for release in "$@"; do
+    if (( running >= JOBS )); then wait -n || true; running=$(( running - 1 )); fi
+    run_one "$release" &
+    running=$(( running + 1 ))
+done
+wait || true
 failed=()
 for release in "$@"; do
-    start=$(date +%s)
-    "$PY" -m pip install -q --disable-pip-version-check --no-warn-conflicts -c "$CONSTRAINTS" \
-        --no-deps "sglang==$release" 2>&1 | grep -v "is ignored: it is neither a file nor a directory" || true
-    swapped=$(( $(date +%s) - start ))
-    echo "=== SGLang $release (wheel swapped in ${swapped} s): pytest tests/sglang"
-    "$PY" -c "import importlib.metadata as md, sys; v = md.version('sglang'); sys.exit(0 if v == '$release' else f'sglang {v} installed, expected $release')"
-    if "$PY" -m pytest -q -p no:cacheprovider tests/sglang; then
-        echo "=== SGLang $release: ok ($(( $(date +%s) - start )) s)"
-    else
-        echo "=== SGLang $release: FAILED"
-        failed+=("$release")
-    fi
+    [ "$(cat "$WORK/$release.rc" 2>/dev/null || echo 1)" = 0 ] || failed+=("$release")
 done
 if (( ${#failed[@]} )); then
     echo "releases.sh: tests/sglang failed on SGLang ${failed[*]}"
     exit 1
 fi
-echo "releases.sh: tests/sglang passed on SGLang $*"
+echo "releases.sh: tests/sglang passed on SGLang $* ($(( $(date +%s) - start )) s)"
