@@ -182,11 +182,12 @@ class CaptureState:
         """The record of ``key``.
 
         :raises KeyError: ``key`` was never captured (naming the captured sizes)."""
-        if key not in self._entries:
+        try:
+            return self._entries[key]  # one lookup: this is on the replay path
+        except KeyError:
             sizes = sorted({getattr(k, "size", 0) for k in self._entries})
             msg = f"{key!r} was never captured by the {self.name} backend; captured sizes: {sizes or 'none'}"
-            raise KeyError(msg)
-        return self._entries[key]
+            raise KeyError(msg) from None
 
     def report(self, bridge_bytes: dict[int | None, int] | None = None) -> MemoryReport:
         """The memory report: per key, with the plan."""
