@@ -53,6 +53,8 @@ def _shape(model: str) -> Any:
 
     from sglang_bcg_plugin.bench.workload import ModelShape
 
+    if model not in ("synthetic", "llama"):  # a family of forecast_families.py: it fixes its shape
+        return ModelShape(0, 0, 0, 0, 0, 0, torch.bfloat16, "cuda")
     if model == "synthetic":
         return ModelShape(2880, 4, 45, 5, 64, 2880, torch.bfloat16, "cuda")
     return ModelShape(2880, 4, 64, 8, 64, 2880, torch.bfloat16, "cuda")
@@ -83,7 +85,8 @@ def run_case(model: str, backend_name: str, mode: str, max_tokens: int) -> dict[
     from sglang_bcg_plugin import BackendOptions, ShapeKey, create_backend
     from sglang_bcg_plugin.accounting import device_free_bytes
     from sglang_bcg_plugin.bench.sizes import prefill_capture_sizes
-    from sglang_bcg_plugin.bench.workload import WORKLOADS
+    from forecast_families import WORKLOADS
+    from record_probes import recording
 
     start = time.perf_counter()
     assert not torch.cuda.is_initialized(), "the parent initialized CUDA: not a fresh process"
@@ -103,7 +106,8 @@ def run_case(model: str, backend_name: str, mode: str, max_tokens: int) -> dict[
     def forward_for(n: int) -> Any:
         return lambda: workload.call(fn, static, n)
 
-    fc = backend.forecast(sizes, forward_for, capture_inputs=static)
+    with recording() as probes:
+        fc = backend.forecast(sizes, forward_for, capture_inputs=static)
     with torch.no_grad(), backend.capture_session():
         for n in sizes:
             backend.capture_one(ShapeKey(n), forward_for(n), capture_inputs=static,
@@ -125,7 +129,7 @@ def run_case(model: str, backend_name: str, mode: str, max_tokens: int) -> dict[
         "forecast_error": (f.total_bytes - lost) / lost if lost else None,
         "allocator_error": report.allocator_error, "report_forecast_error": report.forecast_error,
         "driver": None if fc.driver is None else fc.driver.to_dict(), "caveat": fc.caveat,
-        "forecast": fc.to_dict(), "torch": torch.__version__, "device": torch.cuda.get_device_name(),
+        "forecast": fc.to_dict(), "probes": probes[0] if probes else None, "torch": torch.__version__, "device": torch.cuda.get_device_name(),
     }
     backend.cleanup()
     row["nodes_check"] = _nodes_check()
