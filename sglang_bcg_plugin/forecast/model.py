@@ -70,7 +70,8 @@ def on_bytes_by_source(trace: ScaledTrace, sizes: list[int], *, outputs: frozens
     if expandable and need > SMALL_SIZE:
         outside = LARGE_BUFFER * -(-need // LARGE_BUFFER)
     else:
-        outside = segment_size(need) if need >= 10 * 1024 * 1024 else need
+        # a segment of its own (20 MiB from 1 to 10 MiB): nothing else on its stream outlives the session
+        outside = segment_size(need) if need > SMALL_SIZE else need
     reserve = released + outside
     adopt = simulate(trace, sizes, keep_outputs="first", outputs=outputs, at=at, reserve_bytes=reserve_bytes,
                      expandable=expandable).reserved_bytes
