@@ -1,9 +1,7 @@
 """``sglang-bcg doctor``: is this SGLang install one our hooks fit?
 
-Prints the installed SGLang, whether every hook target and each SGLang name our capture calls
-exists (grouped by cause: a moved seam is not a missing dependency), the entry point and the
-resolved switches. Exit codes: 0 all good, 1 a seam moved or the entry point is missing, 2 SGLang
-is not installed, 3 SGLang is installed but does not import. SGLang is imported only when it runs.
+Exit codes: 0 all good, 1 a seam moved or the entry point is missing, 2 SGLang is not installed,
+3 SGLang is installed but does not import (docs/sglang.md, "Verify with ``sglang-bcg doctor``").
 """
 
 from __future__ import annotations
@@ -310,11 +308,7 @@ def doctor_main(argv: list[str] | None = None, *, out: TextIO | None = None) -> 
     """Run the checks, print a report and return the exit code (the module's doc lists them)."""
     parser = argparse.ArgumentParser(prog="sglang-bcg doctor", description=__doc__.splitlines()[0])
     parser.parse_args(argv)
-    stream = out if out is not None else sys.stdout
-
-    def say(line: str) -> None:
-        print(line, file=stream)
-
+    say = functools.partial(print, file=out or sys.stdout)
     version = _sglang_version()
     if version is None:
         say(f"SGLang not installed: install it into the serving environment ({INSTALL})")

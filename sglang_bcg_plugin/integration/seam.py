@@ -1,11 +1,5 @@
-"""The backend seam: AROUND hooks on SGLang's ``resolve_prefill_backend`` / ``resolve_decode_backend``.
-
-Each hook calls SGLang's resolver (``original_fn``: HookRegistry rebinds the module global). When
-it returns exactly SGLang's ``BreakableCudaGraphBackend``, the pluggy hook
-``sglang_bcg_select_backend`` picks the replacement: ours (``None`` or ``"breakable"``), a
-registered SGLang backend class, or any other registered backend behind :class:`CaptureBackendAdapterMixin`
-(docs/sglang.md, "Routing a phase to another backend"). Every other backend is returned unchanged.
-"""
+"""The backend seam: AROUND hooks on SGLang's ``resolve_prefill_backend`` / ``resolve_decode_backend``
+replace SGLang's own breakable backend (docs/sglang.md, "Routing a phase to another backend")."""
 
 from __future__ import annotations
 
@@ -34,7 +28,8 @@ BASE_MODULE = "sglang.srt.model_executor.runner_backend.base_cuda_graph_backend"
 
 
 def swap_backend(phase: str, backend: Any, cuda_graph_runner: Any) -> Any:
-    """Replace SGLang's own breakable backend by the one our configuration selects."""
+    """Replace SGLang's own breakable backend by the one ``sglang_bcg_select_backend`` picks: ours
+    (``None`` or ``"breakable"``), a registered SGLang backend class, or ours behind the adapter."""
     if type(backend) is not importlib.import_module(BACKEND_MODULE).BreakableCudaGraphBackend:
         return backend  # Full and platform backends: SGLang's choice, unchanged
     adapter = getattr(backend, "_memory_saver_adapter", None)

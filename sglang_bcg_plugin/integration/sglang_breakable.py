@@ -1,10 +1,5 @@
-"""Our Breakable backend *inside* SGLang (0.5.14+): the release's own capture, our output policy.
-
-A subclass of the installed ``BreakableCudaGraphBackend`` (SGLang's prefill runner checks
-``isinstance``) whose ``capture_one`` runs the release's own with our forward and post-warmup hook
-(:class:`_Forward`), and overrides the output helpers that ``capture_one`` calls
-(:data:`INTERCEPTED`). Why and how: docs/sglang.md, "The release's own capture".
-"""
+"""Our Breakable backend inside SGLang (0.5.14+): the release's own ``capture_one``, our output
+policy (docs/sglang.md, "The release's own capture")."""
 
 from __future__ import annotations
 
@@ -186,11 +181,8 @@ class SharingPolicyMixin:
 
 @functools.cache
 def sglang_breakable_backend_class() -> type[Any]:
-    """Our breakable backend class, a subclass of the installed SGLang's ``BreakableCudaGraphBackend``,
-    built on first call (imports SGLang), the same class for every caller.
-
-    :raises RuntimeError: the installed SGLang has no backend seam (0.5.13: :mod:`.runner_seam`).
-    """
+    """Our subclass of the installed ``BreakableCudaGraphBackend``, built once (imports SGLang).
+    :raises RuntimeError: the installed SGLang has no backend seam (0.5.13: :mod:`.runner_seam`)."""
     seam = installed()
     if seam.kind != "backend":
         msg = (
