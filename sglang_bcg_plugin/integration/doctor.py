@@ -29,7 +29,7 @@ from .compat import (
 )
 from .forecast_log import forecast_enabled
 from .hooks import hooks_for
-from .sglang_breakable import unknown_capture_helpers
+from .sglang_breakable import BASE_MODULE, unknown_capture_helpers
 from .sglang_session import resolve_mode
 from .switch import MODULES as SWITCH_MODULES
 from .switch import doctor_line as switch_doctor_line
@@ -225,7 +225,6 @@ def seam_checks(seam: Seam) -> list[Check]:
     if seam.kind == "backend":
         cls, mod = f"{BACKEND_MODULE}:BreakableCudaGraphBackend", f"{BACKEND_MODULE}:"
         inputs = "capture_inputs" if seam.capture_inputs else "dummies"
-        base = "sglang.srt.model_executor.runner_backend.base_cuda_graph_backend"
         return [
             (f"{BACKEND_CLASS}.__init__(cuda_graph_runner, *, enable_memory_saver, debug_eager)",
              p(_params, f"{cls}.__init__", "cuda_graph_runner", "enable_memory_saver", "debug_eager")),
@@ -239,7 +238,8 @@ def seam_checks(seam: Seam) -> list[Check]:
             (f"{BACKEND_MODULE}.BreakableCUDAGraphCapture(cuda_graph, pool, stream)",
              p(_params, f"{mod}BreakableCUDAGraphCapture.__init__", "cuda_graph", "pool", "stream")),
             (f"{BACKEND_MODULE}.BreakableCUDAGraph's module: _current_capture_var", p(_capture_var, f"{mod}BreakableCUDAGraph")),
-            (f"{base}.BaseCudaGraphBackend", lambda: pkgutil.resolve_name(f"{base}:BaseCudaGraphBackend") and None),
+            (f"{BASE_MODULE}.BaseCudaGraphBackend",
+             lambda: pkgutil.resolve_name(f"{BASE_MODULE}:BaseCudaGraphBackend") and None),
         ]
     if seam.kind != "runner":
         return []
