@@ -261,8 +261,8 @@ def one_line(exc: BaseException) -> str:
 
 
 def capture_one_args(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Callable[[], None] | None]:
-    """``(capture_inputs, post_warmup_hook)`` from what a runner passed after ``(shape_key, forward_fn)``;
-    ``dummies`` is 0.5.14-0.5.16's name of ``capture_inputs`` (:raises TypeError: as Python would)."""
+    """``(capture_inputs, post_warmup_hook)`` from what a runner passed after the key and forward
+    (``dummies``: 0.5.14-0.5.16's ``capture_inputs``). :raises TypeError: as Python would."""
     if len(args) > 2:
         msg = f"capture_one() takes at most 4 arguments after self ({len(args) + 2} given)"
         raise TypeError(msg)

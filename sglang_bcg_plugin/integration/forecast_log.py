@@ -228,8 +228,8 @@ class SessionForecast:
         self._forecast(size, events, segments, output_bytes, count.since(CaptureCount(), size), self._first_memory(segments))
 
     def _first_memory(self, segments: list[tuple[int, int]]) -> tuple[int, int] | None:
-        """What the allocator reserved outside the pool since the session opened, and the free device
-        memory lost beyond its growth (the driver's share); ``None`` where not measured."""
+        """What the allocator reserved outside the pool since the session opened, and the free
+        device memory lost beyond its growth (the driver's share); ``None`` where not measured."""
         free, reserved = free_device_bytes(), reserved_device_bytes()
         if None in (free, reserved, self.free_at_open, self.reserved_at_open):
             return None
@@ -274,8 +274,8 @@ class SessionForecast:
         log.info("%s", format_forecast(modes, self.mode, self.sizes, kv_bytes_per_token(self.runner), self.driver))
 
     def close(self, outside_pool_bytes: int = 0) -> int | None:
-        """Log what the session added to the pool (+ ``outside_pool_bytes``, a reserved buffer) beside
-        the forecast; those bytes (``None``: no forecast)."""
+        """Log what the session added to the pool (+ ``outside_pool_bytes``, a reserved buffer)
+        beside the forecast; those bytes (``None``: no forecast)."""
         if self.forecast is None:
             if self.trace_path and self.done:
                 torch.cuda.memory._record_memory_history(enabled=None)

@@ -20,8 +20,8 @@ logger = logging.getLogger(__name__)
 
 Hook = tuple[str, Callable[..., Any], str]
 
-#: (HookRegistry target, hook, HookType member name): the flag's, the live switch's (:mod:`.switch`),
-#: then the backend seam's (SGLang 0.5.14+).
+#: (HookRegistry target, hook, HookType member name): the flag's, the live switch's
+#: (:mod:`.switch`), then the backend seam's (SGLang 0.5.14+).
 HOOKS: tuple[Hook, ...] = (
     (ADD_CLI_ARGS_TARGET, after_add_cli_args, "AFTER"),
     (FROM_CLI_ARGS_TARGET, after_from_cli_args, "AFTER"),

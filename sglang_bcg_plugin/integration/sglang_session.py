@@ -29,7 +29,8 @@ def resolve_mode(environ: Mapping[str, str] | None = None) -> Resolution:
 
 
 def shared_buffer(environ: Mapping[str, str] | None = None) -> BufferSource:
-    """``SGLANG_BCG_SHARED_BUFFER=adopt|reserve``; unset or blank: ``reserve`` (:raises ValueError:)."""
+    """``SGLANG_BCG_SHARED_BUFFER=adopt|reserve``; unset or blank: ``reserve``.
+    :raises ValueError: anything else."""
     words: dict[str, BufferSource] = {"adopt": "adopt", "reserve": "reserve"}
     source = parse_env(ENV_SHARED_BUFFER, words, kind="a buffer source", accepted="'adopt' or 'reserve', or unset it", environ=environ)
     return source or "reserve"
@@ -64,7 +65,7 @@ def refusal(seam: Seam, mode: OutputMode, guard: bool, environ: Mapping[str, str
 
 def session_switches(environ: Mapping[str, str]) -> tuple[Resolution, bool]:
     """The output mode (with its reason) and the guard a capture session runs with.
-    :raises ValueError: an invalid switch, or the installed release cannot run it (:func:`refusal`)."""
+    :raises ValueError: an invalid switch, or the release cannot run it (:func:`refusal`)."""
     resolution = resolve_mode(environ)
     guard = bool(parse_bool_env(ENV_STALE_OUTPUT_GUARD, environ))
     try:
@@ -78,7 +79,8 @@ def session_switches(environ: Mapping[str, str]) -> tuple[Resolution, bool]:
 
 
 def open_state(state: CaptureState) -> SessionPlan:
-    """Open ``state`` with a plan from SGLang's switches, read now (:raises ValueError: one is invalid)."""
+    """Open ``state`` with a plan from SGLang's switches, read now.
+    :raises ValueError: one is invalid."""
     resolution, guard = session_switches(os.environ)
     plan = plan_session(resolution, engine=state.engine, shared_buffer=shared_buffer(), guard=guard)
     state.open(plan)

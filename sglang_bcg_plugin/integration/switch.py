@@ -1,5 +1,6 @@
 """``GET``/``POST /bcg/output_mode``: the route in the launcher, SGLang's RPC in every TP rank's
-scheduler, where :func:`switch_rank` re-captures (docs/sglang.md, "Switching the mode of a running server")."""
+scheduler, where :func:`switch_rank` re-captures (docs/sglang.md, "Switching the mode of a running
+server")."""
 
 from __future__ import annotations
 
@@ -228,7 +229,7 @@ def switch_rank(model_runner: Any, mode: OutputMode, seam_kind: str,
                 environ: MutableMapping[str, str] | None = None,
                 check: Callable[[Mapping[str, str]], object] = session_switches) -> dict[str, Any]:
     """Re-capture this rank's prefill graphs in ``mode`` (``check``: the release can serve it); its
-    report, with ``error`` and ``rolled_back`` on a failed capture. :raises Refused: nothing touched."""
+    report, with ``error`` and ``rolled_back`` on a failed capture (:raises Refused: untouched)."""
     env = os.environ if environ is None else environ
     why = refusal(model_runner, seam_kind)
     if why is not None:
