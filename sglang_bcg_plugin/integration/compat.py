@@ -1,13 +1,6 @@
-"""What the installed SGLang offers, found by probing its code: the one place per-release
-differences live, and the integration's environment variables.
-
-Two seams (docs/sglang.md, "Supported SGLang"): ``backend``, the ``BreakableCudaGraphBackend`` of
-0.5.14+ (subclassed: :mod:`.sglang_breakable`), and ``runner``, the ``BreakableCudaGraphRunner`` of
-0.5.13 (wrapped: :mod:`.runner_seam`). Probes read the installed classes (attributes, signatures,
-the names their compiled code uses), never version strings (the version only names the release);
-:data:`FEATURES` names them. What SGLang's own backend does with outputs is our default there
-(:func:`inspect_builtin`, :func:`inspect_runner`).
-"""
+"""What the installed SGLang offers, probed from its classes (never from version strings): the one
+place per-release differences live (docs/sglang.md, "What differs between releases"), and the
+integration's environment variables."""
 
 from __future__ import annotations
 
@@ -138,9 +131,8 @@ class Seam:
     eager_form: str = "enable"
 
     def describe(self) -> str:
-        if self.kind == "none":
-            return f"SGLang {self.release}: no breakable CUDA graph seam ({self.why})"
-        return f"SGLang {self.release}: {self.kind} seam ({self.why})"
+        seam = "no breakable CUDA graph seam" if self.kind == "none" else f"{self.kind} seam"
+        return f"SGLang {self.release}: {seam} ({self.why})"
 
     def features(self) -> dict[str, object]:
         return {name: getattr(self, name) for name in FEATURES}
@@ -218,14 +210,12 @@ def installed() -> Seam:
 
 def eager_break(module: Any, fn: Callable[..., Any], form: str) -> Callable[..., Any]:
     """``fn`` as one eager break of SGLang's segment engine, in the installed form."""
-    wrapped: Callable[..., Any] = module.eager_on_graph(True)(fn) if form == "enable" else module.eager_on_graph(fn)
-    return wrapped
+    return module.eager_on_graph(True)(fn) if form == "enable" else module.eager_on_graph(fn)
 
 
 def capture_var(capture_cls: type) -> ContextVar[Any]:
     """SGLang's "capture in progress" variable, from the module of ``BreakableCUDAGraphCapture``."""
-    var: ContextVar[Any] = sys.modules[capture_cls.__module__]._current_capture_var
-    return var
+    return sys.modules[capture_cls.__module__]._current_capture_var
 
 
 def run_outside_capture(capture_cls: type, forward_fn: Callable[[], Any]) -> Any:
@@ -270,20 +260,15 @@ def one_line(exc: BaseException) -> str:
     return next((line.strip() for line in str(exc).splitlines() if line.strip()), "")
 
 
-#: The names SGLang gives ``capture_one``'s third parameter: ``dummies`` (0.5.14-0.5.16, whose
-#: runners pass ``dummies=None``), ``capture_inputs`` (0.5.17 and later).
-CAPTURE_INPUT_NAMES = ("capture_inputs", "dummies")
-
-
 def capture_one_args(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Callable[[], None] | None]:
-    """``(capture_inputs, post_warmup_hook)`` from what a runner passed after ``(shape_key, forward_fn)``,
-    under any release's names (:raises TypeError: as Python's own binding would)."""
+    """``(capture_inputs, post_warmup_hook)`` from what a runner passed after the key and forward
+    (``dummies``: 0.5.14-0.5.16's ``capture_inputs``). :raises TypeError: as Python would."""
     if len(args) > 2:
         msg = f"capture_one() takes at most 4 arguments after self ({len(args) + 2} given)"
         raise TypeError(msg)
     given = dict(zip(("capture_inputs", "post_warmup_hook"), args, strict=False))
     for name, value in kwargs.items():
-        slot = "capture_inputs" if name in CAPTURE_INPUT_NAMES else name
+        slot = "capture_inputs" if name == "dummies" else name
         if slot not in ("capture_inputs", "post_warmup_hook"):
             msg = f"capture_one() got an unexpected keyword argument {name!r}"
             raise TypeError(msg)

@@ -1,9 +1,7 @@
 """``sglang-bcg doctor``: is this SGLang install one our hooks fit?
 
-Prints the installed SGLang, whether every hook target and each SGLang name our capture calls
-exists (grouped by cause: a moved seam is not a missing dependency), the entry point and the
-resolved switches. Exit codes: 0 all good, 1 a seam moved or the entry point is missing, 2 SGLang
-is not installed, 3 SGLang is installed but does not import. SGLang is imported only when it runs.
+Exit codes: 0 all good, 1 a seam moved or the entry point is missing, 2 SGLang is not installed,
+3 SGLang is installed but does not import (docs/sglang.md, "Verify with ``sglang-bcg doctor``").
 """
 
 from __future__ import annotations
@@ -31,7 +29,7 @@ from .compat import (
 )
 from .forecast_log import forecast_enabled
 from .hooks import hooks_for
-from .sglang_breakable import unknown_capture_helpers
+from .sglang_breakable import BASE_MODULE, unknown_capture_helpers
 from .sglang_session import resolve_mode
 from .switch import MODULES as SWITCH_MODULES
 from .switch import doctor_line as switch_doctor_line
@@ -227,7 +225,6 @@ def seam_checks(seam: Seam) -> list[Check]:
     if seam.kind == "backend":
         cls, mod = f"{BACKEND_MODULE}:BreakableCudaGraphBackend", f"{BACKEND_MODULE}:"
         inputs = "capture_inputs" if seam.capture_inputs else "dummies"
-        base = "sglang.srt.model_executor.runner_backend.base_cuda_graph_backend"
         return [
             (f"{BACKEND_CLASS}.__init__(cuda_graph_runner, *, enable_memory_saver, debug_eager)",
              p(_params, f"{cls}.__init__", "cuda_graph_runner", "enable_memory_saver", "debug_eager")),
@@ -241,7 +238,8 @@ def seam_checks(seam: Seam) -> list[Check]:
             (f"{BACKEND_MODULE}.BreakableCUDAGraphCapture(cuda_graph, pool, stream)",
              p(_params, f"{mod}BreakableCUDAGraphCapture.__init__", "cuda_graph", "pool", "stream")),
             (f"{BACKEND_MODULE}.BreakableCUDAGraph's module: _current_capture_var", p(_capture_var, f"{mod}BreakableCUDAGraph")),
-            (f"{base}.BaseCudaGraphBackend", lambda: pkgutil.resolve_name(f"{base}:BaseCudaGraphBackend") and None),
+            (f"{BASE_MODULE}.BaseCudaGraphBackend",
+             lambda: pkgutil.resolve_name(f"{BASE_MODULE}:BaseCudaGraphBackend") and None),
         ]
     if seam.kind != "runner":
         return []
@@ -310,11 +308,7 @@ def doctor_main(argv: list[str] | None = None, *, out: TextIO | None = None) -> 
     """Run the checks, print a report and return the exit code (the module's doc lists them)."""
     parser = argparse.ArgumentParser(prog="sglang-bcg doctor", description=__doc__.splitlines()[0])
     parser.parse_args(argv)
-    stream = out if out is not None else sys.stdout
-
-    def say(line: str) -> None:
-        print(line, file=stream)
-
+    say = functools.partial(print, file=out or sys.stdout)
     version = _sglang_version()
     if version is None:
         say(f"SGLang not installed: install it into the serving environment ({INSTALL})")

@@ -1,9 +1,5 @@
-"""``--enable-bcg-shared-output[=on|off|released]`` and ``--no-enable-bcg-shared-output``: AFTER
-hooks on ``ServerArgs.add_cli_args`` / ``from_cli_args``; the last form given wins.
-
-``ServerArgs`` is sealed, so the launcher's ``from_cli_args`` hook writes the value to
-``SGLANG_ENABLE_BCG_SHARED_OUTPUT``, which every process SGLang spawns inherits (docs/sglang.md).
-"""
+"""``--enable-bcg-shared-output[=on|off|released]`` / ``--no-enable-bcg-shared-output`` (the last
+wins), written to ``SGLANG_ENABLE_BCG_SHARED_OUTPUT`` at launch (docs/sglang.md)."""
 
 from __future__ import annotations
 
@@ -58,7 +54,6 @@ def after_add_cli_args(result: None, parser: argparse.ArgumentParser, *args: Any
     parser.add_argument(FLAG, dest=DEST, action=OutputModeAction, nargs="?", metavar="{on,off,released}", default=None,
                         help=HELP)
     parser.add_argument(NO_FLAG, dest=DEST, action="store_const", const=OFF, help=f"Same as {FLAG}=off.")
-    return None
 
 
 def after_from_cli_args(result: Any, cls: type, args: argparse.Namespace, *rest: Any, **kwargs: Any) -> Any:
@@ -72,11 +67,8 @@ def after_from_cli_args(result: Any, cls: type, args: argparse.Namespace, *rest:
 
 
 def refuse_unsupported() -> None:
-    """At startup, when something was asked (the release's own default always runs): the check
-    every capture session makes (:func:`.sglang_session.session_switches`).
-
-    :raises SystemExit: naming the switch or the release and the reason (no traceback).
-    """
+    """At startup, when something was asked: :func:`.sglang_session.session_switches`.
+    :raises SystemExit: naming the switch or the release and the reason (no traceback)."""
     env = os.environ
     try:
         if (env.get(ENV_SHARE_OUTPUT) or "").strip() or parse_bool_env(ENV_STALE_OUTPUT_GUARD, env):

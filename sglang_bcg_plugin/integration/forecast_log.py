@@ -1,10 +1,5 @@
-"""Inside SGLang: the graph-memory forecast of the whole schedule, logged after its first capture.
-
-The session's first (largest) capture is the probe: its allocator events fitted per request
-(:meth:`~sglang_bcg_plugin.forecast.trace.ScaledTrace.proportional`), every size of the runner's
-schedule modelled per output mode, plus what the capture kept outside the pool and the CUDA
-driver's share. Opt-in, ``SGLANG_BCG_FORECAST=1`` (docs/sglang.md, "Graph memory forecast in the log").
-"""
+"""Inside SGLang: the graph memory of the whole schedule, forecast from the session's first capture
+and logged (``SGLANG_BCG_FORECAST=1``: docs/sglang.md, "Graph memory forecast in the log")."""
 
 from __future__ import annotations
 
@@ -132,12 +127,8 @@ def sglang_baseline_free() -> int | None:
 
 
 def outputs_kept(trace: KeyTrace, output_bytes: Sequence[int]) -> tuple[KeyTrace, frozenset[int]]:
-    """The first capture's trace with its output held to the end, as the model wants it (the
-    session's own policy freed it inside the recording), and the indices of the output allocs.
-
-    The output is matched by its bytes among the kept allocs, then among those freed after the
-    last alloc, latest first; no match: every kept alloc counts as output (docs/sglang.md).
-    """
+    """The first capture's trace with its output held to the end (the session's policy freed it
+    inside the recording), and the indices of the output allocs (the match: docs/sglang.md)."""
     wanted = list(output_bytes)
     found = list(output_allocs(trace, wanted))
     for i in found:
@@ -169,8 +160,7 @@ def outputs_kept(trace: KeyTrace, output_bytes: Sequence[int]) -> tuple[KeyTrace
 
 class SessionForecast:
     """One capture session's forecast: :meth:`first_capture` around the first ``capture_one``,
-    :meth:`close` at the session's end. ``pool`` returns SGLang's graph pool handle (read late:
-    SGLang's session sets it); ``buffer_source``: the plan's (a reserved buffer is outside the pool)."""
+    :meth:`close` at its end; ``pool`` returns SGLang's graph pool handle (its session sets it)."""
 
     def __init__(self, cuda_graph_runner: object, mode: str, pool: Callable[[], Any],
                  environ: Mapping[str, str] | None = None, buffer_source: str = "reserve") -> None:
@@ -238,9 +228,8 @@ class SessionForecast:
         self._forecast(size, events, segments, output_bytes, count.since(CaptureCount(), size), self._first_memory(segments))
 
     def _first_memory(self, segments: list[tuple[int, int]]) -> tuple[int, int] | None:
-        """After the first capture: what the allocator reserved outside the pool since the
-        session opened, and the free device memory lost beyond the allocator's growth (the
-        driver's share of the first capture); ``None`` where not measured."""
+        """What the allocator reserved outside the pool since the session opened, and the free
+        device memory lost beyond its growth (the driver's share); ``None`` where not measured."""
         free, reserved = free_device_bytes(), reserved_device_bytes()
         if None in (free, reserved, self.free_at_open, self.reserved_at_open):
             return None
@@ -257,9 +246,8 @@ class SessionForecast:
 
     def _forecast(self, size: int, events: Any, segments: list[tuple[int, int]], output_bytes: list[int],
                   graphs: Any = None, first: tuple[int, int] | None = None) -> None:
-        """``graphs``: the first capture's :class:`~sglang_bcg_plugin.forecast.driver.ProbeCount`
-        (``None``: no driver's share); ``first``: :meth:`_first_memory` (``None``: no stream bytes,
-        and the first-capture cost left out)."""
+        """``graphs``: the first capture's ``ProbeCount`` (``None``: no driver's share); ``first``:
+        :meth:`_first_memory` (``None``: no stream bytes, no first-capture cost)."""
         assert self.sizes is not None
         trace = pool_trace(size, events, segments)
         if not trace.ops:
@@ -286,8 +274,8 @@ class SessionForecast:
         log.info("%s", format_forecast(modes, self.mode, self.sizes, kv_bytes_per_token(self.runner), self.driver))
 
     def close(self, outside_pool_bytes: int = 0) -> int | None:
-        """Log what the session added to SGLang's graph pool (plus ``outside_pool_bytes``: a
-        reserved shared buffer) beside the forecast; those bytes (``None``: no forecast)."""
+        """Log what the session added to the pool (+ ``outside_pool_bytes``, a reserved buffer)
+        beside the forecast; those bytes (``None``: no forecast)."""
         if self.forecast is None:
             if self.trace_path and self.done:
                 torch.cuda.memory._record_memory_history(enabled=None)

@@ -1,10 +1,5 @@
-"""``register()``: the ``sglang.srt.plugins`` entry point; installs our HookRegistry hooks.
-
-Which hooks depends on the installed release's seam (:func:`.compat.seam_kind`, from the files
-SGLang ships, without importing them; a target the release lacks would make SGLang log a
-traceback) and on the process (:func:`wanted`). SGLang's ``load_plugins()`` calls it once in
-every process that loads plugins; errors are SGLang's to log, ``sglang-bcg doctor`` names a moved target.
-"""
+"""``register()``: the ``sglang.srt.plugins`` entry point; installs the HookRegistry hooks the
+installed release's seam (:func:`.compat.seam_kind`) and this process (:func:`wanted`) need."""
 
 from __future__ import annotations
 
@@ -16,16 +11,17 @@ from typing import Any
 from .compat import SeamKind, seam_kind
 from .flag import ADD_CLI_ARGS_TARGET, FROM_CLI_ARGS_TARGET, after_add_cli_args, after_from_cli_args
 from .runner_seam import CAPTURE_ALL_TARGET, CAPTURE_ONE_TARGET, around_capture_all, around_capture_one
-from .seam import DECODE_TARGET, PREFILL_TARGET, around_resolve_decode_backend, around_resolve_prefill_backend
+from .sglang_breakable import (
+    DECODE_TARGET, PREFILL_TARGET, around_resolve_decode_backend, around_resolve_prefill_backend,
+)
 from .switch import HTTP_TARGET, RPC_TARGET, WHERE, around_handle_rpc_request, before_setup_and_run_http_server
 
 logger = logging.getLogger(__name__)
 
 Hook = tuple[str, Callable[..., Any], str]
 
-#: (HookRegistry target, hook, HookType member name), in registration order: the flag hooks,
-#: the live switch's (``GET``/``POST /bcg/output_mode``: :mod:`.switch`), then the backend
-#: seam's (SGLang 0.5.14+).
+#: (HookRegistry target, hook, HookType member name): the flag's, the live switch's
+#: (:mod:`.switch`), then the backend seam's (SGLang 0.5.14+).
 HOOKS: tuple[Hook, ...] = (
     (ADD_CLI_ARGS_TARGET, after_add_cli_args, "AFTER"),
     (FROM_CLI_ARGS_TARGET, after_from_cli_args, "AFTER"),

@@ -1,10 +1,5 @@
-"""SGLang 0.5.13: our output policy on ``BreakableCudaGraphRunner`` (the runner seam).
-
-Two AROUND hooks put the core's :class:`~sglang_bcg_plugin.backends.state.CaptureState` around
-SGLang's own loop: ``_capture_all`` is one capture session; in ``_capture_one`` the runner's
-``_run_forward`` is shadowed for one size, so a warmup's output reserves the shared buffer and the
-captured call's output goes through the policy (docs/sglang.md, "SGLang 0.5.13: the runner seam").
-"""
+"""SGLang 0.5.13: the core's ``CaptureState`` around ``BreakableCudaGraphRunner``'s own capture loop
+(docs/sglang.md, "SGLang 0.5.13: the runner seam")."""
 
 from __future__ import annotations
 
@@ -29,11 +24,7 @@ STATE_ATTR = "_bcg_state"
 
 def runner_state(runner: Any) -> CaptureState:
     """The runner's capture state (created on first use)."""
-    state: CaptureState | None = runner.__dict__.get(STATE_ATTR)
-    if state is None:
-        state = CaptureState("breakable", "sglang-bcg-runner")
-        setattr(runner, STATE_ATTR, state)
-    return state
+    return runner.__dict__.setdefault(STATE_ATTR, CaptureState("breakable", "sglang-bcg-runner"))
 
 
 def around_capture_all(original_fn: Callable[..., Any], runner: Any, *args: Any, **kwargs: Any) -> Any:
@@ -90,8 +81,7 @@ def around_capture_one(
 
 
 def _capture_cls() -> type:
-    cls: type = importlib.import_module(RUNNER_MODULE).BreakableCUDAGraphCapture
-    return cls
+    return importlib.import_module(RUNNER_MODULE).BreakableCUDAGraphCapture
 
 
 def runner_report(runner: Any) -> Any:

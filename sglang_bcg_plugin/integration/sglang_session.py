@@ -1,6 +1,5 @@
-"""What a capture session of the SGLang-integrated backend reads from SGLang: its switches
-(:func:`session_switches`, the one resolution, at startup and at every session), the runner's
-row hooks, and the housekeeping of SGLang's global graph pool."""
+"""What a capture session inside SGLang reads from it: its switches (:func:`session_switches`, the
+one resolution), the runner's row hooks, and SGLang's global graph pool."""
 
 from __future__ import annotations
 
@@ -30,7 +29,7 @@ def resolve_mode(environ: Mapping[str, str] | None = None) -> Resolution:
 
 
 def shared_buffer(environ: Mapping[str, str] | None = None) -> BufferSource:
-    """``SGLANG_BCG_SHARED_BUFFER=adopt|reserve``; unset or blank: ``reserve`` (docs/sglang.md).
+    """``SGLANG_BCG_SHARED_BUFFER=adopt|reserve``; unset or blank: ``reserve``.
     :raises ValueError: anything else."""
     words: dict[str, BufferSource] = {"adopt": "adopt", "reserve": "reserve"}
     source = parse_env(ENV_SHARED_BUFFER, words, kind="a buffer source", accepted="'adopt' or 'reserve', or unset it", environ=environ)
@@ -65,12 +64,8 @@ def refusal(seam: Seam, mode: OutputMode, guard: bool, environ: Mapping[str, str
 
 
 def session_switches(environ: Mapping[str, str]) -> tuple[Resolution, bool]:
-    """The output mode (with its reason) and the guard a capture session runs with, checked
-    against the installed release (one that cannot be probed refuses nothing: doctor says why).
-
-    :raises ValueError: a switch holds an invalid value, or the installed release cannot run the
-        resolved mode (:func:`refusal`).
-    """
+    """The output mode (with its reason) and the guard a capture session runs with.
+    :raises ValueError: an invalid switch, or the release cannot run it (:func:`refusal`)."""
     resolution = resolve_mode(environ)
     guard = bool(parse_bool_env(ENV_STALE_OUTPUT_GUARD, environ))
     try:
@@ -84,10 +79,8 @@ def session_switches(environ: Mapping[str, str]) -> tuple[Resolution, bool]:
 
 
 def open_state(state: CaptureState) -> SessionPlan:
-    """Plan the session from SGLang's switches, read at every session, and open ``state`` with it.
-
-    :raises ValueError: as :func:`session_switches`, or ``SGLANG_BCG_SHARED_BUFFER`` is invalid.
-    """
+    """Open ``state`` with a plan from SGLang's switches, read now.
+    :raises ValueError: one is invalid."""
     resolution, guard = session_switches(os.environ)
     plan = plan_session(resolution, engine=state.engine, shared_buffer=shared_buffer(), guard=guard)
     state.open(plan)
@@ -146,7 +139,6 @@ def runner_server_args(cuda_graph_runner: object) -> object | None:
     try:
         from sglang.srt.runtime_context import get_server_args
 
-        published: object = get_server_args()
-        return published
+        return get_server_args()
     except (ImportError, ValueError, AttributeError):  # not published in this process
         return None

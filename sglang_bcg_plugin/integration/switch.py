@@ -1,11 +1,6 @@
-"""Switch the output mode of a running SGLang server: ``GET``/``POST /bcg/output_mode``.
-
-Two hooks, each registered only in the process that uses it (:data:`WHERE`): the route in the
-launcher (BEFORE ``_setup_and_run_http_server``, only with ``--admin-api-key``), and SGLang's
-generic RPC in every TP rank's scheduler (AROUND ``Scheduler.handle_rpc_request``), where
-:func:`switch_rank` drops the graphs and re-captures with SGLang's own start-up calls
-(docs/sglang.md, "Switching the mode of a running server").
-"""
+"""``GET``/``POST /bcg/output_mode``: the route in the launcher, SGLang's RPC in every TP rank's
+scheduler, where :func:`switch_rank` re-captures (docs/sglang.md, "Switching the mode of a running
+server")."""
 
 from __future__ import annotations
 
@@ -111,11 +106,7 @@ class BodyError(ValueError):
 
 
 def parse_body(raw: bytes) -> OutputMode:
-    """The mode a POST body asks for.
-
-    :raises BodyError: not JSON, not an object, a key other than ``mode``, no ``mode``, or not
-        a mode (one line each).
-    """
+    """The mode a POST body ``{"mode": MODE}`` asks for (:raises BodyError: anything else)."""
     try:
         body = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as exc:
@@ -144,10 +135,6 @@ def prefill_backend(model_runner: Any) -> Any:
     return getattr(getattr(model_runner, "prefill_cuda_graph_runner", None), "backend", None)
 
 
-def _ours(backend: Any) -> bool:
-    return isinstance(backend, SharingPolicyMixin)
-
-
 def refusal(model_runner: Any, seam_kind: str) -> str | None:
     """Why this rank cannot re-capture its prefill graphs, in one line; ``None`` when it can."""
     if seam_kind == "runner":
@@ -156,7 +143,7 @@ def refusal(model_runner: Any, seam_kind: str) -> str | None:
     if seam_kind != "backend":
         return "this SGLang has no breakable CUDA graph the plugin hooks"
     backend = prefill_backend(model_runner)
-    if not _ours(backend):
+    if not isinstance(backend, SharingPolicyMixin):
         device = str(getattr(model_runner, "device", "?"))
         if device != "cuda":
             return f"no prefill CUDA graphs in this server ({device} engine): nothing to re-capture"
@@ -184,7 +171,7 @@ def describe_rank(model_runner: Any, environ: MutableMapping[str, str] | None = 
     out: dict[str, Any] = {"pid": os.getpid(), "env": env.get(ENV_SHARE_OUTPUT)}
     backend = prefill_backend(model_runner)
     out["prefill_backend"] = type(backend).__name__ if backend is not None else None
-    if _ours(backend):
+    if isinstance(backend, SharingPolicyMixin):
         resolution = backend.last_output_mode
         out["mode"] = resolution.mode if resolution is not None else None
         out["reason"] = resolution.source if resolution is not None else None
@@ -241,13 +228,8 @@ def _on_cuda(call: str) -> None:
 def switch_rank(model_runner: Any, mode: OutputMode, seam_kind: str,
                 environ: MutableMapping[str, str] | None = None,
                 check: Callable[[Mapping[str, str]], object] = session_switches) -> dict[str, Any]:
-    """Re-capture this rank's prefill graphs in ``mode``; ``check`` raises ``ValueError`` for an
-    environment the release cannot serve (by default the check every capture session makes).
-
-    :raises Refused: nothing was touched (the old graphs serve on).
-    :returns: ``ok``, ``previous``, ``mode``, ``seconds``, this rank's report; on a failed capture
-        ``error`` and ``rolled_back`` (whether the previous mode was re-captured).
-    """
+    """Re-capture this rank's prefill graphs in ``mode`` (``check``: the release can serve it); its
+    report, with ``error`` and ``rolled_back`` on a failed capture (:raises Refused: untouched)."""
     env = os.environ if environ is None else environ
     why = refusal(model_runner, seam_kind)
     if why is not None:
@@ -255,10 +237,8 @@ def switch_rank(model_runner: Any, mode: OutputMode, seam_kind: str,
     previous_env = env.get(ENV_SHARE_OUTPUT)
     resolution = prefill_backend(model_runner).last_output_mode
     previous = resolution.mode if resolution is not None else None
-    trial = dict(env)
-    trial[ENV_SHARE_OUTPUT] = ENV_TEXT[mode]
     try:
-        check(trial)  # what the release cannot serve: refused before any drop
+        check({**env, ENV_SHARE_OUTPUT: ENV_TEXT[mode]})  # refused before any drop
     except ValueError as exc:
         raise Refused(one_line(exc)) from None
     start = time.perf_counter()
@@ -269,7 +249,8 @@ def switch_rank(model_runner: Any, mode: OutputMode, seam_kind: str,
     try:
         _capture(model_runner, decode)
         got = prefill_backend(model_runner)
-        if not _ours(got) or got.last_output_mode is None or got.last_output_mode.mode != mode:
+        done = got.last_output_mode if isinstance(got, SharingPolicyMixin) else None
+        if done is None or done.mode != mode:
             raise RuntimeError(f"the re-captured prefill backend is {type(got).__name__}, not ours in mode {mode!r}")
         result["ok"] = True
     except Exception as exc:  # noqa: BLE001 - any capture failure is reported, then rolled back
@@ -512,4 +493,3 @@ def before_setup_and_run_http_server(*args: Any, **kwargs: Any) -> None:
 
     add_routes(http_server.app, RpcClient(port_args.rpc_ipc_name), SwitchGate(), int(getattr(server_args, "dp_size", 1) or 1))
     logger.info("sglang_bcg: %s registered (admin API key required)", ROUTE)
-    return None
