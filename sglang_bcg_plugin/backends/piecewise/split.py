@@ -127,11 +127,8 @@ class SplitProgram:
                     del env[used]  # the list holds the only program reference now
                 return runner.boxed(boxed)
             fn: Callable[..., Any] = runner
-        elif node.op == "call_function":
-            fn = node.target  # type: ignore[assignment]  # getitem of a piece's tuple
-        else:  # pragma: no cover - split_module emits no call_method
-            msg = f"split graph node {node.format_node()} ({node.op}) is not supported"
-            raise RuntimeError(msg)
+        else:  # call_function (split_module emits no call_method): getitem of a piece's tuple
+            fn = node.target  # type: ignore[assignment]
         call_args, call_kwargs = torch.fx.node.map_arg((node.args, node.kwargs), env.__getitem__)
         return fn(*call_args, **call_kwargs)
 
