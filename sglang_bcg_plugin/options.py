@@ -76,7 +76,8 @@ class BackendOptions:
             object.__setattr__(self, field, word)
         accepted = "'off', 'auto' or bytes as an int >= 0"
         if isinstance(self.pool_reserve, str):
-            reserve = parse_word(self.pool_reserve, {"off": "off", "auto": "auto"}, "BackendOptions.pool_reserve",
+            words = {"off": "off", "auto": "auto"}
+            reserve = parse_word(self.pool_reserve, words, "BackendOptions.pool_reserve",
                                  kind="a pool reserve", accepted=accepted)
         else:  # 0 bytes is "off"
             reserve = _int("pool_reserve", self.pool_reserve, accepted) or "off"

@@ -149,13 +149,13 @@ class OutputPolicy:
         logical = sum(_nbytes(t) for _, t in leaves)
         if not self.enabled:
             return Placed(output, shared=False, logical_bytes=logical)
-        grads = [path for path, leaf in leaves if leaf.requires_grad] if torch.is_grad_enabled() else []
+        grads = [path for path, leaf in leaves if leaf.requires_grad and torch.is_grad_enabled()]
         if grads:
             msg = (
-                f"output of {key!r} at leaf {grads[0]} requires grad (the forward ran with autograd on, "
-                "over parameters that require grad); shared output buffers hold values, not autograd "
-                "history: capture under torch.no_grad() or torch.inference_mode() (as SGLang does), "
-                f"or return {grads[0]}.detach()"
+                f"output of {key!r} at leaf {grads[0]} requires grad (the forward ran with "
+                "autograd on, over parameters that require grad); shared output buffers hold "
+                "values, not autograd history: capture under torch.no_grad() or "
+                f"torch.inference_mode() (as SGLang does), or return {grads[0]}.detach()"
             )
             raise ValueError(msg)
         stream = getattr(key, "stream_idx", None)

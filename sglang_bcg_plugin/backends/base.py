@@ -223,13 +223,14 @@ class CaptureBackend:
             self._state.begin(key)
             if self._capturing is not None:
                 msg = (
-                    f"{self.name} backend: re-entrant capture: capture_one({key!r}) was called while "
-                    f"{self._capturing!r} is being captured (from inside its forward_fn or a hook); "
-                    "capture keys one after another"
+                    f"{self.name} backend: re-entrant capture: capture_one({key!r}) was called "
+                    f"while {self._capturing!r} is being captured (from inside its forward_fn or a "
+                    "hook); capture keys one after another"
                 )
                 raise CaptureStateError(msg)
             if key in self._state:
-                msg = f"{key!r} is already captured by the {self.name} backend; cleanup() first to capture it again"
+                msg = (f"{key!r} is already captured by the {self.name} backend; cleanup() first "
+                       "to capture it again")
                 raise ValueError(msg)
             self._capturing = key
             try:

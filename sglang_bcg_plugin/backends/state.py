@@ -61,7 +61,8 @@ def check_input_pointers(key: Hashable, entry: _Entry) -> None:
 
 @dataclass(eq=False)
 class ForeignGraph:
-    """A graph recorded by another engine (replayed by it), as :meth:`CaptureState.report` reads it."""
+    """A graph recorded by another engine (replayed by it), as :meth:`CaptureState.report` reads
+    it."""
 
     graph: Any
     output: Any
@@ -171,13 +172,16 @@ class CaptureState:
             raise KeyError(msg) from None
 
     def report(self, bridge_bytes: dict[int | None, int] | None = None) -> MemoryReport:
-        """The memory report: per key (a storage is charged to the first key holding it), with the plan."""
+        """The memory report: per key (a storage is charged to the first key holding it), with the
+        plan."""
         seen: set[tuple[str, int]] = set()
         keys = [
             KeyReport(
                 key=entry.key,
                 logical_output_bytes=entry.logical_bytes,
-                resident_output_bytes=0 if entry.released else claim_resident_bytes(entry.graph.output, seen),
+                resident_output_bytes=(
+                    0 if entry.released else claim_resident_bytes(entry.graph.output, seen)
+                ),
                 shared=entry.shared,
                 fallback=entry.fallback,
                 capture_seconds=entry.seconds,

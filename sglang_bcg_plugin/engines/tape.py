@@ -126,7 +126,7 @@ class EagerSegments:
         self.key = key
         self._done: list[list[Action]] = []
         self._current: list[Action] | None = None
-        self._modes: contextlib.ExitStack | None = None  # the tape and its function mode, while open
+        self._modes: contextlib.ExitStack | None = None  # the tape and its function mode, if open
         self._pauses = 0  # a break inside a paused call (a splitting op) reopens no tape
         self._refused: HostReadError | None = None
 

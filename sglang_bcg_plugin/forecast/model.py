@@ -160,8 +160,9 @@ def schedule_forecast(
     extra = stream_bytes + bridge_bytes + probe_left_bytes
     pool = {"off": kept, "on": on, "released": floor}
     drv = {m: driver.bytes_for(m) if driver is not None else 0 for m in MODES}
-    modes = {m: ModeForecast(m, pool[m] + extra + drv[m], released, pool[m] - released, stream_bytes, bridge_bytes,
-                             keeps_largest=m == "released" and keep_largest, driver_bytes=drv[m],
+    modes = {m: ModeForecast(m, pool[m] + extra + drv[m], released, pool[m] - released,
+                             stream_bytes, bridge_bytes, driver_bytes=drv[m],
+                             keeps_largest=m == "released" and keep_largest,
                              probe_left_bytes=probe_left_bytes) for m in MODES}
     return modes, by_source, chosen, reserve_bytes
 

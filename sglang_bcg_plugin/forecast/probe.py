@@ -109,7 +109,7 @@ class GraphMemoryForecast:
 
 
 def _pool_segments() -> list[tuple[tuple[int, ...], int, int]]:
-    """``(pool id, address, bytes)`` of every segment of a private pool (not the default, ``(0, 0)``)."""
+    """``(pool id, address, bytes)`` of every segment of a private pool (not the default one)."""
     segments = [(tuple(s.get("segment_pool_id", (0, 0))), int(s["address"]), int(s["total_size"]))
                 for s in torch.cuda.memory._snapshot()["segments"]]
     return [seg for seg in segments if seg[0] != (0, 0)]

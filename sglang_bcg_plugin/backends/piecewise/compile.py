@@ -166,11 +166,11 @@ class PiecewiseCompiled:
                 first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
                 msg = (
                     f"backend.compile(model): torch.compile must trace the model as one graph "
-                    f"(fullgraph=True: work outside it would be missing from the pieces' replay) and "
-                    f"could not ({first}). Make code that must run eagerly between the pieces a "
-                    f"torch.library custom op and list it in splitting_ops; a @graph_break function "
-                    f"is traced through under Piecewise, it is no split point (docs/piecewise.md). "
-                    f"Dynamo's report:\n{exc}"
+                    f"(fullgraph=True: work outside it would be missing from the pieces' replay) "
+                    f"and could not ({first}). Make code that must run eagerly between the pieces "
+                    f"a torch.library custom op and list it in splitting_ops; a @graph_break "
+                    f"function is traced through under Piecewise, it is no split point "
+                    f"(docs/piecewise.md). Dynamo's report:\n{exc}"
                 )
                 raise PiecewiseCompileError(msg) from exc
         if self.compiler.calls != calls:  # this call compiled: charge it, kernels finished

@@ -110,10 +110,13 @@ class InductorPieces:
         # them; the placeholders' ``example_value`` may be in another one)
         fake_mode = detect_fake_mode(list(example_inputs))
         if fake_mode is None:
-            msg = "compiling pieces with Inductor needs dynamo's fake mode; call the backend from torch.compile"
+            msg = ("compiling pieces with Inductor needs dynamo's fake mode; call the backend from "
+                   "torch.compile")
             raise RuntimeError(msg)
+        fake = [fake_mode.from_tensor(t) if isinstance(t, torch.Tensor) else t
+                for t in example_inputs]
         run = _FakeRun(split_gm, self, frozenset(pieces), frozenset(dense))
-        run.run(*(fake_mode.from_tensor(t) if isinstance(t, torch.Tensor) else t for t in example_inputs))
+        run.run(*fake)
         self.seconds += time.perf_counter() - start
         return run.compiled
 
