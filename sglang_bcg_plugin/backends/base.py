@@ -129,11 +129,9 @@ class CaptureBackend:
         return self._engine
 
     def _make_cuda_engine(self) -> Engine:
-        if self._front is None:  # pragma: no cover - overridden per backend
-            raise NotImplementedError
-        from ..engines.cuda import SegmentCudaEngine
+        from ..engines.cuda import FullCudaEngine, SegmentCudaEngine
 
-        return SegmentCudaEngine(self._front())
+        return FullCudaEngine() if self._front is None else SegmentCudaEngine(self._front())
 
     @contextlib.contextmanager
     def capture_session(self, stream: Any = None) -> Iterator[None]:
