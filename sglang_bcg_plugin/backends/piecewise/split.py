@@ -170,8 +170,7 @@ def split_graph(
     part, split_ids, targets = _partition(gm, ops)
     # keep_original_order: splitting ops may mutate their arguments, so nodes must not move.
     split_gm = split_module(gm, None, lambda n: part[n], keep_original_order=True)  # type: ignore[arg-type]
-    order = [n.target for n in split_gm.graph.nodes if n.op == "call_module"]
-    names = [str(n) for n in order]
+    names = [str(n.target) for n in split_gm.graph.nodes if n.op == "call_module"]
     is_call = {name: int(name.rsplit("_", 1)[1]) in split_ids for name in names}
     pieces = [name for name in names if not is_call[name]]
     compiled = {}
