@@ -4,7 +4,7 @@ surrounding whitespace; anything else is an error naming the switch and the acce
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from typing import TypeVar
 
 T = TypeVar("T")
@@ -23,18 +23,14 @@ def shown(raw: str) -> str:
     return repr(raw) if len(raw) <= SHOWN_CHARS else f"{raw[:SHOWN_CHARS]!r}… ({len(raw)} characters)"
 
 
-def names_text(names: Iterable[str]) -> str:
-    """``'a', 'b' or 'c'``: how a message lists named choices."""
-    quoted = [f"'{n}'" for n in names]
-    return quoted[0] if len(quoted) == 1 else f"{', '.join(quoted[:-1])} or {quoted[-1]}"
-
-
 def parse_word(raw: object, words: Mapping[str, T], what: str, *, kind: str, accepted: str | None = None) -> T:
     """``words[raw]``, ``raw`` in any case with surrounding whitespace (``words``' keys are lowercase);
     messages name ``what`` (the switch), the value, ``kind`` and ``accepted`` (default: the keys).
 
     :raises TypeError: ``raw`` is not a str. :raises ValueError: ``raw`` is not one of ``words``."""
-    accepted = names_text(words) if accepted is None else accepted
+    if accepted is None:  # 'a', 'b' or 'c'
+        quoted = [f"'{n}'" for n in words]
+        accepted = quoted[0] if len(quoted) == 1 else f"{', '.join(quoted[:-1])} or {quoted[-1]}"
     if not isinstance(raw, str):
         msg = f"{what} must be {accepted}, got {repr(raw)[:200]} of type {type(raw).__name__}"
         raise TypeError(msg)

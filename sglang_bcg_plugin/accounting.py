@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import gc
 import time
-from types import TracebackType
+from dataclasses import dataclass
 
 import torch
 
@@ -17,20 +17,20 @@ def _reserved(engine: str) -> int | None:
     return int(torch.cuda.memory_reserved())
 
 
+@dataclass
 class Measure:
     """Times the block; ``memory_bytes``: the growth of reserved CUDA memory across it (CUDA engine only)."""
 
-    def __init__(self, engine: str) -> None:
-        self.engine = engine
-        self.seconds: float | None = None
-        self.memory_bytes: int | None = None
+    engine: str
+    seconds: float | None = None
+    memory_bytes: int | None = None
 
     def __enter__(self) -> Measure:
         self._before = _reserved(self.engine)
         self._start = time.perf_counter()
         return self
 
-    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+    def __exit__(self, kind: type[BaseException] | None, *_: object) -> None:
         self.seconds = time.perf_counter() - self._start
         after = _reserved(self.engine) if kind is None else None
         self.memory_bytes = None if self._before is None or after is None else after - self._before

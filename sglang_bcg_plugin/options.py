@@ -74,18 +74,17 @@ class BackendOptions:
         for field, (names, kind) in _WORDS.items():
             word = parse_word(getattr(self, field), {n: n for n in names}, f"BackendOptions.{field}", kind=kind)
             object.__setattr__(self, field, word)
-        object.__setattr__(self, "pool_reserve", _pool_reserve(self.pool_reserve))
+        accepted = "'off', 'auto' or bytes as an int >= 0"
+        if isinstance(self.pool_reserve, str):
+            words = {"off": "off", "auto": "auto"}
+            reserve = parse_word(self.pool_reserve, words, "BackendOptions.pool_reserve",
+                                 kind="a pool reserve", accepted=accepted)
+        else:  # 0 bytes is "off"
+            reserve = _int("pool_reserve", self.pool_reserve, accepted) or "off"
+        object.__setattr__(self, "pool_reserve", reserve)
         for field in ("strict_outputs", "stale_output_guard", "debug_check_inputs"):
             value = getattr(self, field)
             if not isinstance(value, bool):
                 msg = f"BackendOptions.{field} must be True or False, got {value!r} of type {type(value).__name__}"
                 raise TypeError(msg)
         _int("num_warmups", self.num_warmups, "an int >= 0")
-
-
-def _pool_reserve(raw: object) -> str | int:
-    """``"off"``, ``"auto"`` (any case) or bytes as an int >= 0 (0 is ``"off"``)."""
-    accepted = "'off', 'auto' or bytes as an int >= 0"
-    if isinstance(raw, str):
-        return parse_word(raw, {"off": "off", "auto": "auto"}, "BackendOptions.pool_reserve", kind="a pool reserve", accepted=accepted)
-    return _int("pool_reserve", raw, accepted) or "off"

@@ -32,20 +32,16 @@ class BackendRegistry:
         self._factories: dict[str, tuple[BackendFactory, str]] = {}
         self._impls = list(impls)
 
-    def _caller(self) -> str:
-        """The plugin whose hookimpl is calling :meth:`add` (``"<direct>"``: none of them)."""
-        frames, frame = [], sys._getframe(2)  # add()'s caller, then outwards
-        while frame is not None:
-            frames.append(frame)
-            frame = frame.f_back
-        i = running_hookimpl(self._impls, frames)
-        return "<direct>" if i is None else self._impls[i].plugin_name
-
     def add(self, name: str, factory: BackendFactory) -> None:
         """Register ``factory`` under ``name``.
 
         :raises BackendRegistrationError: bad name, non-callable factory, or the name is claimed."""
-        plugin = self._caller()
+        frames, frame = [], sys._getframe(1)  # the caller, then outwards: whose hookimpl is it?
+        while frame is not None:
+            frames.append(frame)
+            frame = frame.f_back
+        i = running_hookimpl(self._impls, frames)
+        plugin = "<direct>" if i is None else self._impls[i].plugin_name
         if not isinstance(name, str) or not name.isidentifier():
             msg = f"plugin {plugin!r} registers backend name {name!r}: expected an identifier str"
             raise BackendRegistrationError(msg)

@@ -76,21 +76,6 @@ def _leaf_misfit(leaf: torch.Tensor, buf: torch.Tensor) -> str | None:
     return None
 
 
-def _check_no_grad(key: Hashable, leaves: list[tuple[str, torch.Tensor]]) -> None:
-    """:raises ValueError: a leaf requires grad while autograd is on."""
-    if not torch.is_grad_enabled():
-        return
-    for path, leaf in leaves:
-        if leaf.requires_grad:
-            msg = (
-                f"output of {key!r} at leaf {path} requires grad (the forward ran with autograd on, "
-                "over parameters that require grad); shared output buffers hold values, not autograd "
-                "history: capture under torch.no_grad() or torch.inference_mode() (as SGLang does), "
-                f"or return {path}.detach()"
-            )
-            raise ValueError(msg)
-
-
 class OutputPolicy:
     """One backend's output policy; a session starts with :meth:`open`."""
 
@@ -164,7 +149,15 @@ class OutputPolicy:
         logical = sum(_nbytes(t) for _, t in leaves)
         if not self.enabled:
             return Placed(output, shared=False, logical_bytes=logical)
-        _check_no_grad(key, leaves)
+        grads = [path for path, leaf in leaves if leaf.requires_grad and torch.is_grad_enabled()]
+        if grads:
+            msg = (
+                f"output of {key!r} at leaf {grads[0]} requires grad (the forward ran with "
+                "autograd on, over parameters that require grad); shared output buffers hold "
+                "values, not autograd history: capture under torch.no_grad() or "
+                f"torch.inference_mode() (as SGLang does), or return {grads[0]}.detach()"
+            )
+            raise ValueError(msg)
         stream = getattr(key, "stream_idx", None)
         part = self.partitions.get(stream)
         if part is None:
@@ -173,9 +166,14 @@ class OutputPolicy:
                 return self._copy_into(reserved, node, leaves, logical, creates=reserved)
             return self._adopt(node, leaves, logical, protected, foreign)
         found = self._misfit(part, node, leaves)
-        if found is not None:
-            return self._fallback(key, output, logical, *found)
-        return self._copy_into(part, node, leaves, logical, creates=None)
+        if found is None:
+            return self._copy_into(part, node, leaves, logical, creates=None)
+        path, reason = found
+        if self.strict:
+            raise OutputStructureError(key, path, reason)
+        msg = f"{key!r} keeps its own output (no sharing): leaf {cut(path)}: {reason}"
+        warn_user(msg, SharedOutputFallbackWarning)
+        return Placed(output, shared=False, fallback=f"{path}: {reason}", logical_bytes=logical)
 
     def commit(self, key: Hashable, *, can_release: bool = True) -> Placed:
         """After a successful capture: make ``key``'s placement permanent and return it (mode
@@ -245,10 +243,3 @@ class OutputPolicy:
             buffers.append(flat)
         part = _Partition(node, tuple(buffers))
         return Placed(unflatten(node, outs), shared=True, logical_bytes=logical, creates=part)
-
-    def _fallback(self, key: Hashable, output: object, logical: int, path: str, reason: str) -> Placed:
-        if self.strict:
-            raise OutputStructureError(key, path, reason)
-        msg = f"{key!r} keeps its own output (no sharing): leaf {cut(path)}: {reason}"
-        warn_user(msg, SharedOutputFallbackWarning)
-        return Placed(output, shared=False, fallback=f"{path}: {reason}", logical_bytes=logical)

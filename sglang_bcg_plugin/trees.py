@@ -106,7 +106,7 @@ def _child(kind: str, path: str, key: Any) -> str:
 
 def _refuse_attributes(obj: object, path: str, walked: str, known: Callable[[str, object], bool]) -> None:
     """:raises TypeError: an attribute the walk does not follow holds a tensor."""
-    if type(obj) in _PLAIN:
+    if type(obj) in (tuple, list, dict):  # built-in containers: no instance attributes
         return
     for name, value in attributes(obj):
         if known(name, value):
@@ -122,21 +122,14 @@ def _refuse_attributes(obj: object, path: str, walked: str, known: Callable[[str
             raise TypeError(msg)
 
 
-#: Built-in containers: no instance attributes to look at.
-_PLAIN = (tuple, list, dict)
-
-
 def unflatten(node: Node, tensors: Iterator[torch.Tensor] | list[torch.Tensor]) -> Any:
     """Rebuild an output shaped like ``node`` with the given tensors as leaves, in order."""
-    return _unflatten(node, iter(tensors))
-
-
-def _unflatten(node: Node, it: Iterator[torch.Tensor]) -> Any:
+    it = iter(tensors)  # the children share it: ``iter`` of an iterator is itself
     if node.kind == "tensor":
         return next(it)
     if node.kind == "value":
         return node.value
-    kids = [_unflatten(k, it) for k in node.children]
+    kids = [unflatten(k, it) for k in node.children]
     if node.kind == "seq":
         if issubclass(node.type, tuple) and hasattr(node.type, "_fields"):
             return node.type(*kids)

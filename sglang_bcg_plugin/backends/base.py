@@ -129,11 +129,9 @@ class CaptureBackend:
         return self._engine
 
     def _make_cuda_engine(self) -> Engine:
-        if self._front is None:  # pragma: no cover - overridden per backend
-            raise NotImplementedError
-        from ..engines.cuda import SegmentCudaEngine
+        from ..engines.cuda import FullCudaEngine, SegmentCudaEngine
 
-        return SegmentCudaEngine(self._front())
+        return FullCudaEngine() if self._front is None else SegmentCudaEngine(self._front())
 
     @contextlib.contextmanager
     def capture_session(self, stream: Any = None) -> Iterator[None]:
@@ -151,7 +149,6 @@ class CaptureBackend:
             self._stream = stream
         # after a forecast, the session's device memory is measured to compare with it
         measure = self._state.forecast is not None and engine.name == "cuda"
-        free_before: int | None = None
         try:
             if plan.pool_reserve_bytes and hasattr(engine, "reserve_pool"):  # our CUDA engines (a plugin's may not)
                 engine.reserve_pool(plan.pool_reserve_bytes)
@@ -221,7 +218,18 @@ class CaptureBackend:
             msg = f"capture_one({key!r}): forward_fn must be callable, got {forward_fn!r}"
             raise TypeError(msg)
         with self._lock:
-            self._check_can_capture(key)
+            self._state.begin(key)
+            if self._capturing is not None:
+                msg = (
+                    f"{self.name} backend: re-entrant capture: capture_one({key!r}) was called "
+                    f"while {self._capturing!r} is being captured (from inside its forward_fn or a "
+                    "hook); capture keys one after another"
+                )
+                raise CaptureStateError(msg)
+            if key in self._state:
+                msg = (f"{key!r} is already captured by the {self.name} backend; cleanup() first "
+                       "to capture it again")
+                raise ValueError(msg)
             self._capturing = key
             try:
                 observe_started(self._pm, self, key)
@@ -255,19 +263,6 @@ class CaptureBackend:
             report = self._state.report().keys[-1]
             observe_finished(self._pm, key, backend=self, report=report, error=None)
             return output
-
-    def _check_can_capture(self, key: Hashable) -> None:
-        self._state.begin(key)
-        if self._capturing is not None:
-            msg = (
-                f"{self.name} backend: re-entrant capture: capture_one({key!r}) was called while "
-                f"{self._capturing!r} is being captured (from inside its forward_fn or a hook); "
-                "capture keys one after another"
-            )
-            raise CaptureStateError(msg)
-        if key in self._state:
-            msg = f"{key!r} is already captured by the {self.name} backend; cleanup() first to capture it again"
-            raise ValueError(msg)
 
     def replay(self, shape_key: Hashable) -> Any:
         """Replay the graph of ``shape_key`` and return its static output.

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from ..engines.base import Engine
 from ..manager import hookimpl
 from ..registry import BackendRegistry
 from .base import CaptureBackend
@@ -12,11 +11,6 @@ class FullBackend(CaptureBackend):
     """One whole-forward CUDA graph per key; graphs of a partition share one pool."""
 
     name = "full"
-
-    def _make_cuda_engine(self) -> Engine:
-        from ..engines.cuda import FullCudaEngine
-
-        return FullCudaEngine()
 
 
 @hookimpl

@@ -59,27 +59,10 @@ def check_input_pointers(key: Hashable, entry: _Entry) -> None:
             raise RuntimeError(msg)
 
 
-def key_reports(entries: list[_Entry]) -> list[KeyReport]:
-    """One report per captured key (a storage is charged to the first key holding it)."""
-    seen: set[tuple[str, int]] = set()
-    return [
-        KeyReport(
-            key=entry.key,
-            logical_output_bytes=entry.logical_bytes,
-            resident_output_bytes=0 if entry.released else claim_resident_bytes(entry.graph.output, seen),
-            shared=entry.shared,
-            fallback=entry.fallback,
-            capture_seconds=entry.seconds,
-            graph_memory_bytes=entry.memory_bytes,
-            num_segments=entry.graph.num_segments,
-        )
-        for entry in entries
-    ]
-
-
 @dataclass(eq=False)
 class ForeignGraph:
-    """A graph recorded by another engine (replayed by it), as :func:`key_reports` reads it."""
+    """A graph recorded by another engine (replayed by it), as :meth:`CaptureState.report` reads
+    it."""
 
     graph: Any
     output: Any
@@ -149,9 +132,8 @@ class CaptureState:
         """Commit ``key``'s placement and record the key; returns the output to hand out. ``graph``: one
         of ours (``num_segments=None``: its ``output`` is set here) or another engine's. The caller
         drops its own references to the placed output (a released output is a non-owning alias)."""
-        plan = self._open
         self.begin(key)
-        assert plan is not None
+        assert self._open is not None
         placed = self.policy.commit(key, can_release=can_release)
         if num_segments is None:
             graph.output = placed.output
@@ -161,7 +143,7 @@ class CaptureState:
         self._entries[key] = _Entry(
             key, held, capture_inputs, placed.shared, placed.fallback, placed.logical_bytes, seconds=seconds,
             memory_bytes=memory_bytes, released=placed.released,
-            input_ptrs=input_pointers(capture_inputs) if plan.check_inputs else None,
+            input_ptrs=input_pointers(capture_inputs) if self._open.check_inputs else None,
         )
         return placed.output
 
@@ -190,9 +172,25 @@ class CaptureState:
             raise KeyError(msg) from None
 
     def report(self, bridge_bytes: dict[int | None, int] | None = None) -> MemoryReport:
-        """The memory report: per key, with the plan."""
-        entries = list(self._entries.values())
-        report = MemoryReport.from_keys(self.name, self.engine, key_reports(entries), bridge_bytes=bridge_bytes)
+        """The memory report: per key (a storage is charged to the first key holding it), with the
+        plan."""
+        seen: set[tuple[str, int]] = set()
+        keys = [
+            KeyReport(
+                key=entry.key,
+                logical_output_bytes=entry.logical_bytes,
+                resident_output_bytes=(
+                    0 if entry.released else claim_resident_bytes(entry.graph.output, seen)
+                ),
+                shared=entry.shared,
+                fallback=entry.fallback,
+                capture_seconds=entry.seconds,
+                graph_memory_bytes=entry.memory_bytes,
+                num_segments=entry.graph.num_segments,
+            )
+            for entry in self._entries.values()
+        ]
+        report = MemoryReport.from_keys(self.name, self.engine, keys, bridge_bytes=bridge_bytes)
         return dataclasses.replace(report, plan=self.plan, forecast=self.forecast, measured_graph_bytes=self.measured_graph_bytes)
 
     def clear(self) -> None:

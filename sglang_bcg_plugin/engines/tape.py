@@ -126,8 +126,7 @@ class EagerSegments:
         self.key = key
         self._done: list[list[Action]] = []
         self._current: list[Action] | None = None
-        self._tape: _Tape | None = None
-        self._reads: _PyReads | None = None
+        self._modes: contextlib.ExitStack | None = None  # the tape and its function mode, if open
         self._pauses = 0  # a break inside a paused call (a splitting op) reopens no tape
         self._refused: HostReadError | None = None
 
@@ -138,19 +137,16 @@ class EagerSegments:
         raise self._refused
 
     def _start(self) -> None:
-        if self._current is not None and self._pauses == 0 and self._tape is None:
-            self._tape = _Tape(self._current, self._refuse)
-            self._reads = _PyReads(self._tape)
-            self._reads.__enter__()
-            self._tape.__enter__()
+        if self._current is not None and self._pauses == 0 and self._modes is None:
+            tape = _Tape(self._current, self._refuse)
+            self._modes = contextlib.ExitStack()
+            self._modes.enter_context(_PyReads(tape))
+            self._modes.enter_context(tape)
 
     def _stop(self) -> None:
-        tape, self._tape = self._tape, None
-        reads, self._reads = self._reads, None
-        if tape is not None:
-            tape.__exit__(None, None, None)
-        if reads is not None:
-            reads.__exit__(None, None, None)
+        modes, self._modes = self._modes, None
+        if modes is not None:
+            modes.close()
 
     def begin(self) -> None:
         self._current = []

@@ -159,16 +159,12 @@ def schedule_forecast(
     keep_largest = keeps_largest(released, by_source)
     floor = by_source["adopt"] if keep_largest else released
     extra = stream_bytes + bridge_bytes + probe_left_bytes
+    pool = {"off": kept, "on": on, "released": floor}
     drv = {m: driver.bytes_for(m) if driver is not None else 0 for m in MODES}
-    modes = {
-        "off": ModeForecast("off", kept + extra + drv["off"], released, kept - released, stream_bytes, bridge_bytes,
-                            driver_bytes=drv["off"], probe_left_bytes=probe_left_bytes),
-        "on": ModeForecast("on", on + extra + drv["on"], released, on - released, stream_bytes, bridge_bytes,
-                           driver_bytes=drv["on"], probe_left_bytes=probe_left_bytes),
-        "released": ModeForecast("released", floor + extra + drv["released"], released, floor - released, stream_bytes,
-                                 bridge_bytes, keeps_largest=keep_largest, driver_bytes=drv["released"],
-                                 probe_left_bytes=probe_left_bytes),
-    }
+    modes = {m: ModeForecast(m, pool[m] + extra + drv[m], released, pool[m] - released,
+                             stream_bytes, bridge_bytes, driver_bytes=drv[m],
+                             keeps_largest=m == "released" and keep_largest,
+                             probe_left_bytes=probe_left_bytes) for m in MODES}
     return modes, by_source, chosen, reserve_bytes
 
 

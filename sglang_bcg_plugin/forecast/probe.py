@@ -3,6 +3,7 @@ traces, and the forecast of every size per output mode built from them (CUDA onl
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -107,17 +108,11 @@ class GraphMemoryForecast:
         return "\n".join(lines)
 
 
-def _new_pool_segments(before: set[tuple[int, int]]) -> list[tuple[int, int]]:
-    out = []
-    for seg in torch.cuda.memory._snapshot()["segments"]:
-        pool = tuple(seg.get("segment_pool_id", (0, 0)))
-        if pool != (0, 0) and pool not in before:
-            out.append((int(seg["address"]), int(seg["total_size"])))
-    return out
-
-
-def _pools() -> set[tuple[int, int]]:
-    return {tuple(s.get("segment_pool_id", (0, 0))) for s in torch.cuda.memory._snapshot()["segments"]}  # type: ignore[misc]
+def _pool_segments() -> list[tuple[tuple[int, ...], int, int]]:
+    """``(pool id, address, bytes)`` of every segment of a private pool (not the default one)."""
+    segments = [(tuple(s.get("segment_pool_id", (0, 0))), int(s["address"]), int(s["total_size"]))
+                for s in torch.cuda.memory._snapshot()["segments"]]
+    return [seg for seg in segments if seg[0] != (0, 0)]
 
 
 def reserved_bytes() -> int:
@@ -137,7 +132,7 @@ def _probe(backend: CaptureBackend, sizes: Sequence[int], forward_for: Callable[
            capture_inputs: Any) -> tuple[list[KeyTrace], list[int], int, int, ProbeDevice]:
     """Capture ``sizes`` (largest first): their pool traces, the largest's output storage bytes, the
     bridge bytes, the stream's bytes (reserved outside the graph pool) and the device figures."""
-    pools = _pools()
+    pools = {pool for pool, _, _ in _pool_segments()}
     torch.cuda.memory._record_memory_history(enabled="all", context=None, stacks="python", max_entries=1_000_000)
     events: list[list[dict[str, Any]]] = []
     largest_output: list[int] = []
@@ -159,7 +154,7 @@ def _probe(backend: CaptureBackend, sizes: Sequence[int], forward_for: Callable[
                     largest_output = [t.untyped_storage().nbytes() for _, t in flatten(out)[1]]
             free_after = device_free_bytes(collect=False)
             reserved_after = reserved_bytes()
-        segments = _new_pool_segments(pools)
+        segments = [(addr, nbytes) for pool, addr, nbytes in _pool_segments() if pool not in pools]
         bridges = backend.memory_report().total_bridge_bytes
     finally:
         torch.cuda.memory._record_memory_history(enabled=None)
@@ -223,9 +218,7 @@ def forecast_schedule(
                                                                        capture_inputs)
     finally:
         backend.cleanup()
-        backend.configure(output_mode=options.output_mode, stale_output_guard=options.stale_output_guard,
-                          num_warmups=options.num_warmups, pool_reserve=options.pool_reserve,
-                          pool_segments=options.pool_segments)
+        backend.configure(**{f.name: getattr(options, f.name) for f in dataclasses.fields(options)})
     lasting = max(0, free_start - device_free_bytes(collect=False))
     # The probes' stream's cuBLAS workspace, kept for the process's life (docs/forecast.md).
     probe_left = min(lasting, max(0, reserved_bytes() - reserved_start))

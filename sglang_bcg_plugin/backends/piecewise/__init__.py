@@ -6,12 +6,9 @@ from __future__ import annotations
 from collections.abc import Callable, Hashable, Iterable, Mapping
 from typing import Any
 
-import pluggy
 import torch
 
 from ...manager import hookimpl
-from ...options import BackendOptions
-from ...output_mode import Resolution
 from ...registry import BackendRegistry
 from ..base import CaptureBackend
 from .compile import DynamicMode, PiecewiseCompiled, PiecewiseCompiler, capture_size
@@ -38,13 +35,12 @@ class PiecewiseBackend(CaptureBackend):
     def __init__(
         self,
         *,
-        options: BackendOptions | None = None,
-        plugin_manager: pluggy.PluginManager | None = None,
-        output_mode: Resolution | None = None,
         splitting_ops: Iterable[object] | None = (),
         inductor: bool = False,
         inductor_config: Mapping[str, Any] | None = None,
+        **base: Any,
     ) -> None:
+        """``base``: :class:`CaptureBackend`'s ``options``, ``plugin_manager``, ``output_mode``."""
         self._splitting_ops = resolve_splitting_ops(splitting_ops)
         if not isinstance(inductor, bool):
             msg = f"inductor must be a bool, got {inductor!r}"
@@ -53,7 +49,7 @@ class PiecewiseBackend(CaptureBackend):
             msg = "inductor_config is given but inductor=False; pass inductor=True to compile the pieces"
             raise ValueError(msg)
         self._inductor = InductorPieces(inductor_config) if inductor else None
-        super().__init__(options=options, plugin_manager=plugin_manager, output_mode=output_mode)
+        super().__init__(**base)
         self._summaries: list[SplitSummary] = []
         self._compilers: list[PiecewiseCompiler] = []  # not the compiled callables: they hold the model
 
@@ -105,16 +101,10 @@ class PiecewiseBackend(CaptureBackend):
         """How many FX graphs the compile backend received (1 per model if no recompiles)."""
         return len(self._summaries)
 
-    def capture_one(
-        self,
-        shape_key: Hashable,
-        forward_fn: Callable[[], Any],
-        capture_inputs: Any = None,
-        post_warmup_hook: Callable[[], None] | None = None,
-    ) -> Any:
+    def capture_one(self, shape_key: Hashable, *args: Any, **kwargs: Any) -> Any:
         """:meth:`CaptureBackend.capture_one`; the compiled callables know the key's size."""
         with capture_size(getattr(shape_key, "size", None)):
-            return super().capture_one(shape_key, forward_fn, capture_inputs, post_warmup_hook)
+            return super().capture_one(shape_key, *args, **kwargs)
 
 
 @hookimpl

@@ -22,18 +22,6 @@ class PiecewiseCompileError(RuntimeError):
     """Dynamo could not trace the model as one graph; dynamo's report is the cause."""
 
 
-def _untraceable(exc: Exception) -> PiecewiseCompileError:
-    first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-    msg = (
-        f"backend.compile(model): torch.compile must trace the model as one graph (fullgraph=True: "
-        f"work outside it would be missing from the pieces' replay) and could not ({first}). Make "
-        f"code that must run eagerly between the pieces a torch.library custom op and list it in "
-        f"splitting_ops; a @graph_break function is traced through under Piecewise, it is no "
-        f"split point (docs/piecewise.md). Dynamo's report:\n{exc}"
-    )
-    return PiecewiseCompileError(msg)
-
-
 class PiecewiseCompiler:
     """The ``torch.compile`` backend: split (and compile the pieces with ``inductor``, if given),
     wrap, report each compilation to ``on_split``."""
@@ -175,7 +163,16 @@ class PiecewiseCompiled:
             try:
                 out = self.compiled(*args, **kwargs)
             except torch._dynamo.exc.Unsupported as exc:
-                raise _untraceable(exc) from exc
+                first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+                msg = (
+                    f"backend.compile(model): torch.compile must trace the model as one graph "
+                    f"(fullgraph=True: work outside it would be missing from the pieces' replay) "
+                    f"and could not ({first}). Make code that must run eagerly between the pieces "
+                    f"a torch.library custom op and list it in splitting_ops; a @graph_break "
+                    f"function is traced through under Piecewise, it is no split point "
+                    f"(docs/piecewise.md). Dynamo's report:\n{exc}"
+                )
+                raise PiecewiseCompileError(msg) from exc
         if self.compiler.calls != calls:  # this call compiled: charge it, kernels finished
             if torch.cuda.is_initialized():  # pragma: no cover - CUDA only
                 torch.cuda.synchronize()

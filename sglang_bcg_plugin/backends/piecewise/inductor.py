@@ -80,18 +80,6 @@ class CompiledPiece:
         return self.boxed(list(args))
 
 
-def _returns_tuple(gm: torch.fx.GraphModule) -> bool:
-    out = next(n for n in gm.graph.nodes if n.op == "output")
-    return isinstance(out.args[0], (tuple, list))
-
-
-def _as_tuple_graph(gm: torch.fx.GraphModule) -> None:
-    """Make ``gm`` (a copy) return its one value as a 1-tuple: a boxed compile expects tuples."""
-    out = next(n for n in gm.graph.nodes if n.op == "output")
-    out.args = ((out.args[0],),)
-    gm.recompile()
-
-
 class InductorPieces:
     """Compiles the pieces of split graphs with Inductor (``config``: extra patches); counts them.
 
@@ -115,9 +103,20 @@ class InductorPieces:
     ) -> dict[str, CompiledPiece]:
         """Compile the sub-modules ``pieces`` of ``split_gm``; the fresh returns of the splitting calls
         ``dense`` are made dense (:func:`dense_fresh`)."""
+        from torch._guards import detect_fake_mode
+
         start = time.perf_counter()
+        # dynamo's fake value of every input, from the tracing context's fake mode (it memoizes
+        # them; the placeholders' ``example_value`` may be in another one)
+        fake_mode = detect_fake_mode(list(example_inputs))
+        if fake_mode is None:
+            msg = ("compiling pieces with Inductor needs dynamo's fake mode; call the backend from "
+                   "torch.compile")
+            raise RuntimeError(msg)
+        fake = [fake_mode.from_tensor(t) if isinstance(t, torch.Tensor) else t
+                for t in example_inputs]
         run = _FakeRun(split_gm, self, frozenset(pieces), frozenset(dense))
-        run.run(*_fake_inputs(example_inputs))
+        run.run(*fake)
         self.seconds += time.perf_counter() - start
         return run.compiled
 
@@ -126,26 +125,16 @@ class InductorPieces:
         from torch._inductor.compile_fx import compile_fx
 
         gm = copy.deepcopy(piece)  # compile_fx may rewrite the graph; the FX piece stays as traced
-        returns_tuple = _returns_tuple(gm)
-        if not returns_tuple:
-            _as_tuple_graph(gm)
+        out = next(n for n in gm.graph.nodes if n.op == "output")
+        returns_tuple = isinstance(out.args[0], (tuple, list))
+        if not returns_tuple:  # one value returned as a 1-tuple: a boxed compile expects tuples
+            out.args = ((out.args[0],),)
+            gm.recompile()
         # wrapped, compile_fx returns a boxed callable (one list, emptied)
         boxed = torch._dynamo.utils.GmWrapper(gm, tuple)
         compiled = compile_fx(boxed, list(fake_args), config_patches=dict(self.config))
         self.num_compilations += 1
         return CompiledPiece(compiled, returns_tuple, boxed=True)  # type: ignore[arg-type]
-
-
-def _fake_inputs(example_inputs: Sequence[Any]) -> list[Any]:
-    """Dynamo's fake value of every example input (from the tracing context's fake mode, which
-    memoizes them; the placeholders' ``example_value`` may be in another one)."""
-    from torch._guards import detect_fake_mode
-
-    fake_mode = detect_fake_mode(list(example_inputs))
-    if fake_mode is None:
-        msg = "compiling pieces with Inductor needs dynamo's fake mode; call the backend from torch.compile"
-        raise RuntimeError(msg)
-    return [fake_mode.from_tensor(t) if isinstance(t, torch.Tensor) else t for t in example_inputs]
 
 
 class _FakeRun(torch.fx.Interpreter):

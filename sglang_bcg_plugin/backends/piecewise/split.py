@@ -127,11 +127,8 @@ class SplitProgram:
                     del env[used]  # the list holds the only program reference now
                 return runner.boxed(boxed)
             fn: Callable[..., Any] = runner
-        elif node.op == "call_function":
-            fn = node.target  # type: ignore[assignment]  # getitem of a piece's tuple
-        else:  # pragma: no cover - split_module emits no call_method
-            msg = f"split graph node {node.format_node()} ({node.op}) is not supported"
-            raise RuntimeError(msg)
+        else:  # call_function (split_module emits no call_method): getitem of a piece's tuple
+            fn = node.target  # type: ignore[assignment]
         call_args, call_kwargs = torch.fx.node.map_arg((node.args, node.kwargs), env.__getitem__)
         return fn(*call_args, **call_kwargs)
 
@@ -173,8 +170,7 @@ def split_graph(
     part, split_ids, targets = _partition(gm, ops)
     # keep_original_order: splitting ops may mutate their arguments, so nodes must not move.
     split_gm = split_module(gm, None, lambda n: part[n], keep_original_order=True)  # type: ignore[arg-type]
-    order = [n.target for n in split_gm.graph.nodes if n.op == "call_module"]
-    names = [str(n) for n in order]
+    names = [str(n.target) for n in split_gm.graph.nodes if n.op == "call_module"]
     is_call = {name: int(name.rsplit("_", 1)[1]) in split_ids for name in names}
     pieces = [name for name in names if not is_call[name]]
     compiled = {}
