@@ -12,17 +12,13 @@ import re
 import sys
 import time
 import warnings
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import Any, NoReturn
 
 import torch
 
 from ._version import __version__
 from .bench.usage import UsageError
 from .errors import BackendRegistrationError
-
-if TYPE_CHECKING:
-    from .bench.config import BenchConfig
-
 
 #: A quoted value in an argparse message, longer than a message should echo.
 _LONG_QUOTED = re.compile(r"'([^'\n]{80})[^'\n]+'")
@@ -54,25 +50,18 @@ def _debug_flags(p: argparse.ArgumentParser, default: object) -> None:
     p.add_argument("--debug", action="store_true", default=default, help="show tracebacks of errors")
 
 
-def _variants_epilog() -> str:
-    """``bench --help``'s last paragraph: one line per variant, then the reference row."""
-    from .bench.runner import GRAPH_TREES, REFERENCE_VARIANT, VARIANT_MEANINGS
-
-    width = max(map(len, VARIANT_MEANINGS))
-    lines = [f"  {name.ljust(width)}  {meaning}" for name, meaning in VARIANT_MEANINGS.items()]
-    return "\n".join([
-        "variants (--variants; each one a row per backend, measured in the same run):",
-        *lines,
-        f"{GRAPH_TREES} has no output modes: it ignores --variants and adds one row ({REFERENCE_VARIANT}).",
-    ])
-
-
 def _bench_parser(sub: argparse._SubParsersAction[Any]) -> None:
     from .bench.config import DTYPES
-    from .bench.runner import VARIANTS
+    from .bench.runner import GRAPH_TREES, REFERENCE_VARIANT, VARIANT_MEANINGS, VARIANTS
 
+    width = max(map(len, VARIANT_MEANINGS))
+    epilog = "\n".join([  # one line per variant, then the reference row
+        "variants (--variants; each one a row per backend, measured in the same run):",
+        *(f"  {name.ljust(width)}  {meaning}" for name, meaning in VARIANT_MEANINGS.items()),
+        f"{GRAPH_TREES} has no output modes: it ignores --variants and adds one row ({REFERENCE_VARIANT}).",
+    ])
     p = sub.add_parser("bench", help="capture a model at SGLang's prefill sizes with each backend, sharing off and on",
-                       epilog=_variants_epilog(), formatter_class=argparse.RawDescriptionHelpFormatter)
+                       epilog=epilog, formatter_class=argparse.RawDescriptionHelpFormatter)
     _debug_flags(p, argparse.SUPPRESS)
     p.add_argument("--model", choices=("synthetic", "llama"), default="synthetic",
                    help="synthetic: our tokens-first decoder (default); llama: transformers' LlamaModel, random weights")
@@ -94,49 +83,42 @@ def _bench_parser(sub: argparse._SubParsersAction[Any]) -> None:
 
 def _bench(args: argparse.Namespace) -> int:
     from .bench.config import build_config
-    from .bench.outdir import hold
-    from .bench.runner import GRAPH_TREES
+    from .bench.outdir import hold, write_pair
+    from .bench.output import PLOT_SKIPPED, format_table, write_json, write_plot
+    from .bench.runner import GRAPH_TREES, graph_trees_row, run_variant, variants_for, warm_up
     from .registry import available_backends
 
     cfg = build_config(args, [*available_backends(), GRAPH_TREES])  # every check, before any work
     with hold(cfg.out):  # refused when another live run holds --out
-        return _run_bench(cfg)
-
-
-def _run_bench(cfg: BenchConfig) -> int:
-    from .bench.outdir import write_pair
-    from .bench.output import PLOT_SKIPPED, format_table, write_json, write_plot
-    from .bench.runner import GRAPH_TREES, graph_trees_row, run_variant, variants_for, warm_up
-
-    if ":" in cfg.device:  # pragma: no cover - CUDA only: streams and pools on the chosen GPU
-        torch.cuda.set_device(torch.device(cfg.device))
-    config = cfg.summary()
-    for note in cfg.notes:
-        print(note, file=sys.stderr)
-    print(f"sglang-bcg bench on {cfg.device_name}: {config}", file=sys.stderr)
-    start = time.perf_counter()
-    warm_up(cfg.workload, [b for b in cfg.backends if b != GRAPH_TREES], cfg.sizes)  # the reference compiles afresh
-    rows = []
-    for backend in cfg.backends:
-        for variant in variants_for(backend, cfg.variants):
-            t0 = time.perf_counter()
-            if backend == GRAPH_TREES:
-                row = graph_trees_row(cfg.workload, cfg.sizes, repeats=cfg.repeats, progress=cfg.progress)
-            else:
-                row = run_variant(backend, variant, cfg.workload, cfg.sizes, repeats=cfg.repeats, progress=cfg.progress)
-            rows.append(row)
-            print(f"  {backend}/{variant} done in {time.perf_counter() - t0:.1f} s: {row.summary()}", file=sys.stderr)
-    print(format_table(rows, timings_meaningful=cfg.gpu))
-    print(f"({time.perf_counter() - start:.1f} s)", file=sys.stderr)
-    if cfg.out is not None:
-        wrote = write_pair(
-            cfg.out,
-            lambda p: write_json(p, cfg.device_name, config, rows, timings_meaningful=cfg.gpu),
-            lambda p: write_plot(p, cfg.device_name, config, rows, timings_meaningful=cfg.gpu),
-        )
-        if len(wrote) == 1:
-            print(PLOT_SKIPPED, file=sys.stderr)
-        print("wrote " + " and ".join(str(p) for p in wrote), file=sys.stderr)
+        if ":" in cfg.device:  # pragma: no cover - CUDA only: streams and pools on the chosen GPU
+            torch.cuda.set_device(torch.device(cfg.device))
+        config = cfg.summary()
+        for note in cfg.notes:
+            print(note, file=sys.stderr)
+        print(f"sglang-bcg bench on {cfg.device_name}: {config}", file=sys.stderr)
+        start = time.perf_counter()
+        # the reference compiles afresh
+        warm_up(cfg.workload, [b for b in cfg.backends if b != GRAPH_TREES], cfg.sizes)
+        rows, kw = [], {"repeats": cfg.repeats, "progress": cfg.progress}
+        for backend in cfg.backends:
+            for variant in variants_for(backend, cfg.variants):
+                t0 = time.perf_counter()
+                row = (graph_trees_row(cfg.workload, cfg.sizes, **kw) if backend == GRAPH_TREES
+                       else run_variant(backend, variant, cfg.workload, cfg.sizes, **kw))
+                rows.append(row)
+                took = time.perf_counter() - t0
+                print(f"  {backend}/{variant} done in {took:.1f} s: {row.summary()}", file=sys.stderr)
+        print(format_table(rows, timings_meaningful=cfg.gpu))
+        print(f"({time.perf_counter() - start:.1f} s)", file=sys.stderr)
+        if cfg.out is not None:
+            wrote = write_pair(
+                cfg.out,
+                lambda p: write_json(p, cfg.device_name, config, rows, timings_meaningful=cfg.gpu),
+                lambda p: write_plot(p, cfg.device_name, config, rows, timings_meaningful=cfg.gpu),
+            )
+            if len(wrote) == 1:
+                print(PLOT_SKIPPED, file=sys.stderr)
+            print("wrote " + " and ".join(str(p) for p in wrote), file=sys.stderr)
     return 0
 
 
@@ -180,10 +162,6 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _is_out_of_memory(exc: BaseException) -> bool:
-    return isinstance(exc, torch.cuda.OutOfMemoryError) or "can't allocate memory" in str(exc)
-
-
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     debug = bool(args.debug or args.verbose)
@@ -206,7 +184,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {' '.join(str(exc).split())}", file=sys.stderr)
         return 2
     except (torch.cuda.OutOfMemoryError, RuntimeError) as exc:
-        if debug or not _is_out_of_memory(exc):
+        oom = isinstance(exc, torch.cuda.OutOfMemoryError) or "can't allocate memory" in str(exc)
+        if debug or not oom:
             raise
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         print(f"error: out of memory ({first}); lower --max-tokens, --hidden or --layers (--debug: traceback)", file=sys.stderr)

@@ -253,28 +253,6 @@ def _free_bytes(device: str) -> int | None:
     return device_free_bytes() if device.startswith("cuda") else None
 
 
-def _time_replay(replay: Callable[[], Any], device: str, repeats: int) -> tuple[float, float, float]:
-    """Median, min and max milliseconds of ``repeats`` replays (CUDA events on GPU,
-    perf_counter on CPU)."""
-    for _ in range(3):
-        replay()
-    _sync(device)
-    times = []
-    for _ in range(repeats):
-        if device.startswith("cuda"):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            replay()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            t0 = time.perf_counter()
-            replay()
-            times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times), min(times), max(times)
-
-
 def max_abs_error(out: Any, ref: Any) -> float:
     """Largest absolute difference over every tensor leaf of two output trees."""
     (_, a), (_, b) = flatten(out), flatten(ref)
@@ -309,16 +287,35 @@ def _capture_all(
 def _replay_all(
     workload: Workload, sizes: list[int], static: Any, replay: Callable[[int], Any], model: Callable[..., Any] | None,
     repeats: int,
-) -> tuple[float | None, tuple[float, float, float]]:
-    """After new inputs, every size's largest error against the eager ``model`` (``None``: not
-    checked), and the median, min and max milliseconds of the largest size's replay."""
+) -> dict[str, Any]:
+    """The row's replay fields: after new inputs, every size's largest error against the eager
+    ``model`` (``None``: not checked), and the median, min and max milliseconds of ``repeats``
+    replays of the largest size (CUDA events on GPU, perf_counter on CPU)."""
+    device = workload.shape.device
     with torch.no_grad():
         workload.refill(static)  # inputs change after capture
         max_err = None
         if model is not None:
             errors = (max_abs_error(replay(s), workload.call(model, static, s)) for s in sorted(sizes, reverse=True))
             max_err = max([0.0, *errors])
-        return max_err, _time_replay(lambda: replay(max(sizes)), workload.shape.device, repeats)
+        for _ in range(3):
+            replay(max(sizes))
+        _sync(device)
+        times = []
+        for _ in range(repeats):
+            if device.startswith("cuda"):
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                replay(max(sizes))
+                end.record()
+                end.synchronize()
+                times.append(start.elapsed_time(end))
+            else:
+                t0 = time.perf_counter()
+                replay(max(sizes))
+                times.append((time.perf_counter() - t0) * 1e3)
+    return {"max_abs_err": max_err, "replay_ms": statistics.median(times), "replay_ms_min": min(times),
+            "replay_ms_max": max(times)}
 
 
 def run_variant(
@@ -387,7 +384,7 @@ def run_variant(
     elapsed, graph_bytes = _capture_all(device, sizes, f"{backend_name}/{variant}", progress, backend.capture_session(), capture)
     compile_s = compiled_s()
     report = backend.memory_report()
-    max_err, (replay_ms, replay_min, replay_max) = _replay_all(
+    replayed = _replay_all(
         workload, sizes, static, lambda s: backend.replay(ShapeKey(s)), model if v.keep else None, repeats
     )
     backend.cleanup()  # the graphs, pools and buffers go; the next variant measures from here
@@ -401,15 +398,12 @@ def run_variant(
         logical_output_bytes=report.logical_output_bytes,
         graph_memory_bytes=graph_bytes,
         capture_s=elapsed - ((compile_s or 0.0) - forecast_compile),
-        replay_ms=replay_ms,
-        max_abs_err=max_err,
         fallbacks=len(report.fallbacks),
         bridge_bytes=report.total_bridge_bytes,
         model=workload.name,
-        replay_ms_min=replay_min,
-        replay_ms_max=replay_max,
         per_size=per_size_rows(report, per_key_compile if compile_s is not None else None),
         compile_s=compile_s,
+        **replayed,
         **_forecast_fields(predicted, graph_bytes, forecast_compile),
     )
     log.info("%s", row)
@@ -475,7 +469,7 @@ def graph_trees_row(
     label = f"{GRAPH_TREES}/{REFERENCE_VARIANT}"
     elapsed, graph_bytes = _capture_all(device, sizes, label, progress, contextlib.nullcontext(), capture)
     compile_s = compiled.seconds
-    max_err, (replay_ms, replay_min, replay_max) = _replay_all(workload, sizes, static, step, model, repeats)
+    replayed = _replay_all(workload, sizes, static, step, model, repeats)
     del compiled, model
     torch._dynamo.reset()  # drops the compiled code; then the Graph Trees and their pool
     if gpu:
@@ -491,13 +485,10 @@ def graph_trees_row(
         logical_output_bytes=logical[0],
         graph_memory_bytes=graph_bytes,
         capture_s=elapsed - compile_s,
-        replay_ms=replay_ms,
-        max_abs_err=max_err,
         fallbacks=0,
         model=workload.name,
-        replay_ms_min=replay_min,
-        replay_ms_max=replay_max,
         compile_s=compile_s,
+        **replayed,
     )
 
 
