@@ -42,8 +42,16 @@ def check_out_dir(raw: str) -> Path:
         _probe(out)
         st = os.statvfs(out) if hasattr(os, "statvfs") else None
         free = None if st is None else st.f_bavail * st.f_frsize
-        for name in (BENCH_JSON, BENCH_PNG):
-            _check_target(raw, out / name)
+        for name in (BENCH_JSON, BENCH_PNG):  # must be a regular file (or link to one), if there
+            try:
+                mode = os.stat(out / name).st_mode
+            except FileNotFoundError:
+                continue  # absent, or a dangling link: the rename replaces it
+            if not stat.S_ISREG(mode):
+                kind = ("a directory" if stat.S_ISDIR(mode)
+                        else "not a regular file (a FIFO, socket or device)")
+                msg = f"--out {shown(raw)}: {name} is {kind}; remove it or give another --out"
+                raise UsageError(msg)
     except OSError as exc:
         msg = f"--out {shown(raw)} is not a writable directory ({exc.strerror or exc}); give one you can write to"
         raise UsageError(msg) from None
@@ -61,19 +69,6 @@ def _probe(out: Path) -> None:
     probe = out / f".bench.probe.{os.getpid()}"
     os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
     probe.unlink()
-
-
-def _check_target(raw: str, path: Path) -> None:
-    """An existing ``bench.json``/``bench.png`` (or what it links to) must be a regular file."""
-    try:
-        mode = os.stat(path).st_mode
-    except FileNotFoundError:
-        return  # absent, or a dangling link: the rename replaces it
-    if stat.S_ISREG(mode):
-        return
-    kind = "a directory" if stat.S_ISDIR(mode) else "not a regular file (a FIFO, socket or device)"
-    msg = f"--out {shown(raw)}: {path.name} is {kind}; remove it or give another --out"
-    raise UsageError(msg)
 
 
 def _read_pid(path: Path) -> int | None:
@@ -103,30 +98,6 @@ def _in_use(out: Path, lock: Path, pid: int | None) -> UsageError:
     return UsageError(msg)
 
 
-def _acquire(out: Path) -> Path:
-    lock = out / LOCK
-    for _ in range(3):
-        try:
-            fd = os.open(lock, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-        except FileExistsError:
-            try:
-                pid = _read_pid(lock)
-                young = time.time() - lock.stat().st_mtime < YOUNG_LOCK_S
-            except FileNotFoundError:
-                continue  # released meanwhile: try again
-            if (pid is None and young) or (pid is not None and _alive(pid)):
-                raise _in_use(out, lock, pid) from None
-            _take_over(out, lock, pid)
-            continue
-        with os.fdopen(fd, "w") as f:
-            f.write(f"{os.getpid()}\n")
-        for left in out.glob(".bench.*.tmp.*"):  # left by a killed run: we hold the folder now
-            with contextlib.suppress(OSError):
-                left.unlink()
-        return lock
-    raise _in_use(out, lock, None)
-
-
 def _take_over(out: Path, lock: Path, stale: int | None) -> None:
     """Move a dead run's lock aside, unless a live run replaced it meanwhile."""
     aside = out / f"{LOCK}.{os.getpid()}.stale"
@@ -142,12 +113,33 @@ def _take_over(out: Path, lock: Path, stale: int | None) -> None:
 
 @contextlib.contextmanager
 def hold(out: Path | None) -> Iterator[None]:
-    """Hold ``out`` for this run (nothing when ``None``). :raises UsageError: another live run holds it."""
+    """Hold ``out`` for this run (nothing when ``None``): a lock file with our pid, taken over from a
+    dead run. :raises UsageError: another live run holds it."""
     if out is None:
         yield
         return
+    lock = out / LOCK
     try:
-        lock = _acquire(out)
+        for _ in range(3):
+            try:
+                fd = os.open(lock, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+                break
+            except FileExistsError:
+                try:
+                    pid = _read_pid(lock)
+                    young = time.time() - lock.stat().st_mtime < YOUNG_LOCK_S
+                except FileNotFoundError:
+                    continue  # released meanwhile: try again
+                if (pid is None and young) or (pid is not None and _alive(pid)):
+                    raise _in_use(out, lock, pid) from None
+                _take_over(out, lock, pid)
+        else:
+            raise _in_use(out, lock, None)
+        with os.fdopen(fd, "w") as f:
+            f.write(f"{os.getpid()}\n")
+        for left in out.glob(".bench.*.tmp.*"):  # left by a killed run: we hold the folder now
+            with contextlib.suppress(OSError):
+                left.unlink()
     except OSError as exc:
         msg = (
             f"--out {shown(str(out))}: cannot use its lock file {LOCK} ({exc.strerror or exc}); "
@@ -183,28 +175,6 @@ def _temp(out: Path, label: str) -> Path:
     return out / f".bench.{os.getpid()}.{time.monotonic_ns()}.tmp.{label}"
 
 
-def _commit(out: Path, json_tmp: Path, png_tmp: Path | None) -> None:
-    """Rename the new pair into place, the json last; on a failure, the old pair is back."""
-    png = out / BENCH_PNG
-    old_png = _temp(out, "old-png") if os.path.lexists(png) else None
-    if old_png is not None:
-        os.replace(png, old_png)
-    placed = False
-    try:
-        if png_tmp is not None:
-            os.replace(png_tmp, png)
-            placed = True
-        os.replace(json_tmp, out / BENCH_JSON)
-    except BaseException:
-        if placed:
-            png.unlink()
-        if old_png is not None:
-            os.replace(old_png, png)
-        raise
-    if old_png is not None:
-        old_png.unlink()
-
-
 def write_pair(out: Path, write_json: Callable[[Path], None], write_png: Callable[[Path], bool]) -> list[Path]:
     """Write ``bench.png`` (when ``write_png`` makes one) and ``bench.json`` into ``out`` as one pair
     (renamed into place, the json last, Ctrl-C held back); the files written, the json first.
@@ -220,8 +190,24 @@ def write_pair(out: Path, write_json: Callable[[Path], None], write_png: Callabl
                 os.fsync(fd)
             finally:
                 os.close(fd)
-        with _sigint_held():
-            _commit(out, json_tmp, png_tmp if made_png else None)
+        png, placed = out / BENCH_PNG, False
+        with _sigint_held():  # on a failure, the old pair is put back
+            old_png = _temp(out, "old-png") if os.path.lexists(png) else None
+            if old_png is not None:
+                os.replace(png, old_png)
+            try:
+                if made_png:
+                    os.replace(png_tmp, png)
+                    placed = True
+                os.replace(json_tmp, out / BENCH_JSON)
+            except BaseException:
+                if placed:
+                    png.unlink()
+                if old_png is not None:
+                    os.replace(old_png, png)
+                raise
+            if old_png is not None:
+                old_png.unlink()
     except OSError as exc:
         msg = (
             f"could not write bench.json and bench.png into {shown(str(out))} ({exc.strerror or exc}); "
