@@ -5,13 +5,12 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Sequence
-from typing import Any
 
 import torch
 
 from .runner import VARIANTS
 from .sizes import MIN_CAPTURE_SIZE, SizeStats, capture_size_stats
-from .usage import UsageError, plural
+from .usage import UsageError
 from .workload import ModelShape
 
 #: Share of the available memory a run may plan to use.
@@ -92,43 +91,37 @@ def available_bytes(device: str) -> tuple[int, str] | None:
     return int(total), f"this machine has {human_bytes(total)} of RAM"
 
 
-def _largest_fitting(model: ModelShape, below: int, variants: list[str], limit: int, **run: Any) -> int | None:
-    """The largest ``--max-tokens`` below ``below`` whose estimate is within ``limit``."""
-    lo, hi = MIN_CAPTURE_SIZE, below - 1
-    if hi < lo or estimate_bytes(model, capture_size_stats(lo), variants, **run) > limit:
-        return None
-    while lo < hi:  # the estimate grows with max_tokens
-        mid = (lo + hi + 1) // 2
-        if estimate_bytes(model, capture_size_stats(mid), variants, **run) <= limit:
-            lo = mid
-        else:
-            hi = mid - 1
-    return capture_size_stats(lo).largest
-
-
 def check_fits(
     model: ModelShape, max_tokens: int, variants: list[str], *,
     backends: Sequence[str] = (), workload: str = "synthetic",
 ) -> None:
     """:raises UsageError: the estimate for ``max_tokens`` exceeds the available memory."""
-    run: dict[str, Any] = {"backends": backends, "workload": workload}
     found = available_bytes(model.device)
     if found is None:
         return
     avail, where = found
     limit = int(avail * FRACTION)
+
+    def need(n: int) -> int:
+        return estimate_bytes(model, capture_size_stats(n), variants, backends=backends, workload=workload)
+
     stats = capture_size_stats(max_tokens)
-    need = estimate_bytes(model, stats, variants, **run)
-    if need <= limit:
+    if need(max_tokens) <= limit:
         return
-    best = _largest_fitting(model, stats.largest, variants, limit, **run)
+    lo, hi, best = MIN_CAPTURE_SIZE, stats.largest - 1, None  # the largest --max-tokens below that fits
+    if hi >= lo and need(lo) <= limit:
+        while lo < hi:  # the estimate grows with max_tokens
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if need(mid) <= limit else (lo, mid - 1)
+        best = capture_size_stats(lo).largest
     todo = (
         f"use --max-tokens {best} or less" if best is not None else "lower --hidden, --layers or --intermediate"
     )
     tape = tape_kept_bytes(model, stats, backends, workload)
     kept = f", {human_bytes(tape)} the eager segments keep of every size" if tape else ""
     msg = (
-        f"--max-tokens {max_tokens} needs at least {human_bytes(need)} ({plural(stats.count, 'capture size')}: "
+        f"--max-tokens {max_tokens} needs at least {human_bytes(need(max_tokens))} ({stats.count} capture "
+        f"size{'' if stats.count == 1 else 's'}: "
         f"weights, inputs, captured outputs, activations of the largest{kept}) but {where}; {todo}"
     )
     raise UsageError(msg)

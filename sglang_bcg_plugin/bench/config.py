@@ -7,7 +7,7 @@ import argparse
 import os
 import re
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -39,13 +39,12 @@ class BenchConfig:
     device_name: str
     backends: list[str]
     variants: list[str]
-    model: ModelShape
     workload: Workload
     sizes: list[int]
     repeats: int
     out: Path | None
     progress: bool
-    notes: list[str] = field(default_factory=list)
+    notes: list[str]
 
     @property
     def gpu(self) -> bool:
@@ -53,7 +52,7 @@ class BenchConfig:
 
     def summary(self) -> dict[str, Any]:
         """The ``config`` object of ``bench.json``."""
-        m = self.model
+        m = self.workload.shape
         return {
             "model": self.workload.name, "hidden": m.hidden, "layers": m.layers, "heads": m.heads,
             "kv_heads": m.kv_heads, "head_dim": m.head_dim,
@@ -158,38 +157,6 @@ def _model(args: argparse.Namespace, device: str) -> ModelShape:
     )
 
 
-def _max_tokens(max_tokens: int) -> list[str]:
-    """Check ``--max-tokens`` without building its sizes; a note when it is not a capture size."""
-    if max_tokens < MIN_CAPTURE_SIZE:
-        msg = (
-            f"--max-tokens {max_tokens} is below {MIN_CAPTURE_SIZE}, the smallest prefill capture size; "
-            f"use --max-tokens {MIN_CAPTURE_SIZE} or more"
-        )
-        raise UsageError(msg)
-    if max_tokens > MAX_TOKENS_LIMIT:
-        msg = (
-            f"--max-tokens {shown(max_tokens)} is beyond any machine's memory (at most {MAX_TOKENS_LIMIT} is "
-            "accepted); SGLang captures prefill up to 16384 tokens by default: use --max-tokens 16384 or less"
-        )
-        raise UsageError(msg)
-    largest = capture_size_stats(max_tokens).largest
-    if largest == max_tokens:
-        return []
-    return [f"note: --max-tokens {max_tokens} is not one of SGLang's prefill capture sizes; the largest below it, {largest}, is captured"]
-
-
-def _env_notes(variants: list[str]) -> list[str]:
-    raw = os.environ.get(ENV_SHARE_OUTPUT)
-    try:
-        value = parse_mode_text(raw)
-    except ValueError as exc:
-        msg = f"{exc} (or unset it: bench sets sharing per --variants)"
-        raise UsageError(msg) from None
-    if value is None:
-        return []
-    return [f"note: {ENV_SHARE_OUTPUT} does not apply: bench sets sharing per --variants ({','.join(variants)})"]
-
-
 def _or(names: list[str]) -> str:
     return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} or {names[-1]}"
 
@@ -226,11 +193,34 @@ def build_config(args: argparse.Namespace, available_backends: list[str]) -> Ben
     backends = _names("--backends", args.backends, available_backends, unknown="unknown backends")
     default_variants = "off,on,floor,guard" if gpu else "off,on"
     variants = _names("--variants", args.variants or default_variants, VARIANTS, unknown="unknown variants")
-    notes = _variant_rows(backends, variants, available_backends) + _env_notes(variants)
+    notes = _variant_rows(backends, variants, available_backends)
+    try:
+        env = parse_mode_text(os.environ.get(ENV_SHARE_OUTPUT))
+    except ValueError as exc:
+        msg = f"{exc} (or unset it: bench sets sharing per --variants)"
+        raise UsageError(msg) from None
+    if env is not None:
+        notes.append(f"note: {ENV_SHARE_OUTPUT} does not apply: bench sets sharing per --variants "
+                     f"({','.join(variants)})")
     model = _model(args, device)
     workload = WORKLOADS[args.model](model)  # llama without transformers: a UsageError naming the extra
     max_tokens = args.max_tokens or (16384 if gpu else (64 if args.model == "llama" else 256))
-    notes += _max_tokens(max_tokens)
+    if max_tokens < MIN_CAPTURE_SIZE:
+        msg = (
+            f"--max-tokens {max_tokens} is below {MIN_CAPTURE_SIZE}, the smallest prefill capture size; "
+            f"use --max-tokens {MIN_CAPTURE_SIZE} or more"
+        )
+        raise UsageError(msg)
+    if max_tokens > MAX_TOKENS_LIMIT:
+        msg = (
+            f"--max-tokens {shown(max_tokens)} is beyond any machine's memory (at most {MAX_TOKENS_LIMIT} is "
+            "accepted); SGLang captures prefill up to 16384 tokens by default: use --max-tokens 16384 or less"
+        )
+        raise UsageError(msg)
+    largest = capture_size_stats(max_tokens).largest
+    if largest != max_tokens:
+        notes.append(f"note: --max-tokens {max_tokens} is not one of SGLang's prefill capture sizes; the largest "
+                     f"below it, {largest}, is captured")
     check_fits(model, max_tokens, variants, backends=backends, workload=args.model)
     sizes = prefill_capture_sizes(max_tokens)
     out = None if args.out is None else check_out_dir(args.out)
@@ -239,7 +229,6 @@ def build_config(args: argparse.Namespace, available_backends: list[str]) -> Ben
         device_name=torch.cuda.get_device_name(device) if gpu else "cpu",
         backends=backends,
         variants=variants,
-        model=model,
         workload=workload,
         sizes=sizes,
         repeats=args.repeats or (50 if gpu else 10),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -25,12 +26,10 @@ def attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.T
         rep = num_heads // num_kv_heads
         kh = kh.repeat_interleave(rep, dim=1)
         vh = vh.repeat_interleave(rep, dim=1)
-    if q.is_cuda:
-        # Flash / memory-efficient kernels only: the math fallback materialises the full
-        # tokens x tokens score matrix (45 GiB at 16384 tokens), which would swamp the pool.
-        with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]):
-            o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True)
-    else:
+    # On CUDA, flash / memory-efficient kernels only: the math fallback materialises the full
+    # tokens x tokens score matrix (45 GiB at 16384 tokens), which would swamp the pool.
+    fused = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]
+    with sdpa_kernel(fused) if q.is_cuda else contextlib.nullcontext():
         o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True)
     out.copy_(o.transpose(1, 2).reshape(tokens, num_heads * head_dim))
 

@@ -1,5 +1,5 @@
 """``UsageError``: a command-line input of ``sglang-bcg`` is invalid (the CLI's error type), and
-the helpers of its messages."""
+``shown``, a user's value in its messages."""
 
 from __future__ import annotations
 
@@ -19,8 +19,3 @@ def shown(value: object, limit: int = SHOWN_CHARS, *, quote: bool | None = None)
     if len(text) <= limit:
         return show(text)
     return f"{show(text[:limit])}… ({len(text)} characters)"
-
-
-def plural(n: int, word: str) -> str:
-    """``1 capture size``, ``2 capture sizes``."""
-    return f"{n} {word}" + ("" if n == 1 else "s")

@@ -85,10 +85,6 @@ class SyntheticWorkload(Workload):
         return fn(static[:size])
 
 
-class TransformersMissingError(UsageError):
-    """``--model llama`` needs transformers."""
-
-
 def _transformers() -> Any:
     try:
         import transformers
@@ -97,7 +93,7 @@ def _transformers() -> Any:
             f"--model llama needs transformers ({exc}); install it with "
             "`pip install transformers` (from a checkout: `pip install -e '.[llama]'`)"
         )
-        raise TransformersMissingError(msg) from None
+        raise UsageError(msg) from None
     return transformers
 
 
@@ -182,7 +178,7 @@ class LlamaWorkload(Workload):
 
     def __init__(self, shape: ModelShape) -> None:
         super().__init__(shape)
-        register_attention()  # raises TransformersMissingError naming the extra
+        register_attention()  # without transformers: a UsageError naming the extra
         llama_config(shape, 16, self.vocab)  # transformers' own checks, before any work (a UsageError)
         self.splitting_ops = (torch.ops.sglang_bcg_bench.llama_attention.default,)
 
