@@ -71,7 +71,7 @@ class SyntheticDecoder(torch.nn.Module):
     ``world`` > 1, rank ``rank``'s tensor-parallel shard, ``reduce`` the all-reduce."""
 
     def __init__(
-        self, cfg: DecoderConfig, attention: Callable[..., None] = attention_break, seed: int = 0,
+        self, cfg: DecoderConfig, attention: Callable[..., None] = attention_break,
         *, rank: int = 0, world: int = 1, reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
     ) -> None:
         super().__init__()
@@ -85,7 +85,7 @@ class SyntheticDecoder(torch.nn.Module):
         self.q_cols, self.kv_cols = self.heads * head_dim, self.kv_heads * head_dim
         inter = cfg.intermediate // world
         q_all, kv_all = cfg.heads * head_dim, cfg.kv_heads * head_dim
-        g = torch.Generator(device="cpu").manual_seed(seed)
+        g = torch.Generator(device="cpu").manual_seed(0)
 
         def w(rows: int, cols: int, keep: Callable[[torch.Tensor], torch.Tensor]) -> torch.nn.Parameter:
             t = keep(torch.randn(rows, cols, generator=g) / cols**0.5)

@@ -31,8 +31,6 @@ log = logging.getLogger(__name__)
 
 GRAPH_TREES = "graph-trees"
 REFERENCE_VARIANT = "reference"
-#: Backends the "inductor" variants apply to (breakable has no compiled callable to capture).
-INDUCTOR_BACKENDS = ("piecewise", "full")
 
 
 @dataclass(frozen=True)
@@ -119,7 +117,7 @@ VARIANT_MEANINGS = {name: v.meaning for name, v in VARIANTS.items()}
 def runs(backend: str, variant: str) -> bool:
     """Whether the bench runs ``variant`` for ``backend`` (``inductor`` variants need a compiled
     callable; ``graph-trees`` ignores ``--variants``)."""
-    return not variant.startswith("inductor") or backend in INDUCTOR_BACKENDS
+    return not variant.startswith("inductor") or backend in ("piecewise", "full")
 
 
 def variants_for(backend: str, variants: list[str]) -> list[str]:

@@ -11,11 +11,11 @@ class UsageError(ValueError):
     """A command-line input is invalid; ``sglang-bcg`` prints it as one ``error:`` line."""
 
 
-def shown(value: object, limit: int = SHOWN_CHARS, *, quote: bool | None = None) -> str:
-    """A user's value for a message, cut to ``limit`` characters with ``…`` and the full length;
-    ``quote``: ``repr`` it (default: strings only)."""
-    text = value if isinstance(value, str) else str(value)
+def shown(value: object, *, quote: bool | None = None) -> str:
+    """A user's value for a message, cut to ``SHOWN_CHARS`` characters with ``…`` and the full
+    length; ``quote``: ``repr`` it (default: strings only)."""
+    text = str(value)
     show = repr if (isinstance(value, str) if quote is None else quote) else str
-    if len(text) <= limit:
+    if len(text) <= SHOWN_CHARS:
         return show(text)
-    return f"{show(text[:limit])}… ({len(text)} characters)"
+    return f"{show(text[:SHOWN_CHARS])}… ({len(text)} characters)"
