@@ -106,8 +106,8 @@ def _bench(args: argparse.Namespace) -> int:
                 row = (graph_trees_row(cfg.workload, cfg.sizes, **kw) if backend == GRAPH_TREES
                        else run_variant(backend, variant, cfg.workload, cfg.sizes, **kw))
                 rows.append(row)
-                took = time.perf_counter() - t0
-                print(f"  {backend}/{variant} done in {took:.1f} s: {row.summary()}", file=sys.stderr)
+                done = f"{backend}/{variant} done in {time.perf_counter() - t0:.1f} s"
+                print(f"  {done}: {row.summary()}", file=sys.stderr)
         print(format_table(rows, timings_meaningful=cfg.gpu))
         print(f"({time.perf_counter() - start:.1f} s)", file=sys.stderr)
         if cfg.out is not None:

@@ -103,12 +103,13 @@ def check_fits(
     limit = int(avail * FRACTION)
 
     def need(n: int) -> int:
-        return estimate_bytes(model, capture_size_stats(n), variants, backends=backends, workload=workload)
+        return estimate_bytes(model, capture_size_stats(n), variants, backends=backends,
+                              workload=workload)
 
     stats = capture_size_stats(max_tokens)
     if need(max_tokens) <= limit:
         return
-    lo, hi, best = MIN_CAPTURE_SIZE, stats.largest - 1, None  # the largest --max-tokens below that fits
+    lo, hi, best = MIN_CAPTURE_SIZE, stats.largest - 1, None  # the largest fitting below it
     if hi >= lo and need(lo) <= limit:
         while lo < hi:  # the estimate grows with max_tokens
             mid = (lo + hi + 1) // 2
@@ -120,8 +121,8 @@ def check_fits(
     tape = tape_kept_bytes(model, stats, backends, workload)
     kept = f", {human_bytes(tape)} the eager segments keep of every size" if tape else ""
     msg = (
-        f"--max-tokens {max_tokens} needs at least {human_bytes(need(max_tokens))} ({stats.count} capture "
-        f"size{'' if stats.count == 1 else 's'}: "
+        f"--max-tokens {max_tokens} needs at least {human_bytes(need(max_tokens))} "
+        f"({stats.count} capture size{'' if stats.count == 1 else 's'}: "
         f"weights, inputs, captured outputs, activations of the largest{kept}) but {where}; {todo}"
     )
     raise UsageError(msg)

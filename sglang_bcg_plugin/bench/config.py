@@ -207,20 +207,21 @@ def build_config(args: argparse.Namespace, available_backends: list[str]) -> Ben
     max_tokens = args.max_tokens or (16384 if gpu else (64 if args.model == "llama" else 256))
     if max_tokens < MIN_CAPTURE_SIZE:
         msg = (
-            f"--max-tokens {max_tokens} is below {MIN_CAPTURE_SIZE}, the smallest prefill capture size; "
-            f"use --max-tokens {MIN_CAPTURE_SIZE} or more"
+            f"--max-tokens {max_tokens} is below {MIN_CAPTURE_SIZE}, the smallest prefill capture "
+            f"size; use --max-tokens {MIN_CAPTURE_SIZE} or more"
         )
         raise UsageError(msg)
     if max_tokens > MAX_TOKENS_LIMIT:
         msg = (
-            f"--max-tokens {shown(max_tokens)} is beyond any machine's memory (at most {MAX_TOKENS_LIMIT} is "
-            "accepted); SGLang captures prefill up to 16384 tokens by default: use --max-tokens 16384 or less"
+            f"--max-tokens {shown(max_tokens)} is beyond any machine's memory (at most "
+            f"{MAX_TOKENS_LIMIT} is accepted); SGLang captures prefill up to 16384 tokens by "
+            "default: use --max-tokens 16384 or less"
         )
         raise UsageError(msg)
     largest = capture_size_stats(max_tokens).largest
     if largest != max_tokens:
-        notes.append(f"note: --max-tokens {max_tokens} is not one of SGLang's prefill capture sizes; the largest "
-                     f"below it, {largest}, is captured")
+        notes.append(f"note: --max-tokens {max_tokens} is not one of SGLang's prefill capture "
+                     f"sizes; the largest below it, {largest}, is captured")
     check_fits(model, max_tokens, variants, backends=backends, workload=args.model)
     sizes = prefill_capture_sizes(max_tokens)
     out = None if args.out is None else check_out_dir(args.out)

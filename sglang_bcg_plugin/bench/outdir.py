@@ -113,8 +113,8 @@ def _take_over(out: Path, lock: Path, stale: int | None) -> None:
 
 @contextlib.contextmanager
 def hold(out: Path | None) -> Iterator[None]:
-    """Hold ``out`` for this run (nothing when ``None``): a lock file with our pid, taken over from a
-    dead run. :raises UsageError: another live run holds it."""
+    """Hold ``out`` for this run (nothing when ``None``): a lock file with our pid, taken over
+    from a dead run. :raises UsageError: another live run holds it."""
     if out is None:
         yield
         return

@@ -21,9 +21,6 @@ CPU_TIMING_NOTE = (
     "n/m: not meaningful on CPU (eager engine, no graphs: replay and capture times swing "
     "between runs; see each row's replay_ms_min/max in bench.json)"
 )
-#: Each key of ``ratios()`` and the row field it compares.
-_RATIO_FIELDS = {"graph_memory_on_over_off": "graph_memory_bytes", "resident_on_over_off": "resident_output_bytes",
-                 "replay_on_over_off": "replay_ms", "capture_on_over_off": "capture_s"}
 #: Keys of ``ratios()`` that compare timings.
 TIMING_RATIOS = ("replay_on_over_off", "capture_on_over_off")
 #: One line printed instead of writing bench.png when matplotlib is missing.
@@ -55,8 +52,15 @@ def ratios(rows: list[BenchRow], *, timings_meaningful: bool = True) -> dict[str
         on, off = by.get((backend, "on")), by.get((backend, "off"))
         if on is None or off is None:
             continue
-        pairs = {key: (getattr(on, f), getattr(off, f)) for key, f in _RATIO_FIELDS.items()}
-        out[backend] = {key: a / b if a is not None and b else None for key, (a, b) in pairs.items()}
+        mem = None
+        if on.graph_memory_bytes is not None and off.graph_memory_bytes:
+            mem = on.graph_memory_bytes / off.graph_memory_bytes
+        out[backend] = {
+            "graph_memory_on_over_off": mem,
+            "resident_on_over_off": on.resident_output_bytes / off.resident_output_bytes if off.resident_output_bytes else None,
+            "replay_on_over_off": on.replay_ms / off.replay_ms if off.replay_ms else None,
+            "capture_on_over_off": on.capture_s / off.capture_s if off.capture_s else None,
+        }
         if not timings_meaningful:
             out[backend].update(dict.fromkeys(TIMING_RATIOS))
     return out
