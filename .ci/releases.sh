@@ -10,13 +10,18 @@
 # the release's sglang and pins shadow 0.5.23's. Runs are independent, so JOBS of them (default 2,
 # the cores of CI's machine) run at once; each prints its output as one block when it ends.
 #
-# Usage: [JOBS=N] bash .ci/releases.sh [--dir DIR [--lay-out-only]] PYTHON RELEASE...
+# Usage: [JOBS=N] bash .ci/releases.sh [--dir DIR] [--one-while FILE] PYTHON RELEASE...
 #   --dir DIR: the folders go in DIR (kept; ones already there are reused) instead of a temporary
-#   folder; --lay-out-only: stop once they are laid out (.ci/run does that during its main run).
+#   folder; --one-while FILE: one run at a time while FILE exists (.ci/run: while its main run
+#   uses the other core), JOBS once it is gone.
 set -euo pipefail
-WORK="" ONLY=0
-while [ "${1:-}" = "--dir" ] || [ "${1:-}" = "--lay-out-only" ]; do
-    if [ "$1" = "--dir" ]; then WORK="$(realpath -m "$2")"; shift 2; else ONLY=1; shift; fi
+WORK="" ONE_WHILE=""
+while [[ "${1:-}" == --* ]]; do
+    case "$1" in
+        --dir) WORK="$(realpath -m "$2")"; shift 2 ;;
+        --one-while) ONE_WHILE="$(realpath -m "$2")"; shift 2 ;;
+        *) echo "releases.sh: unknown option $1" >&2; exit 2 ;;
+    esac
 done
 PY="$1"; shift
 cd "$(dirname "$0")/.."
@@ -55,9 +60,8 @@ for release in "$@"; do
     PATHS[$release]="$WORK/sglang-$release${group:+:$group}"
 done
 echo "=== releases.sh: wheels and group pins laid out in $(( $(date +%s) - start )) s"
-if (( ONLY )); then exit 0; fi
 
-# 2. One pytest run per release, JOBS at a time.
+# 2. One pytest run per release, JOBS at a time (one while ONE_WHILE exists).
 run_one() {  # RELEASE: its tests/sglang, output in $WORK/RELEASE.log, status in $WORK/RELEASE.rc
     local release="$1" t0 rc=0
     t0=$(date +%s)
@@ -72,11 +76,16 @@ run_one() {  # RELEASE: its tests/sglang, output in $WORK/RELEASE.log, status in
     echo "$rc" > "$WORK/$release.rc"
     cat "$WORK/$release.log"
 }
-running=0
-for release in "$@"; do
-    if (( running >= JOBS )); then wait -n || true; running=$(( running - 1 )); fi
-    run_one "$release" &
-    running=$(( running + 1 ))
+pending=("$@")
+while (( ${#pending[@]} )); do
+    limit=$JOBS
+    if [ -n "$ONE_WHILE" ] && [ -e "$ONE_WHILE" ]; then limit=1; fi
+    if (( $(jobs -rp | wc -l) < limit )); then
+        run_one "${pending[0]}" &
+        pending=("${pending[@]:1}")
+    else
+        sleep 1
+    fi
 done
 wait || true
 failed=()

@@ -21,6 +21,9 @@ from sglang_bcg_plugin.bench.outdir import LOCK, OutputWriteError, hold, write_p
 from sglang_bcg_plugin.cli import main
 from sglang_bcg_plugin.bench.usage import UsageError
 
+#: Its Ctrl-C and live-lock tests are timing tests: under .ci/run no other run's test beside them.
+pytestmark = pytest.mark.alone
+
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ["bench", "--backends", "full", "--variants", "on", "--max-tokens", "8", "--hidden", "16", "--layers", "1",
         "--repeats", "1", "--no-progress"]

@@ -43,6 +43,7 @@ def main(model: str) -> dict[str, Any]:
         model_path=model, load_format="dummy", device="cpu", dtype="bfloat16",
         disable_radix_cache=True, skip_server_warmup=True, grammar_backend="none",
         random_seed=0, max_total_tokens=2048, chunked_prefill_size=512, log_level="info",
+        sleep_on_idle=True,  # as test_server_cpu.py's server: no polling between requests
     )
     up_s = time.monotonic() - start
     try:

@@ -4,8 +4,9 @@ One ``sglang.Engine`` and one ``python -m sglang.launch_server ... --enable-bcg-
 --admin-api-key KEY``,
 each in its own process group, on a tiny dummy-weight Llama (``scripts/server/make_model.py``,
 ``--load-format dummy``), with SGLang's CPU engine (``SGLANG_USE_CPU_ENGINE=1``: its
-``torch_native`` attention and every layer's ``forward_native``). Real: SGLang's launcher,
-tokenizer, scheduler and detokenizer processes, its Llama, its HTTP server, our
+``torch_native`` attention and every layer's ``forward_native``) and ``--sleep-on-idle`` (an idle
+scheduler otherwise polls without pause: half a core for as long as the tests run). Real: SGLang's
+launcher, tokenizer, scheduler and detokenizer processes, its Llama, its HTTP server, our
 ``sglang.srt.plugins`` entry point as pip installed it, the flag on the command line, and
 ``sglang-bcg doctor``. No graphs are captured on CPU, so our backend seam is installed but not
 called. Stand-ins, only for what cannot be installed with CPU torch 2.13 (``site/``):
@@ -214,7 +215,7 @@ def server(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
            "--skip-server-warmup", "--grammar-backend", "none", "--random-seed", "0",
            "--max-total-tokens", "2048", "--chunked-prefill-size", "512", "--log-level", "info",
            "--host", "127.0.0.1", "--port", str(port), "--enable-bcg-shared-output",
-           "--admin-api-key", ADMIN_KEY]
+           "--admin-api-key", ADMIN_KEY, "--sleep-on-idle"]
     with log.open("w") as out:
         proc = subprocess.Popen(cmd, cwd=str(ROOT), env=server_env(), stdout=out, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL, start_new_session=True)

@@ -12,7 +12,6 @@ import importlib
 import importlib.metadata
 import json
 import os
-import subprocess
 import sys
 import textwrap
 import warnings
@@ -113,8 +112,19 @@ def dist_dir(tmp_path: Path) -> Path:
     return tmp_path / "site"
 
 
-def run_child(code: str, dist: Path, *, env: dict[str, str] | None = None, timeout: float = 120) -> SimpleNamespace:
-    """Run ``code`` in a fresh interpreter (stand-in torchvision, our dist-info on ``sys.path``).
+_FORK_SERVER: list[Any] = []  # the session's one fork server, started by the first run_child
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _close_fork_server() -> Iterator[None]:
+    yield
+    while _FORK_SERVER:
+        _FORK_SERVER.pop().close()
+
+
+def run_child(code: str, dist: Path, *, timeout: float = 120) -> SimpleNamespace:
+    """Run ``code`` in a fresh child (stand-in torchvision, our dist-info on ``sys.path``), forked
+    from the session's fork server (``fork_server.py``: torch and SGLang imported once).
 
     The child prints one JSON line prefixed ``RESULT=``; it is returned parsed as ``.result``.
     """
@@ -127,15 +137,17 @@ torchvision_standin.install()
 def report(**kw):
     print("RESULT=" + json.dumps(kw), flush=True)
 """
-    full_env = {k: v for k, v in os.environ.items() if k != "SGLANG_ENABLE_BCG_SHARED_OUTPUT"}
-    full_env.update(env or {})
-    proc = subprocess.run(
-        [sys.executable, "-c", prelude + textwrap.dedent(code)],
-        capture_output=True, text=True, timeout=timeout, env=full_env, cwd=str(ROOT), check=False,
-    )
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT=")]
-    assert proc.returncode == 0 and lines, f"child failed (rc={proc.returncode}):\n{proc.stdout}\n{proc.stderr[-4000:]}"
-    return SimpleNamespace(result=json.loads(lines[-1][len("RESULT="):]), stdout=proc.stdout, stderr=proc.stderr)
+    from fork_server import ForkServer
+
+    env = {k: v for k, v in os.environ.items() if k != "SGLANG_ENABLE_BCG_SHARED_OUTPUT"}
+    if not _FORK_SERVER:
+        _FORK_SERVER.append(ForkServer(env, ROOT, dist.parent / "fork-server.log"))
+    out, err = dist.parent / "child.out", dist.parent / "child.err"
+    rc = _FORK_SERVER[0].run(prelude + textwrap.dedent(code), env, ROOT, out, err, timeout)
+    stdout, stderr = out.read_text(), err.read_text()
+    lines = [ln for ln in stdout.splitlines() if ln.startswith("RESULT=")]
+    assert rc == 0 and lines, f"child failed (rc={rc}):\n{stdout}\n{stderr[-4000:]}"
+    return SimpleNamespace(result=json.loads(lines[-1][len("RESULT="):]), stdout=stdout, stderr=stderr)
 
 
 def seam() -> Any:

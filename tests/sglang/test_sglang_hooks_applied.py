@@ -1,8 +1,9 @@
-"""Hooks really applied by SGLang's own ``load_plugins()``, each check in a fresh interpreter.
+"""Hooks really applied by SGLang's own ``load_plugins()``, each check in a fresh process.
 
 SGLang logs and swallows plugin errors, so every test asserts on ``HookRegistry`` state and on
-behaviour. HookRegistry patches are permanent per process: hence the subprocesses. Our entry
-point is discovered from a ``*.dist-info`` written from ``pyproject.toml`` (fixture ``dist_dir``).
+behaviour. HookRegistry patches are permanent per process: hence the child processes (forked
+before any plugin is loaded: ``conftest.run_child``). Our entry point is discovered from a
+``*.dist-info`` written from ``pyproject.toml`` (fixture ``dist_dir``).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The live switch's SGLang side on the installed release (CI runs each release's real wheel).
 
 The two targets :mod:`sglang_bcg_plugin.integration.switch` hooks exist in the release's source;
-in a fresh interpreter that imported SGLang's scheduler (as a scheduler process has when it loads
+in a fresh process that imported SGLang's scheduler (as a scheduler process has when it loads
 plugins), ``load_plugins()`` wraps ``Scheduler.handle_rpc_request``, and SGLang's own RPC message
 types and socket encoding carry a request from our HTTP-side client over a real ZMQ socket to the
 hooked handler and back (a scheduler stand-in with a CPU model runner: the answer is the refusal).
