@@ -4,7 +4,7 @@ Data for the graph-memory forecast (issue 22): which blocks each capture allocat
 which pool, and what the capture cost in device memory, so an allocator model can be checked
 against the real allocator's decisions offline. Not a test.
 
-``python tests/gpu/forecast_trace.py OUTDIR [--model synthetic|llama] [--backends full,breakable]
+``python tests/gpu/forecast_trace.py OUTDIR [--model synthetic|llama|FAMILY] [--backends full,breakable]
 [--modes off,on,released] [--max-tokens N]`` writes ``OUTDIR/trace-BACKEND-MODE.json.gz`` (per key:
 the allocator events ``[action, addr, size, stream]`` of its warmups and capture, its reserved
 growth; per capture: the ``mem_get_info`` graph bytes, the pool's segments at the end) and
@@ -112,9 +112,14 @@ def main(argv: list[str]) -> int:
     args = ap.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    if args.model == "llama":
+    workload: Any
+    if args.model not in ("synthetic", "llama"):  # a family of forecast_families.py (it fixes its shape)
+        from forecast_families import WORKLOADS
+
+        workload = WORKLOADS[args.model](ModelShape(0, 0, 0, 0, 0, 0, torch.bfloat16, "cuda"))
+    elif args.model == "llama":
         shape = ModelShape(2880, 4, 64, 8, 64, 2880, torch.bfloat16, "cuda")
-        workload: Any = LlamaWorkload(shape)
+        workload = LlamaWorkload(shape)
     else:
         shape = ModelShape(2880, 4, 45, 5, 64, 2880, torch.bfloat16, "cuda")
         workload = SyntheticWorkload(shape)
