@@ -249,12 +249,13 @@ def probe_driver_share(device: ProbeDevice, schedule: Sequence[int], output_tens
     return schedule_share(device.counts, schedule, on_copy_nodes_per_size=output_tensors, first_capture=first)
 
 
-def driver_caveat(driver: DriverShare | None) -> str:
-    """What :attr:`GraphMemoryForecast.caveat` says where the driver's share is partial."""
+def driver_caveat(driver: DriverShare | None, counted: str = "during the probes") -> str:
+    """What :attr:`GraphMemoryForecast.caveat` says where the driver's share is partial (``counted``:
+    where the captures were counted)."""
     if driver is None:
         return ""
     if driver.graphs == 0:
-        return ("no CUDA graph capture was seen during the probes (torch.cuda.CUDAGraph.capture_end): "
+        return (f"no CUDA graph capture was seen {counted} (torch.cuda.CUDAGraph.capture_end): "
                 "the driver's share holds no per-graph cost")
     why = nodes_unread_reason(driver)
     return f"the driver's share counts graphs, not their nodes: {why}" if why else ""

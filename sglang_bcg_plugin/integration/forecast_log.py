@@ -21,11 +21,10 @@ from ..forecast.driver import (
     CaptureCount,
     DriverShare,
     counting_captures,
-    nodes_unread_reason,
     schedule_share,
 )
 from ..forecast.model import MODES, forecast_modes, reference_estimates
-from ..forecast.probe import allocator_caveat, reserved_bytes
+from ..forecast.probe import allocator_caveat, driver_caveat, reserved_bytes
 from ..forecast.trace import KeyTrace, ScaledTrace, output_allocs, pool_trace
 from .compat import ENV_FORECAST, ENV_FORECAST_TRACE
 
@@ -81,20 +80,10 @@ def format_forecast(modes: Mapping[str, Any], mode: str, sizes: Sequence[int], k
         graphs = f" ({driver.describe()})" if driver is not None else ""
         split = (f"; of which graph pool {f.pool_bytes / MIB:,.1f} MiB, capture stream {f.stream_bytes / MIB:,.1f} MiB, "
                  f"CUDA driver {f.driver_bytes / MIB:,.1f} MiB{graphs}")
-    caveat = "; ".join(c for c in (allocator_caveat(), driver_caveat(driver)) if c)
+    caveat = "; ".join(c for c in (allocator_caveat(), driver_caveat(driver, "in the first capture")) if c)
     return (f"sglang_bcg: graph memory forecast for {len(sizes)} sizes up to {sizes[0]}: {mine / MIB:,.1f} MiB "
             f"with --enable-bcg-shared-output={mode}; " + "; ".join(parts) + per_token + split
             + (f" (caveat: {caveat})" if caveat else ""))
-
-
-def driver_caveat(driver: DriverShare | None) -> str:
-    """Where the driver's share is partial: why (no graph seen, nodes not read)."""
-    if driver is None:
-        return ""
-    if driver.graphs == 0:
-        return "no CUDA graph capture was seen in the first capture: the driver's share holds no per-graph cost"
-    why = nodes_unread_reason(driver)
-    return f"the driver's share counts graphs, not their nodes: {why}" if why else ""
 
 
 def reserved_device_bytes() -> int | None:
