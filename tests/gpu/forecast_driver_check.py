@@ -100,19 +100,27 @@ def run_case(model: str, backend_name: str, mode: str, max_tokens: int) -> dict[
     free_context = device_free_bytes()  # the context, the weights and the input made
     with torch.no_grad():
         workload.call(fn, static, sizes[0])  # kernels loaded, compiled (piecewise), cuBLAS's handle
+        # BCG_WARM_SIZES=1 (a diagnostic): an eager forward at every size before the measure, so the
+        # kernels only other sizes pick are loaded before it
+        for n in sizes[1:] if os.environ.get("BCG_WARM_SIZES") == "1" else ():
+            workload.call(fn, static, n)
     torch.cuda.synchronize()
     free_before = device_free_bytes()
+    reserved_before = torch.cuda.memory_reserved()
 
     def forward_for(n: int) -> Any:
         return lambda: workload.call(fn, static, n)
 
     with recording() as probes:
         fc = backend.forecast(sizes, forward_for, capture_inputs=static)
+    torch.cuda.synchronize()
+    free_probed, reserved_probed = device_free_bytes(), torch.cuda.memory_reserved()
     with torch.no_grad(), backend.capture_session():
         for n in sizes:
             backend.capture_one(ShapeKey(n), forward_for(n), capture_inputs=static,
                                 post_warmup_hook=workload.post_warmup_hook)
     free_after = device_free_bytes()
+    reserved_after = torch.cuda.memory_reserved()
     report = backend.memory_report()
     with torch.no_grad():
         backend.replay(ShapeKey(sizes[0]))
@@ -122,6 +130,11 @@ def run_case(model: str, backend_name: str, mode: str, max_tokens: int) -> dict[
     row = {
         "model": model, "backend": backend_name, "mode": mode, "num_sizes": len(sizes), "max_tokens": sizes[0],
         "lost_bytes": lost, "eager_lost_bytes": free_context - free_before,
+        "probe_phase_lost_bytes": free_before - free_probed, "session_lost_bytes": free_probed - free_after,
+        "probe_phase_reserved_bytes": reserved_probed - reserved_before,
+        "session_reserved_bytes": reserved_after - reserved_probed,
+        "warm_sizes": os.environ.get("BCG_WARM_SIZES") == "1",
+        "module_loading": os.environ.get("CUDA_MODULE_LOADING", ""),
         "session_drop_bytes": report.measured_graph_bytes, "report_lost_bytes": report.lost_bytes,
         "lasting_bytes": fc.lasting_bytes, "probe_driver_bytes": fc.probe_driver_bytes,
         "forecast_bytes": f.total_bytes, "allocator_bytes": f.allocator_bytes, "driver_bytes": f.driver_bytes,
