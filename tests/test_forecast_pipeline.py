@@ -66,16 +66,18 @@ class RecordedAllocator:
 
 class DeviceMemory:
     """Free and reserved device memory as the forecast reads them (stood in): free memory before
-    the forecast, in the probe session before and after its probes (reserved beside those two:
-    ``took`` is what the allocator reserved, ``driver`` what the session lost beyond it), and
-    after the cleanup (``left`` below the first; the allocator still holding ``kept`` of it).
-    Reserved is read beside the first free reading too."""
+    the forecast, after its eager forward at every size (``launch`` below the first), in the
+    probe session before and after its probes (reserved beside those two: ``took`` is what the
+    allocator reserved, ``driver`` what the session lost beyond it), and after the cleanup
+    (``left`` below the first; the allocator still holding ``kept`` of it). Reserved is read
+    beside the first two free readings too."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch, took: int, *, driver: int = 0, left: int = 0,
-                 kept: int = 0) -> None:
+                 kept: int = 0, launch: int = 0) -> None:
         top = 100 << 30
-        self.free = iter([top, top, top - took - driver, top - left])
-        self.reserved = iter([1 << 30, 1 << 30, (1 << 30) + took, (1 << 30) + kept])
+        low = top - launch
+        self.free = iter([top, low, low, low - took - driver, top - left])
+        self.reserved = iter([1 << 30, 1 << 30, 1 << 30, (1 << 30) + took, (1 << 30) + kept])
         self.collects: list[bool] = []
         monkeypatch.setattr(probe, "device_free_bytes", self.read)
         monkeypatch.setattr(probe, "reserved_bytes", lambda: next(self.reserved))
@@ -154,6 +156,34 @@ class RecordedBackend:
         self.cleaned += 1
 
 
+def test_first_launches_run_every_size_once_and_count_in_the_drivers_share(
+        allocator: RecordedAllocator, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Before its probes the forecast runs one eager forward at every size of the schedule; the
+    free device memory that took beyond the allocator (a kernel's first launch) is in every mode."""
+    case = _case("synthetic/full")
+    allocator.pool_segments = RecordedAllocator(case["pool_segments"]).pool_segments
+    pool = sum(n for _, n in case["pool_segments"])
+    options = BackendOptions(output_mode="on", stale_output_guard=True, shared_buffer="reserve")
+    ran: list[int] = []
+    results = {}
+    for launch in (0, 6 << 20):
+        ran.clear()
+        DeviceMemory(monkeypatch, pool, launch=launch, left=launch)
+        backend = RecordedBackend(case, allocator, options)
+        results[launch] = probe.forecast_schedule(backend, case["sizes"], lambda n: lambda: ran.append(n),
+                                                  configured_mode="on")
+        assert ran == sorted(case["sizes"], reverse=True)  # the probes' own forwards are the backend's
+        allocator.shown = []
+    plain, launched = results[0], results[6 << 20]
+    assert plain.driver is not None and launched.driver is not None
+    assert (plain.driver.launch_bytes, launched.driver.launch_bytes) == (0, 6 << 20)
+    for mode in ("off", "on", "released"):
+        assert launched.bytes_for(mode) == plain.bytes_for(mode) + (6 << 20)
+        assert launched.modes[mode].driver_bytes == plain.modes[mode].driver_bytes + (6 << 20)
+    assert "first launches 6.0 MiB" in launched.format() and "first launches" not in plain.format()
+    assert launched.driver.per_size_bytes(3, "off")[0] == plain.driver.per_size_bytes(3, "off")[0] + (6 << 20)
+
+
 @pytest.mark.parametrize("name", ["synthetic/full", "llama/breakable"])
 def test_forecast_schedule_on_recorded_captures(name: str, allocator: RecordedAllocator, monkeypatch: pytest.MonkeyPatch) -> None:
     case = _case(name)
@@ -174,7 +204,7 @@ def test_forecast_schedule_on_recorded_captures(name: str, allocator: RecordedAl
     assert backend.warmups == [1] and options.num_warmups == 2  # the probes warm up once; the schedule keeps 2
     assert 0 < fc.probe_seconds <= fc.seconds and fc.to_dict()["probe_seconds"] == fc.probe_seconds
     assert not allocator.recording  # history recording is off again
-    assert memory.collects == [False] * 4 and full_collections == []  # the probes' GC is off, no collection
+    assert memory.collects == [False] * 5 and full_collections == []  # the probes' GC is off, no collection
     assert gc_on_in_model == [False] and gc.isenabled()  # nor during the model; on again after
     assert fc.probe_sizes == (case["sizes"][0], case["sizes"][-1]) and fc.mode == "released"
     for mode, f in fc.modes.items():  # the measured runs reserved their buffer

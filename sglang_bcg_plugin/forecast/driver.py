@@ -39,7 +39,8 @@ DRIVER_COEFFICIENTS = DriverCoefficients(69 * MIB, 106 * KIB, 2560, "NVIDIA H200
 @dataclass(frozen=True, slots=True)
 class DriverShare:
     """The driver's share of one schedule's capture: the graphs it leaves alive, their nodes (0
-    unless ``nodes_counted``), the copy nodes mode ``on`` adds, whether it pays the first capture."""
+    unless ``nodes_counted``), the copy nodes mode ``on`` adds, whether it pays the first capture,
+    and ``launch_bytes``: what first launches at the schedule's sizes took (measured, not modelled)."""
 
     graphs: int
     nodes: int
@@ -47,24 +48,26 @@ class DriverShare:
     first_capture: bool = True
     nodes_counted: bool = True
     coefficients: DriverCoefficients = DRIVER_COEFFICIENTS
+    launch_bytes: int = 0
 
     def bytes_for(self, mode: str) -> int:
         """The driver's bytes with output mode ``mode``."""
         nodes = self.nodes + (self.on_copy_nodes if mode == "on" else 0)
-        return self.coefficients.bytes_for(self.graphs, nodes, first_capture=self.first_capture)
+        return self.launch_bytes + self.coefficients.bytes_for(self.graphs, nodes, first_capture=self.first_capture)
 
     def per_size_bytes(self, sizes: int, mode: str) -> tuple[int, int]:
         """The first size's bytes (with the first-capture cost) and every other size's, the graphs
         and nodes split evenly over ``sizes``."""
         all_nodes = self.nodes + (self.on_copy_nodes if mode == "on" else 0)
         graphs, nodes = self.graphs / max(sizes, 1), all_nodes / max(sizes, 1)
-        return (self.coefficients.bytes_for(graphs, nodes, first_capture=self.first_capture),
+        return (self.launch_bytes + self.coefficients.bytes_for(graphs, nodes, first_capture=self.first_capture),
                 self.coefficients.bytes_for(graphs, nodes, first_capture=False))
 
     def describe(self) -> str:
         nodes = f"{self.nodes:,} nodes" if self.nodes_counted else "nodes not counted"
         first = "with" if self.first_capture else "without"
-        return f"{self.graphs:,} graphs, {nodes}, {first} the first-capture cost"
+        launches = f", first launches {self.launch_bytes / MIB:.1f} MiB" if self.launch_bytes else ""
+        return f"{self.graphs:,} graphs, {nodes}, {first} the first-capture cost{launches}"
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -210,6 +210,7 @@ def forecast_schedule(
     probe_sizes = (schedule[0], schedule[-1])
     free_start = device_free_bytes(collect=False)  # what the forecast leaves lost is counted from here
     reserved_start = reserved_bytes()  # after that empty_cache: what the allocator holds in use
+    launch = first_launch_bytes(schedule, forward_for, free_start, reserved_start)
     # One warmup per probe: the graph pool sees only the capture.
     backend.configure(output_mode="off", stale_output_guard=False, num_warmups=min(options.num_warmups, 1),
                       pool_reserve="off", pool_segments="fixed")  # the probes' requests, the process's allocator
@@ -228,7 +229,7 @@ def forecast_schedule(
     with gc_safe_capture(collect=False):
         fitted, outputs = ScaledTrace.fit(large, small), output_allocs(large, largest_output)
         expandable = expandable_segments() or options.pool_segments == "expandable"
-        driver = probe_driver_share(device, schedule, len(largest_output))
+        driver = dataclasses.replace(probe_driver_share(device, schedule, len(largest_output)), launch_bytes=launch)
         modes, by_source, source, reserve_bytes = schedule_forecast(
             fitted, schedule, outputs=outputs, largest_output_bytes=sum(largest_output), stream_bytes=stream_bytes,
             bridge_bytes=bridges, source=options.shared_buffer, pool_reserve=options.pool_reserve,
@@ -240,6 +241,19 @@ def forecast_schedule(
                                time.perf_counter() - start, source, MappingProxyType(by_source),
                                MappingProxyType(references), probe_seconds, reserve_bytes, caveat,
                                driver, device.driver_bytes, lasting)
+
+
+def first_launch_bytes(sizes: Sequence[int], forward_for: Callable[[int], Callable[[], Any]],
+                       free_before: int, reserved_before: int) -> int:
+    """Run one eager forward at each of ``sizes``; the free device memory that took beyond the
+    allocator's growth (``free_before``, ``reserved_before``: read just before, after ``empty_cache``).
+    A kernel's first launch can take driver memory a session pays once (docs/forecast.md, "First
+    launches"); run here, it is measured rather than met during the capture."""
+    with torch.no_grad():
+        for n in sizes:
+            forward_for(n)()
+    free_after = device_free_bytes(collect=False)
+    return max(0, free_before - free_after - (reserved_bytes() - reserved_before))
 
 
 def probe_driver_share(device: ProbeDevice, schedule: Sequence[int], output_tensors: int) -> DriverShare:

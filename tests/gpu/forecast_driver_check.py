@@ -78,6 +78,19 @@ def _nodes_check() -> dict[str, Any]:
             "ok": count.graphs == 1 and count.nodes == 16, "driver_api": api is not None, "why": why}
 
 
+def _stack_bytes() -> int | None:
+    """The context's per-thread stack limit (``cuCtxGetLimit(CU_LIMIT_STACK_SIZE)``): it grows when a
+    kernel needing more local memory is launched, and the driver's local memory with it."""
+    import ctypes
+
+    try:
+        value = ctypes.c_size_t(0)
+        rc = ctypes.CDLL("libcuda.so.1").cuCtxGetLimit(ctypes.byref(value), 0)
+        return int(value.value) if rc == 0 else None
+    except OSError:
+        return None
+
+
 def run_case(model: str, backend_name: str, mode: str, max_tokens: int) -> dict[str, Any]:
     """One fresh process's measure (see the module doc)."""
     import torch
@@ -107,6 +120,7 @@ def run_case(model: str, backend_name: str, mode: str, max_tokens: int) -> dict[
     torch.cuda.synchronize()
     free_before = device_free_bytes()
     reserved_before = torch.cuda.memory_reserved()
+    stacks = {"before": _stack_bytes()}
 
     def forward_for(n: int) -> Any:
         return lambda: workload.call(fn, static, n)
@@ -115,12 +129,14 @@ def run_case(model: str, backend_name: str, mode: str, max_tokens: int) -> dict[
         fc = backend.forecast(sizes, forward_for, capture_inputs=static)
     torch.cuda.synchronize()
     free_probed, reserved_probed = device_free_bytes(), torch.cuda.memory_reserved()
+    stacks["probed"] = _stack_bytes()
     with torch.no_grad(), backend.capture_session():
         for n in sizes:
             backend.capture_one(ShapeKey(n), forward_for(n), capture_inputs=static,
                                 post_warmup_hook=workload.post_warmup_hook)
     free_after = device_free_bytes()
     reserved_after = torch.cuda.memory_reserved()
+    stacks["after"] = _stack_bytes()
     report = backend.memory_report()
     with torch.no_grad():
         backend.replay(ShapeKey(sizes[0]))
@@ -134,7 +150,7 @@ def run_case(model: str, backend_name: str, mode: str, max_tokens: int) -> dict[
         "probe_phase_reserved_bytes": reserved_probed - reserved_before,
         "session_reserved_bytes": reserved_after - reserved_probed,
         "warm_sizes": os.environ.get("BCG_WARM_SIZES") == "1",
-        "module_loading": os.environ.get("CUDA_MODULE_LOADING", ""),
+        "module_loading": os.environ.get("CUDA_MODULE_LOADING", ""), "stack_bytes": stacks,
         "session_drop_bytes": report.measured_graph_bytes, "report_lost_bytes": report.lost_bytes,
         "lasting_bytes": fc.lasting_bytes, "probe_driver_bytes": fc.probe_driver_bytes,
         "forecast_bytes": f.total_bytes, "allocator_bytes": f.allocator_bytes, "driver_bytes": f.driver_bytes,

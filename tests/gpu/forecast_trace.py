@@ -88,6 +88,7 @@ def capture(workload: Any, backend_name: str, mode: str, sizes: list[int]) -> di
     seconds = time.perf_counter() - t0
     segments = _segments()
     free1, reserved1 = _free()
+    kept = _segments()  # what empty_cache could not give back (the pool's, and any other still in use)
     report = backend.memory_report()
     for k, r in zip(keys, report.keys, strict=True):
         k["graph_memory_bytes"] = r.graph_memory_bytes
@@ -95,7 +96,8 @@ def capture(workload: Any, backend_name: str, mode: str, sizes: list[int]) -> di
         k["logical_output_bytes"] = r.logical_output_bytes
     backend.cleanup()
     return {"backend": backend_name, "mode": mode, "graph_bytes": free0 - free1, "reserved_bytes": reserved1 - reserved0,
-            "resident_output_bytes": report.resident_output_bytes, "seconds": seconds, "keys": keys, "segments": segments}
+            "resident_output_bytes": report.resident_output_bytes, "seconds": seconds, "keys": keys, "segments": segments,
+            "segments_kept": kept}
 
 
 def main(argv: list[str]) -> int:
