@@ -91,6 +91,16 @@ def _stack_bytes() -> int | None:
         return None
 
 
+def _kept_segments() -> list[list[Any]]:
+    """``[pool, stream, bytes, [live block bytes]]`` of every segment the allocator holds (read after
+    ``empty_cache``: what it could not give back)."""
+    import torch
+
+    return [[list(seg.get("segment_pool_id", (0, 0))), int(seg["stream"]), int(seg["total_size"]),
+             [int(b["size"]) for b in seg["blocks"] if b["state"] == "active_allocated"]]
+            for seg in torch.cuda.memory._snapshot()["segments"]]
+
+
 def run_case(model: str, backend_name: str, mode: str, max_tokens: int) -> dict[str, Any]:
     """One fresh process's measure (see the module doc)."""
     import torch
@@ -121,6 +131,7 @@ def run_case(model: str, backend_name: str, mode: str, max_tokens: int) -> dict[
     free_before = device_free_bytes()
     reserved_before = torch.cuda.memory_reserved()
     stacks = {"before": _stack_bytes()}
+    kept = {"before": _kept_segments()}
 
     def forward_for(n: int) -> Any:
         return lambda: workload.call(fn, static, n)
@@ -130,6 +141,7 @@ def run_case(model: str, backend_name: str, mode: str, max_tokens: int) -> dict[
     torch.cuda.synchronize()
     free_probed, reserved_probed = device_free_bytes(), torch.cuda.memory_reserved()
     stacks["probed"] = _stack_bytes()
+    kept["probed"] = _kept_segments()
     with torch.no_grad(), backend.capture_session():
         for n in sizes:
             backend.capture_one(ShapeKey(n), forward_for(n), capture_inputs=static,
@@ -137,6 +149,7 @@ def run_case(model: str, backend_name: str, mode: str, max_tokens: int) -> dict[
     free_after = device_free_bytes()
     reserved_after = torch.cuda.memory_reserved()
     stacks["after"] = _stack_bytes()
+    kept["after"] = _kept_segments()
     report = backend.memory_report()
     with torch.no_grad():
         backend.replay(ShapeKey(sizes[0]))
@@ -151,6 +164,7 @@ def run_case(model: str, backend_name: str, mode: str, max_tokens: int) -> dict[
         "session_reserved_bytes": reserved_after - reserved_probed,
         "warm_sizes": os.environ.get("BCG_WARM_SIZES") == "1",
         "module_loading": os.environ.get("CUDA_MODULE_LOADING", ""), "stack_bytes": stacks,
+        "kept_segments": kept,
         "session_drop_bytes": report.measured_graph_bytes, "report_lost_bytes": report.lost_bytes,
         "lasting_bytes": fc.lasting_bytes, "probe_driver_bytes": fc.probe_driver_bytes,
         "forecast_bytes": f.total_bytes, "allocator_bytes": f.allocator_bytes, "driver_bytes": f.driver_bytes,
