@@ -24,12 +24,19 @@ from sglang_bcg_plugin.forecast.probe import output_allocs
 
 DATA = Path(__file__).parent / "data" / "forecast" / "h200_fresh_processes.json.gz"
 ROWS: list[dict[str, Any]] = json.loads(gzip.decompress(DATA.read_bytes()))["rows"]
-#: rows still outside the bound, and why (measured, not yet explained: docs/forecast.md)
-KNOWN_MISSES = {
-    "qwen2/full/released": "qwen2 with Full loses 33 MiB more than forecast (q/k/v biases): not yet explained",
-    "qwen2/full/on": "qwen2 with Full loses 33 MiB more than forecast (q/k/v biases): not yet explained",
-    "qwen2/breakable/on": "qwen2 Breakable on lost 26 MiB more than released; the forecast has them equal",
-}
+#: rows still outside the bound, and why (docs/forecast.md, "Fresh processes, five model families")
+POOL_ADDRESSES = ("the graph pool took 26 MiB more than the allocator model has (324 against 298 MiB, Full "
+                  "released): on Qwen2's schedule alone, which free block a request takes depends on the "
+                  "addresses cudaMalloc gave the pool's segments, which no forecast knows (a second capture "
+                  "of the schedule in one process took the model's 298)")
+KNOWN_MISSES = {name: POOL_ADDRESSES for name in (
+    "qwen2/full/released", "qwen2/full/on", "qwen2/full/off", "qwen2/breakable/on", "qwen2/breakable/off")}
+
+
+def swept(row: dict[str, Any]) -> bool:
+    """Whether the row's forecast ran its eager forward at every size first (the driver share's
+    ``launch_bytes``); rows before that lost ~6 MiB more in the session than forecast."""
+    return "launch_bytes" in row["driver"]
 
 
 def _name(row: dict[str, Any]) -> str:
@@ -43,7 +50,8 @@ def _rebuilt(row: dict[str, Any]) -> int:
     large, small = (pool_trace(n, [{"action": a, "addr": addr, "size": size} for a, addr, size in p["probes"][str(n)]],
                                segments) for n in (sizes[0], sizes[-1]))
     d = row["driver"]
-    driver = DriverShare(d["graphs"], d["nodes"], d["on_copy_nodes"], d["first_capture"], d["nodes_counted"])
+    driver = DriverShare(d["graphs"], d["nodes"], d["on_copy_nodes"], d["first_capture"], d["nodes_counted"],
+                         launch_bytes=d.get("launch_bytes", 0))
     recorded = row["forecast"]["modes"][row["mode"]]
     modes, *_ = schedule_forecast(
         ScaledTrace.fit(large, small), sizes, outputs=output_allocs(large, [p["largest_output_bytes"]]),
@@ -54,18 +62,36 @@ def _rebuilt(row: dict[str, Any]) -> int:
 
 
 @pytest.mark.parametrize("row", ROWS, ids=_name)
-def test_forecast_is_within_two_and_a_half_percent_of_what_a_fresh_process_lost(row: dict[str, Any]) -> None:
+def test_forecast_is_within_two_percent_of_what_a_fresh_process_lost(row: dict[str, Any]) -> None:
+    """Within 2 % where the forecast ran its first launches; 2.5 % on the rows recorded before."""
     if _name(row) in KNOWN_MISSES:
         pytest.xfail(KNOWN_MISSES[_name(row)])
     error = (_rebuilt(row) - row["lost_bytes"]) / row["lost_bytes"]
-    assert abs(error) <= 0.025, f"{_name(row)}: {error:+.1%}"
+    assert abs(error) <= (0.02 if swept(row) else 0.025), f"{_name(row)}: {error:+.1%}"
+
+
+def test_the_first_launches_are_what_the_session_no_longer_loses() -> None:
+    """Where the forecast ran every size first, the capture session lost what its graphs account
+    for: within 4 MiB (two of the driver's 2 MiB steps) of its reserved growth plus the driver's
+    per-graph and per-node cost. Before the sweep, 6 to 8.5 MiB more on every family's row."""
+    checked = 0
+    for row in ROWS:
+        if not swept(row) or "session_lost_bytes" not in row or _name(row) in KNOWN_MISSES:
+            continue
+        d = row["driver"]
+        per_graph = DriverShare(d["graphs"], d["nodes"], d["on_copy_nodes"], first_capture=False)
+        beyond = row["session_lost_bytes"] - row["session_reserved_bytes"] - per_graph.bytes_for(row["mode"])
+        assert abs(beyond) <= 4 * 2**20, (_name(row), beyond / 2**20)
+        assert d["launch_bytes"] >= 0
+        checked += 1
+    assert checked >= 10
 
 
 def test_the_rebuilt_forecast_is_the_devices_where_the_model_did_not_change() -> None:
     """The offline rebuild is the device's pipeline: every row but the one the small shared buffer's
     segment fixed (synthetic Full ``on``: a 5.6 MiB buffer takes a 20 MiB segment) is reproduced
     to the byte."""
-    changed = {_name(r) for r in ROWS if _rebuilt(r) != r["forecast_bytes"]}
+    changed = {_name(r) for r in ROWS if _rebuilt(r) != r["forecast_bytes"]}  # new rows: today's model
     assert changed == {"synthetic/full/on"}
     row = next(r for r in ROWS if _name(r) == "synthetic/full/on")
     assert _rebuilt(row) - row["forecast_bytes"] == 20 * 2**20 - row["probes"]["largest_output_bytes"]
