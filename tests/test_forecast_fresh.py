@@ -19,7 +19,7 @@ import pytest
 
 from sglang_bcg_plugin.forecast import ScaledTrace, pool_trace
 from sglang_bcg_plugin.forecast.driver import DriverShare
-from sglang_bcg_plugin.forecast.model import schedule_forecast
+from sglang_bcg_plugin.forecast.model import address_caveat, address_spread, schedule_forecast
 from sglang_bcg_plugin.forecast.probe import output_allocs
 
 DATA = Path(__file__).parent / "data" / "forecast" / "h200_fresh_processes.json.gz"
@@ -43,12 +43,18 @@ def _name(row: dict[str, Any]) -> str:
     return f"{row['model']}/{row['backend']}/{row['mode']}"
 
 
+def _traces(row: dict[str, Any]) -> tuple[Any, Any]:
+    p = row["probes"]
+    sizes, segments = p["sizes"], [tuple(s) for s in p["pool_segments"]]
+    return tuple(pool_trace(n, [{"action": a, "addr": addr, "size": size} for a, addr, size in p["probes"][str(n)]],
+                            segments) for n in (sizes[0], sizes[-1]))  # type: ignore[return-value]
+
+
 def _rebuilt(row: dict[str, Any]) -> int:
     """The configured mode's total, rebuilt from the row's probes with today's model."""
     p = row["probes"]
-    sizes, segments = p["sizes"], [tuple(s) for s in p["pool_segments"]]
-    large, small = (pool_trace(n, [{"action": a, "addr": addr, "size": size} for a, addr, size in p["probes"][str(n)]],
-                               segments) for n in (sizes[0], sizes[-1]))
+    sizes = p["sizes"]
+    large, small = _traces(row)
     d = row["driver"]
     driver = DriverShare(d["graphs"], d["nodes"], d["on_copy_nodes"], d["first_capture"], d["nodes_counted"],
                          launch_bytes=d.get("launch_bytes", 0))
@@ -102,3 +108,19 @@ def test_known_misses_still_miss() -> None:
     for row in ROWS:
         if _name(row) in KNOWN_MISSES:
             assert abs(_rebuilt(row) - row["lost_bytes"]) / row["lost_bytes"] > 0.025, _name(row)
+
+
+def test_the_forecast_warns_where_the_pools_addresses_made_it_miss() -> None:
+    """The forecast's caveat names the segments' addresses on every row that missed for them, and
+    every row it does not warn on is within the bound."""
+    warned = set()
+    for row in ROWS:
+        large, small = _traces(row)
+        fitted = ScaledTrace.fit(large, small)
+        spread = address_spread(fitted, row["probes"]["sizes"],
+                                outputs=output_allocs(large, [row["probes"]["largest_output_bytes"]]))
+        if address_caveat(spread):
+            warned.add(_name(row))
+            assert "cudaMalloc" in address_caveat(spread) and spread[0] != spread[1]
+    assert set(KNOWN_MISSES) <= warned
+    assert all(r["model"] == "qwen2" for r in ROWS if _name(r) in warned), warned

@@ -68,6 +68,8 @@ class PoolModel:
     segments: list[int] = field(default_factory=list)  # sizes, in creation order (expandable: mapped bytes)
     #: ``expandable_segments``: one growing segment per (small, stream).
     expandable: bool = False
+    #: new segments above every earlier one (default: below, as cudaMalloc hands them out at first).
+    ascending: bool = False
     _grown: dict[tuple[bool, int], tuple[int, _Block]] = field(default_factory=dict)  # segment index, its first block
     _free: list[tuple[bool, int, int, int]] = field(default_factory=list)  # (small, stream, size, addr), sorted
     _by_addr: dict[int, _Block] = field(default_factory=dict)
@@ -187,9 +189,13 @@ class PoolModel:
 
     def _new_segment(self, small: bool, stream: int, size: int) -> _Block:
         # below every segment before it, as cudaMalloc hands them out: equal free blocks go to the
-        # newest segment first; never adjacent, so nothing merges across segments
-        self._next_segment -= size + ROUND_LARGE
-        addr = self._next_segment
+        # newest segment first (``ascending``: the oldest); never adjacent, so nothing merges
+        if self.ascending:
+            addr = self._next_addr
+            self._next_addr += size + ROUND_LARGE
+        else:
+            self._next_segment -= size + ROUND_LARGE
+            addr = self._next_segment
         self.segments.append(size)
         block = _Block(addr, size, small, stream, False)
         self._by_addr[addr] = block

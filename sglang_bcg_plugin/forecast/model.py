@@ -44,11 +44,12 @@ class ModeForecast:
 
 
 def simulate(trace: ScaledTrace, sizes: Iterable[int], *, keep_outputs: str, outputs: frozenset[int],
-             at: Mapping[int, KeyTrace] | None = None, reserve_bytes: int = 0, expandable: bool = False) -> PoolModel:
+             at: Mapping[int, KeyTrace] | None = None, reserve_bytes: int = 0, expandable: bool = False,
+             ascending: bool = False) -> PoolModel:
     """Capture every size (largest first) into one modelled pool starting with a free block of
     ``reserve_bytes``; the ``outputs`` allocs are freed after each capture unless ``keep_outputs``
     is ``"all"`` or ``"first"`` (the largest kept). ``at``: precomputed ``trace.at(size)``."""
-    pool = PoolModel(expandable=expandable)
+    pool = PoolModel(expandable=expandable, ascending=ascending)
     if reserve_bytes:
         pool.reserve(reserve_bytes)
     for rank, size in enumerate(sorted(set(sizes), reverse=True)):
@@ -59,6 +60,25 @@ def simulate(trace: ScaledTrace, sizes: Iterable[int], *, keep_outputs: str, out
                 if i in handles:
                     pool.free(handles.pop(i))
     return pool
+
+
+def address_spread(trace: ScaledTrace, sizes: Iterable[int], *, outputs: frozenset[int]) -> tuple[int, int]:
+    """The ``released`` pool with each new segment below every earlier one (the model's order) and
+    above: where they differ, the real pool depends on the addresses cudaMalloc gives its segments."""
+    sizes = list(sizes)
+    below, above = (simulate(trace, sizes, keep_outputs="none", outputs=outputs, ascending=up).reserved_bytes
+                    for up in (False, True))
+    return below, above
+
+
+def address_caveat(spread: tuple[int, int]) -> str:
+    """What a forecast's caveat says where :func:`address_spread` found the two orders apart."""
+    below, above = spread
+    if below == above:
+        return ""
+    return (f"this schedule's graph pool depends on the addresses cudaMalloc gives its segments (released: "
+            f"{below / MB:.1f} MiB as modelled, {above / MB:.1f} MiB in the other order), so a fresh process may "
+            "take more or less than forecast; pool_reserve='auto' starts the pool as one block")
 
 
 def on_bytes_by_source(trace: ScaledTrace, sizes: list[int], *, outputs: frozenset[int], released: int,

@@ -19,7 +19,7 @@ from ..shape_key import ShapeKey
 from ..trees import flatten
 from .allocator import expandable_segments
 from .driver import DRIVER_COEFFICIENTS, DriverShare, ProbeCount, counting_captures, nodes_unread_reason, schedule_share
-from .model import MODES, ModeForecast, reference_estimates, schedule_forecast
+from .model import MODES, ModeForecast, address_caveat, address_spread, reference_estimates, schedule_forecast
 from .trace import KeyTrace, ScaledTrace, output_allocs, pinned_slack, pool_trace
 
 if TYPE_CHECKING:
@@ -236,7 +236,9 @@ def forecast_schedule(
             configured_mode=configured_mode, expandable=expandable, released_keeps="auto", driver=driver,
             probe_left_bytes=probe_left)
         references = reference_estimates(modes, fitted, schedule, outputs=outputs, expandable=expandable, driver=driver)
-    caveat = "; ".join(c for c in (EXPANDABLE_CAVEAT if expandable else "", driver_caveat(driver)) if c)
+        spread = address_spread(fitted, schedule, outputs=outputs) if not (expandable or reserve_bytes) else (0, 0)
+    caveat = "; ".join(c for c in (EXPANDABLE_CAVEAT if expandable else "", driver_caveat(driver),
+                                   address_caveat(spread)) if c)
     return GraphMemoryForecast(backend.name, tuple(schedule), configured_mode, MappingProxyType(modes), probe_sizes,
                                time.perf_counter() - start, source, MappingProxyType(by_source),
                                MappingProxyType(references), probe_seconds, reserve_bytes, caveat,

@@ -23,7 +23,7 @@ from ..forecast.driver import (
     counting_captures,
     schedule_share,
 )
-from ..forecast.model import MODES, forecast_modes, reference_estimates
+from ..forecast.model import MODES, address_caveat, address_spread, forecast_modes, reference_estimates
 from ..forecast.probe import allocator_caveat, driver_caveat, reserved_bytes
 from ..forecast.trace import KeyTrace, ScaledTrace, output_allocs, pool_trace
 from .compat import ENV_FORECAST, ENV_FORECAST_TRACE
@@ -62,7 +62,7 @@ def kv_bytes_per_token(cuda_graph_runner: object) -> int | None:
 
 
 def format_forecast(modes: Mapping[str, Any], mode: str, sizes: Sequence[int], kv_per_token: int | None,
-                    driver: DriverShare | None = None) -> str:
+                    driver: DriverShare | None = None, address: str = "") -> str:
     """The log line: the configured mode's forecast, what it frees against the others, its parts."""
     mine = modes[mode].total_bytes
     parts = []
@@ -80,7 +80,7 @@ def format_forecast(modes: Mapping[str, Any], mode: str, sizes: Sequence[int], k
         graphs = f" ({driver.describe()})" if driver is not None else ""
         split = (f"; of which graph pool {f.pool_bytes / MIB:,.1f} MiB, capture stream {f.stream_bytes / MIB:,.1f} MiB, "
                  f"CUDA driver {f.driver_bytes / MIB:,.1f} MiB{graphs}")
-    caveat = "; ".join(c for c in (allocator_caveat(), driver_caveat(driver, "in the first capture")) if c)
+    caveat = "; ".join(c for c in (allocator_caveat(), driver_caveat(driver, "in the first capture"), address) if c)
     return (f"sglang_bcg: graph memory forecast for {len(sizes)} sizes up to {sizes[0]}: {mine / MIB:,.1f} MiB "
             f"with --enable-bcg-shared-output={mode}; " + "; ".join(parts) + per_token + split
             + (f" (caveat: {caveat})" if caveat else ""))
@@ -260,7 +260,9 @@ class SessionForecast:
         self.forecast = {"modes": modes,
                          "references": reference_estimates(modes, fitted, self.sizes, outputs=outputs, expandable=expandable,
                                                            driver=self.driver)}
-        log.info("%s", format_forecast(modes, self.mode, self.sizes, kv_bytes_per_token(self.runner), self.driver))
+        address = "" if expandable else address_caveat(address_spread(fitted, self.sizes, outputs=outputs))
+        log.info("%s", format_forecast(modes, self.mode, self.sizes, kv_bytes_per_token(self.runner), self.driver,
+                                       address))
 
     def close(self, outside_pool_bytes: int = 0) -> int | None:
         """Log what the session added to the pool (+ ``outside_pool_bytes``, a reserved buffer)
