@@ -174,3 +174,21 @@ def test_outputs_kept_finds_a_freed_output_and_keeps_every_index_valid() -> None
     kept_trace = KeyTrace(8, ((0, 800), (0, 8)))
     assert outputs_kept(kept_trace, [800]) == (kept_trace, frozenset({0}))  # off: kept, the trace unchanged
     assert outputs_kept(kept_trace, [77]) == (kept_trace, frozenset({0, 1}))  # the former fallback
+
+
+@pytest.mark.parametrize(("family", "warned"), [("qwen2", True), ("gemma", False)])
+def test_the_log_line_warns_where_the_pool_depends_on_its_addresses(
+        family: str, warned: bool, caplog: pytest.LogCaptureFixture) -> None:
+    """From a fresh H200 process's largest capture (tests/data/forecast/h200_fresh_processes.json.gz):
+    Qwen2's schedule lands differently with the segments in the other address order (a fresh process
+    took 26 MiB more than forecast), Gemma's does not."""
+    fresh = Path(__file__).parent / "data" / "forecast" / "h200_fresh_processes.json.gz"
+    rows = json.loads(gzip.decompress(fresh.read_bytes()))["rows"]
+    p = next(r for r in rows if (r["model"], r["backend"], r["mode"]) == (family, "full", "released"))["probes"]
+    events = [{"action": a, "addr": x, "size": n} for a, x, n in p["probes"][str(p["sizes"][0])]]
+    fc = SessionForecast(SimpleNamespace(capture_num_tokens=p["sizes"]), "released", lambda: None,
+                         environ={"SGLANG_BCG_FORECAST": "1"})
+    with caplog.at_level(logging.INFO, logger="sglang_bcg_plugin"):
+        fc._forecast(p["sizes"][0], events, [tuple(s) for s in p["pool_segments"]], [p["largest_output_bytes"]])
+    line = next(r.getMessage() for r in caplog.records if "graph memory forecast" in r.getMessage())
+    assert ("depends on the addresses cudaMalloc gives its segments" in line) is warned, line
