@@ -21,7 +21,8 @@ fresh process (forked from a parent that never touched CUDA, so each has its own
 Prints one line per process and writes ``forecast_driver.json`` under ``--out`` (default
 ``$SGLANG_BCG_GPU_RESULTS_DIR``, else ``out``) after each. The processes run one after another
 (free device memory is the whole device's); once ``--budget-s`` (default 200) has passed, none
-is started and the rest are listed as skipped, so the run ends within four minutes. ``--models``, ``--backends``,
+is started and the rest are listed as skipped, so the run ends within four minutes. ``--schedule``
+(``prefill``, ``pow2``, ``decode``) picks the sizes; ``--models``, ``--backends``,
 ``--modes`` pick a subset. A measurement, not a test: it fails only if a process fails.
 """
 
@@ -101,20 +102,37 @@ def _kept_segments() -> list[list[Any]]:
             for seg in torch.cuda.memory._snapshot()["segments"]]
 
 
-def run_case(model: str, backend_name: str, mode: str, max_tokens: int) -> dict[str, Any]:
+def schedule_sizes(schedule: str, max_tokens: int) -> list[int]:
+    """The sizes of ``schedule``, largest first: ``prefill`` (SGLang's prefill capture list up to
+    ``max_tokens``), ``pow2`` (1, 2, 4, ... up to it), ``decode`` (SGLang's default decode batch
+    sizes, 1, 2, 4, 8, 12, then every 8th from 16, up to it and at most 512)."""
+    from sglang_bcg_plugin.bench.sizes import prefill_capture_sizes
+
+    if schedule == "prefill":
+        sizes = prefill_capture_sizes(max_tokens)
+    elif schedule == "pow2":
+        sizes = [1 << k for k in range(max_tokens.bit_length()) if 1 << k <= max_tokens]
+    elif schedule == "decode":
+        top = min(max_tokens, 512)
+        sizes = [n for n in (1, 2, 4, 8, 12, *range(16, top + 1, 8)) if n <= top]
+    else:
+        raise SystemExit(f"--schedule must be prefill, pow2 or decode, got {schedule!r}")
+    return sorted(set(sizes), reverse=True)
+
+
+def run_case(model: str, backend_name: str, mode: str, max_tokens: int, schedule: str = "prefill") -> dict[str, Any]:
     """One fresh process's measure (see the module doc)."""
     import torch
 
     from sglang_bcg_plugin import BackendOptions, ShapeKey, create_backend
     from sglang_bcg_plugin.accounting import device_free_bytes
-    from sglang_bcg_plugin.bench.sizes import prefill_capture_sizes
     from forecast_families import WORKLOADS
     from record_probes import recording
 
     start = time.perf_counter()
     assert not torch.cuda.is_initialized(), "the parent initialized CUDA: not a fresh process"
     workload = WORKLOADS[model](_shape(model))
-    sizes = sorted(prefill_capture_sizes(max_tokens), reverse=True)
+    sizes = schedule_sizes(schedule, max_tokens)
     kwargs: dict[str, Any] = {"splitting_ops": list(workload.splitting_ops)} if backend_name == "piecewise" else {}
     backend = create_backend(backend_name, options=BackendOptions(output_mode=mode, engine="cuda"), **kwargs)
     model_fn = workload.model_for(backend_name, sizes[0])
@@ -158,6 +176,7 @@ def run_case(model: str, backend_name: str, mode: str, max_tokens: int) -> dict[
     f = fc.modes[fc.mode]
     row = {
         "model": model, "backend": backend_name, "mode": mode, "num_sizes": len(sizes), "max_tokens": sizes[0],
+        "schedule": schedule,
         "lost_bytes": lost, "eager_lost_bytes": free_context - free_before,
         "probe_phase_lost_bytes": free_before - free_probed, "session_lost_bytes": free_probed - free_after,
         "probe_phase_reserved_bytes": reserved_probed - reserved_before,
@@ -180,7 +199,7 @@ def run_case(model: str, backend_name: str, mode: str, max_tokens: int) -> dict[
     return row
 
 
-def _child(conn: Any, args: tuple[str, str, str, int]) -> None:
+def _child(conn: Any, args: tuple[str, str, str, int, str]) -> None:
     try:
         conn.send({"ok": True, "row": run_case(*args)})
     except BaseException as exc:  # noqa: BLE001 - reported to the parent
@@ -189,7 +208,7 @@ def _child(conn: Any, args: tuple[str, str, str, int]) -> None:
         conn.close()
 
 
-def _forked(args: tuple[str, str, str, int], timeout: float) -> dict[str, Any]:
+def _forked(args: tuple[str, str, str, int, str], timeout: float) -> dict[str, Any]:
     ctx = multiprocessing.get_context("fork")
     parent, child = ctx.Pipe(duplex=False)
     proc = ctx.Process(target=_child, args=(child, args))
@@ -210,8 +229,8 @@ def _forked(args: tuple[str, str, str, int], timeout: float) -> dict[str, Any]:
     return got
 
 
-def _spawned(args: tuple[str, str, str, int], timeout: float) -> dict[str, Any]:
-    cmd = [sys.executable, __file__, "--child", *args[:3], str(args[3])]
+def _spawned(args: tuple[str, str, str, int, str], timeout: float) -> dict[str, Any]:
+    cmd = [sys.executable, __file__, "--child", *args[:3], str(args[3]), args[4]]
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, check=False)
     except subprocess.TimeoutExpired:
@@ -245,12 +264,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-tokens", type=int, default=16384)
     ap.add_argument("--budget-s", type=float, default=200.0, help="start no process after this many seconds")
     ap.add_argument("--spawn", action="store_true", help="a new interpreter per process (default: fork)")
-    ap.add_argument("--child", nargs=4, help=argparse.SUPPRESS)
+    ap.add_argument("--schedule", default="prefill", choices=("prefill", "pow2", "decode"),
+                    help="the sizes: SGLang's prefill list, powers of two, or SGLang's decode batch sizes")
+    ap.add_argument("--child", nargs=5, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.child:
-        model, backend, mode, max_tokens = args.child
+        model, backend, mode, max_tokens, schedule = args.child
         try:
-            print(json.dumps({"ok": True, "row": run_case(model, backend, mode, int(max_tokens))}))
+            print(json.dumps({"ok": True, "row": run_case(model, backend, mode, int(max_tokens), schedule)}))
         except BaseException as exc:  # noqa: BLE001
             print(json.dumps({"ok": False, "error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()[-4000:]}))
         return 0
@@ -266,7 +287,7 @@ def main(argv: list[str] | None = None) -> int:
             print("llama: skipped (transformers is not installed)", flush=True)
             models.remove("llama")
     assert not torch.cuda.is_initialized()
-    cases = [(m, b, mode, args.max_tokens) for mode in args.modes.split(",") for m in models
+    cases = [(m, b, mode, args.max_tokens, args.schedule) for mode in args.modes.split(",") for m in models
              for b in args.backends.split(",")]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
