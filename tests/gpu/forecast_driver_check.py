@@ -22,7 +22,8 @@ Prints one line per process and writes ``forecast_driver.json`` under ``--out`` 
 ``$SGLANG_BCG_GPU_RESULTS_DIR``, else ``out``) after each. The processes run one after another
 (free device memory is the whole device's); once ``--budget-s`` (default 200) has passed, none
 is started and the rest are listed as skipped, so the run ends within four minutes. ``--schedule``
-(``prefill``, ``pow2``, ``decode``) picks the sizes; ``--models``, ``--backends``,
+(``prefill``, ``pow2``, ``decode``) picks the sizes, ``--pool-reserve auto`` starts the pool as one
+block; ``--models``, ``--backends``,
 ``--modes`` pick a subset. A measurement, not a test: it fails only if a process fails.
 """
 
@@ -120,7 +121,8 @@ def schedule_sizes(schedule: str, max_tokens: int) -> list[int]:
     return sorted(set(sizes), reverse=True)
 
 
-def run_case(model: str, backend_name: str, mode: str, max_tokens: int, schedule: str = "prefill") -> dict[str, Any]:
+def run_case(model: str, backend_name: str, mode: str, max_tokens: int, schedule: str = "prefill",
+             pool_reserve: str = "off") -> dict[str, Any]:
     """One fresh process's measure (see the module doc)."""
     import torch
 
@@ -134,7 +136,7 @@ def run_case(model: str, backend_name: str, mode: str, max_tokens: int, schedule
     workload = WORKLOADS[model](_shape(model))
     sizes = schedule_sizes(schedule, max_tokens)
     kwargs: dict[str, Any] = {"splitting_ops": list(workload.splitting_ops)} if backend_name == "piecewise" else {}
-    backend = create_backend(backend_name, options=BackendOptions(output_mode=mode, engine="cuda"), **kwargs)
+    backend = create_backend(backend_name, options=BackendOptions(output_mode=mode, engine="cuda", pool_reserve=pool_reserve), **kwargs)
     model_fn = workload.model_for(backend_name, sizes[0])
     static = workload.static_input(sizes[0])
     fn = backend.compile(model_fn, dynamic_dim=workload.dynamic_dim)
@@ -176,7 +178,7 @@ def run_case(model: str, backend_name: str, mode: str, max_tokens: int, schedule
     f = fc.modes[fc.mode]
     row = {
         "model": model, "backend": backend_name, "mode": mode, "num_sizes": len(sizes), "max_tokens": sizes[0],
-        "schedule": schedule,
+        "schedule": schedule, "pool_reserve": pool_reserve,
         "lost_bytes": lost, "eager_lost_bytes": free_context - free_before,
         "probe_phase_lost_bytes": free_before - free_probed, "session_lost_bytes": free_probed - free_after,
         "probe_phase_reserved_bytes": reserved_probed - reserved_before,
@@ -199,7 +201,7 @@ def run_case(model: str, backend_name: str, mode: str, max_tokens: int, schedule
     return row
 
 
-def _child(conn: Any, args: tuple[str, str, str, int, str]) -> None:
+def _child(conn: Any, args: tuple[str, str, str, int, str, str]) -> None:
     try:
         conn.send({"ok": True, "row": run_case(*args)})
     except BaseException as exc:  # noqa: BLE001 - reported to the parent
@@ -208,7 +210,7 @@ def _child(conn: Any, args: tuple[str, str, str, int, str]) -> None:
         conn.close()
 
 
-def _forked(args: tuple[str, str, str, int, str], timeout: float) -> dict[str, Any]:
+def _forked(args: tuple[str, str, str, int, str, str], timeout: float) -> dict[str, Any]:
     ctx = multiprocessing.get_context("fork")
     parent, child = ctx.Pipe(duplex=False)
     proc = ctx.Process(target=_child, args=(child, args))
@@ -229,8 +231,8 @@ def _forked(args: tuple[str, str, str, int, str], timeout: float) -> dict[str, A
     return got
 
 
-def _spawned(args: tuple[str, str, str, int, str], timeout: float) -> dict[str, Any]:
-    cmd = [sys.executable, __file__, "--child", *args[:3], str(args[3]), args[4]]
+def _spawned(args: tuple[str, str, str, int, str, str], timeout: float) -> dict[str, Any]:
+    cmd = [sys.executable, __file__, "--child", *args[:3], str(args[3]), *args[4:]]
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, check=False)
     except subprocess.TimeoutExpired:
@@ -266,12 +268,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--spawn", action="store_true", help="a new interpreter per process (default: fork)")
     ap.add_argument("--schedule", default="prefill", choices=("prefill", "pow2", "decode"),
                     help="the sizes: SGLang's prefill list, powers of two, or SGLang's decode batch sizes")
-    ap.add_argument("--child", nargs=5, help=argparse.SUPPRESS)
+    ap.add_argument("--pool-reserve", default="off", choices=("off", "auto"),
+                    help="BackendOptions(pool_reserve=...): auto starts the graph pool as one block")
+    ap.add_argument("--child", nargs=6, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.child:
-        model, backend, mode, max_tokens, schedule = args.child
+        model, backend, mode, max_tokens, schedule, reserve = args.child
         try:
-            print(json.dumps({"ok": True, "row": run_case(model, backend, mode, int(max_tokens), schedule)}))
+            print(json.dumps({"ok": True, "row": run_case(model, backend, mode, int(max_tokens), schedule, reserve)}))
         except BaseException as exc:  # noqa: BLE001
             print(json.dumps({"ok": False, "error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()[-4000:]}))
         return 0
@@ -287,7 +291,7 @@ def main(argv: list[str] | None = None) -> int:
             print("llama: skipped (transformers is not installed)", flush=True)
             models.remove("llama")
     assert not torch.cuda.is_initialized()
-    cases = [(m, b, mode, args.max_tokens, args.schedule) for mode in args.modes.split(",") for m in models
+    cases = [(m, b, mode, args.max_tokens, args.schedule, args.pool_reserve) for mode in args.modes.split(",") for m in models
              for b in args.backends.split(",")]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
