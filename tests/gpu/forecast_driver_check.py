@@ -136,7 +136,8 @@ def run_case(model: str, backend_name: str, mode: str, max_tokens: int, schedule
     workload = WORKLOADS[model](_shape(model))
     sizes = schedule_sizes(schedule, max_tokens)
     kwargs: dict[str, Any] = {"splitting_ops": list(workload.splitting_ops)} if backend_name == "piecewise" else {}
-    backend = create_backend(backend_name, options=BackendOptions(output_mode=mode, engine="cuda", pool_reserve=pool_reserve), **kwargs)
+    options = BackendOptions(output_mode=mode, engine="cuda", pool_reserve=pool_reserve)
+    backend = create_backend(backend_name, options=options, **kwargs)
     model_fn = workload.model_for(backend_name, sizes[0])
     static = workload.static_input(sizes[0])
     fn = backend.compile(model_fn, dynamic_dim=workload.dynamic_dim)
