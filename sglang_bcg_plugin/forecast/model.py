@@ -71,14 +71,15 @@ def address_spread(trace: ScaledTrace, sizes: Iterable[int], *, outputs: frozens
     return below, above
 
 
-def address_caveat(spread: tuple[int, int]) -> str:
-    """What a forecast's caveat says where :func:`address_spread` found the two orders apart."""
+def address_caveat(spread: tuple[int, int], remedy: str = "") -> str:
+    """What a forecast's caveat says where :func:`address_spread` found the two orders apart
+    (``remedy``: what the reader can do about it, appended)."""
     below, above = spread
     if below == above:
         return ""
     return (f"this schedule's graph pool depends on the addresses cudaMalloc gives its segments (released: "
             f"{below / MB:.1f} MiB as modelled, {above / MB:.1f} MiB in the other order), so a fresh process may "
-            "take more or less than forecast; pool_reserve='auto' starts the pool as one block")
+            "take more or less than forecast" + (f"; {remedy}" if remedy else ""))
 
 
 def on_bytes_by_source(trace: ScaledTrace, sizes: list[int], *, outputs: frozenset[int], released: int,

@@ -238,7 +238,7 @@ def forecast_schedule(
         references = reference_estimates(modes, fitted, schedule, outputs=outputs, expandable=expandable, driver=driver)
         spread = address_spread(fitted, schedule, outputs=outputs) if not (expandable or reserve_bytes) else (0, 0)
     caveat = "; ".join(c for c in (EXPANDABLE_CAVEAT if expandable else "", driver_caveat(driver),
-                                   address_caveat(spread)) if c)
+                                   address_caveat(spread, "pool_reserve='auto' starts the pool as one block")) if c)
     return GraphMemoryForecast(backend.name, tuple(schedule), configured_mode, MappingProxyType(modes), probe_sizes,
                                time.perf_counter() - start, source, MappingProxyType(by_source),
                                MappingProxyType(references), probe_seconds, reserve_bytes, caveat,
