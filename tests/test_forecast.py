@@ -144,6 +144,18 @@ def test_equal_free_blocks_go_to_the_newest_segment_first() -> None:
     assert pool.malloc(30 * MB) == new
 
 
+def test_ascending_segments_give_the_tie_to_the_oldest() -> None:
+    """``PoolModel(ascending=True)`` places each new segment above the ones before (the other order
+    a process can get its addresses in): the tie goes to the first segment's block."""
+    pool = PoolModel(ascending=True)
+    old, new = pool.malloc(30 * MB), pool.malloc(30 * MB)
+    assert new > old
+    pool.free(old)
+    pool.free(new)
+    assert pool.malloc(30 * MB) == old
+    assert pool.segments == [30 * MB, 30 * MB]
+
+
 SERVER = "h200_server_tiny_pool.json.gz"
 
 
