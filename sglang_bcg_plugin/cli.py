@@ -85,7 +85,7 @@ def _bench(args: argparse.Namespace) -> int:
     from .bench.config import build_config
     from .bench.outdir import hold, write_pair
     from .bench.output import PLOT_SKIPPED, format_table, write_json, write_plot
-    from .bench.runner import GRAPH_TREES, graph_trees_row, run_variant, variants_for, warm_up
+    from .bench.runner import GRAPH_TREES, cold_summary, graph_trees_row, run_variant, variants_for, warm_up
     from .registry import available_backends
 
     cfg = build_config(args, [*available_backends(), GRAPH_TREES])  # every check, before any work
@@ -98,7 +98,13 @@ def _bench(args: argparse.Namespace) -> int:
         print(f"sglang-bcg bench on {cfg.device_name}: {config}", file=sys.stderr)
         start = time.perf_counter()
         # the reference compiles afresh
-        warm_up(cfg.workload, [b for b in cfg.backends if b != GRAPH_TREES], cfg.sizes)
+        cold = cold_summary(warm_up(cfg.workload, [b for b in cfg.backends if b != GRAPH_TREES], cfg.sizes))
+        if cold is not None:
+            err = cold["forecast_error"]
+            print(f"  first schedule of this process ({cold['backend']}/{cold['variant']}, cold): lost "
+                  f"{cold['lost_bytes'] / 2**20:,.1f} MiB, forecast with the driver's share "
+                  f"{cold['forecast_bytes'] / 2**20:,.1f} MiB" + ("" if err is None else f" ({err * 100:+.1f} %)"),
+                  file=sys.stderr)
         rows, kw = [], {"repeats": cfg.repeats, "progress": cfg.progress}
         for backend in cfg.backends:
             for variant in variants_for(backend, cfg.variants):
@@ -113,7 +119,7 @@ def _bench(args: argparse.Namespace) -> int:
         if cfg.out is not None:
             wrote = write_pair(
                 cfg.out,
-                lambda p: write_json(p, cfg.device_name, config, rows, timings_meaningful=cfg.gpu),
+                lambda p: write_json(p, cfg.device_name, config, rows, timings_meaningful=cfg.gpu, cold=cold),
                 lambda p: write_plot(p, cfg.device_name, config, rows, timings_meaningful=cfg.gpu),
             )
             if len(wrote) == 1:

@@ -340,6 +340,24 @@ def test_per_size_capture_seconds_leave_compile_time_out(tmp_path: Path, capsys:
         assert all(s["capture_s"] > 0 for s in row["per_size"])
     assert full["compile_s"] is None and all(s["compile_s"] is None for s in full["per_size"])
     assert doc["ratios"] == {}  # one variant: no on/off ratio
+    assert doc["cold"] is None  # off CUDA: no whole-schedule warm-up, no forecast
+
+
+def test_the_cold_row_is_the_first_schedules_loss_against_the_forecast_with_the_driver() -> None:
+    """``cold_summary``: the session's drop plus what the forecast left lost, against the
+    configured mode's total (the driver's share in it); nothing without a forecast or a measure."""
+    from sglang_bcg_plugin.bench.runner import cold_summary
+
+    row = BenchRow("breakable", "released", "released", 50, 4096, 0, 0, 400 << 20, 1.0, 1.0, 0.0, 0)
+    assert cold_summary(None) is None and cold_summary(row) is None  # no forecast
+    row.forecast = {"mode": "released", "lasting_bytes": 100 << 20,
+                    "modes": {"released": {"total_bytes": 490 << 20}, "off": {"total_bytes": 1 << 30}}}
+    cold = cold_summary(row)
+    assert cold is not None
+    assert (cold["lost_bytes"], cold["forecast_bytes"]) == (500 << 20, 490 << 20)
+    assert cold["forecast_error"] == pytest.approx(-0.02) and cold["backend"] == "breakable"
+    row.graph_memory_bytes = None  # off CUDA
+    assert cold_summary(row) is None
 
 
 def test_tensor_parallel_shards_compute_the_whole_decoder() -> None:

@@ -106,9 +106,11 @@ def format_table(rows: list[BenchRow], *, timings_meaningful: bool = True) -> st
 
 
 def write_json(
-    path: Path, device: str, config: dict[str, Any], rows: list[BenchRow], *, timings_meaningful: bool = True
+    path: Path, device: str, config: dict[str, Any], rows: list[BenchRow], *, timings_meaningful: bool = True,
+    cold: dict[str, Any] | None = None,
 ) -> None:
-    """``bench.json``: versions, UTC timestamp, config, rows (with per-size rows), ratios."""
+    """``bench.json``: versions, UTC timestamp, config, rows (with per-size rows), ratios, and
+    ``cold`` (the warm-up's first schedule: :func:`~.runner.cold_summary`; ``null`` off CUDA)."""
     doc = {
         "package_version": __version__,
         "torch_version": torch.__version__,
@@ -118,6 +120,7 @@ def write_json(
         "config": config,
         "rows": [r.to_dict() for r in rows],
         "ratios": ratios(rows, timings_meaningful=timings_meaningful),
+        "cold": cold,
     }
     path.write_text(json.dumps(doc, indent=2) + "\n")
 

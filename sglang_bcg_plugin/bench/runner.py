@@ -490,12 +490,28 @@ def graph_trees_row(
     )
 
 
-def warm_up(workload: Workload, backends: list[str], sizes: list[int] | None = None) -> None:
-    """One capture cycle per backend at the smallest size, and on CUDA with ``sizes`` the whole
-    schedule once (released), so lazy allocations and the CUDA driver's share are not charged to
-    the first measured variant."""
-    for name in backends:
-        run_variant(name, "off", workload, prefill_capture_sizes(4), repeats=1, progress=False, forecast=False)
+def warm_up(workload: Workload, backends: list[str], sizes: list[int] | None = None) -> BenchRow | None:
+    """On CUDA with ``sizes``, the whole schedule once per backend (released), so lazy allocations
+    and the CUDA driver's share are not charged to the first measured variant: the first of them
+    runs after its forecast, before any other capture of the process, and is returned (the cold
+    row, :func:`cold_summary`; ``None`` elsewhere). Then one capture cycle per backend at the
+    smallest size."""
+    cold = None
     if sizes and workload.shape.device.startswith("cuda"):
         for name in backends:
-            run_variant(name, "released", workload, sizes, repeats=1, progress=False, forecast=False)
+            row = run_variant(name, "released", workload, sizes, repeats=1, progress=False, forecast=cold is None)
+            cold = cold or row
+    for name in backends:
+        run_variant(name, "off", workload, prefill_capture_sizes(4), repeats=1, progress=False, forecast=False)
+    return cold
+
+
+def cold_summary(row: BenchRow | None) -> dict[str, Any] | None:
+    """What the cold row's process lost in free device memory over forecast and capture (its first
+    schedule) against the forecast with the driver's share; ``None`` without a forecast."""
+    if row is None or not row.forecast or row.graph_memory_bytes is None:
+        return None
+    lost = row.graph_memory_bytes + int(row.forecast.get("lasting_bytes", 0))
+    forecast = int(row.forecast["modes"][row.forecast["mode"]]["total_bytes"])
+    return {"backend": row.backend, "variant": row.variant, "num_sizes": row.num_sizes, "lost_bytes": lost,
+            "forecast_bytes": forecast, "forecast_error": (forecast - lost) / lost if lost else None}
