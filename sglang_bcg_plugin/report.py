@@ -50,7 +50,8 @@ class MemoryReport:
 
     @property
     def lost_bytes(self) -> int | None:
-        """:attr:`measured_graph_bytes` plus what the forecast's probes left lost; ``None`` without both."""
+        """:attr:`measured_graph_bytes` plus what the forecast (its eager forwards and probes) left
+        lost; ``None`` without both."""
         if self.forecast is None or self.measured_graph_bytes is None:
             return None
         return self.measured_graph_bytes + int(getattr(self.forecast, "lasting_bytes", 0) or 0)

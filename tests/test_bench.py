@@ -431,3 +431,30 @@ def test_fits_in_memory_estimate_is_a_lower_bound_of_the_cpu_peak(backend: str, 
     shape = ModelShape(hidden, layers, 4, 2, 16 if model == "llama" else hidden // 4, hidden, torch.float32, "cpu")
     est = budget.estimate_bytes(shape, prefill_capture_sizes(max_tokens), ["off"], backends=[backend], workload=model)
     assert 0.5 * peak < est <= peak, (est, peak)
+
+
+def test_warm_up_runs_the_whole_schedule_first_and_forecasts_only_the_first(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On CUDA with the schedule: every backend captures it once (released), the first after a
+    forecast (the process's first schedule, returned as the cold row); then the small cycles. On
+    CPU, or without the schedule: only the small cycles, no cold row."""
+    from types import SimpleNamespace
+
+    from sglang_bcg_plugin.bench import runner
+
+    calls: list[tuple[str, str, int, bool]] = []
+
+    def run_variant(name: str, variant: str, workload: object, sizes: list[int], **kw: object) -> object:
+        calls.append((name, variant, len(sizes), bool(kw.get("forecast", True))))
+        return SimpleNamespace(backend=name)
+
+    monkeypatch.setattr(runner, "run_variant", run_variant)
+    cuda = SimpleNamespace(shape=SimpleNamespace(device="cuda:0"))
+    cold = runner.warm_up(cuda, ["breakable", "full"], [16, 8, 4])  # type: ignore[arg-type]
+    assert cold is not None and cold.backend == "breakable"
+    assert calls == [("breakable", "released", 3, True), ("full", "released", 3, False),
+                     ("breakable", "off", 1, False), ("full", "off", 1, False)]
+    calls.clear()
+    cpu = SimpleNamespace(shape=SimpleNamespace(device="cpu"))
+    assert runner.warm_up(cpu, ["full"], [16, 8, 4]) is None  # type: ignore[arg-type]
+    assert runner.warm_up(cuda, ["full"]) is None  # type: ignore[arg-type]
+    assert calls == [("full", "off", 1, False), ("full", "off", 1, False)]

@@ -88,7 +88,7 @@ def test_the_first_launches_are_what_the_session_no_longer_loses() -> None:
         per_graph = DriverShare(d["graphs"], d["nodes"], d["on_copy_nodes"], first_capture=False)
         beyond = row["session_lost_bytes"] - row["session_reserved_bytes"] - per_graph.bytes_for(row["mode"])
         assert abs(beyond) <= 4 * 2**20, (_name(row), beyond / 2**20)
-        assert d["launch_bytes"] >= 0
+        assert d["launch_bytes"] > 0  # the first launches took driver memory on every family
         checked += 1
     assert checked >= 10
 
@@ -121,6 +121,6 @@ def test_the_forecast_warns_where_the_pools_addresses_made_it_miss() -> None:
                                 outputs=output_allocs(large, [row["probes"]["largest_output_bytes"]]))
         if address_caveat(spread):
             warned.add(_name(row))
-            assert "cudaMalloc" in address_caveat(spread) and spread[0] != spread[1]
+            assert f"{spread[0] / 2**20:.1f} MiB as modelled, {spread[1] / 2**20:.1f} MiB" in address_caveat(spread)
     assert set(KNOWN_MISSES) <= warned
     assert all(r["model"] == "qwen2" for r in ROWS if _name(r) in warned), warned

@@ -125,9 +125,14 @@ class RecordedBackend:
         self.reserves: list[str | int] = []
         self.segment_modes: list[str] = []
         self.cleaned = 0
+        self.sized: list[int] = []
 
     def captured_keys(self) -> list[Any]:
         return list(self.captured)
+
+    def size_context(self, size: int) -> Any:
+        self.sized.append(size)
+        return contextlib.nullcontext()
 
     def configure(self, **changes: Any) -> BackendOptions:
         self.options = dataclasses.replace(self.options, **changes)
@@ -173,6 +178,7 @@ def test_first_launches_run_every_size_once_and_count_in_the_drivers_share(
         results[launch] = probe.forecast_schedule(backend, case["sizes"], lambda n: lambda: ran.append(n),
                                                   configured_mode="on")
         assert ran == sorted(case["sizes"], reverse=True)  # the probes' own forwards are the backend's
+        assert backend.sized == ran  # each in the backend's size context
         allocator.shown = []
     plain, launched = results[0], results[6 << 20]
     assert plain.driver is not None and launched.driver is not None
@@ -520,3 +526,22 @@ def test_record_probes_keeps_what_the_forecast_read(allocator: RecordedAllocator
     assert written["probes"] == got["probes"] and written["measured"]["released"]["mode"] == "released"
     with pytest.raises(SystemExit, match="1 rows carry a forecast but 0 forecasts ran"):
         record_probes.cases(bench, [])
+
+
+@pytest.mark.parametrize(("reserve", "remedy"), [("off", True), ("auto", False)])
+def test_the_caveat_warns_where_the_pool_depends_on_its_addresses(
+        reserve: str, remedy: bool, allocator: RecordedAllocator, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Qwen2's probes from a fresh H200 process (tests/data/forecast/h200_fresh_processes.json.gz):
+    the released pool differs with the segments in the other address order, and ``fc.caveat`` says
+    so, naming ``pool_reserve="auto"`` only where the backend does not use it already."""
+    fresh = Path(__file__).parent / "data" / "forecast" / "h200_fresh_processes.json.gz"
+    rows = json.loads(gzip.decompress(fresh.read_bytes()))["rows"]
+    case = next(r for r in rows if (r["model"], r["backend"], r["mode"]) == ("qwen2", "full", "released"))["probes"]
+    allocator.pool_segments = RecordedAllocator(case["pool_segments"]).pool_segments
+    DeviceMemory(monkeypatch, sum(n for _, n in case["pool_segments"]))
+    options = BackendOptions(output_mode="released", pool_reserve=reserve)  # type: ignore[arg-type]
+    fc = probe.forecast_schedule(RecordedBackend(case, allocator, options), case["sizes"], lambda n: lambda: None,
+                                 configured_mode="released")
+    if reserve == "off":
+        assert "depends on the addresses cudaMalloc gives its segments (released: 298.0 MiB" in fc.caveat
+    assert ("pool_reserve='auto'" in fc.caveat) is remedy, fc.caveat

@@ -494,3 +494,37 @@ def test_opaque_capture_inputs_are_protected(share: bool) -> None:
     setup.refill()
     for s in setup.sizes:
         assert_same(setup.backend.replay(setup.key(s)), setup.expected(s))
+
+
+class CacheNet(torch.nn.Module):
+    """A forward whose second argument is a fixed-size buffer (a cache) longer than every size."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("w", torch.randn(H, H, generator=torch.Generator().manual_seed(3)))
+
+    def forward(self, x: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
+        return mix(x @ self.w + cache[: x.shape[0]])
+
+
+def test_eager_forwards_in_the_size_context_keep_one_compilation() -> None:
+    """The forecast runs each size eagerly in ``backend.size_context`` before any capture (its
+    first launches): the compiled callable still marks the size's extent dynamic, not the longer
+    cache's, so the captures after it need no recompile and replay right."""
+    backend = make(True)
+    model = CacheNet()
+    fn = backend.compile(model, dynamic="unbacked")
+    x, cache = torch.randn(max(SIZES), H), torch.randn(4 * max(SIZES), H)
+    with torch.no_grad():
+        for s in SIZES:
+            with backend.size_context(s):
+                fn(x[:s], cache)
+        with backend.capture_session():
+            for s in SIZES:
+                backend.capture_one(ShapeKey(s), lambda s=s: fn(x[:s], cache), capture_inputs=(x, cache))
+    assert backend.num_compilations == 1
+    x.copy_(torch.randn_like(x))
+    cache.copy_(torch.randn_like(cache))
+    for s in SIZES:
+        with torch.no_grad():
+            assert_same(backend.replay(ShapeKey(s)), model(x[:s].clone(), cache.clone()))

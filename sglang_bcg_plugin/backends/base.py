@@ -201,6 +201,11 @@ class CaptureBackend:
         """The output mode of the latest capture session and why (``None`` before the first)."""
         return self._state.resolution
 
+    def size_context(self, size: int) -> contextlib.AbstractContextManager[None]:
+        """What a forward of ``size`` runs in outside :meth:`capture_one` (the forecast's eager
+        forwards): nothing here; Piecewise's compiled callables learn the size from it."""
+        return contextlib.nullcontext()
+
     def capture_one(
         self,
         shape_key: Hashable,

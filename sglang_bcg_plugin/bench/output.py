@@ -110,7 +110,8 @@ def write_json(
     cold: dict[str, Any] | None = None,
 ) -> None:
     """``bench.json``: versions, UTC timestamp, config, rows (with per-size rows), ratios, and
-    ``cold`` (the warm-up's first schedule: :func:`~.runner.cold_summary`; ``null`` off CUDA)."""
+    ``cold`` (the warm-up's first schedule: :func:`~.runner.cold_summary`; ``null`` off CUDA or
+    without a forecast)."""
     doc = {
         "package_version": __version__,
         "torch_version": torch.__version__,

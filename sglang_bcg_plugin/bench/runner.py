@@ -500,7 +500,8 @@ def warm_up(workload: Workload, backends: list[str], sizes: list[int] | None = N
     if sizes and workload.shape.device.startswith("cuda"):
         for name in backends:
             row = run_variant(name, "released", workload, sizes, repeats=1, progress=False, forecast=cold is None)
-            cold = cold or row
+            if cold is None:
+                cold = row
     for name in backends:
         run_variant(name, "off", workload, prefill_capture_sizes(4), repeats=1, progress=False, forecast=False)
     return cold

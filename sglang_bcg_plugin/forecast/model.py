@@ -62,12 +62,14 @@ def simulate(trace: ScaledTrace, sizes: Iterable[int], *, keep_outputs: str, out
     return pool
 
 
-def address_spread(trace: ScaledTrace, sizes: Iterable[int], *, outputs: frozenset[int]) -> tuple[int, int]:
-    """The ``released`` pool with each new segment below every earlier one (the model's order) and
-    above: where they differ, the real pool depends on the addresses cudaMalloc gives its segments."""
+def address_spread(trace: ScaledTrace, sizes: Iterable[int], *, outputs: frozenset[int],
+                   reserve_bytes: int = 0) -> tuple[int, int]:
+    """The ``released`` pool (starting with a free block of ``reserve_bytes``) with each new segment
+    below every earlier one (the model's order) and above: where they differ, the real pool depends
+    on the addresses cudaMalloc gives its segments."""
     sizes = list(sizes)
-    below, above = (simulate(trace, sizes, keep_outputs="none", outputs=outputs, ascending=up).reserved_bytes
-                    for up in (False, True))
+    below, above = (simulate(trace, sizes, keep_outputs="none", outputs=outputs, reserve_bytes=reserve_bytes,
+                             ascending=up).reserved_bytes for up in (False, True))
     return below, above
 
 

@@ -55,8 +55,8 @@ class GraphMemoryForecast:
     driver: DriverShare | None = None
     #: free device memory the probe session lost beyond what PyTorch's allocator reserved.
     probe_driver_bytes: int = 0
-    #: free device memory lost from before the probes to after their cleanup (driver and
-    #: allocator; the allocator's part is every mode's ``probe_left_bytes``).
+    #: free device memory lost from before the forecast (its eager forwards) to after the probes'
+    #: cleanup (driver and allocator; the allocator's part is every mode's ``probe_left_bytes``).
     lasting_bytes: int = 0
 
     @property
@@ -210,7 +210,7 @@ def forecast_schedule(
     probe_sizes = (schedule[0], schedule[-1])
     free_start = device_free_bytes(collect=False)  # what the forecast leaves lost is counted from here
     reserved_start = reserved_bytes()  # after that empty_cache: what the allocator holds in use
-    launch = first_launch_bytes(schedule, forward_for, free_start, reserved_start)
+    launch = first_launch_bytes(backend, schedule, forward_for, free_start, reserved_start)
     # One warmup per probe: the graph pool sees only the capture.
     backend.configure(output_mode="off", stale_output_guard=False, num_warmups=min(options.num_warmups, 1),
                       pool_reserve="off", pool_segments="fixed")  # the probes' requests, the process's allocator
@@ -221,7 +221,8 @@ def forecast_schedule(
         backend.cleanup()
         backend.configure(**{f.name: getattr(options, f.name) for f in dataclasses.fields(options)})
     lasting = max(0, free_start - device_free_bytes(collect=False))
-    # The probes' stream's cuBLAS workspace, kept for the process's life (docs/forecast.md).
+    # What the forecast left reserved: the probes' stream's cuBLAS workspace, and the eager
+    # forwards' where their stream had none; kept for the process's life (docs/forecast.md).
     probe_left = min(lasting, max(0, reserved_bytes() - reserved_start))
     probe_seconds = time.perf_counter() - start
     large, small = traces
@@ -236,24 +237,27 @@ def forecast_schedule(
             configured_mode=configured_mode, expandable=expandable, released_keeps="auto", driver=driver,
             probe_left_bytes=probe_left)
         references = reference_estimates(modes, fitted, schedule, outputs=outputs, expandable=expandable, driver=driver)
-        spread = address_spread(fitted, schedule, outputs=outputs) if not (expandable or reserve_bytes) else (0, 0)
+        spread = (0, 0) if expandable else address_spread(fitted, schedule, outputs=outputs, reserve_bytes=reserve_bytes)
+    remedy = "pool_reserve='auto' starts the pool as one block" if options.pool_reserve == "off" else ""
     caveat = "; ".join(c for c in (EXPANDABLE_CAVEAT if expandable else "", driver_caveat(driver),
-                                   address_caveat(spread, "pool_reserve='auto' starts the pool as one block")) if c)
+                                   address_caveat(spread, remedy)) if c)
     return GraphMemoryForecast(backend.name, tuple(schedule), configured_mode, MappingProxyType(modes), probe_sizes,
                                time.perf_counter() - start, source, MappingProxyType(by_source),
                                MappingProxyType(references), probe_seconds, reserve_bytes, caveat,
                                driver, device.driver_bytes, lasting)
 
 
-def first_launch_bytes(sizes: Sequence[int], forward_for: Callable[[int], Callable[[], Any]],
+def first_launch_bytes(backend: CaptureBackend, sizes: Sequence[int], forward_for: Callable[[int], Callable[[], Any]],
                        free_before: int, reserved_before: int) -> int:
-    """Run one eager forward at each of ``sizes``; the free device memory that took beyond the
-    allocator's growth (``free_before``, ``reserved_before``: read just before, after ``empty_cache``).
-    A kernel's first launch can take driver memory a session pays once (docs/forecast.md, "First
-    launches"); run here, it is measured rather than met during the capture."""
-    with torch.no_grad():
+    """Run one eager forward at each of ``sizes`` (in ``backend.size_context``); the free device
+    memory that took beyond the allocator's growth (``free_before``, ``reserved_before``: read just
+    before, after ``empty_cache``). A kernel's first launch can take driver memory a session pays
+    once (docs/forecast.md, "First launches"); run here, it is measured rather than met during the
+    capture. No collection runs meanwhile (docs/index.md, "GC safety")."""
+    with gc_safe_capture(collect=False), torch.no_grad():
         for n in sizes:
-            forward_for(n)()
+            with backend.size_context(n):
+                forward_for(n)()
     free_after = device_free_bytes(collect=False)
     return max(0, free_before - free_after - (reserved_bytes() - reserved_before))
 

@@ -41,7 +41,7 @@ def test_forecast_is_within_two_percent_of_a_fresh_process_or_says_why(family: s
         Path(out).mkdir(parents=True, exist_ok=True)
         Path(out, "forecast_fresh.json").write_text(json.dumps(ROWS, indent=1))
     assert row["nodes_check"]["ok"], row["nodes_check"]
-    assert row["driver"]["launch_bytes"] >= 0  # the first launches were measured
+    assert "launch_bytes" in row["driver"]  # the first launches were measured
     error = row["forecast_error"]
     assert error is not None
     assert abs(error) <= 0.02 or ADDRESS_CAVEAT in row["caveat"], (family, backend, mode, error, row["caveat"])

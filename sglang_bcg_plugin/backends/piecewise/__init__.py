@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 from collections.abc import Callable, Hashable, Iterable, Mapping
 from typing import Any
 
@@ -100,6 +102,10 @@ class PiecewiseBackend(CaptureBackend):
     def num_compilations(self) -> int:
         """How many FX graphs the compile backend received (1 per model if no recompiles)."""
         return len(self._summaries)
+
+    def size_context(self, size: int) -> contextlib.AbstractContextManager[None]:
+        """The compiled callables know ``size``: they mark the arguments of that extent dynamic."""
+        return capture_size(size)
 
     def capture_one(self, shape_key: Hashable, *args: Any, **kwargs: Any) -> Any:
         """:meth:`CaptureBackend.capture_one`; the compiled callables know the key's size."""
