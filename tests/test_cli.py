@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 
 import os
@@ -409,3 +410,21 @@ def test_docs_state_the_sglang_extra_as_pyproject_does() -> None:
     assert f"`sglang` (`{spec}`" in index and "pins" not in index.split("## Dependencies")[1].split("##")[0]
     start = " ".join((root / "docs" / "getting-started.md").read_text().split())
     assert "~10 s" not in start and "on a first run" in start
+
+
+def test_the_cold_row_is_printed_and_written(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                             capsys: pytest.CaptureFixture[str]) -> None:
+    """Where the warm-up returns its first schedule (CUDA), stderr says what it lost against the
+    forecast with the driver's share, and bench.json holds it as ``cold``."""
+    from sglang_bcg_plugin.bench.runner import BenchRow
+
+    row = BenchRow("breakable", "released", "released", 2, 8, 0, 0, 400 << 20, 1.0, 1.0, 0.0, 0)
+    row.forecast = {"mode": "released", "lasting_bytes": 100 << 20, "modes": {"released": {"total_bytes": 490 << 20}}}
+    monkeypatch.setattr(runner, "warm_up", lambda *a, **k: row)
+    assert main(["bench", "--backends", "full", "--variants", "on", *TINY, "--out", str(tmp_path)]) == 0
+    err = capsys.readouterr().err
+    assert ("first schedule of this process (breakable/released, cold): lost 500.0 MiB, forecast with the "
+            "driver's share 490.0 MiB (-2.0 %)") in err
+    cold = json.loads((tmp_path / "bench.json").read_text())["cold"]
+    assert cold == {"backend": "breakable", "variant": "released", "num_sizes": 2, "lost_bytes": 500 << 20,
+                    "forecast_bytes": 490 << 20, "forecast_error": pytest.approx(-0.02)}
