@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import contextlib
-
 from collections.abc import Callable, Hashable, Iterable, Mapping
 from typing import Any
 
