@@ -40,7 +40,9 @@ def swept(row: dict[str, Any]) -> bool:
 
 
 def _name(row: dict[str, Any]) -> str:
-    return f"{row['model']}/{row['backend']}/{row['mode']}"
+    """model/backend/mode, then the schedule and the pool reserve where not the defaults."""
+    extra = [row[k] for k, default in (("schedule", "prefill"), ("pool_reserve", "off")) if row.get(k, default) != default]
+    return "/".join([row["model"], row["backend"], row["mode"], *extra])
 
 
 def _traces(row: dict[str, Any]) -> tuple[Any, Any]:
