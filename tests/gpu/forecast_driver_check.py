@@ -23,8 +23,9 @@ Prints one line per process and writes ``forecast_driver.json`` under ``--out`` 
 (free device memory is the whole device's); once ``--budget-s`` (default 200) has passed, none
 is started and the rest are listed as skipped, so the run ends within four minutes. ``--schedule``
 (``prefill``, ``pow2``, ``decode``) picks the sizes, ``--pool-reserve auto`` starts the pool as one
-block; ``--models``, ``--backends``,
-``--modes`` pick a subset. A measurement, not a test: it fails only if a process fails.
+block; ``--models``, ``--backends``, ``--modes`` pick a subset. ``BCG_TRACE_SESSION=1`` keeps the
+allocator's events of the capture session (``session_events``) and every segment's address at the
+end (``pool_segment_addresses``). A measurement, not a test: it fails only if a process fails.
 """
 
 from __future__ import annotations
@@ -163,10 +164,18 @@ def run_case(model: str, backend_name: str, mode: str, max_tokens: int, schedule
     free_probed, reserved_probed = device_free_bytes(), torch.cuda.memory_reserved()
     stacks["probed"] = _stack_bytes()
     kept["probed"] = _kept_segments()
+    trace_session = os.environ.get("BCG_TRACE_SESSION") == "1"
+    if trace_session:  # a diagnostic: the allocator's events of the capture session, addresses included
+        torch.cuda.memory._record_memory_history(enabled="all", context=None, stacks="python", max_entries=1_000_000)
     with torch.no_grad(), backend.capture_session():
         for n in sizes:
             backend.capture_one(ShapeKey(n), forward_for(n), capture_inputs=static,
                                 post_warmup_hook=workload.post_warmup_hook)
+    session_events = None
+    if trace_session:
+        session_events = [[e["action"], int(e["addr"]), int(e["size"]), int(e.get("stream", 0))]
+                          for e in torch.cuda.memory._snapshot()["device_traces"][torch.cuda.current_device()]]
+        torch.cuda.memory._record_memory_history(enabled=None)
     free_after = device_free_bytes()
     reserved_after = torch.cuda.memory_reserved()
     stacks["after"] = _stack_bytes()
@@ -186,7 +195,9 @@ def run_case(model: str, backend_name: str, mode: str, max_tokens: int, schedule
         "session_reserved_bytes": reserved_after - reserved_probed,
         "warm_sizes": os.environ.get("BCG_WARM_SIZES") == "1",
         "module_loading": os.environ.get("CUDA_MODULE_LOADING", ""), "stack_bytes": stacks,
-        "kept_segments": kept,
+        "kept_segments": kept, "session_events": session_events,
+        "pool_segment_addresses": [[int(seg["address"]), int(seg["total_size"]), list(seg.get("segment_pool_id", (0, 0)))]
+                                   for seg in torch.cuda.memory._snapshot()["segments"]],
         "session_drop_bytes": report.measured_graph_bytes, "report_lost_bytes": report.lost_bytes,
         "lasting_bytes": fc.lasting_bytes, "probe_driver_bytes": fc.probe_driver_bytes,
         "forecast_bytes": f.total_bytes, "allocator_bytes": f.allocator_bytes, "driver_bytes": f.driver_bytes,
