@@ -18,19 +18,25 @@ from typing import Any
 import pytest
 
 from sglang_bcg_plugin.forecast import ScaledTrace, pool_trace
-from sglang_bcg_plugin.forecast.driver import DriverShare
+from sglang_bcg_plugin.forecast.driver import DRIVER_COEFFICIENTS, DriverShare
 from sglang_bcg_plugin.forecast.model import address_caveat, address_spread, schedule_forecast
 from sglang_bcg_plugin.forecast.probe import output_allocs
 
 DATA = Path(__file__).parent / "data" / "forecast" / "h200_fresh_processes.json.gz"
 ROWS: list[dict[str, Any]] = json.loads(gzip.decompress(DATA.read_bytes()))["rows"]
 #: rows still outside the bound, and why (docs/forecast.md, "Fresh processes, five model families")
-POOL_ADDRESSES = ("the graph pool took 26 MiB more than the allocator model has (324 against 298 MiB, Full "
-                  "released): on Qwen2's schedule alone, which free block a request takes depends on the "
-                  "addresses cudaMalloc gave the pool's segments, which no forecast knows (a second capture "
-                  "of the schedule in one process took the model's 298)")
-KNOWN_MISSES = {name: POOL_ADDRESSES for name in (
-    "qwen2/full/released", "qwen2/full/on", "qwen2/full/off", "qwen2/breakable/on", "qwen2/breakable/off")}
+POOL_ADDRESSES = ("the graph pool took more than the allocator model has (prefill Full released: 324 against 298 "
+                  "MiB): on Qwen2's schedules alone, which free block a request takes depends on the addresses "
+                  "cudaMalloc gave the pool's segments, which no forecast knows (a second capture of the schedule "
+                  "in one process took the model's 298; Breakable on took it in one fresh process and 26 MiB more "
+                  "in another; with pool_reserve='auto' every Qwen2 row is within 0.2 %)")
+DRIVER_PER_GRAPH = ("the driver's share of 340 small graphs: the session lost 6 MiB beyond the coefficients "
+                    "(106 KiB per graph and 2.5 KiB per node, fitted on tests/gpu/driver_cost.py's graphs; the "
+                    "families' sessions fit 113 and 2.5), 2.4 % of a 256 MiB total")
+ADDRESS_MISSES = ("qwen2/full/released", "qwen2/full/on", "qwen2/full/off", "qwen2/breakable/released",
+                  "qwen2/breakable/off", "qwen2/full/released/pow2", "qwen2/breakable/released/pow2")
+KNOWN_MISSES = {**{name: POOL_ADDRESSES for name in ADDRESS_MISSES},
+                "gpt_neox/breakable/released/decode": DRIVER_PER_GRAPH}
 
 
 def swept(row: dict[str, Any]) -> bool:
@@ -52,19 +58,26 @@ def _traces(row: dict[str, Any]) -> tuple[Any, Any]:
                             segments) for n in (sizes[0], sizes[-1]))  # type: ignore[return-value]
 
 
+def _paid(row: dict[str, Any]) -> int:
+    """What the forecast's first launches and probes left lost beyond the probes' stream, as
+    ``forecast_schedule`` measures it."""
+    return max(0, row["lasting_bytes"] - row["forecast"]["modes"][row["mode"]]["probe_left_bytes"])
+
+
 def _rebuilt(row: dict[str, Any]) -> int:
     """The configured mode's total, rebuilt from the row's probes with today's model."""
     p = row["probes"]
     sizes = p["sizes"]
     large, small = _traces(row)
     d = row["driver"]
-    driver = DriverShare(d["graphs"], d["nodes"], d["on_copy_nodes"], d["first_capture"], d["nodes_counted"],
-                         launch_bytes=d.get("launch_bytes", 0))
     recorded = row["forecast"]["modes"][row["mode"]]
+    driver = DriverShare(d["graphs"], d["nodes"], d["on_copy_nodes"], d["first_capture"], d["nodes_counted"],
+                         launch_bytes=d.get("launch_bytes", 0), paid_bytes=_paid(row))
     modes, *_ = schedule_forecast(
         ScaledTrace.fit(large, small), sizes, outputs=output_allocs(large, [p["largest_output_bytes"]]),
         largest_output_bytes=p["largest_output_bytes"], stream_bytes=recorded["stream_bytes"],
-        source="auto", configured_mode=row["mode"], released_keeps="auto", driver=driver,
+        source="auto", pool_reserve=row.get("pool_reserve", "off"), configured_mode=row["mode"],
+        released_keeps="auto", driver=driver,
         probe_left_bytes=recorded["probe_left_bytes"])
     return modes[row["mode"]].total_bytes
 
@@ -82,7 +95,7 @@ def test_the_first_launches_are_what_the_session_no_longer_loses() -> None:
     """Where the forecast ran every size first, the capture session lost what its graphs account
     for: within 4 MiB (two of the driver's 2 MiB steps) of its reserved growth plus the driver's
     per-graph and per-node cost. Before the sweep, 6 to 8.5 MiB more on every family's row."""
-    checked = 0
+    checked = launched = 0
     for row in ROWS:
         if not swept(row) or "session_lost_bytes" not in row or _name(row) in KNOWN_MISSES:
             continue
@@ -90,26 +103,33 @@ def test_the_first_launches_are_what_the_session_no_longer_loses() -> None:
         per_graph = DriverShare(d["graphs"], d["nodes"], d["on_copy_nodes"], first_capture=False)
         beyond = row["session_lost_bytes"] - row["session_reserved_bytes"] - per_graph.bytes_for(row["mode"])
         assert abs(beyond) <= 4 * 2**20, (_name(row), beyond / 2**20)
-        assert d["launch_bytes"] > 0  # the first launches took driver memory on every family
+        launched += d["launch_bytes"] > 0  # the first launches took driver memory (not at pow2's sizes)
         checked += 1
-    assert checked >= 10
+    assert checked >= 10 and launched >= 10
 
 
 def test_the_rebuilt_forecast_is_the_devices_where_the_model_did_not_change() -> None:
-    """The offline rebuild is the device's pipeline: every row but the one the small shared buffer's
-    segment fixed (synthetic Full ``on``: a 5.6 MiB buffer takes a 20 MiB segment) is reproduced
-    to the byte."""
-    changed = {_name(r) for r in ROWS if _rebuilt(r) != r["forecast_bytes"]}  # new rows: today's model
-    assert changed == {"synthetic/full/on"}
-    row = next(r for r in ROWS if _name(r) == "synthetic/full/on")
-    assert _rebuilt(row) - row["forecast_bytes"] == 20 * 2**20 - row["probes"]["largest_output_bytes"]
+    """The offline rebuild is the device's pipeline: every row differs from the forecast the device
+    recorded by what today's model changed alone. Rows recorded before the driver's once-paid
+    bytes were measured differ by those in place of the first launches and the first-capture
+    coefficient; synthetic Full ``on`` also by the small shared buffer's segment (a 5.6 MiB
+    buffer takes a 20 MiB segment)."""
+    coefficient = DRIVER_COEFFICIENTS.first_capture_bytes
+    for row in ROWS:
+        d = row["driver"]
+        once = d["paid_bytes"] if d.get("paid_bytes") is not None else (
+            d.get("launch_bytes", 0) + (coefficient if d["first_capture"] else 0))
+        expected = row["forecast_bytes"] + _paid(row) - once
+        if _name(row) == "synthetic/full/on":
+            expected += 20 * 2**20 - row["probes"]["largest_output_bytes"]
+        assert _rebuilt(row) == expected, _name(row)
 
 
 def test_known_misses_still_miss() -> None:
     """The rows named in KNOWN_MISSES are outside the bound (remove them from it once fixed)."""
     for row in ROWS:
         if _name(row) in KNOWN_MISSES:
-            assert abs(_rebuilt(row) - row["lost_bytes"]) / row["lost_bytes"] > 0.025, _name(row)
+            assert abs(_rebuilt(row) - row["lost_bytes"]) / row["lost_bytes"] > (0.02 if swept(row) else 0.025), _name(row)
 
 
 def test_the_forecast_warns_where_the_pools_addresses_made_it_miss() -> None:
@@ -124,5 +144,5 @@ def test_the_forecast_warns_where_the_pools_addresses_made_it_miss() -> None:
         if address_caveat(spread):
             warned.add(_name(row))
             assert f"{spread[0] / 2**20:.1f} MiB as modelled, {spread[1] / 2**20:.1f} MiB" in address_caveat(spread)
-    assert set(KNOWN_MISSES) <= warned
+    assert set(ADDRESS_MISSES) <= warned
     assert all(r["model"] == "qwen2" for r in ROWS if _name(r) in warned), warned

@@ -40,7 +40,10 @@ DRIVER_COEFFICIENTS = DriverCoefficients(69 * MIB, 106 * KIB, 2560, "NVIDIA H200
 class DriverShare:
     """The driver's share of one schedule's capture: the graphs it leaves alive, their nodes (0
     unless ``nodes_counted``), the copy nodes mode ``on`` adds, whether it pays the first capture,
-    and ``launch_bytes``: what first launches at the schedule's sizes took (measured, not modelled)."""
+    ``launch_bytes``: what first launches at the schedule's sizes took (measured, not modelled),
+    and ``paid_bytes``: where measured, what the process's first launches and first captures
+    already took beyond the allocator, in place of ``launch_bytes`` and the first-capture
+    coefficient (``None``: not measured)."""
 
     graphs: int
     nodes: int
@@ -49,25 +52,36 @@ class DriverShare:
     nodes_counted: bool = True
     coefficients: DriverCoefficients = DRIVER_COEFFICIENTS
     launch_bytes: int = 0
+    paid_bytes: int | None = None
+
+    @property
+    def once_bytes(self) -> int:
+        """What the process pays once: ``paid_bytes`` where measured, else the first launches and
+        the first-capture coefficient (where it pays it)."""
+        if self.paid_bytes is not None:
+            return self.paid_bytes
+        return self.launch_bytes + (self.coefficients.first_capture_bytes if self.first_capture else 0)
 
     def bytes_for(self, mode: str) -> int:
         """The driver's bytes with output mode ``mode``."""
         nodes = self.nodes + (self.on_copy_nodes if mode == "on" else 0)
-        return self.launch_bytes + self.coefficients.bytes_for(self.graphs, nodes, first_capture=self.first_capture)
+        return self.once_bytes + self.coefficients.bytes_for(self.graphs, nodes, first_capture=False)
 
     def per_size_bytes(self, sizes: int, mode: str) -> tuple[int, int]:
-        """The first size's bytes (with the first-capture cost) and every other size's, the graphs
-        and nodes split evenly over ``sizes``."""
+        """The first size's bytes (with what the process pays once) and every other size's, the
+        graphs and nodes split evenly over ``sizes``."""
         all_nodes = self.nodes + (self.on_copy_nodes if mode == "on" else 0)
         graphs, nodes = self.graphs / max(sizes, 1), all_nodes / max(sizes, 1)
-        return (self.launch_bytes + self.coefficients.bytes_for(graphs, nodes, first_capture=self.first_capture),
-                self.coefficients.bytes_for(graphs, nodes, first_capture=False))
+        each = self.coefficients.bytes_for(graphs, nodes, first_capture=False)
+        return self.once_bytes + each, each
 
     def describe(self) -> str:
         nodes = f"{self.nodes:,} nodes" if self.nodes_counted else "nodes not counted"
         first = "with" if self.first_capture else "without"
         launches = f", first launches {self.launch_bytes / MIB:.1f} MiB" if self.launch_bytes else ""
-        return f"{self.graphs:,} graphs, {nodes}, {first} the first-capture cost{launches}"
+        paid = "" if self.paid_bytes is None else (
+            f"; {self.paid_bytes / MIB:.1f} MiB measured once in place of both")
+        return f"{self.graphs:,} graphs, {nodes}, {first} the first-capture cost{launches}{paid}"
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -230,7 +230,10 @@ def forecast_schedule(
     with gc_safe_capture(collect=False):
         fitted, outputs = ScaledTrace.fit(large, small), output_allocs(large, largest_output)
         expandable = expandable_segments() or options.pool_segments == "expandable"
-        driver = dataclasses.replace(probe_driver_share(device, schedule, len(largest_output)), launch_bytes=launch)
+        # what the first launches and the probes left with the driver is measured: the session pays
+        # only its own graphs (docs/forecast.md, "The driver's share")
+        driver = dataclasses.replace(probe_driver_share(device, schedule, len(largest_output)), launch_bytes=launch,
+                                     paid_bytes=max(0, lasting - probe_left))
         modes, by_source, source, reserve_bytes = schedule_forecast(
             fitted, schedule, outputs=outputs, largest_output_bytes=sum(largest_output), stream_bytes=stream_bytes,
             bridge_bytes=bridges, source=options.shared_buffer, pool_reserve=options.pool_reserve,
