@@ -540,7 +540,8 @@ def test_the_caveat_warns_where_the_pool_depends_on_its_addresses(
     so, naming ``pool_reserve="auto"`` only where the backend does not use it already."""
     fresh = Path(__file__).parent / "data" / "forecast" / "h200_fresh_processes.json.gz"
     rows = json.loads(gzip.decompress(fresh.read_bytes()))["rows"]
-    case = next(r for r in rows if (r["model"], r["backend"], r["mode"]) == ("qwen2", "full", "released"))["probes"]
+    case = next(r for r in rows if (r["model"], r["backend"], r["mode"], r.get("schedule", "prefill"),
+                                    r.get("pool_reserve", "off")) == ("qwen2", "full", "released", "prefill", "off"))["probes"]
     allocator.pool_segments = RecordedAllocator(case["pool_segments"]).pool_segments
     DeviceMemory(monkeypatch, sum(n for _, n in case["pool_segments"]))
     options = BackendOptions(output_mode="released", pool_reserve=reserve)  # type: ignore[arg-type]
@@ -549,3 +550,61 @@ def test_the_caveat_warns_where_the_pool_depends_on_its_addresses(
     if reserve == "off":
         assert "depends on the addresses cudaMalloc gives its segments (released: 298.0 MiB" in fc.caveat
     assert ("pool_reserve='auto'" in fc.caveat) is remedy, fc.caveat
+
+
+def _with_a_size_one_path(case: dict[str, Any]) -> dict[str, Any]:
+    """``case`` (probes at its largest and smallest size) with a schedule down to 1 token whose
+    size-1 forward takes another path: one more allocation and free in the pool (as SDPA's or a
+    GEMV's size-1 path does); the sizes between behave as the smallest recorded."""
+    sizes = case["sizes"]
+    low = sizes[-1]
+    base = case["probes"][str(low)]
+    addr = next(x for a, x, _ in base if a == "alloc")
+    odd = [*base, ["alloc", addr + 512, 512], ["free_requested", addr + 512, 512], ["free_completed", addr + 512, 512]]
+    probes = {**case["probes"], "1": odd, "2": base}
+    return {**case, "sizes": [*sizes, 2, 1], "probes": probes}
+
+
+def test_a_size_whose_forward_takes_another_path_is_probed_alone(
+        allocator: RecordedAllocator, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Decode schedules start at 1 token, where a forward often allocates in another sequence: the
+    largest's and the smallest's allocations cannot be paired. The forecast probes the next size
+    up in the same session (one stream, one pool) and fits the line through the largest and that
+    one; size 1 stands for itself, as its probe recorded it (H200: gpt_neox and phi3 Full)."""
+    case = _with_a_size_one_path(_case("synthetic/full"))
+    allocator.pool_segments = RecordedAllocator(case["pool_segments"]).pool_segments
+    DeviceMemory(monkeypatch, sum(n for _, n in case["pool_segments"]))
+    backend = RecordedBackend(case, allocator, BackendOptions(output_mode="released"))
+    fc = probe.forecast_schedule(backend, case["sizes"], lambda n: lambda: None, configured_mode="released")
+    top = max(case["sizes"])
+    assert fc.probe_sizes == (top, 1, 2) and backend.sessions == ["off"]  # one probe session
+    assert f"probes {top}, 1 and 2" in fc.format()
+    # by hand: the lines through the largest and 2, size 1 as recorded
+    from sglang_bcg_plugin.forecast import pool_trace
+    from sglang_bcg_plugin.forecast.trace import ScaledTrace, output_allocs
+
+    segments = [tuple(s) for s in case["pool_segments"]]
+    trace = {n: pool_trace(n, [{"action": a, "addr": x, "size": b} for a, x, b in case["probes"][str(n)]], segments)
+             for n in (top, 1, 2)}
+    fitted = ScaledTrace.fit(trace[top], trace[2]).with_alone([(trace[1], frozenset())])
+    assert fitted.at(1) == trace[1] and fitted.at(3).ops != trace[1].ops
+    outputs = output_allocs(trace[top], [case["largest_output_bytes"]])
+    from sglang_bcg_plugin.forecast.model import simulate
+
+    released = simulate(fitted, case["sizes"], keep_outputs="none", outputs=outputs).reserved_bytes
+    assert fc.modes["released"].working_set_bytes == released
+
+
+def test_a_forecast_whose_sizes_never_pair_says_so(allocator: RecordedAllocator, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where none of the next sizes up pairs with the largest either, the forecast is refused with
+    the pairing's reason, as before, and the backend is restored."""
+    case = _with_a_size_one_path(_case("synthetic/full"))
+    odd = case["probes"]["1"]
+    case["probes"] = {**case["probes"], **{str(n): odd for n in case["sizes"][-4:-1]}}
+    allocator.pool_segments = RecordedAllocator(case["pool_segments"]).pool_segments
+    DeviceMemory(monkeypatch, sum(n for _, n in case["pool_segments"]))
+    backend = RecordedBackend(case, allocator, BackendOptions(output_mode="released"))
+    with pytest.raises(probe.ForecastError, match="differ in sequence and cannot be paired"):
+        probe.forecast_schedule(backend, case["sizes"], lambda n: lambda: None, configured_mode="released")
+    assert backend.captured == [] and backend.options.output_mode == "released"
+    assert len(backend.sessions) == 1

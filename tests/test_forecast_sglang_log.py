@@ -184,7 +184,8 @@ def test_the_log_line_warns_where_the_pool_depends_on_its_addresses(
     took 26 MiB more than forecast), Gemma's does not."""
     fresh = Path(__file__).parent / "data" / "forecast" / "h200_fresh_processes.json.gz"
     rows = json.loads(gzip.decompress(fresh.read_bytes()))["rows"]
-    p = next(r for r in rows if (r["model"], r["backend"], r["mode"]) == (family, "full", "released"))["probes"]
+    p = next(r for r in rows if (r["model"], r["backend"], r["mode"], r.get("schedule", "prefill"),
+                                 r.get("pool_reserve", "off")) == (family, "full", "released", "prefill", "off"))["probes"]
     events = [{"action": a, "addr": x, "size": n} for a, x, n in p["probes"][str(p["sizes"][0])]]
     fc = SessionForecast(SimpleNamespace(capture_num_tokens=p["sizes"]), "released", lambda: None,
                          environ={"SGLANG_BCG_FORECAST": "1"})

@@ -56,7 +56,7 @@ def simulate(trace: ScaledTrace, sizes: Iterable[int], *, keep_outputs: str, out
         key = at[size] if at is not None else trace.at(size)
         handles = pool.run(key.ops)
         if keep_outputs == "none" or (keep_outputs == "first" and rank > 0):
-            for i in outputs:
+            for i in trace.outputs_at(size, outputs):
                 if i in handles:
                     pool.free(handles.pop(i))
     return pool

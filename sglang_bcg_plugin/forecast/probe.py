@@ -37,7 +37,9 @@ class GraphMemoryForecast:
     sizes: tuple[int, ...]
     mode: str
     modes: MappingProxyType[str, ModeForecast] = field(default_factory=lambda: MappingProxyType({}))
-    probe_sizes: tuple[int, int] = (0, 0)
+    #: the sizes probed: the largest, the smallest, then any probed because the smallest's
+    #: allocations did not pair with the largest's (:func:`fit_probes`)
+    probe_sizes: tuple[int, ...] = (0, 0)
     seconds: float = 0.0
     #: the shared buffer's source ``on`` is forecast with (``shared_buffer="auto"``: the cheaper).
     buffer_source: str = "reserve"
@@ -88,8 +90,8 @@ class GraphMemoryForecast:
 
     def format(self) -> str:
         lines = [f"{self.backend}: graph memory forecast for {len(self.sizes)} sizes up to "
-                 f"{self.sizes[0] if self.sizes else 0} tokens (probes {self.probe_sizes[0]} and "
-                 f"{self.probe_sizes[1]}, {self.seconds:.1f} s; on with the {self.buffer_source} buffer"
+                 f"{self.sizes[0] if self.sizes else 0} tokens (probes {_and(self.probe_sizes)}, "
+                 f"{self.seconds:.1f} s; on with the {self.buffer_source} buffer"
                  + (f"; the pool starts with one {self.pool_reserve_bytes / MIB:.0f} MiB block" if self.pool_reserve_bytes else "")
                  + "):"]
         for m in MODES:
@@ -106,6 +108,10 @@ class GraphMemoryForecast:
         if self.caveat:
             lines.append(f"  caveat: {self.caveat}")
         return "\n".join(lines)
+
+
+def _and(sizes: Sequence[int]) -> str:
+    return ", ".join(map(str, sizes[:-1])) + f" and {sizes[-1]}" if len(sizes) > 1 else "".join(map(str, sizes))
 
 
 def _pool_segments() -> list[tuple[tuple[int, ...], int, int]]:
@@ -129,13 +135,21 @@ class ProbeDevice:
 
 
 def _probe(backend: CaptureBackend, sizes: Sequence[int], forward_for: Callable[[int], Callable[[], Any]],
-           capture_inputs: Any) -> tuple[list[KeyTrace], list[int], int, int, ProbeDevice]:
-    """Capture ``sizes`` (largest first): their pool traces, the largest's output storage bytes, the
-    bridge bytes, the stream's bytes (reserved outside the graph pool) and the device figures."""
+           capture_inputs: Any, upward: Sequence[int] = ()) -> tuple[list[KeyTrace], list[list[int]], int, int, ProbeDevice]:
+    """Capture ``sizes`` (largest first), then, while the largest's and the last probe's traces
+    cannot be paired (:func:`_fit`), the next of ``upward``: their pool traces, each one's output
+    storage bytes, the bridge bytes, the stream's bytes (reserved outside the graph pool) and the
+    device figures."""
     pools = {pool for pool, _, _ in _pool_segments()}
     torch.cuda.memory._record_memory_history(enabled="all", context=None, stacks="python", max_entries=1_000_000)
     events: list[list[dict[str, Any]]] = []
-    largest_output: list[int] = []
+    output_bytes: list[list[int]] = []
+    queue, more = list(sizes), list(upward)
+
+    def traces() -> list[KeyTrace]:
+        segments = [(addr, nbytes) for pool, addr, nbytes in _pool_segments() if pool not in pools]
+        return [pool_trace(n, ev, segments) for n, ev in zip(queue, events, strict=True)]
+
     try:
         # No collection: free memory is measured inside the session (docs/index.md, "GC safety").
         with gc_safe_capture(collect=False), torch.no_grad(), backend.capture_session(), counting_captures() as count:
@@ -143,15 +157,19 @@ def _probe(backend: CaptureBackend, sizes: Sequence[int], forward_for: Callable[
             reserved_before = reserved_bytes()
             cursor = len(torch.cuda.memory._snapshot()["device_traces"][torch.cuda.current_device()])
             counts = []
-            for n in sizes:
+            while len(events) < len(queue):
+                n = queue[len(events)]
                 before = count.copy()
                 out = backend.capture_one(ShapeKey(n), forward_for(n), capture_inputs=capture_inputs)
                 counts.append(count.since(before, n))
                 trace = torch.cuda.memory._snapshot()["device_traces"][torch.cuda.current_device()]
                 events.append(trace[cursor:])
                 cursor = len(trace)
-                if not largest_output:
-                    largest_output = [t.untyped_storage().nbytes() for _, t in flatten(out)[1]]
+                output_bytes.append([t.untyped_storage().nbytes() for _, t in flatten(out)[1]])
+                if len(events) == len(queue) and more:
+                    probed = traces()
+                    if _fit(probed[0], probed[-1]) is None:
+                        queue.append(more.pop(0))
             free_after = device_free_bytes(collect=False)
             reserved_after = reserved_bytes()
         segments = [(addr, nbytes) for pool, addr, nbytes in _pool_segments() if pool not in pools]
@@ -162,8 +180,39 @@ def _probe(backend: CaptureBackend, sizes: Sequence[int], forward_for: Callable[
     grown = reserved_after - reserved_before
     outside_pool = max(0, grown - sum(n for _, n in segments) - slack)
     driver = max(0, free_before - free_after - grown)
-    traces = [pool_trace(n, ev, segments) for n, ev in zip(sizes, events, strict=True)]
-    return traces, largest_output, bridges, outside_pool, ProbeDevice(tuple(counts), driver)
+    return traces(), output_bytes, bridges, outside_pool, ProbeDevice(tuple(counts), driver)
+
+
+def _fit(large: KeyTrace, small: KeyTrace) -> ScaledTrace | None:
+    """:meth:`ScaledTrace.fit` of the two, ``None`` where their allocations cannot be paired."""
+    try:
+        with gc_safe_capture(collect=False):  # many short-lived objects (docs/index.md, "GC safety")
+            return ScaledTrace.fit(large, small)
+    except ForecastError:
+        return None
+
+
+def fit_probes(traces: Sequence[KeyTrace], output_bytes: Sequence[Sequence[int]]) -> ScaledTrace:
+    """The lines through the first probe (the largest size) and the last one its allocations pair
+    with; the probes between them, each a size whose forward allocates in another sequence, stand
+    for their sizes alone (:attr:`ScaledTrace.alone`).
+
+    :raises ForecastError: the largest pairs with none of the others."""
+    large = traces[0]
+    for j in range(len(traces) - 1, 0, -1):
+        fitted = _fit(large, traces[j])
+        if fitted is not None:
+            alone = [(t, output_allocs(t, out)) for t, out in zip(traces[j + 1:], output_bytes[j + 1:], strict=True)]
+            return fitted.with_alone(alone)
+    ScaledTrace.fit(large, traces[1])  # raises the pairing's own error
+    others = ", ".join(str(t.size) for t in traces[2:])
+    msg = f"forecast: the forward's allocations at {large.size} tokens pair with none of the probes' ({others} too)"
+    raise ForecastError(msg)
+
+
+#: Sizes a forecast probes beyond the largest and the smallest where their allocations cannot be
+#: paired (the next sizes up from the smallest: a size-1 forward often takes another path).
+MAX_ALONE_PROBES = 3
 
 
 def _checked_sizes(name: str, sizes: Iterable[int]) -> list[int]:
@@ -215,8 +264,8 @@ def forecast_schedule(
     backend.configure(output_mode="off", stale_output_guard=False, num_warmups=min(options.num_warmups, 1),
                       pool_reserve="off", pool_segments="fixed")  # the probes' requests, the process's allocator
     try:
-        traces, largest_output, bridges, stream_bytes, device = _probe(backend, probe_sizes, forward_for,
-                                                                       capture_inputs)
+        traces, output_bytes, bridges, stream_bytes, device = _probe(backend, probe_sizes, forward_for, capture_inputs,
+                                                                     upward=schedule[-2:0:-1][:MAX_ALONE_PROBES])
     finally:
         backend.cleanup()
         backend.configure(**{f.name: getattr(options, f.name) for f in dataclasses.fields(options)})
@@ -225,10 +274,11 @@ def forecast_schedule(
     # forwards' where their stream had none; kept for the process's life (docs/forecast.md).
     probe_left = min(lasting, max(0, reserved_bytes() - reserved_start))
     probe_seconds = time.perf_counter() - start
-    large, small = traces
+    largest_output = output_bytes[0]
+    fitted = fit_probes(traces, output_bytes)
     # The model's many short-lived objects would trigger collections (docs/index.md, "GC safety").
     with gc_safe_capture(collect=False):
-        fitted, outputs = ScaledTrace.fit(large, small), output_allocs(large, largest_output)
+        outputs = output_allocs(traces[0], largest_output)
         expandable = expandable_segments() or options.pool_segments == "expandable"
         # what the first launches and the probes left with the driver is measured: the session pays
         # only its own graphs (docs/forecast.md, "The driver's share")
@@ -244,7 +294,8 @@ def forecast_schedule(
     remedy = "pool_reserve='auto' starts the pool as one block" if options.pool_reserve == "off" else ""
     caveat = "; ".join(c for c in (EXPANDABLE_CAVEAT if expandable else "", driver_caveat(driver),
                                    address_caveat(spread, remedy)) if c)
-    return GraphMemoryForecast(backend.name, tuple(schedule), configured_mode, MappingProxyType(modes), probe_sizes,
+    return GraphMemoryForecast(backend.name, tuple(schedule), configured_mode, MappingProxyType(modes),
+                               tuple(t.size for t in traces),
                                time.perf_counter() - start, source, MappingProxyType(by_source),
                                MappingProxyType(references), probe_seconds, reserve_bytes, caveat,
                                driver, device.driver_bytes, lasting)

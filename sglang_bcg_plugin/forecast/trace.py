@@ -84,6 +84,19 @@ class ScaledTrace:
 
     shape: tuple[tuple[int, int], ...]  # ops with frees as in the probes, allocs' bytes unused
     lines: tuple[tuple[float, float], ...]  # per op: (a, b) of bytes = a + b * size (allocs)
+    #: sizes whose forward allocates in another sequence than the lines', each as its probe
+    #: recorded it, with the indices of its output allocs (:meth:`with_alone`)
+    alone: tuple[tuple[KeyTrace, frozenset[int]], ...] = ()
+
+    def with_alone(self, traces: Sequence[tuple[KeyTrace, frozenset[int]]]) -> ScaledTrace:
+        """This trace, with ``traces`` (each a probe's :class:`KeyTrace` and its output allocs)
+        standing for their sizes."""
+        return ScaledTrace(self.shape, self.lines, tuple(traces))
+
+    def outputs_at(self, size: int, outputs: frozenset[int]) -> frozenset[int]:
+        """The output allocs of the trace at ``size``: ``outputs`` (the lines') unless ``size`` is
+        one of :attr:`alone`."""
+        return next((outs for trace, outs in self.alone if trace.size == size), outputs)
 
     @classmethod
     def fit(cls, large: KeyTrace, small: KeyTrace) -> ScaledTrace:
@@ -125,7 +138,11 @@ class ScaledTrace:
         return cls(shape, lines)
 
     def at(self, size: int) -> KeyTrace:
-        """The trace at ``size`` tokens (bytes rounded up to whole bytes, at least 1)."""
+        """The trace at ``size`` tokens (bytes rounded up to whole bytes, at least 1); a size of
+        :attr:`alone` as its probe recorded it."""
+        for trace, _ in self.alone:
+            if trace.size == size:
+                return trace
         ops = []
         for (kind, v), (a, b) in zip(self.shape, self.lines, strict=True):
             ops.append((kind, v) if kind == 1 else (0, max(1, int(-(-(a + b * size) // 1)))))

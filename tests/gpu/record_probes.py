@@ -57,7 +57,8 @@ def recording() -> Iterator[list[dict[str, Any]]]:
 
     def probe_sizes(*args: Any, **kwargs: Any) -> Any:
         result = probe_run(*args, **kwargs)
-        forecasts[-1]["largest_output_bytes"] = int(sum(result[1]))
+        forecasts[-1]["largest_output_bytes"] = int(sum(result[1][0]))
+        forecasts[-1]["output_bytes"] = [[int(b) for b in out] for out in result[1]]  # per probe, in order
         return result
 
     probe.forecast_schedule, probe.pool_trace, probe._probe = forecast_schedule, pool_trace, probe_sizes
