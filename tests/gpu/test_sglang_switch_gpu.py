@@ -154,14 +154,14 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
             status, body = admin(srv.base)
             assert status == 200, f"fresh {mode}: GET /bcg/output_mode answered {status}: {body}"
             one = [check.generate(srv.base, p, NEW_TOKENS, REQUEST_S)["output_ids"] for p in prompts]
-            with Load(check, srv.base, prompts) as load:
+            with Load(check, srv.base, prompts) as traffic:
                 time.sleep(CONTROL_S)
             found["fresh"][mode] = {"get": body, "memory": memory(body), "one_at_a_time": one,
-                                    "control": load.answers}
+                                    "control": traffic.answers}
         save()
     with Server(check, model, "on", out / "switch-live.log") as srv:  # 2. the switch
         found["initial"] = admin(srv.base)[1]
-        with Load(check, srv.base, prompts) as load:
+        with Load(check, srv.base, prompts) as traffic:
             time.sleep(SETTLE_S)
             for i, mode in enumerate(SEQUENCE):
                 second: dict[str, Any] = {}
@@ -187,7 +187,7 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
                                           "second": second or None})
                 print(f"switch to {mode}: {status} in {body.get('seconds')} s; {json.dumps(memory(after))}", flush=True)
                 save()
-        found["answers"] = load.answers
+        found["answers"] = traffic.answers
     save()
     return found
 
