@@ -154,3 +154,53 @@ def test_the_forecast_warns_where_the_pools_addresses_made_it_miss() -> None:
             assert f"{spread[0] / 2**20:.1f} MiB as modelled, {spread[1] / 2**20:.1f} MiB" in address_caveat(spread)
     assert set(ADDRESS_MISSES) <= warned
     assert all(r["model"] == "qwen2" for r in ROWS if _name(r) in warned), warned
+
+
+SESSION = DATA.with_name("h200_qwen2_fresh_session.json.gz")
+
+
+def _replay(events: list[list[Any]], pool: Any) -> Any:
+    """Replay a session's pool requests (``a``: alloc, ``f``: free) through ``pool``; returns it."""
+    from sglang_bcg_plugin.forecast.allocator import ALLOC
+
+    live = {}
+    for kind, addr, size in events:
+        if kind == "a":
+            live[addr] = pool.run(((ALLOC, size),))[0]
+        elif kind == "f":
+            pool.free(live.pop(addr))
+    return pool
+
+
+def test_qwen2s_miss_is_the_addresses_alone() -> None:
+    """The Qwen2 Full session of a fresh process, its allocator events recorded with their
+    addresses: replayed through the allocator model with each new segment at the address cudaMalloc
+    gave it, the model takes the real pool to the byte (324 MiB, every block where the allocator put
+    it); in the model's own order (new segments below) 298 MiB, above 290. The model is exact; the
+    addresses are what no forecast knows."""
+    from sglang_bcg_plugin.forecast.allocator import PoolModel, _Block
+
+    rec = json.loads(gzip.decompress(SESSION.read_bytes()))
+    real = sorted(n for _, n in rec["pool_segments"])
+    order = iter([(addr, size) for kind, addr, size in rec["events"] if kind == "s"])
+    placed: list[int] = []
+
+    class AtTheRealAddresses(PoolModel):
+        def _new_segment(self, small: bool, stream: int, size: int) -> _Block:
+            addr, real_size = next(order)
+            assert real_size == size
+            self.segments.append(size)
+            block = _Block(addr, size, small, stream, False)
+            self._by_addr[addr] = block
+            return block
+
+        def run(self, ops: Any, stream: int = 0) -> dict[int, int]:
+            handles = super().run(ops, stream)
+            placed.extend(handles.values())
+            return handles
+
+    oracle = _replay(rec["events"], AtTheRealAddresses())
+    assert sorted(oracle.segments) == real and sum(real) == 324 * 2**20
+    assert placed == [addr for kind, addr, _ in rec["events"] if kind == "a"]  # every block where the allocator put it
+    below, above = (sum(_replay(rec["events"], PoolModel(ascending=up)).segments) for up in (False, True))
+    assert (below, above) == (298 * 2**20, 290 * 2**20)
