@@ -12,6 +12,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -33,9 +34,25 @@ def _env() -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
 
 
+def _default_sigint() -> None:
+    """Ctrl-C as a terminal delivers it, also where the tests were started in the background
+    (a non-interactive shell starts ``&`` jobs with SIGINT ignored, and children inherit that)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _cli(*args: str) -> subprocess.Popen[str]:
     return subprocess.Popen([sys.executable, "-m", "sglang_bcg_plugin", *args], env=_env(), text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, preexec_fn=_default_sigint)
+
+
+@pytest.fixture(autouse=True)
+def python_sigint() -> Iterator[None]:
+    """Python's own Ctrl-C handler in this process for each test (see :func:`_default_sigint`)."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def _error_lines(err: str) -> list[str]:
