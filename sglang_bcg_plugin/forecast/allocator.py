@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import bisect
 import os
+import random
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -70,11 +71,14 @@ class PoolModel:
     expandable: bool = False
     #: new segments above every earlier one (default: below, as cudaMalloc hands them out at first).
     ascending: bool = False
+    #: where set, each new segment at an address drawn from this seed (an order cudaMalloc may give).
+    order_seed: int | None = None
     _grown: dict[tuple[bool, int], tuple[int, _Block]] = field(default_factory=dict)  # segment index, its first block
     _free: list[tuple[bool, int, int, int]] = field(default_factory=list)  # (small, stream, size, addr), sorted
     _by_addr: dict[int, _Block] = field(default_factory=dict)
     _next_addr: int = 0  # expandable: the next virtual range
     _next_segment: int = 1 << 62  # the last segment's address
+    _rng: random.Random | None = None  # order_seed's draws
     allocated_bytes: int = 0
     peak_allocated_bytes: int = 0
 
@@ -190,7 +194,14 @@ class PoolModel:
     def _new_segment(self, small: bool, stream: int, size: int) -> _Block:
         # below every segment before it, as cudaMalloc hands them out: equal free blocks go to the
         # newest segment first (``ascending``: the oldest); never adjacent, so nothing merges
-        if self.ascending:
+        if self.order_seed is not None:  # far apart, at random: only their order matters
+            if self._rng is None:
+                self._rng = random.Random(self.order_seed)
+            rng = self._rng
+            addr = rng.randrange(1 << 24) << 32
+            while addr in self._by_addr:
+                addr = rng.randrange(1 << 24) << 32
+        elif self.ascending:
             addr = self._next_addr
             self._next_addr += size + ROUND_LARGE
         else:

@@ -45,11 +45,12 @@ class ModeForecast:
 
 def simulate(trace: ScaledTrace, sizes: Iterable[int], *, keep_outputs: str, outputs: frozenset[int],
              at: Mapping[int, KeyTrace] | None = None, reserve_bytes: int = 0, expandable: bool = False,
-             ascending: bool = False) -> PoolModel:
+             ascending: bool = False, order: int | None = None) -> PoolModel:
     """Capture every size (largest first) into one modelled pool starting with a free block of
     ``reserve_bytes``; the ``outputs`` allocs are freed after each capture unless ``keep_outputs``
-    is ``"all"`` or ``"first"`` (the largest kept). ``at``: precomputed ``trace.at(size)``."""
-    pool = PoolModel(expandable=expandable, ascending=ascending)
+    is ``"all"`` or ``"first"`` (the largest kept). ``at``: precomputed ``trace.at(size)``;
+    ``ascending``, ``order``: the segments' address order (:class:`PoolModel`)."""
+    pool = PoolModel(expandable=expandable, ascending=ascending, order_seed=order)
     if reserve_bytes:
         pool.reserve(reserve_bytes)
     for rank, size in enumerate(sorted(set(sizes), reverse=True)):
@@ -62,26 +63,49 @@ def simulate(trace: ScaledTrace, sizes: Iterable[int], *, keep_outputs: str, out
     return pool
 
 
-def address_spread(trace: ScaledTrace, sizes: Iterable[int], *, outputs: frozenset[int],
-                   reserve_bytes: int = 0) -> tuple[int, int]:
-    """The ``released`` pool (starting with a free block of ``reserve_bytes``) with each new segment
-    below every earlier one (the model's order) and above: where they differ, the real pool depends
-    on the addresses cudaMalloc gives its segments."""
+#: Address orders a forecast's caveat tries where its pool depends on the segments' addresses
+#: (seeded, so one schedule always gives one caveat; docs/forecast.md, "When the addresses matter").
+ADDRESS_ORDERS = 32
+
+
+def address_dependent(trace: ScaledTrace, sizes: Iterable[int], *, outputs: frozenset[int], reserve_bytes: int = 0,
+                      at: Mapping[int, KeyTrace] | None = None) -> bool:
+    """Whether the ``released`` pool differs with each new segment below every earlier one (the
+    model's order) and above: then the real pool depends on the addresses cudaMalloc gives."""
     sizes = list(sizes)
-    below, above = (simulate(trace, sizes, keep_outputs="none", outputs=outputs, reserve_bytes=reserve_bytes,
+    below, above = (simulate(trace, sizes, keep_outputs="none", outputs=outputs, reserve_bytes=reserve_bytes, at=at,
                              ascending=up).reserved_bytes for up in (False, True))
-    return below, above
+    return below != above
 
 
-def address_caveat(spread: tuple[int, int], remedy: str = "") -> str:
-    """What a forecast's caveat says where :func:`address_spread` found the two orders apart
+def address_spread(trace: ScaledTrace, sizes: Iterable[int], *, outputs: frozenset[int],
+                   reserve_bytes: int = 0) -> tuple[int, int, int]:
+    """The ``released`` pool (starting with a free block of ``reserve_bytes``) in the model's order,
+    and the lowest and highest over that order, the reverse and :data:`ADDRESS_ORDERS` seeded ones
+    (all three equal where :func:`address_dependent` is false)."""
+    sizes = list(sizes)
+    at = {size: trace.at(size) for size in set(sizes)}
+    modelled = simulate(trace, sizes, keep_outputs="none", outputs=outputs, reserve_bytes=reserve_bytes,
+                        at=at).reserved_bytes
+    if not address_dependent(trace, sizes, outputs=outputs, reserve_bytes=reserve_bytes, at=at):
+        return modelled, modelled, modelled
+    pools = [simulate(trace, sizes, keep_outputs="none", outputs=outputs, reserve_bytes=reserve_bytes, at=at,
+                      ascending=True).reserved_bytes, modelled]
+    pools += [simulate(trace, sizes, keep_outputs="none", outputs=outputs, reserve_bytes=reserve_bytes, at=at,
+                       order=seed).reserved_bytes for seed in range(ADDRESS_ORDERS)]
+    return modelled, min(pools), max(pools)
+
+
+def address_caveat(spread: tuple[int, int, int], remedy: str = "") -> str:
+    """What a forecast's caveat says where :func:`address_spread` found the orders apart
     (``remedy``: what the reader can do about it, appended)."""
-    below, above = spread
-    if below == above:
+    modelled, low, high = spread
+    if low == high:
         return ""
     return (f"this schedule's graph pool depends on the addresses cudaMalloc gives its segments (released: "
-            f"{below / MB:.1f} MiB as modelled, {above / MB:.1f} MiB in the other order), so a fresh process may "
-            "take more or less than forecast" + (f"; {remedy}" if remedy else ""))
+            f"{modelled / MB:.1f} MiB in the model's order, {low / MB:.1f} to {high / MB:.1f} MiB over "
+            f"{ADDRESS_ORDERS + 2} address orders), so a process may take up to {(high - modelled) / MB:.1f} MiB more "
+            "than forecast" + (f"; {remedy}" if remedy else ""))
 
 
 def on_bytes_by_source(trace: ScaledTrace, sizes: list[int], *, outputs: frozenset[int], released: int,

@@ -290,7 +290,7 @@ def forecast_schedule(
             configured_mode=configured_mode, expandable=expandable, released_keeps="auto", driver=driver,
             probe_left_bytes=probe_left)
         references = reference_estimates(modes, fitted, schedule, outputs=outputs, expandable=expandable, driver=driver)
-        spread = (0, 0) if expandable else address_spread(fitted, schedule, outputs=outputs, reserve_bytes=reserve_bytes)
+        spread = (0, 0, 0) if expandable else address_spread(fitted, schedule, outputs=outputs, reserve_bytes=reserve_bytes)
     remedy = "pool_reserve='auto' starts the pool as one block" if options.pool_reserve == "off" else ""
     caveat = "; ".join(c for c in (EXPANDABLE_CAVEAT if expandable else "", driver_caveat(driver),
                                    address_caveat(spread, remedy)) if c)
