@@ -18,22 +18,29 @@ MIB = 1024 * KIB
 
 @dataclass(frozen=True, slots=True)
 class DriverCoefficients:
-    """The driver's bytes once per process at its first capture, per graph and per graph node."""
+    """The driver's bytes once per process at its first capture, per graph, per graph node and
+    per captured size."""
 
     first_capture_bytes: int
     per_graph_bytes: int
     per_node_bytes: int
     measured_on: str
+    per_size_bytes: int = 0
 
-    def bytes_for(self, graphs: float, nodes: float, *, first_capture: bool = True) -> int:
-        """The driver's bytes for ``graphs`` alive at once with ``nodes`` nodes in all."""
+    def bytes_for(self, graphs: float, nodes: float, *, first_capture: bool = True, sizes: float = 0) -> int:
+        """The driver's bytes for ``graphs`` alive at once with ``nodes`` nodes in all, captured
+        over ``sizes`` sizes."""
         return round((self.first_capture_bytes if first_capture else 0) + graphs * self.per_graph_bytes
-                     + nodes * self.per_node_bytes)
+                     + nodes * self.per_node_bytes + sizes * self.per_size_bytes)
 
 
-#: The one place the driver's coefficients live (fit of ``tests/gpu/driver_cost.py``'s recording,
-#: ``tests/data/driver/``; docs/forecast.md, "The driver's share").
-DRIVER_COEFFICIENTS = DriverCoefficients(69 * MIB, 106 * KIB, 2560, "NVIDIA H200, torch 2.11.0+cu130")
+#: The one place the driver's coefficients live: first capture, per graph and per node the fit of
+#: ``tests/gpu/driver_cost.py``'s recording (``tests/data/driver/``); per size the fit of the
+#: families' fresh-process sessions (``tests/data/forecast/h200_fresh_processes.json.gz``:
+#: what a session lost per captured size beyond its graphs' and nodes' share; docs/forecast.md,
+#: "The driver's share").
+DRIVER_COEFFICIENTS = DriverCoefficients(69 * MIB, 106 * KIB, 2560, "NVIDIA H200, torch 2.11.0+cu130",
+                                         per_size_bytes=38 * KIB)
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,6 +60,8 @@ class DriverShare:
     coefficients: DriverCoefficients = DRIVER_COEFFICIENTS
     launch_bytes: int = 0
     paid_bytes: int | None = None
+    #: the sizes the schedule captures (each costs the coefficients' ``per_size_bytes``)
+    sizes: int = 0
 
     @property
     def once_bytes(self) -> int:
@@ -65,14 +74,14 @@ class DriverShare:
     def bytes_for(self, mode: str) -> int:
         """The driver's bytes with output mode ``mode``."""
         nodes = self.nodes + (self.on_copy_nodes if mode == "on" else 0)
-        return self.once_bytes + self.coefficients.bytes_for(self.graphs, nodes, first_capture=False)
+        return self.once_bytes + self.coefficients.bytes_for(self.graphs, nodes, first_capture=False, sizes=self.sizes)
 
     def per_size_bytes(self, sizes: int, mode: str) -> tuple[int, int]:
         """The first size's bytes (with what the process pays once) and every other size's, the
         graphs and nodes split evenly over ``sizes``."""
         all_nodes = self.nodes + (self.on_copy_nodes if mode == "on" else 0)
         graphs, nodes = self.graphs / max(sizes, 1), all_nodes / max(sizes, 1)
-        each = self.coefficients.bytes_for(graphs, nodes, first_capture=False)
+        each = self.coefficients.bytes_for(graphs, nodes, first_capture=False, sizes=self.sizes / max(sizes, 1))
         return self.once_bytes + each, each
 
     def describe(self) -> str:
@@ -101,14 +110,16 @@ def schedule_share(probes: Sequence[ProbeCount], sizes: Sequence[int], *, on_cop
     """The :class:`DriverShare` of capturing ``sizes``: each size's graphs and nodes on the line
     through the probes'."""
     counted = all(p.nodes is not None for p in probes)
-    if not any(p.graphs for p in probes):
-        on_copy_nodes_per_size = 0
+    captured = len(sizes)
+    if not any(p.graphs for p in probes):  # no graph seen: nothing per graph, per size or per copy node
+        on_copy_nodes_per_size = captured = 0
     ordered = sorted(probes, key=lambda p: p.size)
     graphs = nodes = 0
     for n in sizes:
         g, k = _at(ordered, n, lambda p: p.graphs), _at(ordered, n, lambda p: p.nodes or 0) if counted else 0
         graphs, nodes = graphs + g, nodes + k
-    return DriverShare(graphs, nodes, on_copy_nodes_per_size * len(sizes), first_capture, counted, coefficients)
+    return DriverShare(graphs, nodes, on_copy_nodes_per_size * len(sizes), first_capture, counted, coefficients,
+                       sizes=captured)
 
 
 def _at(ordered: Sequence[ProbeCount], size: int, value: Any) -> int:
