@@ -456,7 +456,7 @@ def test_sglang_session_forecast_logs_before_and_after(allocator: RecordedAlloca
     assert on.driver_bytes == (69 << 20) + 5 * n * (106 << 10) + (45 * n + n) * 2560 + n * (38 << 10)  # + the copy
     assert on.total_bytes == on.pool_bytes + stream + on.driver_bytes
     assert (f"of which graph pool {on.pool_bytes / MIB:,.1f} MiB, capture stream 34.0 MiB, CUDA driver "
-            f"{on.driver_bytes / MIB:,.1f} MiB ({5 * n} graphs, {45 * n:,} nodes, with the first-capture cost)") in first
+            f"{on.driver_bytes / MIB:,.1f} MiB ({5 * n} graphs, {45 * n:,} nodes, {n} sizes, with the first-capture cost)") in first
     assert measured == pool + out == session.measured
     assert after.startswith(f"sglang_bcg: graph memory after capture: {measured / MIB:.1f} MiB (graph pool ")
     assert f"; forecast {on.pool_bytes / MIB:.1f} MiB, error " in after

@@ -86,6 +86,7 @@ class DriverShare:
 
     def describe(self) -> str:
         nodes = f"{self.nodes:,} nodes" if self.nodes_counted else "nodes not counted"
+        nodes += f", {self.sizes:,} sizes" if self.sizes else ""
         first = "with" if self.first_capture else "without"
         launches = f", first launches {self.launch_bytes / MIB:.1f} MiB" if self.launch_bytes else ""
         paid = "" if self.paid_bytes is None else (
