@@ -166,6 +166,17 @@ def _server_segments(mode: dict[str, Any], before: int) -> list[tuple[int, int]]
     return [(a, n) for i, action, a, n in mode["events"] if action == "segment_alloc" and i < before and (a, n) in final]
 
 
+def _server_first_capture(data: dict[str, Any], mode: dict[str, Any]) -> tuple[KeyTrace, frozenset[int]]:
+    """The recorded server's first capture as the log line reads it: its pool requests, without
+    the kept outputs' allocs, and those allocs."""
+    from sglang_bcg_plugin.integration.forecast_log import outputs_kept
+
+    first = mode["rows"][0]
+    trace = pool_trace(first["size"], _events([e[1:] for e in mode["events"] if e[0] < first["events"]]),
+                       _server_segments(mode, first["events"]))
+    return outputs_kept(trace, data["output_bytes"])
+
+
 def test_model_replays_a_real_servers_whole_capture_session() -> None:
     """SGLang 0.5.23's launch_server on the H200 (the tiny model, 50 prefill sizes, ``on``): every
     pool request of the session through the model gives the pool the server had after each size
@@ -192,14 +203,9 @@ def test_model_replays_a_real_servers_whole_capture_session() -> None:
 def test_server_pool_forecast_from_its_first_capture_is_exact(name: str) -> None:
     """The real server's forecast as the plugin makes it inside SGLang (the first capture's pool
     requests, fitted, every size modelled): the pool the session ended with, in each mode."""
-    from sglang_bcg_plugin.integration.forecast_log import outputs_kept
-
     data = _load(SERVER)
     mode = data["modes"][name]
-    first = mode["rows"][0]
-    trace = pool_trace(first["size"], _events([e[1:] for e in mode["events"] if e[0] < first["events"]]),
-                       _server_segments(mode, first["events"]))
-    trace, outputs = outputs_kept(trace, data["output_bytes"])
+    trace, outputs = _server_first_capture(data, mode)
     modes = forecast_modes(ScaledTrace.proportional(trace), mode["sizes"], outputs=outputs,
                            largest_output_bytes=sum(data["output_bytes"]))
     in_pool = modes[name].working_set_bytes + (modes[name].outputs_bytes if name == "off" else 0)
@@ -871,14 +877,10 @@ def test_server_log_lines_total_is_within_two_percent_of_what_the_session_lost(n
     free device memory the server's prefill capture lost: within 2 % in every mode (the recorded
     server's prefill capture was not the process's first: no first-capture cost)."""
     from sglang_bcg_plugin.forecast.driver import DriverShare
-    from sglang_bcg_plugin.integration.forecast_log import outputs_kept
 
     data = _load(SERVER)
     mode = data["modes"][name]
-    first = mode["rows"][0]
-    trace = pool_trace(first["size"], _events([e[1:] for e in mode["events"] if e[0] < first["events"]]),
-                       _server_segments(mode, first["events"]))
-    trace, outputs = outputs_kept(trace, data["output_bytes"])
+    trace, outputs = _server_first_capture(data, mode)
     d = mode["driver"]
     driver = DriverShare(d["graphs"], d["nodes"], d["on_copy_nodes"], d["first_capture"], d["nodes_counted"],
                          sizes=len(mode["sizes"]))
