@@ -68,31 +68,23 @@ def simulate(trace: ScaledTrace, sizes: Iterable[int], *, keep_outputs: str, out
 ADDRESS_ORDERS = 32
 
 
-def address_dependent(trace: ScaledTrace, sizes: Iterable[int], *, outputs: frozenset[int], reserve_bytes: int = 0,
-                      at: Mapping[int, KeyTrace] | None = None) -> bool:
-    """Whether the ``released`` pool differs with each new segment below every earlier one (the
-    model's order) and above: then the real pool depends on the addresses cudaMalloc gives."""
-    sizes = list(sizes)
-    below, above = (simulate(trace, sizes, keep_outputs="none", outputs=outputs, reserve_bytes=reserve_bytes, at=at,
-                             ascending=up).reserved_bytes for up in (False, True))
-    return below != above
-
-
 def address_spread(trace: ScaledTrace, sizes: Iterable[int], *, outputs: frozenset[int],
                    reserve_bytes: int = 0) -> tuple[int, int, int]:
-    """The ``released`` pool (starting with a free block of ``reserve_bytes``) in the model's order,
-    and the lowest and highest over that order, the reverse and :data:`ADDRESS_ORDERS` seeded ones
-    (all three equal where :func:`address_dependent` is false)."""
+    """The ``released`` pool (starting with a free block of ``reserve_bytes``) in the model's order
+    (each new segment below every earlier one), and the lowest and highest over that order, the
+    reverse and, where those two differ (the real pool then depends on the addresses cudaMalloc
+    gives), :data:`ADDRESS_ORDERS` seeded ones."""
     sizes = list(sizes)
     at = {size: trace.at(size) for size in set(sizes)}
-    modelled = simulate(trace, sizes, keep_outputs="none", outputs=outputs, reserve_bytes=reserve_bytes,
-                        at=at).reserved_bytes
-    if not address_dependent(trace, sizes, outputs=outputs, reserve_bytes=reserve_bytes, at=at):
+
+    def pool(**order: Any) -> int:
+        return simulate(trace, sizes, keep_outputs="none", outputs=outputs, reserve_bytes=reserve_bytes, at=at,
+                        **order).reserved_bytes
+
+    modelled, reverse = pool(), pool(ascending=True)
+    if modelled == reverse:
         return modelled, modelled, modelled
-    pools = [simulate(trace, sizes, keep_outputs="none", outputs=outputs, reserve_bytes=reserve_bytes, at=at,
-                      ascending=True).reserved_bytes, modelled]
-    pools += [simulate(trace, sizes, keep_outputs="none", outputs=outputs, reserve_bytes=reserve_bytes, at=at,
-                       order=seed).reserved_bytes for seed in range(ADDRESS_ORDERS)]
+    pools = [modelled, reverse, *(pool(order=seed) for seed in range(ADDRESS_ORDERS))]
     return modelled, min(pools), max(pools)
 
 

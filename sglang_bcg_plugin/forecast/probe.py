@@ -199,15 +199,21 @@ def fit_probes(traces: Sequence[KeyTrace], output_bytes: Sequence[Sequence[int]]
 
     :raises ForecastError: the largest pairs with none of the others."""
     large = traces[0]
-    for j in range(len(traces) - 1, 0, -1):
+    for j in range(len(traces) - 1, 1, -1):  # the sizes probed because the smallest did not pair
         fitted = _fit(large, traces[j])
         if fitted is not None:
-            alone = [(t, output_allocs(t, out)) for t, out in zip(traces[j + 1:], output_bytes[j + 1:], strict=True)]
-            return fitted.with_alone(alone)
-    ScaledTrace.fit(large, traces[1])  # raises the pairing's own error
-    others = ", ".join(str(t.size) for t in traces[2:])
-    msg = f"forecast: the forward's allocations at {large.size} tokens pair with none of the probes' ({others} too)"
-    raise ForecastError(msg)
+            break
+    else:
+        j = 1
+        try:
+            with gc_safe_capture(collect=False):  # many short-lived objects (docs/index.md, "GC safety")
+                fitted = ScaledTrace.fit(large, traces[1])
+        except ForecastError as exc:
+            tried = ", ".join(str(t.size) for t in traces[2:])
+            msg = f"{exc}" + (f" (nor at the next sizes up: {tried} tokens)" if tried else "")
+            raise ForecastError(msg) from None
+    return fitted.with_alone([(t, output_allocs(t, out)) for t, out in zip(traces[j + 1:], output_bytes[j + 1:],
+                                                                           strict=True)])
 
 
 #: Sizes a forecast probes beyond the largest and the smallest where their allocations cannot be
