@@ -19,6 +19,7 @@ from sglang_bcg_plugin import BackendOptions, ShapeKey, create_backend
 from sglang_bcg_plugin.errors import CaptureStateError, ForecastError
 from sglang_bcg_plugin.forecast import KeyTrace, ModeForecast, PoolModel, ScaledTrace, forecast_modes, pool_trace
 from sglang_bcg_plugin.forecast.allocator import MB, expandable_segments, round_size, segment_size
+from sglang_bcg_plugin.forecast.model import address_caveat
 from sglang_bcg_plugin.forecast.probe import EXPANDABLE_CAVEAT, GraphMemoryForecast, allocator_caveat, output_allocs
 from sglang_bcg_plugin.report import MemoryReport
 
@@ -889,3 +890,13 @@ def test_server_log_lines_total_is_within_two_percent_of_what_the_session_lost(n
                            largest_output_bytes=sum(data["output_bytes"]), stream_bytes=stream)[name].total_bytes
     assert not d["first_capture"]
     assert abs(total - mode["lost_bytes"]) <= 0.02 * mode["lost_bytes"], (total / 2**20, mode["lost_bytes"] / 2**20)
+
+
+def test_address_caveat_says_which_way_the_pool_may_go() -> None:
+    """The caveat states the side(s) the orders fall on: the real tiny server's ``released`` pool was
+    400 MiB in the model's order and 360 to 400 over the orders, which is "less", never "0.0 MiB more"."""
+    assert address_caveat((300 * MB, 300 * MB, 300 * MB)) == ""
+    assert "may take up to 40.0 MiB less than forecast" in address_caveat((400 * MB, 360 * MB, 400 * MB))
+    assert "may take up to 26.0 MiB more than forecast" in address_caveat((298 * MB, 298 * MB, 324 * MB))
+    both = address_caveat((298 * MB, 290 * MB, 324 * MB), "use X")
+    assert both.endswith("may take from 8.0 MiB less to 26.0 MiB more than forecast; use X")

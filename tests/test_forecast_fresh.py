@@ -136,16 +136,17 @@ def test_the_rebuilt_forecast_is_the_devices_where_the_model_did_not_change() ->
     """The offline rebuild is the device's pipeline: every row differs from the forecast the device
     recorded by what today's model changed alone. Rows recorded before the driver's once-paid
     bytes were measured differ by those in place of the first launches and the first-capture
-    coefficient; synthetic Full ``on`` also by the small shared buffer's segment (a 5.6 MiB
-    buffer takes a 20 MiB segment)."""
+    coefficient, rows recorded with another per-size coefficient by the difference; synthetic Full
+    ``on`` also by the small shared buffer's segment (a 5.6 MiB buffer takes a 20 MiB segment)."""
     coefficient = DRIVER_COEFFICIENTS.first_capture_bytes
     for row in ROWS:
         d = row["driver"]
         once = d["paid_bytes"] if d.get("paid_bytes") is not None else (
             d.get("launch_bytes", 0) + (coefficient if d["first_capture"] else 0))
         expected = row["forecast_bytes"] + _paid(row) - once
-        if "sizes" not in d:  # recorded before the per-size coefficient
-            expected += row["num_sizes"] * DRIVER_COEFFICIENTS.per_size_bytes
+        # today's per-size coefficient in place of the one the row was recorded with (none before it)
+        recorded = d["coefficients"].get("per_size_bytes", 0) if "sizes" in d else 0
+        expected += row["num_sizes"] * (DRIVER_COEFFICIENTS.per_size_bytes - recorded)
         if _name(row) == "synthetic/full/on":
             expected += 20 * 2**20 - row["probes"]["largest_output_bytes"]
         assert _rebuilt(row) == expected, _name(row)

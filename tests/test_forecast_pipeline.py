@@ -221,7 +221,7 @@ def test_forecast_schedule_on_recorded_captures(name: str, allocator: RecordedAl
     # session lost nothing beyond the allocator's reservations, so no first-capture cost
     n = len(case["sizes"])
     assert fc.driver is not None and (fc.driver.graphs, fc.driver.nodes, fc.driver.first_capture) == (n, 52 * n, False)
-    assert fc.modes["off"].driver_bytes == fc.modes["released"].driver_bytes == n * (106 << 10) + 52 * n * 2560 + n * (38 << 10)
+    assert fc.modes["off"].driver_bytes == fc.modes["released"].driver_bytes == n * (106 << 10) + 52 * n * 2560 + n * driver.DRIVER_COEFFICIENTS.per_size_bytes
     assert fc.modes["on"].driver_bytes == fc.modes["off"].driver_bytes + n * 2560  # the copy into the buffer
     for f in fc.modes.values():
         assert f.total_bytes == f.allocator_bytes + f.driver_bytes == f.pool_bytes + f.stream_bytes + f.driver_bytes
@@ -288,7 +288,7 @@ def test_forecast_schedule_in_a_fresh_process_adds_the_drivers_first_capture(
     assert fc.driver is not None and (fc.driver.graphs, fc.driver.nodes) == (5 * len(sizes), nodes)
     assert fc.driver.first_capture and fc.probe_driver_bytes == 80 << 20 and fc.lasting_bytes == 78 << 20
     released = fc.modes["released"]
-    assert released.driver_bytes == (78 << 20) + 5 * len(sizes) * (106 << 10) + nodes * 2560 + len(sizes) * (38 << 10)
+    assert released.driver_bytes == (78 << 20) + 5 * len(sizes) * (106 << 10) + nodes * 2560 + len(sizes) * driver.DRIVER_COEFFICIENTS.per_size_bytes
     assert fc.driver.paid_bytes == 78 << 20 and fc.driver.once_bytes == 78 << 20
     real = measured["released"]["reserved_bytes"]
     assert abs(released.allocator_bytes - real) <= 0.01 * real
@@ -453,7 +453,7 @@ def test_sglang_session_forecast_logs_before_and_after(allocator: RecordedAlloca
     assert on.stream_bytes == stream and {f.stream_bytes for f in modes.values()} == {stream}
     assert session.driver is not None and (session.driver.graphs, session.driver.nodes) == (5 * n, 45 * n)
     assert session.driver.first_capture and session.first_capture_driver == first_driver
-    assert on.driver_bytes == (69 << 20) + 5 * n * (106 << 10) + (45 * n + n) * 2560 + n * (38 << 10)  # + the copy
+    assert on.driver_bytes == (69 << 20) + 5 * n * (106 << 10) + (45 * n + n) * 2560 + n * driver.DRIVER_COEFFICIENTS.per_size_bytes  # + the copy
     assert on.total_bytes == on.pool_bytes + stream + on.driver_bytes
     assert (f"of which graph pool {on.pool_bytes / MIB:,.1f} MiB, capture stream 34.0 MiB, CUDA driver "
             f"{on.driver_bytes / MIB:,.1f} MiB ({5 * n} graphs, {45 * n:,} nodes, {n} sizes, with the first-capture cost)") in first
@@ -549,7 +549,7 @@ def test_the_caveat_warns_where_the_pool_depends_on_its_addresses(
                                  configured_mode="released")
     if reserve == "off":
         assert ("depends on the addresses cudaMalloc gives its segments (released: 298.0 MiB in the model's order, "
-                "290.0 to 324.0 MiB over 34 address orders), so a process may take up to 26.0 MiB more") in fc.caveat
+                "290.0 to 324.0 MiB over 34 address orders), so a process may take from 8.0 MiB less to 26.0 MiB more") in fc.caveat
     assert ("pool_reserve='auto'" in fc.caveat) is remedy, fc.caveat
 
 

@@ -40,7 +40,7 @@ class DriverCoefficients:
 #: what a session lost per captured size beyond its graphs' and nodes' share; docs/forecast.md,
 #: "The driver's share").
 DRIVER_COEFFICIENTS = DriverCoefficients(69 * MIB, 106 * KIB, 2560, "NVIDIA H200, torch 2.11.0+cu130",
-                                         per_size_bytes=38 * KIB)
+                                         per_size_bytes=41 * KIB)
 
 
 @dataclass(frozen=True, slots=True)

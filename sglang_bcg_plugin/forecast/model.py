@@ -94,10 +94,13 @@ def address_caveat(spread: tuple[int, int, int], remedy: str = "") -> str:
     modelled, low, high = spread
     if low == high:
         return ""
+    more, less = (high - modelled) / MB, (modelled - low) / MB
+    may = (f"from {less:.1f} MiB less to {more:.1f} MiB more" if more and less
+           else f"up to {more:.1f} MiB more" if more else f"up to {less:.1f} MiB less")
     return (f"this schedule's graph pool depends on the addresses cudaMalloc gives its segments (released: "
             f"{modelled / MB:.1f} MiB in the model's order, {low / MB:.1f} to {high / MB:.1f} MiB over "
-            f"{ADDRESS_ORDERS + 2} address orders), so a process may take up to {(high - modelled) / MB:.1f} MiB more "
-            "than forecast" + (f"; {remedy}" if remedy else ""))
+            f"{ADDRESS_ORDERS + 2} address orders), so a process may take {may} than forecast"
+            + (f"; {remedy}" if remedy else ""))
 
 
 def on_bytes_by_source(trace: ScaledTrace, sizes: list[int], *, outputs: frozenset[int], released: int,
