@@ -19,7 +19,7 @@ from sglang_bcg_plugin import BackendOptions, ShapeKey, create_backend
 from sglang_bcg_plugin.errors import CaptureStateError, ForecastError
 from sglang_bcg_plugin.forecast import KeyTrace, ModeForecast, PoolModel, ScaledTrace, forecast_modes, pool_trace
 from sglang_bcg_plugin.forecast.allocator import MB, expandable_segments, round_size, segment_size
-from sglang_bcg_plugin.forecast.model import address_caveat
+from sglang_bcg_plugin.forecast.model import address_caveat, count_highest_order
 from sglang_bcg_plugin.forecast.probe import EXPANDABLE_CAVEAT, GraphMemoryForecast, allocator_caveat, output_allocs
 from sglang_bcg_plugin.report import MemoryReport
 
@@ -892,11 +892,19 @@ def test_server_log_lines_total_is_within_two_percent_of_what_the_session_lost(n
     assert abs(total - mode["lost_bytes"]) <= 0.02 * mode["lost_bytes"], (total / 2**20, mode["lost_bytes"] / 2**20)
 
 
-def test_address_caveat_says_which_way_the_pool_may_go() -> None:
-    """The caveat states the side(s) the orders fall on: the real tiny server's ``released`` pool was
-    400 MiB in the model's order and 360 to 400 over the orders, which is "less", never "0.0 MiB more"."""
+def test_the_forecast_counts_the_highest_address_order() -> None:
+    """Where the pool depends on the segments' addresses, every mode's total and pool hold the highest
+    order's margin over the model's order, and the caveat says a process may take less (by the
+    whole range); where it does not, nothing changes."""
+    modes = {"off": ModeForecast("off", 500 * MB, 298 * MB, 40 * MB), "on": ModeForecast("on", 400 * MB, 298 * MB, 16 * MB)}
+    assert count_highest_order(modes, (300 * MB, 300 * MB, 300 * MB)) == modes
+    counted = count_highest_order(modes, (298 * MB, 290 * MB, 324 * MB))
+    assert [(f.total_bytes, f.pool_bytes, f.address_bytes) for f in counted.values()] == [
+        (526 * MB, 364 * MB, 26 * MB), (426 * MB, 340 * MB, 26 * MB)]
     assert address_caveat((300 * MB, 300 * MB, 300 * MB)) == ""
-    assert "may take up to 40.0 MiB less than forecast" in address_caveat((400 * MB, 360 * MB, 400 * MB))
-    assert "may take up to 26.0 MiB more than forecast" in address_caveat((298 * MB, 298 * MB, 324 * MB))
-    both = address_caveat((298 * MB, 290 * MB, 324 * MB), "use X")
-    assert both.endswith("may take from 8.0 MiB less to 26.0 MiB more than forecast; use X")
+    assert address_caveat((298 * MB, 290 * MB, 324 * MB), "use X").endswith(
+        "290.0 to 324.0 MiB over 34 address orders); the forecast counts the highest, so a process may take up to "
+        "34.0 MiB less; use X")
+    # the real tiny server's released pool: the model's order is the highest (400 MiB, 360 to 400)
+    assert count_highest_order(modes, (400 * MB, 360 * MB, 400 * MB)) == modes
+    assert "may take up to 40.0 MiB less" in address_caveat((400 * MB, 360 * MB, 400 * MB))

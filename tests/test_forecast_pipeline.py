@@ -549,7 +549,12 @@ def test_the_caveat_warns_where_the_pool_depends_on_its_addresses(
                                  configured_mode="released")
     if reserve == "off":
         assert ("depends on the addresses cudaMalloc gives its segments (released: 298.0 MiB in the model's order, "
-                "290.0 to 324.0 MiB over 34 address orders), so a process may take from 8.0 MiB less to 26.0 MiB more") in fc.caveat
+                "290.0 to 324.0 MiB over 34 address orders); the forecast counts the highest, so a process may take "
+                "up to 34.0 MiB less") in fc.caveat
+        assert all(f.address_bytes == 26 << 20 for f in fc.modes.values()), fc.modes  # 324 - 298, in every mode
+        assert "+ address orders 26.0" in fc.format()
+    else:
+        assert all(f.address_bytes == 0 for f in fc.modes.values()), fc.modes
     assert ("pool_reserve='auto'" in fc.caveat) is remedy, fc.caveat
 
 

@@ -4,7 +4,7 @@ captured largest first into one :class:`~.allocator.PoolModel` (docs/forecast.md
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from .allocator import LARGE_BUFFER, MB, ROUND_LARGE, SMALL_SIZE, PoolModel, round_size, segment_size
@@ -28,6 +28,9 @@ class ModeForecast:
     keeps_largest: bool = False
     driver_bytes: int = 0
     probe_left_bytes: int = 0
+    #: where the pool depends on its segments' addresses, the highest pool over the address orders
+    #: less the model's order's (:func:`count_highest_order`)
+    address_bytes: int = 0
 
     @property
     def allocator_bytes(self) -> int:
@@ -36,8 +39,9 @@ class ModeForecast:
 
     @property
     def pool_bytes(self) -> int:
-        """The graph pool plus a shared buffer (working set and outputs): what SGLang's pool holds."""
-        return self.working_set_bytes + self.outputs_bytes
+        """The graph pool plus a shared buffer (working set, outputs and the address orders' margin):
+        what SGLang's pool holds."""
+        return self.working_set_bytes + self.outputs_bytes + self.address_bytes
 
     def to_dict(self) -> dict[str, int | str | bool]:
         return {**asdict(self), "allocator_bytes": self.allocator_bytes}
@@ -88,19 +92,27 @@ def address_spread(trace: ScaledTrace, sizes: Iterable[int], *, outputs: frozens
     return modelled, min(pools), max(pools)
 
 
+def count_highest_order(modes: Mapping[str, ModeForecast], spread: tuple[int, int, int]) -> dict[str, ModeForecast]:
+    """``modes`` with every mode's pool at the highest order of ``spread`` (:func:`address_spread`):
+    the margin over the model's order is each mode's ``address_bytes``, in its total. A process may
+    take less, never more, than any address order gives (docs/forecast.md, "When the addresses
+    matter")."""
+    modelled, _, high = spread
+    margin = high - modelled
+    return {m: replace(f, total_bytes=f.total_bytes + margin, address_bytes=f.address_bytes + margin) if margin else f
+            for m, f in modes.items()}
+
+
 def address_caveat(spread: tuple[int, int, int], remedy: str = "") -> str:
     """What a forecast's caveat says where :func:`address_spread` found the orders apart
     (``remedy``: what the reader can do about it, appended)."""
     modelled, low, high = spread
     if low == high:
         return ""
-    more, less = (high - modelled) / MB, (modelled - low) / MB
-    may = (f"from {less:.1f} MiB less to {more:.1f} MiB more" if more and less
-           else f"up to {more:.1f} MiB more" if more else f"up to {less:.1f} MiB less")
     return (f"this schedule's graph pool depends on the addresses cudaMalloc gives its segments (released: "
             f"{modelled / MB:.1f} MiB in the model's order, {low / MB:.1f} to {high / MB:.1f} MiB over "
-            f"{ADDRESS_ORDERS + 2} address orders), so a process may take {may} than forecast"
-            + (f"; {remedy}" if remedy else ""))
+            f"{ADDRESS_ORDERS + 2} address orders); the forecast counts the highest, so a process may take up to "
+            f"{(high - low) / MB:.1f} MiB less" + (f"; {remedy}" if remedy else ""))
 
 
 def on_bytes_by_source(trace: ScaledTrace, sizes: list[int], *, outputs: frozenset[int], released: int,

@@ -19,7 +19,8 @@ from ..shape_key import ShapeKey
 from ..trees import flatten
 from .allocator import expandable_segments
 from .driver import DRIVER_COEFFICIENTS, DriverShare, ProbeCount, counting_captures, nodes_unread_reason, schedule_share
-from .model import MODES, ModeForecast, address_caveat, address_spread, reference_estimates, schedule_forecast
+from .model import (MODES, ModeForecast, address_caveat, address_spread, count_highest_order, reference_estimates,
+                    schedule_forecast)
 from .trace import KeyTrace, ScaledTrace, output_allocs, pinned_slack, pool_trace
 
 if TYPE_CHECKING:
@@ -101,7 +102,8 @@ class GraphMemoryForecast:
             lines.append(f"  {m:8} {f.total_bytes / MIB:9.1f} MiB = working set {f.working_set_bytes / MIB:.1f} "
                          f"+ outputs {f.outputs_bytes / MIB:.1f} + stream {f.stream_bytes / MIB:.1f} "
                          f"+ bridges {f.bridge_bytes / MIB:.1f} + driver {f.driver_bytes / MIB:.1f}"
-                         + (f" + probes' stream {f.probe_left_bytes / MIB:.1f}" if f.probe_left_bytes else "") + mark)
+                         + (f" + probes' stream {f.probe_left_bytes / MIB:.1f}" if f.probe_left_bytes else "")
+                         + (f" + address orders {f.address_bytes / MIB:.1f}" if f.address_bytes else "") + mark)
         if self.driver is not None:
             lines.append(f"  driver: {self.driver.describe()} (the probes lost {self.probe_driver_bytes / MIB:.1f} MiB "
                          "outside the allocator)")
@@ -297,6 +299,7 @@ def forecast_schedule(
             probe_left_bytes=probe_left)
         references = reference_estimates(modes, fitted, schedule, outputs=outputs, expandable=expandable, driver=driver)
         spread = (0, 0, 0) if expandable else address_spread(fitted, schedule, outputs=outputs, reserve_bytes=reserve_bytes)
+        modes = count_highest_order(modes, spread)
     remedy = "pool_reserve='auto' starts the pool as one block" if options.pool_reserve == "off" else ""
     caveat = "; ".join(c for c in (EXPANDABLE_CAVEAT if expandable else "", driver_caveat(driver),
                                    address_caveat(spread, remedy)) if c)

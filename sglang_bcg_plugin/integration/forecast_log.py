@@ -23,7 +23,8 @@ from ..forecast.driver import (
     counting_captures,
     schedule_share,
 )
-from ..forecast.model import MODES, address_caveat, address_spread, forecast_modes, reference_estimates
+from ..forecast.model import (MODES, address_caveat, address_spread, count_highest_order, forecast_modes,
+                              reference_estimates)
 from ..forecast.probe import allocator_caveat, driver_caveat, reserved_bytes
 from ..forecast.trace import KeyTrace, ScaledTrace, output_allocs, pool_trace
 from .compat import ENV_FORECAST, ENV_FORECAST_TRACE
@@ -257,10 +258,12 @@ class SessionForecast:
             buffer = modes["on"].outputs_bytes if self.mode == "on" and self.buffer_source == "reserve" else 0
             modes = forecast_modes(fitted, self.sizes, **options, stream_bytes=max(0, outside - buffer),
                                    driver=self.driver)
-        self.forecast = {"modes": modes,
-                         "references": reference_estimates(modes, fitted, self.sizes, outputs=outputs, expandable=expandable,
-                                                           driver=self.driver)}
-        address = "" if expandable else address_caveat(address_spread(fitted, self.sizes, outputs=outputs))
+        references = reference_estimates(modes, fitted, self.sizes, outputs=outputs, expandable=expandable,
+                                         driver=self.driver)
+        spread = (0, 0, 0) if expandable else address_spread(fitted, self.sizes, outputs=outputs)
+        modes = count_highest_order(modes, spread)
+        self.forecast = {"modes": modes, "references": references}
+        address = address_caveat(spread)
         log.info("%s", format_forecast(modes, self.mode, self.sizes, kv_bytes_per_token(self.runner), self.driver,
                                        address))
 
