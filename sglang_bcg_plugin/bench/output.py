@@ -40,8 +40,16 @@ def sig2(value: float) -> str:
     return f"{rounded:.{1 - math.floor(math.log10(abs(rounded)))}f}"
 
 
+def _cell(v: float | None, spec: str, scale: float = 1.0) -> str:
+    return "-" if v is None else format(v * scale, spec)
+
+
 def _mib(v: int | None) -> str:
-    return "-" if v is None else f"{v / MIB:,.1f}"
+    return _cell(v, ",.1f", 1 / MIB)
+
+
+def _ratio(on: float | None, off: float | None) -> float | None:
+    return on / off if on is not None and off else None
 
 
 def ratios(rows: list[BenchRow], *, timings_meaningful: bool = True) -> dict[str, dict[str, float | None]]:
@@ -52,17 +60,12 @@ def ratios(rows: list[BenchRow], *, timings_meaningful: bool = True) -> dict[str
         on, off = by.get((backend, "on")), by.get((backend, "off"))
         if on is None or off is None:
             continue
-        mem = None
-        if on.graph_memory_bytes is not None and off.graph_memory_bytes:
-            mem = on.graph_memory_bytes / off.graph_memory_bytes
         out[backend] = {
-            "graph_memory_on_over_off": mem,
-            "resident_on_over_off": on.resident_output_bytes / off.resident_output_bytes if off.resident_output_bytes else None,
-            "replay_on_over_off": on.replay_ms / off.replay_ms if off.replay_ms else None,
-            "capture_on_over_off": on.capture_s / off.capture_s if off.capture_s else None,
+            "graph_memory_on_over_off": _ratio(on.graph_memory_bytes, off.graph_memory_bytes),
+            "resident_on_over_off": _ratio(on.resident_output_bytes, off.resident_output_bytes),
+            "replay_on_over_off": _ratio(on.replay_ms, off.replay_ms) if timings_meaningful else None,
+            "capture_on_over_off": _ratio(on.capture_s, off.capture_s) if timings_meaningful else None,
         }
-        if not timings_meaningful:
-            out[backend].update(dict.fromkeys(TIMING_RATIOS))
     return out
 
 
@@ -70,23 +73,10 @@ def format_table(rows: list[BenchRow], *, timings_meaningful: bool = True) -> st
     """The rows as a text table, then the on/off ratios per backend."""
     head = ["backend", "variant", "sizes", "max_tokens", "resident MiB", "logical MiB", "graph MiB", "forecast MiB", "error %", "bridges MiB", "capture s", "compile s", "replay ms", "max abs err", "fallbacks"]
     body = [
-        [
-            r.backend,
-            r.variant,
-            str(r.num_sizes),
-            str(r.max_tokens),
-            _mib(r.resident_output_bytes),
-            _mib(r.logical_output_bytes),
-            _mib(r.graph_memory_bytes),
-            _mib(r.forecast_bytes),
-            "-" if r.forecast_error is None else f"{r.forecast_error * 100:+.1f}",
-            _mib(r.bridge_bytes),
-            f"{r.capture_s:.2f}",
-            "-" if r.compile_s is None else f"{r.compile_s:.2f}",
-            f"{r.replay_ms:.3f}",
-            "-" if r.max_abs_err is None else f"{r.max_abs_err:.3g}",
-            str(r.fallbacks),
-        ]
+        [r.backend, r.variant, str(r.num_sizes), str(r.max_tokens), *map(_mib, (
+            r.resident_output_bytes, r.logical_output_bytes, r.graph_memory_bytes, r.forecast_bytes)),
+         _cell(r.forecast_error, "+.1f", 100), _mib(r.bridge_bytes), f"{r.capture_s:.2f}", _cell(r.compile_s, ".2f"),
+         f"{r.replay_ms:.3f}", _cell(r.max_abs_err, ".3g"), str(r.fallbacks)]
         for r in rows
     ]
     widths = [max(len(c) for c in col) for col in zip(head, *body)]
