@@ -26,8 +26,7 @@ def attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.T
         rep = num_heads // num_kv_heads
         kh = kh.repeat_interleave(rep, dim=1)
         vh = vh.repeat_interleave(rep, dim=1)
-    # On CUDA, flash / memory-efficient kernels only: the math fallback materialises the full
-    # tokens x tokens score matrix (45 GiB at 16384 tokens), which would swamp the pool.
+    # CUDA: fused kernels only (the math fallback materialises the tokens x tokens scores)
     fused = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]
     with sdpa_kernel(fused) if q.is_cuda else contextlib.nullcontext():
         o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True)
@@ -115,9 +114,7 @@ class SyntheticDecoder(torch.nn.Module):
         cfg = self.cfg
         h = x
         for i in range(cfg.layers):
-            # Written like a serving kernel stack (in-place residual adds, one temporary for
-            # silu_and_mul, references dropped as soon as possible) so the graph pool holds what
-            # a real prefill holds, not Python's temporaries.
+            # like a serving kernel stack (in-place adds, references dropped early): the pool holds a prefill's
             qkv = F.linear(self._norm(h), self.qkv[i])
             q, k, v = qkv.split([self.q_cols, self.kv_cols, self.kv_cols], dim=-1)
             out = torch.empty(h.shape[0], self.q_cols, dtype=h.dtype, device=h.device)

@@ -17,17 +17,13 @@ from .runner import GRAPH_TREES, VARIANTS, BenchRow
 MIB = 1024 * 1024
 
 #: Footnote of the table when timings come from the eager engine (CPU).
-CPU_TIMING_NOTE = (
-    "n/m: not meaningful on CPU (eager engine, no graphs: replay and capture times swing "
-    "between runs; see each row's replay_ms_min/max in bench.json)"
-)
+CPU_TIMING_NOTE = ("n/m: not meaningful on CPU (eager engine, no graphs: replay and capture times swing "
+                   "between runs; see each row's replay_ms_min/max in bench.json)")
 #: Keys of ``ratios()`` that compare timings.
 TIMING_RATIOS = ("replay_on_over_off", "capture_on_over_off")
 #: One line printed instead of writing bench.png when matplotlib is missing.
-PLOT_SKIPPED = (
-    "plot skipped: matplotlib is not installed; for bench.png install the [bench] extra "
-    "(from a checkout: pip install -e '.[bench]')"
-)
+PLOT_SKIPPED = ("plot skipped: matplotlib is not installed; for bench.png install the [bench] extra "
+                "(from a checkout: pip install -e '.[bench]')")
 
 
 def sig2(value: float) -> str:
@@ -99,19 +95,13 @@ def write_json(
     path: Path, device: str, config: dict[str, Any], rows: list[BenchRow], *, timings_meaningful: bool = True,
     cold: dict[str, Any] | None = None,
 ) -> None:
-    """``bench.json``: versions, UTC timestamp, config, rows (with per-size rows), ratios, and
-    ``cold`` (the warm-up's first schedule: :func:`~.runner.cold_summary`; ``null`` off CUDA or
-    without a forecast)."""
+    """``bench.json``: versions, UTC timestamp, config, rows (with per-size rows), ratios, and ``cold``
+    (:func:`~.runner.cold_summary`)."""
     doc = {
-        "package_version": __version__,
-        "torch_version": torch.__version__,
-        "timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "device": device,
-        "timings_meaningful": timings_meaningful,
-        "config": config,
-        "rows": [r.to_dict() for r in rows],
-        "ratios": ratios(rows, timings_meaningful=timings_meaningful),
-        "cold": cold,
+        "package_version": __version__, "torch_version": torch.__version__,
+        "timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "device": device,
+        "timings_meaningful": timings_meaningful, "config": config, "rows": [r.to_dict() for r in rows],
+        "ratios": ratios(rows, timings_meaningful=timings_meaningful), "cold": cold,
     }
     path.write_text(json.dumps(doc, indent=2) + "\n")
 
@@ -125,10 +115,8 @@ GRAPH_TREES_LABEL = "torch's CUDA Graph Trees (torch.compile reduce-overhead)"
 FORECAST_LABEL = "forecast before capture (CaptureBackend.forecast)"
 GRAPH_TREES_CPU_LABEL = "torch.compile without mode (CPU stand-in: Graph Trees need CUDA)"
 #: Caption under the plot when Graph Trees' resident-output bar is left out (CPU).
-NO_RESIDENT_CAPTION = (
-    "graph-trees: no memory bar: resident output does not apply (Graph Trees keep no output "
-    "past the next step); graph memory is measured on CUDA only"
-)
+NO_RESIDENT_CAPTION = ("graph-trees: no memory bar: resident output does not apply (Graph Trees keep no output "
+                       "past the next step); graph memory is measured on CUDA only")
 
 
 @dataclass(frozen=True)

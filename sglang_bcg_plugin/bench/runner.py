@@ -173,9 +173,7 @@ class CompileClock:
     """A ``torch.compile``-d callable summing the wall time of the calls that compiled (``compile_s``)."""
 
     def __init__(self, fn: Callable[..., Any], device: str) -> None:
-        self.fn = fn
-        self.device = device
-        self.seconds = 0.0
+        self.fn, self.device, self.seconds = fn, device, 0.0
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         from torch._dynamo.utils import counters
@@ -300,15 +298,8 @@ def _replay_all(
 
 
 def run_variant(
-    backend_name: str,
-    variant: str,
-    workload: Workload,
-    sizes: list[int],
-    *,
-    repeats: int,
-    progress: bool = True,
-    forecast: bool = True,
-    after_capture: Callable[[ShapeKey], None] | None = None,
+    backend_name: str, variant: str, workload: Workload, sizes: list[int], *, repeats: int, progress: bool = True,
+    forecast: bool = True, after_capture: Callable[[ShapeKey], None] | None = None,
 ) -> BenchRow:
     """Capture every size with one backend and variant; measure memory, time and error (on CUDA,
     after a forecast of the schedule). ``after_capture(key)`` runs after each size's capture."""
@@ -316,17 +307,12 @@ def run_variant(
     device = workload.shape.device
     model, static = _fresh(workload, backend_name, sizes)
     options = BackendOptions(
-        output_mode=mode_of_option(v.share),
-        engine="cuda" if device.startswith("cuda") else "eager",
-        stale_output_guard=v.guard,
-        shared_buffer=v.shared_buffer,  # type: ignore[arg-type]
-        pool_reserve=v.pool_reserve,  # type: ignore[arg-type]
-        pool_segments=v.pool_segments,  # type: ignore[arg-type]
+        output_mode=mode_of_option(v.share), engine="cuda" if device.startswith("cuda") else "eager",
+        stale_output_guard=v.guard, shared_buffer=v.shared_buffer,  # type: ignore[arg-type]
+        pool_reserve=v.pool_reserve, pool_segments=v.pool_segments,  # type: ignore[arg-type]
     )
-    kwargs: dict[str, Any] = {}
-    if backend_name == "piecewise":
-        kwargs["splitting_ops"] = list(workload.splitting_ops)
-        kwargs["inductor"] = v.inductor
+    piecewise = {"splitting_ops": list(workload.splitting_ops), "inductor": v.inductor}
+    kwargs: dict[str, Any] = piecewise if backend_name == "piecewise" else {}
     backend = create_backend(backend_name, options=options, **kwargs)
     fn = backend.compile(model, dynamic_dim=workload.dynamic_dim)
     if v.inductor and backend_name != "piecewise":  # Inductor, no cudagraphs: the backend captures it
@@ -354,9 +340,8 @@ def run_variant(
     elapsed, graph_bytes = _capture_all(device, sizes, f"{backend_name}/{variant}", progress, backend.capture_session(), capture)
     compile_s = compiled_s()
     report = backend.memory_report()
-    replayed = _replay_all(
-        workload, sizes, static, lambda s: backend.replay(ShapeKey(s)), model if v.keep else None, repeats
-    )
+    replayed = _replay_all(workload, sizes, static, lambda s: backend.replay(ShapeKey(s)), model if v.keep else None,
+                           repeats)
     backend.cleanup()  # the graphs, pools and buffers go; the next variant measures from here
     row = BenchRow(
         backend=backend_name, variant=variant, share_output=v.share, num_sizes=len(sizes), max_tokens=max(sizes),
