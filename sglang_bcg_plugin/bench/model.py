@@ -20,12 +20,9 @@ def attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.T
     head_dim = q.shape[1] // num_heads
     # (1, heads, tokens, head_dim): the fused kernels want 4-D inputs.
     qh = q.reshape(1, tokens, num_heads, head_dim).transpose(1, 2)
-    kh = k.reshape(1, tokens, num_kv_heads, head_dim).transpose(1, 2)
-    vh = v.reshape(1, tokens, num_kv_heads, head_dim).transpose(1, 2)
+    kh, vh = (t.reshape(1, tokens, num_kv_heads, head_dim).transpose(1, 2) for t in (k, v))
     if num_kv_heads != num_heads:
-        rep = num_heads // num_kv_heads
-        kh = kh.repeat_interleave(rep, dim=1)
-        vh = vh.repeat_interleave(rep, dim=1)
+        kh, vh = (t.repeat_interleave(num_heads // num_kv_heads, dim=1) for t in (kh, vh))
     # CUDA: fused kernels only (the math fallback materialises the tokens x tokens scores)
     fused = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]
     with sdpa_kernel(fused) if q.is_cuda else contextlib.nullcontext():

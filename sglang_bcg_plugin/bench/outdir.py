@@ -198,8 +198,10 @@ def write_pair(out: Path, write_json: Callable[[Path], None], write_png: Callabl
             if old_png is not None:
                 old_png.unlink()
     except OSError as exc:
-        msg = (f"could not write bench.json and bench.png into {shown(str(out))} ({exc.strerror or exc}); the folder "
-               "keeps its previous pair; free some space or give another --out (the table above has the results)")
+        msg = (
+            f"could not write bench.json and bench.png into {shown(str(out))} ({exc.strerror or exc}); "
+            "the folder keeps its previous pair; free some space or give another --out (the table above has the results)"
+        )
         raise OutputWriteError(msg) from None
     finally:
         for p in (json_tmp, png_tmp):

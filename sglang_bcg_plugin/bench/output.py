@@ -238,11 +238,9 @@ def write_plot(
     legend_rows = -(-len(labels) // ncol)
     caption = 0.035 if left_out else 0.0
     fig.legend(handles, labels, loc="lower center", ncol=ncol, fontsize=8, bbox_to_anchor=(0.5, caption), frameon=False)
-    fig.suptitle(
-        f"sglang-bcg bench on {device}: {config.get('layers')} layers, hidden {config.get('hidden')}, "
-        f"{config.get('dtype')}, {config.get('num_sizes')} sizes up to {config.get('max_tokens')} tokens",
-        fontsize=10,
-    )
+    fig.suptitle(f"sglang-bcg bench on {device}: {config.get('layers')} layers, hidden {config.get('hidden')}, "
+                 f"{config.get('dtype')}, {config.get('num_sizes')} sizes up to {config.get('max_tokens')} tokens",
+                 fontsize=10)
     if left_out:
         fig.text(0.5, 0.01, NO_RESIDENT_CAPTION, ha="center", va="bottom", fontsize=8, style="italic")
     fig.tight_layout(rect=(0, caption + 0.045 * legend_rows, 1, 1))

@@ -1,6 +1,5 @@
-"""Measure each backend x variant on a workload, and the reference row: torch's CUDA Graph Trees
-(``torch.compile(mode="reduce-overhead", dynamic=True)``; on CPU the same compile without
-``mode``), measured alike (docs/getting-started.md)."""
+"""Measure each backend x variant on a workload, and the reference row, torch's CUDA Graph Trees,
+alike (docs/getting-started.md)."""
 
 from __future__ import annotations
 
