@@ -3,6 +3,7 @@ memory (CPU: physical RAM), before any work (docs/getting-started.md)."""
 
 from __future__ import annotations
 
+import bisect
 import os
 from collections.abc import Callable, Sequence
 
@@ -105,12 +106,9 @@ def check_fits(
     stats = capture_size_stats(max_tokens)
     if need(max_tokens) <= limit:
         return
-    lo, hi, best = MIN_CAPTURE_SIZE, stats.largest - 1, None  # the largest fitting below it
-    if hi >= lo and need(lo) <= limit:
-        while lo < hi:  # the estimate grows with max_tokens
-            mid = (lo + hi + 1) // 2
-            lo, hi = (mid, hi) if need(mid) <= limit else (lo, mid - 1)
-        best = capture_size_stats(lo).largest
+    below = range(MIN_CAPTURE_SIZE, stats.largest)
+    fitting = bisect.bisect_right(below, limit, key=need)  # how many fit: the estimate grows with max_tokens
+    best = capture_size_stats(below[fitting - 1]).largest if fitting else None
     todo = f"use --max-tokens {best} or less" if best is not None else "lower --hidden, --layers or --intermediate"
     tape = tape_kept_bytes(model, stats, backends, workload)
     kept = f", {human_bytes(tape)} the eager segments keep of every size" if tape else ""
