@@ -93,11 +93,8 @@ def _bench(args: argparse.Namespace) -> int:
         if ":" in cfg.device:  # pragma: no cover - CUDA only: streams and pools on the chosen GPU
             torch.cuda.set_device(torch.device(cfg.device))
         config = cfg.summary()
-        for note in cfg.notes:
-            print(note, file=sys.stderr)
-        print(f"sglang-bcg bench on {cfg.device_name}: {config}", file=sys.stderr)
+        print(*cfg.notes, f"sglang-bcg bench on {cfg.device_name}: {config}", sep="\n", file=sys.stderr)
         start = time.perf_counter()
-        # the reference compiles afresh
         cold = cold_summary(warm_up(cfg.workload, [b for b in cfg.backends if b != GRAPH_TREES], cfg.sizes))
         if cold is not None:
             err = cold["forecast_error"]
@@ -112,8 +109,7 @@ def _bench(args: argparse.Namespace) -> int:
                 row = (graph_trees_row(cfg.workload, cfg.sizes, **kw) if backend == GRAPH_TREES
                        else run_variant(backend, variant, cfg.workload, cfg.sizes, **kw))
                 rows.append(row)
-                done = f"{backend}/{variant} done in {time.perf_counter() - t0:.1f} s"
-                print(f"  {done}: {row.summary()}", file=sys.stderr)
+                print(f"  {backend}/{variant} done in {time.perf_counter() - t0:.1f} s: {row.summary()}", file=sys.stderr)
         print(format_table(rows, timings_meaningful=cfg.gpu))
         print(f"({time.perf_counter() - start:.1f} s)", file=sys.stderr)
         if cfg.out is not None:
@@ -168,9 +164,21 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _error_line(exc: BaseException) -> tuple[str | None, int]:
+    """The ``error:`` line and exit code of an error the command reports; ``None``: a bug (its traceback)."""
+    if isinstance(exc, (UsageError, BackendRegistrationError)):
+        return " ".join(str(exc).split()), 2
+    if isinstance(exc, KeyboardInterrupt):
+        return "interrupted", 130
+    text = str(exc).strip()
+    if not isinstance(exc, torch.cuda.OutOfMemoryError) and "can't allocate memory" not in text:
+        return None, 1
+    first = text.splitlines()[0] if text else type(exc).__name__
+    return f"out of memory ({first}); lower --max-tokens, --hidden or --layers (--debug: traceback)", 1
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    debug = bool(args.debug or args.verbose)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING)
     try:
         if args.command == "bench":
@@ -184,23 +192,12 @@ def main(argv: list[str] | None = None) -> int:
         from .integration.doctor import doctor_main
 
         return doctor_main([])
-    except (UsageError, BackendRegistrationError) as exc:
-        if debug:
+    except (UsageError, BackendRegistrationError, RuntimeError, KeyboardInterrupt) as exc:
+        line, code = _error_line(exc)
+        if line is None or args.debug or args.verbose:
             raise
-        print(f"error: {' '.join(str(exc).split())}", file=sys.stderr)
-        return 2
-    except (torch.cuda.OutOfMemoryError, RuntimeError) as exc:
-        oom = isinstance(exc, torch.cuda.OutOfMemoryError) or "can't allocate memory" in str(exc)
-        if debug or not oom:
-            raise
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        print(f"error: out of memory ({first}); lower --max-tokens, --hidden or --layers (--debug: traceback)", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        if debug:
-            raise
-        print("error: interrupted", file=sys.stderr)
-        return 130
+        print(f"error: {line}", file=sys.stderr)
+        return code
 
 
 if __name__ == "__main__":  # pragma: no cover

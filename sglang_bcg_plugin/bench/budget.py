@@ -3,6 +3,7 @@ memory (CPU: physical RAM), before any work (docs/getting-started.md)."""
 
 from __future__ import annotations
 
+import bisect
 import os
 from collections.abc import Callable, Sequence
 
@@ -45,11 +46,10 @@ def tape_kept_bytes(
     """Bytes the eager segments of the heaviest of ``backends`` keep over every size (CPU)."""
     if model.device.startswith("cuda"):
         return 0
-    b = torch.empty((), dtype=model.dtype).element_size()
     q, kv = model.heads * model.head_dim, model.kv_heads * model.head_dim
     kept = TAPE_KEPT.get(workload, TAPE_KEPT["synthetic"])
     per_token = max((kept[name](model.hidden, q, kv, model.intermediate) for name in backends if name in kept), default=0)
-    return int(per_token * model.layers * sizes.total * b)
+    return int(per_token * model.layers * sizes.total * model.dtype.itemsize)
 
 
 def estimate_bytes(
@@ -59,11 +59,9 @@ def estimate_bytes(
     """Peak bytes of the heaviest of ``backends`` x ``variants`` capturing ``sizes`` (or their stats)."""
     if not isinstance(sizes, SizeStats):
         sizes = SizeStats(len(sizes), sum(sizes), max(sizes))
-    b = torch.empty((), dtype=model.dtype).element_size()
-    h, inter = model.hidden, model.intermediate
-    q = model.heads * model.head_dim
-    kv = model.kv_heads * model.head_dim
-    t = sizes.largest
+    b = model.dtype.itemsize
+    h, inter, t = model.hidden, model.intermediate, sizes.largest
+    q, kv = model.heads * model.head_dim, model.kv_heads * model.head_dim
     weights = model.layers * ((q + 2 * kv) * h + h * q + 3 * inter * h) * b
     if "off" in variants:
         outputs = sizes.total * h * b  # every key keeps its own output
@@ -103,26 +101,18 @@ def check_fits(
     limit = int(avail * FRACTION)
 
     def need(n: int) -> int:
-        return estimate_bytes(model, capture_size_stats(n), variants, backends=backends,
-                              workload=workload)
+        return estimate_bytes(model, capture_size_stats(n), variants, backends=backends, workload=workload)
 
     stats = capture_size_stats(max_tokens)
     if need(max_tokens) <= limit:
         return
-    lo, hi, best = MIN_CAPTURE_SIZE, stats.largest - 1, None  # the largest fitting below it
-    if hi >= lo and need(lo) <= limit:
-        while lo < hi:  # the estimate grows with max_tokens
-            mid = (lo + hi + 1) // 2
-            lo, hi = (mid, hi) if need(mid) <= limit else (lo, mid - 1)
-        best = capture_size_stats(lo).largest
-    todo = (
-        f"use --max-tokens {best} or less" if best is not None else "lower --hidden, --layers or --intermediate"
-    )
+    below = range(MIN_CAPTURE_SIZE, stats.largest)
+    fitting = bisect.bisect_right(below, limit, key=need)  # how many fit: the estimate grows with max_tokens
+    best = capture_size_stats(below[fitting - 1]).largest if fitting else None
+    todo = f"use --max-tokens {best} or less" if best is not None else "lower --hidden, --layers or --intermediate"
     tape = tape_kept_bytes(model, stats, backends, workload)
     kept = f", {human_bytes(tape)} the eager segments keep of every size" if tape else ""
-    msg = (
-        f"--max-tokens {max_tokens} needs at least {human_bytes(need(max_tokens))} "
-        f"({stats.count} capture size{'' if stats.count == 1 else 's'}: "
-        f"weights, inputs, captured outputs, activations of the largest{kept}) but {where}; {todo}"
-    )
+    sizes = f"{stats.count} capture size{'' if stats.count == 1 else 's'}"
+    msg = (f"--max-tokens {max_tokens} needs at least {human_bytes(need(max_tokens))} ({sizes}: weights, inputs, "
+           f"captured outputs, activations of the largest{kept}) but {where}; {todo}")
     raise UsageError(msg)

@@ -22,10 +22,8 @@ from .sizes import MIN_CAPTURE_SIZE, capture_size_stats, prefill_capture_sizes
 from .usage import UsageError, shown
 from .workload import WORKLOADS, ModelShape, Workload
 
-DTYPES = {
-    "float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-    "float16": torch.float16, "fp16": torch.float16,
-}
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+          "float16": torch.float16, "fp16": torch.float16}
 _DEVICE = re.compile(r"cpu|cuda(:\d+)?")
 #: The largest ``--max-tokens`` accepted before the memory check (2**40 tokens).
 MAX_TOKENS_LIMIT = 1 << 40
@@ -114,20 +112,16 @@ def _check_heads(args: argparse.Namespace, hidden: int, heads: int, kv_heads: in
     """Head counts that the model (ours, or transformers' LlamaConfig) accepts."""
     if hidden % heads:
         why = "transformers' LlamaConfig requires it, whatever --head-dim" if llama else "head size = hidden / heads"
-        msg = (
-            f"{_flag('--hidden', hidden, args.hidden)} is not a multiple of {_flag('--heads', heads, args.heads)} "
-            f"({why}); use --heads among {_divisors(hidden)}"
-        )
+        msg = (f"{_flag('--hidden', hidden, args.hidden)} is not a multiple of {_flag('--heads', heads, args.heads)} "
+               f"({why}); use --heads among {_divisors(hidden)}")
         raise UsageError(msg)
     if not llama and args.head_dim is not None:
         msg = "--head-dim applies to --model llama only (the synthetic decoder's head size is hidden / heads)"
         raise UsageError(msg)
     if heads % kv_heads:
-        msg = (
-            f"{_flag('--heads', heads, args.heads)} is not a multiple of "
-            f"{_flag('--kv-heads', kv_heads, args.kv_heads)} (grouped-query attention); "
-            f"use --kv-heads among {_divisors(heads)}"
-        )
+        kv = _flag("--kv-heads", kv_heads, args.kv_heads)
+        msg = (f"{_flag('--heads', heads, args.heads)} is not a multiple of {kv} (grouped-query attention); "
+               f"use --kv-heads among {_divisors(heads)}")
         raise UsageError(msg)
 
 
@@ -140,19 +134,12 @@ def _model(args: argparse.Namespace, device: str) -> ModelShape:
     _check_heads(args, hidden, heads, kv_heads, llama)
     head_dim = args.head_dim or ((64 if gpu else 16) if llama else hidden // heads)
     if llama and head_dim % 2:
-        msg = (
-            f"--head-dim {head_dim} is odd; transformers' rotary embedding rotates the two halves of each "
-            f"head, so it needs an even head size: use --head-dim {head_dim + 1}"
-        )
+        msg = (f"--head-dim {head_dim} is odd; transformers' rotary embedding rotates the two halves of each "
+               f"head, so it needs an even head size: use --head-dim {head_dim + 1}")
         raise UsageError(msg)
     return ModelShape(
-        hidden=hidden,
-        layers=args.layers or (4 if gpu else 2),
-        heads=heads,
-        kv_heads=kv_heads,
-        head_dim=head_dim,
-        intermediate=args.intermediate or hidden,
-        dtype=DTYPES[args.dtype or ("bfloat16" if gpu else "float32")],
+        hidden=hidden, layers=args.layers or (4 if gpu else 2), heads=heads, kv_heads=kv_heads, head_dim=head_dim,
+        intermediate=args.intermediate or hidden, dtype=DTYPES[args.dtype or ("bfloat16" if gpu else "float32")],
         device=device,
     )
 
@@ -170,11 +157,9 @@ def _variant_rows(backends: list[str], variants: list[str], available: list[str]
     if unrun:
         by = [b for b in available if b != GRAPH_TREES and runs(b, unrun[0])]
         what = ", ".join(unrun)
-        msg = (
-            f"--variants {what} {'is' if len(unrun) == 1 else 'are'} run only by --backends {_or(by)}, and "
-            f"--backends {','.join(backends)} has none of them: add {_or(by)} to --backends or drop {what} "
-            "from --variants"
-        )
+        msg = (f"--variants {what} {'is' if len(unrun) == 1 else 'are'} run only by --backends {_or(by)}, and "
+               f"--backends {','.join(backends)} has none of them: add {_or(by)} to --backends or drop {what} "
+               "from --variants")
         raise UsageError(msg)
     notes = []
     for b in ours:
@@ -191,8 +176,8 @@ def build_config(args: argparse.Namespace, available_backends: list[str]) -> Ben
     device = _device(args.device)
     gpu = device.startswith("cuda")
     backends = _names("--backends", args.backends, available_backends, unknown="unknown backends")
-    default_variants = "off,on,floor,guard" if gpu else "off,on"
-    variants = _names("--variants", args.variants or default_variants, VARIANTS, unknown="unknown variants")
+    variants = _names("--variants", args.variants or ("off,on,floor,guard" if gpu else "off,on"), VARIANTS,
+                      unknown="unknown variants")
     notes = _variant_rows(backends, variants, available_backends)
     try:
         env = parse_mode_text(os.environ.get(ENV_SHARE_OUTPUT))
@@ -206,34 +191,21 @@ def build_config(args: argparse.Namespace, available_backends: list[str]) -> Ben
     workload = WORKLOADS[args.model](model)  # llama without transformers: a UsageError naming the extra
     max_tokens = args.max_tokens or (16384 if gpu else (64 if args.model == "llama" else 256))
     if max_tokens < MIN_CAPTURE_SIZE:
-        msg = (
-            f"--max-tokens {max_tokens} is below {MIN_CAPTURE_SIZE}, the smallest prefill capture "
-            f"size; use --max-tokens {MIN_CAPTURE_SIZE} or more"
-        )
+        msg = (f"--max-tokens {max_tokens} is below {MIN_CAPTURE_SIZE}, the smallest prefill capture size; "
+               f"use --max-tokens {MIN_CAPTURE_SIZE} or more")
         raise UsageError(msg)
     if max_tokens > MAX_TOKENS_LIMIT:
-        msg = (
-            f"--max-tokens {shown(max_tokens)} is beyond any machine's memory (at most "
-            f"{MAX_TOKENS_LIMIT} is accepted); SGLang captures prefill up to 16384 tokens by "
-            "default: use --max-tokens 16384 or less"
-        )
+        msg = (f"--max-tokens {shown(max_tokens)} is beyond any machine's memory (at most {MAX_TOKENS_LIMIT} is "
+               "accepted); SGLang captures prefill up to 16384 tokens by default: use --max-tokens 16384 or less")
         raise UsageError(msg)
     largest = capture_size_stats(max_tokens).largest
     if largest != max_tokens:
         notes.append(f"note: --max-tokens {max_tokens} is not one of SGLang's prefill capture "
                      f"sizes; the largest below it, {largest}, is captured")
     check_fits(model, max_tokens, variants, backends=backends, workload=args.model)
-    sizes = prefill_capture_sizes(max_tokens)
     out = None if args.out is None else check_out_dir(args.out)
     return BenchConfig(
-        device=device,
-        device_name=torch.cuda.get_device_name(device) if gpu else "cpu",
-        backends=backends,
-        variants=variants,
-        workload=workload,
-        sizes=sizes,
-        repeats=args.repeats or (50 if gpu else 10),
-        out=out,
-        progress=not args.no_progress,
-        notes=notes,
+        device=device, device_name=torch.cuda.get_device_name(device) if gpu else "cpu", backends=backends,
+        variants=variants, workload=workload, sizes=prefill_capture_sizes(max_tokens),
+        repeats=args.repeats or (50 if gpu else 10), out=out, progress=not args.no_progress, notes=notes,
     )

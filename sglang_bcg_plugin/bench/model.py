@@ -20,14 +20,10 @@ def attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.T
     head_dim = q.shape[1] // num_heads
     # (1, heads, tokens, head_dim): the fused kernels want 4-D inputs.
     qh = q.reshape(1, tokens, num_heads, head_dim).transpose(1, 2)
-    kh = k.reshape(1, tokens, num_kv_heads, head_dim).transpose(1, 2)
-    vh = v.reshape(1, tokens, num_kv_heads, head_dim).transpose(1, 2)
+    kh, vh = (t.reshape(1, tokens, num_kv_heads, head_dim).transpose(1, 2) for t in (k, v))
     if num_kv_heads != num_heads:
-        rep = num_heads // num_kv_heads
-        kh = kh.repeat_interleave(rep, dim=1)
-        vh = vh.repeat_interleave(rep, dim=1)
-    # On CUDA, flash / memory-efficient kernels only: the math fallback materialises the full
-    # tokens x tokens score matrix (45 GiB at 16384 tokens), which would swamp the pool.
+        kh, vh = (t.repeat_interleave(num_heads // num_kv_heads, dim=1) for t in (kh, vh))
+    # CUDA: fused kernels only (the math fallback materialises the tokens x tokens scores)
     fused = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]
     with sdpa_kernel(fused) if q.is_cuda else contextlib.nullcontext():
         o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True)
@@ -115,9 +111,7 @@ class SyntheticDecoder(torch.nn.Module):
         cfg = self.cfg
         h = x
         for i in range(cfg.layers):
-            # Written like a serving kernel stack (in-place residual adds, one temporary for
-            # silu_and_mul, references dropped as soon as possible) so the graph pool holds what
-            # a real prefill holds, not Python's temporaries.
+            # like a serving kernel stack (in-place adds, references dropped early): the pool holds a prefill's
             qkv = F.linear(self._norm(h), self.qkv[i])
             q, k, v = qkv.split([self.q_cols, self.kv_cols, self.kv_cols], dim=-1)
             out = torch.empty(h.shape[0], self.q_cols, dtype=h.dtype, device=h.device)

@@ -48,18 +48,15 @@ def check_out_dir(raw: str) -> Path:
             except FileNotFoundError:
                 continue  # absent, or a dangling link: the rename replaces it
             if not stat.S_ISREG(mode):
-                kind = ("a directory" if stat.S_ISDIR(mode)
-                        else "not a regular file (a FIFO, socket or device)")
+                kind = "a directory" if stat.S_ISDIR(mode) else "not a regular file (a FIFO, socket or device)"
                 msg = f"--out {shown(raw)}: {name} is {kind}; remove it or give another --out"
                 raise UsageError(msg)
     except OSError as exc:
         msg = f"--out {shown(raw)} is not a writable directory ({exc.strerror or exc}); give one you can write to"
         raise UsageError(msg) from None
     if free is not None and free < MIN_FREE_BYTES:
-        msg = (
-            f"--out {shown(raw)} has {human_bytes(free)} free; bench.json and bench.png need up to "
-            f"{human_bytes(MIN_FREE_BYTES)}: free some space or give another --out"
-        )
+        msg = (f"--out {shown(raw)} has {human_bytes(free)} free; bench.json and bench.png need up to "
+               f"{human_bytes(MIN_FREE_BYTES)}: free some space or give another --out")
         raise UsageError(msg)
     return out
 
@@ -91,11 +88,8 @@ def _alive(pid: int) -> bool:
 
 def _in_use(out: Path, lock: Path, pid: int | None) -> UsageError:
     who = f"pid {pid}" if pid is not None else "a run starting now"
-    msg = (
-        f"--out {shown(str(out))} is in use by another sglang-bcg bench ({who}, lock file {lock.name}); "
-        f"wait for it to finish or give another --out (remove {lock.name} only if no bench runs there)"
-    )
-    return UsageError(msg)
+    return UsageError(f"--out {shown(str(out))} is in use by another sglang-bcg bench ({who}, lock file {lock.name}); "
+                      f"wait for it to finish or give another --out (remove {lock.name} only if no bench runs there)")
 
 
 def _take_over(out: Path, lock: Path, stale: int | None) -> None:
@@ -141,10 +135,8 @@ def hold(out: Path | None) -> Iterator[None]:
             with contextlib.suppress(OSError):
                 left.unlink()
     except OSError as exc:
-        msg = (
-            f"--out {shown(str(out))}: cannot use its lock file {LOCK} ({exc.strerror or exc}); "
-            "remove it if no bench runs there, or give another --out"
-        )
+        msg = (f"--out {shown(str(out))}: cannot use its lock file {LOCK} ({exc.strerror or exc}); "
+               "remove it if no bench runs there, or give another --out")
         raise UsageError(msg) from None
     try:
         yield
@@ -185,11 +177,8 @@ def write_pair(out: Path, write_json: Callable[[Path], None], write_png: Callabl
         made_png = write_png(png_tmp)
         write_json(json_tmp)
         for p in (json_tmp, png_tmp) if made_png else (json_tmp,):  # on disk before the renames
-            fd = os.open(p, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+            with open(p, "rb") as f:
+                os.fsync(f.fileno())
         png, placed = out / BENCH_PNG, False
         with _sigint_held():  # on a failure, the old pair is put back
             old_png = _temp(out, "old-png") if os.path.lexists(png) else None

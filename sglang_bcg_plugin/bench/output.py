@@ -17,17 +17,13 @@ from .runner import GRAPH_TREES, VARIANTS, BenchRow
 MIB = 1024 * 1024
 
 #: Footnote of the table when timings come from the eager engine (CPU).
-CPU_TIMING_NOTE = (
-    "n/m: not meaningful on CPU (eager engine, no graphs: replay and capture times swing "
-    "between runs; see each row's replay_ms_min/max in bench.json)"
-)
+CPU_TIMING_NOTE = ("n/m: not meaningful on CPU (eager engine, no graphs: replay and capture times swing "
+                   "between runs; see each row's replay_ms_min/max in bench.json)")
 #: Keys of ``ratios()`` that compare timings.
 TIMING_RATIOS = ("replay_on_over_off", "capture_on_over_off")
 #: One line printed instead of writing bench.png when matplotlib is missing.
-PLOT_SKIPPED = (
-    "plot skipped: matplotlib is not installed; for bench.png install the [bench] extra "
-    "(from a checkout: pip install -e '.[bench]')"
-)
+PLOT_SKIPPED = ("plot skipped: matplotlib is not installed; for bench.png install the [bench] extra "
+                "(from a checkout: pip install -e '.[bench]')")
 
 
 def sig2(value: float) -> str:
@@ -40,8 +36,16 @@ def sig2(value: float) -> str:
     return f"{rounded:.{1 - math.floor(math.log10(abs(rounded)))}f}"
 
 
+def _cell(v: float | None, spec: str, scale: float = 1.0) -> str:
+    return "-" if v is None else format(v * scale, spec)
+
+
 def _mib(v: int | None) -> str:
-    return "-" if v is None else f"{v / MIB:,.1f}"
+    return _cell(v, ",.1f", 1 / MIB)
+
+
+def _ratio(on: float | None, off: float | None) -> float | None:
+    return on / off if on is not None and off else None
 
 
 def ratios(rows: list[BenchRow], *, timings_meaningful: bool = True) -> dict[str, dict[str, float | None]]:
@@ -52,17 +56,12 @@ def ratios(rows: list[BenchRow], *, timings_meaningful: bool = True) -> dict[str
         on, off = by.get((backend, "on")), by.get((backend, "off"))
         if on is None or off is None:
             continue
-        mem = None
-        if on.graph_memory_bytes is not None and off.graph_memory_bytes:
-            mem = on.graph_memory_bytes / off.graph_memory_bytes
         out[backend] = {
-            "graph_memory_on_over_off": mem,
-            "resident_on_over_off": on.resident_output_bytes / off.resident_output_bytes if off.resident_output_bytes else None,
-            "replay_on_over_off": on.replay_ms / off.replay_ms if off.replay_ms else None,
-            "capture_on_over_off": on.capture_s / off.capture_s if off.capture_s else None,
+            "graph_memory_on_over_off": _ratio(on.graph_memory_bytes, off.graph_memory_bytes),
+            "resident_on_over_off": _ratio(on.resident_output_bytes, off.resident_output_bytes),
+            "replay_on_over_off": _ratio(on.replay_ms, off.replay_ms) if timings_meaningful else None,
+            "capture_on_over_off": _ratio(on.capture_s, off.capture_s) if timings_meaningful else None,
         }
-        if not timings_meaningful:
-            out[backend].update(dict.fromkeys(TIMING_RATIOS))
     return out
 
 
@@ -70,23 +69,10 @@ def format_table(rows: list[BenchRow], *, timings_meaningful: bool = True) -> st
     """The rows as a text table, then the on/off ratios per backend."""
     head = ["backend", "variant", "sizes", "max_tokens", "resident MiB", "logical MiB", "graph MiB", "forecast MiB", "error %", "bridges MiB", "capture s", "compile s", "replay ms", "max abs err", "fallbacks"]
     body = [
-        [
-            r.backend,
-            r.variant,
-            str(r.num_sizes),
-            str(r.max_tokens),
-            _mib(r.resident_output_bytes),
-            _mib(r.logical_output_bytes),
-            _mib(r.graph_memory_bytes),
-            _mib(r.forecast_bytes),
-            "-" if r.forecast_error is None else f"{r.forecast_error * 100:+.1f}",
-            _mib(r.bridge_bytes),
-            f"{r.capture_s:.2f}",
-            "-" if r.compile_s is None else f"{r.compile_s:.2f}",
-            f"{r.replay_ms:.3f}",
-            "-" if r.max_abs_err is None else f"{r.max_abs_err:.3g}",
-            str(r.fallbacks),
-        ]
+        [r.backend, r.variant, str(r.num_sizes), str(r.max_tokens), *map(_mib, (
+            r.resident_output_bytes, r.logical_output_bytes, r.graph_memory_bytes, r.forecast_bytes)),
+         _cell(r.forecast_error, "+.1f", 100), _mib(r.bridge_bytes), f"{r.capture_s:.2f}", _cell(r.compile_s, ".2f"),
+         f"{r.replay_ms:.3f}", _cell(r.max_abs_err, ".3g"), str(r.fallbacks)]
         for r in rows
     ]
     widths = [max(len(c) for c in col) for col in zip(head, *body)]
@@ -109,19 +95,13 @@ def write_json(
     path: Path, device: str, config: dict[str, Any], rows: list[BenchRow], *, timings_meaningful: bool = True,
     cold: dict[str, Any] | None = None,
 ) -> None:
-    """``bench.json``: versions, UTC timestamp, config, rows (with per-size rows), ratios, and
-    ``cold`` (the warm-up's first schedule: :func:`~.runner.cold_summary`; ``null`` off CUDA or
-    without a forecast)."""
+    """``bench.json``: versions, UTC timestamp, config, rows (with per-size rows), ratios, and ``cold``
+    (:func:`~.runner.cold_summary`)."""
     doc = {
-        "package_version": __version__,
-        "torch_version": torch.__version__,
-        "timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "device": device,
-        "timings_meaningful": timings_meaningful,
-        "config": config,
-        "rows": [r.to_dict() for r in rows],
-        "ratios": ratios(rows, timings_meaningful=timings_meaningful),
-        "cold": cold,
+        "package_version": __version__, "torch_version": torch.__version__,
+        "timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "device": device,
+        "timings_meaningful": timings_meaningful, "config": config, "rows": [r.to_dict() for r in rows],
+        "ratios": ratios(rows, timings_meaningful=timings_meaningful), "cold": cold,
     }
     path.write_text(json.dumps(doc, indent=2) + "\n")
 
@@ -135,10 +115,8 @@ GRAPH_TREES_LABEL = "torch's CUDA Graph Trees (torch.compile reduce-overhead)"
 FORECAST_LABEL = "forecast before capture (CaptureBackend.forecast)"
 GRAPH_TREES_CPU_LABEL = "torch.compile without mode (CPU stand-in: Graph Trees need CUDA)"
 #: Caption under the plot when Graph Trees' resident-output bar is left out (CPU).
-NO_RESIDENT_CAPTION = (
-    "graph-trees: no memory bar: resident output does not apply (Graph Trees keep no output "
-    "past the next step); graph memory is measured on CUDA only"
-)
+NO_RESIDENT_CAPTION = ("graph-trees: no memory bar: resident output does not apply (Graph Trees keep no output "
+                       "past the next step); graph memory is measured on CUDA only")
 
 
 @dataclass(frozen=True)
@@ -260,11 +238,9 @@ def write_plot(
     legend_rows = -(-len(labels) // ncol)
     caption = 0.035 if left_out else 0.0
     fig.legend(handles, labels, loc="lower center", ncol=ncol, fontsize=8, bbox_to_anchor=(0.5, caption), frameon=False)
-    fig.suptitle(
-        f"sglang-bcg bench on {device}: {config.get('layers')} layers, hidden {config.get('hidden')}, "
-        f"{config.get('dtype')}, {config.get('num_sizes')} sizes up to {config.get('max_tokens')} tokens",
-        fontsize=10,
-    )
+    fig.suptitle(f"sglang-bcg bench on {device}: {config.get('layers')} layers, hidden {config.get('hidden')}, "
+                 f"{config.get('dtype')}, {config.get('num_sizes')} sizes up to {config.get('max_tokens')} tokens",
+                 fontsize=10)
     if left_out:
         fig.text(0.5, 0.01, NO_RESIDENT_CAPTION, ha="center", va="bottom", fontsize=8, style="italic")
     fig.tight_layout(rect=(0, caption + 0.045 * legend_rows, 1, 1))

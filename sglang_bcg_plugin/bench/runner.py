@@ -1,6 +1,5 @@
-"""Measure each backend x variant on a workload, and the reference row: torch's CUDA Graph Trees
-(``torch.compile(mode="reduce-overhead", dynamic=True)``; on CPU the same compile without
-``mode``), measured alike (docs/getting-started.md)."""
+"""Measure each backend x variant on a workload, and the reference row, torch's CUDA Graph Trees,
+alike (docs/getting-started.md)."""
 
 from __future__ import annotations
 
@@ -35,8 +34,7 @@ REFERENCE_VARIANT = "reference"
 
 @dataclass(frozen=True)
 class Variant:
-    """How one bench variant captures (sharing, kept outputs, guard, buffer source, Inductor
-    first, the pool options), its ``--help`` line and its legend label in ``bench.png``."""
+    """How one bench variant captures, its ``--help`` line and its legend label in ``bench.png``."""
 
     share: bool | Literal["released"]
     meaning: str
@@ -50,73 +48,56 @@ class Variant:
     pool_segments: str = "fixed"
 
 
+def _variant(name: str, meaning: str, label: str, color: str) -> Variant:
+    """The variant ``name``, its options read off the name: ``off`` and ``floor`` (nothing kept) share
+    nothing, ``*released`` releases, ``guard``, ``adopt``/``reserve`` (the buffer source), ``inductor*``,
+    ``*packed*`` (``pool_reserve="auto"``), ``*expandable*`` (``pool_segments="expandable"``)."""
+    share: bool | Literal["released"] = "released" if name.endswith("released") else name not in ("off", "floor")
+    return Variant(
+        share, meaning, label, color, keep=name != "floor", guard=name == "guard",
+        shared_buffer=name if name in ("adopt", "reserve") else "auto", inductor=name.startswith("inductor"),
+        pool_reserve="auto" if "packed" in name else "off",
+        pool_segments="expandable" if "expandable" in name else "fixed",
+    )
+
+
 _ON, _RELEASED, _BLOCK = "sharing on", "outputs released", "pool as one block"
 _EXPANDABLE = "pool as one expandable segment"
+_SIZED = "the pool started as one block the forecast sized (CUDA)"
+_GROWN = "the pool grown as one expandable segment"
+_COMPILED = "the model compiled by Inductor first (piecewise and full only)"
 #: Every variant; docs/getting-started.md lists the same meanings (tests/test_cli.py checks it).
-VARIANTS = {
-    "off": Variant(False, "sharing off: every size keeps its own output", "sharing off", "#c0504d"),
-    "on": Variant(True, "sharing on: one output buffer per stream, shared by every size", _ON, "#4f81bd"),
-    "floor": Variant(
-        False, "every output released inside its graph: the memory floor (no output to check)",
-        f"{_RELEASED} (floor)", "#9bbb59", keep=False,
-    ),
-    "guard": Variant(True, "sharing on, with the stale-output guard", f"{_ON} + stale-output guard", "#8064a2", guard=True),
-    "adopt": Variant(
-        True, "sharing on, the first capture's own output adopted as the buffer", f"{_ON}, buffer adopted", "#95b3d7",
-        shared_buffer="adopt",
-    ),
-    "reserve": Variant(
-        True, "sharing on, the buffer reserved before the first capture", f"{_ON}, buffer reserved", "#1f497d",
-        shared_buffer="reserve",
-    ),
-    "released": Variant(
-        "released", "zero-copy outputs left in graph-pool memory, valid until the next replay",
-        f"{_RELEASED} (zero-copy)", "#77933c",
-    ),
-    "inductor": Variant(
-        True, "sharing on, the model compiled by Inductor first (piecewise and full only)",
-        f"{_ON}, Inductor-compiled", "#f79646", inductor=True,
-    ),
-    "inductor-released": Variant(
-        "released", "zero-copy outputs (released), the model compiled by Inductor first (piecewise and full only)",
-        f"{_RELEASED}, Inductor-compiled", "#e46c0a", inductor=True,
-    ),
-    "packed": Variant(
-        True, "sharing on, the graph pool started as one block the forecast sized (pool_reserve='auto', CUDA)",
-        f"{_ON}, {_BLOCK}", "#2c4d75", pool_reserve="auto",
-    ),
-    "packed-released": Variant(
-        "released", "zero-copy outputs (released), the pool started as one block the forecast sized (CUDA)",
-        f"{_RELEASED}, {_BLOCK}", "#4f6228", pool_reserve="auto",
-    ),
-    "inductor-packed": Variant(
-        True, "sharing on, Inductor first, the pool started as one block the forecast sized (CUDA)",
-        f"{_ON}, Inductor, {_BLOCK}", "#984807", inductor=True, pool_reserve="auto",
-    ),
-    "inductor-packed-released": Variant(
-        "released", "released outputs, Inductor first, the pool started as one block the forecast sized (CUDA)",
-        f"{_RELEASED}, Inductor, {_BLOCK}", "#632523", inductor=True, pool_reserve="auto",
-    ),
-    "expandable-released": Variant(
-        "released", "released outputs, the pool grown as one expandable segment while capturing (pool_segments, CUDA)",
-        f"{_RELEASED}, {_EXPANDABLE}", "#b3a2c7", pool_segments="expandable",
-    ),
-    "inductor-expandable": Variant(
-        True, "sharing on, Inductor first, the pool grown as one expandable segment (CUDA)",
-        f"{_ON}, Inductor, {_EXPANDABLE}", "#fac090", inductor=True, pool_segments="expandable",
-    ),
-    "inductor-expandable-released": Variant(
-        "released", "released outputs, Inductor first, the pool grown as one expandable segment (CUDA)",
-        f"{_RELEASED}, Inductor, {_EXPANDABLE}", "#7f6084", inductor=True, pool_segments="expandable",
-    ),
-}
+VARIANTS = {name: _variant(name, *about) for name, about in {
+    "off": ("sharing off: every size keeps its own output", "sharing off", "#c0504d"),
+    "on": ("sharing on: one output buffer per stream, shared by every size", _ON, "#4f81bd"),
+    "floor": ("every output released inside its graph: the memory floor (no output to check)",
+              f"{_RELEASED} (floor)", "#9bbb59"),
+    "guard": ("sharing on, with the stale-output guard", f"{_ON} + stale-output guard", "#8064a2"),
+    "adopt": ("sharing on, the first capture's own output adopted as the buffer", f"{_ON}, buffer adopted", "#95b3d7"),
+    "reserve": ("sharing on, the buffer reserved before the first capture", f"{_ON}, buffer reserved", "#1f497d"),
+    "released": ("zero-copy outputs left in graph-pool memory, valid until the next replay",
+                 f"{_RELEASED} (zero-copy)", "#77933c"),
+    "inductor": (f"sharing on, {_COMPILED}", f"{_ON}, Inductor-compiled", "#f79646"),
+    "inductor-released": (f"zero-copy outputs (released), {_COMPILED}", f"{_RELEASED}, Inductor-compiled", "#e46c0a"),
+    "packed": ("sharing on, the graph pool started as one block the forecast sized (pool_reserve='auto', CUDA)",
+               f"{_ON}, {_BLOCK}", "#2c4d75"),
+    "packed-released": (f"zero-copy outputs (released), {_SIZED}", f"{_RELEASED}, {_BLOCK}", "#4f6228"),
+    "inductor-packed": (f"sharing on, Inductor first, {_SIZED}", f"{_ON}, Inductor, {_BLOCK}", "#984807"),
+    "inductor-packed-released": (f"released outputs, Inductor first, {_SIZED}", f"{_RELEASED}, Inductor, {_BLOCK}",
+                                 "#632523"),
+    "expandable-released": (f"released outputs, {_GROWN} while capturing (pool_segments, CUDA)",
+                            f"{_RELEASED}, {_EXPANDABLE}", "#b3a2c7"),
+    "inductor-expandable": (f"sharing on, Inductor first, {_GROWN} (CUDA)", f"{_ON}, Inductor, {_EXPANDABLE}",
+                            "#fac090"),
+    "inductor-expandable-released": (f"released outputs, Inductor first, {_GROWN} (CUDA)",
+                                     f"{_RELEASED}, Inductor, {_EXPANDABLE}", "#7f6084"),
+}.items()}
 #: One line per variant: ``sglang-bcg bench --help`` prints them.
 VARIANT_MEANINGS = {name: v.meaning for name, v in VARIANTS.items()}
 
 
 def runs(backend: str, variant: str) -> bool:
-    """Whether the bench runs ``variant`` for ``backend`` (``inductor`` variants need a compiled
-    callable; ``graph-trees`` ignores ``--variants``)."""
+    """Whether the bench runs ``variant`` for ``backend`` (``inductor*`` needs a compiled callable)."""
     return not variant.startswith("inductor") or backend in ("piecewise", "full")
 
 
@@ -127,8 +108,7 @@ def variants_for(backend: str, variants: list[str]) -> list[str]:
 
 @dataclass
 class BenchRow:
-    """One backend x variant, with its per-size rows: what the table, ``bench.json`` and
-    ``bench.png`` show."""
+    """One backend x variant with its per-size rows: what the table, ``bench.json`` and ``bench.png`` show."""
 
     backend: str
     variant: str
@@ -178,30 +158,21 @@ def per_size_rows(report: MemoryReport, compile_s: dict[Any, float] | None = Non
     out of its ``capture_s``."""
     spent = compile_s or {}
     return [
-        {
-            "size": getattr(k.key, "size", None),
-            "stream_idx": getattr(k.key, "stream_idx", None),
-            "logical_output_bytes": k.logical_output_bytes,
-            "resident_output_bytes": k.resident_output_bytes,
-            "shared": k.shared,
-            "fallback": k.fallback,
-            "capture_s": None if k.capture_seconds is None else k.capture_seconds - spent.get(k.key, 0.0),
-            "compile_s": spent.get(k.key) if compile_s is not None else None,
-            "graph_memory_bytes": k.graph_memory_bytes,
-            "num_segments": k.num_segments,
-        }
+        {"size": getattr(k.key, "size", None), "stream_idx": getattr(k.key, "stream_idx", None),
+         "logical_output_bytes": k.logical_output_bytes, "resident_output_bytes": k.resident_output_bytes,
+         "shared": k.shared, "fallback": k.fallback,
+         "capture_s": None if k.capture_seconds is None else k.capture_seconds - spent.get(k.key, 0.0),
+         "compile_s": spent.get(k.key) if compile_s is not None else None,
+         "graph_memory_bytes": k.graph_memory_bytes, "num_segments": k.num_segments}
         for k in report.keys
     ]
 
 
 class CompileClock:
-    """A ``torch.compile``-d callable that sums the wall time of the calls that compiled (reported
-    as ``compile_s``, apart from ``capture_s``)."""
+    """A ``torch.compile``-d callable summing the wall time of the calls that compiled (``compile_s``)."""
 
     def __init__(self, fn: Callable[..., Any], device: str) -> None:
-        self.fn = fn
-        self.device = device
-        self.seconds = 0.0
+        self.fn, self.device, self.seconds = fn, device, 0.0
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         from torch._dynamo.utils import counters
@@ -282,6 +253,15 @@ def _capture_all(
     return seconds, None if free_before is None or free_after is None else free_before - free_after
 
 
+def _fresh(workload: Workload, model_backend: str, sizes: list[int]) -> tuple[Callable[..., Any], Any]:
+    """A fresh dynamo (its recompile limit would count earlier rows' entries) and, on CUDA, no cuBLAS
+    workspace left by earlier rows; then ``model_backend``'s model and the static input."""
+    torch._dynamo.reset()
+    if workload.shape.device.startswith("cuda"):
+        torch._C._cuda_clearCublasWorkspaces()
+    return workload.model_for(model_backend, max(sizes)), workload.static_input(max(sizes))
+
+
 def _replay_all(
     workload: Workload, sizes: list[int], static: Any, replay: Callable[[int], Any], model: Callable[..., Any] | None,
     repeats: int,
@@ -317,43 +297,21 @@ def _replay_all(
 
 
 def run_variant(
-    backend_name: str,
-    variant: str,
-    workload: Workload,
-    sizes: list[int],
-    *,
-    repeats: int,
-    progress: bool = True,
-    forecast: bool = True,
-    after_capture: Callable[[ShapeKey], None] | None = None,
+    backend_name: str, variant: str, workload: Workload, sizes: list[int], *, repeats: int, progress: bool = True,
+    forecast: bool = True, after_capture: Callable[[ShapeKey], None] | None = None,
 ) -> BenchRow:
     """Capture every size with one backend and variant; measure memory, time and error (on CUDA,
     after a forecast of the schedule). ``after_capture(key)`` runs after each size's capture."""
-    # Every variant compiles afresh, and dynamo's recompile limit (8 entries per code object,
-    # whatever the backend) would otherwise count the entries of every earlier variant.
-    torch._dynamo.reset()
     v = VARIANTS[variant]
     device = workload.shape.device
-    if device.startswith("cuda"):
-        # Every row pays its capture streams' cuBLAS workspaces, as the Graph Trees row does:
-        # torch hands streams out round-robin from a pool of 32, so without this a row's figure
-        # would hold 32 MiB more or less by whether an earlier row had used its stream.
-        torch._C._cuda_clearCublasWorkspaces()
+    model, static = _fresh(workload, backend_name, sizes)
     options = BackendOptions(
-        output_mode=mode_of_option(v.share),
-        engine="cuda" if device.startswith("cuda") else "eager",
-        stale_output_guard=v.guard,
-        shared_buffer=v.shared_buffer,  # type: ignore[arg-type]
-        pool_reserve=v.pool_reserve,  # type: ignore[arg-type]
-        pool_segments=v.pool_segments,  # type: ignore[arg-type]
+        output_mode=mode_of_option(v.share), engine="cuda" if device.startswith("cuda") else "eager",
+        stale_output_guard=v.guard, shared_buffer=v.shared_buffer,  # type: ignore[arg-type]
+        pool_reserve=v.pool_reserve, pool_segments=v.pool_segments,  # type: ignore[arg-type]
     )
-    kwargs: dict[str, Any] = {}
-    if backend_name == "piecewise":
-        kwargs["splitting_ops"] = list(workload.splitting_ops)
-        kwargs["inductor"] = v.inductor
-    max_tokens = max(sizes)
-    model = workload.model_for(backend_name, max_tokens)
-    static = workload.static_input(max_tokens)
+    piecewise = {"splitting_ops": list(workload.splitting_ops), "inductor": v.inductor}
+    kwargs: dict[str, Any] = piecewise if backend_name == "piecewise" else {}
     backend = create_backend(backend_name, options=options, **kwargs)
     fn = backend.compile(model, dynamic_dim=workload.dynamic_dim)
     if v.inductor and backend_name != "piecewise":  # Inductor, no cudagraphs: the backend captures it
@@ -364,8 +322,7 @@ def run_variant(
             return lambda: workload.call(fn, static, s)
         return lambda: (workload.call(fn, static, s), None)[1]
 
-    def compiled_s() -> float | None:
-        """Seconds compiling so far (``None``: nothing is compiled)."""
+    def compiled_s() -> float | None:  # None: nothing is compiled
         return getattr(backend, "compile_seconds", fn.seconds if isinstance(fn, CompileClock) else None)
 
     predicted, forecast_compile = _forecast(backend, sizes, forward_for, static, compiled_s) if forecast else (None, 0.0)
@@ -382,27 +339,16 @@ def run_variant(
     elapsed, graph_bytes = _capture_all(device, sizes, f"{backend_name}/{variant}", progress, backend.capture_session(), capture)
     compile_s = compiled_s()
     report = backend.memory_report()
-    replayed = _replay_all(
-        workload, sizes, static, lambda s: backend.replay(ShapeKey(s)), model if v.keep else None, repeats
-    )
+    replayed = _replay_all(workload, sizes, static, lambda s: backend.replay(ShapeKey(s)), model if v.keep else None,
+                           repeats)
     backend.cleanup()  # the graphs, pools and buffers go; the next variant measures from here
     row = BenchRow(
-        backend=backend_name,
-        variant=variant,
-        share_output=v.share,
-        num_sizes=len(sizes),
-        max_tokens=max_tokens,
-        resident_output_bytes=report.resident_output_bytes,
-        logical_output_bytes=report.logical_output_bytes,
-        graph_memory_bytes=graph_bytes,
-        capture_s=elapsed - ((compile_s or 0.0) - forecast_compile),
-        fallbacks=len(report.fallbacks),
-        bridge_bytes=report.total_bridge_bytes,
-        model=workload.name,
-        per_size=per_size_rows(report, per_key_compile if compile_s is not None else None),
-        compile_s=compile_s,
-        **replayed,
-        **_forecast_fields(predicted, graph_bytes, forecast_compile),
+        backend=backend_name, variant=variant, share_output=v.share, num_sizes=len(sizes), max_tokens=max(sizes),
+        resident_output_bytes=report.resident_output_bytes, logical_output_bytes=report.logical_output_bytes,
+        graph_memory_bytes=graph_bytes, capture_s=elapsed - ((compile_s or 0.0) - forecast_compile),
+        fallbacks=len(report.fallbacks), bridge_bytes=report.total_bridge_bytes, model=workload.name,
+        per_size=per_size_rows(report, per_key_compile if compile_s is not None else None), compile_s=compile_s,
+        **replayed, **_forecast_fields(predicted, graph_bytes, forecast_compile),
     )
     log.info("%s", row)
     return row
@@ -440,12 +386,9 @@ def graph_trees_row(
     workload: Workload, sizes: list[int], *, repeats: int, num_warmups: int = 2, progress: bool = True
 ) -> BenchRow:
     """Capture every size with Graph Trees; measure like :func:`run_variant`."""
-    torch._dynamo.reset()  # a fresh compile, as for every variant
     device = workload.shape.device
     gpu = device.startswith("cuda")
-    max_tokens = max(sizes)
-    model = workload.model_for("full", max_tokens)  # attention inside the compiled graph
-    static = workload.static_input(max_tokens)
+    model, static = _fresh(workload, "full", sizes)  # attention inside the compiled graph
     compiled = CompileClock(torch.compile(model, mode="reduce-overhead" if gpu else None, dynamic=True), device)
     logical = [0]
 
@@ -460,10 +403,6 @@ def graph_trees_row(
             out = step(size)  # the previous step's output is alive meanwhile, as in a serving loop
         logical[0] += sum(t.numel() * t.element_size() for _, t in flatten(out)[1])
 
-    if gpu:
-        # Graph Trees clear cuBLAS's workspaces before recording; cleared here first, the ones
-        # earlier rows left are not credited to this row, and the ones it makes are charged.
-        torch._C._cuda_clearCublasWorkspaces()
     label = f"{GRAPH_TREES}/{REFERENCE_VARIANT}"
     elapsed, graph_bytes = _capture_all(device, sizes, label, progress, contextlib.nullcontext(), capture)
     compile_s = compiled.seconds
@@ -474,28 +413,16 @@ def graph_trees_row(
         torch._inductor.cudagraph_trees.reset_cudagraph_trees()
     _free_bytes(device)
     return BenchRow(
-        backend=GRAPH_TREES,
-        variant=REFERENCE_VARIANT,
-        share_output=False,
-        num_sizes=len(sizes),
-        max_tokens=max_tokens,
-        resident_output_bytes=0,
-        logical_output_bytes=logical[0],
-        graph_memory_bytes=graph_bytes,
-        capture_s=elapsed - compile_s,
-        fallbacks=0,
-        model=workload.name,
-        compile_s=compile_s,
-        **replayed,
+        backend=GRAPH_TREES, variant=REFERENCE_VARIANT, share_output=False, num_sizes=len(sizes),
+        max_tokens=max(sizes), resident_output_bytes=0, logical_output_bytes=logical[0], graph_memory_bytes=graph_bytes,
+        capture_s=elapsed - compile_s, fallbacks=0, model=workload.name, compile_s=compile_s, **replayed,
     )
 
 
 def warm_up(workload: Workload, backends: list[str], sizes: list[int] | None = None) -> BenchRow | None:
-    """On CUDA with ``sizes``, the whole schedule once per backend (released), so lazy allocations
-    and the CUDA driver's share are not charged to the first measured variant: the first of them
-    runs after its forecast, before any other capture of the process, and is returned (the cold
-    row, :func:`cold_summary`; ``None`` elsewhere). Then one capture cycle per backend at the
-    smallest size."""
+    """On CUDA with ``sizes``, the whole schedule once per backend (released), the first after its
+    forecast and returned (the cold row, :func:`cold_summary`; ``None`` elsewhere); then one capture
+    cycle per backend at the smallest size."""
     cold = None
     if sizes and workload.shape.device.startswith("cuda"):
         for name in backends:

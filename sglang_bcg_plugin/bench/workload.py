@@ -1,9 +1,6 @@
-"""What the bench captures, behind one interface: per backend the module, a static input at the
-largest size, and the call for one size. The synthetic decoder (``bench/model.py``), or
-transformers' ``LlamaModel`` with random weights from a ``LlamaConfig`` (no download), its
-attention transformers' SDPA under names of ours, one per backend: ``sglang_bcg_sdpa`` (Full; under
-``"sdpa"`` transformers would build a materialized causal mask under capture), ``sglang_bcg_break``
-(a ``@graph_break``), ``sglang_bcg_split`` (a splitting op)."""
+"""What the bench captures (per backend the module, a static input at the largest size, the call for
+one size): the synthetic decoder (``bench/model.py``) or transformers' ``LlamaModel`` with random
+weights, its attention under a name of ours per backend (docs/benchmarks.md says why)."""
 
 from __future__ import annotations
 
@@ -70,9 +67,8 @@ class SyntheticWorkload(Workload):
 
     def __init__(self, shape: ModelShape) -> None:
         super().__init__(shape)
-        self.cfg = DecoderConfig(
-            shape.hidden, shape.layers, shape.heads, shape.kv_heads, shape.intermediate, shape.dtype, shape.device
-        )
+        s = shape
+        self.cfg = DecoderConfig(s.hidden, s.layers, s.heads, s.kv_heads, s.intermediate, s.dtype, s.device)
         self.splitting_ops = (torch.ops.sglang_bcg_bench.attention.default,)
 
     def model_for(self, backend: str, max_tokens: int) -> Callable[..., Any]:
@@ -89,10 +85,8 @@ def _transformers() -> Any:
     try:
         import transformers
     except ImportError as exc:  # pragma: no cover - transformers is in the test extra
-        msg = (
-            f"--model llama needs transformers ({exc}); install it with "
-            "`pip install transformers` (from a checkout: `pip install -e '.[llama]'`)"
-        )
+        msg = (f"--model llama needs transformers ({exc}); install it with "
+               "`pip install transformers` (from a checkout: `pip install -e '.[llama]'`)")
         raise UsageError(msg) from None
     return transformers
 
@@ -161,11 +155,9 @@ def llama_config(shape: ModelShape, max_tokens: int, vocab: int) -> Any:
         )
     except Exception as exc:  # noqa: BLE001 - ValueError, TypeError, huggingface_hub's StrictDataclassError (5.x)
         cause = exc.__cause__ if isinstance(exc.__cause__, ValueError) else exc
-        msg = (
-            f"transformers' LlamaConfig rejects --hidden {shape.hidden} --heads {shape.heads} --kv-heads "
-            f"{shape.kv_heads} --head-dim {shape.head_dim} --intermediate {shape.intermediate} "
-            f"({' '.join(str(cause).split())}); change them"
-        )
+        msg = (f"transformers' LlamaConfig rejects --hidden {shape.hidden} --heads {shape.heads} --kv-heads "
+               f"{shape.kv_heads} --head-dim {shape.head_dim} --intermediate {shape.intermediate} "
+               f"({' '.join(str(cause).split())}); change them")
         raise UsageError(msg) from None
 
 
@@ -185,9 +177,8 @@ class LlamaWorkload(Workload):
     def model_for(self, backend: str, max_tokens: int) -> Callable[..., Any]:
         """A ``LlamaModel`` with random weights (seeded: the same for every backend's attention)."""
         config = llama_config(self.shape, max_tokens, self.vocab)
-        config._attn_implementation = {"breakable": BREAK_ATTENTION, "piecewise": SPLIT_ATTENTION}.get(
-            backend, FULL_ATTENTION
-        )
+        names = {"breakable": BREAK_ATTENTION, "piecewise": SPLIT_ATTENTION}
+        config._attn_implementation = names.get(backend, FULL_ATTENTION)
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(0)
             model = _transformers().LlamaModel(config)
@@ -200,8 +191,7 @@ class LlamaWorkload(Workload):
         static.copy_(torch.randint_like(static, 0, self.vocab))
 
     def call(self, fn: Callable[..., Any], static: torch.Tensor, size: int) -> Any:
-        # A contiguous [1, size] view (``static[:, :size]`` has stride (max, 1), and dynamo would
-        # guard on the largest size's contiguity and recompile for the others).
+        # contiguous [1, size]: dynamo would guard on ``static[:, :size]``'s strides and recompile
         return fn(input_ids=static[0, :size].unsqueeze(0), use_cache=False)
 
 
