@@ -24,7 +24,6 @@ MODES: tuple[OutputMode, ...] = (OFF, ON, RELEASED)
 TEXT_WORDS: dict[str, OutputMode] = {**{word: ON if on else OFF for word, on in BOOLEAN.items()}, RELEASED: RELEASED}
 #: What every "not a mode" error of a textual mode lists (the boolean spellings first).
 ACCEPTED_TEXT = f"{BOOLEAN_TEXT} (sharing on/off) or released"
-_OPTION_WORDS: dict[str, OutputMode] = {mode: mode for mode in MODES}
 
 
 def parse_output_mode(value: object, *, name: str = "BackendOptions.output_mode") -> OutputMode | None:
@@ -38,7 +37,7 @@ def parse_output_mode(value: object, *, name: str = "BackendOptions.output_mode"
     if isinstance(value, bool):
         msg = f"{name} must be {accepted}, got {value!r} of type bool (use {name.rsplit('.', 1)[-1]}={'on' if value else 'off'!r})"
         raise TypeError(msg)
-    return parse_word(value, _OPTION_WORDS, name, kind="an output mode", accepted=accepted)
+    return parse_word(value, {mode: mode for mode in MODES}, name, kind="an output mode", accepted=accepted)
 
 
 def mode_of_option(value: bool | str | None) -> OutputMode | None:
@@ -75,11 +74,8 @@ class Resolution:
 
 
 def explain_output_mode(
-    explicit: str | Resolution | None = None,
-    *,
-    environ: Mapping[str, str] | None = None,
-    default: OutputMode = OFF,
-    default_reason: str = "default: off",
+    explicit: str | Resolution | None = None, *, environ: Mapping[str, str] | None = None,
+    default: OutputMode = OFF, default_reason: str = "default: off",
 ) -> Resolution:
     """The output mode and why (precedence: the module docstring); ``explicit``: an option value, a
     host's :class:`Resolution` (returned as it is), or ``None``.
@@ -98,10 +94,7 @@ def explain_output_mode(
 
 
 def resolve_output_mode(
-    explicit: str | Resolution | None = None,
-    *,
-    environ: Mapping[str, str] | None = None,
-    default: OutputMode = OFF,
+    explicit: str | Resolution | None = None, *, environ: Mapping[str, str] | None = None, default: OutputMode = OFF
 ) -> OutputMode:
     """:func:`explain_output_mode` without the reason."""
     return explain_output_mode(explicit, environ=environ, default=default).mode

@@ -22,23 +22,7 @@ from .registry import BackendRegistry
 from .sharing import OutputPolicy
 
 __all__ = [
-    "BackendRegistry",
-    "BreakableBackend",
-    "BreakableFront",
-    "CaptureBackend",
-    "CaptureRequest",
-    "CaptureState",
-    "CapturedGraph",
-    "EagerEngine",
-    "EagerSegmentEngine",
-    "Engine",
-    "Front",
-    "FullBackend",
-    "FullCudaEngine",
-    "OutputPolicy",
-    "PieceFront",
-    "PiecewiseBackend",
-    "SegmentCudaEngine",
-    "hookimpl",
-    "run_warmups",
+    "BackendRegistry", "BreakableBackend", "BreakableFront", "CaptureBackend", "CaptureRequest", "CaptureState",
+    "CapturedGraph", "EagerEngine", "EagerSegmentEngine", "Engine", "Front", "FullBackend", "FullCudaEngine",
+    "OutputPolicy", "PieceFront", "PiecewiseBackend", "SegmentCudaEngine", "hookimpl", "run_warmups",
 ]

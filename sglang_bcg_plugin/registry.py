@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+import traceback
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -36,11 +37,8 @@ class BackendRegistry:
         """Register ``factory`` under ``name``.
 
         :raises BackendRegistrationError: bad name, non-callable factory, or the name is claimed."""
-        frames, frame = [], sys._getframe(1)  # the caller, then outwards: whose hookimpl is it?
-        while frame is not None:
-            frames.append(frame)
-            frame = frame.f_back
-        i = running_hookimpl(self._impls, frames)
+        # the caller, then outwards: whose hookimpl is it?
+        i = running_hookimpl(self._impls, (frame for frame, _ in traceback.walk_stack(sys._getframe(1))))
         plugin = "<direct>" if i is None else self._impls[i].plugin_name
         if not isinstance(name, str) or not name.isidentifier():
             msg = f"plugin {plugin!r} registers backend name {name!r}: expected an identifier str"

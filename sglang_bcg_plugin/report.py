@@ -36,9 +36,7 @@ class MemoryReport:
     logical_output_bytes: int = 0
     resident_output_bytes: int = 0
     fallbacks: Mapping[Hashable, str] = field(default_factory=lambda: MappingProxyType({}))
-    capture_seconds: Mapping[Hashable, float] = field(
-        default_factory=lambda: MappingProxyType({})
-    )
+    capture_seconds: Mapping[Hashable, float] = field(default_factory=lambda: MappingProxyType({}))
     #: Bytes of bridge storage per partition (empty for our backends: values cross as they are).
     bridge_bytes: Mapping[int | None, int] = field(default_factory=lambda: MappingProxyType({}))
     #: The forecast made before the capture (``CaptureBackend.forecast``), else ``None``.
@@ -85,15 +83,12 @@ class MemoryReport:
     def from_keys(
         cls, backend: str, engine: str, keys: list[KeyReport], bridge_bytes: Mapping[int | None, int] | None = None
     ) -> MemoryReport:
-        fallbacks = {k.key: k.fallback for k in keys if k.fallback is not None}
         seconds = {k.key: k.capture_seconds for k in keys if k.capture_seconds is not None}
         return cls(
-            backend=backend,
-            engine=engine,
-            keys=tuple(keys),
+            backend, engine, tuple(keys),
             logical_output_bytes=sum(k.logical_output_bytes for k in keys),
             resident_output_bytes=sum(k.resident_output_bytes for k in keys),
-            fallbacks=MappingProxyType(fallbacks),
+            fallbacks=MappingProxyType({k.key: k.fallback for k in keys if k.fallback is not None}),
             capture_seconds=MappingProxyType(seconds),
             bridge_bytes=MappingProxyType(dict(bridge_bytes or {})),
         )

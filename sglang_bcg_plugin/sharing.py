@@ -209,19 +209,12 @@ class OutputPolicy:
     def _copy_into(
         part: _Partition, node: Node, leaves: list[tuple[str, torch.Tensor]], logical: int, creates: _Partition | None
     ) -> Placed:
-        views = []
-        for (_, leaf), buf in zip(leaves, part.buffers, strict=True):
-            view = _view_of(buf, leaf.shape)
-            view.copy_(leaf)
-            views.append(view)
+        views = [_view_of(buf, leaf.shape).copy_(leaf) for (_, leaf), buf in zip(leaves, part.buffers, strict=True)]
         return Placed(unflatten(node, views), shared=True, logical_bytes=logical, creates=creates)
 
     @staticmethod
     def _adopt(
-        node: Node,
-        leaves: list[tuple[str, torch.Tensor]],
-        logical: int,
-        protected: frozenset[tuple[str, int]],
+        node: Node, leaves: list[tuple[str, torch.Tensor]], logical: int, protected: frozenset[tuple[str, int]],
         foreign: frozenset[tuple[str, int]] | None,
     ) -> Placed:
         # a leaf aliasing a static input, foreign memory or another leaf, or not contiguous,
@@ -235,9 +228,7 @@ class OutputPolicy:
             seen.add(sk)
             if flat is None:
                 flat = torch.empty(max(leaf.numel(), 1), dtype=leaf.dtype, device=leaf.device)
-                view = _view_of(flat, leaf.shape)
-                view.copy_(leaf)
-                outs.append(view)
+                outs.append(_view_of(flat, leaf.shape).copy_(leaf))
             else:
                 outs.append(leaf)
             buffers.append(flat)

@@ -124,11 +124,11 @@ class Seam:
     release: str
     why: str
     builtin: BuiltinPolicy
+    eager_form: str = "enable"
+    global_pool: bool = False
     dedup_mixin: bool = False
     capture_inputs: bool = False
-    global_pool: bool = False
     row_hooks: bool = False
-    eager_form: str = "enable"
 
     def describe(self) -> str:
         seam = "no breakable CUDA graph seam" if self.kind == "none" else f"{self.kind} seam"
