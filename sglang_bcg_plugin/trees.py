@@ -27,6 +27,12 @@ class Node:
     template: Any = None
 
 
+#: A flattened output's tensor leaves, ``(path, tensor)`` in order.
+Leaves = list[tuple[str, torch.Tensor]]
+
+#: Storage identities (:func:`storage_key`).
+Storages = frozenset[tuple[str, int]]
+
 #: Deepest output nesting :func:`flatten` walks (a 100-deep output is a bug, not a model).
 MAX_DEPTH = 100
 
@@ -35,16 +41,16 @@ SUPPORTED_TEXT = ("tensors, None and plain values, tuples, lists, named tuples, 
                   "and objects holding a 'tensors' dict")
 
 
-def flatten(obj: object, path: str = "output") -> tuple[Node, list[tuple[str, torch.Tensor]]]:
+def flatten(obj: object, path: str = "output") -> tuple[Node, Leaves]:
     """Flatten ``obj`` into a structure node and its tensor leaves ``(path, tensor)``.
 
     :raises TypeError: a tensor replay could not track (inside a plain value, on an attribute
         the walk does not follow, not strided), or nesting deeper than :data:`MAX_DEPTH`."""
-    leaves: list[tuple[str, torch.Tensor]] = []
+    leaves: Leaves = []
     return _flatten(obj, path, leaves, 0), leaves
 
 
-def _flatten(obj: object, path: str, leaves: list[tuple[str, torch.Tensor]], depth: int) -> Node:
+def _flatten(obj: object, path: str, leaves: Leaves, depth: int) -> Node:
     if depth > MAX_DEPTH:
         msg = (
             f"output nested deeper than {MAX_DEPTH} levels at {cut(path)}: outputs are walked "

@@ -32,8 +32,8 @@ def shared_buffer(environ: Mapping[str, str] | None = None) -> BufferSource:
     """``SGLANG_BCG_SHARED_BUFFER=adopt|reserve``; unset or blank: ``reserve``.
     :raises ValueError: anything else."""
     words: dict[str, BufferSource] = {"adopt": "adopt", "reserve": "reserve"}
-    source = parse_env(ENV_SHARED_BUFFER, words, kind="a buffer source", accepted="'adopt' or 'reserve', or unset it", environ=environ)
-    return source or "reserve"
+    accepted = "'adopt' or 'reserve', or unset it"
+    return parse_env(ENV_SHARED_BUFFER, words, kind="a buffer source", accepted=accepted, environ=environ) or "reserve"
 
 
 def refusal(seam: Seam, mode: OutputMode, guard: bool, environ: Mapping[str, str]) -> str | None:
