@@ -184,9 +184,7 @@ def diff(a: Node, b: Node, path: str = "output") -> tuple[str, str] | None:
     if a.keys != b.keys:
         if a.kind == "seq":
             return path, f"sequence length changed: expected {len(a.keys)}, got {len(b.keys)}"
-        if a.kind == "map":
-            return path, f"dict keys changed: expected {list(a.keys)}, got {list(b.keys)}"
-        return path, f"fields changed: expected {list(a.keys)}, got {list(b.keys)}"  # pragma: no cover - same type implies same fields
+        return path, f"dict keys changed: expected {list(a.keys)}, got {list(b.keys)}"  # same type: same fields
     for key, ka, kb in zip(a.keys, a.children, b.children, strict=True):
         found = diff(ka, kb, _child(a.kind, path, key))
         if found is not None:

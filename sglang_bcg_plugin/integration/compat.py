@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import functools
 import importlib
-import importlib.metadata
 import importlib.util
 import inspect
 import sys
@@ -17,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from .._version import package_version
 from ..output_mode import OFF, ON, OutputMode
 
 SeamKind = Literal["backend", "runner", "none"]
@@ -136,10 +136,7 @@ class Seam:
 
 
 def release() -> str:
-    try:
-        return importlib.metadata.version("sglang")
-    except importlib.metadata.PackageNotFoundError:
-        return "?"
+    return package_version("sglang", "?")
 
 
 def sglang_source(module: str) -> Path | None:

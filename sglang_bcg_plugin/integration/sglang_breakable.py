@@ -146,20 +146,14 @@ class SharingPolicyMixin:
                 raise RuntimeError(msg)
             if not self._debug_eager:  # released: the policy holds the last reference to the graph's output
                 forward.placed = None
-            output = state.commit(
-                key, graph=self._graphs[key], num_segments=num_segments(self._graphs[key]),
-                capture_inputs=capture_inputs, seconds=time.perf_counter() - start,
-            )
-            self._outputs[key] = output
-        forecast.key_done(key.size, num_segments(self._graphs[key]))
+            graph = self._graphs[key]
+            self._outputs[key] = state.commit(key, graph=graph, num_segments=num_segments(graph),
+                                              capture_inputs=capture_inputs, seconds=time.perf_counter() - start)
+        forecast.key_done(key.size, num_segments(graph))
 
     # -- the release's output helpers (INTERCEPTED), called by its capture_one: no buffer of SGLang's own --
     _shared_output_buffer = property(lambda self: None, lambda self, value: None)
-
-    def _alloc_full_buffer(self, *args: Any) -> None:
-        return None
-
-    _output_rows = _copy_output_to_buffer = _slice_output = _alloc_full_buffer
+    _alloc_full_buffer = _output_rows = _copy_output_to_buffer = _slice_output = lambda self, *args: None
 
     def __del__(self) -> None:  # dropped inside a capture: SGLang's graphs die after it
         defer_release(list(getattr(self, "_graphs", {}).values()))

@@ -69,10 +69,10 @@ def session_switches(environ: Mapping[str, str]) -> tuple[Resolution, bool]:
     resolution = resolve_mode(environ)
     guard = bool(parse_bool_env(ENV_STALE_OUTPUT_GUARD, environ))
     try:
-        seam: Seam | None = compat.installed()
+        seam = compat.installed()
     except Exception:  # noqa: BLE001 - SGLang does not fully import here: `sglang-bcg doctor` says why
-        seam = None
-    reason = None if seam is None else refusal(seam, resolution.mode, guard, environ)
+        return resolution, guard
+    reason = refusal(seam, resolution.mode, guard, environ)
     if reason is not None:
         raise ValueError(reason)
     return resolution, guard
