@@ -20,9 +20,7 @@ BackendFactory = Callable[..., "CaptureBackend"]
 
 
 def _describe(factory: object) -> str:
-    module = getattr(factory, "__module__", "?")
-    qualname = getattr(factory, "__qualname__", type(factory).__qualname__)
-    return f"{module}:{qualname}"
+    return f"{getattr(factory, '__module__', '?')}:{getattr(factory, '__qualname__', type(factory).__qualname__)}"
 
 
 class BackendRegistry:
@@ -85,11 +83,7 @@ def available_backends(pm: pluggy.PluginManager | None = None) -> list[str]:
 
 
 def create_backend(
-    name: str,
-    *,
-    options: BackendOptions | None = None,
-    plugin_manager: pluggy.PluginManager | None = None,
-    **kwargs: Any,
+    name: str, *, options: BackendOptions | None = None, plugin_manager: pluggy.PluginManager | None = None, **kwargs: Any
 ) -> CaptureBackend:
     """Create the backend registered as ``name``.
 
