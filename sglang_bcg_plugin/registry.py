@@ -83,7 +83,8 @@ def available_backends(pm: pluggy.PluginManager | None = None) -> list[str]:
 
 
 def create_backend(
-    name: str, *, options: BackendOptions | None = None, plugin_manager: pluggy.PluginManager | None = None, **kwargs: Any
+    name: str, *, options: BackendOptions | None = None, plugin_manager: pluggy.PluginManager | None = None,
+    **kwargs: Any,
 ) -> CaptureBackend:
     """Create the backend registered as ``name``.
 

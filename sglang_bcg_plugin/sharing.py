@@ -53,10 +53,6 @@ def _view_of(flat: torch.Tensor, shape: torch.Size) -> torch.Tensor:
     return flat[: math.prod(shape)].view(shape)
 
 
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
-
-
 def _leaf_misfit(leaf: torch.Tensor, buf: torch.Tensor) -> str | None:
     if leaf.dtype != buf.dtype:
         return f"dtype changed: buffer {buf.dtype}, output {leaf.dtype}"
@@ -70,8 +66,8 @@ def _leaf_misfit(leaf: torch.Tensor, buf: torch.Tensor) -> str | None:
         )
     if leaf.numel() > buf.numel():
         return (
-            f"{_nbytes(leaf)} bytes (shape {tuple(leaf.shape)}) do not fit the buffer's "
-            f"{_nbytes(buf)} bytes (capture was not largest-first)"
+            f"{leaf.nbytes} bytes (shape {tuple(leaf.shape)}) do not fit the buffer's "
+            f"{buf.nbytes} bytes (capture was not largest-first)"
         )
     return None
 
@@ -143,7 +139,7 @@ class OutputPolicy:
 
     def _place(self, key: Hashable, output: object, protected: Storages, foreign: Storages | None) -> Placed:
         node, leaves = flatten(output)
-        logical = sum(_nbytes(t) for _, t in leaves)
+        logical = sum(t.nbytes for _, t in leaves)
         if not self.enabled:
             return Placed(output, shared=False, logical_bytes=logical)
         grads = [path for path, leaf in leaves if leaf.requires_grad and torch.is_grad_enabled()]
