@@ -8,13 +8,12 @@ import importlib.metadata
 DIST_NAME = "sglang-bcg-plugin"
 
 
-def package_version() -> str:
-    """``sglang-bcg-plugin``'s version; ``"0+unknown"`` when the package is not installed
-    (imported from a source tree that was never ``pip install``-ed)."""
+def package_version(dist: str = DIST_NAME, missing: str = "0+unknown") -> str:
+    """The installed version of distribution ``dist``, else ``missing`` (a source tree never installed)."""
     try:
-        return importlib.metadata.version(DIST_NAME)
+        return importlib.metadata.version(dist)
     except importlib.metadata.PackageNotFoundError:
-        return "0+unknown"
+        return missing
 
 
 __version__ = package_version()

@@ -25,10 +25,8 @@ def graph_break(
 
 def _names(field: str, value: str | Iterable[str]) -> frozenset[str]:
     """``reads``/``writes`` as a set of names: one string is one name (``reads="out"``)."""
-    if isinstance(value, str):
-        return frozenset((value,))
     try:
-        names = tuple(value)
+        names = (value,) if isinstance(value, str) else tuple(value)
     except TypeError:
         names = (value,)
     bad = [n for n in names if not isinstance(n, str)]
@@ -68,13 +66,11 @@ def graph_break(
 
         @functools.wraps(func)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
-            if torch.compiler.is_compiling():  # dynamo cannot trace the recorder lookup
-                return func(*args, **kwargs)
-            on_break = getattr(active_recorder(), "on_break", None)
+            # under torch.compile: dynamo cannot trace the recorder lookup
+            on_break = None if torch.compiler.is_compiling() else getattr(active_recorder(), "on_break", None)
             if on_break is None:
                 return func(*args, **kwargs)
-            bound = sig.bind(*args, **kwargs)
-            return on_break(func, bound, read_set, write_set)
+            return on_break(func, sig.bind(*args, **kwargs), read_set, write_set)
 
         wrapper.__sglang_bcg_break__ = True  # type: ignore[attr-defined]
         return wrapper  # type: ignore[return-value]

@@ -15,9 +15,7 @@ class OutputStructureError(ValueError):
     ``shape_key``, ``path`` and ``reason``."""
 
     def __init__(self, shape_key: object, path: str, reason: str) -> None:
-        self.shape_key = shape_key
-        self.path = path
-        self.reason = reason
+        self.shape_key, self.path, self.reason = shape_key, path, reason
         msg = (
             f"output of {shape_key!r} cannot share its partition's buffer at leaf {path}: "
             f"{reason}; capture largest-first with a stable output structure, or set "
@@ -48,9 +46,7 @@ class ObserverError(RuntimeError):
 
     def __init__(self, message: str, *, plugin: str, hook: str, shape_key: object) -> None:
         super().__init__(message)
-        self.plugin = plugin
-        self.hook = hook
-        self.shape_key = shape_key
+        self.plugin, self.hook, self.shape_key = plugin, hook, shape_key
 
 
 #: Frames a warning skips to reach the caller's line.
@@ -93,10 +89,7 @@ class HostReadError(RuntimeError):
     ``shape_key``, ``segment`` (``None``: a Full graph), ``op`` and ``where`` (the user's frame or ``None``)."""
 
     def __init__(self, shape_key: object, segment: int | None, op: str, where: str | None = None) -> None:
-        self.shape_key = shape_key
-        self.segment = segment
-        self.op = op
-        self.where = where
+        self.shape_key, self.segment, self.op, self.where = shape_key, segment, op, where
         inside = "its graph" if segment is None else f"segment {segment}"
         at = f", at {where}" if where else ""
         hint = _TRANSFORMERS_HINT if where is not None and f"{os.sep}transformers{os.sep}" in where else ""

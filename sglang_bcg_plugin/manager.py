@@ -7,6 +7,7 @@ import importlib
 import importlib.metadata
 import os
 import threading
+import traceback
 from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass
 from types import FrameType
@@ -57,12 +58,11 @@ class _Manager(pluggy.PluginManager):
         self._distributions: list[tuple[object, importlib.metadata.Distribution]] = []
 
     def list_plugin_distributions(self) -> list[tuple[object, importlib.metadata.Distribution]]:
-        """``(plugin, distribution)`` of every entry-point plugin loaded."""
+        """``(plugin, distribution)`` of every entry-point plugin loaded (pluggy's older name:
+        ``list_plugin_distinfo``)."""
         return list(self._distributions)
 
-    def list_plugin_distinfo(self) -> list[tuple[object, Any]]:  # type: ignore[override]
-        """pluggy's older name of :meth:`list_plugin_distributions` (the same pairs)."""
-        return self.list_plugin_distributions()
+    list_plugin_distinfo = list_plugin_distributions  # type: ignore[assignment]
 
 
 def _one_line(exc: BaseException) -> str:
@@ -127,10 +127,8 @@ def _load_entry_points(pm: _Manager) -> None:
 def _build() -> pluggy.PluginManager:
     pm = _Manager(NAME)
     pm.add_hookspecs(hookspecs)
-    # Blocked names first so a listed entry point never loads (tox's order).
-    for name in os.environ.get(ENV_BLOCK_PLUGINS, "").split(","):
-        if name.strip():
-            pm.set_blocked(name.strip())
+    for name in filter(None, map(str.strip, os.environ.get(ENV_BLOCK_PLUGINS, "").split(","))):
+        pm.set_blocked(name)  # first: a blocked entry point never loads
     _load_entry_points(pm)
     for module_name in BUILTIN_PLUGINS:
         if not pm.is_blocked(module_name):
@@ -168,11 +166,7 @@ FINISHED = "sglang_bcg_capture_finished"
 def _raising_plugin(caller: Any, exc: BaseException) -> tuple[int | None, str]:
     """The index among ``caller``'s hookimpls of the one that raised ``exc``, and its plugin name."""
     impls = caller.get_hookimpls()
-    frames, tb = [], exc.__traceback__
-    while tb is not None:
-        frames.append(tb.tb_frame)
-        tb = tb.tb_next
-    i = running_hookimpl(impls, reversed(frames))
+    i = running_hookimpl(impls, reversed([frame for frame, _ in traceback.walk_tb(exc.__traceback__)]))
     return i, "<unknown>" if i is None else impls[i].plugin_name
 
 

@@ -38,23 +38,17 @@ def _int(field: str, value: object, accepted: str) -> int:
 class BackendOptions:
     """Settings of one backend instance; every field is type-checked on construction.
 
-    :param output_mode: ``"off"``, ``"on"`` or ``"released"`` (any case); ``None``: follow the
-        switch, resolved at the start of every capture session (:mod:`~sglang_bcg_plugin.output_mode`).
-    :param strict_outputs: raise :class:`OutputStructureError` when a key's output does not fit
-        the shared buffer, instead of that key keeping its own output with a warning.
-    :param engine: ``"cuda"``, ``"eager"`` (static-output semantics without graphs) or ``"auto"``
-        (CUDA when available); any case.
+    :param output_mode: ``"off"``, ``"on"``, ``"released"``; ``None``: the switch, read at every session.
+    :param strict_outputs: raise :class:`OutputStructureError` where a key's output does not fit the
+        shared buffer, instead of that key keeping its own output with a warning.
+    :param engine: ``"cuda"``, ``"eager"`` (static outputs without graphs) or ``"auto"`` (CUDA when available).
     :param num_warmups: eager runs before each capture.
-    :param stale_output_guard: poison views handed out by an earlier replay of another key of
-        the same partition so a stale read raises (debug aid).
-    :param shared_buffer: the shared buffer's source with sharing on: ``"adopt"``, ``"reserve"``
-        or ``"auto"`` (docs/index.md, "Output sharing"); any case.
-    :param pool_reserve: on CUDA, a block the graph pool starts with: ``"off"``, ``"auto"`` (what
-        a forecast of this schedule found, else none) or bytes (docs/forecast.md).
-    :param pool_segments: on CUDA, ``"fixed"`` (the process's setting) or ``"expandable"``
-        (``expandable_segments`` on while a capture session is open; docs/forecast.md).
-    :param debug_check_inputs: every ``replay`` checks that each tensor of the key's
-        ``capture_inputs`` still has its capture-time data pointer, else raises ``RuntimeError``.
+    :param stale_output_guard: a stale read of an earlier replay's output raises (docs/reliability.md).
+    :param shared_buffer: ``"adopt"``, ``"reserve"`` or ``"auto"`` (docs/index.md, "Output sharing").
+    :param pool_reserve: CUDA: ``"off"``, ``"auto"`` (the forecast's block) or bytes (docs/forecast.md).
+    :param pool_segments: CUDA: ``"fixed"`` or ``"expandable"`` during a session (docs/forecast.md).
+    :param debug_check_inputs: every ``replay`` raises ``RuntimeError`` where a ``capture_inputs``
+        tensor moved from its capture-time data pointer.
     :raises TypeError: a field of the wrong type (``strict_outputs="no"``, ``num_warmups=2.0``).
     :raises ValueError: a word field not one of its names, ``num_warmups < 0``.
     """

@@ -1,8 +1,5 @@
-"""The output mode (``off``, ``on`` or ``released``) and how one switch resolves to it.
-
-Precedence: explicit option > a host's :class:`Resolution` > ``SGLANG_ENABLE_BCG_SHARED_OUTPUT``
-> the backend's default. docs/index.md ("The switch: output modes") defines the modes.
-"""
+"""The output mode (``off``, ``on`` or ``released``; docs/index.md, "The switch: output modes") and its
+resolution: explicit option > a host's :class:`Resolution` > ``SGLANG_ENABLE_BCG_SHARED_OUTPUT`` > default."""
 
 from __future__ import annotations
 
@@ -24,21 +21,21 @@ MODES: tuple[OutputMode, ...] = (OFF, ON, RELEASED)
 TEXT_WORDS: dict[str, OutputMode] = {**{word: ON if on else OFF for word, on in BOOLEAN.items()}, RELEASED: RELEASED}
 #: What every "not a mode" error of a textual mode lists (the boolean spellings first).
 ACCEPTED_TEXT = f"{BOOLEAN_TEXT} (sharing on/off) or released"
-_OPTION_WORDS: dict[str, OutputMode] = {mode: mode for mode in MODES}
 
 
-def parse_output_mode(value: object, *, name: str = "BackendOptions.output_mode") -> OutputMode | None:
-    """An ``output_mode`` option: a mode (any case; returned lowercase) or ``None`` (follow the switch).
+def parse_output_mode(value: object) -> OutputMode | None:
+    """``BackendOptions.output_mode``: a mode (any case; returned lowercase) or ``None`` (follow the switch).
 
     :raises ValueError: a string that is not a mode. :raises TypeError: anything else (a bool says
-        which mode it meant); both name ``name``, the value and what is accepted."""
+        which mode it meant); both name the option, the value and what is accepted."""
     if value is None:
         return None
+    name = "BackendOptions.output_mode"
     accepted = f"'off', 'on', 'released' or None (follow --enable-bcg-shared-output / {ENV_SHARE_OUTPUT})"
     if isinstance(value, bool):
-        msg = f"{name} must be {accepted}, got {value!r} of type bool (use {name.rsplit('.', 1)[-1]}={'on' if value else 'off'!r})"
+        msg = f"{name} must be {accepted}, got {value!r} of type bool (use output_mode={'on' if value else 'off'!r})"
         raise TypeError(msg)
-    return parse_word(value, _OPTION_WORDS, name, kind="an output mode", accepted=accepted)
+    return parse_word(value, {mode: mode for mode in MODES}, name, kind="an output mode", accepted=accepted)
 
 
 def mode_of_option(value: bool | str | None) -> OutputMode | None:
@@ -75,11 +72,8 @@ class Resolution:
 
 
 def explain_output_mode(
-    explicit: str | Resolution | None = None,
-    *,
-    environ: Mapping[str, str] | None = None,
-    default: OutputMode = OFF,
-    default_reason: str = "default: off",
+    explicit: str | Resolution | None = None, *, environ: Mapping[str, str] | None = None,
+    default: OutputMode = OFF, default_reason: str = "default: off",
 ) -> Resolution:
     """The output mode and why (precedence: the module docstring); ``explicit``: an option value, a
     host's :class:`Resolution` (returned as it is), or ``None``.
@@ -98,10 +92,7 @@ def explain_output_mode(
 
 
 def resolve_output_mode(
-    explicit: str | Resolution | None = None,
-    *,
-    environ: Mapping[str, str] | None = None,
-    default: OutputMode = OFF,
+    explicit: str | Resolution | None = None, *, environ: Mapping[str, str] | None = None, default: OutputMode = OFF
 ) -> OutputMode:
     """:func:`explain_output_mode` without the reason."""
     return explain_output_mode(explicit, environ=environ, default=default).mode

@@ -1,9 +1,5 @@
-"""The plugin-author API: what a package that adds a backend, an engine or an observer uses.
-
-Users create and drive backends through :mod:`sglang_bcg_plugin` (``create_backend``,
-``BackendOptions``, ``ShapeKey``, ``graph_break``); plugin authors subclass and register through
-this namespace (``docs/writing-a-backend.md``, ``docs/hooks.md``).
-"""
+"""The plugin-author API: what a package that adds a backend, an engine or an observer subclasses and
+registers (``docs/writing-a-backend.md``, ``docs/hooks.md``); users need only :mod:`sglang_bcg_plugin`."""
 
 from __future__ import annotations
 
@@ -22,23 +18,7 @@ from .registry import BackendRegistry
 from .sharing import OutputPolicy
 
 __all__ = [
-    "BackendRegistry",
-    "BreakableBackend",
-    "BreakableFront",
-    "CaptureBackend",
-    "CaptureRequest",
-    "CaptureState",
-    "CapturedGraph",
-    "EagerEngine",
-    "EagerSegmentEngine",
-    "Engine",
-    "Front",
-    "FullBackend",
-    "FullCudaEngine",
-    "OutputPolicy",
-    "PieceFront",
-    "PiecewiseBackend",
-    "SegmentCudaEngine",
-    "hookimpl",
-    "run_warmups",
+    "BackendRegistry", "BreakableBackend", "BreakableFront", "CaptureBackend", "CaptureRequest", "CaptureState",
+    "CapturedGraph", "EagerEngine", "EagerSegmentEngine", "Engine", "Front", "FullBackend", "FullCudaEngine",
+    "OutputPolicy", "PieceFront", "PiecewiseBackend", "SegmentCudaEngine", "hookimpl", "run_warmups",
 ]

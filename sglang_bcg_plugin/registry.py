@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+import traceback
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -19,9 +20,7 @@ BackendFactory = Callable[..., "CaptureBackend"]
 
 
 def _describe(factory: object) -> str:
-    module = getattr(factory, "__module__", "?")
-    qualname = getattr(factory, "__qualname__", type(factory).__qualname__)
-    return f"{module}:{qualname}"
+    return f"{getattr(factory, '__module__', '?')}:{getattr(factory, '__qualname__', type(factory).__qualname__)}"
 
 
 class BackendRegistry:
@@ -36,11 +35,8 @@ class BackendRegistry:
         """Register ``factory`` under ``name``.
 
         :raises BackendRegistrationError: bad name, non-callable factory, or the name is claimed."""
-        frames, frame = [], sys._getframe(1)  # the caller, then outwards: whose hookimpl is it?
-        while frame is not None:
-            frames.append(frame)
-            frame = frame.f_back
-        i = running_hookimpl(self._impls, frames)
+        # the caller, then outwards: whose hookimpl is it?
+        i = running_hookimpl(self._impls, (frame for frame, _ in traceback.walk_stack(sys._getframe(1))))
         plugin = "<direct>" if i is None else self._impls[i].plugin_name
         if not isinstance(name, str) or not name.isidentifier():
             msg = f"plugin {plugin!r} registers backend name {name!r}: expected an identifier str"
@@ -87,10 +83,7 @@ def available_backends(pm: pluggy.PluginManager | None = None) -> list[str]:
 
 
 def create_backend(
-    name: str,
-    *,
-    options: BackendOptions | None = None,
-    plugin_manager: pluggy.PluginManager | None = None,
+    name: str, *, options: BackendOptions | None = None, plugin_manager: pluggy.PluginManager | None = None,
     **kwargs: Any,
 ) -> CaptureBackend:
     """Create the backend registered as ``name``.

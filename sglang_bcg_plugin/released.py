@@ -31,9 +31,7 @@ def alias(t: torch.Tensor) -> torch.Tensor:
 
 def maybe_alias(t: Any) -> Any:
     """A non-owning alias of ``t`` when it is a tensor in graph-pool memory, else ``t`` itself."""
-    if isinstance(t, torch.Tensor) and t.device.type in ALIAS_DEVICE_TYPES:
-        return alias(t)
-    return t
+    return alias(t) if isinstance(t, torch.Tensor) and t.device.type in ALIAS_DEVICE_TYPES else t
 
 
 def release_output(output: Any) -> Any:

@@ -36,9 +36,7 @@ class MemoryReport:
     logical_output_bytes: int = 0
     resident_output_bytes: int = 0
     fallbacks: Mapping[Hashable, str] = field(default_factory=lambda: MappingProxyType({}))
-    capture_seconds: Mapping[Hashable, float] = field(
-        default_factory=lambda: MappingProxyType({})
-    )
+    capture_seconds: Mapping[Hashable, float] = field(default_factory=lambda: MappingProxyType({}))
     #: Bytes of bridge storage per partition (empty for our backends: values cross as they are).
     bridge_bytes: Mapping[int | None, int] = field(default_factory=lambda: MappingProxyType({}))
     #: The forecast made before the capture (``CaptureBackend.forecast``), else ``None``.
@@ -85,15 +83,12 @@ class MemoryReport:
     def from_keys(
         cls, backend: str, engine: str, keys: list[KeyReport], bridge_bytes: Mapping[int | None, int] | None = None
     ) -> MemoryReport:
-        fallbacks = {k.key: k.fallback for k in keys if k.fallback is not None}
         seconds = {k.key: k.capture_seconds for k in keys if k.capture_seconds is not None}
         return cls(
-            backend=backend,
-            engine=engine,
-            keys=tuple(keys),
+            backend, engine, tuple(keys),
             logical_output_bytes=sum(k.logical_output_bytes for k in keys),
             resident_output_bytes=sum(k.resident_output_bytes for k in keys),
-            fallbacks=MappingProxyType(fallbacks),
+            fallbacks=MappingProxyType({k.key: k.fallback for k in keys if k.fallback is not None}),
             capture_seconds=MappingProxyType(seconds),
             bridge_bytes=MappingProxyType(dict(bridge_bytes or {})),
         )
@@ -135,22 +130,25 @@ class MemoryReport:
         if self.plan is not None:
             lines.append(f"  session: {self.plan.format()}")
         if self.forecast is not None:
-            lost = self.lost_bytes
-            measured = "not measured" if lost is None else f"measured {lost / mib:.1f} MiB"
-            err = "" if self.forecast_error is None else f", error {self.forecast_error * 100:+.1f} %"
-            total, allocator = self.forecast.bytes_for(), self.forecast.bytes_for(driver=False)
-            if total != allocator or lost != self.measured_graph_bytes:
-                measured = "not measured" if lost is None else f"lost {lost / mib:.1f} MiB since before the forecast"
-                f = self.forecast.modes[self.forecast.mode]
-                left = int(getattr(f, "probe_left_bytes", 0) or 0)
-                probes = f" and the probes' capture stream {left / mib:.1f} MiB" if left else ""
-                err += (f"; the CUDA driver's share {(total - allocator - left) / mib:.1f} MiB{probes} of it; "
-                        f"without {'them' if left else 'it'} {allocator / mib:.1f} MiB")
-                if self.allocator_error is not None and self.measured_graph_bytes is not None:
-                    err += (f" against the session's own drop {self.measured_graph_bytes / mib:.1f} MiB, "
-                            f"error {self.allocator_error * 100:+.1f} %")
-            lines.append(f"  graph memory: forecast {total / mib:.1f} MiB ({self.forecast.mode}), {measured}{err}")
+            lines.append(self._forecast_line(mib))
         return "\n".join(lines)
+
+    def _forecast_line(self, mib: int) -> str:
+        forecast, lost = self.forecast, self.lost_bytes
+        total, allocator = forecast.bytes_for(), forecast.bytes_for(driver=False)
+        err = "" if self.forecast_error is None else f", error {self.forecast_error * 100:+.1f} %"
+        if total == allocator and lost == self.measured_graph_bytes:
+            measured = "not measured" if lost is None else f"measured {lost / mib:.1f} MiB"
+        else:
+            measured = "not measured" if lost is None else f"lost {lost / mib:.1f} MiB since before the forecast"
+            left = int(getattr(forecast.modes[forecast.mode], "probe_left_bytes", 0) or 0)
+            probes = f" and the probes' capture stream {left / mib:.1f} MiB" if left else ""
+            err += (f"; the CUDA driver's share {(total - allocator - left) / mib:.1f} MiB{probes} of it; "
+                    f"without {'them' if left else 'it'} {allocator / mib:.1f} MiB")
+            if self.allocator_error is not None and self.measured_graph_bytes is not None:
+                err += (f" against the session's own drop {self.measured_graph_bytes / mib:.1f} MiB, "
+                        f"error {self.allocator_error * 100:+.1f} %")
+        return f"  graph memory: forecast {total / mib:.1f} MiB ({forecast.mode}), {measured}{err}"
 
 
 def claim_resident_bytes(output: object, seen: set[tuple[str, int]]) -> int:

@@ -15,7 +15,7 @@ from .guard import GUARD, StaleOutputGuard, guard_supported
 from .output_mode import ON, RELEASED
 from .released import release_output
 from .scan import cut
-from .trees import Node, diff, flatten, storage_key, unflatten
+from .trees import Leaves, Node, Storages, diff, flatten, storage_key, unflatten
 
 if TYPE_CHECKING:
     from .backends.plan import SessionPlan
@@ -53,10 +53,6 @@ def _view_of(flat: torch.Tensor, shape: torch.Size) -> torch.Tensor:
     return flat[: math.prod(shape)].view(shape)
 
 
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
-
-
 def _leaf_misfit(leaf: torch.Tensor, buf: torch.Tensor) -> str | None:
     if leaf.dtype != buf.dtype:
         return f"dtype changed: buffer {buf.dtype}, output {leaf.dtype}"
@@ -70,8 +66,8 @@ def _leaf_misfit(leaf: torch.Tensor, buf: torch.Tensor) -> str | None:
         )
     if leaf.numel() > buf.numel():
         return (
-            f"{_nbytes(leaf)} bytes (shape {tuple(leaf.shape)}) do not fit the buffer's "
-            f"{_nbytes(buf)} bytes (capture was not largest-first)"
+            f"{leaf.nbytes} bytes (shape {tuple(leaf.shape)}) do not fit the buffer's "
+            f"{buf.nbytes} bytes (capture was not largest-first)"
         )
     return None
 
@@ -84,7 +80,7 @@ class OutputPolicy:
         self.source: BufferSource = "adopt"
         self.partitions: dict[int | None, _Partition] = {}
         self._reserved: dict[int | None, _Partition] = {}
-        self._foreign: dict[Hashable, frozenset[tuple[str, int]]] = {}
+        self._foreign: dict[Hashable, Storages] = {}
         self._placed: dict[Hashable, Placed] = {}
         self.guard: StaleOutputGuard | None = None
 
@@ -105,8 +101,7 @@ class OutputPolicy:
         self.partitions, self._reserved, self._foreign, self._placed = {}, {}, {}, {}
 
     def reserve(
-        self, key: Hashable, output: object, capacity_rows: int | None = None,
-        foreign: frozenset[tuple[str, int]] = frozenset(),
+        self, key: Hashable, output: object, capacity_rows: int | None = None, foreign: Storages = frozenset()
     ) -> None:
         """From the last warmup's ``output``: note ``foreign`` storages (never adopted; a key never seen
         here adopts nothing); with the ``"reserve"`` source and no buffer yet, allocate the partition's
@@ -128,7 +123,7 @@ class OutputPolicy:
             buffers.append(torch.empty(max(numel, 1), dtype=t.dtype, device=t.device))
         self._reserved[stream] = _Partition(node, tuple(buffers))
 
-    def place(self, key: Hashable, output: object, protected: frozenset[tuple[str, int]] = frozenset()) -> Any:
+    def place(self, key: Hashable, output: object, protected: Storages = frozenset()) -> Any:
         """Inside the capture: hold ``key``'s output (in-graph copy, adopt or own; never adopting the
         ``protected`` storages); returns the graph's static output.
 
@@ -142,11 +137,9 @@ class OutputPolicy:
         """A capture failed: drop its placed output (nothing was committed)."""
         self._placed = {}
 
-    def _place(
-        self, key: Hashable, output: object, protected: frozenset[tuple[str, int]], foreign: frozenset[tuple[str, int]] | None
-    ) -> Placed:
+    def _place(self, key: Hashable, output: object, protected: Storages, foreign: Storages | None) -> Placed:
         node, leaves = flatten(output)
-        logical = sum(_nbytes(t) for _, t in leaves)
+        logical = sum(t.nbytes for _, t in leaves)
         if not self.enabled:
             return Placed(output, shared=False, logical_bytes=logical)
         grads = [path for path, leaf in leaves if leaf.requires_grad and torch.is_grad_enabled()]
@@ -196,7 +189,7 @@ class OutputPolicy:
         return placed
 
     @staticmethod
-    def _misfit(part: _Partition, node: Node, leaves: list[tuple[str, torch.Tensor]]) -> tuple[str, str] | None:
+    def _misfit(part: _Partition, node: Node, leaves: Leaves) -> tuple[str, str] | None:
         found = diff(part.spec, node)
         if found is None:
             for (path, leaf), buf in zip(leaves, part.buffers, strict=True):
@@ -206,24 +199,12 @@ class OutputPolicy:
         return found
 
     @staticmethod
-    def _copy_into(
-        part: _Partition, node: Node, leaves: list[tuple[str, torch.Tensor]], logical: int, creates: _Partition | None
-    ) -> Placed:
-        views = []
-        for (_, leaf), buf in zip(leaves, part.buffers, strict=True):
-            view = _view_of(buf, leaf.shape)
-            view.copy_(leaf)
-            views.append(view)
+    def _copy_into(part: _Partition, node: Node, leaves: Leaves, logical: int, creates: _Partition | None) -> Placed:
+        views = [_view_of(buf, leaf.shape).copy_(leaf) for (_, leaf), buf in zip(leaves, part.buffers, strict=True)]
         return Placed(unflatten(node, views), shared=True, logical_bytes=logical, creates=creates)
 
     @staticmethod
-    def _adopt(
-        node: Node,
-        leaves: list[tuple[str, torch.Tensor]],
-        logical: int,
-        protected: frozenset[tuple[str, int]],
-        foreign: frozenset[tuple[str, int]] | None,
-    ) -> Placed:
+    def _adopt(node: Node, leaves: Leaves, logical: int, protected: Storages, foreign: Storages | None) -> Placed:
         # a leaf aliasing a static input, foreign memory or another leaf, or not contiguous,
         # gets a private buffer (rule 5)
         seen: set[tuple[str, int]] = set()
@@ -235,9 +216,7 @@ class OutputPolicy:
             seen.add(sk)
             if flat is None:
                 flat = torch.empty(max(leaf.numel(), 1), dtype=leaf.dtype, device=leaf.device)
-                view = _view_of(flat, leaf.shape)
-                view.copy_(leaf)
-                outs.append(view)
+                outs.append(_view_of(flat, leaf.shape).copy_(leaf))
             else:
                 outs.append(leaf)
             buffers.append(flat)

@@ -27,26 +27,30 @@ class Node:
     template: Any = None
 
 
+#: A flattened output's tensor leaves, ``(path, tensor)`` in order.
+Leaves = list[tuple[str, torch.Tensor]]
+
+#: Storage identities (:func:`storage_key`).
+Storages = frozenset[tuple[str, int]]
+
 #: Deepest output nesting :func:`flatten` walks (a 100-deep output is a bug, not a model).
 MAX_DEPTH = 100
 
 #: What every "unsupported output" error lists.
-SUPPORTED_TEXT = (
-    "tensors, None and plain values, tuples, lists, named tuples, dicts, dataclasses, "
-    "and objects holding a 'tensors' dict"
-)
+SUPPORTED_TEXT = ("tensors, None and plain values, tuples, lists, named tuples, dicts, dataclasses, "
+                  "and objects holding a 'tensors' dict")
 
 
-def flatten(obj: object, path: str = "output") -> tuple[Node, list[tuple[str, torch.Tensor]]]:
+def flatten(obj: object, path: str = "output") -> tuple[Node, Leaves]:
     """Flatten ``obj`` into a structure node and its tensor leaves ``(path, tensor)``.
 
     :raises TypeError: a tensor replay could not track (inside a plain value, on an attribute
         the walk does not follow, not strided), or nesting deeper than :data:`MAX_DEPTH`."""
-    leaves: list[tuple[str, torch.Tensor]] = []
+    leaves: Leaves = []
     return _flatten(obj, path, leaves, 0), leaves
 
 
-def _flatten(obj: object, path: str, leaves: list[tuple[str, torch.Tensor]], depth: int) -> Node:
+def _flatten(obj: object, path: str, leaves: Leaves, depth: int) -> Node:
     if depth > MAX_DEPTH:
         msg = (
             f"output nested deeper than {MAX_DEPTH} levels at {cut(path)}: outputs are walked "
@@ -54,49 +58,47 @@ def _flatten(obj: object, path: str, leaves: list[tuple[str, torch.Tensor]], dep
         )
         raise TypeError(msg)
     if isinstance(obj, torch.Tensor):
-        if obj.layout != torch.strided or obj.is_nested:
-            kind = "nested" if obj.is_nested else str(obj.layout).removeprefix("torch.")
+        leaves.append((path, _strided(obj, path)))
+        return Node("tensor", type(obj))
+    if isinstance(obj, (tuple, list)):  # named tuples too
+        kind, values, walked = "seq", list(obj), "one of its items"  # type: ignore[call-overload]
+        keys, known = tuple(range(len(values))), lambda name, value: False
+    elif isinstance(obj, dict):  # a ModelOutput keeps its fields as attributes too: the very values of its keys
+        kind, keys, walked = "map", tuple(obj), "one of its keys"
+        values, known = [obj[k] for k in keys], lambda name, value: name in obj and obj[name] is value
+    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        kind, keys, walked = "attrs", tuple(f.name for f in dataclasses.fields(obj)), "one of its fields"
+        values, known = [getattr(obj, n) for n in keys], lambda name, value: name in keys
+    elif isinstance(tensors := getattr(obj, "tensors", None), dict):
+        kind, keys, walked = "holder", ("tensors",), "its 'tensors' dict"
+        values, known = [tensors], lambda name, value: name == "tensors"
+    else:
+        inside = tensor_inside(obj, path)
+        if inside is not None:
             msg = (
-                f"unsupported output tensor at {path}: layout {kind}; only strided (dense) tensors "
-                "can be captured and shared (sparse and other non-strided layouts are not supported); "
-                "return a dense tensor (.to_dense()) or its parts (indices and values)"
+                f"unsupported output type {type(obj).__qualname__} at {path}: it holds a tensor "
+                f"(at {cut(inside)}) that cannot be tracked, so replay would return it stale; "
+                f"supported: {SUPPORTED_TEXT}; return one of those (a set or an object with tensors in "
+                "attributes, __slots__ or a list attribute is not)"
             )
             raise TypeError(msg)
-        leaves.append((path, obj))
-        return Node("tensor", type(obj))
-    depth += 1
-    if isinstance(obj, (tuple, list)):  # named tuples too
-        seq = list(obj)  # type: ignore[call-overload]
-        kids = tuple(_flatten(v, _child("seq", path, i), leaves, depth) for i, v in enumerate(seq))
-        _refuse_attributes(obj, path, "one of its items", lambda name, value: False)
-        return Node("seq", type(obj), tuple(range(len(seq))), kids)
-    if isinstance(obj, dict):
-        keys = tuple(obj)
-        kids = tuple(_flatten(obj[k], _child("map", path, k), leaves, depth) for k in keys)
-        # a ModelOutput keeps its fields as attributes too: the very values of its keys
-        _refuse_attributes(obj, path, "one of its keys", lambda name, value: name in obj and obj[name] is value)
-        return Node("map", type(obj), keys, kids, template=obj)
-    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        names = tuple(f.name for f in dataclasses.fields(obj))
-        kids = tuple(_flatten(getattr(obj, n), _child("attrs", path, n), leaves, depth) for n in names)
-        fields = frozenset(names)
-        _refuse_attributes(obj, path, "one of its fields", lambda name, value: name in fields)
-        return Node("attrs", type(obj), names, kids, template=obj)
-    tensors = getattr(obj, "tensors", None)
-    if isinstance(tensors, dict):
-        kid = _flatten(tensors, f"{path}.tensors", leaves, depth)
-        _refuse_attributes(obj, path, "its 'tensors' dict", lambda name, value: name == "tensors")
-        return Node("holder", type(obj), ("tensors",), (kid,), template=obj)
-    inside = tensor_inside(obj, path)
-    if inside is not None:
+        return Node("value", type(obj), value=obj)
+    kids = tuple(_flatten(v, _child(kind, path, k), leaves, depth + 1) for k, v in zip(keys, values, strict=True))
+    _refuse_attributes(obj, path, walked, known)
+    return Node(kind, type(obj), keys, kids, template=None if kind == "seq" else obj)
+
+
+def _strided(t: torch.Tensor, path: str) -> torch.Tensor:
+    """:raises TypeError: ``t`` is not strided (sparse, nested, ...)."""
+    if t.layout != torch.strided or t.is_nested:
+        kind = "nested" if t.is_nested else str(t.layout).removeprefix("torch.")
         msg = (
-            f"unsupported output type {type(obj).__qualname__} at {path}: it holds a tensor "
-            f"(at {cut(inside)}) that cannot be tracked, so replay would return it stale; "
-            f"supported: {SUPPORTED_TEXT}; return one of those (a set or an object with tensors in "
-            "attributes, __slots__ or a list attribute is not)"
+            f"unsupported output tensor at {path}: layout {kind}; only strided (dense) tensors "
+            "can be captured and shared (sparse and other non-strided layouts are not supported); "
+            "return a dense tensor (.to_dense()) or its parts (indices and values)"
         )
         raise TypeError(msg)
-    return Node("value", type(obj), value=obj)
+    return t
 
 
 def _child(kind: str, path: str, key: Any) -> str:
@@ -182,9 +184,7 @@ def diff(a: Node, b: Node, path: str = "output") -> tuple[str, str] | None:
     if a.keys != b.keys:
         if a.kind == "seq":
             return path, f"sequence length changed: expected {len(a.keys)}, got {len(b.keys)}"
-        if a.kind == "map":
-            return path, f"dict keys changed: expected {list(a.keys)}, got {list(b.keys)}"
-        return path, f"fields changed: expected {list(a.keys)}, got {list(b.keys)}"  # pragma: no cover - same type implies same fields
+        return path, f"dict keys changed: expected {list(a.keys)}, got {list(b.keys)}"  # same type: same fields
     for key, ka, kb in zip(a.keys, a.children, b.children, strict=True):
         found = diff(ka, kb, _child(a.kind, path, key))
         if found is not None:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import functools
 import importlib
-import importlib.metadata
 import importlib.util
 import inspect
 import sys
@@ -17,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from .._version import package_version
 from ..output_mode import OFF, ON, OutputMode
 
 SeamKind = Literal["backend", "runner", "none"]
@@ -92,17 +92,14 @@ def inspect_builtin(cls: type) -> BuiltinPolicy:
         return BuiltinPolicy(None, f"cannot read {name}'s code; assuming it does not share")
     if not all(n in capture for n in SHARING_NAMES) or SHARING_NAMES[0] not in init:
         return BuiltinPolicy(False, f"{name}.capture_one keeps one output per shape key")
-    words = " ".join(capture).lower()
-    switches = [w for w in SWITCH_WORDS if w in words]
+    switches = ", ".join(w for w in SWITCH_WORDS if w in " ".join(capture).lower())
     if switches:
-        return BuiltinPolicy(
-            None, f"{name}.capture_one shares under a switch ({', '.join(switches)}) this plugin does not know; assuming off"
-        )
+        why = f"{name}.capture_one shares under a switch ({switches}) this plugin does not know; assuming off"
+        return BuiltinPolicy(None, why)
     if WARMUP_BUFFER in capture:
         return BuiltinPolicy(True, f"{name}.capture_one always copies outputs into one _shared_output_buffer")
-    return BuiltinPolicy(
-        True, f"{name}.capture_one adopts the first capture's output as one _shared_output_buffer and copies the others into it"
-    )
+    adopts = "adopts the first capture's output as one _shared_output_buffer and copies the others into it"
+    return BuiltinPolicy(True, f"{name}.capture_one {adopts}")
 
 
 def inspect_runner(cls: type) -> BuiltinPolicy:
@@ -124,11 +121,11 @@ class Seam:
     release: str
     why: str
     builtin: BuiltinPolicy
+    eager_form: str = "enable"
+    global_pool: bool = False
     dedup_mixin: bool = False
     capture_inputs: bool = False
-    global_pool: bool = False
     row_hooks: bool = False
-    eager_form: str = "enable"
 
     def describe(self) -> str:
         seam = "no breakable CUDA graph seam" if self.kind == "none" else f"{self.kind} seam"
@@ -139,10 +136,7 @@ class Seam:
 
 
 def release() -> str:
-    try:
-        return importlib.metadata.version("sglang")
-    except importlib.metadata.PackageNotFoundError:
-        return "?"
+    return package_version("sglang", "?")
 
 
 def sglang_source(module: str) -> Path | None:
@@ -163,8 +157,9 @@ def seam_kind() -> SeamKind:
     return "runner" if sglang_source(RUNNER_MODULE) is not None else "none"
 
 
-def _first_param(fn: Callable[..., Any]) -> str | None:
-    return next(iter(inspect.signature(fn).parameters), None)
+def _eager_form(eager_on_graph: Callable[..., Any]) -> str:
+    """How a release's ``eager_on_graph`` is called: by the name of its first parameter."""
+    return next(iter(inspect.signature(eager_on_graph).parameters), "enable")
 
 
 def _resolve(dotted: str) -> Any:
@@ -190,7 +185,7 @@ def installed() -> Seam:
             capture_inputs=len(params) > 3 and params[3] == "capture_inputs",
             global_pool=_resolve(f"{POOL_MODULE}.get_or_create_global_graph_memory_pool") is not None,
             row_hooks=hasattr(_resolve(RUNNER_BASE), "cuda_graph_output_rows"),
-            eager_form=_first_param(module.eager_on_graph) or "enable",
+            eager_form=_eager_form(module.eager_on_graph),
         )
     if kind == "runner":
         module = importlib.import_module(RUNNER_MODULE)
@@ -198,7 +193,7 @@ def installed() -> Seam:
         return Seam(
             "runner", version, "model_executor.BreakableCudaGraphRunner._capture_all/_capture_one, wrapped",
             inspect_runner(module.BreakableCudaGraphRunner),
-            eager_form=_first_param(bcg.eager_on_graph) or "enable",
+            eager_form=_eager_form(bcg.eager_on_graph),
             global_pool=hasattr(module, "get_global_graph_memory_pool"),
         )
     return Seam("none", version, f"neither {BACKEND_MODULE} nor {RUNNER_MODULE} exists",

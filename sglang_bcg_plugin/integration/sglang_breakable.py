@@ -18,7 +18,7 @@ from ..backends.state import CaptureState, input_storages
 from ..engines.gcsafe import defer_release, gc_safe_capture
 from ..manager import get_plugin_manager
 from ..options import BackendOptions
-from ..output_mode import ON, OutputMode, Resolution
+from ..output_mode import ON
 from ..registry import build_registry
 from ..report import MemoryReport
 from ..shape_key import check_key
@@ -104,12 +104,9 @@ class SharingPolicyMixin:
 
     name = "breakable"
 
-    def __init__(
-        self, cuda_graph_runner: Any, *, enable_memory_saver: bool = False, debug_eager: bool = False
-    ) -> None:
+    def __init__(self, cuda_graph_runner: Any, *, enable_memory_saver: bool = False, debug_eager: bool = False) -> None:
         super().__init__(  # type: ignore[call-arg]
-            cuda_graph_runner, enable_memory_saver=enable_memory_saver, debug_eager=debug_eager
-        )
+            cuda_graph_runner, enable_memory_saver=enable_memory_saver, debug_eager=debug_eager)
         self._cuda_graph_runner = cuda_graph_runner  # set by SGLang itself only from 0.5.21
         self._bcg_state = CaptureState(self.name, "sglang-bcg")
 
@@ -127,15 +124,10 @@ class SharingPolicyMixin:
         finally:
             self._bcg_state.close()
 
-    @property
-    def last_output_mode(self) -> Resolution | None:
-        """The output mode of the latest capture session and why (``None`` before the first)."""
-        return self._bcg_state.resolution
-
-    @property
-    def output_mode_active(self) -> OutputMode | None:
-        """The output mode of the open capture session (``None`` outside one)."""
-        return self._bcg_state.mode_active
+    #: The output mode of the latest capture session and why (``None`` before the first).
+    last_output_mode = property(lambda self: self._bcg_state.resolution)
+    #: The output mode of the open capture session (``None`` outside one).
+    output_mode_active = property(lambda self: self._bcg_state.mode_active)
 
     def capture_one(self, shape_key: Any, forward_fn: Callable[[], Any], *args: Any, **kwargs: Any) -> None:
         """The release's own ``capture_one`` (its arguments under any release's names:
@@ -154,20 +146,14 @@ class SharingPolicyMixin:
                 raise RuntimeError(msg)
             if not self._debug_eager:  # released: the policy holds the last reference to the graph's output
                 forward.placed = None
-            output = state.commit(
-                key, graph=self._graphs[key], num_segments=num_segments(self._graphs[key]),
-                capture_inputs=capture_inputs, seconds=time.perf_counter() - start,
-            )
-            self._outputs[key] = output
-        forecast.key_done(key.size, num_segments(self._graphs[key]))
+            graph = self._graphs[key]
+            self._outputs[key] = state.commit(key, graph=graph, num_segments=num_segments(graph),
+                                              capture_inputs=capture_inputs, seconds=time.perf_counter() - start)
+        forecast.key_done(key.size, num_segments(graph))
 
     # -- the release's output helpers (INTERCEPTED), called by its capture_one: no buffer of SGLang's own --
     _shared_output_buffer = property(lambda self: None, lambda self, value: None)
-
-    def _alloc_full_buffer(self, *args: Any) -> None:
-        return None
-
-    _output_rows = _copy_output_to_buffer = _slice_output = _alloc_full_buffer
+    _alloc_full_buffer = _output_rows = _copy_output_to_buffer = _slice_output = lambda self, *args: None
 
     def __del__(self) -> None:  # dropped inside a capture: SGLang's graphs die after it
         defer_release(list(getattr(self, "_graphs", {}).values()))
@@ -202,11 +188,8 @@ def sglang_breakable_backend_class() -> type[Any]:
         )
         raise RuntimeError(msg)
     base = importlib.import_module(BACKEND_MODULE).BreakableCudaGraphBackend
-    return type(
-        "SGLangBreakableBackend",
-        (SharingPolicyMixin, base),
-        {"__module__": __name__, "__doc__": "SGLang's breakable CUDA graphs with our output-sharing policy."},
-    )
+    doc = "SGLang's breakable CUDA graphs with our output-sharing policy."
+    return type("SGLangBreakableBackend", (SharingPolicyMixin, base), {"__module__": __name__, "__doc__": doc})
 
 
 #: HookRegistry targets of the two AROUND hooks.
@@ -221,16 +204,13 @@ def swap_backend(phase: str, backend: Any, cuda_graph_runner: Any) -> Any:
     if type(backend) is not importlib.import_module(BACKEND_MODULE).BreakableCudaGraphBackend:
         return backend  # Full and platform backends: SGLang's choice, unchanged
     adapter = getattr(backend, "_memory_saver_adapter", None)
-    kwargs = {
-        "enable_memory_saver": bool(getattr(adapter, "enabled", False)),
-        "debug_eager": bool(getattr(backend, "_debug_eager", False)),
-    }
+    kwargs = {"enable_memory_saver": bool(getattr(adapter, "enabled", False)),
+              "debug_eager": bool(getattr(backend, "_debug_eager", False))}
     close = getattr(backend, "close", None)  # the dedup mixin's (SGLang 0.5.15+)
     if close is not None:
         close()  # SGLang's instance captured nothing; drop its (empty) dedup registries
-    server_args = runner_server_args(cuda_graph_runner)
     pm = get_plugin_manager()
-    name = pm.hook.sglang_bcg_select_backend(phase=phase, server_args=server_args)
+    name = pm.hook.sglang_bcg_select_backend(phase=phase, server_args=runner_server_args(cuda_graph_runner))
     if name is None or name == "breakable":
         chosen: Any = sglang_breakable_backend_class()(cuda_graph_runner, **kwargs)
     else:

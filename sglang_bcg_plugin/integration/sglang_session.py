@@ -32,8 +32,8 @@ def shared_buffer(environ: Mapping[str, str] | None = None) -> BufferSource:
     """``SGLANG_BCG_SHARED_BUFFER=adopt|reserve``; unset or blank: ``reserve``.
     :raises ValueError: anything else."""
     words: dict[str, BufferSource] = {"adopt": "adopt", "reserve": "reserve"}
-    source = parse_env(ENV_SHARED_BUFFER, words, kind="a buffer source", accepted="'adopt' or 'reserve', or unset it", environ=environ)
-    return source or "reserve"
+    accepted = "'adopt' or 'reserve', or unset it"
+    return parse_env(ENV_SHARED_BUFFER, words, kind="a buffer source", accepted=accepted, environ=environ) or "reserve"
 
 
 def refusal(seam: Seam, mode: OutputMode, guard: bool, environ: Mapping[str, str]) -> str | None:
@@ -69,10 +69,10 @@ def session_switches(environ: Mapping[str, str]) -> tuple[Resolution, bool]:
     resolution = resolve_mode(environ)
     guard = bool(parse_bool_env(ENV_STALE_OUTPUT_GUARD, environ))
     try:
-        seam: Seam | None = compat.installed()
+        seam = compat.installed()
     except Exception:  # noqa: BLE001 - SGLang does not fully import here: `sglang-bcg doctor` says why
-        seam = None
-    reason = None if seam is None else refusal(seam, resolution.mode, guard, environ)
+        return resolution, guard
+    reason = refusal(seam, resolution.mode, guard, environ)
     if reason is not None:
         raise ValueError(reason)
     return resolution, guard
