@@ -41,9 +41,7 @@ def request(url: str, key: str | None, mode: str | None, timeout_s: float) -> di
     """GET (``mode=None``) or POST ``{"mode": mode}``; the JSON answer. :raises SwitchError: any failure."""
     full = url.rstrip("/") + ROUTE
     data = None if mode is None else json.dumps({"mode": mode}).encode()
-    headers = {"Content-Type": "application/json"}
-    if key:
-        headers["Authorization"] = f"Bearer {key}"
+    headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
     req = urllib.request.Request(full, data=data, headers=headers, method="GET" if mode is None else "POST")
     try:
         with urllib.request.urlopen(req, timeout=timeout_s) as resp:  # noqa: S310 - the operator's URL
