@@ -1,8 +1,5 @@
 """``sglang-bcg doctor``: is this SGLang install one our hooks fit?
-
-Exit codes: 0 all good, 1 a seam moved or the entry point is missing, 2 SGLang is not installed,
-3 SGLang is installed but does not import (docs/sglang.md, "Verify with ``sglang-bcg doctor``").
-"""
+Exit codes: 0 all good, 1 a seam moved or no entry point, 2 no SGLang, 3 SGLang does not import."""
 
 from __future__ import annotations
 
@@ -41,11 +38,9 @@ ENTRY_POINT_VALUE = "sglang_bcg_plugin.integration:register"
 INSTALL = "from a checkout of sglang_bcg_plugin: pip install -e '.[sglang]'"
 #: Dependencies built against one torch: installing one from PyPI may replace torch itself.
 TORCH_BOUND = frozenset({"torchvision", "torchaudio", "sgl_kernel", "triton", "xformers", "flashinfer"})
-
 COMMON_NAMES = ("sglang.srt.plugins.hook_registry.HookRegistry",)  #: every seam needs it
 #: How transformers words a missing optional dependency in an ``ImportError``.
 _REQUIRES = re.compile(r"requires the (\w+) library but it was not found")
-#: Exit codes of ``sglang-bcg doctor`` (docs/sglang.md).
 EXIT_OK, EXIT_MOVED, EXIT_NO_SGLANG, EXIT_IMPORT = 0, 1, 2, 3
 #: PyTorch's own index of CPU builds (``+cpu``: torch and the torchvision made for it).
 CPU_WHEELS = "https://download.pytorch.org/whl/cpu"
@@ -109,19 +104,12 @@ def _entry_point() -> str | None:
     return None
 
 
-def _flag() -> str:
-    """The output mode a capture session would resolve now, and why (env var or SGLang's default)."""
-    try:
-        resolution = resolve_mode()
-    except ValueError as exc:
-        return f"invalid ({exc})"
-    return f"{resolution.describe()}; --enable-bcg-shared-output overrides it at launch"
-
-
 def _summary(problems: list[Problem], entry_point_found: bool) -> tuple[list[str], int]:
     """The closing lines, grouped by cause, and the exit code (moved seams outrank the rest)."""
     moved = sum(p.kind == "moved" for p in problems)
-    lines = [f"doctor: {moved} seam(s) moved: this SGLang does not fit the plugin; do not serve with it"] if moved else []
+    lines: list[str] = []
+    if moved:
+        lines.append(f"doctor: {moved} seam(s) moved: this SGLang does not fit the plugin; do not serve with it")
     if not entry_point_found:
         lines.append(f"doctor: entry point not discoverable: reinstall the plugin into this environment ({INSTALL})")
     for dep, n in Counter(p.dependency for p in problems if p.kind == "dependency").items():
@@ -133,8 +121,7 @@ def _summary(problems: list[Problem], entry_point_found: bool) -> tuple[list[str
 
 
 def torchvision_for(torch_version: str) -> str | None:
-    """The torchvision release made for ``torch_version`` (torch 2.N: torchvision 0.(N+15); the
-    wheel of 0.28.0 requires ``torch==2.13.0``); ``None`` outside torch 2."""
+    """The torchvision release made for ``torch_version`` (torch 2.N: 0.(N+15)); ``None`` outside torch 2."""
     match = re.match(r"2\.(\d+)(\.|$)", torch_version)
     return None if match is None else f"0.{int(match.group(1)) + 15}"
 
@@ -307,10 +294,13 @@ def doctor_main(argv: list[str] | None = None, *, out: TextIO | None = None) -> 
         _seam_lines(say, problems)
     ep = _entry_point()
     say(f"entry point ({ENTRY_POINT_GROUP}): " + (ep or f"NOT FOUND (expected {ENTRY_POINT_VALUE})"))
-    say(f"--enable-bcg-shared-output (resolved now): {_flag()}")
+    try:  # the mode a capture session would resolve now, and why
+        flag = f"{resolve_mode().describe()}; --enable-bcg-shared-output overrides it at launch"
+    except ValueError as exc:
+        flag = f"invalid ({exc})"
+    say(f"--enable-bcg-shared-output (resolved now): {flag}")
     say(f"graph memory forecast: {forecast_line(kind)}")
     say(f"live switch: {switch_doctor_line(kind)}")
     lines, code = _summary(problems, ep is not None)
-    for line in lines:
-        say(line)
+    say("\n".join(lines))
     return code

@@ -65,8 +65,8 @@ def defined_in_source(target: str, module: str) -> bool:
     read with ``ast``, without importing it (the HTTP server's module needs FastAPI)."""
     path = compat.sglang_source(module)
     body: list[ast.stmt] = [] if path is None else ast.parse(path.read_text(encoding="utf-8")).body
+    kinds = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
     for part in target[len(module) + 1:].split("."):
-        kinds = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
         node = next((n for n in body if isinstance(n, kinds) and n.name == part), None)
         if node is None:
             return False
@@ -158,7 +158,8 @@ def describe_rank(model_runner: Any, environ: MutableMapping[str, str] | None = 
         resolution, report = backend.last_output_mode, backend.memory_report()
         out.update(mode=resolution and resolution.mode, reason=resolution and resolution.source,
                    keys=len(getattr(backend, "_graphs", {})), resident_output_bytes=int(report.resident_output_bytes),
-                   logical_output_bytes=int(report.logical_output_bytes), measured_graph_bytes=report.measured_graph_bytes)
+                   logical_output_bytes=int(report.logical_output_bytes),
+                   measured_graph_bytes=report.measured_graph_bytes)
         out["pool_bytes"], out["graph_pools_bytes"] = _pool_bytes(getattr(backend, "_pool", None))
     else:  # the mode a capture would take from the variable (unset: the release's default)
         with contextlib.suppress(ValueError):
