@@ -46,6 +46,8 @@ EXIT_OK, EXIT_MOVED, EXIT_NO_SGLANG, EXIT_IMPORT = 0, 1, 2, 3
 CPU_WHEELS = "https://download.pytorch.org/whl/cpu"
 #: Attributes SGLang's ``BreakableCudaGraphBackend.__init__`` must set (our capture reads them).
 BACKEND_ATTRS = ("_graphs", "_outputs", "_pool", "_debug_eager")
+#: One check of :func:`seam_checks`: its label, and a call that says why it fails (``None``: it holds).
+Check = tuple[str, Callable[[], str | None]]
 
 
 @dataclass(frozen=True)
@@ -140,9 +142,6 @@ def _advice(dep: str | None) -> str:
                 f"'torchvision=={pair}.*' --index-url {CPU_WHEELS}; the plugin itself does not import torchvision, "
                 "SGLang's modules do")
     return f"install {made} into this environment, pip install 'torchvision=={pair}.*', {keep}"
-
-
-Check = tuple[str, Callable[[], str | None]]
 
 
 def _params(dotted: str, *names: str) -> str | None:
