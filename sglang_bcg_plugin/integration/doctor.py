@@ -180,8 +180,7 @@ def _unknown_helpers(dotted: str) -> str | None:
 
 
 def seam_checks(seam: Seam) -> list[Check]:
-    """What our capture calls or reads on ``seam``, one check each (``None``: it holds; else why
-    not); none where the release has no seam (doctor reports that itself)."""
+    """What our capture calls or reads on ``seam``, one check each; none without a seam (doctor says so itself)."""
     p = functools.partial
     if seam.kind == "backend":
         cls, mod = f"{BACKEND_MODULE}:BreakableCudaGraphBackend", f"{BACKEND_MODULE}:"

@@ -437,8 +437,7 @@ def add_routes(app: Any, client: RpcClient, gate: SwitchGate, dp_size: int = 1) 
 
 
 def before_setup_and_run_http_server(*args: Any, **kwargs: Any) -> None:
-    """BEFORE hook of ``_setup_and_run_http_server(server_args, tokenizer_manager,
-    template_manager, port_args, ...)``: the route, where ``--admin-api-key`` is set."""
+    """BEFORE hook of ``_setup_and_run_http_server(server_args, _, _, port_args)``: the route if ``--admin-api-key``."""
     server_args = kwargs.get("server_args", args[0] if args else None)
     port_args = kwargs.get("port_args", args[3] if len(args) > 3 else None)
     if not getattr(server_args, "admin_api_key", None):
