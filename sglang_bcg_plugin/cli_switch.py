@@ -41,9 +41,7 @@ def request(url: str, key: str | None, mode: str | None, timeout_s: float) -> di
     """GET (``mode=None``) or POST ``{"mode": mode}``; the JSON answer. :raises SwitchError: any failure."""
     full = url.rstrip("/") + ROUTE
     data = None if mode is None else json.dumps({"mode": mode}).encode()
-    headers = {"Content-Type": "application/json"}
-    if key:
-        headers["Authorization"] = f"Bearer {key}"
+    headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
     req = urllib.request.Request(full, data=data, headers=headers, method="GET" if mode is None else "POST")
     try:
         with urllib.request.urlopen(req, timeout=timeout_s) as resp:  # noqa: S310 - the operator's URL
@@ -64,14 +62,13 @@ def _mib(n: object) -> str:
 
 def result_line(body: dict[str, Any], mode: str | None) -> str:
     ranks = body.get("ranks", [])
-    pids = ",".join(str(r.get("pid")) for r in ranks)
     first = ranks[0] if ranks else {}
-    memory = f"graph pool {_mib(first.get('pool_bytes'))}, resident outputs {_mib(first.get('resident_output_bytes'))}"
+    where = (f"on {len(ranks)} TP rank(s) (scheduler pid {','.join(str(r.get('pid')) for r in ranks)}); graph pool "
+             f"{_mib(first.get('pool_bytes'))}, resident outputs {_mib(first.get('resident_output_bytes'))}")
     if mode is None:
         why = f"; switch refused here: {first['refusal']}" if first.get("refusal") else ""
-        return f"output mode: {body.get('mode')} on {len(ranks)} TP rank(s) (scheduler pid {pids}); {memory}{why}"
-    return (f"output mode: {body.get('mode')} (was {body.get('previous')}), switched in {body.get('seconds')} s "
-            f"on {len(ranks)} TP rank(s) (scheduler pid {pids}); {memory}")
+        return f"output mode: {body.get('mode')} {where}{why}"
+    return f"output mode: {body.get('mode')} (was {body.get('previous')}), switched in {body.get('seconds')} s {where}"
 
 
 def run(url: str, key: str | None, mode: str | None, timeout_s: float) -> int:

@@ -38,18 +38,23 @@ def test_refusals_name_the_release_and_the_reason(monkeypatch: pytest.MonkeyPatc
 
 
 def test_startup_refusal_is_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    import argparse
+
     from sglang_bcg_plugin.integration import flag
+
+    def refuse_unsupported() -> None:  # the flag's AFTER hook, the flag not given
+        assert flag.after_from_cli_args("result", object, argparse.Namespace()) == "result"
 
     monkeypatch.setattr(compat, "installed", lambda: seam("runner"))
     monkeypatch.delenv("SGLANG_ENABLE_BCG_SHARED_OUTPUT", raising=False)
     monkeypatch.delenv("SGLANG_BCG_STALE_OUTPUT_GUARD", raising=False)
-    flag.refuse_unsupported()  # nothing asked: the release's default always runs
+    refuse_unsupported()  # nothing asked: the release's default always runs
     monkeypatch.setenv("SGLANG_BCG_STALE_OUTPUT_GUARD", "1")
     with pytest.raises(SystemExit, match=r"^sglang_bcg: SGLANG_BCG_STALE_OUTPUT_GUARD=1 needs replays"):
-        flag.refuse_unsupported()
+        refuse_unsupported()
     monkeypatch.setenv("SGLANG_BCG_STALE_OUTPUT_GUARD", "maybe")
     with pytest.raises(SystemExit, match="is not a boolean"):
-        flag.refuse_unsupported()
+        refuse_unsupported()
     monkeypatch.delenv("SGLANG_BCG_STALE_OUTPUT_GUARD")
     monkeypatch.setenv("SGLANG_ENABLE_BCG_SHARED_OUTPUT", "on")
 
@@ -57,10 +62,10 @@ def test_startup_refusal_is_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
         raise ImportError("no sglang here")
 
     monkeypatch.setattr(compat, "installed", broken)
-    flag.refuse_unsupported()  # cannot probe: doctor's job, startup goes on
+    refuse_unsupported()  # cannot probe: doctor's job, startup goes on
     monkeypatch.setenv("SGLANG_ENABLE_BCG_SHARED_OUTPUT", "maybe")
     with pytest.raises(SystemExit, match="^sglang_bcg: SGLANG_ENABLE_BCG_SHARED_OUTPUT='maybe' is not an output mode"):
-        flag.refuse_unsupported()  # an invalid value stops the launch, probe or not
+        refuse_unsupported()  # an invalid value stops the launch, probe or not
 
 
 def test_eager_break_forms_and_capture_var() -> None:

@@ -308,10 +308,10 @@ def test_where_each_hook_is_registered(monkeypatch: pytest.MonkeyPatch) -> None:
     from sglang_bcg_plugin.integration.hooks import wanted
 
     monkeypatch.setitem(sys.modules, "sglang.srt.managers.scheduler", NS())
-    assert switch.is_scheduler() and wanted(switch.RPC_TARGET)
+    assert switch.WHERE[switch.RPC_TARGET]() and wanted(switch.RPC_TARGET)
     monkeypatch.delitem(sys.modules, "sglang.srt.managers.scheduler")
     assert not wanted(switch.RPC_TARGET) and wanted("any.other.target")
-    assert switch.is_launcher() == (__import__("importlib").util.find_spec("fastapi") is not None)
+    assert switch.WHERE[switch.HTTP_TARGET]() == (__import__("importlib").util.find_spec("fastapi") is not None)
 
 
 def test_doctor_line_and_the_source_check(monkeypatch: pytest.MonkeyPatch) -> None:

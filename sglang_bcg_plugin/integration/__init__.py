@@ -1,7 +1,5 @@
-"""SGLang integration: entry point, ``--enable-bcg-shared-output``, backend seam, ``doctor``.
-
-Importing this package never imports SGLang; the functions below import it when called.
-"""
+"""SGLang integration: entry point, ``--enable-bcg-shared-output``, backend seam, ``doctor``; importing
+it never imports SGLang (the functions below do, when called)."""
 
 from __future__ import annotations
 

@@ -1,8 +1,5 @@
 """``sglang-bcg doctor``: is this SGLang install one our hooks fit?
-
-Exit codes: 0 all good, 1 a seam moved or the entry point is missing, 2 SGLang is not installed,
-3 SGLang is installed but does not import (docs/sglang.md, "Verify with ``sglang-bcg doctor``").
-"""
+Exit codes: 0 all good, 1 a seam moved or no entry point, 2 no SGLang, 3 SGLang does not import."""
 
 from __future__ import annotations
 
@@ -34,17 +31,23 @@ from .sglang_session import resolve_mode
 from .switch import MODULES as SWITCH_MODULES
 from .switch import doctor_line as switch_doctor_line
 
-#: The SGLang releases this integration was checked against (the ``[sglang]`` extra allows them).
+#: The SGLang releases this integration was checked against.
 SUPPORTED_SGLANG = tuple(f"0.5.{n}" for n in range(13, 24))
 ENTRY_POINT_GROUP = "sglang.srt.plugins"
 ENTRY_POINT_VALUE = "sglang_bcg_plugin.integration:register"
-#: How to install the plugin with a supported SGLang (the package is not on PyPI).
 INSTALL = "from a checkout of sglang_bcg_plugin: pip install -e '.[sglang]'"
 #: Dependencies built against one torch: installing one from PyPI may replace torch itself.
 TORCH_BOUND = frozenset({"torchvision", "torchaudio", "sgl_kernel", "triton", "xformers", "flashinfer"})
-
-#: Names every seam needs besides its own (``calls``).
-COMMON_NAMES = ("sglang.srt.plugins.hook_registry.HookRegistry",)
+COMMON_NAMES = ("sglang.srt.plugins.hook_registry.HookRegistry",)  #: every seam needs it
+#: How transformers words a missing optional dependency in an ``ImportError``.
+_REQUIRES = re.compile(r"requires the (\w+) library but it was not found")
+EXIT_OK, EXIT_MOVED, EXIT_NO_SGLANG, EXIT_IMPORT = 0, 1, 2, 3
+#: PyTorch's own index of CPU builds (``+cpu``: torch and the torchvision made for it).
+CPU_WHEELS = "https://download.pytorch.org/whl/cpu"
+#: Attributes SGLang's ``BreakableCudaGraphBackend.__init__`` must set (our capture reads them).
+BACKEND_ATTRS = ("_graphs", "_outputs", "_pool", "_debug_eager")
+#: One check of :func:`seam_checks`: its label, and a call that says why it fails (``None``: it holds).
+Check = tuple[str, Callable[[], str | None]]
 
 
 @dataclass(frozen=True)
@@ -57,13 +60,9 @@ class Problem:
     dependency: str | None = None
 
 
-#: How transformers words a missing optional dependency in an ``ImportError``.
-_REQUIRES = re.compile(r"requires the (\w+) library but it was not found")
-
-
 def _diagnose(target: str) -> Problem | None:
     """``None`` when ``target`` resolves, else why not (the import error of a module that does
-    not import, which ``pkgutil.resolve_name`` reports as a missing attribute of its parent)."""
+    not import, which ``pkgutil.resolve_name`` reports as a missing attribute)."""
     try:
         pkgutil.resolve_name(target)
     except Exception as exc:  # noqa: BLE001 - any failure to resolve is a finding, not a crash
@@ -86,15 +85,14 @@ def _diagnose(target: str) -> Problem | None:
         except Exception as exc:  # noqa: BLE001 - reported, the check continues
             detail = f"cannot import {module}: {type(exc).__name__}: {one_line(exc)}"
             named = _REQUIRES.search(str(exc)) if isinstance(exc, ImportError) else None
-            if named is not None:  # transformers' "requires the Torchvision library but it was not found"
+            if named is not None:
                 return Problem("dependency", detail, named.group(1).lower())
             return Problem("import", detail)
     return Problem("moved", f"{type(error).__name__}: {error}")
 
 
 def _sglang_version() -> str | None:
-    """The installed SGLang's version; ``None`` without one (a stray ``sglang`` directory, a
-    namespace package, is not SGLang)."""
+    """The installed SGLang's version; ``None`` without one (a namespace package is not SGLang)."""
     spec = importlib.util.find_spec("sglang")
     version = release() if spec is not None and spec.origin is not None else "?"
     return None if version == "?" else version
@@ -108,46 +106,24 @@ def _entry_point() -> str | None:
     return None
 
 
-def _flag() -> str:
-    """The output mode a capture session would resolve now, and why (env var or SGLang's default)."""
-    try:
-        resolution = resolve_mode()
-    except ValueError as exc:
-        return f"invalid ({exc})"
-    return f"{resolution.describe()}; --enable-bcg-shared-output overrides it at launch"
-
-
-#: Exit codes of ``sglang-bcg doctor`` (docs/sglang.md).
-EXIT_OK, EXIT_MOVED, EXIT_NO_SGLANG, EXIT_IMPORT = 0, 1, 2, 3
-
-
 def _summary(problems: list[Problem], entry_point_found: bool) -> tuple[list[str], int]:
     """The closing lines, grouped by cause, and the exit code (moved seams outrank the rest)."""
-    lines, code = [], EXIT_OK
     moved = sum(p.kind == "moved" for p in problems)
+    lines: list[str] = []
     if moved:
         lines.append(f"doctor: {moved} seam(s) moved: this SGLang does not fit the plugin; do not serve with it")
-        code = EXIT_MOVED
     if not entry_point_found:
         lines.append(f"doctor: entry point not discoverable: reinstall the plugin into this environment ({INSTALL})")
-        code = EXIT_MOVED
     for dep, n in Counter(p.dependency for p in problems if p.kind == "dependency").items():
         lines.append(f"doctor: SGLang could not be imported: dependency {dep!r} is missing ({_advice(dep)}); {n} name(s) could not be checked")
-        code = code or EXIT_IMPORT
-    failed = next((p for p in problems if p.kind == "import"), None)
-    if failed is not None:
-        lines.append(f"doctor: SGLang could not be imported: {failed.detail}")
-        code = code or EXIT_IMPORT
-    return lines or ["doctor: ok"], code
-
-
-#: PyTorch's own index of CPU builds (``+cpu``: torch and the torchvision made for it).
-CPU_WHEELS = "https://download.pytorch.org/whl/cpu"
+    lines += [f"doctor: SGLang could not be imported: {p.detail}" for p in problems if p.kind == "import"][:1]
+    if moved or not entry_point_found:
+        return lines, EXIT_MOVED
+    return (lines, EXIT_IMPORT) if lines else (["doctor: ok"], EXIT_OK)
 
 
 def torchvision_for(torch_version: str) -> str | None:
-    """The torchvision release made for ``torch_version`` (torch 2.N: torchvision 0.(N+15); the
-    wheel of 0.28.0 requires ``torch==2.13.0``); ``None`` outside torch 2."""
+    """The torchvision release made for ``torch_version`` (torch 2.N: 0.(N+15)); ``None`` outside torch 2."""
     match = re.match(r"2\.(\d+)(\.|$)", torch_version)
     return None if match is None else f"0.{int(match.group(1)) + 15}"
 
@@ -155,32 +131,17 @@ def torchvision_for(torch_version: str) -> str | None:
 def _advice(dep: str | None) -> str:
     if dep not in TORCH_BOUND:
         return "install it into this environment: SGLang imports it"
+    keep = f"keeping that torch (a {dep} built for another torch makes pip replace torch)"
     pair = torchvision_for(torch.__version__) if dep == "torchvision" else None
     if pair is None:
-        return (
-            f"install the {dep} build made for the installed torch {torch.__version__} into this environment, "
-            f"keeping that torch (a {dep} built for another torch makes pip replace torch)"
-        )
-    base = torch.__version__.split("+")[0]
+        return f"install the {dep} build made for the installed torch {torch.__version__} into this environment, {keep}"
+    made = f"torchvision {pair} (the release made for torch {torch.__version__.split('+')[0]})"
     if torch.__version__.endswith("+cpu"):
-        # Checked with torch 2.13.0+cpu: PyPI's torchvision 0.28.0 (built for PyPI's torch, a CUDA
-        # build on Linux) fails to import ("operator torchvision::nms does not exist").
-        return (
-            f"torch {torch.__version__} is a CPU build from PyTorch's own wheels, and PyPI's torchvision is built "
-            f"for PyPI's torch and does not load with it: install the CPU build of torchvision {pair} (the release "
-            f"made for torch {base}), pip install 'torchvision=={pair}.*' --index-url {CPU_WHEELS}; the plugin "
-            "itself does not import torchvision, SGLang's modules do"
-        )
-    return (
-        f"install torchvision {pair} (the release made for torch {base}) into this environment, pip install "
-        f"'torchvision=={pair}.*', keeping that torch (a torchvision built for another torch makes pip replace torch)"
-    )
-
-
-Check = tuple[str, Callable[[], str | None]]
-
-#: Attributes SGLang's ``BreakableCudaGraphBackend.__init__`` must set (our capture reads them).
-BACKEND_ATTRS = ("_graphs", "_outputs", "_pool", "_debug_eager")
+        return (f"torch {torch.__version__} is a CPU build from PyTorch's own wheels, and PyPI's torchvision is built "
+                f"for PyPI's torch and does not load with it: install the CPU build of {made}, pip install "
+                f"'torchvision=={pair}.*' --index-url {CPU_WHEELS}; the plugin itself does not import torchvision, "
+                "SGLang's modules do")
+    return f"install {made} into this environment, pip install 'torchvision=={pair}.*', {keep}"
 
 
 def _params(dotted: str, *names: str) -> str | None:
@@ -219,8 +180,7 @@ def _unknown_helpers(dotted: str) -> str | None:
 
 
 def seam_checks(seam: Seam) -> list[Check]:
-    """What our capture calls or reads on ``seam``, one check each (``None``: it holds; else why
-    not); none where the release has no seam (doctor reports that itself)."""
+    """What our capture calls or reads on ``seam``, one check each; none without a seam (doctor says so itself)."""
     p = functools.partial
     if seam.kind == "backend":
         cls, mod = f"{BACKEND_MODULE}:BreakableCudaGraphBackend", f"{BACKEND_MODULE}:"
@@ -257,31 +217,35 @@ def seam_checks(seam: Seam) -> list[Check]:
     ]
 
 
-def _seam_lines(say: Callable[[str], None], problems: list[Problem]) -> Seam | None:
-    """Probe the seam and print each call our capture makes; ``None`` when it cannot be probed."""
+def _report(say: Callable[[str], None], problems: list[Problem], label: str, problem: Problem | None) -> None:
+    """One ``[ok]``, ``[MISSING]`` (moved) or ``[NOT CHECKED]`` line; the problem kept."""
+    if problem is None:
+        say(f"  [ok] {label}")
+    else:
+        problems.append(problem)
+        say(f"  [{'MISSING' if problem.kind == 'moved' else 'NOT CHECKED'}] {label}  ({problem.detail})")
+
+
+def _seam_lines(say: Callable[[str], None], problems: list[Problem]) -> None:
+    """Probe the seam and print each call our capture makes."""
     try:
         seam = installed()
     except Exception as exc:  # noqa: BLE001 - reported: the probe imports SGLang
         problems.append(Problem("import", f"probing the breakable graph: {type(exc).__name__}: {exc}"))
         say(f"  [NOT CHECKED] the breakable graph ({type(exc).__name__}: {exc})")
-        return None
+        return
     say(f"seam: {seam.describe()}")
     if seam.kind == "none":
         problems.append(Problem("moved", seam.why))
-        return seam
+        return
     say("what the capture calls:")
     for label, check in seam_checks(seam):
         try:
             why = check()
         except Exception as exc:  # noqa: BLE001 - a check that cannot run is a failed check
             why = f"{type(exc).__name__}: {exc}"
-        if why is None:
-            say(f"  [ok] {label}")
-        else:
-            problems.append(Problem("moved", f"{label}: {why}"))
-            say(f"  [MISSING] {label}  ({why})")
+        _report(say, problems, label, None if why is None else Problem("moved", why))
     say("features: " + ", ".join(f"{name}={value!r}" for name, value in seam.features().items()))
-    return seam
 
 
 def forecast_line(kind: str | None, environ: Mapping[str, str] | None = None) -> str:
@@ -316,32 +280,25 @@ def doctor_main(argv: list[str] | None = None, *, out: TextIO | None = None) -> 
     supported = "supported" if version in SUPPORTED_SGLANG else f"untested; supported: {SUPPORTED_SGLANG[0]} to {SUPPORTED_SGLANG[-1]}"
     say(f"SGLang {version} ({supported})")
     problems: list[Problem] = []
-
-    def report(prefix: str, name: str) -> None:
-        problem = _diagnose(name)
-        if problem is None:
-            say(f"  [ok] {prefix}{name}")
-            return
-        problems.append(problem)
-        tag = {"moved": "MISSING", "dependency": "NOT CHECKED", "import": "NOT CHECKED"}[problem.kind]
-        say(f"  [{tag}] {prefix}{name}  ({problem.detail})")
-
     kind = seam_kind()
     say("hook targets:")
     for target, _, hook_kind in hooks_for(kind):
         if target not in SWITCH_MODULES:  # read from source below: the HTTP server's module needs FastAPI
-            report(f"{hook_kind:<6} ", target)
+            _report(say, problems, f"{hook_kind:<6} {target}", _diagnose(target))
     say("seam names:")
     for name in (*COMMON_NAMES, *({"backend": (BACKEND_CLASS,), "runner": (RUNNER_CLASS,)}.get(kind, ()))):
-        report("", name)
+        _report(say, problems, name, _diagnose(name))
     if not problems:  # the names import: probe what the capture calls
         _seam_lines(say, problems)
     ep = _entry_point()
     say(f"entry point ({ENTRY_POINT_GROUP}): " + (ep or f"NOT FOUND (expected {ENTRY_POINT_VALUE})"))
-    say(f"--enable-bcg-shared-output (resolved now): {_flag()}")
+    try:  # the mode a capture session would resolve now, and why
+        flag = f"{resolve_mode().describe()}; --enable-bcg-shared-output overrides it at launch"
+    except ValueError as exc:
+        flag = f"invalid ({exc})"
+    say(f"--enable-bcg-shared-output (resolved now): {flag}")
     say(f"graph memory forecast: {forecast_line(kind)}")
     say(f"live switch: {switch_doctor_line(kind)}")
     lines, code = _summary(problems, ep is not None)
-    for line in lines:
-        say(line)
+    say("\n".join(lines))
     return code

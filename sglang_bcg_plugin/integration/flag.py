@@ -17,20 +17,18 @@ FLAG = "--enable-bcg-shared-output"
 NO_FLAG = "--no-enable-bcg-shared-output"
 DEST = "enable_bcg_shared_output"
 
-#: HookRegistry targets of the two AFTER hooks.
 ADD_CLI_ARGS_TARGET = "sglang.srt.server_args.ServerArgs.add_cli_args"
 FROM_CLI_ARGS_TARGET = "sglang.srt.server_args.ServerArgs.from_cli_args"
 
 HELP = (
-    "Output mode of breakable CUDA graphs (sglang_bcg_plugin). Bare or =on: share one output "
-    "buffer per stream across all capture sizes; =released: zero-copy outputs that live in "
-    "graph-pool memory until any other graph of the pool replays (opt-in; read the plugin's "
-    "docs first); =off or --no-enable-bcg-shared-output: one output per size. When neither is "
-    f"given, {ENV_SHARE_OUTPUT} decides (1/0/released), else the installed SGLang's own "
+    "Output mode of breakable CUDA graphs (sglang_bcg_plugin). Bare or =on: share one output buffer per stream "
+    "across all capture sizes; =released: zero-copy outputs that live in graph-pool memory until any other graph "
+    "of the pool replays (opt-in; read the plugin's docs first); =off or --no-enable-bcg-shared-output: one output "
+    f"per size. When neither is given, {ENV_SHARE_OUTPUT} decides (1/0/released), else the installed SGLang's own "
     "default (0.5.14+: on; 0.5.13: off). Engine(...) users set that variable."
 )
 
-#: What the parsed value becomes: the env var's text.
+#: Each mode as the variable's text.
 ENV_TEXT: dict[OutputMode, str] = {ON: "1", OFF: "0", RELEASED: RELEASED}
 
 
@@ -58,20 +56,14 @@ def after_add_cli_args(result: None, parser: argparse.ArgumentParser, *args: Any
 
 def after_from_cli_args(result: Any, cls: type, args: argparse.Namespace, *rest: Any, **kwargs: Any) -> Any:
     """AFTER hook of the classmethod ``ServerArgs.from_cli_args(args)``: the flag, when given, to
-    ``SGLANG_ENABLE_BCG_SHARED_OUTPUT`` (not given: the operator's value still decides)."""
-    value = getattr(args, DEST, None)
-    if value is not None:
-        os.environ[ENV_SHARE_OUTPUT] = ENV_TEXT[value]
-    refuse_unsupported()
-    return result
-
-
-def refuse_unsupported() -> None:
-    """At startup, when something was asked: :func:`.sglang_session.session_switches`.
-    :raises SystemExit: naming the switch or the release and the reason (no traceback)."""
+    ``SGLANG_ENABLE_BCG_SHARED_OUTPUT``; then, when a mode or the guard is asked, whether the release
+    can serve it (:func:`.sglang_session.session_switches`). :raises SystemExit: it cannot, in one line."""
     env = os.environ
+    if (value := getattr(args, DEST, None)) is not None:
+        env[ENV_SHARE_OUTPUT] = ENV_TEXT[value]
     try:
         if (env.get(ENV_SHARE_OUTPUT) or "").strip() or parse_bool_env(ENV_STALE_OUTPUT_GUARD, env):
             session_switches(env)
     except ValueError as exc:
         raise SystemExit(f"sglang_bcg: {exc}") from None
+    return result

@@ -20,8 +20,7 @@ logger = logging.getLogger(__name__)
 
 Hook = tuple[str, Callable[..., Any], str]
 
-#: (HookRegistry target, hook, HookType member name): the flag's, the live switch's
-#: (:mod:`.switch`), then the backend seam's (SGLang 0.5.14+).
+#: (HookRegistry target, hook, HookType member name): the flag's, the live switch's, the backend seam's (0.5.14+).
 HOOKS: tuple[Hook, ...] = (
     (ADD_CLI_ARGS_TARGET, after_add_cli_args, "AFTER"),
     (FROM_CLI_ARGS_TARGET, after_from_cli_args, "AFTER"),
@@ -38,25 +37,22 @@ RUNNER_HOOKS: tuple[Hook, ...] = (
 
 
 def hooks_for(kind: SeamKind) -> tuple[Hook, ...]:
-    """The hooks to register for a seam kind (the flag hooks alone where there is no seam; the
-    switch's on 0.5.13 too, where its route answers with the reason it cannot re-capture)."""
-    if kind == "backend":
-        return HOOKS
-    return HOOKS[:4] + RUNNER_HOOKS if kind == "runner" else HOOKS[:2]
+    """The hooks of a seam kind: the flag's alone without a seam; the switch's on 0.5.13 too (its
+    route says why it cannot re-capture)."""
+    return {"backend": HOOKS, "runner": HOOKS[:4] + RUNNER_HOOKS}.get(kind, HOOKS[:2])
 
 
 def wanted(target: str) -> bool:
-    """Whether this process registers ``target``: the switch's HTTP hook in the launcher, its RPC
-    hook in schedulers (:data:`.switch.WHERE`); every other hook everywhere."""
-    where = WHERE.get(target)
-    return where is None or where()
+    """Whether this process registers ``target`` (:data:`.switch.WHERE`; any other hook: yes)."""
+    return target not in WHERE or WHERE[target]()
+
 
 _lock = threading.Lock()
 _registered = False
 
 
 def register() -> None:
-    """Register the flag and backend-seam hooks with SGLang's ``HookRegistry`` (once)."""
+    """Register the hooks with SGLang's ``HookRegistry`` (once; never one hook twice on a target)."""
     global _registered
     with _lock:
         if _registered:
@@ -65,9 +61,7 @@ def register() -> None:
 
         hooks = tuple(h for h in hooks_for(seam_kind()) if wanted(h[0]))
         for target, hook, kind in hooks:
-            # HookRegistry's own idempotence: never add the same hook to a target twice.
-            if any(h is hook for _, h, *_rest in HookRegistry._hooks.get(target, ())):
-                continue
-            HookRegistry.register(target, hook, HookType[kind])
+            if not any(h is hook for _, h, *_rest in HookRegistry._hooks.get(target, ())):
+                HookRegistry.register(target, hook, HookType[kind])
         _registered = True
         logger.debug("sglang_bcg: registered %d HookRegistry hooks", len(hooks))

@@ -36,9 +36,17 @@ ROUTE = "/bcg/output_mode"
 RPC_METHOD = "sglang_bcg_output_mode"
 HTTP_TARGET = "sglang.srt.entrypoints.http_server._setup_and_run_http_server"
 RPC_TARGET = "sglang.srt.managers.scheduler.Scheduler.handle_rpc_request"
+#: Each switch target and the module that holds it.
+MODULES = {HTTP_TARGET: "sglang.srt.entrypoints.http_server", RPC_TARGET: "sglang.srt.managers.scheduler"}
+#: target -> whether this process registers it: the HTTP hook in the launcher (not a multiprocessing
+#: child, FastAPI installed), the RPC hook in schedulers (they import the scheduler before plugins).
+WHERE: dict[str, Callable[[], bool]] = {
+    HTTP_TARGET: lambda: multiprocessing.parent_process() is None and importlib.util.find_spec("fastapi") is not None,
+    RPC_TARGET: lambda: "sglang.srt.managers.scheduler" in sys.modules,
+}
 #: How long the HTTP side waits for the schedulers' answer (a re-capture of a large model).
 RPC_TIMEOUT_S = float(os.environ.get("SGLANG_BCG_SWITCH_TIMEOUT", "900"))
-#: How long a request waits for a scheduler to take it (one connected peer is all it needs).
+#: How long a request waits for a scheduler to take it.
 SEND_TIMEOUT_MS = 10_000
 BODY_HELP = 'send {"mode": "off"|"on"|"released"}'
 
@@ -47,41 +55,23 @@ def one_line(text: object) -> str:
     return " ".join(str(text).split())[:500]
 
 
-# --- where each hook is registered ----------------------------------------------------------
-
-
-def is_launcher() -> bool:
-    """The process SGLang's HTTP server runs in: not one multiprocessing spawned, and FastAPI is
-    installed (without it there is no HTTP server, and ``http_server`` does not import)."""
-    return multiprocessing.parent_process() is None and importlib.util.find_spec("fastapi") is not None
-
-
-def is_scheduler() -> bool:
-    """A scheduler process: it imported SGLang's scheduler before loading plugins."""
-    return "sglang.srt.managers.scheduler" in sys.modules
-
-
-#: target -> whether this process registers it (others would import modules they never use).
-WHERE: dict[str, Callable[[], bool]] = {HTTP_TARGET: is_launcher, RPC_TARGET: is_scheduler}
+def parse_mode(word: object) -> OutputMode:
+    """:raises TypeError, ValueError: ``word`` is not an output mode."""
+    return parse_word(word, {m: m for m in MODES}, "mode", kind="an output mode")
 
 
 def defined_in_source(target: str, module: str) -> bool:
     """Whether ``module``'s source defines ``target`` (``module.func`` or ``module.Class.method``),
     read with ``ast``, without importing it (the HTTP server's module needs FastAPI)."""
     path = compat.sglang_source(module)
-    if path is None:
-        return False
-    body: list[ast.stmt] = ast.parse(path.read_text(encoding="utf-8")).body
+    body: list[ast.stmt] = [] if path is None else ast.parse(path.read_text(encoding="utf-8")).body
+    kinds = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
     for part in target[len(module) + 1:].split("."):
-        node = next((n for n in body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and n.name == part), None)
+        node = next((n for n in body if isinstance(n, kinds) and n.name == part), None)
         if node is None:
             return False
         body = node.body
     return True
-
-
-#: Each switch target and the module that holds it.
-MODULES = {HTTP_TARGET: "sglang.srt.entrypoints.http_server", RPC_TARGET: "sglang.srt.managers.scheduler"}
 
 
 def doctor_line(seam_kind: str) -> str:
@@ -96,9 +86,6 @@ def doctor_line(seam_kind: str) -> str:
     if seam_kind == "runner":
         return where + "; on this release a POST is refused (its runner cannot drop its graphs)"
     return where + "; sglang-bcg switch --url URL --api-key KEY off|on|released"
-
-
-# --- the body ---------------------------------------------------------------------------------
 
 
 class BodyError(ValueError):
@@ -119,12 +106,9 @@ def parse_body(raw: bytes) -> OutputMode:
     if "mode" not in body:
         raise BodyError(f"no 'mode' in the body; {BODY_HELP}")
     try:
-        return parse_word(body["mode"], {m: m for m in MODES}, "mode", kind="an output mode")
+        return parse_mode(body["mode"])
     except (TypeError, ValueError) as exc:
         raise BodyError(one_line(exc)) from None
-
-
-# --- one scheduler rank ---------------------------------------------------------------------
 
 
 class Refused(Exception):
@@ -156,8 +140,7 @@ def refusal(model_runner: Any, seam_kind: str) -> str | None:
 
 
 def _pool_bytes(pool: Any) -> tuple[int | None, int | None]:
-    """The bytes the caching allocator holds for graph pool ``pool``, and for every graph pool of
-    the process (a dropped pool still cached shows there)."""
+    """The bytes the caching allocator holds for graph pool ``pool`` and for every graph pool."""
     if not torch.cuda.is_available():
         return None, None
     pooled = [s for s in torch.cuda.memory_snapshot() if tuple(s.get("segment_pool_id", (0, 0))) != (0, 0)]  # pragma: no cover
@@ -168,18 +151,15 @@ def _pool_bytes(pool: Any) -> tuple[int | None, int | None]:
 def describe_rank(model_runner: Any, environ: MutableMapping[str, str] | None = None) -> dict[str, Any]:
     """What one rank reports: its process, the mode a capture resolves now, and its graphs."""
     env = os.environ if environ is None else environ
-    out: dict[str, Any] = {"pid": os.getpid(), "env": env.get(ENV_SHARE_OUTPUT)}
     backend = prefill_backend(model_runner)
-    out["prefill_backend"] = type(backend).__name__ if backend is not None else None
+    out: dict[str, Any] = {"pid": os.getpid(), "env": env.get(ENV_SHARE_OUTPUT),
+                           "prefill_backend": type(backend).__name__ if backend is not None else None}
     if isinstance(backend, SharingPolicyMixin):
-        resolution = backend.last_output_mode
-        out["mode"] = resolution.mode if resolution is not None else None
-        out["reason"] = resolution.source if resolution is not None else None
-        report = backend.memory_report()
-        out["keys"] = len(getattr(backend, "_graphs", {}))
-        out["resident_output_bytes"] = int(report.resident_output_bytes)
-        out["logical_output_bytes"] = int(report.logical_output_bytes)
-        out["measured_graph_bytes"] = report.measured_graph_bytes
+        resolution, report = backend.last_output_mode, backend.memory_report()
+        out.update(mode=resolution and resolution.mode, reason=resolution and resolution.source,
+                   keys=len(getattr(backend, "_graphs", {})), resident_output_bytes=int(report.resident_output_bytes),
+                   logical_output_bytes=int(report.logical_output_bytes),
+                   measured_graph_bytes=report.measured_graph_bytes)
         out["pool_bytes"], out["graph_pools_bytes"] = _pool_bytes(getattr(backend, "_pool", None))
     else:  # the mode a capture would take from the variable (unset: the release's default)
         with contextlib.suppress(ValueError):
@@ -191,20 +171,24 @@ def describe_rank(model_runner: Any, environ: MutableMapping[str, str] | None = 
     return out
 
 
+def _on_cuda(call: str) -> None:
+    """``torch.cuda.<call>()`` (``synchronize``, ``empty_cache``) where there is CUDA."""
+    if torch.cuda.is_available():  # pragma: no cover - CUDA only
+        getattr(torch.cuda, call)()
+
+
 def _drop_graphs(model_runner: Any) -> bool:
-    """Drop the prefill and decode graphs (not the eager runner) and forget SGLang's global graph
-    pool, so the re-capture starts a fresh pool in start-up order; whether decode graphs were dropped."""
+    """Drop the prefill and decode graphs (not the eager runner) and SGLang's global graph pool, so
+    the re-capture starts a fresh pool; whether decode graphs were dropped."""
     decode, eager = False, getattr(model_runner, "eager_runner", None)
     for name in ("prefill_cuda_graph_runner", "decode_cuda_graph_runner"):
         runner = getattr(model_runner, name, None)
-        if runner is None or runner is eager or getattr(runner, "backend", None) is None:
-            continue
-        runner.backend.cleanup()
-        setattr(model_runner, name, None)
-        decode = decode or name.startswith("decode")
+        if runner is not None and runner is not eager and getattr(runner, "backend", None) is not None:
+            runner.backend.cleanup()
+            setattr(model_runner, name, None)
+            decode = decode or name.startswith("decode")
     runner = None  # noqa: F841 - the loop's last runner must not outlive the collection below
-    # SGLang's runners imported it; never imported here (a stand-in runner: not at all)
-    sglang_pool = sys.modules.get("sglang.srt.model_executor.runner_utils.pool")
+    sglang_pool = sys.modules.get("sglang.srt.model_executor.runner_utils.pool")  # a stand-in runner: none
     if sglang_pool is not None:
         sglang_pool.set_global_graph_memory_pool(None)
     gc.collect()
@@ -219,12 +203,6 @@ def _capture(model_runner: Any, decode: bool) -> None:
         model_runner.init_decode_cuda_graph()
 
 
-def _on_cuda(call: str) -> None:
-    """``torch.cuda.<call>()`` (``synchronize``, ``empty_cache``) where there is CUDA."""
-    if torch.cuda.is_available():  # pragma: no cover - CUDA only
-        getattr(torch.cuda, call)()
-
-
 def switch_rank(model_runner: Any, mode: OutputMode, seam_kind: str,
                 environ: MutableMapping[str, str] | None = None,
                 check: Callable[[Mapping[str, str]], object] = session_switches) -> dict[str, Any]:
@@ -234,18 +212,16 @@ def switch_rank(model_runner: Any, mode: OutputMode, seam_kind: str,
     why = refusal(model_runner, seam_kind)
     if why is not None:
         raise Refused(why)
-    previous_env = env.get(ENV_SHARE_OUTPUT)
-    resolution = prefill_backend(model_runner).last_output_mode
-    previous = resolution.mode if resolution is not None else None
+    previous_env, resolution = env.get(ENV_SHARE_OUTPUT), prefill_backend(model_runner).last_output_mode
     try:
-        check({**env, ENV_SHARE_OUTPUT: ENV_TEXT[mode]})  # refused before any drop
+        check({**env, ENV_SHARE_OUTPUT: ENV_TEXT[mode]})
     except ValueError as exc:
         raise Refused(one_line(exc)) from None
     start = time.perf_counter()
     _on_cuda("synchronize")  # a batch the overlap scheduler launched finishes on the old graphs
     decode = _drop_graphs(model_runner)
     env[ENV_SHARE_OUTPUT] = ENV_TEXT[mode]
-    result: dict[str, Any] = {"previous": previous, "mode": mode, "decode_recaptured": decode}
+    result: dict[str, Any] = {"previous": resolution and resolution.mode, "mode": mode, "decode_recaptured": decode}
     try:
         _capture(model_runner, decode)
         got = prefill_backend(model_runner)
@@ -266,8 +242,8 @@ def switch_rank(model_runner: Any, mode: OutputMode, seam_kind: str,
 
 
 def _roll_back(model_runner: Any, env: MutableMapping[str, str], previous_env: str | None, decode: bool) -> bool:
-    """Re-capture in the previous mode after a failed capture; ``False`` if that fails too
-    (prefill and decode then run without graphs, as SGLang does when its capture is disabled)."""
+    """Re-capture in the previous mode after a failed capture; ``False`` if that fails too (prefill
+    and decode then run without graphs, as SGLang does when its capture is disabled)."""
     if previous_env is None:
         env.pop(ENV_SHARE_OUTPUT, None)
     else:
@@ -277,10 +253,9 @@ def _roll_back(model_runner: Any, env: MutableMapping[str, str], previous_env: s
         _capture(model_runner, decode)
     except Exception:  # noqa: BLE001 - reported as rolled_back=False
         logger.exception("sglang_bcg: re-capturing the previous output mode failed too")
-        eager = getattr(model_runner, "eager_runner", None)
-        model_runner.prefill_cuda_graph_runner = eager
+        model_runner.prefill_cuda_graph_runner = getattr(model_runner, "eager_runner", None)
         if decode:
-            model_runner.decode_cuda_graph_runner = eager
+            model_runner.decode_cuda_graph_runner = model_runner.prefill_cuda_graph_runner
         return False
     return True
 
@@ -289,11 +264,8 @@ def answer_rank(model_runner: Any, params: dict[str, Any], seam_kind: str) -> di
     """One rank's answer to ``{"action": "show"}`` or ``{"action": "switch", "mode": MODE}``."""
     try:
         if params.get("action") == "switch":
-            mode = parse_word(params.get("mode"), {m: m for m in MODES}, "mode", kind="an output mode")
-            return switch_rank(model_runner, mode, seam_kind)
-        out = describe_rank(model_runner)
-        out["ok"], out["refusal"] = True, refusal(model_runner, seam_kind)
-        return out
+            return switch_rank(model_runner, parse_mode(params.get("mode")), seam_kind)
+        return {**describe_rank(model_runner), "ok": True, "refusal": refusal(model_runner, seam_kind)}
     except Refused as exc:
         return {"ok": False, "refused": str(exc), "pid": os.getpid()}
     except Exception as exc:  # noqa: BLE001 - the scheduler keeps serving; the HTTP side says why
@@ -302,14 +274,13 @@ def answer_rank(model_runner: Any, params: dict[str, Any], seam_kind: str) -> di
 
 
 def _gather(scheduler: Any, local: dict[str, Any]) -> list[dict[str, Any]]:
-    """Every TP rank's answer (rank order), gathered on the TP group's CPU group (SGLang's
-    ``GroupCoordinator``: ``world_size``, ``cpu_group``)."""
+    """Every TP rank's answer (rank order), gathered on the TP group's CPU group."""
     tp_group = getattr(scheduler, "tp_group", None)
     if int(getattr(tp_group, "world_size", 1) or 1) == 1:
         return [local]
     out: list[Any] = [None] * int(tp_group.world_size)
     torch.distributed.all_gather_object(out, local, group=tp_group.cpu_group)
-    return list(out)
+    return out
 
 
 def around_handle_rpc_request(original_fn: Callable[..., Any], scheduler: Any, recv_req: Any, *args: Any, **kwargs: Any) -> Any:
@@ -325,9 +296,6 @@ def around_handle_rpc_request(original_fn: Callable[..., Any], scheduler: Any, r
     ranks = _gather(scheduler, local)
     message = json.dumps({"id": params.get("id"), "ranks": ranks})
     return RpcReqOutput(success=all(r.get("ok") for r in ranks), message=message)
-
-
-# --- the HTTP side --------------------------------------------------------------------------
 
 
 class Busy(Exception):
@@ -381,30 +349,25 @@ class RpcClient:
 
     def call(self, params: dict[str, Any], timeout_s: float = RPC_TIMEOUT_S) -> tuple[bool, dict[str, Any]]:
         """Send ``params`` to every TP rank; their answers (``ranks``), skipping stale replies."""
+        import zmq
         from sglang.srt.managers import io_struct
 
         sock = self._open()
         self._next += 1
-        params = {**params, "id": self._next}
-        req = io_struct.RpcReqInput(method=RPC_METHOD, parameters=params)
-        send = getattr(io_struct, "sock_send", None)
-        import zmq
-
+        req = io_struct.RpcReqInput(method=RPC_METHOD, parameters={**params, "id": self._next})
+        send, recv = getattr(io_struct, "sock_send", None), getattr(io_struct, "sock_recv", None)
         try:
             send(sock, req) if send is not None else sock.send_pyobj(req)  # noqa: B018 - 0.5.13-0.5.14 pickle
         except zmq.Again:
             raise TimeoutError(f"no scheduler took the request in {SEND_TIMEOUT_MS // 1000} s (is it running?)") from None
-        recv = getattr(io_struct, "sock_recv", None)
         deadline = time.monotonic() + timeout_s
-        while (left := deadline - time.monotonic()) > 0:
-            if not sock.poll(int(left * 1000)):
-                break
+        while (left := deadline - time.monotonic()) > 0 and sock.poll(int(left * 1000)):
             out = recv(sock) if recv is not None else sock.recv_pyobj()
             try:
                 body = json.loads(out.message)
             except (TypeError, ValueError):
-                body = {}
-            if body.get("id") == params["id"]:
+                continue
+            if body.get("id") == self._next:
                 return bool(out.success), body
         raise TimeoutError(f"the schedulers did not answer in {timeout_s:.0f} s (SGLANG_BCG_SWITCH_TIMEOUT)")
 
@@ -427,24 +390,21 @@ def http_answer(client: RpcClient, gate: SwitchGate, mode: OutputMode | None) ->
                            "pids": [r.get("pid") for r in ranks], "ranks": ranks}
     if mode is not None:
         out.update(seconds=seconds, previous=ranks[0].get("previous") if ranks else None)
-    if ok:
-        return 200, out
-    return _failure(out, ranks)
+    return (200, out) if ok else _failure(out, ranks)
 
 
 def _failure(out: dict[str, Any], ranks: list[dict[str, Any]]) -> tuple[int, dict[str, Any]]:
     """422 when a rank refused (nothing was touched), else 500 with the first rank's error."""
-    refused = [r["refused"] for r in ranks if r.get("refused")]
+    refused = next((r["refused"] for r in ranks if r.get("refused")), None)
     if refused:
-        return 422, {**out, "error": f"refused: {refused[0]}"}
-    errors = [r["error"] for r in ranks if r.get("error")]
-    first = errors[0] if errors else "unknown error"
-    error = f"re-capture failed: {first}" if "seconds" in out else f"a scheduler could not answer: {first}"
-    if "seconds" in out:  # a switch: say what serves now
-        rolled = all(r.get("rolled_back") for r in ranks if "rolled_back" in r)
-        error += (f"; the previous mode {out.get('previous')!r} was re-captured" if rolled
-                  else "; re-capturing the previous mode failed too: prefill runs without graphs")
-    return 500, {**out, "error": error}
+        return 422, {**out, "error": f"refused: {refused}"}
+    first = next((r["error"] for r in ranks if r.get("error")), "unknown error")
+    if "seconds" not in out:
+        return 500, {**out, "error": f"a scheduler could not answer: {first}"}
+    then = (f"the previous mode {out.get('previous')!r} was re-captured"
+            if all(r.get("rolled_back") for r in ranks if "rolled_back" in r)
+            else "re-capturing the previous mode failed too: prefill runs without graphs")
+    return 500, {**out, "error": f"re-capture failed: {first}; {then}"}
 
 
 def add_routes(app: Any, client: RpcClient, gate: SwitchGate, dp_size: int = 1) -> None:
@@ -471,16 +431,13 @@ def add_routes(app: Any, client: RpcClient, gate: SwitchGate, dp_size: int = 1) 
             return JSONResponse({"error": str(exc)}, status_code=400)
         return await reply(mode)
 
-    # this module's annotations are strings (PEP 563) and Request is not a global here: FastAPI
-    # would read the parameter as a query field
-    bcg_output_mode_post.__annotations__ = {"request": Request}
+    bcg_output_mode_post.__annotations__ = {"request": Request}  # a string here (PEP 563): FastAPI's query field
     app.add_api_route(ROUTE, bcg_output_mode_get, methods=["GET"])
     app.add_api_route(ROUTE, bcg_output_mode_post, methods=["POST"])
 
 
 def before_setup_and_run_http_server(*args: Any, **kwargs: Any) -> None:
-    """BEFORE hook of ``_setup_and_run_http_server(server_args, tokenizer_manager,
-    template_manager, port_args, ...)``: the route, where ``--admin-api-key`` is set."""
+    """BEFORE hook of ``_setup_and_run_http_server(server_args, _, _, port_args)``: the route if ``--admin-api-key``."""
     server_args = kwargs.get("server_args", args[0] if args else None)
     port_args = kwargs.get("port_args", args[3] if len(args) > 3 else None)
     if not getattr(server_args, "admin_api_key", None):
