@@ -34,11 +34,7 @@ class DriverCoefficients:
                      + nodes * self.per_node_bytes + sizes * self.per_size_bytes)
 
 
-#: The one place the driver's coefficients live: first capture, per graph and per node the fit of
-#: ``tests/gpu/driver_cost.py``'s recording (``tests/data/driver/``); per size the fit of the
-#: families' fresh-process sessions (``tests/data/forecast/h200_fresh_processes.json.gz``:
-#: what a session lost per captured size beyond its graphs' and nodes' share; docs/forecast.md,
-#: "The driver's share").
+#: The one place the driver's coefficients live (how each was fitted: docs/forecast.md, "The driver's share").
 DRIVER_COEFFICIENTS = DriverCoefficients(69 * MIB, 106 * KIB, 2560, "NVIDIA H200, torch 2.11.0+cu130",
                                          per_size_bytes=41 * KIB)
 
@@ -73,8 +69,7 @@ class DriverShare:
 
     def bytes_for(self, mode: str) -> int:
         """The driver's bytes with output mode ``mode``."""
-        nodes = self.nodes + (self.on_copy_nodes if mode == "on" else 0)
-        return self.once_bytes + self.coefficients.bytes_for(self.graphs, nodes, first_capture=False, sizes=self.sizes)
+        return self.per_size_bytes(1, mode)[0]
 
     def per_size_bytes(self, sizes: int, mode: str) -> tuple[int, int]:
         """The first size's bytes (with what the process pays once) and every other size's, the
@@ -115,10 +110,8 @@ def schedule_share(probes: Sequence[ProbeCount], sizes: Sequence[int], *, on_cop
     if not any(p.graphs for p in probes):  # no graph seen: nothing per graph, per size or per copy node
         on_copy_nodes_per_size = captured = 0
     ordered = sorted(probes, key=lambda p: p.size)
-    graphs = nodes = 0
-    for n in sizes:
-        g, k = _at(ordered, n, lambda p: p.graphs), _at(ordered, n, lambda p: p.nodes or 0) if counted else 0
-        graphs, nodes = graphs + g, nodes + k
+    graphs = sum(_at(ordered, n, lambda p: p.graphs) for n in sizes)
+    nodes = sum(_at(ordered, n, lambda p: p.nodes or 0) for n in sizes) if counted else 0
     return DriverShare(graphs, nodes, on_copy_nodes_per_size * len(sizes), first_capture, counted, coefficients,
                        sizes=captured)
 
@@ -209,12 +202,8 @@ def driver_api() -> tuple[_DriverApi | None, str]:
         lib = ctypes.CDLL("libcuda.so.1")
     except OSError as exc:
         return None, f"libcuda.so.1 could not be loaded ({exc})"
-    info, extra = None, 0
-    for name, nulls in (("cuStreamGetCaptureInfo_v3", 3), ("cuStreamGetCaptureInfo_v2", 2)):
-        info = getattr(lib, name, None)
-        if info is not None:
-            extra = nulls
-            break
+    versions = (("cuStreamGetCaptureInfo_v3", 3), ("cuStreamGetCaptureInfo_v2", 2))
+    info, extra = next(((getattr(lib, name), nulls) for name, nulls in versions if hasattr(lib, name)), (None, 0))
     nodes = getattr(lib, "cuGraphGetNodes", None)
     if info is None or nodes is None:
         return None, "libcuda.so.1 has no cuStreamGetCaptureInfo_v2/_v3 or cuGraphGetNodes"

@@ -32,34 +32,25 @@ MIB = 1 << 20
 @dataclass(frozen=True)
 class GraphMemoryForecast:
     """The forecast graph memory of one schedule (largest first), per output mode
-    (:class:`~.model.ModeForecast`); ``mode``: the one the backend's next session resolves to."""
+    (:class:`~.model.ModeForecast`); ``mode``: the one the backend's next session resolves to. The
+    other fields are described in docs/forecast.md (``probe_sizes``: the largest, the smallest, then
+    any probed because those two did not pair; ``caveat``: "" where none is known; ``driver``:
+    ``None`` where not modelled)."""
 
     backend: str
     sizes: tuple[int, ...]
     mode: str
     modes: MappingProxyType[str, ModeForecast] = field(default_factory=lambda: MappingProxyType({}))
-    #: the sizes probed: the largest, the smallest, then any probed because the smallest's
-    #: allocations did not pair with the largest's (:func:`fit_probes`)
     probe_sizes: tuple[int, ...] = (0, 0)
     seconds: float = 0.0
-    #: the shared buffer's source ``on`` is forecast with (``shared_buffer="auto"``: the cheaper).
     buffer_source: str = "reserve"
-    #: pool plus buffer of ``on`` per source (``adopt``, ``reserve``), without the stream's bytes.
     on_by_source: MappingProxyType[str, int] = field(default_factory=lambda: MappingProxyType({}))
-    #: per mode, vLLM's and SGLang's estimates of the same schedule (:func:`~.model.reference_estimates`).
     references: MappingProxyType[str, dict[str, int]] = field(default_factory=lambda: MappingProxyType({}))
-    #: of :attr:`seconds`, the probe captures' (warmups, captures, cleanup); the rest is the model.
     probe_seconds: float = 0.0
-    #: the block the graph pool starts with (0: none); ``pool_reserve="auto"`` reserves it next.
     pool_reserve_bytes: int = 0
-    #: why the figures may not hold on this process's allocator ("": none known).
     caveat: str = ""
-    #: the CUDA driver's share behind every mode's ``driver_bytes``; ``None``: not modelled.
     driver: DriverShare | None = None
-    #: free device memory the probe session lost beyond what PyTorch's allocator reserved.
     probe_driver_bytes: int = 0
-    #: free device memory lost from before the forecast (its eager forwards) to after the probes'
-    #: cleanup (driver and allocator; the allocator's part is every mode's ``probe_left_bytes``).
     lasting_bytes: int = 0
 
     @property
@@ -116,11 +107,24 @@ def _and(sizes: Sequence[int]) -> str:
     return ", ".join(map(str, sizes[:-1])) + f" and {sizes[-1]}" if len(sizes) > 1 else "".join(map(str, sizes))
 
 
-def _pool_segments() -> list[tuple[tuple[int, ...], int, int]]:
+def pool_segments() -> list[tuple[tuple[int, ...], int, int]]:
     """``(pool id, address, bytes)`` of every segment of a private pool (not the default one)."""
     segments = [(tuple(s.get("segment_pool_id", (0, 0))), int(s["address"]), int(s["total_size"]))
                 for s in torch.cuda.memory._snapshot()["segments"]]
     return [seg for seg in segments if seg[0] != (0, 0)]
+
+
+def device_trace() -> list[dict[str, Any]]:
+    """The allocator's recorded events on the current device."""
+    return torch.cuda.memory._snapshot()["device_traces"][torch.cuda.current_device()]
+
+
+def record_history(enabled: bool) -> None:
+    """Start (every event, Python stacks) or stop recording the allocator's history."""
+    if enabled:
+        torch.cuda.memory._record_memory_history(enabled="all", context=None, stacks="python", max_entries=1_000_000)
+    else:
+        torch.cuda.memory._record_memory_history(enabled=None)
 
 
 def reserved_bytes() -> int:
@@ -142,14 +146,17 @@ def _probe(backend: CaptureBackend, sizes: Sequence[int], forward_for: Callable[
     cannot be paired (:func:`_fit`), the next of ``upward``: their pool traces, each one's output
     storage bytes, the bridge bytes, the stream's bytes (reserved outside the graph pool) and the
     device figures."""
-    pools = {pool for pool, _, _ in _pool_segments()}
-    torch.cuda.memory._record_memory_history(enabled="all", context=None, stacks="python", max_entries=1_000_000)
+    pools = {pool for pool, _, _ in pool_segments()}
+    record_history(True)
     events: list[list[dict[str, Any]]] = []
     output_bytes: list[list[int]] = []
     queue, more = list(sizes), list(upward)
 
+    def new_segments() -> list[tuple[int, int]]:
+        return [(addr, nbytes) for pool, addr, nbytes in pool_segments() if pool not in pools]
+
     def traces() -> list[KeyTrace]:
-        segments = [(addr, nbytes) for pool, addr, nbytes in _pool_segments() if pool not in pools]
+        segments = new_segments()
         return [pool_trace(n, ev, segments) for n, ev in zip(queue, events, strict=True)]
 
     try:
@@ -157,27 +164,27 @@ def _probe(backend: CaptureBackend, sizes: Sequence[int], forward_for: Callable[
         with gc_safe_capture(collect=False), torch.no_grad(), backend.capture_session(), counting_captures() as count:
             free_before = device_free_bytes(collect=False)
             reserved_before = reserved_bytes()
-            cursor = len(torch.cuda.memory._snapshot()["device_traces"][torch.cuda.current_device()])
+            cursor = len(device_trace())
             counts = []
             while len(events) < len(queue):
                 n = queue[len(events)]
                 before = count.copy()
                 out = backend.capture_one(ShapeKey(n), forward_for(n), capture_inputs=capture_inputs)
                 counts.append(count.since(before, n))
-                trace = torch.cuda.memory._snapshot()["device_traces"][torch.cuda.current_device()]
+                trace = device_trace()
                 events.append(trace[cursor:])
                 cursor = len(trace)
                 output_bytes.append([t.untyped_storage().nbytes() for _, t in flatten(out)[1]])
                 if len(events) == len(queue) and more:
                     probed = traces()
-                    if _fit(probed[0], probed[-1]) is None:
+                    if isinstance(_fit(probed[0], probed[-1]), ForecastError):
                         queue.append(more.pop(0))
             free_after = device_free_bytes(collect=False)
             reserved_after = reserved_bytes()
-        segments = [(addr, nbytes) for pool, addr, nbytes in _pool_segments() if pool not in pools]
+        segments = new_segments()
         bridges = backend.memory_report().total_bridge_bytes
     finally:
-        torch.cuda.memory._record_memory_history(enabled=None)
+        record_history(False)
     slack = pinned_slack([e for ev in events for e in ev], segments)
     grown = reserved_after - reserved_before
     outside_pool = max(0, grown - sum(n for _, n in segments) - slack)
@@ -185,13 +192,13 @@ def _probe(backend: CaptureBackend, sizes: Sequence[int], forward_for: Callable[
     return traces(), output_bytes, bridges, outside_pool, ProbeDevice(tuple(counts), driver)
 
 
-def _fit(large: KeyTrace, small: KeyTrace) -> ScaledTrace | None:
-    """:meth:`ScaledTrace.fit` of the two, ``None`` where their allocations cannot be paired."""
+def _fit(large: KeyTrace, small: KeyTrace) -> ScaledTrace | ForecastError:
+    """:meth:`ScaledTrace.fit` of the two, or the error where their allocations cannot be paired."""
     try:
         with gc_safe_capture(collect=False):  # many short-lived objects (docs/index.md, "GC safety")
             return ScaledTrace.fit(large, small)
-    except ForecastError:
-        return None
+    except ForecastError as exc:
+        return exc
 
 
 def fit_probes(traces: Sequence[KeyTrace], output_bytes: Sequence[Sequence[int]]) -> ScaledTrace:
@@ -200,26 +207,19 @@ def fit_probes(traces: Sequence[KeyTrace], output_bytes: Sequence[Sequence[int]]
     for their sizes alone (:attr:`ScaledTrace.alone`).
 
     :raises ForecastError: the largest pairs with none of the others."""
-    large = traces[0]
-    for j in range(len(traces) - 1, 1, -1):  # the sizes probed because the smallest did not pair
-        fitted = _fit(large, traces[j])
-        if fitted is not None:
+    for j in range(len(traces) - 1, 0, -1):  # the sizes probed because the smallest did not pair first
+        fitted = _fit(traces[0], traces[j])
+        if isinstance(fitted, ScaledTrace):
             break
     else:
-        j = 1
-        try:
-            with gc_safe_capture(collect=False):  # many short-lived objects (docs/index.md, "GC safety")
-                fitted = ScaledTrace.fit(large, traces[1])
-        except ForecastError as exc:
-            tried = ", ".join(str(t.size) for t in traces[2:])
-            msg = f"{exc}" + (f" (nor at the next sizes up: {tried} tokens)" if tried else "")
-            raise ForecastError(msg) from None
+        tried = ", ".join(str(t.size) for t in traces[2:])
+        msg = f"{fitted}" + (f" (nor at the next sizes up: {tried} tokens)" if tried else "")
+        raise ForecastError(msg)
     return fitted.with_alone([(t, output_allocs(t, out)) for t, out in zip(traces[j + 1:], output_bytes[j + 1:],
                                                                            strict=True)])
 
 
-#: Sizes a forecast probes beyond the largest and the smallest where their allocations cannot be
-#: paired (the next sizes up from the smallest: a size-1 forward often takes another path).
+#: Sizes a forecast probes, the next up from the smallest, where the largest and smallest do not pair.
 MAX_ALONE_PROBES = 3
 
 
@@ -231,13 +231,13 @@ def _checked_sizes(name: str, sizes: Iterable[int]) -> list[int]:
         msg = f"{name} backend: forecast() takes the capture sizes as an iterable of ints, got {sizes!r:.200}"
         raise TypeError(msg)
     checked = list(sizes)
+    head = f"{name} backend: forecast() sizes must be ints >= 1 (capture sizes, as ShapeKey.size), got"
     for s in checked:
         if isinstance(s, bool) or not isinstance(s, int):
-            msg = (f"{name} backend: forecast() sizes must be ints >= 1 (capture sizes, as ShapeKey.size), "
-                   f"got {s!r:.200} ({type(s).__name__}) in {checked!r:.200}")
+            msg = f"{head} {s!r:.200} ({type(s).__name__}) in {checked!r:.200}"
             raise TypeError(msg)
         if s < 1:
-            msg = f"{name} backend: forecast() sizes must be ints >= 1 (capture sizes, as ShapeKey.size), got {s!r} in {checked!r:.200}"
+            msg = f"{head} {s!r} in {checked!r:.200}"
             raise ValueError(msg)
     return checked
 
@@ -312,11 +312,9 @@ def forecast_schedule(
 
 def first_launch_bytes(backend: CaptureBackend, sizes: Sequence[int], forward_for: Callable[[int], Callable[[], Any]],
                        free_before: int, reserved_before: int) -> int:
-    """Run one eager forward at each of ``sizes`` (in ``backend.size_context``); the free device
-    memory that took beyond the allocator's growth (``free_before``, ``reserved_before``: read just
-    before, after ``empty_cache``). A kernel's first launch can take driver memory a session pays
-    once (docs/forecast.md, "First launches"); run here, it is measured rather than met during the
-    capture. No collection runs meanwhile (docs/index.md, "GC safety")."""
+    """Run one eager forward at each of ``sizes`` (in ``backend.size_context``, no collection); the
+    free device memory that took beyond the allocator's growth since ``free_before`` and
+    ``reserved_before`` (read just before, after ``empty_cache``; docs/forecast.md, "How it works")."""
     with gc_safe_capture(collect=False), torch.no_grad():
         for n in sizes:
             with backend.size_context(n):
@@ -333,8 +331,7 @@ def probe_driver_share(device: ProbeDevice, schedule: Sequence[int], output_tens
 
 
 def driver_caveat(driver: DriverShare | None, counted: str = "during the probes") -> str:
-    """What :attr:`GraphMemoryForecast.caveat` says where the driver's share is partial (``counted``:
-    where the captures were counted)."""
+    """The caveat where the driver's share is partial (``counted``: where the captures were counted)."""
     if driver is None:
         return ""
     if driver.graphs == 0:

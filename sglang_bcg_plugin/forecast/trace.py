@@ -27,11 +27,17 @@ class KeyTrace:
         freed = {i for kind, i in self.ops if kind == 1}
         return tuple(i for i, (kind, _) in enumerate(self.ops) if kind == 0 and i not in freed)
 
+    @property
+    def shape(self) -> tuple[tuple[int, int], ...]:
+        """``ops`` with the allocs' bytes zeroed: the sequence of requests."""
+        return tuple((k, v if k == 1 else 0) for k, v in self.ops)
+
     def kept_bytes(self) -> int:
         return sum(self.ops[i][1] for i in self.kept)
 
 
-def _inside(addr: int, segments: Sequence[tuple[int, int]]) -> bool:
+def inside(addr: int, segments: Sequence[tuple[int, int]]) -> bool:
+    """Whether ``addr`` falls in one of ``segments`` (``(address, bytes)``)."""
     return any(lo <= addr < lo + n for lo, n in segments)
 
 
@@ -42,7 +48,7 @@ def pool_trace(size: int, events: Iterable[dict[str, object]], segments: Sequenc
     live: dict[int, int] = {}
     for e in events:
         addr = int(e["addr"])  # type: ignore[call-overload]
-        if not _inside(addr, segments):
+        if not inside(addr, segments):
             continue
         if e["action"] == ALLOC:
             live[addr] = len(ops)
@@ -59,7 +65,7 @@ def pinned_slack(events: Iterable[dict[str, object]], segments: Sequence[tuple[i
     live: dict[int, int] = {}
     for e in events:
         addr, action = int(e["addr"]), e["action"]  # type: ignore[call-overload]
-        if _inside(addr, segments):
+        if inside(addr, segments):
             continue
         size = int(e["size"])  # type: ignore[call-overload]
         if action == SEGMENT_ALLOC:
@@ -107,12 +113,9 @@ class ScaledTrace:
         if large.size == small.size:
             msg = f"forecast: the two probe sizes must differ (both {large.size})"
             raise ForecastError(msg)
-        kinds_l = [(k, v if k == 1 else 0) for k, v in large.ops]
-        kinds_s = [(k, v if k == 1 else 0) for k, v in small.ops]
-        if kinds_l == kinds_s:
-            pairs = {i: i for i, (k, _) in enumerate(large.ops) if k == 0}
-        else:
-            pairs = pair_allocs(large, small)
+        shape = large.shape
+        pairs = {i: i for i, (k, _) in enumerate(large.ops) if k == 0} if shape == small.shape else (
+            pair_allocs(large, small))
         lines = []
         for i, (k, bl) in enumerate(large.ops):
             if k == 1:
@@ -121,7 +124,7 @@ class ScaledTrace:
             bs = small.ops[pairs[i]][1]
             b = (bl - bs) / (large.size - small.size)
             lines.append((bs - b * small.size, b))
-        return cls(tuple(kinds_l), tuple(lines))
+        return cls(shape, tuple(lines))
 
     @classmethod
     def proportional(cls, trace: KeyTrace, constant_below: int = 64 * 1024) -> ScaledTrace:
@@ -130,12 +133,9 @@ class ScaledTrace:
         if trace.size <= 0:
             msg = f"forecast: the probe size must be positive, got {trace.size}"
             raise ForecastError(msg)
-        shape = tuple((k, v if k == 1 else 0) for k, v in trace.ops)
-        lines = tuple(
-            (0.0, 0.0) if k == 1 else ((float(v), 0.0) if v < constant_below else (0.0, v / trace.size))
-            for k, v in trace.ops
-        )
-        return cls(shape, lines)
+        lines = tuple((0.0, 0.0) if k == 1 else ((float(v), 0.0) if v < constant_below else (0.0, v / trace.size))
+                      for k, v in trace.ops)
+        return cls(trace.shape, lines)
 
     def at(self, size: int) -> KeyTrace:
         """The trace at ``size`` tokens (bytes rounded up to whole bytes, at least 1); a size of
@@ -143,10 +143,8 @@ class ScaledTrace:
         for trace, _ in self.alone:
             if trace.size == size:
                 return trace
-        ops = []
-        for (kind, v), (a, b) in zip(self.shape, self.lines, strict=True):
-            ops.append((kind, v) if kind == 1 else (0, max(1, int(-(-(a + b * size) // 1)))))
-        return KeyTrace(size, tuple(ops))
+        return KeyTrace(size, tuple((kind, v) if kind == 1 else (0, max(1, int(-(-(a + b * size) // 1))))
+                                    for (kind, v), (a, b) in zip(self.shape, self.lines, strict=True)))
 
 
 #: Bytes within which an allocation's bytes count as proportional to the capture size (the
