@@ -236,11 +236,3 @@ def capture_nodes() -> int | None:
         return int(count.value)
     except Exception:  # noqa: BLE001 - a count is optional; the capture must not fail for it
         return None
-
-
-def nodes_unread_reason(share: DriverShare | None) -> str:
-    """Why the share counts graphs only ("" where it counts nodes too)."""
-    if share is None or share.nodes_counted:
-        return ""
-    _, why = driver_api()
-    return why or "the driver did not report the captures' nodes"

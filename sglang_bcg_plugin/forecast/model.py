@@ -28,8 +28,6 @@ class ModeForecast:
     keeps_largest: bool = False
     driver_bytes: int = 0
     probe_left_bytes: int = 0
-    #: where the pool depends on its segments' addresses, the highest pool over the address orders
-    #: less the model's order's (:func:`count_highest_order`)
     address_bytes: int = 0
 
     @property
@@ -39,8 +37,7 @@ class ModeForecast:
 
     @property
     def pool_bytes(self) -> int:
-        """The graph pool plus a shared buffer (working set, outputs and the address orders' margin):
-        what SGLang's pool holds."""
+        """The graph pool plus a shared buffer (what SGLang's pool holds)."""
         return self.working_set_bytes + self.outputs_bytes + self.address_bytes
 
     def to_dict(self) -> dict[str, int | str | bool]:
@@ -67,17 +64,15 @@ def simulate(trace: ScaledTrace, sizes: Iterable[int], *, keep_outputs: str, out
     return pool
 
 
-#: Address orders a forecast's caveat tries where its pool depends on the segments' addresses
-#: (seeded, so one schedule always gives one caveat; docs/forecast.md, "When the addresses matter").
+#: Seeded address orders tried where the pool depends on its segments' addresses.
 ADDRESS_ORDERS = 32
 
 
 def address_spread(trace: ScaledTrace, sizes: Iterable[int], *, outputs: frozenset[int],
                    reserve_bytes: int = 0) -> tuple[int, int, int]:
-    """The ``released`` pool (starting with a free block of ``reserve_bytes``) in the model's order
-    (each new segment below every earlier one), and the lowest and highest over that order, the
-    reverse and, where those two differ (the real pool then depends on the addresses cudaMalloc
-    gives), :data:`ADDRESS_ORDERS` seeded ones."""
+    """The ``released`` pool (starting with a free block of ``reserve_bytes``) in the model's order,
+    and the lowest and highest over that order, the reverse and, where those two differ,
+    :data:`ADDRESS_ORDERS` seeded ones."""
     sizes = list(sizes)
     at = {size: trace.at(size) for size in set(sizes)}
 
@@ -94,9 +89,7 @@ def address_spread(trace: ScaledTrace, sizes: Iterable[int], *, outputs: frozens
 
 def count_highest_order(modes: Mapping[str, ModeForecast], spread: tuple[int, int, int]) -> dict[str, ModeForecast]:
     """``modes`` with every mode's pool at the highest order of ``spread`` (:func:`address_spread`):
-    the margin over the model's order is each mode's ``address_bytes``, in its total. A process may
-    take less, never more, than any address order gives (docs/forecast.md, "When the addresses
-    matter")."""
+    the margin over the model's order is each mode's ``address_bytes``, in its total."""
     modelled, _, high = spread
     margin = high - modelled
     return {m: replace(f, total_bytes=f.total_bytes + margin, address_bytes=f.address_bytes + margin) if margin else f
@@ -104,8 +97,7 @@ def count_highest_order(modes: Mapping[str, ModeForecast], spread: tuple[int, in
 
 
 def address_caveat(spread: tuple[int, int, int], remedy: str = "") -> str:
-    """What a forecast's caveat says where :func:`address_spread` found the orders apart
-    (``remedy``: what the reader can do about it, appended)."""
+    """The caveat where :func:`address_spread` found the orders apart (``remedy`` appended)."""
     modelled, low, high = spread
     if low == high:
         return ""
@@ -121,15 +113,13 @@ def on_bytes_by_source(trace: ScaledTrace, sizes: list[int], *, outputs: frozens
     """The pool plus buffer of ``on`` per buffer source: ``reserve`` (the largest output outside
     the pool) and ``adopt`` (the largest capture's output kept in the pool as the buffer)."""
     need = round_size(largest_output_bytes) if largest_output_bytes else 0
-    if expandable and need > SMALL_SIZE:
-        outside = LARGE_BUFFER * -(-need // LARGE_BUFFER)
-    else:
-        # a segment of its own (20 MiB from 1 to 10 MiB): nothing else on its stream outlives the session
-        outside = segment_size(need) if need > SMALL_SIZE else need
-    reserve = released + outside
+    if need <= SMALL_SIZE:
+        outside = need
+    else:  # a segment of its own: nothing else on its stream outlives the session
+        outside = LARGE_BUFFER * -(-need // LARGE_BUFFER) if expandable else segment_size(need)
     adopt = simulate(trace, sizes, keep_outputs="first", outputs=outputs, at=at, reserve_bytes=reserve_bytes,
                      expandable=expandable).reserved_bytes
-    return {"adopt": adopt, "reserve": reserve}
+    return {"adopt": adopt, "reserve": released + outside}
 
 
 #: Sizes tried for the pool's first block, in MiB above the largest capture's peak (rounded to
@@ -185,21 +175,18 @@ def schedule_forecast(
     sizes = list(sizes)
     at = {size: trace.at(size) for size in set(sizes)}
 
-    def pools(reserve_bytes: int) -> tuple[int, int, dict[str, int]]:
-        released = simulate(trace, sizes, keep_outputs="none", outputs=outputs, at=at, reserve_bytes=reserve_bytes,
-                            expandable=expandable).reserved_bytes
-        kept = simulate(trace, sizes, keep_outputs="all", outputs=outputs, at=at, reserve_bytes=reserve_bytes,
-                        expandable=expandable).reserved_bytes
+    def pools(reserve_bytes: int) -> tuple[int, int, dict[str, int], str]:
+        released, kept = (simulate(trace, sizes, keep_outputs=keep, outputs=outputs, at=at, reserve_bytes=reserve_bytes,
+                                   expandable=expandable).reserved_bytes for keep in ("none", "all"))
         by_source = on_bytes_by_source(trace, sizes, outputs=outputs, released=released,
                                        largest_output_bytes=largest_output_bytes, at=at, reserve_bytes=reserve_bytes,
                                        expandable=expandable)
-        return released, kept, by_source
+        return released, kept, by_source, cheaper_source(by_source) if source == "auto" else source
 
     def keeps_largest(released: int, by_source: dict[str, int]) -> bool:
         return released_keeps == "auto" and by_source["adopt"] < released
 
-    released, kept, by_source = pools(0)
-    chosen = cheaper_source(by_source) if source == "auto" else source
+    released, kept, by_source, chosen = pools(0)
     reserve_bytes = pool_reserve if isinstance(pool_reserve, int) else 0
     if pool_reserve == "auto" and not expandable:
         released_keep = "first" if keeps_largest(released, by_source) else "none"
@@ -207,13 +194,10 @@ def schedule_forecast(
         baseline = {"all": kept, "none": released, "first": by_source["adopt"]}[keep]
         reserve_bytes = best_reserve(trace, sizes, keep_outputs=keep, outputs=outputs, baseline=baseline, at=at)
     if reserve_bytes:
-        released, kept, by_source = pools(reserve_bytes)
-        chosen = cheaper_source(by_source) if source == "auto" else source
-    on = by_source[chosen]
+        released, kept, by_source, chosen = pools(reserve_bytes)
     keep_largest = keeps_largest(released, by_source)
-    floor = by_source["adopt"] if keep_largest else released
     extra = stream_bytes + bridge_bytes + probe_left_bytes
-    pool = {"off": kept, "on": on, "released": floor}
+    pool = {"off": kept, "on": by_source[chosen], "released": by_source["adopt"] if keep_largest else released}
     drv = {m: driver.bytes_for(m) if driver is not None else 0 for m in MODES}
     modes = {m: ModeForecast(m, pool[m] + extra + drv[m], released, pool[m] - released,
                              stream_bytes, bridge_bytes, driver_bytes=drv[m],
@@ -229,8 +213,7 @@ def cheaper_source(by_source: dict[str, int]) -> str:
 
 #: vLLM's floor for the per-graph cost of its extrapolation (1 MiB, "driver overhead per graph").
 VLLM_MIN_PER_GRAPH = 1 << 20
-#: SGLang 0.5.23's reserve for prefill graphs: a fixed 8 MiB per capture size, whatever the
-#: model or the output mode (``arg_groups/memory_hook.py``).
+#: SGLang 0.5.23's reserve for prefill graphs: 8 MiB per capture size (``arg_groups/memory_hook.py``).
 SGLANG_RESERVE_PER_SIZE = 8 << 20
 
 

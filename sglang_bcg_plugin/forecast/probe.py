@@ -18,7 +18,7 @@ from ..errors import CaptureStateError, ForecastError
 from ..shape_key import ShapeKey
 from ..trees import flatten
 from .allocator import expandable_segments
-from .driver import DRIVER_COEFFICIENTS, DriverShare, ProbeCount, counting_captures, nodes_unread_reason, schedule_share
+from .driver import DRIVER_COEFFICIENTS, DriverShare, ProbeCount, counting_captures, driver_api, schedule_share
 from .model import (MODES, ModeForecast, address_caveat, address_spread, count_highest_order, reference_estimates,
                     schedule_forecast)
 from .trace import KeyTrace, ScaledTrace, output_allocs, pinned_slack, pool_trace
@@ -56,8 +56,7 @@ class GraphMemoryForecast:
     @property
     def released_keeps_largest(self) -> bool:
         """Whether a ``released`` session after this forecast keeps the largest output."""
-        released = self.modes.get("released")
-        return bool(released is not None and released.keeps_largest)
+        return "released" in self.modes and self.modes["released"].keeps_largest
 
     def bytes_for(self, mode: str | None = None, *, driver: bool = True) -> int:
         """The forecast total of ``mode`` (default: :attr:`mode`); ``driver=False``: the allocator's only."""
@@ -162,12 +161,10 @@ def _probe(backend: CaptureBackend, sizes: Sequence[int], forward_for: Callable[
     try:
         # No collection: free memory is measured inside the session (docs/index.md, "GC safety").
         with gc_safe_capture(collect=False), torch.no_grad(), backend.capture_session(), counting_captures() as count:
-            free_before = device_free_bytes(collect=False)
-            reserved_before = reserved_bytes()
+            free_before, reserved_before = device_free_bytes(collect=False), reserved_bytes()
             cursor = len(device_trace())
             counts = []
-            while len(events) < len(queue):
-                n = queue[len(events)]
+            for n in queue:  # the queue grows while the last probe does not pair with the largest
                 before = count.copy()
                 out = backend.capture_one(ShapeKey(n), forward_for(n), capture_inputs=capture_inputs)
                 counts.append(count.since(before, n))
@@ -179,8 +176,7 @@ def _probe(backend: CaptureBackend, sizes: Sequence[int], forward_for: Callable[
                     probed = traces()
                     if isinstance(_fit(probed[0], probed[-1]), ForecastError):
                         queue.append(more.pop(0))
-            free_after = device_free_bytes(collect=False)
-            reserved_after = reserved_bytes()
+            free_after, reserved_after = device_free_bytes(collect=False), reserved_bytes()
         segments = new_segments()
         bridges = backend.memory_report().total_bridge_bytes
     finally:
@@ -264,32 +260,26 @@ def forecast_schedule(
                f"captures with the {backend.engine_name} engine")
         raise ForecastError(msg)
     options = backend.options
-    probe_sizes = (schedule[0], schedule[-1])
-    free_start = device_free_bytes(collect=False)  # what the forecast leaves lost is counted from here
-    reserved_start = reserved_bytes()  # after that empty_cache: what the allocator holds in use
+    free_start, reserved_start = device_free_bytes(collect=False), reserved_bytes()  # both after empty_cache
     launch = first_launch_bytes(backend, schedule, forward_for, free_start, reserved_start)
-    # One warmup per probe: the graph pool sees only the capture.
+    # one warmup per probe (the pool sees only the capture); the probes' requests, the process's allocator
     backend.configure(output_mode="off", stale_output_guard=False, num_warmups=min(options.num_warmups, 1),
-                      pool_reserve="off", pool_segments="fixed")  # the probes' requests, the process's allocator
+                      pool_reserve="off", pool_segments="fixed")
     try:
-        traces, output_bytes, bridges, stream_bytes, device = _probe(backend, probe_sizes, forward_for, capture_inputs,
-                                                                     upward=schedule[-2:0:-1][:MAX_ALONE_PROBES])
+        traces, output_bytes, bridges, stream_bytes, device = _probe(
+            backend, (schedule[0], schedule[-1]), forward_for, capture_inputs, upward=schedule[-2:0:-1][:MAX_ALONE_PROBES])
     finally:
         backend.cleanup()
         backend.configure(**{f.name: getattr(options, f.name) for f in dataclasses.fields(options)})
     lasting = max(0, free_start - device_free_bytes(collect=False))
-    # What the forecast left reserved: the probes' stream's cuBLAS workspace, and the eager
-    # forwards' where their stream had none; kept for the process's life (docs/forecast.md).
-    probe_left = min(lasting, max(0, reserved_bytes() - reserved_start))
+    probe_left = min(lasting, max(0, reserved_bytes() - reserved_start))  # what the forecast left reserved
     probe_seconds = time.perf_counter() - start
     largest_output = output_bytes[0]
     fitted = fit_probes(traces, output_bytes)
-    # The model's many short-lived objects would trigger collections (docs/index.md, "GC safety").
-    with gc_safe_capture(collect=False):
+    with gc_safe_capture(collect=False):  # many short-lived objects (docs/index.md, "GC safety")
         outputs = output_allocs(traces[0], largest_output)
         expandable = expandable_segments() or options.pool_segments == "expandable"
-        # what the first launches and the probes left with the driver is measured: the session pays
-        # only its own graphs (docs/forecast.md, "The driver's share")
+        # the first launches and the probes' share with the driver, measured: the session pays its own graphs
         driver = dataclasses.replace(probe_driver_share(device, schedule, len(largest_output)), launch_bytes=launch,
                                      paid_bytes=max(0, lasting - probe_left))
         modes, by_source, source, reserve_bytes = schedule_forecast(
@@ -332,13 +322,13 @@ def probe_driver_share(device: ProbeDevice, schedule: Sequence[int], output_tens
 
 def driver_caveat(driver: DriverShare | None, counted: str = "during the probes") -> str:
     """The caveat where the driver's share is partial (``counted``: where the captures were counted)."""
-    if driver is None:
+    if driver is None or (driver.graphs and driver.nodes_counted):
         return ""
     if driver.graphs == 0:
         return (f"no CUDA graph capture was seen {counted} (torch.cuda.CUDAGraph.capture_end): "
                 "the driver's share holds no per-graph cost")
-    why = nodes_unread_reason(driver)
-    return f"the driver's share counts graphs, not their nodes: {why}" if why else ""
+    why = driver_api()[1] or "the driver did not report the captures' nodes"
+    return f"the driver's share counts graphs, not their nodes: {why}"
 
 
 #: What :attr:`GraphMemoryForecast.caveat` says with ``expandable_segments`` on.

@@ -67,15 +67,11 @@ def pinned_slack(events: Iterable[dict[str, object]], segments: Sequence[tuple[i
         addr, action = int(e["addr"]), e["action"]  # type: ignore[call-overload]
         if inside(addr, segments):
             continue
-        size = int(e["size"])  # type: ignore[call-overload]
-        if action == SEGMENT_ALLOC:
-            made[addr] = size
-        elif action == SEGMENT_FREE:
-            made.pop(addr, None)
-        elif action == ALLOC:
-            live[addr] = size
-        elif action == FREE_COMPLETED:
-            live.pop(addr, None)
+        book = made if action in (SEGMENT_ALLOC, SEGMENT_FREE) else live
+        if action in (SEGMENT_ALLOC, ALLOC):
+            book[addr] = int(e["size"])  # type: ignore[call-overload]
+        elif action in (SEGMENT_FREE, FREE_COMPLETED):
+            book.pop(addr, None)
     held: dict[int, int] = {}
     for addr, size in live.items():
         lo = next((lo for lo, n in made.items() if lo <= addr < lo + n), None)
@@ -205,8 +201,7 @@ def output_allocs(trace: KeyTrace, output_bytes: Sequence[int]) -> frozenset[int
     wanted = list(output_bytes)
     found = []
     for i in trace.kept:
-        size = trace.ops[i][1]
-        if size in wanted:
+        if trace.ops[i][1] in wanted:
             found.append(i)
-            wanted.remove(size)
+            wanted.remove(trace.ops[i][1])
     return frozenset(found)
