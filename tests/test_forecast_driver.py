@@ -130,22 +130,23 @@ def test_capture_end_counts_graphs_and_nodes(monkeypatch: pytest.MonkeyPatch) ->
     with counting_captures() as count:
         for g in ("a", "b", "c"):
             torch.cuda.CUDAGraph.capture_end(g)  # type: ignore[arg-type]
-        mark = count.copy()
+        mark = len(count)
         torch.cuda.CUDAGraph.capture_end("d")  # type: ignore[arg-type]
-        assert count.since(mark, 8) == ProbeCount(8, 1, 7)
-        assert count.since(driver.CaptureCount(), 16) == ProbeCount(16, 3, None)  # one unread: nodes unknown
+        assert ProbeCount.of(8, count[mark:]) == ProbeCount(8, 1, 7)
+        assert ProbeCount.of(16, count) == ProbeCount(16, 3, None)  # one unread: nodes unknown
 
         def fail(self: Any) -> None:
             raise RuntimeError("capture invalidated")
 
         monkeypatch.setattr(driver, "capture_nodes", lambda: 3)
     assert ended == ["a", "b", "c", "d"]
-    assert (count.graphs, count.nodes, count.empty, count.unread) == (3, 47, 1, 1)
+    assert count == [40, 0, None, 7]  # three graphs (47 nodes read, one unread) and an empty one
+    assert ProbeCount.of(0, [40, 0, 7]) == ProbeCount(0, 2, 47)
     assert torch.cuda.CUDAGraph.capture_end is before
     monkeypatch.setattr(torch.cuda.CUDAGraph, "capture_end", fail)
     with counting_captures() as count, pytest.raises(RuntimeError, match="invalidated"):
         torch.cuda.CUDAGraph.capture_end("e")  # type: ignore[arg-type]
-    assert count.graphs == 0 and torch.cuda.CUDAGraph.capture_end is fail
+    assert count == [] and torch.cuda.CUDAGraph.capture_end is fail
 
 
 def test_capture_end_inherited_is_restored_as_inherited(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import dataclasses
 import functools
 import sys
 from collections.abc import Iterator, Sequence
@@ -100,6 +99,12 @@ class ProbeCount:
     graphs: int
     nodes: int | None
 
+    @classmethod
+    def of(cls, size: int, ended: Sequence[int | None]) -> ProbeCount:
+        """The count of the captures that ``ended`` with those nodes (0: an empty graph, not counted)."""
+        graphs = [n for n in ended if n != 0]
+        return cls(size, len(graphs), None if None in graphs else sum(graphs))  # type: ignore[arg-type]
+
 
 def schedule_share(probes: Sequence[ProbeCount], sizes: Sequence[int], *, on_copy_nodes_per_size: int = 0,
                    first_capture: bool = True, coefficients: DriverCoefficients = DRIVER_COEFFICIENTS) -> DriverShare:
@@ -126,56 +131,27 @@ def _at(ordered: Sequence[ProbeCount], size: int, value: Any) -> int:
 
 
 # -- counting the graphs and their nodes while they are captured ----------------------------------
-@dataclass
-class CaptureCount:
-    """Graphs captured while :func:`counting_captures` was open: with nodes (or ``unread``), their
-    ``nodes``, and ``empty`` ones."""
-
-    graphs: int = 0
-    nodes: int = 0
-    empty: int = 0
-    unread: int = 0
-
-    def add(self, nodes: int | None) -> None:
-        if nodes is None:
-            self.graphs += 1
-            self.unread += 1
-        elif nodes == 0:
-            self.empty += 1
-        else:
-            self.graphs += 1
-            self.nodes += nodes
-
-    def since(self, earlier: CaptureCount, size: int) -> ProbeCount:
-        """What was captured since ``earlier`` (a copy taken before), as one probe's count."""
-        return ProbeCount(size, self.graphs - earlier.graphs,
-                          None if self.unread > earlier.unread else self.nodes - earlier.nodes)
-
-    def copy(self) -> CaptureCount:
-        return dataclasses.replace(self)
-
-
 @contextlib.contextmanager
-def counting_captures() -> Iterator[CaptureCount]:
-    """While open, every ``torch.cuda.CUDAGraph.capture_end`` that returns counts its graph and its
-    nodes (read just before: :func:`capture_nodes`)."""
+def counting_captures() -> Iterator[list[int | None]]:
+    """While open, every ``torch.cuda.CUDAGraph.capture_end`` that returns appends its graph's nodes
+    (read just before: :func:`capture_nodes`) to the list it yields (:meth:`ProbeCount.of` counts them)."""
     import torch
 
     cls = torch.cuda.CUDAGraph
     own = cls.__dict__.get("capture_end")
     original = cls.capture_end
-    count = CaptureCount()
+    ended: list[int | None] = []
 
     def capture_end(self: Any, *args: Any, **kwargs: Any) -> Any:
         nodes = capture_nodes()
         result = original(self, *args, **kwargs)
-        count.add(nodes)
+        ended.append(nodes)
         return result
 
     capture_end.__doc__ = original.__doc__
     cls.capture_end = capture_end  # type: ignore[method-assign]
     try:
-        yield count
+        yield ended
     finally:
         if own is None:
             del cls.capture_end

@@ -165,9 +165,9 @@ def _probe(backend: CaptureBackend, sizes: Sequence[int], forward_for: Callable[
             cursor = len(device_trace())
             counts = []
             for n in queue:  # the queue grows while the last probe does not pair with the largest
-                before = count.copy()
+                before = len(count)
                 out = backend.capture_one(ShapeKey(n), forward_for(n), capture_inputs=capture_inputs)
-                counts.append(count.since(before, n))
+                counts.append(ProbeCount.of(n, count[before:]))
                 trace = device_trace()
                 events.append(trace[cursor:])
                 cursor = len(trace)

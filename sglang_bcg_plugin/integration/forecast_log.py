@@ -16,7 +16,7 @@ import torch
 from .._words import parse_bool_env
 from ..accounting import device_free_bytes
 from ..forecast.allocator import expandable_segments
-from ..forecast.driver import CaptureCount, DriverShare, counting_captures
+from ..forecast.driver import DriverShare, ProbeCount, counting_captures
 from ..forecast.model import (MODES, address_caveat, address_spread, count_highest_order, forecast_modes,
                               reference_estimates)
 from ..forecast.probe import (ProbeDevice, allocator_caveat, device_trace, driver_caveat, pool_segments,
@@ -183,7 +183,7 @@ class SessionForecast:
         finally:
             if not self.trace_path:  # with a trace asked for, every capture's events (close() stops)
                 record_history(False)
-        self._forecast(size, events, segments, output_bytes, count.since(CaptureCount(), size),
+        self._forecast(size, events, segments, output_bytes, ProbeCount.of(size, count),
                        self._first_memory(segments))
 
     def _first_memory(self, segments: list[tuple[int, int]]) -> tuple[int, int] | None:
