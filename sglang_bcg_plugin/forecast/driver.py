@@ -17,8 +17,7 @@ MIB = 1024 * KIB
 
 @dataclass(frozen=True, slots=True)
 class DriverCoefficients:
-    """The driver's bytes once per process at its first capture, per graph, per graph node and
-    per captured size."""
+    """The driver's bytes once per process at its first capture, per graph, per node and per size."""
 
     first_capture_bytes: int
     per_graph_bytes: int
@@ -27,8 +26,7 @@ class DriverCoefficients:
     per_size_bytes: int = 0
 
     def bytes_for(self, graphs: float, nodes: float, *, first_capture: bool = True, sizes: float = 0) -> int:
-        """The driver's bytes for ``graphs`` alive at once with ``nodes`` nodes in all, captured
-        over ``sizes`` sizes."""
+        """The driver's bytes for ``graphs`` alive at once, ``nodes`` in all, over ``sizes`` sizes."""
         return round((self.first_capture_bytes if first_capture else 0) + graphs * self.per_graph_bytes
                      + nodes * self.per_node_bytes + sizes * self.per_size_bytes)
 
@@ -40,12 +38,8 @@ DRIVER_COEFFICIENTS = DriverCoefficients(69 * MIB, 106 * KIB, 2560, "NVIDIA H200
 
 @dataclass(frozen=True, slots=True)
 class DriverShare:
-    """The driver's share of one schedule's capture: the graphs it leaves alive, their nodes (0
-    unless ``nodes_counted``), the copy nodes mode ``on`` adds, whether it pays the first capture,
-    ``launch_bytes``: what first launches at the schedule's sizes took (measured, not modelled),
-    and ``paid_bytes``: where measured, what the process's first launches and first captures
-    already took beyond the allocator, in place of ``launch_bytes`` and the first-capture
-    coefficient (``None``: not measured)."""
+    """The driver's share of one schedule's capture (its fields: docs/forecast.md, "The driver's
+    share"); ``paid_bytes``, where measured, stands for ``launch_bytes`` and the first capture."""
 
     graphs: int
     nodes: int
@@ -55,13 +49,11 @@ class DriverShare:
     coefficients: DriverCoefficients = DRIVER_COEFFICIENTS
     launch_bytes: int = 0
     paid_bytes: int | None = None
-    #: the sizes the schedule captures (each costs the coefficients' ``per_size_bytes``)
     sizes: int = 0
 
     @property
     def once_bytes(self) -> int:
-        """What the process pays once: ``paid_bytes`` where measured, else the first launches and
-        the first-capture coefficient (where it pays it)."""
+        """What the process pays once: ``paid_bytes``, else the first launches and first capture."""
         if self.paid_bytes is not None:
             return self.paid_bytes
         return self.launch_bytes + (self.coefficients.first_capture_bytes if self.first_capture else 0)
@@ -162,16 +154,10 @@ def counting_captures() -> Iterator[list[int | None]]:
 _CAPTURE_ACTIVE = 1  # CU_STREAM_CAPTURE_STATUS_ACTIVE
 
 
-@dataclass(frozen=True)
-class _DriverApi:
-    capture_info: Any  # cuStreamGetCaptureInfo_v3 or _v2
-    extra_args: int  # NULL arguments after graph_out: 3 (v3) or 2 (v2)
-    graph_nodes: Any  # cuGraphGetNodes
-
-
 @functools.cache
-def driver_api() -> tuple[_DriverApi | None, str]:
-    """The driver functions that read a capture's nodes, or ``None`` and why not."""
+def driver_api() -> tuple[tuple[Any, int, Any] | None, str]:
+    """The driver functions that read a capture's nodes (``cuStreamGetCaptureInfo_v3`` or ``_v2``,
+    the NULL arguments it takes after the graph, ``cuGraphGetNodes``), or ``None`` and why not."""
     if not sys.platform.startswith("linux"):
         return None, f"node counting reads libcuda.so.1 (Linux); this is {sys.platform}"
     try:
@@ -189,7 +175,7 @@ def driver_api() -> tuple[_DriverApi | None, str]:
     info.restype = ctypes.c_int
     nodes.argtypes = [ptr, ptr, out(ctypes.c_size_t)]  # (graph, nodes*, numNodes*)
     nodes.restype = ctypes.c_int
-    return _DriverApi(info, extra, nodes), ""
+    return (info, extra, nodes), ""
 
 
 def capture_nodes() -> int | None:
@@ -197,17 +183,17 @@ def capture_nodes() -> int | None:
     api, _ = driver_api()
     if api is None:
         return None
+    capture_info, extra, graph_nodes = api
     try:
         import torch
 
         stream = torch.cuda.current_stream().cuda_stream
         status, ident, graph = ctypes.c_int(0), ctypes.c_uint64(0), ctypes.c_void_p(0)
-        rc = api.capture_info(ctypes.c_void_p(stream), ctypes.byref(status), ctypes.byref(ident),
-                              ctypes.byref(graph), *([None] * api.extra_args))
-        if rc != 0 or status.value != _CAPTURE_ACTIVE or not graph.value:
-            return None
+        rc = capture_info(ctypes.c_void_p(stream), ctypes.byref(status), ctypes.byref(ident), ctypes.byref(graph),
+                          *([None] * extra))
         count = ctypes.c_size_t(0)
-        if api.graph_nodes(graph, None, ctypes.byref(count)) != 0:
+        if rc != 0 or status.value != _CAPTURE_ACTIVE or not graph.value or (
+                graph_nodes(graph, None, ctypes.byref(count)) != 0):
             return None
         return int(count.value)
     except Exception:  # noqa: BLE001 - a count is optional; the capture must not fail for it
