@@ -24,7 +24,7 @@ from sglang_bcg_plugin.forecast.driver import (
     schedule_share,
 )
 from sglang_bcg_plugin.forecast.model import ModeForecast, schedule_forecast
-from sglang_bcg_plugin.forecast.probe import GraphMemoryForecast, ProbeDevice, driver_caveat, probe_driver_share
+from sglang_bcg_plugin.forecast.probe import GraphMemoryForecast, driver_caveat, probe_driver_share
 from sglang_bcg_plugin.forecast.trace import KeyTrace, ScaledTrace
 from sglang_bcg_plugin.report import MemoryReport
 
@@ -112,8 +112,8 @@ def test_the_schedule_share_follows_the_probes() -> None:
 
 def test_the_first_capture_cost_counts_where_the_probes_paid_it() -> None:
     counts = (ProbeCount(16384, 1, 50), ProbeCount(4, 1, 50))
-    fresh = probe_driver_share(ProbeDevice(counts, 72 * MIB), [16384, 4], 1)
-    warm = probe_driver_share(ProbeDevice(counts, 2 * MIB), [16384, 4], 1)
+    fresh = probe_driver_share(counts, 72 * MIB, [16384, 4], 1)
+    warm = probe_driver_share(counts, 2 * MIB, [16384, 4], 1)
     assert fresh.first_capture and not warm.first_capture
     assert fresh.bytes_for("off") - warm.bytes_for("off") == 69 * MIB
     assert fresh.on_copy_nodes == 2

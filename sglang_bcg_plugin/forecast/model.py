@@ -9,7 +9,7 @@ from typing import Any
 
 from .allocator import LARGE_BUFFER, MB, ROUND_LARGE, SMALL_SIZE, PoolModel, round_size, segment_size
 from .driver import DriverShare
-from .trace import KeyTrace, ScaledTrace
+from .trace import ScaledTrace
 
 MODES = ("off", "on", "released")
 
@@ -45,18 +45,17 @@ class ModeForecast:
 
 
 def simulate(trace: ScaledTrace, sizes: Iterable[int], *, keep_outputs: str, outputs: frozenset[int],
-             at: Mapping[int, KeyTrace] | None = None, reserve_bytes: int = 0, expandable: bool = False,
-             ascending: bool = False, order: int | None = None) -> PoolModel:
+             reserve_bytes: int = 0, expandable: bool = False, ascending: bool = False,
+             order: int | None = None) -> PoolModel:
     """Capture every size (largest first) into one modelled pool starting with a free block of
     ``reserve_bytes``; the ``outputs`` allocs are freed after each capture unless ``keep_outputs``
-    is ``"all"`` or ``"first"`` (the largest kept). ``at``: precomputed ``trace.at(size)``;
-    ``ascending``, ``order``: the segments' address order (:class:`PoolModel`)."""
+    is ``"all"`` or ``"first"`` (the largest kept); ``ascending``, ``order``: the segments' address
+    order (:class:`PoolModel`)."""
     pool = PoolModel(expandable=expandable, ascending=ascending, order_seed=order)
     if reserve_bytes:
         pool.reserve(reserve_bytes)
     for rank, size in enumerate(sorted(set(sizes), reverse=True)):
-        key = at[size] if at is not None else trace.at(size)
-        handles = pool.run(key.ops)
+        handles = pool.run(trace.at(size).ops)
         if keep_outputs == "none" or (keep_outputs == "first" and rank > 0):
             for i in trace.outputs_at(size, outputs):
                 if i in handles:
@@ -74,10 +73,9 @@ def address_spread(trace: ScaledTrace, sizes: Iterable[int], *, outputs: frozens
     and the lowest and highest over that order, the reverse and, where those two differ,
     :data:`ADDRESS_ORDERS` seeded ones."""
     sizes = list(sizes)
-    at = {size: trace.at(size) for size in set(sizes)}
 
     def pool(**order: Any) -> int:
-        return simulate(trace, sizes, keep_outputs="none", outputs=outputs, reserve_bytes=reserve_bytes, at=at,
+        return simulate(trace, sizes, keep_outputs="none", outputs=outputs, reserve_bytes=reserve_bytes,
                         **order).reserved_bytes
 
     modelled, reverse = pool(), pool(ascending=True)
@@ -108,8 +106,7 @@ def address_caveat(spread: tuple[int, int, int], remedy: str = "") -> str:
 
 
 def on_bytes_by_source(trace: ScaledTrace, sizes: list[int], *, outputs: frozenset[int], released: int,
-                       largest_output_bytes: int, at: Mapping[int, KeyTrace] | None = None,
-                       reserve_bytes: int = 0, expandable: bool = False) -> dict[str, int]:
+                       largest_output_bytes: int, reserve_bytes: int = 0, expandable: bool = False) -> dict[str, int]:
     """The pool plus buffer of ``on`` per buffer source: ``reserve`` (the largest output outside
     the pool) and ``adopt`` (the largest capture's output kept in the pool as the buffer)."""
     need = round_size(largest_output_bytes) if largest_output_bytes else 0
@@ -117,7 +114,7 @@ def on_bytes_by_source(trace: ScaledTrace, sizes: list[int], *, outputs: frozens
         outside = need
     else:  # a segment of its own: nothing else on its stream outlives the session
         outside = LARGE_BUFFER * -(-need // LARGE_BUFFER) if expandable else segment_size(need)
-    adopt = simulate(trace, sizes, keep_outputs="first", outputs=outputs, at=at, reserve_bytes=reserve_bytes,
+    adopt = simulate(trace, sizes, keep_outputs="first", outputs=outputs, reserve_bytes=reserve_bytes,
                      expandable=expandable).reserved_bytes
     return {"adopt": adopt, "reserve": released + outside}
 
@@ -128,16 +125,15 @@ RESERVE_STEPS_MIB = (0, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128)
 
 
 def best_reserve(trace: ScaledTrace, sizes: list[int], *, keep_outputs: str, outputs: frozenset[int],
-                 baseline: int, at: Mapping[int, KeyTrace] | None = None) -> int:
+                 baseline: int) -> int:
     """The first block (bytes) that makes the schedule's pool smaller than ``baseline``, or 0 when
     none of :data:`RESERVE_STEPS_MIB` does (searched on the two largest captures)."""
     order = sorted(set(sizes), reverse=True)
-    peak = simulate(trace, order[:1], keep_outputs=keep_outputs, outputs=outputs, at=at).peak_allocated_bytes
+    peak = simulate(trace, order[:1], keep_outputs=keep_outputs, outputs=outputs).peak_allocated_bytes
     start = -(-peak // ROUND_LARGE) * ROUND_LARGE
-    tried = [(simulate(trace, order[:2], keep_outputs=keep_outputs, outputs=outputs, at=at,
-                       reserve_bytes=start + step * MB).reserved_bytes, start + step * MB) for step in RESERVE_STEPS_MIB]
-    candidate = min(tried)[1]
-    whole = simulate(trace, order, keep_outputs=keep_outputs, outputs=outputs, at=at, reserve_bytes=candidate)
+    candidate = min((simulate(trace, order[:2], keep_outputs=keep_outputs, outputs=outputs, reserve_bytes=block)
+                     .reserved_bytes, block) for block in (start + step * MB for step in RESERVE_STEPS_MIB))[1]
+    whole = simulate(trace, order, keep_outputs=keep_outputs, outputs=outputs, reserve_bytes=candidate)
     return candidate if whole.reserved_bytes < baseline else 0
 
 
@@ -173,14 +169,12 @@ def schedule_forecast(
         msg = f"released_keeps must be 'none' or 'auto', got {released_keeps!r}"
         raise ValueError(msg)
     sizes = list(sizes)
-    at = {size: trace.at(size) for size in set(sizes)}
 
     def pools(reserve_bytes: int) -> tuple[int, int, dict[str, int], str]:
-        released, kept = (simulate(trace, sizes, keep_outputs=keep, outputs=outputs, at=at, reserve_bytes=reserve_bytes,
+        released, kept = (simulate(trace, sizes, keep_outputs=keep, outputs=outputs, reserve_bytes=reserve_bytes,
                                    expandable=expandable).reserved_bytes for keep in ("none", "all"))
-        by_source = on_bytes_by_source(trace, sizes, outputs=outputs, released=released,
-                                       largest_output_bytes=largest_output_bytes, at=at, reserve_bytes=reserve_bytes,
-                                       expandable=expandable)
+        by_source = on_bytes_by_source(trace, sizes, outputs=outputs, released=released, expandable=expandable,
+                                       largest_output_bytes=largest_output_bytes, reserve_bytes=reserve_bytes)
         return released, kept, by_source, cheaper_source(by_source) if source == "auto" else source
 
     def keeps_largest(released: int, by_source: dict[str, int]) -> bool:
@@ -192,7 +186,7 @@ def schedule_forecast(
         released_keep = "first" if keeps_largest(released, by_source) else "none"
         keep = {"off": "all", "released": released_keep}.get(configured_mode, "first" if chosen == "adopt" else "none")
         baseline = {"all": kept, "none": released, "first": by_source["adopt"]}[keep]
-        reserve_bytes = best_reserve(trace, sizes, keep_outputs=keep, outputs=outputs, baseline=baseline, at=at)
+        reserve_bytes = best_reserve(trace, sizes, keep_outputs=keep, outputs=outputs, baseline=baseline)
     if reserve_bytes:
         released, kept, by_source, chosen = pools(reserve_bytes)
     keep_largest = keeps_largest(released, by_source)

@@ -131,20 +131,13 @@ def reserved_bytes() -> int:
     return int(torch.cuda.memory_reserved())
 
 
-@dataclass(frozen=True)
-class ProbeDevice:
-    """The graphs each probe captured; the free device memory the session lost beyond the allocator's."""
-
-    counts: tuple[ProbeCount, ...]
-    driver_bytes: int
-
-
 def _probe(backend: CaptureBackend, sizes: Sequence[int], forward_for: Callable[[int], Callable[[], Any]],
-           capture_inputs: Any, upward: Sequence[int] = ()) -> tuple[list[KeyTrace], list[list[int]], int, int, ProbeDevice]:
+           capture_inputs: Any, upward: Sequence[int] = ()
+           ) -> tuple[list[KeyTrace], list[list[int]], int, int, list[ProbeCount], int]:
     """Capture ``sizes`` (largest first), then, while the largest's and the last probe's traces
     cannot be paired (:func:`_fit`), the next of ``upward``: their pool traces, each one's output
-    storage bytes, the bridge bytes, the stream's bytes (reserved outside the graph pool) and the
-    device figures."""
+    storage bytes, the bridge bytes, the stream's bytes (reserved outside the graph pool), the graphs
+    each captured and the free device memory the session lost beyond the allocator's."""
     pools = {pool for pool, _, _ in pool_segments()}
     record_history(True)
     events: list[list[dict[str, Any]]] = []
@@ -184,8 +177,7 @@ def _probe(backend: CaptureBackend, sizes: Sequence[int], forward_for: Callable[
     slack = pinned_slack([e for ev in events for e in ev], segments)
     grown = reserved_after - reserved_before
     outside_pool = max(0, grown - sum(n for _, n in segments) - slack)
-    driver = max(0, free_before - free_after - grown)
-    return traces(), output_bytes, bridges, outside_pool, ProbeDevice(tuple(counts), driver)
+    return traces(), output_bytes, bridges, outside_pool, counts, max(0, free_before - free_after - grown)
 
 
 def _fit(large: KeyTrace, small: KeyTrace) -> ScaledTrace | ForecastError:
@@ -266,7 +258,7 @@ def forecast_schedule(
     backend.configure(output_mode="off", stale_output_guard=False, num_warmups=min(options.num_warmups, 1),
                       pool_reserve="off", pool_segments="fixed")
     try:
-        traces, output_bytes, bridges, stream_bytes, device = _probe(
+        traces, output_bytes, bridges, stream_bytes, counts, probe_driver = _probe(
             backend, (schedule[0], schedule[-1]), forward_for, capture_inputs, upward=schedule[-2:0:-1][:MAX_ALONE_PROBES])
     finally:
         backend.cleanup()
@@ -280,7 +272,7 @@ def forecast_schedule(
         outputs = output_allocs(traces[0], largest_output)
         expandable = expandable_segments() or options.pool_segments == "expandable"
         # the first launches and the probes' share with the driver, measured: the session pays its own graphs
-        driver = dataclasses.replace(probe_driver_share(device, schedule, len(largest_output)), launch_bytes=launch,
+        driver = dataclasses.replace(probe_driver_share(counts, probe_driver, schedule, len(largest_output)), launch_bytes=launch,
                                      paid_bytes=max(0, lasting - probe_left))
         modes, by_source, source, reserve_bytes = schedule_forecast(
             fitted, schedule, outputs=outputs, largest_output_bytes=sum(largest_output), stream_bytes=stream_bytes,
@@ -297,7 +289,7 @@ def forecast_schedule(
                                tuple(t.size for t in traces),
                                time.perf_counter() - start, source, MappingProxyType(by_source),
                                MappingProxyType(references), probe_seconds, reserve_bytes, caveat,
-                               driver, device.driver_bytes, lasting)
+                               driver, probe_driver, lasting)
 
 
 def first_launch_bytes(backend: CaptureBackend, sizes: Sequence[int], forward_for: Callable[[int], Callable[[], Any]],
@@ -313,11 +305,12 @@ def first_launch_bytes(backend: CaptureBackend, sizes: Sequence[int], forward_fo
     return max(0, free_before - free_after - (reserved_bytes() - reserved_before))
 
 
-def probe_driver_share(device: ProbeDevice, schedule: Sequence[int], output_tensors: int) -> DriverShare:
+def probe_driver_share(counts: Sequence[ProbeCount], lost: int, schedule: Sequence[int], output_tensors: int
+                       ) -> DriverShare:
     """The driver's share of ``schedule`` (:func:`~.driver.schedule_share`), with the first-capture
-    cost where the probes lost at least half of it."""
-    first = device.driver_bytes >= DRIVER_COEFFICIENTS.first_capture_bytes // 2
-    return schedule_share(device.counts, schedule, on_copy_nodes_per_size=output_tensors, first_capture=first)
+    cost where the probes lost at least half of it beyond the allocator (``lost``)."""
+    first = lost >= DRIVER_COEFFICIENTS.first_capture_bytes // 2
+    return schedule_share(counts, schedule, on_copy_nodes_per_size=output_tensors, first_capture=first)
 
 
 def driver_caveat(driver: DriverShare | None, counted: str = "during the probes") -> str:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ..errors import ForecastError
 from .allocator import round_size, segment_size
@@ -89,6 +89,7 @@ class ScaledTrace:
     #: sizes whose forward allocates in another sequence than the lines', each as its probe
     #: recorded it, with the indices of its output allocs (:meth:`with_alone`)
     alone: tuple[tuple[KeyTrace, frozenset[int]], ...] = ()
+    _at: dict[int, KeyTrace] = field(default_factory=dict, compare=False, repr=False)  # :meth:`at`'s, per size
 
     def with_alone(self, traces: Sequence[tuple[KeyTrace, frozenset[int]]]) -> ScaledTrace:
         """This trace, with ``traces`` (each a probe's :class:`KeyTrace` and its output allocs)
@@ -134,13 +135,13 @@ class ScaledTrace:
         return cls(trace.shape, lines)
 
     def at(self, size: int) -> KeyTrace:
-        """The trace at ``size`` tokens (bytes rounded up to whole bytes, at least 1); a size of
-        :attr:`alone` as its probe recorded it."""
-        for trace, _ in self.alone:
-            if trace.size == size:
-                return trace
-        return KeyTrace(size, tuple((kind, v) if kind == 1 else (0, max(1, int(-(-(a + b * size) // 1))))
-                                    for (kind, v), (a, b) in zip(self.shape, self.lines, strict=True)))
+        """The trace at ``size`` tokens (bytes rounded up to whole bytes, at least 1; a size of
+        :attr:`alone` as its probe recorded it), made once per size."""
+        if size not in self._at:
+            self._at[size] = next((t for t, _ in self.alone if t.size == size), None) or KeyTrace(
+                size, tuple((kind, v) if kind == 1 else (0, max(1, int(-(-(a + b * size) // 1))))
+                            for (kind, v), (a, b) in zip(self.shape, self.lines, strict=True)))
+        return self._at[size]
 
 
 #: Bytes within which an allocation's bytes count as proportional to the capture size (the

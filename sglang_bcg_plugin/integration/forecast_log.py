@@ -19,8 +19,8 @@ from ..forecast.allocator import expandable_segments
 from ..forecast.driver import DriverShare, ProbeCount, counting_captures
 from ..forecast.model import (MODES, address_caveat, address_spread, count_highest_order, forecast_modes,
                               reference_estimates)
-from ..forecast.probe import (ProbeDevice, allocator_caveat, device_trace, driver_caveat, pool_segments,
-                              probe_driver_share, record_history, reserved_bytes)
+from ..forecast.probe import (allocator_caveat, device_trace, driver_caveat, pool_segments, probe_driver_share,
+                              record_history, reserved_bytes)
 from ..forecast.trace import KeyTrace, ScaledTrace, inside, pool_trace
 from .compat import ENV_FORECAST, ENV_FORECAST_TRACE
 
@@ -218,7 +218,7 @@ class SessionForecast:
         expandable = expandable_segments()
         outside, self.first_capture_driver = first if first is not None else (0, None)
         self.driver = None if graphs is None else probe_driver_share(
-            ProbeDevice((graphs,), self.first_capture_driver or 0), self.sizes, len(output_bytes))
+            [graphs], self.first_capture_driver or 0, self.sizes, len(output_bytes))
         options = {"outputs": outputs, "largest_output_bytes": sum(output_bytes), "expandable": expandable}
         buffer = 0  # what the first capture reserved outside the pool, less a reserved shared buffer (modelled)
         if outside and self.mode == "on" and self.buffer_source == "reserve":
