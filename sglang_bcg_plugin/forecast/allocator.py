@@ -114,7 +114,8 @@ class PoolModel:
                         del free[j]
                         block = by_addr[addr]
                 if block is None:
-                    block = self._grow(small, stream, need) if self.expandable else self._new_segment(small, stream, segment_size(need))
+                    block = (self._grow(small, stream, need) if self.expandable
+                             else self._new_segment(small, stream, segment_size(need)))
                 remaining = block.size - need
                 if remaining >= MIN_BLOCK if small else remaining > SMALL_SIZE:
                     nxt = block.next

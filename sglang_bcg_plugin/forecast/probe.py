@@ -80,20 +80,20 @@ class GraphMemoryForecast:
                 "modes": {m: f.to_dict() for m, f in self.modes.items()}}
 
     def format(self) -> str:
+        mib = self.pool_reserve_bytes / MIB
+        block = f"; the pool starts with one {mib:.0f} MiB block" if self.pool_reserve_bytes else ""
         lines = [f"{self.backend}: graph memory forecast for {len(self.sizes)} sizes up to "
                  f"{self.sizes[0] if self.sizes else 0} tokens (probes {_and(self.probe_sizes)}, "
-                 f"{self.seconds:.1f} s; on with the {self.buffer_source} buffer"
-                 + (f"; the pool starts with one {self.pool_reserve_bytes / MIB:.0f} MiB block" if self.pool_reserve_bytes else "")
-                 + "):"]
+                 f"{self.seconds:.1f} s; on with the {self.buffer_source} buffer{block}):"]
         for m in MODES:
             f = self.modes[m]
-            mark = (" (keeps the largest output: a tighter pool)" if f.keeps_largest else "") + (
-                " <- configured" if m == self.mode else "")
+            optional = (("probes' stream", f.probe_left_bytes), ("address orders", f.address_bytes))
             lines.append(f"  {m:8} {f.total_bytes / MIB:9.1f} MiB = working set {f.working_set_bytes / MIB:.1f} "
                          f"+ outputs {f.outputs_bytes / MIB:.1f} + stream {f.stream_bytes / MIB:.1f} "
                          f"+ bridges {f.bridge_bytes / MIB:.1f} + driver {f.driver_bytes / MIB:.1f}"
-                         + (f" + probes' stream {f.probe_left_bytes / MIB:.1f}" if f.probe_left_bytes else "")
-                         + (f" + address orders {f.address_bytes / MIB:.1f}" if f.address_bytes else "") + mark)
+                         + "".join(f" + {part} {n / MIB:.1f}" for part, n in optional if n)
+                         + (" (keeps the largest output: a tighter pool)" if f.keeps_largest else "")
+                         + (" <- configured" if m == self.mode else ""))
         if self.driver is not None:
             lines.append(f"  driver: {self.driver.describe()} (the probes lost {self.probe_driver_bytes / MIB:.1f} MiB "
                          "outside the allocator)")
@@ -259,7 +259,8 @@ def forecast_schedule(
                       pool_reserve="off", pool_segments="fixed")
     try:
         traces, output_bytes, bridges, stream_bytes, counts, probe_driver = _probe(
-            backend, (schedule[0], schedule[-1]), forward_for, capture_inputs, upward=schedule[-2:0:-1][:MAX_ALONE_PROBES])
+            backend, (schedule[0], schedule[-1]), forward_for, capture_inputs,
+            upward=schedule[-2:0:-1][:MAX_ALONE_PROBES])
     finally:
         backend.cleanup()
         backend.configure(**{f.name: getattr(options, f.name) for f in dataclasses.fields(options)})
@@ -272,24 +273,24 @@ def forecast_schedule(
         outputs = output_allocs(traces[0], largest_output)
         expandable = expandable_segments() or options.pool_segments == "expandable"
         # the first launches and the probes' share with the driver, measured: the session pays its own graphs
-        driver = dataclasses.replace(probe_driver_share(counts, probe_driver, schedule, len(largest_output)), launch_bytes=launch,
-                                     paid_bytes=max(0, lasting - probe_left))
+        driver = dataclasses.replace(probe_driver_share(counts, probe_driver, schedule, len(largest_output)),
+                                     launch_bytes=launch, paid_bytes=max(0, lasting - probe_left))
         modes, by_source, source, reserve_bytes = schedule_forecast(
             fitted, schedule, outputs=outputs, largest_output_bytes=sum(largest_output), stream_bytes=stream_bytes,
             bridge_bytes=bridges, source=options.shared_buffer, pool_reserve=options.pool_reserve,
             configured_mode=configured_mode, expandable=expandable, released_keeps="auto", driver=driver,
             probe_left_bytes=probe_left)
         references = reference_estimates(modes, fitted, schedule, outputs=outputs, expandable=expandable, driver=driver)
-        spread = (0, 0, 0) if expandable else address_spread(fitted, schedule, outputs=outputs, reserve_bytes=reserve_bytes)
+        spread = (0, 0, 0) if expandable else address_spread(fitted, schedule, outputs=outputs,
+                                                             reserve_bytes=reserve_bytes)
         modes = count_highest_order(modes, spread)
     remedy = "pool_reserve='auto' starts the pool as one block" if options.pool_reserve == "off" else ""
     caveat = "; ".join(c for c in (EXPANDABLE_CAVEAT if expandable else "", driver_caveat(driver),
                                    address_caveat(spread, remedy)) if c)
     return GraphMemoryForecast(backend.name, tuple(schedule), configured_mode, MappingProxyType(modes),
-                               tuple(t.size for t in traces),
-                               time.perf_counter() - start, source, MappingProxyType(by_source),
-                               MappingProxyType(references), probe_seconds, reserve_bytes, caveat,
-                               driver, probe_driver, lasting)
+                               tuple(t.size for t in traces), time.perf_counter() - start, source,
+                               MappingProxyType(by_source), MappingProxyType(references), probe_seconds, reserve_bytes,
+                               caveat, driver, probe_driver, lasting)
 
 
 def first_launch_bytes(backend: CaptureBackend, sizes: Sequence[int], forward_for: Callable[[int], Callable[[], Any]],
@@ -301,8 +302,7 @@ def first_launch_bytes(backend: CaptureBackend, sizes: Sequence[int], forward_fo
         for n in sizes:
             with backend.size_context(n):
                 forward_for(n)()
-    free_after = device_free_bytes(collect=False)
-    return max(0, free_before - free_after - (reserved_bytes() - reserved_before))
+    return max(0, free_before - device_free_bytes(collect=False) - (reserved_bytes() - reserved_before))
 
 
 def probe_driver_share(counts: Sequence[ProbeCount], lost: int, schedule: Sequence[int], output_tensors: int
@@ -325,12 +325,10 @@ def driver_caveat(driver: DriverShare | None, counted: str = "during the probes"
 
 
 #: What :attr:`GraphMemoryForecast.caveat` says with ``expandable_segments`` on.
-EXPANDABLE_CAVEAT = (
-    "the graph pool grows with expandable_segments (the process's setting or pool_segments='expandable'); "
-    "the forecast models it as one segment "
-    "growing in 20 MiB steps, measured within 7 % on an H200 (up to 7 % over on Piecewise, "
-    "within 3 % on Full), not exact as without it"
-)
+EXPANDABLE_CAVEAT = ("the graph pool grows with expandable_segments (the process's setting or "
+                     "pool_segments='expandable'); the forecast models it as one segment growing in 20 MiB steps, "
+                     "measured within 7 % on an H200 (up to 7 % over on Piecewise, within 3 % on Full), not exact "
+                     "as without it")
 
 
 def allocator_caveat() -> str:

@@ -32,9 +32,6 @@ class KeyTrace:
         """``ops`` with the allocs' bytes zeroed: the sequence of requests."""
         return tuple((k, v if k == 1 else 0) for k, v in self.ops)
 
-    def kept_bytes(self) -> int:
-        return sum(self.ops[i][1] for i in self.kept)
-
 
 def inside(addr: int, segments: Sequence[tuple[int, int]]) -> bool:
     """Whether ``addr`` falls in one of ``segments`` (``(address, bytes)``)."""
