@@ -72,11 +72,9 @@ class GraphMemoryForecast:
                 "max_tokens": self.sizes[0] if self.sizes else 0, "probe_sizes": list(self.probe_sizes),
                 "seconds": self.seconds, "probe_seconds": self.probe_seconds,
                 "pool_reserve_bytes": self.pool_reserve_bytes, "buffer_source": self.buffer_source,
-                "caveat": self.caveat,
-                "driver": None if self.driver is None else self.driver.to_dict(),
+                "caveat": self.caveat, "driver": None if self.driver is None else self.driver.to_dict(),
                 "probe_driver_bytes": self.probe_driver_bytes, "lasting_bytes": self.lasting_bytes,
-                "on_by_source": dict(self.on_by_source),
-                "references": {m: dict(r) for m, r in self.references.items()},
+                "on_by_source": dict(self.on_by_source), "references": {m: dict(r) for m, r in self.references.items()},
                 "modes": {m: f.to_dict() for m, f in self.modes.items()}}
 
     def format(self) -> str:

@@ -110,15 +110,12 @@ class ScaledTrace:
         shape = large.shape
         pairs = {i: i for i, (k, _) in enumerate(large.ops) if k == 0} if shape == small.shape else (
             pair_allocs(large, small))
-        lines = []
-        for i, (k, bl) in enumerate(large.ops):
-            if k == 1:
-                lines.append((0.0, 0.0))
-                continue
-            bs = small.ops[pairs[i]][1]
+        def line(bl: int, bs: int) -> tuple[float, float]:
             b = (bl - bs) / (large.size - small.size)
-            lines.append((bs - b * small.size, b))
-        return cls(shape, tuple(lines))
+            return bs - b * small.size, b
+
+        return cls(shape, tuple((0.0, 0.0) if k == 1 else line(bl, small.ops[pairs[i]][1])
+                                for i, (k, bl) in enumerate(large.ops)))
 
     @classmethod
     def proportional(cls, trace: KeyTrace, constant_below: int = 64 * 1024) -> ScaledTrace:
@@ -173,14 +170,10 @@ def pair_allocs(large: KeyTrace, small: KeyTrace) -> dict[int, int]:
     free = list(range(len(lo)))
     for rule in (operator.eq, proportional, operator.ge):  # the same bytes, in proportion, not fewer
         for a, (_, bl, kl) in enumerate(big):
-            if a in pairs:
-                continue
-            for pos, b in enumerate(free):
-                _, bs, ks = lo[b]
-                if ks == kl and rule(bl, bs):
-                    pairs[a] = b
-                    del free[pos]
-                    break
+            pos = None if a in pairs else next(
+                (pos for pos, b in enumerate(free) if lo[b][2] == kl and rule(bl, lo[b][1])), None)
+            if pos is not None:
+                pairs[a] = free.pop(pos)
     if len(pairs) < len(big):
         a = next(a for a in range(len(big)) if a not in pairs)
         _, bytes_, kept = big[a]
