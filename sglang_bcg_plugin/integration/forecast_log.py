@@ -45,16 +45,13 @@ def schedule_sizes(cuda_graph_runner: object) -> list[int] | None:
 def kv_bytes_per_token(cuda_graph_runner: object) -> int | None:
     """Bytes of KV cache per token (the KV pool's bytes over its tokens; ``None``: unknown)."""
     runner = getattr(cuda_graph_runner, "model_runner", None)
-    pool = getattr(runner, "token_to_kv_pool", None)
     tokens = getattr(runner, "max_total_num_tokens", None)
     try:
-        sizes = pool.get_kv_size_bytes()  # type: ignore[union-attr]
+        sizes = runner.token_to_kv_pool.get_kv_size_bytes()  # type: ignore[union-attr]
         total = sum(int(s) for s in (sizes if isinstance(sizes, tuple | list) else (sizes,)))
     except Exception:  # noqa: BLE001 - any pool kind: no figure rather than no log line
         return None
-    if not isinstance(tokens, int) or tokens <= 0 or total <= 0:
-        return None
-    return total // tokens
+    return total // tokens if isinstance(tokens, int) and tokens > 0 and total > 0 else None
 
 
 def format_forecast(modes: Mapping[str, Any], mode: str, sizes: Sequence[int], kv_per_token: int | None,
@@ -240,7 +237,7 @@ class SessionForecast:
                 record_history(False)
             return None
         added = self._pool_bytes() - self.held_at_start
-        measured = added + outside_pool_bytes
+        self.measured = measured = added + outside_pool_bytes
         f = self.forecast["modes"][self.mode]
         error = (f.pool_bytes - measured) / measured if measured else 0.0  # the pool and a shared buffer
         free_now = _read(device_free_bytes, collect=False)
@@ -257,7 +254,6 @@ class SessionForecast:
             log.info("sglang_bcg: free device memory lost since SGLang's baseline %.1f MiB (%.1f MiB before the "
                      "first capture)", (self.baseline - free_now) / MIB,
                      (self.baseline - (self.free_at_open or 0)) / MIB)
-        self.measured = measured
         if self.trace_path:
             self._write_trace(free_now, self.forecast["modes"])
         return measured
