@@ -309,6 +309,7 @@ def test_pairing_by_what_allocations_are_agrees_with_position_on_every_recording
         pairs = pair_allocs(large, small)
         assert len(pairs) == sum(k == 0 for k, _ in large.ops), case
         assert all(small.ops[j][1] == small.ops[i][1] for i, j in pairs.items()), case
+        assert pair_allocs(small, large) == {j: i for i, j in pairs.items()}, case  # either order
 
 
 def test_probes_that_cannot_be_paired_are_refused_saying_why() -> None:

@@ -127,28 +127,22 @@ def _at(ordered: Sequence[ProbeCount], size: int, value: Any) -> int:
 def counting_captures() -> Iterator[list[int | None]]:
     """While open, every ``torch.cuda.CUDAGraph.capture_end`` that returns appends its graph's nodes
     (read just before: :func:`capture_nodes`) to the list it yields (:meth:`ProbeCount.of` counts them)."""
+    from unittest import mock
+
     import torch
 
-    cls = torch.cuda.CUDAGraph
-    own = cls.__dict__.get("capture_end")
-    original = cls.capture_end
+    original = torch.cuda.CUDAGraph.capture_end
     ended: list[int | None] = []
 
+    @functools.wraps(original)
     def capture_end(self: Any, *args: Any, **kwargs: Any) -> Any:
         nodes = capture_nodes()
         result = original(self, *args, **kwargs)
         ended.append(nodes)
         return result
 
-    capture_end.__doc__ = original.__doc__
-    cls.capture_end = capture_end  # type: ignore[method-assign]
-    try:
+    with mock.patch.object(torch.cuda.CUDAGraph, "capture_end", capture_end):  # restored as it was, own or inherited
         yield ended
-    finally:
-        if own is None:
-            del cls.capture_end
-        else:
-            cls.capture_end = own  # type: ignore[method-assign]
 
 
 _CAPTURE_ACTIVE = 1  # CU_STREAM_CAPTURE_STATUS_ACTIVE

@@ -166,25 +166,22 @@ def pair_allocs(large: KeyTrace, small: KeyTrace) -> dict[int, int]:
     def proportional(bl: int, bs: int) -> bool:
         return bl != bs and abs(bl * n_lo - bs * n_big) <= PROPORTIONAL_SLACK * n_big
 
-    pairs: dict[int, int] = {}  # index in big -> index in lo (positions in the lists)
-    free = list(range(len(lo)))
+    pairs: dict[int, int] = {}  # op index in big's trace -> in lo's
+    free = list(lo)
     for rule in (operator.eq, proportional, operator.ge):  # the same bytes, in proportion, not fewer
-        for a, (_, bl, kl) in enumerate(big):
-            pos = None if a in pairs else next(
-                (pos for pos, b in enumerate(free) if lo[b][2] == kl and rule(bl, lo[b][1])), None)
-            if pos is not None:
-                pairs[a] = free.pop(pos)
-    if len(pairs) < len(big):
-        a = next(a for a in range(len(big)) if a not in pairs)
-        _, bytes_, kept = big[a]
+        for i, bl, kl in big:
+            j = None if i in pairs else next((j for j, (_, bs, ks) in enumerate(free) if ks == kl and rule(bl, bs)), None)
+            if j is not None:
+                pairs[i] = free.pop(j)[0]
+    unpaired = [(a, alloc) for a, alloc in enumerate(big) if alloc[0] not in pairs]
+    if unpaired:
+        a, (_, bytes_, kept) = unpaired[0]
         msg = (f"{head} and cannot be paired: the {'kept' if kept else 'freed'} allocation of {bytes_} bytes at "
                f"{n_big} tokens (#{a} of {len(big)}) has no allocation at {n_lo} tokens of the same bytes, bytes in "
                "proportion or fewer bytes; its memory does not scale as one pattern, so it cannot be forecast from "
                "two probes")
         raise ForecastError(msg)
-    if big is al:
-        return {al[a][0]: as_[b][0] for a, b in pairs.items()}
-    return {al[b][0]: as_[a][0] for a, b in pairs.items()}
+    return pairs if big is al else {j: i for i, j in pairs.items()}
 
 
 def output_allocs(trace: KeyTrace, output_bytes: Sequence[int]) -> frozenset[int]:
