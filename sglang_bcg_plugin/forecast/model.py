@@ -143,22 +143,11 @@ def forecast_modes(trace: ScaledTrace, sizes: Iterable[int], **options: Any) -> 
     return schedule_forecast(trace, sizes, **options)[0]
 
 
-def schedule_forecast(
-    trace: ScaledTrace,
-    sizes: Iterable[int],
-    *,
-    outputs: frozenset[int],
-    largest_output_bytes: int,
-    stream_bytes: int = 0,
-    bridge_bytes: int = 0,
-    source: str = "reserve",
-    pool_reserve: str | int = "off",
-    configured_mode: str = "released",
-    expandable: bool = False,
-    released_keeps: str = "none",
-    driver: DriverShare | None = None,
-    probe_left_bytes: int = 0,
-) -> tuple[dict[str, ModeForecast], dict[str, int], str, int]:
+def schedule_forecast(trace: ScaledTrace, sizes: Iterable[int], *, outputs: frozenset[int], largest_output_bytes: int,
+                      stream_bytes: int = 0, bridge_bytes: int = 0, source: str = "reserve",
+                      pool_reserve: str | int = "off", configured_mode: str = "released", expandable: bool = False,
+                      released_keeps: str = "none", driver: DriverShare | None = None, probe_left_bytes: int = 0,
+                      ) -> tuple[dict[str, ModeForecast], dict[str, int], str, int]:
     """:func:`forecast_modes`, with ``on``'s pool plus buffer per source, the source taken
     (``"auto"``: the cheaper) and the pool's first block (``pool_reserve``: ``"off"``, bytes, or
     ``"auto"``: :func:`best_reserve`); ``released_keeps="auto"`` keeps the largest output where the

@@ -228,14 +228,8 @@ def _checked_sizes(name: str, sizes: Iterable[int]) -> list[int]:
     return checked
 
 
-def forecast_schedule(
-    backend: CaptureBackend,
-    sizes: Iterable[int],
-    forward_for: Callable[[int], Callable[[], Any]],
-    capture_inputs: Any = None,
-    *,
-    configured_mode: str,
-) -> GraphMemoryForecast:
+def forecast_schedule(backend: CaptureBackend, sizes: Iterable[int], forward_for: Callable[[int], Callable[[], Any]],
+                      capture_inputs: Any = None, *, configured_mode: str) -> GraphMemoryForecast:
     """See :meth:`CaptureBackend.forecast`; ``configured_mode``: the mode its next session resolves to."""
     start = time.perf_counter()
     schedule = sorted(set(_checked_sizes(backend.name, sizes)), reverse=True)

@@ -170,7 +170,8 @@ def pair_allocs(large: KeyTrace, small: KeyTrace) -> dict[int, int]:
     free = list(lo)
     for rule in (operator.eq, proportional, operator.ge):  # the same bytes, in proportion, not fewer
         for i, bl, kl in big:
-            j = None if i in pairs else next((j for j, (_, bs, ks) in enumerate(free) if ks == kl and rule(bl, bs)), None)
+            j = None if i in pairs else next(
+                (j for j, (_, bs, ks) in enumerate(free) if ks == kl and rule(bl, bs)), None)
             if j is not None:
                 pairs[i] = free.pop(j)[0]
     unpaired = [(a, alloc) for a, alloc in enumerate(big) if alloc[0] not in pairs]
