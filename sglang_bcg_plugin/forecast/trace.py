@@ -185,11 +185,12 @@ def pair_allocs(large: KeyTrace, small: KeyTrace) -> dict[int, int]:
     return pairs if big is al else {j: i for i, j in pairs.items()}
 
 
-def output_allocs(trace: KeyTrace, output_bytes: Sequence[int]) -> frozenset[int]:
-    """The allocs ``trace`` keeps that hold the output, matched by bytes, first kept alloc first."""
+def output_allocs(trace: KeyTrace, output_bytes: Sequence[int], among: Sequence[int] | None = None) -> frozenset[int]:
+    """The allocs that hold the output, matched by bytes among ``among`` (default: the allocs
+    ``trace`` keeps), first one first."""
     wanted = list(output_bytes)
     found = []
-    for i in trace.kept:
+    for i in trace.kept if among is None else among:
         if trace.ops[i][1] in wanted:
             found.append(i)
             wanted.remove(trace.ops[i][1])

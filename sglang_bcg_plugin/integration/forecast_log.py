@@ -21,7 +21,7 @@ from ..forecast.model import (MODES, address_caveat, address_spread, count_highe
                               reference_estimates)
 from ..forecast.probe import (allocator_caveat, device_trace, driver_caveat, pool_segments, probe_driver_share,
                               record_history, reserved_bytes)
-from ..forecast.trace import KeyTrace, ScaledTrace, inside, pool_trace
+from ..forecast.trace import KeyTrace, ScaledTrace, inside, output_allocs, pool_trace
 from .compat import ENV_FORECAST, ENV_FORECAST_TRACE
 
 log = logging.getLogger("sglang_bcg_plugin")
@@ -97,15 +97,10 @@ def sglang_baseline_free() -> int | None:
 def outputs_kept(trace: KeyTrace, output_bytes: Sequence[int]) -> tuple[KeyTrace, frozenset[int]]:
     """The first capture's trace with its output held to the end (the session's policy freed it
     inside the recording), and the indices of the output allocs (the match: docs/sglang.md)."""
-    wanted = list(output_bytes)
     freed_at = {i: pos for pos, (kind, i) in enumerate(trace.ops) if kind == 1}
     last_alloc = max((pos for pos, (kind, _) in enumerate(trace.ops) if kind == 0), default=-1)
     late = sorted((i for i, at in freed_at.items() if at > last_alloc), key=lambda i: -freed_at[i])
-    found = []
-    for i in (*trace.kept, *late):
-        if trace.ops[i][1] in wanted:
-            found.append(i)
-            wanted.remove(trace.ops[i][1])
+    found = output_allocs(trace, output_bytes, (*trace.kept, *late))
     if not found:
         return trace, frozenset(trace.kept)
     drop = {freed_at[i] for i in found if i in freed_at}
