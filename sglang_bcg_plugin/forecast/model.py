@@ -105,18 +105,22 @@ def address_caveat(spread: tuple[int, int, int], remedy: str = "") -> str:
             f"{(high - low) / MB:.1f} MiB less" + (f"; {remedy}" if remedy else ""))
 
 
+def buffer_bytes(largest_output_bytes: int, expandable: bool = False) -> int:
+    """What a reserved shared buffer takes: above 1 MiB, a segment of its own (nothing else on its
+    stream outlives the session)."""
+    need = round_size(largest_output_bytes) if largest_output_bytes else 0
+    if need <= SMALL_SIZE:
+        return need
+    return LARGE_BUFFER * -(-need // LARGE_BUFFER) if expandable else segment_size(need)
+
+
 def on_bytes_by_source(trace: ScaledTrace, sizes: list[int], *, outputs: frozenset[int], released: int,
                        largest_output_bytes: int, reserve_bytes: int = 0, expandable: bool = False) -> dict[str, int]:
     """The pool plus buffer of ``on`` per buffer source: ``reserve`` (the largest output outside
     the pool) and ``adopt`` (the largest capture's output kept in the pool as the buffer)."""
-    need = round_size(largest_output_bytes) if largest_output_bytes else 0
-    if need <= SMALL_SIZE:
-        outside = need
-    else:  # a segment of its own: nothing else on its stream outlives the session
-        outside = LARGE_BUFFER * -(-need // LARGE_BUFFER) if expandable else segment_size(need)
     adopt = simulate(trace, sizes, keep_outputs="first", outputs=outputs, reserve_bytes=reserve_bytes,
                      expandable=expandable).reserved_bytes
-    return {"adopt": adopt, "reserve": released + outside}
+    return {"adopt": adopt, "reserve": released + buffer_bytes(largest_output_bytes, expandable)}
 
 
 #: Sizes tried for the pool's first block, in MiB above the largest capture's peak (rounded to

@@ -9,6 +9,7 @@ import logging
 import os
 import sys
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -17,8 +18,8 @@ from .._words import parse_bool_env
 from ..accounting import device_free_bytes
 from ..forecast.allocator import expandable_segments
 from ..forecast.driver import DriverShare, ProbeCount, counting_captures
-from ..forecast.model import (MODES, address_caveat, address_spread, count_highest_order, forecast_modes,
-                              reference_estimates)
+from ..forecast.model import (MODES, address_caveat, address_spread, buffer_bytes, count_highest_order,
+                              forecast_modes, reference_estimates)
 from ..forecast.probe import (allocator_caveat, device_trace, driver_caveat, pool_segments, probe_driver_share,
                               record_history, reserved_bytes)
 from ..forecast.trace import KeyTrace, ScaledTrace, inside, output_allocs, pool_trace
@@ -211,11 +212,11 @@ class SessionForecast:
         outside, self.first_capture_driver = first if first is not None else (0, None)
         self.driver = None if graphs is None else probe_driver_share(
             [graphs], self.first_capture_driver or 0, self.sizes, len(output_bytes))
-        options = {"outputs": outputs, "largest_output_bytes": sum(output_bytes), "expandable": expandable}
-        buffer = 0  # what the first capture reserved outside the pool, less a reserved shared buffer (modelled)
-        if outside and self.mode == "on" and self.buffer_source == "reserve":
-            buffer = forecast_modes(fitted, self.sizes, **options)["on"].outputs_bytes
-        modes = forecast_modes(fitted, self.sizes, **options, stream_bytes=max(0, outside - buffer), driver=self.driver)
+        # the stream: what the first capture reserved outside the pool, less a reserved shared buffer (modelled)
+        reserved = self.mode == "on" and self.buffer_source == "reserve"
+        stream = max(0, outside - (buffer_bytes(sum(output_bytes), expandable) if reserved else 0))
+        modes = forecast_modes(fitted, self.sizes, outputs=outputs, largest_output_bytes=sum(output_bytes),
+                               expandable=expandable, stream_bytes=stream, driver=self.driver)
         references = reference_estimates(modes, fitted, self.sizes, outputs=outputs, expandable=expandable,
                                          driver=self.driver)
         spread = (0, 0, 0) if expandable else address_spread(fitted, self.sizes, outputs=outputs)
@@ -268,7 +269,6 @@ class SessionForecast:
                   "events": [(i, e["action"], int(e["addr"]), int(e["size"]), int(e.get("stream", 0)))
                              for i, e in enumerate(events) if inside(int(e["addr"]), segments)]}
         try:
-            with open(self.trace_path, "w", encoding="utf-8") as fh:  # type: ignore[arg-type]
-                json.dump(record, fh)
+            Path(self.trace_path).write_text(json.dumps(record), encoding="utf-8")  # type: ignore[arg-type]
         except OSError as exc:
             log.warning("sglang_bcg: could not write %s=%s: %s", ENV_FORECAST_TRACE, self.trace_path, exc)
