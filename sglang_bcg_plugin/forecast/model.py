@@ -163,32 +163,29 @@ def schedule_forecast(trace: ScaledTrace, sizes: Iterable[int], *, outputs: froz
         raise ValueError(msg)
     sizes = list(sizes)
 
-    def pools(reserve_bytes: int) -> tuple[int, int, dict[str, int], str]:
+    def pools(reserve_bytes: int) -> tuple[int, int, dict[str, int], str, bool]:
+        """The pools released and kept, ``on``'s by source, the source taken, whether released keeps the largest."""
         released, kept = (simulate(trace, sizes, keep_outputs=keep, outputs=outputs, reserve_bytes=reserve_bytes,
                                    expandable=expandable).reserved_bytes for keep in ("none", "all"))
         by_source = on_bytes_by_source(trace, sizes, outputs=outputs, released=released, expandable=expandable,
                                        largest_output_bytes=largest_output_bytes, reserve_bytes=reserve_bytes)
-        return released, kept, by_source, cheaper_source(by_source) if source == "auto" else source
+        chosen = cheaper_source(by_source) if source == "auto" else source
+        return released, kept, by_source, chosen, released_keeps == "auto" and by_source["adopt"] < released
 
-    def keeps_largest(released: int, by_source: dict[str, int]) -> bool:
-        return released_keeps == "auto" and by_source["adopt"] < released
-
-    released, kept, by_source, chosen = pools(0)
+    released, kept, by_source, chosen, keep_largest = pools(0)
     reserve_bytes = pool_reserve if isinstance(pool_reserve, int) else 0
     if pool_reserve == "auto" and not expandable:
-        released_keep = "first" if keeps_largest(released, by_source) else "none"
-        keep = {"off": "all", "released": released_keep}.get(configured_mode, "first" if chosen == "adopt" else "none")
+        keep = {"off": "all", "released": "first" if keep_largest else "none"}.get(
+            configured_mode, "first" if chosen == "adopt" else "none")
         baseline = {"all": kept, "none": released, "first": by_source["adopt"]}[keep]
         reserve_bytes = best_reserve(trace, sizes, keep_outputs=keep, outputs=outputs, baseline=baseline)
     if reserve_bytes:
-        released, kept, by_source, chosen = pools(reserve_bytes)
-    keep_largest = keeps_largest(released, by_source)
+        released, kept, by_source, chosen, keep_largest = pools(reserve_bytes)
     extra = stream_bytes + bridge_bytes + probe_left_bytes
     pool = {"off": kept, "on": by_source[chosen], "released": by_source["adopt"] if keep_largest else released}
     drv = {m: driver.bytes_for(m) if driver is not None else 0 for m in MODES}
-    modes = {m: ModeForecast(m, pool[m] + extra + drv[m], released, pool[m] - released,
-                             stream_bytes, bridge_bytes, driver_bytes=drv[m],
-                             keeps_largest=m == "released" and keep_largest,
+    modes = {m: ModeForecast(m, pool[m] + extra + drv[m], released, pool[m] - released, stream_bytes, bridge_bytes,
+                             keeps_largest=m == "released" and keep_largest, driver_bytes=drv[m],
                              probe_left_bytes=probe_left_bytes) for m in MODES}
     return modes, by_source, chosen, reserve_bytes
 
