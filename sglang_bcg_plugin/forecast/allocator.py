@@ -107,13 +107,9 @@ class PoolModel:
                 need = MIN_BLOCK if value < MIN_BLOCK else MIN_BLOCK * ((value + MIN_BLOCK - 1) // MIN_BLOCK)
                 small = need <= SMALL_SIZE
                 j = bisect_left(free, (small, stream, need, -1))
-                block: _Block | None = None
-                if j < len(free):
-                    s, st, _, addr = free[j]
-                    if s == small and st == stream:
-                        del free[j]
-                        block = by_addr[addr]
-                if block is None:
+                if j < len(free) and free[j][0] == small and free[j][1] == stream:  # best fit: the smallest block
+                    block = by_addr[free.pop(j)[3]]
+                else:
                     block = (self._grow(small, stream, need) if self.expandable
                              else self._new_segment(small, stream, segment_size(need)))
                 remaining = block.size - need
