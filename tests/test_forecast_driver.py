@@ -24,7 +24,7 @@ from sglang_bcg_plugin.forecast.driver import (
     schedule_share,
 )
 from sglang_bcg_plugin.forecast.model import ModeForecast, schedule_forecast
-from sglang_bcg_plugin.forecast.probe import GraphMemoryForecast, ProbeDevice, driver_caveat, probe_driver_share
+from sglang_bcg_plugin.forecast.probe import GraphMemoryForecast, driver_caveat, probe_driver_share
 from sglang_bcg_plugin.forecast.trace import KeyTrace, ScaledTrace
 from sglang_bcg_plugin.report import MemoryReport
 
@@ -112,8 +112,8 @@ def test_the_schedule_share_follows_the_probes() -> None:
 
 def test_the_first_capture_cost_counts_where_the_probes_paid_it() -> None:
     counts = (ProbeCount(16384, 1, 50), ProbeCount(4, 1, 50))
-    fresh = probe_driver_share(ProbeDevice(counts, 72 * MIB), [16384, 4], 1)
-    warm = probe_driver_share(ProbeDevice(counts, 2 * MIB), [16384, 4], 1)
+    fresh = probe_driver_share(counts, 72 * MIB, [16384, 4], 1)
+    warm = probe_driver_share(counts, 2 * MIB, [16384, 4], 1)
     assert fresh.first_capture and not warm.first_capture
     assert fresh.bytes_for("off") - warm.bytes_for("off") == 69 * MIB
     assert fresh.on_copy_nodes == 2
@@ -130,22 +130,23 @@ def test_capture_end_counts_graphs_and_nodes(monkeypatch: pytest.MonkeyPatch) ->
     with counting_captures() as count:
         for g in ("a", "b", "c"):
             torch.cuda.CUDAGraph.capture_end(g)  # type: ignore[arg-type]
-        mark = count.copy()
+        mark = len(count)
         torch.cuda.CUDAGraph.capture_end("d")  # type: ignore[arg-type]
-        assert count.since(mark, 8) == ProbeCount(8, 1, 7)
-        assert count.since(driver.CaptureCount(), 16) == ProbeCount(16, 3, None)  # one unread: nodes unknown
+        assert ProbeCount.of(8, count[mark:]) == ProbeCount(8, 1, 7)
+        assert ProbeCount.of(16, count) == ProbeCount(16, 3, None)  # one unread: nodes unknown
 
         def fail(self: Any) -> None:
             raise RuntimeError("capture invalidated")
 
         monkeypatch.setattr(driver, "capture_nodes", lambda: 3)
     assert ended == ["a", "b", "c", "d"]
-    assert (count.graphs, count.nodes, count.empty, count.unread) == (3, 47, 1, 1)
+    assert count == [40, 0, None, 7]  # three graphs (47 nodes read, one unread) and an empty one
+    assert ProbeCount.of(0, [40, 0, 7]) == ProbeCount(0, 2, 47)
     assert torch.cuda.CUDAGraph.capture_end is before
     monkeypatch.setattr(torch.cuda.CUDAGraph, "capture_end", fail)
     with counting_captures() as count, pytest.raises(RuntimeError, match="invalidated"):
         torch.cuda.CUDAGraph.capture_end("e")  # type: ignore[arg-type]
-    assert count.graphs == 0 and torch.cuda.CUDAGraph.capture_end is fail
+    assert count == [] and torch.cuda.CUDAGraph.capture_end is fail
 
 
 def test_capture_end_inherited_is_restored_as_inherited(monkeypatch: pytest.MonkeyPatch) -> None:

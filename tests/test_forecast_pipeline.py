@@ -430,8 +430,8 @@ def test_sglang_session_forecast_logs_before_and_after(allocator: RecordedAlloca
     # free memory at the session's open, after the first capture, at its close; reserved beside the first two
     free = iter([top, top - pool - buffer - stream - first_driver, top - lost])
     reserved = iter([reserved0, reserved0 + pool + buffer + stream])
-    monkeypatch.setattr(forecast_log, "free_device_bytes", lambda: next(free))
-    monkeypatch.setattr(forecast_log, "reserved_device_bytes", lambda: next(reserved))
+    monkeypatch.setattr(forecast_log, "device_free_bytes", lambda *, collect: next(free))
+    monkeypatch.setattr(forecast_log, "reserved_bytes", lambda: next(reserved))
     monkeypatch.delenv("SGLANG_BCG_SHARED_BUFFER", raising=False)  # reserve, SGLang's engine's default
     session = SessionForecast(runner, "on", lambda: POOL, environ={"SGLANG_BCG_FORECAST": "1"})
     largest = case["sizes"][0]

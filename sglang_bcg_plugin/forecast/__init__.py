@@ -1,6 +1,4 @@
-"""Graph-memory forecasts: a model of the caching allocator, allocation traces that scale with
-the capture size, the CUDA driver's share of the graphs, and the probe captures that measure
-them (``CaptureBackend.forecast``)."""
+"""Graph-memory forecasts before capture (``CaptureBackend.forecast``; docs/forecast.md)."""
 
 from __future__ import annotations
 

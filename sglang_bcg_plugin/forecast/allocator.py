@@ -9,8 +9,7 @@ import random
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-KB = 1024
-MB = 1024 * KB
+MB = 1 << 20
 MIN_BLOCK = 512
 SMALL_SIZE = 1 * MB
 SMALL_BUFFER = 2 * MB
@@ -25,12 +24,8 @@ def expandable_segments(environ: dict[str, str] | None = None) -> bool:
     """Whether ``environ``'s (default: the process's) :data:`ALLOC_CONF_VARS` turn
     ``expandable_segments`` on."""
     env = os.environ if environ is None else environ
-    for var in ALLOC_CONF_VARS:
-        for item in env.get(var, "").split(","):
-            key, _, value = item.partition(":")
-            if key.strip() == "expandable_segments" and value.strip().lower() == "true":
-                return True
-    return False
+    items = (item.partition(":") for var in ALLOC_CONF_VARS for item in env.get(var, "").split(","))
+    return any(key.strip() == "expandable_segments" and value.strip().lower() == "true" for key, _, value in items)
 
 
 #: Request kinds of :meth:`PoolModel.run`: allocate bytes, free the block an earlier op of the same
@@ -112,14 +107,11 @@ class PoolModel:
                 need = MIN_BLOCK if value < MIN_BLOCK else MIN_BLOCK * ((value + MIN_BLOCK - 1) // MIN_BLOCK)
                 small = need <= SMALL_SIZE
                 j = bisect_left(free, (small, stream, need, -1))
-                block: _Block | None = None
-                if j < len(free):
-                    s, st, _, addr = free[j]
-                    if s == small and st == stream:
-                        del free[j]
-                        block = by_addr[addr]
-                if block is None:
-                    block = self._grow(small, stream, need) if self.expandable else self._new_segment(small, stream, segment_size(need))
+                if j < len(free) and free[j][0] == small and free[j][1] == stream:  # best fit: the smallest block
+                    block = by_addr[free.pop(j)[3]]
+                else:
+                    block = (self._grow(small, stream, need) if self.expandable
+                             else self._new_segment(small, stream, segment_size(need)))
                 remaining = block.size - need
                 if remaining >= MIN_BLOCK if small else remaining > SMALL_SIZE:
                     nxt = block.next
@@ -162,18 +154,9 @@ class PoolModel:
         """Map what ``need`` lacks at the end of the (small, stream) segment; returns the block
         (taken from the free list) that now holds at least ``need`` bytes."""
         step = SMALL_BUFFER if small else LARGE_BUFFER
-        grown = self._grown.get((small, stream))
-        last: _Block | None = None
-        if grown is None:
-            index = len(self.segments)
-            self.segments.append(0)
-            base = self._next_addr
-            self._next_addr += 1 << 48  # a virtual range no schedule fills
-        else:
-            index, last = grown
-            while last.next is not None:
-                last = last.next
-            base = last.addr + last.size
+        index, last = self._grown.get((small, stream), (len(self.segments), None))
+        while last is not None and last.next is not None:
+            last = last.next
         if last is not None and last.free:  # the free end of the range grows
             del self._free[bisect.bisect_left(self._free, (small, stream, last.size, last.addr))]
             extra = step * ((need - last.size + step - 1) // step)
@@ -181,13 +164,16 @@ class PoolModel:
             block = last
         else:
             extra = step * ((need + step - 1) // step)
+            base = self._next_addr if last is None else last.addr + last.size
             block = _Block(base, extra, small, stream, True, last, None)
-            if last is not None:
+            if last is None:  # a new segment, in a virtual range no schedule fills
+                self.segments.append(0)
+                self._next_addr += 1 << 48
+                self._grown[small, stream] = (index, block)
+            else:
                 last.next = block
             self._by_addr[base] = block
         self.segments[index] += extra
-        if grown is None:
-            self._grown[small, stream] = (index, block)
         block.free = False
         return block
 
@@ -195,12 +181,10 @@ class PoolModel:
         # below every segment before it, as cudaMalloc hands them out: equal free blocks go to the
         # newest segment first (``ascending``: the oldest); never adjacent, so nothing merges
         if self.order_seed is not None:  # far apart, at random: only their order matters
-            if self._rng is None:
-                self._rng = random.Random(self.order_seed)
-            rng = self._rng
-            addr = rng.randrange(1 << 24) << 32
+            self._rng = self._rng or random.Random(self.order_seed)
+            addr = self._rng.randrange(1 << 24) << 32
             while addr in self._by_addr:
-                addr = rng.randrange(1 << 24) << 32
+                addr = self._rng.randrange(1 << 24) << 32
         elif self.ascending:
             addr = self._next_addr
             self._next_addr += size + ROUND_LARGE

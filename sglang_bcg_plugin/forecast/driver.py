@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import dataclasses
 import functools
 import sys
 from collections.abc import Iterator, Sequence
@@ -18,8 +17,7 @@ MIB = 1024 * KIB
 
 @dataclass(frozen=True, slots=True)
 class DriverCoefficients:
-    """The driver's bytes once per process at its first capture, per graph, per graph node and
-    per captured size."""
+    """The driver's bytes once per process at its first capture, per graph, per node and per size."""
 
     first_capture_bytes: int
     per_graph_bytes: int
@@ -28,29 +26,20 @@ class DriverCoefficients:
     per_size_bytes: int = 0
 
     def bytes_for(self, graphs: float, nodes: float, *, first_capture: bool = True, sizes: float = 0) -> int:
-        """The driver's bytes for ``graphs`` alive at once with ``nodes`` nodes in all, captured
-        over ``sizes`` sizes."""
+        """The driver's bytes for ``graphs`` alive at once, ``nodes`` in all, over ``sizes`` sizes."""
         return round((self.first_capture_bytes if first_capture else 0) + graphs * self.per_graph_bytes
                      + nodes * self.per_node_bytes + sizes * self.per_size_bytes)
 
 
-#: The one place the driver's coefficients live: first capture, per graph and per node the fit of
-#: ``tests/gpu/driver_cost.py``'s recording (``tests/data/driver/``); per size the fit of the
-#: families' fresh-process sessions (``tests/data/forecast/h200_fresh_processes.json.gz``:
-#: what a session lost per captured size beyond its graphs' and nodes' share; docs/forecast.md,
-#: "The driver's share").
+#: The one place the driver's coefficients live (how each was fitted: docs/forecast.md, "The driver's share").
 DRIVER_COEFFICIENTS = DriverCoefficients(69 * MIB, 106 * KIB, 2560, "NVIDIA H200, torch 2.11.0+cu130",
                                          per_size_bytes=41 * KIB)
 
 
 @dataclass(frozen=True, slots=True)
 class DriverShare:
-    """The driver's share of one schedule's capture: the graphs it leaves alive, their nodes (0
-    unless ``nodes_counted``), the copy nodes mode ``on`` adds, whether it pays the first capture,
-    ``launch_bytes``: what first launches at the schedule's sizes took (measured, not modelled),
-    and ``paid_bytes``: where measured, what the process's first launches and first captures
-    already took beyond the allocator, in place of ``launch_bytes`` and the first-capture
-    coefficient (``None``: not measured)."""
+    """The driver's share of one schedule's capture (its fields: docs/forecast.md, "The driver's
+    share"); ``paid_bytes``, where measured, stands for ``launch_bytes`` and the first capture."""
 
     graphs: int
     nodes: int
@@ -60,21 +49,18 @@ class DriverShare:
     coefficients: DriverCoefficients = DRIVER_COEFFICIENTS
     launch_bytes: int = 0
     paid_bytes: int | None = None
-    #: the sizes the schedule captures (each costs the coefficients' ``per_size_bytes``)
     sizes: int = 0
 
     @property
     def once_bytes(self) -> int:
-        """What the process pays once: ``paid_bytes`` where measured, else the first launches and
-        the first-capture coefficient (where it pays it)."""
+        """What the process pays once: ``paid_bytes``, else the first launches and first capture."""
         if self.paid_bytes is not None:
             return self.paid_bytes
         return self.launch_bytes + (self.coefficients.first_capture_bytes if self.first_capture else 0)
 
     def bytes_for(self, mode: str) -> int:
         """The driver's bytes with output mode ``mode``."""
-        nodes = self.nodes + (self.on_copy_nodes if mode == "on" else 0)
-        return self.once_bytes + self.coefficients.bytes_for(self.graphs, nodes, first_capture=False, sizes=self.sizes)
+        return self.per_size_bytes(1, mode)[0]
 
     def per_size_bytes(self, sizes: int, mode: str) -> tuple[int, int]:
         """The first size's bytes (with what the process pays once) and every other size's, the
@@ -105,6 +91,12 @@ class ProbeCount:
     graphs: int
     nodes: int | None
 
+    @classmethod
+    def of(cls, size: int, ended: Sequence[int | None]) -> ProbeCount:
+        """The count of the captures that ``ended`` with those nodes (0: an empty graph, not counted)."""
+        graphs = [n for n in ended if n != 0]
+        return cls(size, len(graphs), None if None in graphs else sum(graphs))  # type: ignore[arg-type]
+
 
 def schedule_share(probes: Sequence[ProbeCount], sizes: Sequence[int], *, on_copy_nodes_per_size: int = 0,
                    first_capture: bool = True, coefficients: DriverCoefficients = DRIVER_COEFFICIENTS) -> DriverShare:
@@ -115,10 +107,8 @@ def schedule_share(probes: Sequence[ProbeCount], sizes: Sequence[int], *, on_cop
     if not any(p.graphs for p in probes):  # no graph seen: nothing per graph, per size or per copy node
         on_copy_nodes_per_size = captured = 0
     ordered = sorted(probes, key=lambda p: p.size)
-    graphs = nodes = 0
-    for n in sizes:
-        g, k = _at(ordered, n, lambda p: p.graphs), _at(ordered, n, lambda p: p.nodes or 0) if counted else 0
-        graphs, nodes = graphs + g, nodes + k
+    graphs = sum(_at(ordered, n, lambda p: p.graphs) for n in sizes)
+    nodes = sum(_at(ordered, n, lambda p: p.nodes or 0) for n in sizes) if counted else 0
     return DriverShare(graphs, nodes, on_copy_nodes_per_size * len(sizes), first_capture, counted, coefficients,
                        sizes=captured)
 
@@ -133,88 +123,43 @@ def _at(ordered: Sequence[ProbeCount], size: int, value: Any) -> int:
 
 
 # -- counting the graphs and their nodes while they are captured ----------------------------------
-@dataclass
-class CaptureCount:
-    """Graphs captured while :func:`counting_captures` was open: with nodes (or ``unread``), their
-    ``nodes``, and ``empty`` ones."""
-
-    graphs: int = 0
-    nodes: int = 0
-    empty: int = 0
-    unread: int = 0
-
-    def add(self, nodes: int | None) -> None:
-        if nodes is None:
-            self.graphs += 1
-            self.unread += 1
-        elif nodes == 0:
-            self.empty += 1
-        else:
-            self.graphs += 1
-            self.nodes += nodes
-
-    def since(self, earlier: CaptureCount, size: int) -> ProbeCount:
-        """What was captured since ``earlier`` (a copy taken before), as one probe's count."""
-        return ProbeCount(size, self.graphs - earlier.graphs,
-                          None if self.unread > earlier.unread else self.nodes - earlier.nodes)
-
-    def copy(self) -> CaptureCount:
-        return dataclasses.replace(self)
-
-
 @contextlib.contextmanager
-def counting_captures() -> Iterator[CaptureCount]:
-    """While open, every ``torch.cuda.CUDAGraph.capture_end`` that returns counts its graph and its
-    nodes (read just before: :func:`capture_nodes`)."""
+def counting_captures() -> Iterator[list[int | None]]:
+    """While open, every ``torch.cuda.CUDAGraph.capture_end`` that returns appends its graph's nodes
+    (read just before: :func:`capture_nodes`) to the list it yields (:meth:`ProbeCount.of` counts them)."""
+    from unittest import mock
+
     import torch
 
-    cls = torch.cuda.CUDAGraph
-    own = cls.__dict__.get("capture_end")
-    original = cls.capture_end
-    count = CaptureCount()
+    original = torch.cuda.CUDAGraph.capture_end
+    ended: list[int | None] = []
 
+    @functools.wraps(original)
     def capture_end(self: Any, *args: Any, **kwargs: Any) -> Any:
         nodes = capture_nodes()
         result = original(self, *args, **kwargs)
-        count.add(nodes)
+        ended.append(nodes)
         return result
 
-    capture_end.__doc__ = original.__doc__
-    cls.capture_end = capture_end  # type: ignore[method-assign]
-    try:
-        yield count
-    finally:
-        if own is None:
-            del cls.capture_end
-        else:
-            cls.capture_end = own  # type: ignore[method-assign]
+    with mock.patch.object(torch.cuda.CUDAGraph, "capture_end", capture_end):  # restored as it was, own or inherited
+        yield ended
 
 
 _CAPTURE_ACTIVE = 1  # CU_STREAM_CAPTURE_STATUS_ACTIVE
 
 
-@dataclass(frozen=True)
-class _DriverApi:
-    capture_info: Any  # cuStreamGetCaptureInfo_v3 or _v2
-    extra_args: int  # NULL arguments after graph_out: 3 (v3) or 2 (v2)
-    graph_nodes: Any  # cuGraphGetNodes
-
-
 @functools.cache
-def driver_api() -> tuple[_DriverApi | None, str]:
-    """The driver functions that read a capture's nodes, or ``None`` and why not."""
+def driver_api() -> tuple[tuple[Any, int, Any] | None, str]:
+    """The driver functions that read a capture's nodes (``cuStreamGetCaptureInfo_v3`` or ``_v2``,
+    the NULL arguments it takes after the graph, ``cuGraphGetNodes``), or ``None`` and why not."""
     if not sys.platform.startswith("linux"):
         return None, f"node counting reads libcuda.so.1 (Linux); this is {sys.platform}"
     try:
         lib = ctypes.CDLL("libcuda.so.1")
     except OSError as exc:
         return None, f"libcuda.so.1 could not be loaded ({exc})"
-    info, extra = None, 0
-    for name, nulls in (("cuStreamGetCaptureInfo_v3", 3), ("cuStreamGetCaptureInfo_v2", 2)):
-        info = getattr(lib, name, None)
-        if info is not None:
-            extra = nulls
-            break
+    versions = (("cuStreamGetCaptureInfo_v3", 3), ("cuStreamGetCaptureInfo_v2", 2))
+    info, extra = next(((getattr(lib, name), nulls) for name, nulls in versions if hasattr(lib, name)), (None, 0))
     nodes = getattr(lib, "cuGraphGetNodes", None)
     if info is None or nodes is None:
         return None, "libcuda.so.1 has no cuStreamGetCaptureInfo_v2/_v3 or cuGraphGetNodes"
@@ -224,7 +169,7 @@ def driver_api() -> tuple[_DriverApi | None, str]:
     info.restype = ctypes.c_int
     nodes.argtypes = [ptr, ptr, out(ctypes.c_size_t)]  # (graph, nodes*, numNodes*)
     nodes.restype = ctypes.c_int
-    return _DriverApi(info, extra, nodes), ""
+    return (info, extra, nodes), ""
 
 
 def capture_nodes() -> int | None:
@@ -232,26 +177,18 @@ def capture_nodes() -> int | None:
     api, _ = driver_api()
     if api is None:
         return None
+    capture_info, extra, graph_nodes = api
     try:
         import torch
 
         stream = torch.cuda.current_stream().cuda_stream
         status, ident, graph = ctypes.c_int(0), ctypes.c_uint64(0), ctypes.c_void_p(0)
-        rc = api.capture_info(ctypes.c_void_p(stream), ctypes.byref(status), ctypes.byref(ident),
-                              ctypes.byref(graph), *([None] * api.extra_args))
-        if rc != 0 or status.value != _CAPTURE_ACTIVE or not graph.value:
-            return None
+        rc = capture_info(ctypes.c_void_p(stream), ctypes.byref(status), ctypes.byref(ident), ctypes.byref(graph),
+                          *([None] * extra))
         count = ctypes.c_size_t(0)
-        if api.graph_nodes(graph, None, ctypes.byref(count)) != 0:
+        if rc != 0 or status.value != _CAPTURE_ACTIVE or not graph.value or (
+                graph_nodes(graph, None, ctypes.byref(count)) != 0):
             return None
         return int(count.value)
     except Exception:  # noqa: BLE001 - a count is optional; the capture must not fail for it
         return None
-
-
-def nodes_unread_reason(share: DriverShare | None) -> str:
-    """Why the share counts graphs only ("" where it counts nodes too)."""
-    if share is None or share.nodes_counted:
-        return ""
-    _, why = driver_api()
-    return why or "the driver did not report the captures' nodes"

@@ -9,7 +9,7 @@ from typing import Any
 
 from .allocator import LARGE_BUFFER, MB, ROUND_LARGE, SMALL_SIZE, PoolModel, round_size, segment_size
 from .driver import DriverShare
-from .trace import KeyTrace, ScaledTrace
+from .trace import ScaledTrace
 
 MODES = ("off", "on", "released")
 
@@ -28,8 +28,6 @@ class ModeForecast:
     keeps_largest: bool = False
     driver_bytes: int = 0
     probe_left_bytes: int = 0
-    #: where the pool depends on its segments' addresses, the highest pool over the address orders
-    #: less the model's order's (:func:`count_highest_order`)
     address_bytes: int = 0
 
     @property
@@ -39,8 +37,7 @@ class ModeForecast:
 
     @property
     def pool_bytes(self) -> int:
-        """The graph pool plus a shared buffer (working set, outputs and the address orders' margin):
-        what SGLang's pool holds."""
+        """The graph pool plus a shared buffer (what SGLang's pool holds)."""
         return self.working_set_bytes + self.outputs_bytes + self.address_bytes
 
     def to_dict(self) -> dict[str, int | str | bool]:
@@ -48,18 +45,17 @@ class ModeForecast:
 
 
 def simulate(trace: ScaledTrace, sizes: Iterable[int], *, keep_outputs: str, outputs: frozenset[int],
-             at: Mapping[int, KeyTrace] | None = None, reserve_bytes: int = 0, expandable: bool = False,
-             ascending: bool = False, order: int | None = None) -> PoolModel:
+             reserve_bytes: int = 0, expandable: bool = False, ascending: bool = False,
+             order: int | None = None) -> PoolModel:
     """Capture every size (largest first) into one modelled pool starting with a free block of
     ``reserve_bytes``; the ``outputs`` allocs are freed after each capture unless ``keep_outputs``
-    is ``"all"`` or ``"first"`` (the largest kept). ``at``: precomputed ``trace.at(size)``;
-    ``ascending``, ``order``: the segments' address order (:class:`PoolModel`)."""
+    is ``"all"`` or ``"first"`` (the largest kept); ``ascending``, ``order``: the segments' address
+    order (:class:`PoolModel`)."""
     pool = PoolModel(expandable=expandable, ascending=ascending, order_seed=order)
     if reserve_bytes:
         pool.reserve(reserve_bytes)
     for rank, size in enumerate(sorted(set(sizes), reverse=True)):
-        key = at[size] if at is not None else trace.at(size)
-        handles = pool.run(key.ops)
+        handles = pool.run(trace.at(size).ops)
         if keep_outputs == "none" or (keep_outputs == "first" and rank > 0):
             for i in trace.outputs_at(size, outputs):
                 if i in handles:
@@ -67,22 +63,19 @@ def simulate(trace: ScaledTrace, sizes: Iterable[int], *, keep_outputs: str, out
     return pool
 
 
-#: Address orders a forecast's caveat tries where its pool depends on the segments' addresses
-#: (seeded, so one schedule always gives one caveat; docs/forecast.md, "When the addresses matter").
+#: Seeded address orders tried where the pool depends on its segments' addresses.
 ADDRESS_ORDERS = 32
 
 
 def address_spread(trace: ScaledTrace, sizes: Iterable[int], *, outputs: frozenset[int],
                    reserve_bytes: int = 0) -> tuple[int, int, int]:
-    """The ``released`` pool (starting with a free block of ``reserve_bytes``) in the model's order
-    (each new segment below every earlier one), and the lowest and highest over that order, the
-    reverse and, where those two differ (the real pool then depends on the addresses cudaMalloc
-    gives), :data:`ADDRESS_ORDERS` seeded ones."""
+    """The ``released`` pool (starting with a free block of ``reserve_bytes``) in the model's order,
+    and the lowest and highest over that order, the reverse and, where those two differ,
+    :data:`ADDRESS_ORDERS` seeded ones."""
     sizes = list(sizes)
-    at = {size: trace.at(size) for size in set(sizes)}
 
     def pool(**order: Any) -> int:
-        return simulate(trace, sizes, keep_outputs="none", outputs=outputs, reserve_bytes=reserve_bytes, at=at,
+        return simulate(trace, sizes, keep_outputs="none", outputs=outputs, reserve_bytes=reserve_bytes,
                         **order).reserved_bytes
 
     modelled, reverse = pool(), pool(ascending=True)
@@ -94,9 +87,7 @@ def address_spread(trace: ScaledTrace, sizes: Iterable[int], *, outputs: frozens
 
 def count_highest_order(modes: Mapping[str, ModeForecast], spread: tuple[int, int, int]) -> dict[str, ModeForecast]:
     """``modes`` with every mode's pool at the highest order of ``spread`` (:func:`address_spread`):
-    the margin over the model's order is each mode's ``address_bytes``, in its total. A process may
-    take less, never more, than any address order gives (docs/forecast.md, "When the addresses
-    matter")."""
+    the margin over the model's order is each mode's ``address_bytes``, in its total."""
     modelled, _, high = spread
     margin = high - modelled
     return {m: replace(f, total_bytes=f.total_bytes + margin, address_bytes=f.address_bytes + margin) if margin else f
@@ -104,8 +95,7 @@ def count_highest_order(modes: Mapping[str, ModeForecast], spread: tuple[int, in
 
 
 def address_caveat(spread: tuple[int, int, int], remedy: str = "") -> str:
-    """What a forecast's caveat says where :func:`address_spread` found the orders apart
-    (``remedy``: what the reader can do about it, appended)."""
+    """The caveat where :func:`address_spread` found the orders apart (``remedy`` appended)."""
     modelled, low, high = spread
     if low == high:
         return ""
@@ -115,21 +105,22 @@ def address_caveat(spread: tuple[int, int, int], remedy: str = "") -> str:
             f"{(high - low) / MB:.1f} MiB less" + (f"; {remedy}" if remedy else ""))
 
 
+def buffer_bytes(largest_output_bytes: int, expandable: bool = False) -> int:
+    """What a reserved shared buffer takes: above 1 MiB, a segment of its own (nothing else on its
+    stream outlives the session)."""
+    need = round_size(largest_output_bytes) if largest_output_bytes else 0
+    if need <= SMALL_SIZE:
+        return need
+    return LARGE_BUFFER * -(-need // LARGE_BUFFER) if expandable else segment_size(need)
+
+
 def on_bytes_by_source(trace: ScaledTrace, sizes: list[int], *, outputs: frozenset[int], released: int,
-                       largest_output_bytes: int, at: Mapping[int, KeyTrace] | None = None,
-                       reserve_bytes: int = 0, expandable: bool = False) -> dict[str, int]:
+                       largest_output_bytes: int, reserve_bytes: int = 0, expandable: bool = False) -> dict[str, int]:
     """The pool plus buffer of ``on`` per buffer source: ``reserve`` (the largest output outside
     the pool) and ``adopt`` (the largest capture's output kept in the pool as the buffer)."""
-    need = round_size(largest_output_bytes) if largest_output_bytes else 0
-    if expandable and need > SMALL_SIZE:
-        outside = LARGE_BUFFER * -(-need // LARGE_BUFFER)
-    else:
-        # a segment of its own (20 MiB from 1 to 10 MiB): nothing else on its stream outlives the session
-        outside = segment_size(need) if need > SMALL_SIZE else need
-    reserve = released + outside
-    adopt = simulate(trace, sizes, keep_outputs="first", outputs=outputs, at=at, reserve_bytes=reserve_bytes,
+    adopt = simulate(trace, sizes, keep_outputs="first", outputs=outputs, reserve_bytes=reserve_bytes,
                      expandable=expandable).reserved_bytes
-    return {"adopt": adopt, "reserve": reserve}
+    return {"adopt": adopt, "reserve": released + buffer_bytes(largest_output_bytes, expandable)}
 
 
 #: Sizes tried for the pool's first block, in MiB above the largest capture's peak (rounded to
@@ -138,16 +129,15 @@ RESERVE_STEPS_MIB = (0, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128)
 
 
 def best_reserve(trace: ScaledTrace, sizes: list[int], *, keep_outputs: str, outputs: frozenset[int],
-                 baseline: int, at: Mapping[int, KeyTrace] | None = None) -> int:
+                 baseline: int) -> int:
     """The first block (bytes) that makes the schedule's pool smaller than ``baseline``, or 0 when
     none of :data:`RESERVE_STEPS_MIB` does (searched on the two largest captures)."""
     order = sorted(set(sizes), reverse=True)
-    peak = simulate(trace, order[:1], keep_outputs=keep_outputs, outputs=outputs, at=at).peak_allocated_bytes
+    peak = simulate(trace, order[:1], keep_outputs=keep_outputs, outputs=outputs).peak_allocated_bytes
     start = -(-peak // ROUND_LARGE) * ROUND_LARGE
-    tried = [(simulate(trace, order[:2], keep_outputs=keep_outputs, outputs=outputs, at=at,
-                       reserve_bytes=start + step * MB).reserved_bytes, start + step * MB) for step in RESERVE_STEPS_MIB]
-    candidate = min(tried)[1]
-    whole = simulate(trace, order, keep_outputs=keep_outputs, outputs=outputs, at=at, reserve_bytes=candidate)
+    candidate = min((simulate(trace, order[:2], keep_outputs=keep_outputs, outputs=outputs, reserve_bytes=block)
+                     .reserved_bytes, block) for block in (start + step * MB for step in RESERVE_STEPS_MIB))[1]
+    whole = simulate(trace, order, keep_outputs=keep_outputs, outputs=outputs, reserve_bytes=candidate)
     return candidate if whole.reserved_bytes < baseline else 0
 
 
@@ -157,22 +147,11 @@ def forecast_modes(trace: ScaledTrace, sizes: Iterable[int], **options: Any) -> 
     return schedule_forecast(trace, sizes, **options)[0]
 
 
-def schedule_forecast(
-    trace: ScaledTrace,
-    sizes: Iterable[int],
-    *,
-    outputs: frozenset[int],
-    largest_output_bytes: int,
-    stream_bytes: int = 0,
-    bridge_bytes: int = 0,
-    source: str = "reserve",
-    pool_reserve: str | int = "off",
-    configured_mode: str = "released",
-    expandable: bool = False,
-    released_keeps: str = "none",
-    driver: DriverShare | None = None,
-    probe_left_bytes: int = 0,
-) -> tuple[dict[str, ModeForecast], dict[str, int], str, int]:
+def schedule_forecast(trace: ScaledTrace, sizes: Iterable[int], *, outputs: frozenset[int], largest_output_bytes: int,
+                      stream_bytes: int = 0, bridge_bytes: int = 0, source: str = "reserve",
+                      pool_reserve: str | int = "off", configured_mode: str = "released", expandable: bool = False,
+                      released_keeps: str = "none", driver: DriverShare | None = None, probe_left_bytes: int = 0,
+                      ) -> tuple[dict[str, ModeForecast], dict[str, int], str, int]:
     """:func:`forecast_modes`, with ``on``'s pool plus buffer per source, the source taken
     (``"auto"``: the cheaper) and the pool's first block (``pool_reserve``: ``"off"``, bytes, or
     ``"auto"``: :func:`best_reserve`); ``released_keeps="auto"`` keeps the largest output where the
@@ -183,41 +162,30 @@ def schedule_forecast(
         msg = f"released_keeps must be 'none' or 'auto', got {released_keeps!r}"
         raise ValueError(msg)
     sizes = list(sizes)
-    at = {size: trace.at(size) for size in set(sizes)}
 
-    def pools(reserve_bytes: int) -> tuple[int, int, dict[str, int]]:
-        released = simulate(trace, sizes, keep_outputs="none", outputs=outputs, at=at, reserve_bytes=reserve_bytes,
-                            expandable=expandable).reserved_bytes
-        kept = simulate(trace, sizes, keep_outputs="all", outputs=outputs, at=at, reserve_bytes=reserve_bytes,
-                        expandable=expandable).reserved_bytes
-        by_source = on_bytes_by_source(trace, sizes, outputs=outputs, released=released,
-                                       largest_output_bytes=largest_output_bytes, at=at, reserve_bytes=reserve_bytes,
-                                       expandable=expandable)
-        return released, kept, by_source
+    def pools(reserve_bytes: int) -> tuple[int, int, dict[str, int], str, bool]:
+        """The pools released and kept, ``on``'s by source, the source taken, whether released keeps the largest."""
+        released, kept = (simulate(trace, sizes, keep_outputs=keep, outputs=outputs, reserve_bytes=reserve_bytes,
+                                   expandable=expandable).reserved_bytes for keep in ("none", "all"))
+        by_source = on_bytes_by_source(trace, sizes, outputs=outputs, released=released, expandable=expandable,
+                                       largest_output_bytes=largest_output_bytes, reserve_bytes=reserve_bytes)
+        chosen = cheaper_source(by_source) if source == "auto" else source
+        return released, kept, by_source, chosen, released_keeps == "auto" and by_source["adopt"] < released
 
-    def keeps_largest(released: int, by_source: dict[str, int]) -> bool:
-        return released_keeps == "auto" and by_source["adopt"] < released
-
-    released, kept, by_source = pools(0)
-    chosen = cheaper_source(by_source) if source == "auto" else source
+    released, kept, by_source, chosen, keep_largest = pools(0)
     reserve_bytes = pool_reserve if isinstance(pool_reserve, int) else 0
     if pool_reserve == "auto" and not expandable:
-        released_keep = "first" if keeps_largest(released, by_source) else "none"
-        keep = {"off": "all", "released": released_keep}.get(configured_mode, "first" if chosen == "adopt" else "none")
+        keep = {"off": "all", "released": "first" if keep_largest else "none"}.get(
+            configured_mode, "first" if chosen == "adopt" else "none")
         baseline = {"all": kept, "none": released, "first": by_source["adopt"]}[keep]
-        reserve_bytes = best_reserve(trace, sizes, keep_outputs=keep, outputs=outputs, baseline=baseline, at=at)
+        reserve_bytes = best_reserve(trace, sizes, keep_outputs=keep, outputs=outputs, baseline=baseline)
     if reserve_bytes:
-        released, kept, by_source = pools(reserve_bytes)
-        chosen = cheaper_source(by_source) if source == "auto" else source
-    on = by_source[chosen]
-    keep_largest = keeps_largest(released, by_source)
-    floor = by_source["adopt"] if keep_largest else released
+        released, kept, by_source, chosen, keep_largest = pools(reserve_bytes)
     extra = stream_bytes + bridge_bytes + probe_left_bytes
-    pool = {"off": kept, "on": on, "released": floor}
+    pool = {"off": kept, "on": by_source[chosen], "released": by_source["adopt"] if keep_largest else released}
     drv = {m: driver.bytes_for(m) if driver is not None else 0 for m in MODES}
-    modes = {m: ModeForecast(m, pool[m] + extra + drv[m], released, pool[m] - released,
-                             stream_bytes, bridge_bytes, driver_bytes=drv[m],
-                             keeps_largest=m == "released" and keep_largest,
+    modes = {m: ModeForecast(m, pool[m] + extra + drv[m], released, pool[m] - released, stream_bytes, bridge_bytes,
+                             keeps_largest=m == "released" and keep_largest, driver_bytes=drv[m],
                              probe_left_bytes=probe_left_bytes) for m in MODES}
     return modes, by_source, chosen, reserve_bytes
 
@@ -229,8 +197,7 @@ def cheaper_source(by_source: dict[str, int]) -> str:
 
 #: vLLM's floor for the per-graph cost of its extrapolation (1 MiB, "driver overhead per graph").
 VLLM_MIN_PER_GRAPH = 1 << 20
-#: SGLang 0.5.23's reserve for prefill graphs: a fixed 8 MiB per capture size, whatever the
-#: model or the output mode (``arg_groups/memory_hook.py``).
+#: SGLang 0.5.23's reserve for prefill graphs: 8 MiB per capture size (``arg_groups/memory_hook.py``).
 SGLANG_RESERVE_PER_SIZE = 8 << 20
 
 

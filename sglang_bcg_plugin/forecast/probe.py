@@ -18,7 +18,7 @@ from ..errors import CaptureStateError, ForecastError
 from ..shape_key import ShapeKey
 from ..trees import flatten
 from .allocator import expandable_segments
-from .driver import DRIVER_COEFFICIENTS, DriverShare, ProbeCount, counting_captures, nodes_unread_reason, schedule_share
+from .driver import DRIVER_COEFFICIENTS, DriverShare, ProbeCount, counting_captures, driver_api, schedule_share
 from .model import (MODES, ModeForecast, address_caveat, address_spread, count_highest_order, reference_estimates,
                     schedule_forecast)
 from .trace import KeyTrace, ScaledTrace, output_allocs, pinned_slack, pool_trace
@@ -32,41 +32,31 @@ MIB = 1 << 20
 @dataclass(frozen=True)
 class GraphMemoryForecast:
     """The forecast graph memory of one schedule (largest first), per output mode
-    (:class:`~.model.ModeForecast`); ``mode``: the one the backend's next session resolves to."""
+    (:class:`~.model.ModeForecast`); ``mode``: the one the backend's next session resolves to. The
+    other fields are described in docs/forecast.md (``probe_sizes``: the largest, the smallest, then
+    any probed because those two did not pair; ``caveat``: "" where none is known; ``driver``:
+    ``None`` where not modelled)."""
 
     backend: str
     sizes: tuple[int, ...]
     mode: str
     modes: MappingProxyType[str, ModeForecast] = field(default_factory=lambda: MappingProxyType({}))
-    #: the sizes probed: the largest, the smallest, then any probed because the smallest's
-    #: allocations did not pair with the largest's (:func:`fit_probes`)
     probe_sizes: tuple[int, ...] = (0, 0)
     seconds: float = 0.0
-    #: the shared buffer's source ``on`` is forecast with (``shared_buffer="auto"``: the cheaper).
     buffer_source: str = "reserve"
-    #: pool plus buffer of ``on`` per source (``adopt``, ``reserve``), without the stream's bytes.
     on_by_source: MappingProxyType[str, int] = field(default_factory=lambda: MappingProxyType({}))
-    #: per mode, vLLM's and SGLang's estimates of the same schedule (:func:`~.model.reference_estimates`).
     references: MappingProxyType[str, dict[str, int]] = field(default_factory=lambda: MappingProxyType({}))
-    #: of :attr:`seconds`, the probe captures' (warmups, captures, cleanup); the rest is the model.
     probe_seconds: float = 0.0
-    #: the block the graph pool starts with (0: none); ``pool_reserve="auto"`` reserves it next.
     pool_reserve_bytes: int = 0
-    #: why the figures may not hold on this process's allocator ("": none known).
     caveat: str = ""
-    #: the CUDA driver's share behind every mode's ``driver_bytes``; ``None``: not modelled.
     driver: DriverShare | None = None
-    #: free device memory the probe session lost beyond what PyTorch's allocator reserved.
     probe_driver_bytes: int = 0
-    #: free device memory lost from before the forecast (its eager forwards) to after the probes'
-    #: cleanup (driver and allocator; the allocator's part is every mode's ``probe_left_bytes``).
     lasting_bytes: int = 0
 
     @property
     def released_keeps_largest(self) -> bool:
         """Whether a ``released`` session after this forecast keeps the largest output."""
-        released = self.modes.get("released")
-        return bool(released is not None and released.keeps_largest)
+        return "released" in self.modes and self.modes["released"].keeps_largest
 
     def bytes_for(self, mode: str | None = None, *, driver: bool = True) -> int:
         """The forecast total of ``mode`` (default: :attr:`mode`); ``driver=False``: the allocator's only."""
@@ -82,28 +72,26 @@ class GraphMemoryForecast:
                 "max_tokens": self.sizes[0] if self.sizes else 0, "probe_sizes": list(self.probe_sizes),
                 "seconds": self.seconds, "probe_seconds": self.probe_seconds,
                 "pool_reserve_bytes": self.pool_reserve_bytes, "buffer_source": self.buffer_source,
-                "caveat": self.caveat,
-                "driver": None if self.driver is None else self.driver.to_dict(),
+                "caveat": self.caveat, "driver": None if self.driver is None else self.driver.to_dict(),
                 "probe_driver_bytes": self.probe_driver_bytes, "lasting_bytes": self.lasting_bytes,
-                "on_by_source": dict(self.on_by_source),
-                "references": {m: dict(r) for m, r in self.references.items()},
+                "on_by_source": dict(self.on_by_source), "references": {m: dict(r) for m, r in self.references.items()},
                 "modes": {m: f.to_dict() for m, f in self.modes.items()}}
 
     def format(self) -> str:
+        mib = self.pool_reserve_bytes / MIB
+        block = f"; the pool starts with one {mib:.0f} MiB block" if self.pool_reserve_bytes else ""
         lines = [f"{self.backend}: graph memory forecast for {len(self.sizes)} sizes up to "
                  f"{self.sizes[0] if self.sizes else 0} tokens (probes {_and(self.probe_sizes)}, "
-                 f"{self.seconds:.1f} s; on with the {self.buffer_source} buffer"
-                 + (f"; the pool starts with one {self.pool_reserve_bytes / MIB:.0f} MiB block" if self.pool_reserve_bytes else "")
-                 + "):"]
+                 f"{self.seconds:.1f} s; on with the {self.buffer_source} buffer{block}):"]
         for m in MODES:
             f = self.modes[m]
-            mark = (" (keeps the largest output: a tighter pool)" if f.keeps_largest else "") + (
-                " <- configured" if m == self.mode else "")
+            optional = (("probes' stream", f.probe_left_bytes), ("address orders", f.address_bytes))
             lines.append(f"  {m:8} {f.total_bytes / MIB:9.1f} MiB = working set {f.working_set_bytes / MIB:.1f} "
                          f"+ outputs {f.outputs_bytes / MIB:.1f} + stream {f.stream_bytes / MIB:.1f} "
                          f"+ bridges {f.bridge_bytes / MIB:.1f} + driver {f.driver_bytes / MIB:.1f}"
-                         + (f" + probes' stream {f.probe_left_bytes / MIB:.1f}" if f.probe_left_bytes else "")
-                         + (f" + address orders {f.address_bytes / MIB:.1f}" if f.address_bytes else "") + mark)
+                         + "".join(f" + {part} {n / MIB:.1f}" for part, n in optional if n)
+                         + (" (keeps the largest output: a tighter pool)" if f.keeps_largest else "")
+                         + (" <- configured" if m == self.mode else ""))
         if self.driver is not None:
             lines.append(f"  driver: {self.driver.describe()} (the probes lost {self.probe_driver_bytes / MIB:.1f} MiB "
                          "outside the allocator)")
@@ -116,11 +104,24 @@ def _and(sizes: Sequence[int]) -> str:
     return ", ".join(map(str, sizes[:-1])) + f" and {sizes[-1]}" if len(sizes) > 1 else "".join(map(str, sizes))
 
 
-def _pool_segments() -> list[tuple[tuple[int, ...], int, int]]:
+def pool_segments() -> list[tuple[tuple[int, ...], int, int]]:
     """``(pool id, address, bytes)`` of every segment of a private pool (not the default one)."""
     segments = [(tuple(s.get("segment_pool_id", (0, 0))), int(s["address"]), int(s["total_size"]))
                 for s in torch.cuda.memory._snapshot()["segments"]]
     return [seg for seg in segments if seg[0] != (0, 0)]
+
+
+def device_trace() -> list[dict[str, Any]]:
+    """The allocator's recorded events on the current device."""
+    return torch.cuda.memory._snapshot()["device_traces"][torch.cuda.current_device()]
+
+
+def record_history(enabled: bool) -> None:
+    """Start (every event, Python stacks) or stop recording the allocator's history."""
+    if enabled:
+        torch.cuda.memory._record_memory_history(enabled="all", context=None, stacks="python", max_entries=1_000_000)
+    else:
+        torch.cuda.memory._record_memory_history(enabled=None)
 
 
 def reserved_bytes() -> int:
@@ -128,70 +129,62 @@ def reserved_bytes() -> int:
     return int(torch.cuda.memory_reserved())
 
 
-@dataclass(frozen=True)
-class ProbeDevice:
-    """The graphs each probe captured; the free device memory the session lost beyond the allocator's."""
-
-    counts: tuple[ProbeCount, ...]
-    driver_bytes: int
-
-
 def _probe(backend: CaptureBackend, sizes: Sequence[int], forward_for: Callable[[int], Callable[[], Any]],
-           capture_inputs: Any, upward: Sequence[int] = ()) -> tuple[list[KeyTrace], list[list[int]], int, int, ProbeDevice]:
+           capture_inputs: Any, upward: Sequence[int] = ()
+           ) -> tuple[list[KeyTrace], list[list[int]], int, int, list[ProbeCount], int]:
     """Capture ``sizes`` (largest first), then, while the largest's and the last probe's traces
     cannot be paired (:func:`_fit`), the next of ``upward``: their pool traces, each one's output
-    storage bytes, the bridge bytes, the stream's bytes (reserved outside the graph pool) and the
-    device figures."""
-    pools = {pool for pool, _, _ in _pool_segments()}
-    torch.cuda.memory._record_memory_history(enabled="all", context=None, stacks="python", max_entries=1_000_000)
+    storage bytes, the bridge bytes, the stream's bytes (reserved outside the graph pool), the graphs
+    each captured and the free device memory the session lost beyond the allocator's."""
+    pools = {pool for pool, _, _ in pool_segments()}
+    record_history(True)
     events: list[list[dict[str, Any]]] = []
     output_bytes: list[list[int]] = []
     queue, more = list(sizes), list(upward)
 
+    def new_segments() -> list[tuple[int, int]]:
+        return [(addr, nbytes) for pool, addr, nbytes in pool_segments() if pool not in pools]
+
     def traces() -> list[KeyTrace]:
-        segments = [(addr, nbytes) for pool, addr, nbytes in _pool_segments() if pool not in pools]
+        segments = new_segments()
         return [pool_trace(n, ev, segments) for n, ev in zip(queue, events, strict=True)]
 
     try:
         # No collection: free memory is measured inside the session (docs/index.md, "GC safety").
         with gc_safe_capture(collect=False), torch.no_grad(), backend.capture_session(), counting_captures() as count:
-            free_before = device_free_bytes(collect=False)
-            reserved_before = reserved_bytes()
-            cursor = len(torch.cuda.memory._snapshot()["device_traces"][torch.cuda.current_device()])
+            free_before, reserved_before = device_free_bytes(collect=False), reserved_bytes()
+            cursor = len(device_trace())
             counts = []
-            while len(events) < len(queue):
-                n = queue[len(events)]
-                before = count.copy()
+            for n in queue:  # the queue grows while the last probe does not pair with the largest
+                before = len(count)
                 out = backend.capture_one(ShapeKey(n), forward_for(n), capture_inputs=capture_inputs)
-                counts.append(count.since(before, n))
-                trace = torch.cuda.memory._snapshot()["device_traces"][torch.cuda.current_device()]
+                counts.append(ProbeCount.of(n, count[before:]))
+                trace = device_trace()
                 events.append(trace[cursor:])
                 cursor = len(trace)
                 output_bytes.append([t.untyped_storage().nbytes() for _, t in flatten(out)[1]])
                 if len(events) == len(queue) and more:
                     probed = traces()
-                    if _fit(probed[0], probed[-1]) is None:
+                    if isinstance(_fit(probed[0], probed[-1]), ForecastError):
                         queue.append(more.pop(0))
-            free_after = device_free_bytes(collect=False)
-            reserved_after = reserved_bytes()
-        segments = [(addr, nbytes) for pool, addr, nbytes in _pool_segments() if pool not in pools]
+            free_after, reserved_after = device_free_bytes(collect=False), reserved_bytes()
+        segments = new_segments()
         bridges = backend.memory_report().total_bridge_bytes
     finally:
-        torch.cuda.memory._record_memory_history(enabled=None)
+        record_history(False)
     slack = pinned_slack([e for ev in events for e in ev], segments)
     grown = reserved_after - reserved_before
     outside_pool = max(0, grown - sum(n for _, n in segments) - slack)
-    driver = max(0, free_before - free_after - grown)
-    return traces(), output_bytes, bridges, outside_pool, ProbeDevice(tuple(counts), driver)
+    return traces(), output_bytes, bridges, outside_pool, counts, max(0, free_before - free_after - grown)
 
 
-def _fit(large: KeyTrace, small: KeyTrace) -> ScaledTrace | None:
-    """:meth:`ScaledTrace.fit` of the two, ``None`` where their allocations cannot be paired."""
+def _fit(large: KeyTrace, small: KeyTrace) -> ScaledTrace | ForecastError:
+    """:meth:`ScaledTrace.fit` of the two, or the error where their allocations cannot be paired."""
     try:
         with gc_safe_capture(collect=False):  # many short-lived objects (docs/index.md, "GC safety")
             return ScaledTrace.fit(large, small)
-    except ForecastError:
-        return None
+    except ForecastError as exc:
+        return exc
 
 
 def fit_probes(traces: Sequence[KeyTrace], output_bytes: Sequence[Sequence[int]]) -> ScaledTrace:
@@ -200,26 +193,19 @@ def fit_probes(traces: Sequence[KeyTrace], output_bytes: Sequence[Sequence[int]]
     for their sizes alone (:attr:`ScaledTrace.alone`).
 
     :raises ForecastError: the largest pairs with none of the others."""
-    large = traces[0]
-    for j in range(len(traces) - 1, 1, -1):  # the sizes probed because the smallest did not pair
-        fitted = _fit(large, traces[j])
-        if fitted is not None:
+    for j in range(len(traces) - 1, 0, -1):  # the sizes probed because the smallest did not pair first
+        fitted = _fit(traces[0], traces[j])
+        if isinstance(fitted, ScaledTrace):
             break
     else:
-        j = 1
-        try:
-            with gc_safe_capture(collect=False):  # many short-lived objects (docs/index.md, "GC safety")
-                fitted = ScaledTrace.fit(large, traces[1])
-        except ForecastError as exc:
-            tried = ", ".join(str(t.size) for t in traces[2:])
-            msg = f"{exc}" + (f" (nor at the next sizes up: {tried} tokens)" if tried else "")
-            raise ForecastError(msg) from None
+        tried = ", ".join(str(t.size) for t in traces[2:])
+        msg = f"{fitted}" + (f" (nor at the next sizes up: {tried} tokens)" if tried else "")
+        raise ForecastError(msg)
     return fitted.with_alone([(t, output_allocs(t, out)) for t, out in zip(traces[j + 1:], output_bytes[j + 1:],
                                                                            strict=True)])
 
 
-#: Sizes a forecast probes beyond the largest and the smallest where their allocations cannot be
-#: paired (the next sizes up from the smallest: a size-1 forward often takes another path).
+#: Sizes a forecast probes, the next up from the smallest, where the largest and smallest do not pair.
 MAX_ALONE_PROBES = 3
 
 
@@ -231,25 +217,19 @@ def _checked_sizes(name: str, sizes: Iterable[int]) -> list[int]:
         msg = f"{name} backend: forecast() takes the capture sizes as an iterable of ints, got {sizes!r:.200}"
         raise TypeError(msg)
     checked = list(sizes)
+    head = f"{name} backend: forecast() sizes must be ints >= 1 (capture sizes, as ShapeKey.size), got"
     for s in checked:
         if isinstance(s, bool) or not isinstance(s, int):
-            msg = (f"{name} backend: forecast() sizes must be ints >= 1 (capture sizes, as ShapeKey.size), "
-                   f"got {s!r:.200} ({type(s).__name__}) in {checked!r:.200}")
+            msg = f"{head} {s!r:.200} ({type(s).__name__}) in {checked!r:.200}"
             raise TypeError(msg)
         if s < 1:
-            msg = f"{name} backend: forecast() sizes must be ints >= 1 (capture sizes, as ShapeKey.size), got {s!r} in {checked!r:.200}"
+            msg = f"{head} {s!r} in {checked!r:.200}"
             raise ValueError(msg)
     return checked
 
 
-def forecast_schedule(
-    backend: CaptureBackend,
-    sizes: Iterable[int],
-    forward_for: Callable[[int], Callable[[], Any]],
-    capture_inputs: Any = None,
-    *,
-    configured_mode: str,
-) -> GraphMemoryForecast:
+def forecast_schedule(backend: CaptureBackend, sizes: Iterable[int], forward_for: Callable[[int], Callable[[], Any]],
+                      capture_inputs: Any = None, *, configured_mode: str) -> GraphMemoryForecast:
     """See :meth:`CaptureBackend.forecast`; ``configured_mode``: the mode its next session resolves to."""
     start = time.perf_counter()
     schedule = sorted(set(_checked_sizes(backend.name, sizes)), reverse=True)
@@ -264,93 +244,83 @@ def forecast_schedule(
                f"captures with the {backend.engine_name} engine")
         raise ForecastError(msg)
     options = backend.options
-    probe_sizes = (schedule[0], schedule[-1])
-    free_start = device_free_bytes(collect=False)  # what the forecast leaves lost is counted from here
-    reserved_start = reserved_bytes()  # after that empty_cache: what the allocator holds in use
+    free_start, reserved_start = device_free_bytes(collect=False), reserved_bytes()  # both after empty_cache
     launch = first_launch_bytes(backend, schedule, forward_for, free_start, reserved_start)
-    # One warmup per probe: the graph pool sees only the capture.
+    # one warmup per probe (the pool sees only the capture); the probes' requests, the process's allocator
     backend.configure(output_mode="off", stale_output_guard=False, num_warmups=min(options.num_warmups, 1),
-                      pool_reserve="off", pool_segments="fixed")  # the probes' requests, the process's allocator
+                      pool_reserve="off", pool_segments="fixed")
     try:
-        traces, output_bytes, bridges, stream_bytes, device = _probe(backend, probe_sizes, forward_for, capture_inputs,
-                                                                     upward=schedule[-2:0:-1][:MAX_ALONE_PROBES])
+        traces, output_bytes, bridges, stream_bytes, counts, probe_driver = _probe(
+            backend, (schedule[0], schedule[-1]), forward_for, capture_inputs,
+            upward=schedule[-2:0:-1][:MAX_ALONE_PROBES])
     finally:
         backend.cleanup()
         backend.configure(**{f.name: getattr(options, f.name) for f in dataclasses.fields(options)})
     lasting = max(0, free_start - device_free_bytes(collect=False))
-    # What the forecast left reserved: the probes' stream's cuBLAS workspace, and the eager
-    # forwards' where their stream had none; kept for the process's life (docs/forecast.md).
-    probe_left = min(lasting, max(0, reserved_bytes() - reserved_start))
+    probe_left = min(lasting, max(0, reserved_bytes() - reserved_start))  # what the forecast left reserved
     probe_seconds = time.perf_counter() - start
     largest_output = output_bytes[0]
     fitted = fit_probes(traces, output_bytes)
-    # The model's many short-lived objects would trigger collections (docs/index.md, "GC safety").
-    with gc_safe_capture(collect=False):
+    with gc_safe_capture(collect=False):  # many short-lived objects (docs/index.md, "GC safety")
         outputs = output_allocs(traces[0], largest_output)
         expandable = expandable_segments() or options.pool_segments == "expandable"
-        # what the first launches and the probes left with the driver is measured: the session pays
-        # only its own graphs (docs/forecast.md, "The driver's share")
-        driver = dataclasses.replace(probe_driver_share(device, schedule, len(largest_output)), launch_bytes=launch,
-                                     paid_bytes=max(0, lasting - probe_left))
+        # the first launches and the probes' share with the driver, measured: the session pays its own graphs
+        driver = dataclasses.replace(probe_driver_share(counts, probe_driver, schedule, len(largest_output)),
+                                     launch_bytes=launch, paid_bytes=max(0, lasting - probe_left))
         modes, by_source, source, reserve_bytes = schedule_forecast(
             fitted, schedule, outputs=outputs, largest_output_bytes=sum(largest_output), stream_bytes=stream_bytes,
             bridge_bytes=bridges, source=options.shared_buffer, pool_reserve=options.pool_reserve,
             configured_mode=configured_mode, expandable=expandable, released_keeps="auto", driver=driver,
             probe_left_bytes=probe_left)
         references = reference_estimates(modes, fitted, schedule, outputs=outputs, expandable=expandable, driver=driver)
-        spread = (0, 0, 0) if expandable else address_spread(fitted, schedule, outputs=outputs, reserve_bytes=reserve_bytes)
+        spread = (0, 0, 0) if expandable else address_spread(fitted, schedule, outputs=outputs,
+                                                             reserve_bytes=reserve_bytes)
         modes = count_highest_order(modes, spread)
     remedy = "pool_reserve='auto' starts the pool as one block" if options.pool_reserve == "off" else ""
     caveat = "; ".join(c for c in (EXPANDABLE_CAVEAT if expandable else "", driver_caveat(driver),
                                    address_caveat(spread, remedy)) if c)
     return GraphMemoryForecast(backend.name, tuple(schedule), configured_mode, MappingProxyType(modes),
-                               tuple(t.size for t in traces),
-                               time.perf_counter() - start, source, MappingProxyType(by_source),
-                               MappingProxyType(references), probe_seconds, reserve_bytes, caveat,
-                               driver, device.driver_bytes, lasting)
+                               tuple(t.size for t in traces), time.perf_counter() - start, source,
+                               MappingProxyType(by_source), MappingProxyType(references), probe_seconds, reserve_bytes,
+                               caveat, driver, probe_driver, lasting)
 
 
 def first_launch_bytes(backend: CaptureBackend, sizes: Sequence[int], forward_for: Callable[[int], Callable[[], Any]],
                        free_before: int, reserved_before: int) -> int:
-    """Run one eager forward at each of ``sizes`` (in ``backend.size_context``); the free device
-    memory that took beyond the allocator's growth (``free_before``, ``reserved_before``: read just
-    before, after ``empty_cache``). A kernel's first launch can take driver memory a session pays
-    once (docs/forecast.md, "First launches"); run here, it is measured rather than met during the
-    capture. No collection runs meanwhile (docs/index.md, "GC safety")."""
+    """Run one eager forward at each of ``sizes`` (in ``backend.size_context``, no collection); the
+    free device memory that took beyond the allocator's growth since ``free_before`` and
+    ``reserved_before`` (read just before, after ``empty_cache``; docs/forecast.md, "How it works")."""
     with gc_safe_capture(collect=False), torch.no_grad():
         for n in sizes:
             with backend.size_context(n):
                 forward_for(n)()
-    free_after = device_free_bytes(collect=False)
-    return max(0, free_before - free_after - (reserved_bytes() - reserved_before))
+    return max(0, free_before - device_free_bytes(collect=False) - (reserved_bytes() - reserved_before))
 
 
-def probe_driver_share(device: ProbeDevice, schedule: Sequence[int], output_tensors: int) -> DriverShare:
+def probe_driver_share(counts: Sequence[ProbeCount], lost: int, schedule: Sequence[int], output_tensors: int
+                       ) -> DriverShare:
     """The driver's share of ``schedule`` (:func:`~.driver.schedule_share`), with the first-capture
-    cost where the probes lost at least half of it."""
-    first = device.driver_bytes >= DRIVER_COEFFICIENTS.first_capture_bytes // 2
-    return schedule_share(device.counts, schedule, on_copy_nodes_per_size=output_tensors, first_capture=first)
+    cost where the probes lost at least half of it beyond the allocator (``lost``)."""
+    first = lost >= DRIVER_COEFFICIENTS.first_capture_bytes // 2
+    return schedule_share(counts, schedule, on_copy_nodes_per_size=output_tensors, first_capture=first)
 
 
 def driver_caveat(driver: DriverShare | None, counted: str = "during the probes") -> str:
-    """What :attr:`GraphMemoryForecast.caveat` says where the driver's share is partial (``counted``:
-    where the captures were counted)."""
-    if driver is None:
+    """The caveat where the driver's share is partial (``counted``: where the captures were counted)."""
+    if driver is None or (driver.graphs and driver.nodes_counted):
         return ""
     if driver.graphs == 0:
         return (f"no CUDA graph capture was seen {counted} (torch.cuda.CUDAGraph.capture_end): "
                 "the driver's share holds no per-graph cost")
-    why = nodes_unread_reason(driver)
-    return f"the driver's share counts graphs, not their nodes: {why}" if why else ""
+    why = driver_api()[1] or "the driver did not report the captures' nodes"
+    return f"the driver's share counts graphs, not their nodes: {why}"
 
 
 #: What :attr:`GraphMemoryForecast.caveat` says with ``expandable_segments`` on.
-EXPANDABLE_CAVEAT = (
-    "the graph pool grows with expandable_segments (the process's setting or pool_segments='expandable'); "
-    "the forecast models it as one segment "
-    "growing in 20 MiB steps, measured within 7 % on an H200 (up to 7 % over on Piecewise, "
-    "within 3 % on Full), not exact as without it"
-)
+EXPANDABLE_CAVEAT = ("the graph pool grows with expandable_segments (the process's setting or "
+                     "pool_segments='expandable'); the forecast models it as one segment growing in 20 MiB steps, "
+                     "measured within 7 % on an H200 (up to 7 % over on Piecewise, within 3 % on Full), not exact "
+                     "as without it")
 
 
 def allocator_caveat() -> str:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ..errors import ForecastError
 from .allocator import round_size, segment_size
@@ -27,11 +27,14 @@ class KeyTrace:
         freed = {i for kind, i in self.ops if kind == 1}
         return tuple(i for i, (kind, _) in enumerate(self.ops) if kind == 0 and i not in freed)
 
-    def kept_bytes(self) -> int:
-        return sum(self.ops[i][1] for i in self.kept)
+    @property
+    def shape(self) -> tuple[tuple[int, int], ...]:
+        """``ops`` with the allocs' bytes zeroed: the sequence of requests."""
+        return tuple((k, v if k == 1 else 0) for k, v in self.ops)
 
 
-def _inside(addr: int, segments: Sequence[tuple[int, int]]) -> bool:
+def inside(addr: int, segments: Sequence[tuple[int, int]]) -> bool:
+    """Whether ``addr`` falls in one of ``segments`` (``(address, bytes)``)."""
     return any(lo <= addr < lo + n for lo, n in segments)
 
 
@@ -42,7 +45,7 @@ def pool_trace(size: int, events: Iterable[dict[str, object]], segments: Sequenc
     live: dict[int, int] = {}
     for e in events:
         addr = int(e["addr"])  # type: ignore[call-overload]
-        if not _inside(addr, segments):
+        if not inside(addr, segments):
             continue
         if e["action"] == ALLOC:
             live[addr] = len(ops)
@@ -59,17 +62,13 @@ def pinned_slack(events: Iterable[dict[str, object]], segments: Sequence[tuple[i
     live: dict[int, int] = {}
     for e in events:
         addr, action = int(e["addr"]), e["action"]  # type: ignore[call-overload]
-        if _inside(addr, segments):
+        if inside(addr, segments):
             continue
-        size = int(e["size"])  # type: ignore[call-overload]
-        if action == SEGMENT_ALLOC:
-            made[addr] = size
-        elif action == SEGMENT_FREE:
-            made.pop(addr, None)
-        elif action == ALLOC:
-            live[addr] = size
-        elif action == FREE_COMPLETED:
-            live.pop(addr, None)
+        book = made if action in (SEGMENT_ALLOC, SEGMENT_FREE) else live
+        if action in (SEGMENT_ALLOC, ALLOC):
+            book[addr] = int(e["size"])  # type: ignore[call-overload]
+        elif action in (SEGMENT_FREE, FREE_COMPLETED):
+            book.pop(addr, None)
     held: dict[int, int] = {}
     for addr, size in live.items():
         lo = next((lo for lo, n in made.items() if lo <= addr < lo + n), None)
@@ -87,6 +86,7 @@ class ScaledTrace:
     #: sizes whose forward allocates in another sequence than the lines', each as its probe
     #: recorded it, with the indices of its output allocs (:meth:`with_alone`)
     alone: tuple[tuple[KeyTrace, frozenset[int]], ...] = ()
+    _at: dict[int, KeyTrace] = field(default_factory=dict, compare=False, repr=False)  # :meth:`at`'s, per size
 
     def with_alone(self, traces: Sequence[tuple[KeyTrace, frozenset[int]]]) -> ScaledTrace:
         """This trace, with ``traces`` (each a probe's :class:`KeyTrace` and its output allocs)
@@ -107,21 +107,15 @@ class ScaledTrace:
         if large.size == small.size:
             msg = f"forecast: the two probe sizes must differ (both {large.size})"
             raise ForecastError(msg)
-        kinds_l = [(k, v if k == 1 else 0) for k, v in large.ops]
-        kinds_s = [(k, v if k == 1 else 0) for k, v in small.ops]
-        if kinds_l == kinds_s:
-            pairs = {i: i for i, (k, _) in enumerate(large.ops) if k == 0}
-        else:
-            pairs = pair_allocs(large, small)
-        lines = []
-        for i, (k, bl) in enumerate(large.ops):
-            if k == 1:
-                lines.append((0.0, 0.0))
-                continue
-            bs = small.ops[pairs[i]][1]
+        shape = large.shape
+        pairs = {i: i for i, (k, _) in enumerate(large.ops) if k == 0} if shape == small.shape else (
+            pair_allocs(large, small))
+        def line(bl: int, bs: int) -> tuple[float, float]:
             b = (bl - bs) / (large.size - small.size)
-            lines.append((bs - b * small.size, b))
-        return cls(tuple(kinds_l), tuple(lines))
+            return bs - b * small.size, b
+
+        return cls(shape, tuple((0.0, 0.0) if k == 1 else line(bl, small.ops[pairs[i]][1])
+                                for i, (k, bl) in enumerate(large.ops)))
 
     @classmethod
     def proportional(cls, trace: KeyTrace, constant_below: int = 64 * 1024) -> ScaledTrace:
@@ -130,23 +124,18 @@ class ScaledTrace:
         if trace.size <= 0:
             msg = f"forecast: the probe size must be positive, got {trace.size}"
             raise ForecastError(msg)
-        shape = tuple((k, v if k == 1 else 0) for k, v in trace.ops)
-        lines = tuple(
-            (0.0, 0.0) if k == 1 else ((float(v), 0.0) if v < constant_below else (0.0, v / trace.size))
-            for k, v in trace.ops
-        )
-        return cls(shape, lines)
+        lines = tuple((0.0, 0.0) if k == 1 else ((float(v), 0.0) if v < constant_below else (0.0, v / trace.size))
+                      for k, v in trace.ops)
+        return cls(trace.shape, lines)
 
     def at(self, size: int) -> KeyTrace:
-        """The trace at ``size`` tokens (bytes rounded up to whole bytes, at least 1); a size of
-        :attr:`alone` as its probe recorded it."""
-        for trace, _ in self.alone:
-            if trace.size == size:
-                return trace
-        ops = []
-        for (kind, v), (a, b) in zip(self.shape, self.lines, strict=True):
-            ops.append((kind, v) if kind == 1 else (0, max(1, int(-(-(a + b * size) // 1)))))
-        return KeyTrace(size, tuple(ops))
+        """The trace at ``size`` tokens (bytes rounded up to whole bytes, at least 1; a size of
+        :attr:`alone` as its probe recorded it), made once per size."""
+        if size not in self._at:
+            self._at[size] = next((t for t, _ in self.alone if t.size == size), None) or KeyTrace(
+                size, tuple((kind, v) if kind == 1 else (0, max(1, int(-(-(a + b * size) // 1))))
+                            for (kind, v), (a, b) in zip(self.shape, self.lines, strict=True)))
+        return self._at[size]
 
 
 #: Bytes within which an allocation's bytes count as proportional to the capture size (the
@@ -177,38 +166,32 @@ def pair_allocs(large: KeyTrace, small: KeyTrace) -> dict[int, int]:
     def proportional(bl: int, bs: int) -> bool:
         return bl != bs and abs(bl * n_lo - bs * n_big) <= PROPORTIONAL_SLACK * n_big
 
-    pairs: dict[int, int] = {}  # index in big -> index in lo (positions in the lists)
-    free = list(range(len(lo)))
+    pairs: dict[int, int] = {}  # op index in big's trace -> in lo's
+    free = list(lo)
     for rule in (operator.eq, proportional, operator.ge):  # the same bytes, in proportion, not fewer
-        for a, (_, bl, kl) in enumerate(big):
-            if a in pairs:
-                continue
-            for pos, b in enumerate(free):
-                _, bs, ks = lo[b]
-                if ks == kl and rule(bl, bs):
-                    pairs[a] = b
-                    del free[pos]
-                    break
-    if len(pairs) < len(big):
-        a = next(a for a in range(len(big)) if a not in pairs)
-        _, bytes_, kept = big[a]
+        for i, bl, kl in big:
+            j = None if i in pairs else next(
+                (j for j, (_, bs, ks) in enumerate(free) if ks == kl and rule(bl, bs)), None)
+            if j is not None:
+                pairs[i] = free.pop(j)[0]
+    unpaired = [(a, alloc) for a, alloc in enumerate(big) if alloc[0] not in pairs]
+    if unpaired:
+        a, (_, bytes_, kept) = unpaired[0]
         msg = (f"{head} and cannot be paired: the {'kept' if kept else 'freed'} allocation of {bytes_} bytes at "
                f"{n_big} tokens (#{a} of {len(big)}) has no allocation at {n_lo} tokens of the same bytes, bytes in "
                "proportion or fewer bytes; its memory does not scale as one pattern, so it cannot be forecast from "
                "two probes")
         raise ForecastError(msg)
-    if big is al:
-        return {al[a][0]: as_[b][0] for a, b in pairs.items()}
-    return {al[b][0]: as_[a][0] for a, b in pairs.items()}
+    return pairs if big is al else {j: i for i, j in pairs.items()}
 
 
-def output_allocs(trace: KeyTrace, output_bytes: Sequence[int]) -> frozenset[int]:
-    """The allocs ``trace`` keeps that hold the output, matched by bytes, first kept alloc first."""
+def output_allocs(trace: KeyTrace, output_bytes: Sequence[int], among: Sequence[int] | None = None) -> frozenset[int]:
+    """The allocs that hold the output, matched by bytes among ``among`` (default: the allocs
+    ``trace`` keeps), first one first."""
     wanted = list(output_bytes)
     found = []
-    for i in trace.kept:
-        size = trace.ops[i][1]
-        if size in wanted:
+    for i in trace.kept if among is None else among:
+        if trace.ops[i][1] in wanted:
             found.append(i)
-            wanted.remove(size)
+            wanted.remove(trace.ops[i][1])
     return frozenset(found)

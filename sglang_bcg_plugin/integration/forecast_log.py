@@ -9,6 +9,7 @@ import logging
 import os
 import sys
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -16,17 +17,12 @@ import torch
 from .._words import parse_bool_env
 from ..accounting import device_free_bytes
 from ..forecast.allocator import expandable_segments
-from ..forecast.driver import (
-    DRIVER_COEFFICIENTS,
-    CaptureCount,
-    DriverShare,
-    counting_captures,
-    schedule_share,
-)
-from ..forecast.model import (MODES, address_caveat, address_spread, count_highest_order, forecast_modes,
-                              reference_estimates)
-from ..forecast.probe import allocator_caveat, driver_caveat, reserved_bytes
-from ..forecast.trace import KeyTrace, ScaledTrace, output_allocs, pool_trace
+from ..forecast.driver import DriverShare, ProbeCount, counting_captures
+from ..forecast.model import (MODES, address_caveat, address_spread, buffer_bytes, count_highest_order,
+                              forecast_modes, reference_estimates)
+from ..forecast.probe import (allocator_caveat, device_trace, driver_caveat, pool_segments, probe_driver_share,
+                              record_history, reserved_bytes)
+from ..forecast.trace import KeyTrace, ScaledTrace, inside, output_allocs, pool_trace
 from .compat import ENV_FORECAST, ENV_FORECAST_TRACE
 
 log = logging.getLogger("sglang_bcg_plugin")
@@ -50,57 +46,40 @@ def schedule_sizes(cuda_graph_runner: object) -> list[int] | None:
 def kv_bytes_per_token(cuda_graph_runner: object) -> int | None:
     """Bytes of KV cache per token (the KV pool's bytes over its tokens; ``None``: unknown)."""
     runner = getattr(cuda_graph_runner, "model_runner", None)
-    pool = getattr(runner, "token_to_kv_pool", None)
     tokens = getattr(runner, "max_total_num_tokens", None)
     try:
-        sizes = pool.get_kv_size_bytes()  # type: ignore[union-attr]
+        sizes = runner.token_to_kv_pool.get_kv_size_bytes()  # type: ignore[union-attr]
         total = sum(int(s) for s in (sizes if isinstance(sizes, tuple | list) else (sizes,)))
     except Exception:  # noqa: BLE001 - any pool kind: no figure rather than no log line
         return None
-    if not isinstance(tokens, int) or tokens <= 0 or total <= 0:
-        return None
-    return total // tokens
+    return total // tokens if isinstance(tokens, int) and tokens > 0 and total > 0 else None
 
 
 def format_forecast(modes: Mapping[str, Any], mode: str, sizes: Sequence[int], kv_per_token: int | None,
                     driver: DriverShare | None = None, address: str = "") -> str:
     """The log line: the configured mode's forecast, what it frees against the others, its parts."""
-    mine = modes[mode].total_bytes
-    parts = []
-    for other in MODES:
-        if other == mode:
-            continue
-        delta = modes[other].total_bytes - mine
-        tokens = f" = {delta // kv_per_token:,} KV tokens" if kv_per_token and delta > 0 else ""
-        verb = "frees" if delta >= 0 else "costs"
-        parts.append(f"against {other} ({modes[other].total_bytes / MIB:,.1f} MiB) it {verb} {abs(delta) / MIB:,.1f} MiB{tokens}")
-    per_token = f"; KV cache {kv_per_token / 1024:,.1f} KiB/token" if kv_per_token else ""
     f = modes[mode]
-    split = ""
-    if f.total_bytes != f.pool_bytes:
-        graphs = f" ({driver.describe()})" if driver is not None else ""
-        split = (f"; of which graph pool {f.pool_bytes / MIB:,.1f} MiB, capture stream {f.stream_bytes / MIB:,.1f} MiB, "
-                 f"CUDA driver {f.driver_bytes / MIB:,.1f} MiB{graphs}")
+    parts = []
+    for other in (m for m in MODES if m != mode):
+        delta = modes[other].total_bytes - f.total_bytes
+        tokens = f" = {delta // kv_per_token:,} KV tokens" if kv_per_token and delta > 0 else ""
+        parts.append(f"against {other} ({modes[other].total_bytes / MIB:,.1f} MiB) it "
+                     f"{'frees' if delta >= 0 else 'costs'} {abs(delta) / MIB:,.1f} MiB{tokens}")
+    per_token = f"; KV cache {kv_per_token / 1024:,.1f} KiB/token" if kv_per_token else ""
+    split = "" if f.total_bytes == f.pool_bytes else (
+        f"; of which graph pool {f.pool_bytes / MIB:,.1f} MiB, capture stream {f.stream_bytes / MIB:,.1f} MiB, "
+        f"CUDA driver {f.driver_bytes / MIB:,.1f} MiB" + (f" ({driver.describe()})" if driver is not None else ""))
     caveat = "; ".join(c for c in (allocator_caveat(), driver_caveat(driver, "in the first capture"), address) if c)
-    return (f"sglang_bcg: graph memory forecast for {len(sizes)} sizes up to {sizes[0]}: {mine / MIB:,.1f} MiB "
-            f"with --enable-bcg-shared-output={mode}; " + "; ".join(parts) + per_token + split
-            + (f" (caveat: {caveat})" if caveat else ""))
+    return (f"sglang_bcg: graph memory forecast for {len(sizes)} sizes up to {sizes[0]}: "
+            f"{f.total_bytes / MIB:,.1f} MiB with --enable-bcg-shared-output={mode}; " + "; ".join(parts) + per_token
+            + split + (f" (caveat: {caveat})" if caveat else ""))
 
 
-def reserved_device_bytes() -> int | None:
-    """What PyTorch's caching allocator holds now; ``None`` where it cannot be read."""
+def _read(read: Callable[..., int], **kwargs: Any) -> int | None:
+    """``read(**kwargs)``, ``None`` where it raises: no figure rather than no log line."""
     try:
-        return reserved_bytes()
-    except Exception:  # noqa: BLE001 - no figure rather than no log line
-        return None
-
-
-def free_device_bytes() -> int | None:
-    """Free device memory after ``empty_cache`` (what SGLang's "avail mem" reads); ``None`` where
-    it cannot be read."""
-    try:
-        return device_free_bytes(collect=False)
-    except Exception:  # noqa: BLE001 - no figure rather than no log line
+        return read(**kwargs)
+    except Exception:  # noqa: BLE001
         return None
 
 
@@ -119,33 +98,17 @@ def sglang_baseline_free() -> int | None:
 def outputs_kept(trace: KeyTrace, output_bytes: Sequence[int]) -> tuple[KeyTrace, frozenset[int]]:
     """The first capture's trace with its output held to the end (the session's policy freed it
     inside the recording), and the indices of the output allocs (the match: docs/sglang.md)."""
-    wanted = list(output_bytes)
-    found = list(output_allocs(trace, wanted))
-    for i in found:
-        wanted.remove(trace.ops[i][1])
     freed_at = {i: pos for pos, (kind, i) in enumerate(trace.ops) if kind == 1}
     last_alloc = max((pos for pos, (kind, _) in enumerate(trace.ops) if kind == 0), default=-1)
     late = sorted((i for i, at in freed_at.items() if at > last_alloc), key=lambda i: -freed_at[i])
-    for i in late:
-        if trace.ops[i][1] in wanted:
-            found.append(i)
-            wanted.remove(trace.ops[i][1])
+    found = output_allocs(trace, output_bytes, (*trace.kept, *late))
     if not found:
         return trace, frozenset(trace.kept)
     drop = {freed_at[i] for i in found if i in freed_at}
-    if not drop:
-        return trace, frozenset(found)
-    new_index: dict[int, int] = {}
-    ops: list[tuple[int, int]] = []
-    for pos, (kind, value) in enumerate(trace.ops):
-        if pos in drop:
-            continue
-        if kind == 0:
-            new_index[pos] = len(ops)
-            ops.append((0, value))
-        else:
-            ops.append((1, new_index[value]))
-    return KeyTrace(trace.size, tuple(ops)), frozenset(new_index[i] for i in found)
+    left = [(pos, op) for pos, op in enumerate(trace.ops) if pos not in drop]
+    index = {pos: new for new, (pos, (kind, _)) in enumerate(left) if kind == 0}
+    ops = tuple((0, value) if kind == 0 else (1, index[value]) for _, (kind, value) in left)
+    return KeyTrace(trace.size, ops), frozenset(index[i] for i in found)
 
 
 class SessionForecast:
@@ -163,8 +126,9 @@ class SessionForecast:
         self.held_at_start = 0
         self.measured: int | None = None  # what close() found in the pool (+ a reserved buffer)
         self.lost: int | None = None  # the free device memory the session gave up (close())
-        self.free_at_open = free_device_bytes() if self.enabled and torch.cuda.is_available() else None
-        self.reserved_at_open = reserved_device_bytes() if self.free_at_open is not None else None
+        measuring = self.enabled and torch.cuda.is_available()
+        self.free_at_open = _read(device_free_bytes, collect=False) if measuring else None
+        self.reserved_at_open = _read(reserved_bytes) if self.free_at_open is not None else None
         self.driver: DriverShare | None = None  # the driver's share of the forecast (first capture)
         self.first_capture_driver: int | None = None  # what the first capture lost beyond the allocator
         self.baseline = sglang_baseline_free() if self.free_at_open is not None else None
@@ -173,12 +137,10 @@ class SessionForecast:
 
     def key_done(self, size: int, graphs: int) -> None:
         """With ``SGLANG_BCG_FORECAST_TRACE`` set: what the device holds after one size's capture."""
-        if not self.trace_path:
-            return
-        free = free_device_bytes()
-        events = len(torch.cuda.memory._snapshot()["device_traces"][torch.cuda.current_device()])
-        self.rows.append({"size": size, "graphs": graphs, "free": free, "reserved": torch.cuda.memory_reserved(),
-                          "pool": sum(n for _, n in self._pool_segments()), "events": events})
+        if self.trace_path:
+            self.rows.append({"size": size, "graphs": graphs, "free": _read(device_free_bytes, collect=False),
+                              "reserved": torch.cuda.memory_reserved(), "pool": self._pool_bytes(),
+                              "events": len(device_trace())})
 
     def skip_reason(self) -> str | None:
         """Why no forecast is made (``None``: one is)."""
@@ -188,7 +150,7 @@ class SessionForecast:
             return "no CUDA"
         if self.sizes is None or len(self.sizes) < 2:
             return "the runner names no schedule of two sizes or more"
-        if torch.cuda.memory._snapshot()["device_traces"][torch.cuda.current_device()]:
+        if device_trace():
             return "the allocator's history is already being recorded"
         return None
 
@@ -205,22 +167,22 @@ class SessionForecast:
             log.debug("sglang_bcg: no graph memory forecast: %s", why)
             yield
             return
-        self.held_at_start = sum(n for _, n in self._pool_segments())
-        torch.cuda.memory._record_memory_history(enabled="all", context=None, stacks="python", max_entries=1_000_000)
+        self.held_at_start = self._pool_bytes()
+        record_history(True)
         try:
             with counting_captures() as count:
                 yield
-            events = torch.cuda.memory._snapshot()["device_traces"][torch.cuda.current_device()]
-            segments = self._pool_segments()
+            events, segments = device_trace(), self._pool_segments()
         finally:
             if not self.trace_path:  # with a trace asked for, every capture's events (close() stops)
-                torch.cuda.memory._record_memory_history(enabled=None)
-        self._forecast(size, events, segments, output_bytes, count.since(CaptureCount(), size), self._first_memory(segments))
+                record_history(False)
+        self._forecast(size, events, segments, output_bytes, ProbeCount.of(size, count),
+                       self._first_memory(segments))
 
     def _first_memory(self, segments: list[tuple[int, int]]) -> tuple[int, int] | None:
         """What the allocator reserved outside the pool since the session opened, and the free
         device memory lost beyond its growth (the driver's share); ``None`` where not measured."""
-        free, reserved = free_device_bytes(), reserved_device_bytes()
+        free, reserved = _read(device_free_bytes, collect=False), _read(reserved_bytes)
         if None in (free, reserved, self.free_at_open, self.reserved_at_open):
             return None
         grown = reserved - self.reserved_at_open  # type: ignore[operator]
@@ -230,9 +192,10 @@ class SessionForecast:
     def _pool_segments(self) -> list[tuple[int, int]]:
         handle = self.pool()
         pool = tuple(handle) if isinstance(handle, tuple | list) else None
-        return [(int(s["address"]), int(s["total_size"])) for s in torch.cuda.memory._snapshot()["segments"]
-                if tuple(s.get("segment_pool_id", (0, 0))) != (0, 0)
-                and (pool is None or tuple(s.get("segment_pool_id", ())) == pool)]
+        return [(addr, n) for p, addr, n in pool_segments() if pool in (None, p)]
+
+    def _pool_bytes(self) -> int:
+        return sum(n for _, n in self._pool_segments())
 
     def _forecast(self, size: int, events: Any, segments: list[tuple[int, int]], output_bytes: list[int],
                   graphs: Any = None, first: tuple[int, int] | None = None) -> None:
@@ -246,77 +209,66 @@ class SessionForecast:
         trace, outputs = outputs_kept(trace, output_bytes)
         fitted = ScaledTrace.proportional(trace)
         expandable = expandable_segments()
-        outside, lost_beyond = first if first is not None else (0, None)
-        self.first_capture_driver = lost_beyond
-        self.driver = None if graphs is None else schedule_share(
-            [graphs], self.sizes, on_copy_nodes_per_size=len(output_bytes),
-            first_capture=lost_beyond is not None and lost_beyond >= DRIVER_COEFFICIENTS.first_capture_bytes // 2)
-        options: dict[str, Any] = {"outputs": outputs, "largest_output_bytes": sum(output_bytes), "expandable": expandable}
-        modes = forecast_modes(fitted, self.sizes, **options)
-        if outside or self.driver is not None:
-            # what the first capture reserved outside the pool, less a reserved shared buffer (modelled)
-            buffer = modes["on"].outputs_bytes if self.mode == "on" and self.buffer_source == "reserve" else 0
-            modes = forecast_modes(fitted, self.sizes, **options, stream_bytes=max(0, outside - buffer),
-                                   driver=self.driver)
+        outside, self.first_capture_driver = first if first is not None else (0, None)
+        self.driver = None if graphs is None else probe_driver_share(
+            [graphs], self.first_capture_driver or 0, self.sizes, len(output_bytes))
+        # the stream: what the first capture reserved outside the pool, less a reserved shared buffer (modelled)
+        reserved = self.mode == "on" and self.buffer_source == "reserve"
+        stream = max(0, outside - (buffer_bytes(sum(output_bytes), expandable) if reserved else 0))
+        modes = forecast_modes(fitted, self.sizes, outputs=outputs, largest_output_bytes=sum(output_bytes),
+                               expandable=expandable, stream_bytes=stream, driver=self.driver)
         references = reference_estimates(modes, fitted, self.sizes, outputs=outputs, expandable=expandable,
                                          driver=self.driver)
         spread = (0, 0, 0) if expandable else address_spread(fitted, self.sizes, outputs=outputs)
         modes = count_highest_order(modes, spread)
         self.forecast = {"modes": modes, "references": references}
-        address = address_caveat(spread)
         log.info("%s", format_forecast(modes, self.mode, self.sizes, kv_bytes_per_token(self.runner), self.driver,
-                                       address))
+                                       address_caveat(spread)))
 
     def close(self, outside_pool_bytes: int = 0) -> int | None:
         """Log what the session added to the pool (+ ``outside_pool_bytes``, a reserved buffer)
         beside the forecast; those bytes (``None``: no forecast)."""
         if self.forecast is None:
             if self.trace_path and self.done:
-                torch.cuda.memory._record_memory_history(enabled=None)
+                record_history(False)
             return None
-        added = sum(n for _, n in self._pool_segments()) - self.held_at_start
-        measured = added + outside_pool_bytes
+        added = self._pool_bytes() - self.held_at_start
+        self.measured = measured = added + outside_pool_bytes
         f = self.forecast["modes"][self.mode]
-        forecast = f.pool_bytes  # the pool and a shared buffer, as measured here
-        error = (forecast - measured) / measured if measured else 0.0
-        free_now = free_device_bytes()
+        error = (f.pool_bytes - measured) / measured if measured else 0.0  # the pool and a shared buffer
+        free_now = _read(device_free_bytes, collect=False)
         if self.free_at_open is not None and free_now is not None:
             self.lost = self.free_at_open - free_now
-        lost = ""
-        if self.lost:
-            lost = (f"; free device memory lost over the session {self.lost / MIB:.1f} MiB, forecast with the "
-                    f"CUDA driver's share {f.total_bytes / MIB:.1f} MiB (+ capture stream {f.stream_bytes / MIB:.1f} "
-                    f"+ driver {f.driver_bytes / MIB:.1f}), error {(f.total_bytes - self.lost) / self.lost * 100:+.1f} %")
+        lost = "" if not self.lost else (
+            f"; free device memory lost over the session {self.lost / MIB:.1f} MiB, forecast with the "
+            f"CUDA driver's share {f.total_bytes / MIB:.1f} MiB (+ capture stream {f.stream_bytes / MIB:.1f} "
+            f"+ driver {f.driver_bytes / MIB:.1f}), error {(f.total_bytes - self.lost) / self.lost * 100:+.1f} %")
         log.info("sglang_bcg: graph memory after capture: %.1f MiB (graph pool %.1f MiB + shared buffer %.1f MiB); "
                  "forecast %.1f MiB, error %+.1f %%%s", measured / MIB, added / MIB, outside_pool_bytes / MIB,
-                 forecast / MIB, error * 100, lost)
+                 f.pool_bytes / MIB, error * 100, lost)
         if self.baseline is not None and free_now is not None:
             log.info("sglang_bcg: free device memory lost since SGLang's baseline %.1f MiB (%.1f MiB before the "
-                     "first capture)", (self.baseline - free_now) / MIB, (self.baseline - (self.free_at_open or 0)) / MIB)
-        self.measured = measured
-        self._write_trace(free_now)
+                     "first capture)", (self.baseline - free_now) / MIB,
+                     (self.baseline - (self.free_at_open or 0)) / MIB)
+        if self.trace_path:
+            self._write_trace(free_now, self.forecast["modes"])
         return measured
 
-    def _write_trace(self, free_now: int | None) -> None:
-        if not self.trace_path:
-            return
-        events = torch.cuda.memory._snapshot()["device_traces"][torch.cuda.current_device()]
-        torch.cuda.memory._record_memory_history(enabled=None)
+    def _write_trace(self, free_now: int | None, modes: Mapping[str, Any]) -> None:
+        """Write the session's record to ``SGLANG_BCG_FORECAST_TRACE``: its rows, forecast and the
+        ``(index, action, address, bytes, stream)`` of every event in the pool's address ranges."""
+        events = device_trace()
+        record_history(False)
         segments = self._pool_segments()
         record = {"mode": self.mode, "sizes": self.sizes, "baseline": self.baseline, "free_at_open": self.free_at_open,
                   "free_at_close": free_now, "held_at_start": self.held_at_start, "rows": self.rows,
-                  "forecast": {m: f.total_bytes for m, f in (self.forecast or {}).get("modes", {}).items()},
-                  "forecast_parts": {m: f.to_dict() for m, f in (self.forecast or {}).get("modes", {}).items()},
+                  "forecast": {m: f.total_bytes for m, f in modes.items()},
+                  "forecast_parts": {m: f.to_dict() for m, f in modes.items()},
                   "driver": None if self.driver is None else self.driver.to_dict(),
                   "first_capture_driver": self.first_capture_driver, "segments": segments,
-                  # (index among all recorded events, action, address, bytes, stream) of every request
-                  # and segment event in the pool's address ranges (an address range may have held
-                  # another pool's segment before: the segment events tell them apart)
                   "events": [(i, e["action"], int(e["addr"]), int(e["size"]), int(e.get("stream", 0)))
-                             for i, e in enumerate(events)
-                             if any(lo <= int(e["addr"]) < lo + n for lo, n in segments)]}
+                             for i, e in enumerate(events) if inside(int(e["addr"]), segments)]}
         try:
-            with open(self.trace_path, "w", encoding="utf-8") as fh:
-                json.dump(record, fh)
+            Path(self.trace_path).write_text(json.dumps(record), encoding="utf-8")  # type: ignore[arg-type]
         except OSError as exc:
             log.warning("sglang_bcg: could not write %s=%s: %s", ENV_FORECAST_TRACE, self.trace_path, exc)

@@ -67,7 +67,7 @@ def _nodes_check() -> dict[str, Any]:
     """One graph of 16 elementwise kernels, counted as the probes count."""
     import torch
 
-    from sglang_bcg_plugin.forecast.driver import counting_captures, driver_api
+    from sglang_bcg_plugin.forecast.driver import ProbeCount, counting_captures, driver_api
 
     x = torch.ones(1024, device="cuda")
     x.add_(1.0)
@@ -77,8 +77,9 @@ def _nodes_check() -> dict[str, Any]:
         for _ in range(16):
             x.add_(1.0)
     api, why = driver_api()
-    return {"graphs": count.graphs, "nodes": count.nodes, "unread": count.unread, "expected_nodes": 16,
-            "ok": count.graphs == 1 and count.nodes == 16, "driver_api": api is not None, "why": why}
+    seen = ProbeCount.of(16, count)
+    return {"graphs": seen.graphs, "nodes": sum(n for n in count if n), "unread": count.count(None),
+            "expected_nodes": 16, "ok": seen.graphs == 1 and seen.nodes == 16, "driver_api": api is not None, "why": why}
 
 
 def _stack_bytes() -> int | None:
