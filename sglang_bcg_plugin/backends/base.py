@@ -15,6 +15,7 @@ import torch
 
 from ..accounting import Measure, device_free_bytes
 from ..engines.base import CaptureRequest, Engine, Front
+from ..engines.cuda import FullCudaEngine, SegmentCudaEngine
 from ..engines.eager import EagerEngine, EagerSegmentEngine
 from ..engines.gcsafe import gc_safe_capture
 from ..errors import CaptureStateError
@@ -33,8 +34,7 @@ if TYPE_CHECKING:
 
 @contextlib.contextmanager
 def allocator_segments(choice: str, engine: Engine) -> Iterator[None]:
-    """``BackendOptions.pool_segments="expandable"`` on a CUDA engine: the allocator's
-    ``expandable_segments`` on while the session is open.
+    """``pool_segments="expandable"`` on a CUDA engine: ``expandable_segments`` on while the session is open.
 
     :raises RuntimeError: this torch cannot switch it at run time."""
     if choice != "expandable" or engine.name != "cuda" or expandable_segments():
@@ -77,10 +77,8 @@ class CaptureBackend:
         self._options = options or BackendOptions()
         self._pm = plugin_manager or get_plugin_manager()
         if output_mode is not None and not isinstance(output_mode, Resolution):
-            msg = (
-                f"{self.name} backend: output_mode= takes a Resolution (a mode with its reason), got "
-                f"{output_mode!r}; give a mode as options=BackendOptions(output_mode=...)"
-            )
+            msg = (f"{self.name} backend: output_mode= takes a Resolution (a mode with its reason), got "
+                   f"{output_mode!r}; give a mode as options=BackendOptions(output_mode=...)")
             raise TypeError(msg)
         self._host_resolution = output_mode
         self._lock = threading.RLock()
@@ -121,17 +119,13 @@ class CaptureBackend:
 
     def _get_engine(self) -> Engine:
         if self._engine is None:
-            if self._use_cuda():
-                self._engine = self._make_cuda_engine()
+            cuda = self._use_cuda()
+            if self._front is None:
+                self._engine = FullCudaEngine() if cuda else EagerEngine()
             else:
-                self._engine = EagerEngine() if self._front is None else EagerSegmentEngine(self._front())
+                self._engine = SegmentCudaEngine(self._front()) if cuda else EagerSegmentEngine(self._front())
             self._state.engine = self._engine.name
         return self._engine
-
-    def _make_cuda_engine(self) -> Engine:
-        from ..engines.cuda import FullCudaEngine, SegmentCudaEngine
-
-        return FullCudaEngine() if self._front is None else SegmentCudaEngine(self._front())
 
     @contextlib.contextmanager
     def capture_session(self, stream: Any = None) -> Iterator[None]:
@@ -175,8 +169,7 @@ class CaptureBackend:
         capture_inputs: Any = None,
     ) -> GraphMemoryForecast:
         """Forecast the graph memory of capturing ``sizes`` per output mode, before any capture; the next
-        session's plan may use it (docs/forecast.md). ``forward_for(size)``: ``capture_one``'s ``forward_fn``;
-        it runs once eagerly at every size (first launches measured), then at the two probed sizes.
+        session's plan may use it (docs/forecast.md). ``forward_for(size)``: ``capture_one``'s ``forward_fn``.
 
         :raises ForecastError: fewer than two sizes, not the CUDA engine, or forwards whose
             allocations at the two probed sizes are not one pattern.
@@ -226,39 +219,27 @@ class CaptureBackend:
         with self._lock:
             self._state.begin(key)
             if self._capturing is not None:
-                msg = (
-                    f"{self.name} backend: re-entrant capture: capture_one({key!r}) was called "
-                    f"while {self._capturing!r} is being captured (from inside its forward_fn or a "
-                    "hook); capture keys one after another"
-                )
+                msg = (f"{self.name} backend: re-entrant capture: capture_one({key!r}) was called while "
+                       f"{self._capturing!r} is being captured (from inside its forward_fn or a hook); "
+                       "capture keys one after another")
                 raise CaptureStateError(msg)
             if key in self._state:
-                msg = (f"{key!r} is already captured by the {self.name} backend; cleanup() first "
-                       "to capture it again")
+                msg = f"{key!r} is already captured by the {self.name} backend; cleanup() first to capture it again"
                 raise ValueError(msg)
             self._capturing = key
             try:
                 observe_started(self._pm, self, key)
                 engine = self._get_engine()
                 request = CaptureRequest(
-                    key=key,
-                    forward_fn=forward_fn,
-                    policy=self._state.policy,
-                    num_warmups=self._options.num_warmups,
-                    post_warmup_hook=post_warmup_hook,
-                    partition=getattr(key, "stream_idx", None),
-                    stream=self._stream,
-                    static_inputs=input_storages(capture_inputs),
+                    key, forward_fn, self._state.policy, num_warmups=self._options.num_warmups,
+                    post_warmup_hook=post_warmup_hook, partition=getattr(key, "stream_idx", None),
+                    stream=self._stream, static_inputs=input_storages(capture_inputs),
                 )
                 with Measure(engine.name) as measured:
                     graph = engine.capture(request)
-                output = self._state.commit(
-                    key,
-                    graph=graph,
-                    capture_inputs=capture_inputs,
-                    seconds=measured.seconds,
-                    memory_bytes=measured.memory_bytes,
-                    can_release=engine.name == "cuda",  # the eager engine has no pool
+                output = self._state.commit(  # the eager engine has no pool: nothing to release
+                    key, graph=graph, capture_inputs=capture_inputs, seconds=measured.seconds,
+                    memory_bytes=measured.memory_bytes, can_release=engine.name == "cuda",
                 )
             except BaseException as exc:
                 self._state.policy.discard()

@@ -51,18 +51,14 @@ def check_input_pointers(key: Hashable, entry: _Entry) -> None:
         found = now.get(path)
         if found != ptr:
             where = "is gone" if found is None else f"moved from data_ptr {ptr:#x} to {found:#x}"
-            msg = (
-                f"replay({key!r}): static input {path} {where} since capture; the graph still reads "
-                "the capture-time address: copy new values into the captured tensor in place "
-                "(debug_check_inputs)"
-            )
+            msg = (f"replay({key!r}): static input {path} {where} since capture; the graph still reads the "
+                   "capture-time address: copy new values into the captured tensor in place (debug_check_inputs)")
             raise RuntimeError(msg)
 
 
 @dataclass(eq=False)
 class ForeignGraph:
-    """A graph recorded by another engine (replayed by it), as :meth:`CaptureState.report` reads
-    it."""
+    """A graph recorded by another engine (replayed by it), as :meth:`CaptureState.report` reads it."""
 
     graph: Any
     output: Any
@@ -172,23 +168,14 @@ class CaptureState:
             raise KeyError(msg) from None
 
     def report(self, bridge_bytes: dict[int | None, int] | None = None) -> MemoryReport:
-        """The memory report: per key (a storage is charged to the first key holding it), with the
-        plan."""
+        """The memory report: per key (a storage is charged to the first key holding it), with the plan."""
         seen: set[tuple[str, int]] = set()
         keys = [
-            KeyReport(
-                key=entry.key,
-                logical_output_bytes=entry.logical_bytes,
-                resident_output_bytes=(
-                    0 if entry.released else claim_resident_bytes(entry.graph.output, seen)
-                ),
-                shared=entry.shared,
-                fallback=entry.fallback,
-                capture_seconds=entry.seconds,
-                graph_memory_bytes=entry.memory_bytes,
-                num_segments=entry.graph.num_segments,
-            )
-            for entry in self._entries.values()
+            KeyReport(key=e.key, logical_output_bytes=e.logical_bytes,
+                      resident_output_bytes=0 if e.released else claim_resident_bytes(e.graph.output, seen),
+                      shared=e.shared, fallback=e.fallback, capture_seconds=e.seconds,
+                      graph_memory_bytes=e.memory_bytes, num_segments=e.graph.num_segments)
+            for e in self._entries.values()
         ]
         report = MemoryReport.from_keys(self.name, self.engine, keys, bridge_bytes=bridge_bytes)
         return dataclasses.replace(report, plan=self.plan, forecast=self.forecast, measured_graph_bytes=self.measured_graph_bytes)

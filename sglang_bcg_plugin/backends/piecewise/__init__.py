@@ -33,14 +33,8 @@ class PiecewiseBackend(CaptureBackend):
     name = "piecewise"
     _front = PieceFront
 
-    def __init__(
-        self,
-        *,
-        splitting_ops: Iterable[object] | None = (),
-        inductor: bool = False,
-        inductor_config: Mapping[str, Any] | None = None,
-        **base: Any,
-    ) -> None:
+    def __init__(self, *, splitting_ops: Iterable[object] | None = (), inductor: bool = False,
+                 inductor_config: Mapping[str, Any] | None = None, **base: Any) -> None:
         """``base``: :class:`CaptureBackend`'s ``options``, ``plugin_manager``, ``output_mode``."""
         self._splitting_ops = resolve_splitting_ops(splitting_ops)
         if not isinstance(inductor, bool):
@@ -59,9 +53,8 @@ class PiecewiseBackend(CaptureBackend):
         """The resolved splitting ops (packets expanded to their overloads)."""
         return self._splitting_ops
 
-    def compile(  # type: ignore[override]
-        self, model: Callable[..., Any], *, dynamic: DynamicMode = "auto", dynamic_dim: int = 0
-    ) -> PiecewiseCompiled:
+    def compile(self, model: Callable[..., Any], *, dynamic: DynamicMode = "auto",  # type: ignore[override]
+                dynamic_dim: int = 0) -> PiecewiseCompiled:
         """Compile ``model`` (``fullgraph=True``) with this backend's piecewise compile backend.
 
         :param dynamic: how the size dim is made dynamic: ``"auto"`` (``"size_oblivious"`` with
