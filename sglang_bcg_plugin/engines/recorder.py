@@ -10,6 +10,7 @@ from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
 import torch
+from torch.utils._pytree import tree_leaves
 
 from ..errors import HostReadError, user_frame
 from ..trees import storage_key
@@ -20,11 +21,9 @@ Action = Callable[[], None]
 
 class Segments(Protocol):
     """How segments are made and replayed: ``record`` remembers work to redo at replay (nothing on
-    CUDA, where the kernels are captured); work inside ``paused()`` is not recorded by the open
-    segment (its replay is recorded another way)."""
+    CUDA, where the kernels are captured); work inside ``paused()`` is not recorded by the open segment."""
 
-    #: ``record``-ed actions are re-run at replay (eager segments), so what they read is kept;
-    #: ``False`` (CUDA graphs): nothing need outlive the call that recorded it.
+    #: ``record``-ed actions are re-run at replay (eager segments): what they read is kept
     reruns_actions: bool
 
     def begin(self) -> None: ...
@@ -49,9 +48,7 @@ def refresh(static: torch.Tensor, value: torch.Tensor, what: str) -> None:
     if static.shape != value.shape:
         msg = f"{what} returned shape {tuple(value.shape)} on replay, captured {tuple(static.shape)}"
         raise RuntimeError(msg)
-    if static is not value and not (
-        static.data_ptr() == value.data_ptr() and static.stride() == value.stride()
-    ):
+    if static is not value and (static.data_ptr(), static.stride()) != (value.data_ptr(), value.stride()):
         try:
             static.copy_(value)
         except RuntimeError:
@@ -66,7 +63,7 @@ def copy_broadcast(static: torch.Tensor, value: torch.Tensor, what: str) -> bool
     not broadcast (nothing written).
 
     :raises RuntimeError: ``value`` differs along a dim where ``static`` broadcasts."""
-    dims = [d for d, (size, stride) in enumerate(zip(static.shape, static.stride(), strict=True)) if stride == 0 and size > 1]
+    dims = [d for d, (size, stride) in enumerate(zip(static.shape, static.stride())) if stride == 0 and size > 1]
     if not dims:
         return False
     dst, src = static, value
@@ -75,20 +72,33 @@ def copy_broadcast(static: torch.Tensor, value: torch.Tensor, what: str) -> bool
     dst.copy_(src)
     if all(value.stride(d) == 0 for d in dims):
         return True  # the same broadcast: nothing else to hold
-    same = (
-        torch.allclose(static, value, rtol=0.0, atol=0.0, equal_nan=True)
-        if static.is_floating_point() or static.is_complex()
-        else torch.equal(static, value)
-    )
+    if static.is_floating_point() or static.is_complex():
+        same = torch.allclose(static, value, rtol=0.0, atol=0.0, equal_nan=True)
+    else:
+        same = torch.equal(static, value)
     if not same:
         dim = next(d for d in dims if value.stride(d) != 0)
-        msg = (
-            f"{what} returned values that vary along dim {dim} on replay, where the captured output "
-            f"broadcasts one value (stride 0, shape {tuple(static.shape)}); a CUDA graph replays the "
-            "broadcast it captured: return the same broadcast (.expand) at every call, or .contiguous()"
-        )
+        msg = (f"{what} returned values that vary along dim {dim} on replay, where the captured output broadcasts "
+               f"one value (stride 0, shape {tuple(static.shape)}); a CUDA graph replays the broadcast it captured: "
+               "return the same broadcast (.expand) at every call, or .contiguous()")
         raise RuntimeError(msg)
     return True
+
+
+class Rerun:
+    """Replay work: call ``fn`` again and refresh the captured tensors among ``outs`` (the leaves it
+    returned at capture) with what it returns; ``what`` names it in errors."""
+
+    __slots__ = ("what", "fn", "args", "kwargs", "outs")
+
+    def __init__(self, what: str, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
+                 outs: list[Any]) -> None:
+        self.what, self.fn, self.args, self.kwargs, self.outs = what, fn, args, kwargs, outs
+
+    def __call__(self) -> None:
+        for static, value in zip(self.outs, tree_leaves(self.fn(*self.args, **self.kwargs)), strict=True):
+            if isinstance(static, torch.Tensor):
+                refresh(static, value, self.what)
 
 
 #: What CUDA and torch say when a stream capture refuses a host sync, or what it says next.

@@ -16,7 +16,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from ..errors import HostReadError, user_frame
-from .recorder import Action, refresh
+from .recorder import Action, Rerun
 
 _aten = torch.ops.aten
 #: Ops that only allocate: a CUDA graph replays no kernel for them, so neither does the tape.
@@ -59,22 +59,6 @@ def _validates_only(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) ->
     return (args[1] if len(args) > 1 else kwargs.get("num_classes", -1)) != -1
 
 
-class _OpStep:
-    """One recorded op: run it again on the captured arguments, refresh the captured outputs."""
-
-    __slots__ = ("func", "args", "kwargs", "outs")
-
-    def __init__(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
-        self.func, self.args, self.kwargs = func, args, kwargs
-        self.outs = [t if isinstance(t, torch.Tensor) else None for t in tree_leaves(out)]
-
-    def __call__(self) -> None:
-        new = tree_leaves(self.func(*self.args, **self.kwargs))
-        for static, value in zip(self.outs, new, strict=True):
-            if static is not None:
-                refresh(static, value, f"op {self.func}")
-
-
 class _Tape(TorchDispatchMode):
     """Records every op run while an eager segment is open."""
 
@@ -91,7 +75,7 @@ class _Tape(TorchDispatchMode):
             self.refuse(read)
         out = func(*args, **kwargs)
         if func not in _ALLOCATIONS:
-            self.sink.append(_OpStep(func, args, kwargs, out))
+            self.sink.append(Rerun(f"op {func}", func, args, kwargs, tree_leaves(out)))
         return out
 
 

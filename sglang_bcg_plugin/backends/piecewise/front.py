@@ -4,7 +4,6 @@ which run eagerly between them; what crosses a split passes as it is (docs/piece
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -12,7 +11,7 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
 
 from ...engines.base import Front
-from ...engines.recorder import Recorder, Segments, active_recorder, refresh
+from ...engines.recorder import Recorder, Rerun, Segments, active_recorder
 from ...released import maybe_alias
 from ...trees import flatten, storage_key, unflatten
 
@@ -25,14 +24,6 @@ def active_piece_recorder() -> PieceRecorder | None:
 
 def _tensors(tree: object) -> list[torch.Tensor]:
     return [t for t in tree_leaves(tree) if isinstance(t, torch.Tensor)]
-
-
-def _rerun(tag: str, fn: Callable[..., Any], args: tuple[Any, ...], targets: list[Any]) -> None:
-    """Replay of a piece (eager engine) or splitting call: run again, refresh the targets."""
-    new = tree_leaves(fn(*args))
-    for target, value in zip(targets, new, strict=True):
-        if isinstance(target, torch.Tensor):
-            refresh(target, value, tag)
 
 
 class PieceRecorder(Recorder):
@@ -54,7 +45,7 @@ class PieceRecorder(Recorder):
             return fn(args)
         kept = tuple(args)  # eager segments: the re-run holds its arguments and outputs
         result = fn(args)
-        self.segments.record(functools.partial(_rerun, tag, lambda *a: fn(list(a)), kept, tree_leaves(result)))
+        self.segments.record(Rerun(tag, lambda *a: fn(list(a)), kept, {}, tree_leaves(result)))
         return result
 
     def run_split(self, tag: str, fn: Callable[..., Any], args: tuple[Any, ...]) -> Any:
@@ -67,7 +58,7 @@ class PieceRecorder(Recorder):
         targets = self.fresh_returns(leaves, in_args)
         kept = tuple(maybe_alias(a) for a in args)
         rets = [maybe_alias(t) for t in targets]
-        self.add_step(functools.partial(_rerun, tag, fn, kept, rets), kept)  # strong: what was not aliased
+        self.add_step(Rerun(tag, fn, kept, {}, rets), kept)  # strong: what was not aliased
         return tree_unflatten(targets, spec)
 
     def finish(self, output: Any, finalize: Callable[[Any], Any]) -> Any:
@@ -75,10 +66,8 @@ class PieceRecorder(Recorder):
 
         :raises RuntimeError: the forward never ran a compiled callable."""
         if self.graph_calls == 0:
-            msg = (
-                f"forward_fn of {self.key!r} never called a callable compiled by this backend; "
-                "pass a forward that calls backend.compile(model)(...)"
-            )
+            msg = (f"forward_fn of {self.key!r} never called a callable compiled by this backend; "
+                   "pass a forward that calls backend.compile(model)(...)")
             raise RuntimeError(msg)
         node, leaves = flatten(output)  # an input returned is the caller's: the output owns a copy
         owned = [t.clone() if storage_key(t) in self.inputs else t for _, t in leaves]
