@@ -46,16 +46,16 @@ def allocator_segments(choice: str, engine: Engine) -> Iterator[None]:
                f"({torch.__version__}) lacks; set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True instead")
         raise RuntimeError(msg)
     # the process's own settings are given again: some torch parsers reset the keys left out
-    conf = ",".join(v for v in (os.environ.get(var, "").strip() for var in ALLOC_CONF_VARS) if v)
+    conf = [v for v in (os.environ.get(var, "").strip() for var in ALLOC_CONF_VARS) if v]
     try:
-        setter(f"{conf},expandable_segments:True" if conf else "expandable_segments:True")
+        setter(",".join([*conf, "expandable_segments:True"]))
     except RuntimeError as exc:
         msg = f"pool_segments='expandable': torch refused to switch expandable_segments on ({exc})"
         raise RuntimeError(msg) from None
     try:
         yield
     finally:
-        setter(f"{conf},expandable_segments:False" if conf else "expandable_segments:False")
+        setter(",".join([*conf, "expandable_segments:False"]))
 
 
 class CaptureBackend:
@@ -65,13 +65,8 @@ class CaptureBackend:
     #: the front of a segmented backend's engines (``None``: whole-forward graphs)
     _front: ClassVar[Callable[[], Front] | None] = None
 
-    def __init__(
-        self,
-        *,
-        options: BackendOptions | None = None,
-        plugin_manager: pluggy.PluginManager | None = None,
-        output_mode: Resolution | None = None,
-    ) -> None:
+    def __init__(self, *, options: BackendOptions | None = None, plugin_manager: pluggy.PluginManager | None = None,
+                 output_mode: Resolution | None = None) -> None:
         """:param output_mode: a mode a host resolved (below ``options.output_mode``, above the
             environment). :raises TypeError: ``output_mode`` is not a ``Resolution``."""
         self._options = options or BackendOptions()
@@ -162,12 +157,8 @@ class CaptureBackend:
         opts = self._options
         return explain_output_mode(opts.output_mode if opts.output_mode is not None else self._host_resolution)
 
-    def forecast(
-        self,
-        sizes: Iterable[int],
-        forward_for: Callable[[int], Callable[[], Any]],
-        capture_inputs: Any = None,
-    ) -> GraphMemoryForecast:
+    def forecast(self, sizes: Iterable[int], forward_for: Callable[[int], Callable[[], Any]],
+                 capture_inputs: Any = None) -> GraphMemoryForecast:
         """Forecast the graph memory of capturing ``sizes`` per output mode, before any capture; the next
         session's plan may use it (docs/forecast.md). ``forward_for(size)``: ``capture_one``'s ``forward_fn``.
 
@@ -199,13 +190,8 @@ class CaptureBackend:
         forwards): nothing here; Piecewise's compiled callables learn the size from it."""
         return contextlib.nullcontext()
 
-    def capture_one(
-        self,
-        shape_key: Hashable,
-        forward_fn: Callable[[], Any],
-        capture_inputs: Any = None,
-        post_warmup_hook: Callable[[], None] | None = None,
-    ) -> Any:
+    def capture_one(self, shape_key: Hashable, forward_fn: Callable[[], Any], capture_inputs: Any = None,
+                    post_warmup_hook: Callable[[], None] | None = None) -> Any:
         """Warm up, capture ``forward_fn`` (no arguments) for ``shape_key``; returns its static output.
         ``capture_inputs`` (any tree) is kept alive with the graph.
 

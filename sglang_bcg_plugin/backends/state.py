@@ -114,17 +114,8 @@ class CaptureState:
             msg = f"{self.name} backend: capture_one({key!r}) must run inside `with backend.capture_session():`"
             raise CaptureStateError(msg)
 
-    def commit(
-        self,
-        key: Hashable,
-        *,
-        graph: Any,
-        num_segments: int | None = None,
-        capture_inputs: Any = None,
-        seconds: float | None = None,
-        memory_bytes: int | None = None,
-        can_release: bool = True,
-    ) -> Any:
+    def commit(self, key: Hashable, *, graph: Any, num_segments: int | None = None, capture_inputs: Any = None,
+               seconds: float | None = None, memory_bytes: int | None = None, can_release: bool = True) -> Any:
         """Commit ``key``'s placement and record the key; returns the output to hand out. ``graph``: one
         of ours (``num_segments=None``: its ``output`` is set here) or another engine's. The caller
         drops its own references to the placed output (a released output is a non-owning alias)."""

@@ -23,13 +23,10 @@ def end_capture(graph: torch.cuda.CUDAGraph, pool: Any = None) -> bool:
         except Exception:
             _recover(pool)
             raise
-    empty = False
-    for w in caught:
-        if "empty" in str(w.message).lower():
-            empty = True
-        else:  # pragma: no cover - re-emit anything unexpected
-            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
-    return not empty
+    others = [w for w in caught if "empty" not in str(w.message).lower()]
+    for w in others:  # pragma: no cover - re-emit anything unexpected
+        warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+    return len(others) == len(caught)
 
 
 def abort_capture(graph: torch.cuda.CUDAGraph, pool: Any) -> None:
@@ -39,10 +36,8 @@ def abort_capture(graph: torch.cuda.CUDAGraph, pool: Any) -> None:
         graph.capture_end()
     except Exception:  # noqa: BLE001 - the capture is already invalid; the caller re-raises
         _recover(pool)
-    try:
+    with contextlib.suppress(Exception):
         graph.reset()
-    except Exception:  # noqa: BLE001,S110
-        pass
 
 
 #: Pools whose capture was invalidated (handles are never reused: ``graph_pool_handle`` counts up).
@@ -151,5 +146,5 @@ class CudaSegments:
                 g.reset()
         self.graphs.clear()
 
-    def __del__(self) -> None:
-        defer_release([*getattr(self, "graphs", ()), getattr(self, "_current", None)])  # dropped inside a capture: destroyed after it
+    def __del__(self) -> None:  # dropped inside a capture: destroyed after it
+        defer_release([*getattr(self, "graphs", ()), getattr(self, "_current", None)])

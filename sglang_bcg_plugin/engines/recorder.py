@@ -193,10 +193,8 @@ class Recorder:
     def fresh_returns(self, leaves: list[Any], arg_keys: set[tuple[str, int]]) -> list[Any]:
         """Call right after :meth:`eager_break`: each tensor of ``leaves`` that aliases no argument
         replaced by graph-pool memory of the open segment (filled at once off a capture)."""
-        targets = [
-            torch.empty_like(t) if isinstance(t, torch.Tensor) and storage_key(t) not in arg_keys else t
-            for t in leaves
-        ]
+        targets = [torch.empty_like(t) if isinstance(t, torch.Tensor) and storage_key(t) not in arg_keys else t
+                   for t in leaves]
         with self.segments.paused():  # eager segments: the step refreshes them at replay
             for target, t in zip(targets, leaves, strict=True):
                 if target is not t and not (target.is_cuda and torch.cuda.is_current_stream_capturing()):

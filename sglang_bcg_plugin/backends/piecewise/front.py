@@ -79,7 +79,6 @@ class PieceFront(Front):
 
     min_cuda_warmups = 1
 
-    def recorder(
-        self, key: object, segments: Segments, partition: int | None, static_inputs: frozenset[tuple[str, int]]
-    ) -> PieceRecorder:
+    def recorder(self, key: object, segments: Segments, partition: int | None,
+                 static_inputs: frozenset[tuple[str, int]]) -> PieceRecorder:
         return PieceRecorder(key, segments, static_inputs)
