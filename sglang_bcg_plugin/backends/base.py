@@ -35,7 +35,6 @@ if TYPE_CHECKING:
 @contextlib.contextmanager
 def allocator_segments(choice: str, engine: Engine) -> Iterator[None]:
     """``pool_segments="expandable"`` on a CUDA engine: ``expandable_segments`` on while the session is open.
-
     :raises RuntimeError: this torch cannot switch it at run time."""
     if choice != "expandable" or engine.name != "cuda" or expandable_segments():
         yield
@@ -124,9 +123,7 @@ class CaptureBackend:
 
     @contextlib.contextmanager
     def capture_session(self, stream: Any = None) -> Iterator[None]:
-        """Open a capture session; its plan is fixed until it closes.
-
-        :raises CaptureStateError: a session is already open."""
+        """Open a capture session; its plan is fixed until it closes. :raises CaptureStateError: one is open."""
         with self._lock:
             opts, engine = self._options, self._get_engine()
             plan = plan_session(
@@ -185,9 +182,9 @@ class CaptureBackend:
         """The output mode of the latest capture session and why (``None`` before the first)."""
         return self._state.resolution
 
-    def size_context(self, size: int) -> contextlib.AbstractContextManager[None]:
-        """What a forward of ``size`` runs in outside :meth:`capture_one` (the forecast's eager
-        forwards): nothing here; Piecewise's compiled callables learn the size from it."""
+    def size_context(self, size: int | None) -> contextlib.AbstractContextManager[None]:
+        """What a forward of ``size`` runs in, in :meth:`capture_one` and the forecast's eager forwards:
+        nothing here; Piecewise's compiled callables learn the size from it."""
         return contextlib.nullcontext()
 
     def capture_one(self, shape_key: Hashable, forward_fn: Callable[[], Any], capture_inputs: Any = None,
@@ -202,7 +199,7 @@ class CaptureBackend:
         if not callable(forward_fn):
             msg = f"capture_one({key!r}): forward_fn must be callable, got {forward_fn!r}"
             raise TypeError(msg)
-        with self._lock:
+        with self._lock, self.size_context(getattr(key, "size", None)):
             self._state.begin(key)
             if self._capturing is not None:
                 msg = (f"{self.name} backend: re-entrant capture: capture_one({key!r}) was called while "
@@ -238,9 +235,7 @@ class CaptureBackend:
             return output
 
     def replay(self, shape_key: Hashable) -> Any:
-        """Replay the graph of ``shape_key`` and return its static output.
-
-        :raises KeyError: ``shape_key`` was never captured."""
+        """Replay the graph of ``shape_key``; returns its static output. :raises KeyError: never captured."""
         entry = self._state.entry(shape_key)
         check_input_pointers(shape_key, entry)
         return self._state.hand_out(shape_key, entry.graph.replay())

@@ -41,9 +41,7 @@ def input_pointers(capture_inputs: object) -> tuple[tuple[str, int], ...]:
 
 
 def check_input_pointers(key: Hashable, entry: _Entry) -> None:
-    """``BackendOptions.debug_check_inputs`` at replay.
-
-    :raises RuntimeError: an input tensor of ``key`` moved or is gone since capture."""
+    """``debug_check_inputs`` at replay. :raises RuntimeError: an input tensor of ``key`` moved or is gone."""
     if entry.input_ptrs is None:
         return
     now = dict(input_pointers(entry.capture_inputs))
@@ -148,9 +146,7 @@ class CaptureState:
         return key in self._entries
 
     def entry(self, key: Hashable) -> _Entry:
-        """The record of ``key``.
-
-        :raises KeyError: ``key`` was never captured (naming the captured sizes)."""
+        """The record of ``key``. :raises KeyError: ``key`` was never captured (naming the captured sizes)."""
         try:
             return self._entries[key]  # one lookup: this is on the replay path
         except KeyError:

@@ -40,7 +40,6 @@ class BreakableRecorder(Recorder):
 def _flatten_return(fn: Callable[..., Any], result: Any,
                     path: str | None = None) -> tuple[Any, list[tuple[str, torch.Tensor]]]:
     """``flatten`` of what break ``fn`` returned, rooted at ``path`` (default ``name(...)``).
-
     :raises TypeError: a return value replay cannot track, naming the break."""
     name = getattr(fn, "__qualname__", None) or repr(fn)
     try:

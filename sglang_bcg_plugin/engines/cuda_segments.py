@@ -13,9 +13,7 @@ from .recorder import Action
 
 
 def end_capture(graph: torch.cuda.CUDAGraph, pool: Any = None) -> bool:
-    """End a capture; returns False when the segment captured no work.
-
-    :raises RuntimeError: the capture was invalidated; the process can capture again."""
+    """End a capture; ``False``: it captured no work. :raises RuntimeError: invalidated (can capture again)."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:

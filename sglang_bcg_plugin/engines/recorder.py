@@ -43,7 +43,6 @@ def untracked() -> contextlib.AbstractContextManager[None]:
 
 def refresh(static: torch.Tensor, value: torch.Tensor, what: str) -> None:
     """Write a replayed ``value`` into the captured ``static`` storage (no-op when it is that storage).
-
     :raises RuntimeError: the shape changed since capture, or a broadcast cannot hold ``value``."""
     if static.shape != value.shape:
         msg = f"{what} returned shape {tuple(value.shape)} on replay, captured {tuple(static.shape)}"

@@ -44,9 +44,9 @@ def _reads_host(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str
         return None
     if func is _aten.index.Tensor:
         indices = args[1] if len(args) > 1 else kwargs.get("indices", ())
-        if not any(isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8) for i in indices):
-            return None
-        return f"{func} with a boolean mask (x[mask]): its output shape depends on the mask's values"
+        if any(isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8) for i in indices):
+            return f"{func} with a boolean mask (x[mask]): its output shape depends on the mask's values"
+        return None
     if func is _aten.repeat_interleave.Tensor and kwargs.get("output_size") is not None:
         return None
     return f"{func}: its output shape depends on the values"
@@ -54,9 +54,7 @@ def _reads_host(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str
 
 def _validates_only(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
     """Whether ``func``'s host reads only validate its arguments (``one_hot`` given ``num_classes``)."""
-    if func is not torch.nn.functional.one_hot:
-        return False
-    return (args[1] if len(args) > 1 else kwargs.get("num_classes", -1)) != -1
+    return func is torch.nn.functional.one_hot and (args[1] if len(args) > 1 else kwargs.get("num_classes", -1)) != -1
 
 
 class _Tape(TorchDispatchMode):
@@ -64,8 +62,7 @@ class _Tape(TorchDispatchMode):
 
     def __init__(self, sink: list[Action], refuse: Any) -> None:
         super().__init__()
-        self.sink = sink
-        self.refuse = refuse
+        self.sink, self.refuse = sink, refuse
         self.validating = 0  # inside a call whose host reads only validate (see _validates_only)
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:

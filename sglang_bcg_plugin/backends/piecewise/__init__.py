@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Hashable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
@@ -95,14 +95,9 @@ class PiecewiseBackend(CaptureBackend):
         """How many FX graphs the compile backend received (1 per model if no recompiles)."""
         return len(self._summaries)
 
-    def size_context(self, size: int) -> contextlib.AbstractContextManager[None]:
+    def size_context(self, size: int | None) -> contextlib.AbstractContextManager[None]:
         """The compiled callables know ``size``: they mark the arguments of that extent dynamic."""
         return capture_size(size)
-
-    def capture_one(self, shape_key: Hashable, *args: Any, **kwargs: Any) -> Any:
-        """:meth:`CaptureBackend.capture_one`; the compiled callables know the key's size."""
-        with capture_size(getattr(shape_key, "size", None)):
-            return super().capture_one(shape_key, *args, **kwargs)
 
 
 @hookimpl

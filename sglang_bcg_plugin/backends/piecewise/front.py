@@ -62,9 +62,7 @@ class PieceRecorder(Recorder):
         return tree_unflatten(targets, spec)
 
     def finish(self, output: Any, finalize: Callable[[Any], Any]) -> Any:
-        """Apply the output policy inside the last segment; returns the static output.
-
-        :raises RuntimeError: the forward never ran a compiled callable."""
+        """The output policy inside the last segment. :raises RuntimeError: no compiled callable ran."""
         if self.graph_calls == 0:
             msg = (f"forward_fn of {self.key!r} never called a callable compiled by this backend; "
                    "pass a forward that calls backend.compile(model)(...)")

@@ -80,7 +80,6 @@ class CompiledPiece:
 
 class InductorPieces:
     """Compiles the pieces of split graphs with Inductor (``config``: extra patches); counts them.
-
     :raises ValueError: ``config`` turns ``triton.cudagraphs`` on."""
 
     def __init__(self, config: Mapping[str, Any] | None = None) -> None:
