@@ -117,12 +117,10 @@ class PiecewiseCompiled:
         if isinstance(dynamic_dim, bool) or not isinstance(dynamic_dim, int) or dynamic_dim < 0:
             msg = f"dynamic_dim must be an int >= 0 (the dim that varies with the capture size), got {dynamic_dim!r}"
             raise ValueError(msg)
-        self.original = model
-        self.compiler = compiler
+        self.original, self.compiler, self.dynamic_dim = model, compiler, dynamic_dim
         if dynamic == "auto":  # made concrete: size-oblivious with Inductor, else unbacked
             dynamic = "size_oblivious" if compiler.inductor is not None else "unbacked"
         self.dynamic = dynamic
-        self.dynamic_dim = dynamic_dim
         self.size_dims = SizeDims(dynamic_dim)
         self.compiled = torch.compile(model, backend=compiler, fullgraph=True)
 
