@@ -113,13 +113,16 @@ class CaptureBackend:
 
     def _get_engine(self) -> Engine:
         if self._engine is None:
-            cuda = self._use_cuda()
-            if self._front is None:
-                self._engine = FullCudaEngine() if cuda else EagerEngine()
+            if self._use_cuda():
+                self._engine = self._make_cuda_engine()
             else:
-                self._engine = SegmentCudaEngine(self._front()) if cuda else EagerSegmentEngine(self._front())
+                self._engine = EagerEngine() if self._front is None else EagerSegmentEngine(self._front())
             self._state.engine = self._engine.name
         return self._engine
+
+    def _make_cuda_engine(self) -> Engine:
+        """The engine on CUDA; a subclass may return its own (docs/writing-a-backend.md)."""
+        return FullCudaEngine() if self._front is None else SegmentCudaEngine(self._front())
 
     @contextlib.contextmanager
     def capture_session(self, stream: Any = None) -> Iterator[None]:
