@@ -76,8 +76,7 @@ class CaptureState:
     :meth:`begin`, the engine drives :attr:`policy`, :meth:`commit`; :meth:`close`; :meth:`hand_out`."""
 
     def __init__(self, name: str, engine: str) -> None:
-        self.name = name
-        self.engine = engine
+        self.name, self.engine = name, engine
         self.policy = OutputPolicy()
         self._open: SessionPlan | None = None
         self._entries: dict[Hashable, _Entry] = {}

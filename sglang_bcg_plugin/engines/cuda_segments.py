@@ -104,8 +104,7 @@ def _leave_generator_capture() -> None:
 class CudaSegments:
     """Each segment is one ``torch.cuda.CUDAGraph`` in the partition's pool (None if empty)."""
 
-    #: The kernels are in the graphs: recorded actions are never re-run, nothing need be kept.
-    reruns_actions = False
+    reruns_actions = False  # the kernels are in the graphs
 
     def __init__(self, pool: Any) -> None:
         self.pool = pool

@@ -21,8 +21,7 @@ class EagerGraph:
     num_segments = 1
 
     def __init__(self, key: object, forward_fn: Callable[[], Any], output: Any) -> None:
-        self.key = key
-        self.output = output
+        self.key, self.output = key, output
         self._forward_fn: Callable[[], Any] | None = forward_fn
         self._spec, leaves = flatten(output)
         self._static = [t for _, t in leaves]

@@ -126,8 +126,7 @@ class SegmentedGraph:
     """One captured key: segments with the eager steps between them."""
 
     def __init__(self, key: object, segments: Segments, steps: list[Action], output: Any, held: list[Any]) -> None:
-        self.key = key
-        self.output = output
+        self.key, self.output = key, output
         self._segments: Segments | None = segments
         self._runners = segments.runners()
         self._steps = steps
@@ -157,18 +156,14 @@ class SegmentedGraph:
     def release(self) -> None:
         if self._segments is not None:
             self._segments.release()
-        self._segments = None
-        self._runners = []
-        self._steps = []
-        self._held = []
+        self._segments, self._runners, self._steps, self._held = None, [], [], []
 
 
 class Recorder:
     """Records the segments and eager steps of one key; front-ends subclass it."""
 
     def __init__(self, key: object, segments: Segments) -> None:
-        self.key = key
-        self.segments = segments
+        self.key, self.segments = key, segments
         self.steps: list[Action] = []
         self.held: list[Any] = []
         self.segment = 0  # the open segment's index

@@ -100,7 +100,6 @@ class _PyReads(TorchFunctionMode):
 class EagerSegments:
     """Segments of the eager engine: recorded ops and front-end actions, re-run in order at replay."""
 
-    #: Recorded actions are re-run at replay: what they read must be kept.
     reruns_actions = True
 
     def __init__(self, key: object = None) -> None:
