@@ -1,6 +1,5 @@
-"""The Breakable front of the segment recorder: breaks are ``@graph_break`` functions.
-
-What crosses a break, and why it costs no bridge memory: docs/breakable.md."""
+"""The Breakable front of the segment recorder: breaks are ``@graph_break`` functions (what crosses a
+break, and why it costs no bridge memory: docs/breakable.md)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
-"""CUDA engines: whole-forward graphs (Full) and the segmented engine over CUDA graphs.
-
-One private pool and one capture stream per partition (docs/breakable.md, "Pools and streams")."""
+"""CUDA engines: whole-forward graphs (Full) and the segmented engine over CUDA graphs; one private pool
+and one capture stream per partition (docs/breakable.md, "Pools and streams")."""
 
 from __future__ import annotations
 

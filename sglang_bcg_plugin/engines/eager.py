@@ -1,6 +1,5 @@
-"""Engines without CUDA graphs (CPU machines, ``BackendOptions(engine="eager")``): Full's eager engine
-(replay re-runs the forward and writes into the captured output) and the segmented engine over eager
-segments (the op tape of :mod:`.tape`), for either front."""
+"""Engines without CUDA graphs (CPU, ``engine="eager"``): Full's (replay re-runs the forward and writes
+into the captured output) and the segmented engine over eager segments (:mod:`.tape`), for either front."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
-"""Piecewise compilation: ``torch.compile`` with our compile backend, split at splitting ops; the
-size dim of the tensors that follow the capture size marked dynamic (docs/piecewise.md,
-"Dynamic shapes")."""
+"""Piecewise compilation: ``torch.compile`` with our compile backend, split at splitting ops; the size
+dim of the tensors that follow the capture size marked dynamic (docs/piecewise.md, "Dynamic shapes")."""
 
 from __future__ import annotations
 
