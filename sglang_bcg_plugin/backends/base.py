@@ -185,7 +185,7 @@ class CaptureBackend:
         """The output mode of the latest capture session and why (``None`` before the first)."""
         return self._state.resolution
 
-    def size_context(self, size: int | None) -> contextlib.AbstractContextManager[None]:
+    def size_context(self, size: int) -> contextlib.AbstractContextManager[None]:
         """What a forward of ``size`` runs in, in :meth:`capture_one` and the forecast's eager forwards:
         nothing here; Piecewise's compiled callables learn the size from it."""
         return contextlib.nullcontext()
@@ -202,7 +202,7 @@ class CaptureBackend:
         if not callable(forward_fn):
             msg = f"capture_one({key!r}): forward_fn must be callable, got {forward_fn!r}"
             raise TypeError(msg)
-        with self._lock, self.size_context(getattr(key, "size", None)):
+        with self._lock, self.size_context(key.size):  # type: ignore[attr-defined]
             self._state.begin(key)
             if self._capturing is not None:
                 msg = (f"{self.name} backend: re-entrant capture: capture_one({key!r}) was called while "

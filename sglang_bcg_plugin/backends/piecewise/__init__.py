@@ -95,7 +95,7 @@ class PiecewiseBackend(CaptureBackend):
         """How many FX graphs the compile backend received (1 per model if no recompiles)."""
         return len(self._summaries)
 
-    def size_context(self, size: int | None) -> contextlib.AbstractContextManager[None]:
+    def size_context(self, size: int) -> contextlib.AbstractContextManager[None]:
         """The compiled callables know ``size``: they mark the arguments of that extent dynamic."""
         return capture_size(size)
 
