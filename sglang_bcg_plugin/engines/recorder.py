@@ -65,10 +65,8 @@ def copy_broadcast(static: torch.Tensor, value: torch.Tensor, what: str) -> bool
     dims = [d for d, (size, stride) in enumerate(zip(static.shape, static.stride())) if stride == 0 and size > 1]
     if not dims:
         return False
-    dst, src = static, value
-    for d in dims:
-        dst, src = dst.narrow(d, 0, 1), src.narrow(d, 0, 1)
-    dst.copy_(src)
+    first = tuple(slice(0, 1) if d in dims else slice(None) for d in range(static.dim()))
+    static[first].copy_(value[first])
     if all(value.stride(d) == 0 for d in dims):
         return True  # the same broadcast: nothing else to hold
     if static.is_floating_point() or static.is_complex():

@@ -47,9 +47,7 @@ class PieceRunner(torch.nn.Module):
     def boxed(self, args: list[Any]) -> Any:
         """Run on ``args``, a list this call empties."""
         recorder = active_piece_recorder()
-        if recorder is None:
-            return self._run(args)
-        return recorder.run_piece(self.tag, self._run, args)
+        return self._run(args) if recorder is None else recorder.run_piece(self.tag, self._run, args)
 
     def forward(self, *args: Any) -> Any:
         return self.boxed(list(args))
@@ -67,9 +65,7 @@ class SplitRunner(torch.nn.Module):
 
     def forward(self, *args: Any) -> Any:
         recorder = active_piece_recorder()
-        if recorder is None:
-            return self._run(*args)
-        return recorder.run_split(self.tag, self._run, args)
+        return self._run(*args) if recorder is None else recorder.run_split(self.tag, self._run, args)
 
 
 class SplitProgram:
