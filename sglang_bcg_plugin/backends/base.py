@@ -15,6 +15,7 @@ import torch
 
 from ..accounting import Measure, device_free_bytes
 from ..engines.base import CaptureRequest, Engine, Front
+from ..engines.cuda import FullCudaEngine, SegmentCudaEngine
 from ..engines.eager import EagerEngine, EagerSegmentEngine
 from ..engines.gcsafe import gc_safe_capture
 from ..errors import CaptureStateError
@@ -33,9 +34,7 @@ if TYPE_CHECKING:
 
 @contextlib.contextmanager
 def allocator_segments(choice: str, engine: Engine) -> Iterator[None]:
-    """``BackendOptions.pool_segments="expandable"`` on a CUDA engine: the allocator's
-    ``expandable_segments`` on while the session is open.
-
+    """``pool_segments="expandable"`` on a CUDA engine: ``expandable_segments`` on while the session is open.
     :raises RuntimeError: this torch cannot switch it at run time."""
     if choice != "expandable" or engine.name != "cuda" or expandable_segments():
         yield
@@ -46,16 +45,16 @@ def allocator_segments(choice: str, engine: Engine) -> Iterator[None]:
                f"({torch.__version__}) lacks; set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True instead")
         raise RuntimeError(msg)
     # the process's own settings are given again: some torch parsers reset the keys left out
-    conf = ",".join(v for v in (os.environ.get(var, "").strip() for var in ALLOC_CONF_VARS) if v)
+    conf = [v for v in (os.environ.get(var, "").strip() for var in ALLOC_CONF_VARS) if v]
     try:
-        setter(f"{conf},expandable_segments:True" if conf else "expandable_segments:True")
+        setter(",".join([*conf, "expandable_segments:True"]))
     except RuntimeError as exc:
         msg = f"pool_segments='expandable': torch refused to switch expandable_segments on ({exc})"
         raise RuntimeError(msg) from None
     try:
         yield
     finally:
-        setter(f"{conf},expandable_segments:False" if conf else "expandable_segments:False")
+        setter(",".join([*conf, "expandable_segments:False"]))
 
 
 class CaptureBackend:
@@ -65,22 +64,15 @@ class CaptureBackend:
     #: the front of a segmented backend's engines (``None``: whole-forward graphs)
     _front: ClassVar[Callable[[], Front] | None] = None
 
-    def __init__(
-        self,
-        *,
-        options: BackendOptions | None = None,
-        plugin_manager: pluggy.PluginManager | None = None,
-        output_mode: Resolution | None = None,
-    ) -> None:
+    def __init__(self, *, options: BackendOptions | None = None, plugin_manager: pluggy.PluginManager | None = None,
+                 output_mode: Resolution | None = None) -> None:
         """:param output_mode: a mode a host resolved (below ``options.output_mode``, above the
             environment). :raises TypeError: ``output_mode`` is not a ``Resolution``."""
         self._options = options or BackendOptions()
         self._pm = plugin_manager or get_plugin_manager()
         if output_mode is not None and not isinstance(output_mode, Resolution):
-            msg = (
-                f"{self.name} backend: output_mode= takes a Resolution (a mode with its reason), got "
-                f"{output_mode!r}; give a mode as options=BackendOptions(output_mode=...)"
-            )
+            msg = (f"{self.name} backend: output_mode= takes a Resolution (a mode with its reason), got "
+                   f"{output_mode!r}; give a mode as options=BackendOptions(output_mode=...)")
             raise TypeError(msg)
         self._host_resolution = output_mode
         self._lock = threading.RLock()
@@ -129,15 +121,12 @@ class CaptureBackend:
         return self._engine
 
     def _make_cuda_engine(self) -> Engine:
-        from ..engines.cuda import FullCudaEngine, SegmentCudaEngine
-
+        """The engine on CUDA; a subclass may return its own (docs/writing-a-backend.md)."""
         return FullCudaEngine() if self._front is None else SegmentCudaEngine(self._front())
 
     @contextlib.contextmanager
     def capture_session(self, stream: Any = None) -> Iterator[None]:
-        """Open a capture session; its plan is fixed until it closes.
-
-        :raises CaptureStateError: a session is already open."""
+        """Open a capture session; its plan is fixed until it closes. :raises CaptureStateError: one is open."""
         with self._lock:
             opts, engine = self._options, self._get_engine()
             plan = plan_session(
@@ -168,15 +157,10 @@ class CaptureBackend:
         opts = self._options
         return explain_output_mode(opts.output_mode if opts.output_mode is not None else self._host_resolution)
 
-    def forecast(
-        self,
-        sizes: Iterable[int],
-        forward_for: Callable[[int], Callable[[], Any]],
-        capture_inputs: Any = None,
-    ) -> GraphMemoryForecast:
+    def forecast(self, sizes: Iterable[int], forward_for: Callable[[int], Callable[[], Any]],
+                 capture_inputs: Any = None) -> GraphMemoryForecast:
         """Forecast the graph memory of capturing ``sizes`` per output mode, before any capture; the next
-        session's plan may use it (docs/forecast.md). ``forward_for(size)``: ``capture_one``'s ``forward_fn``;
-        it runs once eagerly at every size (first launches measured), then at the two probed sizes.
+        session's plan may use it (docs/forecast.md). ``forward_for(size)``: ``capture_one``'s ``forward_fn``.
 
         :raises ForecastError: fewer than two sizes, not the CUDA engine, or forwards whose
             allocations at the two probed sizes are not one pattern.
@@ -202,17 +186,12 @@ class CaptureBackend:
         return self._state.resolution
 
     def size_context(self, size: int) -> contextlib.AbstractContextManager[None]:
-        """What a forward of ``size`` runs in outside :meth:`capture_one` (the forecast's eager
-        forwards): nothing here; Piecewise's compiled callables learn the size from it."""
+        """What a forward of ``size`` runs in, in :meth:`capture_one` and the forecast's eager forwards:
+        nothing here; Piecewise's compiled callables learn the size from it."""
         return contextlib.nullcontext()
 
-    def capture_one(
-        self,
-        shape_key: Hashable,
-        forward_fn: Callable[[], Any],
-        capture_inputs: Any = None,
-        post_warmup_hook: Callable[[], None] | None = None,
-    ) -> Any:
+    def capture_one(self, shape_key: Hashable, forward_fn: Callable[[], Any], capture_inputs: Any = None,
+                    post_warmup_hook: Callable[[], None] | None = None) -> Any:
         """Warm up, capture ``forward_fn`` (no arguments) for ``shape_key``; returns its static output.
         ``capture_inputs`` (any tree) is kept alive with the graph.
 
@@ -223,42 +202,30 @@ class CaptureBackend:
         if not callable(forward_fn):
             msg = f"capture_one({key!r}): forward_fn must be callable, got {forward_fn!r}"
             raise TypeError(msg)
-        with self._lock:
+        with self._lock, self.size_context(key.size):  # type: ignore[attr-defined]
             self._state.begin(key)
             if self._capturing is not None:
-                msg = (
-                    f"{self.name} backend: re-entrant capture: capture_one({key!r}) was called "
-                    f"while {self._capturing!r} is being captured (from inside its forward_fn or a "
-                    "hook); capture keys one after another"
-                )
+                msg = (f"{self.name} backend: re-entrant capture: capture_one({key!r}) was called while "
+                       f"{self._capturing!r} is being captured (from inside its forward_fn or a hook); "
+                       "capture keys one after another")
                 raise CaptureStateError(msg)
             if key in self._state:
-                msg = (f"{key!r} is already captured by the {self.name} backend; cleanup() first "
-                       "to capture it again")
+                msg = f"{key!r} is already captured by the {self.name} backend; cleanup() first to capture it again"
                 raise ValueError(msg)
             self._capturing = key
             try:
                 observe_started(self._pm, self, key)
                 engine = self._get_engine()
                 request = CaptureRequest(
-                    key=key,
-                    forward_fn=forward_fn,
-                    policy=self._state.policy,
-                    num_warmups=self._options.num_warmups,
-                    post_warmup_hook=post_warmup_hook,
-                    partition=getattr(key, "stream_idx", None),
-                    stream=self._stream,
-                    static_inputs=input_storages(capture_inputs),
+                    key, forward_fn, self._state.policy, num_warmups=self._options.num_warmups,
+                    post_warmup_hook=post_warmup_hook, partition=getattr(key, "stream_idx", None),
+                    stream=self._stream, static_inputs=input_storages(capture_inputs),
                 )
                 with Measure(engine.name) as measured:
                     graph = engine.capture(request)
-                output = self._state.commit(
-                    key,
-                    graph=graph,
-                    capture_inputs=capture_inputs,
-                    seconds=measured.seconds,
-                    memory_bytes=measured.memory_bytes,
-                    can_release=engine.name == "cuda",  # the eager engine has no pool
+                output = self._state.commit(  # the eager engine has no pool: nothing to release
+                    key, graph=graph, capture_inputs=capture_inputs, seconds=measured.seconds,
+                    memory_bytes=measured.memory_bytes, can_release=engine.name == "cuda",
                 )
             except BaseException as exc:
                 self._state.policy.discard()
@@ -271,9 +238,7 @@ class CaptureBackend:
             return output
 
     def replay(self, shape_key: Hashable) -> Any:
-        """Replay the graph of ``shape_key`` and return its static output.
-
-        :raises KeyError: ``shape_key`` was never captured."""
+        """Replay the graph of ``shape_key``; returns its static output. :raises KeyError: never captured."""
         entry = self._state.entry(shape_key)
         check_input_pointers(shape_key, entry)
         return self._state.hand_out(shape_key, entry.graph.replay())

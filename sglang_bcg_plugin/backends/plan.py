@@ -71,18 +71,9 @@ def _pool(choice: str | int, engine: str, forecast: GraphMemoryForecast | None) 
     return int(forecast.pool_reserve_bytes), "auto: the forecast's block"
 
 
-def plan_session(
-    resolution: Resolution,
-    *,
-    engine: str,
-    shared_buffer: str = "auto",
-    pool_reserve: str | int = "off",
-    guard: bool = False,
-    strict: bool = False,
-    check_inputs: bool = False,
-    forecast: GraphMemoryForecast | None = None,
-    captured: bool = False,
-) -> SessionPlan:
+def plan_session(resolution: Resolution, *, engine: str, shared_buffer: str = "auto", pool_reserve: str | int = "off",
+                 guard: bool = False, strict: bool = False, check_inputs: bool = False,
+                 forecast: GraphMemoryForecast | None = None, captured: bool = False) -> SessionPlan:
     """The plan of a session that resolved ``resolution`` on ``engine``, after ``forecast`` (or none);
     in mode ``released`` the largest capture keeps its output only when ``forecast`` says so and
     nothing is ``captured`` yet."""

@@ -41,9 +41,7 @@ def input_pointers(capture_inputs: object) -> tuple[tuple[str, int], ...]:
 
 
 def check_input_pointers(key: Hashable, entry: _Entry) -> None:
-    """``BackendOptions.debug_check_inputs`` at replay.
-
-    :raises RuntimeError: an input tensor of ``key`` moved or is gone since capture."""
+    """``debug_check_inputs`` at replay. :raises RuntimeError: an input tensor of ``key`` moved or is gone."""
     if entry.input_ptrs is None:
         return
     now = dict(input_pointers(entry.capture_inputs))
@@ -51,18 +49,14 @@ def check_input_pointers(key: Hashable, entry: _Entry) -> None:
         found = now.get(path)
         if found != ptr:
             where = "is gone" if found is None else f"moved from data_ptr {ptr:#x} to {found:#x}"
-            msg = (
-                f"replay({key!r}): static input {path} {where} since capture; the graph still reads "
-                "the capture-time address: copy new values into the captured tensor in place "
-                "(debug_check_inputs)"
-            )
+            msg = (f"replay({key!r}): static input {path} {where} since capture; the graph still reads the "
+                   "capture-time address: copy new values into the captured tensor in place (debug_check_inputs)")
             raise RuntimeError(msg)
 
 
 @dataclass(eq=False)
 class ForeignGraph:
-    """A graph recorded by another engine (replayed by it), as :meth:`CaptureState.report` reads
-    it."""
+    """A graph recorded by another engine (replayed by it), as :meth:`CaptureState.report` reads it."""
 
     graph: Any
     output: Any
@@ -82,8 +76,7 @@ class CaptureState:
     :meth:`begin`, the engine drives :attr:`policy`, :meth:`commit`; :meth:`close`; :meth:`hand_out`."""
 
     def __init__(self, name: str, engine: str) -> None:
-        self.name = name
-        self.engine = engine
+        self.name, self.engine = name, engine
         self.policy = OutputPolicy()
         self._open: SessionPlan | None = None
         self._entries: dict[Hashable, _Entry] = {}
@@ -118,17 +111,8 @@ class CaptureState:
             msg = f"{self.name} backend: capture_one({key!r}) must run inside `with backend.capture_session():`"
             raise CaptureStateError(msg)
 
-    def commit(
-        self,
-        key: Hashable,
-        *,
-        graph: Any,
-        num_segments: int | None = None,
-        capture_inputs: Any = None,
-        seconds: float | None = None,
-        memory_bytes: int | None = None,
-        can_release: bool = True,
-    ) -> Any:
+    def commit(self, key: Hashable, *, graph: Any, num_segments: int | None = None, capture_inputs: Any = None,
+               seconds: float | None = None, memory_bytes: int | None = None, can_release: bool = True) -> Any:
         """Commit ``key``'s placement and record the key; returns the output to hand out. ``graph``: one
         of ours (``num_segments=None``: its ``output`` is set here) or another engine's. The caller
         drops its own references to the placed output (a released output is a non-owning alias)."""
@@ -161,9 +145,7 @@ class CaptureState:
         return key in self._entries
 
     def entry(self, key: Hashable) -> _Entry:
-        """The record of ``key``.
-
-        :raises KeyError: ``key`` was never captured (naming the captured sizes)."""
+        """The record of ``key``. :raises KeyError: ``key`` was never captured (naming the captured sizes)."""
         try:
             return self._entries[key]  # one lookup: this is on the replay path
         except KeyError:
@@ -172,23 +154,14 @@ class CaptureState:
             raise KeyError(msg) from None
 
     def report(self, bridge_bytes: dict[int | None, int] | None = None) -> MemoryReport:
-        """The memory report: per key (a storage is charged to the first key holding it), with the
-        plan."""
+        """The memory report: per key (a storage is charged to the first key holding it), with the plan."""
         seen: set[tuple[str, int]] = set()
         keys = [
-            KeyReport(
-                key=entry.key,
-                logical_output_bytes=entry.logical_bytes,
-                resident_output_bytes=(
-                    0 if entry.released else claim_resident_bytes(entry.graph.output, seen)
-                ),
-                shared=entry.shared,
-                fallback=entry.fallback,
-                capture_seconds=entry.seconds,
-                graph_memory_bytes=entry.memory_bytes,
-                num_segments=entry.graph.num_segments,
-            )
-            for entry in self._entries.values()
+            KeyReport(key=e.key, logical_output_bytes=e.logical_bytes,
+                      resident_output_bytes=0 if e.released else claim_resident_bytes(e.graph.output, seen),
+                      shared=e.shared, fallback=e.fallback, capture_seconds=e.seconds,
+                      graph_memory_bytes=e.memory_bytes, num_segments=e.graph.num_segments)
+            for e in self._entries.values()
         ]
         report = MemoryReport.from_keys(self.name, self.engine, keys, bridge_bytes=bridge_bytes)
         return dataclasses.replace(report, plan=self.plan, forecast=self.forecast, measured_graph_bytes=self.measured_graph_bytes)

@@ -1,6 +1,5 @@
-"""The Breakable front of the segment recorder: breaks are ``@graph_break`` functions.
-
-What crosses a break, and why it costs no bridge memory: docs/breakable.md."""
+"""The Breakable front of the segment recorder: breaks are ``@graph_break`` functions (what crosses a
+break, and why it costs no bridge memory: docs/breakable.md)."""
 
 from __future__ import annotations
 
@@ -19,13 +18,8 @@ from .recorder import Recorder, Segments, refresh
 class BreakableRecorder(Recorder):
     """Records one key of a breakable forward; ``graph_break`` wrappers call :meth:`on_break`."""
 
-    def on_break(
-        self,
-        fn: Callable[..., Any],
-        bound: inspect.BoundArguments,
-        reads: frozenset[str],
-        writes: frozenset[str],
-    ) -> Any:
+    def on_break(self, fn: Callable[..., Any], bound: inspect.BoundArguments, reads: frozenset[str],
+                 writes: frozenset[str]) -> Any:
         if self.in_break:
             return fn(*bound.args, **bound.kwargs)
         args, kwargs = bound.args, bound.kwargs
@@ -34,21 +28,17 @@ class BreakableRecorder(Recorder):
             result = fn(*args, **kwargs)
         spec, leaves = _flatten_return(fn, result)
         targets = self.fresh_returns([t for _, t in leaves], arg_keys)
-        named = reads | writes
         kept = inspect.BoundArguments(bound.signature, bound.arguments.copy())
-        for name in named & kept.arguments.keys():
+        for name in (reads | writes) & kept.arguments.keys():
             kept.arguments[name] = maybe_alias(kept.arguments[name])
-        rets = [maybe_alias(t) for t in targets]
-        held = (kept.args, kept.kwargs)  # strong: whatever was not aliased
-        self.add_step(_Step(fn, kept.args, kept.kwargs, rets), held)
+        step = _Step(fn, kept.args, kept.kwargs, [maybe_alias(t) for t in targets])
+        self.add_step(step, (step.args, step.kwargs))  # strong: whatever was not aliased
         return unflatten(spec, targets)
 
 
-def _flatten_return(
-    fn: Callable[..., Any], result: Any, path: str | None = None
-) -> tuple[Any, list[tuple[str, torch.Tensor]]]:
+def _flatten_return(fn: Callable[..., Any], result: Any,
+                    path: str | None = None) -> tuple[Any, list[tuple[str, torch.Tensor]]]:
     """``flatten`` of what break ``fn`` returned, rooted at ``path`` (default ``name(...)``).
-
     :raises TypeError: a return value replay cannot track, naming the break."""
     name = getattr(fn, "__qualname__", None) or repr(fn)
     try:
@@ -79,7 +69,6 @@ class _Step:
 class BreakableFront(Front):
     """The Breakable front of the segmented engine: no bridges (arguments pass as they are)."""
 
-    def recorder(
-        self, key: object, segments: Segments, partition: int | None, static_inputs: frozenset[tuple[str, int]]
-    ) -> BreakableRecorder:
+    def recorder(self, key: object, segments: Segments, partition: int | None,
+                 static_inputs: frozenset[tuple[str, int]]) -> BreakableRecorder:
         return BreakableRecorder(key, segments)

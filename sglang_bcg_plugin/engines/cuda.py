@@ -1,6 +1,5 @@
-"""CUDA engines: whole-forward graphs (Full) and the segmented engine over CUDA graphs.
-
-One private pool and one capture stream per partition (docs/breakable.md, "Pools and streams")."""
+"""CUDA engines: whole-forward graphs (Full) and the segmented engine over CUDA graphs; one private pool
+and one capture stream per partition (docs/breakable.md, "Pools and streams")."""
 
 from __future__ import annotations
 
@@ -142,10 +141,8 @@ class SegmentCudaEngine(CudaGraphEngine):
 
     def capture(self, request: CaptureRequest) -> FullGraph | SegmentedGraph:
         if request.num_warmups < self.front.min_cuda_warmups:  # compiling inside a capture fails
-            msg = (
-                f"this backend on CUDA needs num_warmups >= {self.front.min_cuda_warmups} (got "
-                f"{request.num_warmups}) so torch.compile runs before the capture of {request.key!r}"
-            )
+            msg = (f"this backend on CUDA needs num_warmups >= {self.front.min_cuda_warmups} (got "
+                   f"{request.num_warmups}) so torch.compile runs before the capture of {request.key!r}")
             raise ValueError(msg)
         return super().capture(request)
 

@@ -13,9 +13,7 @@ from .recorder import Action
 
 
 def end_capture(graph: torch.cuda.CUDAGraph, pool: Any = None) -> bool:
-    """End a capture; returns False when the segment captured no work.
-
-    :raises RuntimeError: the capture was invalidated; the process can capture again."""
+    """End a capture; ``False``: it captured no work. :raises RuntimeError: invalidated (can capture again)."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
@@ -23,13 +21,10 @@ def end_capture(graph: torch.cuda.CUDAGraph, pool: Any = None) -> bool:
         except Exception:
             _recover(pool)
             raise
-    empty = False
-    for w in caught:
-        if "empty" in str(w.message).lower():
-            empty = True
-        else:  # pragma: no cover - re-emit anything unexpected
-            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
-    return not empty
+    others = [w for w in caught if "empty" not in str(w.message).lower()]
+    for w in others:  # pragma: no cover - re-emit anything unexpected
+        warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+    return len(others) == len(caught)
 
 
 def abort_capture(graph: torch.cuda.CUDAGraph, pool: Any) -> None:
@@ -39,10 +34,8 @@ def abort_capture(graph: torch.cuda.CUDAGraph, pool: Any) -> None:
         graph.capture_end()
     except Exception:  # noqa: BLE001 - the capture is already invalid; the caller re-raises
         _recover(pool)
-    try:
+    with contextlib.suppress(Exception):
         graph.reset()
-    except Exception:  # noqa: BLE001,S110
-        pass
 
 
 #: Pools whose capture was invalidated (handles are never reused: ``graph_pool_handle`` counts up).
@@ -111,8 +104,7 @@ def _leave_generator_capture() -> None:
 class CudaSegments:
     """Each segment is one ``torch.cuda.CUDAGraph`` in the partition's pool (None if empty)."""
 
-    #: The kernels are in the graphs: recorded actions are never re-run, nothing need be kept.
-    reruns_actions = False
+    reruns_actions = False  # the kernels are in the graphs
 
     def __init__(self, pool: Any) -> None:
         self.pool = pool
@@ -151,5 +143,5 @@ class CudaSegments:
                 g.reset()
         self.graphs.clear()
 
-    def __del__(self) -> None:
-        defer_release([*getattr(self, "graphs", ()), getattr(self, "_current", None)])  # dropped inside a capture: destroyed after it
+    def __del__(self) -> None:  # dropped inside a capture: destroyed after it
+        defer_release([*getattr(self, "graphs", ()), getattr(self, "_current", None)])

@@ -1,6 +1,5 @@
-"""Engines without CUDA graphs (CPU machines, ``BackendOptions(engine="eager")``): Full's eager engine
-(replay re-runs the forward and writes into the captured output) and the segmented engine over eager
-segments (the op tape of :mod:`.tape`), for either front."""
+"""Engines without CUDA graphs (CPU, ``engine="eager"``): Full's (replay re-runs the forward and writes
+into the captured output) and the segmented engine over eager segments (:mod:`.tape`), for either front."""
 
 from __future__ import annotations
 
@@ -21,8 +20,7 @@ class EagerGraph:
     num_segments = 1
 
     def __init__(self, key: object, forward_fn: Callable[[], Any], output: Any) -> None:
-        self.key = key
-        self.output = output
+        self.key, self.output = key, output
         self._forward_fn: Callable[[], Any] | None = forward_fn
         self._spec, leaves = flatten(output)
         self._static = [t for _, t in leaves]
@@ -37,10 +35,8 @@ class EagerGraph:
             spec, leaves = flatten(self._forward_fn())
             found = diff(self._spec, spec)
             if found is not None:
-                msg = (
-                    f"forward of {self.key!r} returned another structure at replay than at capture "
-                    f"({found[0]}: {found[1]}); a CUDA graph would replay the captured one"
-                )
+                msg = (f"forward of {self.key!r} returned another structure at replay than at capture "
+                       f"({found[0]}: {found[1]}); a CUDA graph would replay the captured one")
                 raise RuntimeError(msg)
             for static, (path, new) in zip(self._static, leaves, strict=True):
                 refresh(static, new, f"forward of {self.key!r} at {path}")

@@ -9,6 +9,8 @@ import threading
 from collections.abc import Iterable, Iterator
 from typing import Any
 
+import torch
+
 _lock = threading.RLock()  # a finalizer run by gc.collect() may enter again
 _depth = 0
 _restore_enabled = False
@@ -22,8 +24,6 @@ def capture_in_progress() -> bool:
 
 def _stream_capturing() -> bool:
     try:
-        import torch
-
         return bool(torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing())
     except Exception:  # noqa: BLE001 - interpreter shutdown, no CUDA: nothing is capturing
         return False

@@ -10,6 +10,7 @@ from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
 import torch
+from torch.utils._pytree import tree_leaves
 
 from ..errors import HostReadError, user_frame
 from ..trees import storage_key
@@ -20,11 +21,9 @@ Action = Callable[[], None]
 
 class Segments(Protocol):
     """How segments are made and replayed: ``record`` remembers work to redo at replay (nothing on
-    CUDA, where the kernels are captured); work inside ``paused()`` is not recorded by the open
-    segment (its replay is recorded another way)."""
+    CUDA, where the kernels are captured); work inside ``paused()`` is not recorded by the open segment."""
 
-    #: ``record``-ed actions are re-run at replay (eager segments), so what they read is kept;
-    #: ``False`` (CUDA graphs): nothing need outlive the call that recorded it.
+    #: ``record``-ed actions are re-run at replay (eager segments): what they read is kept
     reruns_actions: bool
 
     def begin(self) -> None: ...
@@ -44,14 +43,11 @@ def untracked() -> contextlib.AbstractContextManager[None]:
 
 def refresh(static: torch.Tensor, value: torch.Tensor, what: str) -> None:
     """Write a replayed ``value`` into the captured ``static`` storage (no-op when it is that storage).
-
     :raises RuntimeError: the shape changed since capture, or a broadcast cannot hold ``value``."""
     if static.shape != value.shape:
         msg = f"{what} returned shape {tuple(value.shape)} on replay, captured {tuple(static.shape)}"
         raise RuntimeError(msg)
-    if static is not value and not (
-        static.data_ptr() == value.data_ptr() and static.stride() == value.stride()
-    ):
+    if static is not value and (static.data_ptr(), static.stride()) != (value.data_ptr(), value.stride()):
         try:
             static.copy_(value)
         except RuntimeError:
@@ -66,38 +62,47 @@ def copy_broadcast(static: torch.Tensor, value: torch.Tensor, what: str) -> bool
     not broadcast (nothing written).
 
     :raises RuntimeError: ``value`` differs along a dim where ``static`` broadcasts."""
-    dims = [d for d, (size, stride) in enumerate(zip(static.shape, static.stride(), strict=True)) if stride == 0 and size > 1]
+    dims = [d for d, (size, stride) in enumerate(zip(static.shape, static.stride())) if stride == 0 and size > 1]
     if not dims:
         return False
-    dst, src = static, value
-    for d in dims:
-        dst, src = dst.narrow(d, 0, 1), src.narrow(d, 0, 1)
-    dst.copy_(src)
+    first = tuple(slice(0, 1) if d in dims else slice(None) for d in range(static.dim()))
+    static[first].copy_(value[first])
     if all(value.stride(d) == 0 for d in dims):
         return True  # the same broadcast: nothing else to hold
-    same = (
-        torch.allclose(static, value, rtol=0.0, atol=0.0, equal_nan=True)
-        if static.is_floating_point() or static.is_complex()
-        else torch.equal(static, value)
-    )
+    if static.is_floating_point() or static.is_complex():
+        same = torch.allclose(static, value, rtol=0.0, atol=0.0, equal_nan=True)
+    else:
+        same = torch.equal(static, value)
     if not same:
         dim = next(d for d in dims if value.stride(d) != 0)
-        msg = (
-            f"{what} returned values that vary along dim {dim} on replay, where the captured output "
-            f"broadcasts one value (stride 0, shape {tuple(static.shape)}); a CUDA graph replays the "
-            "broadcast it captured: return the same broadcast (.expand) at every call, or .contiguous()"
-        )
+        msg = (f"{what} returned values that vary along dim {dim} on replay, where the captured output broadcasts "
+               f"one value (stride 0, shape {tuple(static.shape)}); a CUDA graph replays the broadcast it captured: "
+               "return the same broadcast (.expand) at every call, or .contiguous()")
         raise RuntimeError(msg)
     return True
 
 
+class Rerun:
+    """Replay work: call ``fn`` again and refresh the captured tensors among ``outs`` (the leaves it
+    returned at capture) with what it returns; ``what`` names it in errors."""
+
+    __slots__ = ("what", "fn", "args", "kwargs", "outs")
+
+    def __init__(self, what: str, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
+                 outs: list[Any]) -> None:
+        self.what, self.fn, self.args, self.kwargs, self.outs = what, fn, args, kwargs, outs
+
+    def __call__(self) -> None:
+        for static, value in zip(self.outs, tree_leaves(self.fn(*self.args, **self.kwargs)), strict=True):
+            if isinstance(static, torch.Tensor):
+                refresh(static, value, self.what)
+
+
 #: What CUDA and torch say when a stream capture refuses a host sync, or what it says next.
 _CUDA_HOST_SYNC = (
-    "operation not permitted when stream is capturing",
-    "cudaErrorStreamCaptureUnsupported",
+    "operation not permitted when stream is capturing", "cudaErrorStreamCaptureUnsupported",
     "Cannot copy between CPU and CUDA tensors during CUDA graph capture",
-    "operation failed due to a previous error during capture",
-    "cudaErrorStreamCaptureInvalidated",
+    "operation failed due to a previous error during capture", "cudaErrorStreamCaptureInvalidated",
 )
 
 
@@ -119,8 +124,7 @@ class SegmentedGraph:
     """One captured key: segments with the eager steps between them."""
 
     def __init__(self, key: object, segments: Segments, steps: list[Action], output: Any, held: list[Any]) -> None:
-        self.key = key
-        self.output = output
+        self.key, self.output = key, output
         self._segments: Segments | None = segments
         self._runners = segments.runners()
         self._steps = steps
@@ -150,18 +154,14 @@ class SegmentedGraph:
     def release(self) -> None:
         if self._segments is not None:
             self._segments.release()
-        self._segments = None
-        self._runners = []
-        self._steps = []
-        self._held = []
+        self._segments, self._runners, self._steps, self._held = None, [], [], []
 
 
 class Recorder:
     """Records the segments and eager steps of one key; front-ends subclass it."""
 
     def __init__(self, key: object, segments: Segments) -> None:
-        self.key = key
-        self.segments = segments
+        self.key, self.segments = key, segments
         self.steps: list[Action] = []
         self.held: list[Any] = []
         self.segment = 0  # the open segment's index
@@ -183,10 +183,8 @@ class Recorder:
     def fresh_returns(self, leaves: list[Any], arg_keys: set[tuple[str, int]]) -> list[Any]:
         """Call right after :meth:`eager_break`: each tensor of ``leaves`` that aliases no argument
         replaced by graph-pool memory of the open segment (filled at once off a capture)."""
-        targets = [
-            torch.empty_like(t) if isinstance(t, torch.Tensor) and storage_key(t) not in arg_keys else t
-            for t in leaves
-        ]
+        targets = [torch.empty_like(t) if isinstance(t, torch.Tensor) and storage_key(t) not in arg_keys else t
+                   for t in leaves]
         with self.segments.paused():  # eager segments: the step refreshes them at replay
             for target, t in zip(targets, leaves, strict=True):
                 if target is not t and not (target.is_cuda and torch.cuda.is_current_stream_capturing()):

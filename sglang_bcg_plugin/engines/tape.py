@@ -16,7 +16,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from ..errors import HostReadError, user_frame
-from .recorder import Action, refresh
+from .recorder import Action, Rerun
 
 _aten = torch.ops.aten
 #: Ops that only allocate: a CUDA graph replays no kernel for them, so neither does the tape.
@@ -44,9 +44,9 @@ def _reads_host(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str
         return None
     if func is _aten.index.Tensor:
         indices = args[1] if len(args) > 1 else kwargs.get("indices", ())
-        if not any(isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8) for i in indices):
-            return None
-        return f"{func} with a boolean mask (x[mask]): its output shape depends on the mask's values"
+        if any(isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8) for i in indices):
+            return f"{func} with a boolean mask (x[mask]): its output shape depends on the mask's values"
+        return None
     if func is _aten.repeat_interleave.Tensor and kwargs.get("output_size") is not None:
         return None
     return f"{func}: its output shape depends on the values"
@@ -54,25 +54,7 @@ def _reads_host(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str
 
 def _validates_only(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
     """Whether ``func``'s host reads only validate its arguments (``one_hot`` given ``num_classes``)."""
-    if func is not torch.nn.functional.one_hot:
-        return False
-    return (args[1] if len(args) > 1 else kwargs.get("num_classes", -1)) != -1
-
-
-class _OpStep:
-    """One recorded op: run it again on the captured arguments, refresh the captured outputs."""
-
-    __slots__ = ("func", "args", "kwargs", "outs")
-
-    def __init__(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
-        self.func, self.args, self.kwargs = func, args, kwargs
-        self.outs = [t if isinstance(t, torch.Tensor) else None for t in tree_leaves(out)]
-
-    def __call__(self) -> None:
-        new = tree_leaves(self.func(*self.args, **self.kwargs))
-        for static, value in zip(self.outs, new, strict=True):
-            if static is not None:
-                refresh(static, value, f"op {self.func}")
+    return func is torch.nn.functional.one_hot and (args[1] if len(args) > 1 else kwargs.get("num_classes", -1)) != -1
 
 
 class _Tape(TorchDispatchMode):
@@ -80,8 +62,7 @@ class _Tape(TorchDispatchMode):
 
     def __init__(self, sink: list[Action], refuse: Any) -> None:
         super().__init__()
-        self.sink = sink
-        self.refuse = refuse
+        self.sink, self.refuse = sink, refuse
         self.validating = 0  # inside a call whose host reads only validate (see _validates_only)
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
@@ -91,7 +72,7 @@ class _Tape(TorchDispatchMode):
             self.refuse(read)
         out = func(*args, **kwargs)
         if func not in _ALLOCATIONS:
-            self.sink.append(_OpStep(func, args, kwargs, out))
+            self.sink.append(Rerun(f"op {func}", func, args, kwargs, tree_leaves(out)))
         return out
 
 
@@ -119,7 +100,6 @@ class _PyReads(TorchFunctionMode):
 class EagerSegments:
     """Segments of the eager engine: recorded ops and front-end actions, re-run in order at replay."""
 
-    #: Recorded actions are re-run at replay: what they read must be kept.
     reruns_actions = True
 
     def __init__(self, key: object = None) -> None:

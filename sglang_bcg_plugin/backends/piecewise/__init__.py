@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Hashable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
@@ -33,14 +33,8 @@ class PiecewiseBackend(CaptureBackend):
     name = "piecewise"
     _front = PieceFront
 
-    def __init__(
-        self,
-        *,
-        splitting_ops: Iterable[object] | None = (),
-        inductor: bool = False,
-        inductor_config: Mapping[str, Any] | None = None,
-        **base: Any,
-    ) -> None:
+    def __init__(self, *, splitting_ops: Iterable[object] | None = (), inductor: bool = False,
+                 inductor_config: Mapping[str, Any] | None = None, **base: Any) -> None:
         """``base``: :class:`CaptureBackend`'s ``options``, ``plugin_manager``, ``output_mode``."""
         self._splitting_ops = resolve_splitting_ops(splitting_ops)
         if not isinstance(inductor, bool):
@@ -59,9 +53,8 @@ class PiecewiseBackend(CaptureBackend):
         """The resolved splitting ops (packets expanded to their overloads)."""
         return self._splitting_ops
 
-    def compile(  # type: ignore[override]
-        self, model: Callable[..., Any], *, dynamic: DynamicMode = "auto", dynamic_dim: int = 0
-    ) -> PiecewiseCompiled:
+    def compile(self, model: Callable[..., Any], *, dynamic: DynamicMode = "auto",  # type: ignore[override]
+                dynamic_dim: int = 0) -> PiecewiseCompiled:
         """Compile ``model`` (``fullgraph=True``) with this backend's piecewise compile backend.
 
         :param dynamic: how the size dim is made dynamic: ``"auto"`` (``"size_oblivious"`` with
@@ -105,11 +98,6 @@ class PiecewiseBackend(CaptureBackend):
     def size_context(self, size: int) -> contextlib.AbstractContextManager[None]:
         """The compiled callables know ``size``: they mark the arguments of that extent dynamic."""
         return capture_size(size)
-
-    def capture_one(self, shape_key: Hashable, *args: Any, **kwargs: Any) -> Any:
-        """:meth:`CaptureBackend.capture_one`; the compiled callables know the key's size."""
-        with capture_size(getattr(shape_key, "size", None)):
-            return super().capture_one(shape_key, *args, **kwargs)
 
 
 @hookimpl

@@ -1,6 +1,5 @@
-"""Piecewise compilation: ``torch.compile`` with our compile backend, split at splitting ops; the
-size dim of the tensors that follow the capture size marked dynamic (docs/piecewise.md,
-"Dynamic shapes")."""
+"""Piecewise compilation: ``torch.compile`` with our compile backend, split at splitting ops; the size
+dim of the tensors that follow the capture size marked dynamic (docs/piecewise.md, "Dynamic shapes")."""
 
 from __future__ import annotations
 
@@ -26,15 +25,9 @@ class PiecewiseCompiler:
     """The ``torch.compile`` backend: split (and compile the pieces with ``inductor``, if given),
     wrap, report each compilation to ``on_split``."""
 
-    def __init__(
-        self,
-        ops: tuple[torch._ops.OpOverload, ...],
-        on_split: Callable[[SplitSummary], None],
-        inductor: InductorPieces | None = None,
-    ) -> None:
-        self.ops = ops
-        self.on_split = on_split
-        self.inductor = inductor
+    def __init__(self, ops: tuple[torch._ops.OpOverload, ...], on_split: Callable[[SplitSummary], None],
+                 inductor: InductorPieces | None = None) -> None:
+        self.ops, self.on_split, self.inductor = ops, on_split, inductor
         self.calls = 0
         self.compile_seconds = 0.0  # wall time of the calls that compiled (PiecewiseCompiled)
 
@@ -62,13 +55,8 @@ def _canonical(t: torch.Tensor) -> torch.Tensor:
     strides (dynamo guards on them: ``ids[:, :s]`` of a ``[1, max]`` buffer would recompile)."""
     if not t.is_contiguous():
         return t
-    want = []
-    step = 1
-    for size in reversed(t.shape):
-        want.append(step)
-        step *= max(size, 1)
-    want.reverse()
-    return t if list(t.stride()) == want else t.as_strided(t.shape, want)
+    want = torch._prims_common.make_contiguous_strides_for(t.shape)
+    return t if t.stride() == want else t.as_strided(t.shape, want)
 
 
 _capture_size: contextvars.ContextVar[int | None] = contextvars.ContextVar("sglang_bcg_capture_size", default=None)
@@ -120,26 +108,18 @@ class PiecewiseCompiled:
     :raises ValueError: unknown ``dynamic``, or ``dynamic_dim`` not an int >= 0.
     :raises PiecewiseCompileError: (at a call) dynamo could not trace the model as one graph."""
 
-    def __init__(
-        self,
-        model: Callable[..., Any],
-        compiler: PiecewiseCompiler,
-        *,
-        dynamic: DynamicMode = "auto",
-        dynamic_dim: int = 0,
-    ) -> None:
+    def __init__(self, model: Callable[..., Any], compiler: PiecewiseCompiler, *, dynamic: DynamicMode = "auto",
+                 dynamic_dim: int = 0) -> None:
         if dynamic not in _MODES:
             msg = f"dynamic must be one of {', '.join(map(repr, _MODES))}, got {dynamic!r}"
             raise ValueError(msg)
         if isinstance(dynamic_dim, bool) or not isinstance(dynamic_dim, int) or dynamic_dim < 0:
             msg = f"dynamic_dim must be an int >= 0 (the dim that varies with the capture size), got {dynamic_dim!r}"
             raise ValueError(msg)
-        self.original = model
-        self.compiler = compiler
+        self.original, self.compiler, self.dynamic_dim = model, compiler, dynamic_dim
         if dynamic == "auto":  # made concrete: size-oblivious with Inductor, else unbacked
             dynamic = "size_oblivious" if compiler.inductor is not None else "unbacked"
         self.dynamic = dynamic
-        self.dynamic_dim = dynamic_dim
         self.size_dims = SizeDims(dynamic_dim)
         self.compiled = torch.compile(model, backend=compiler, fullgraph=True)
 
@@ -164,14 +144,11 @@ class PiecewiseCompiled:
                 out = self.compiled(*args, **kwargs)
             except torch._dynamo.exc.Unsupported as exc:
                 first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-                msg = (
-                    f"backend.compile(model): torch.compile must trace the model as one graph "
-                    f"(fullgraph=True: work outside it would be missing from the pieces' replay) "
-                    f"and could not ({first}). Make code that must run eagerly between the pieces "
-                    f"a torch.library custom op and list it in splitting_ops; a @graph_break "
-                    f"function is traced through under Piecewise, it is no split point "
-                    f"(docs/piecewise.md). Dynamo's report:\n{exc}"
-                )
+                msg = (f"backend.compile(model): torch.compile must trace the model as one graph (fullgraph=True: "
+                       f"work outside it would be missing from the pieces' replay) and could not ({first}). Make code "
+                       "that must run eagerly between the pieces a torch.library custom op and list it in "
+                       "splitting_ops; a @graph_break function is traced through under Piecewise, it is no split "
+                       f"point (docs/piecewise.md). Dynamo's report:\n{exc}")
                 raise PiecewiseCompileError(msg) from exc
         if self.compiler.calls != calls:  # this call compiled: charge it, kernels finished
             if torch.cuda.is_initialized():  # pragma: no cover - CUDA only

@@ -1,10 +1,8 @@
-"""The Piecewise front of the segment recorder: one segment per stretch between splitting calls,
-which run eagerly between them; what crosses a split passes as it is (docs/piecewise.md,
-"Values crossing a splitting op")."""
+"""The Piecewise front of the segment recorder: one segment per stretch between splitting calls, which
+run eagerly; what crosses a split passes as it is (docs/piecewise.md, "Values crossing a splitting op")."""
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -12,7 +10,7 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
 
 from ...engines.base import Front
-from ...engines.recorder import Recorder, Segments, active_recorder, refresh
+from ...engines.recorder import Recorder, Rerun, Segments, active_recorder
 from ...released import maybe_alias
 from ...trees import flatten, storage_key, unflatten
 
@@ -25,14 +23,6 @@ def active_piece_recorder() -> PieceRecorder | None:
 
 def _tensors(tree: object) -> list[torch.Tensor]:
     return [t for t in tree_leaves(tree) if isinstance(t, torch.Tensor)]
-
-
-def _rerun(tag: str, fn: Callable[..., Any], args: tuple[Any, ...], targets: list[Any]) -> None:
-    """Replay of a piece (eager engine) or splitting call: run again, refresh the targets."""
-    new = tree_leaves(fn(*args))
-    for target, value in zip(targets, new, strict=True):
-        if isinstance(target, torch.Tensor):
-            refresh(target, value, tag)
 
 
 class PieceRecorder(Recorder):
@@ -54,7 +44,7 @@ class PieceRecorder(Recorder):
             return fn(args)
         kept = tuple(args)  # eager segments: the re-run holds its arguments and outputs
         result = fn(args)
-        self.segments.record(functools.partial(_rerun, tag, lambda *a: fn(list(a)), kept, tree_leaves(result)))
+        self.segments.record(Rerun(tag, lambda *a: fn(list(a)), kept, {}, tree_leaves(result)))
         return result
 
     def run_split(self, tag: str, fn: Callable[..., Any], args: tuple[Any, ...]) -> Any:
@@ -67,18 +57,14 @@ class PieceRecorder(Recorder):
         targets = self.fresh_returns(leaves, in_args)
         kept = tuple(maybe_alias(a) for a in args)
         rets = [maybe_alias(t) for t in targets]
-        self.add_step(functools.partial(_rerun, tag, fn, kept, rets), kept)  # strong: what was not aliased
+        self.add_step(Rerun(tag, fn, kept, {}, rets), kept)  # strong: what was not aliased
         return tree_unflatten(targets, spec)
 
     def finish(self, output: Any, finalize: Callable[[Any], Any]) -> Any:
-        """Apply the output policy inside the last segment; returns the static output.
-
-        :raises RuntimeError: the forward never ran a compiled callable."""
+        """The output policy inside the last segment. :raises RuntimeError: no compiled callable ran."""
         if self.graph_calls == 0:
-            msg = (
-                f"forward_fn of {self.key!r} never called a callable compiled by this backend; "
-                "pass a forward that calls backend.compile(model)(...)"
-            )
+            msg = (f"forward_fn of {self.key!r} never called a callable compiled by this backend; "
+                   "pass a forward that calls backend.compile(model)(...)")
             raise RuntimeError(msg)
         node, leaves = flatten(output)  # an input returned is the caller's: the output owns a copy
         owned = [t.clone() if storage_key(t) in self.inputs else t for _, t in leaves]
@@ -90,7 +76,6 @@ class PieceFront(Front):
 
     min_cuda_warmups = 1
 
-    def recorder(
-        self, key: object, segments: Segments, partition: int | None, static_inputs: frozenset[tuple[str, int]]
-    ) -> PieceRecorder:
+    def recorder(self, key: object, segments: Segments, partition: int | None,
+                 static_inputs: frozenset[tuple[str, int]]) -> PieceRecorder:
         return PieceRecorder(key, segments, static_inputs)

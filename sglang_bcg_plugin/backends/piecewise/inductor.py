@@ -1,6 +1,5 @@
-"""Inductor for the pieces (``inductor=True``): one dynamic compilation per piece, on fake inputs
-with dynamo's symbolic sizes; Inductor's own CUDA graphs stay off (docs/piecewise.md,
-"Inductor pieces")."""
+"""Inductor for the pieces (``inductor=True``): one dynamic compilation per piece, on fake inputs with
+dynamo's symbolic sizes; Inductor's own CUDA graphs stay off (docs/piecewise.md, "Inductor pieces")."""
 
 from __future__ import annotations
 
@@ -63,9 +62,7 @@ class CompiledPiece:
     ``boxed(args)`` empties ``args`` so Inductor's code frees each input after its last use."""
 
     def __init__(self, compiled: Callable[..., Any], returns_tuple: bool, boxed: bool = False) -> None:
-        self.compiled = compiled
-        self.returns_tuple = returns_tuple
-        self.is_boxed = boxed
+        self.compiled, self.returns_tuple, self.is_boxed = compiled, returns_tuple, boxed
 
     def boxed(self, args: list[Any]) -> Any:
         """Run on ``args`` (a list this call empties when Inductor's code is boxed)."""
@@ -82,7 +79,6 @@ class CompiledPiece:
 
 class InductorPieces:
     """Compiles the pieces of split graphs with Inductor (``config``: extra patches); counts them.
-
     :raises ValueError: ``config`` turns ``triton.cudagraphs`` on."""
 
     def __init__(self, config: Mapping[str, Any] | None = None) -> None:
@@ -94,27 +90,20 @@ class InductorPieces:
         self.num_compilations = 0
         self.seconds = 0.0
 
-    def compile(
-        self,
-        split_gm: torch.fx.GraphModule,
-        example_inputs: Sequence[Any],
-        pieces: Collection[str],
-        dense: Collection[str],
-    ) -> dict[str, CompiledPiece]:
+    def compile(self, split_gm: torch.fx.GraphModule, example_inputs: Sequence[Any], pieces: Collection[str],
+                dense: Collection[str]) -> dict[str, CompiledPiece]:
         """Compile the sub-modules ``pieces`` of ``split_gm``; the fresh returns of the splitting calls
         ``dense`` are made dense (:func:`dense_fresh`)."""
         from torch._guards import detect_fake_mode
 
         start = time.perf_counter()
-        # dynamo's fake value of every input, from the tracing context's fake mode (it memoizes
-        # them; the placeholders' ``example_value`` may be in another one)
+        # dynamo's fake value of every input, from the tracing context's fake mode (the placeholders'
+        # ``example_value`` may be in another one)
         fake_mode = detect_fake_mode(list(example_inputs))
         if fake_mode is None:
-            msg = ("compiling pieces with Inductor needs dynamo's fake mode; call the backend from "
-                   "torch.compile")
+            msg = "compiling pieces with Inductor needs dynamo's fake mode; call the backend from torch.compile"
             raise RuntimeError(msg)
-        fake = [fake_mode.from_tensor(t) if isinstance(t, torch.Tensor) else t
-                for t in example_inputs]
+        fake = [fake_mode.from_tensor(t) if isinstance(t, torch.Tensor) else t for t in example_inputs]
         run = _FakeRun(split_gm, self, frozenset(pieces), frozenset(dense))
         run.run(*fake)
         self.seconds += time.perf_counter() - start
@@ -140,13 +129,10 @@ class InductorPieces:
 class _FakeRun(torch.fx.Interpreter):
     """Runs the split graph on fake values; compiles each piece with the fake args it receives."""
 
-    def __init__(
-        self, module: torch.fx.GraphModule, owner: InductorPieces, pieces: frozenset[str], dense: frozenset[str]
-    ) -> None:
+    def __init__(self, module: torch.fx.GraphModule, owner: InductorPieces, pieces: frozenset[str],
+                 dense: frozenset[str]) -> None:
         super().__init__(module)
-        self.owner = owner
-        self.pieces = pieces
-        self.dense = dense
+        self.owner, self.pieces, self.dense = owner, pieces, dense
         self.compiled: dict[str, CompiledPiece] = {}
 
     def run(self, *args: Any, **kwargs: Any) -> Any:

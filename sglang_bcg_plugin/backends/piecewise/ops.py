@@ -13,13 +13,10 @@ def resolve_splitting_ops(ops: Iterable[object] | None) -> tuple[torch._ops.OpOv
     to all their overloads. :raises TypeError: not a list of ops. :raises ValueError: an empty packet."""
     if ops is None:
         return ()
-    if isinstance(ops, (str, bytes, torch._ops.OpOverload, torch._ops.OpOverloadPacket)) or not isinstance(
-        ops, Iterable
-    ):
-        msg = (
-            f"splitting_ops must be a list of torch op overloads, got {ops!r} "
-            f"({type(ops).__name__}); wrap a single op in a list: splitting_ops=[torch.ops.ns.op.default]"
-        )
+    single = (str, bytes, torch._ops.OpOverload, torch._ops.OpOverloadPacket)
+    if isinstance(ops, single) or not isinstance(ops, Iterable):
+        msg = (f"splitting_ops must be a list of torch op overloads, got {ops!r} "
+               f"({type(ops).__name__}); wrap a single op in a list: splitting_ops=[torch.ops.ns.op.default]")
         raise TypeError(msg)
     resolved: dict[torch._ops.OpOverload, None] = {}
     for i, op in enumerate(ops):
@@ -36,10 +33,8 @@ def resolve_splitting_ops(ops: Iterable[object] | None) -> tuple[torch._ops.OpOv
                 resolved[getattr(op, name)] = None
         else:
             hint = " (strings are not resolved: pass torch.ops.<ns>.<op>.default)" if isinstance(op, str) else ""
-            msg = (
-                f"splitting_ops[{i}] = {op!r} ({type(op).__name__}) is not a torch op: expected a "
-                "torch._ops.OpOverload (torch.ops.ns.op.default), an OpOverloadPacket (torch.ops.ns.op) "
-                f"or a torch.library.custom_op{hint}"
-            )
+            msg = (f"splitting_ops[{i}] = {op!r} ({type(op).__name__}) is not a torch op: expected a "
+                   "torch._ops.OpOverload (torch.ops.ns.op.default), an OpOverloadPacket (torch.ops.ns.op) "
+                   f"or a torch.library.custom_op{hint}")
             raise TypeError(msg)
     return tuple(resolved)

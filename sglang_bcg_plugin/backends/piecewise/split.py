@@ -35,9 +35,7 @@ class PieceRunner(torch.nn.Module):
 
     def __init__(self, piece: torch.fx.GraphModule, tag: str, compiled: CompiledPiece | None = None) -> None:
         super().__init__()
-        self.piece = piece
-        self.tag = tag
-        self.compiled = compiled
+        self.piece, self.tag, self.compiled = piece, tag, compiled
 
     def _run(self, args: list[Any]) -> Any:
         if self.compiled is not None:
@@ -49,9 +47,7 @@ class PieceRunner(torch.nn.Module):
     def boxed(self, args: list[Any]) -> Any:
         """Run on ``args``, a list this call empties."""
         recorder = active_piece_recorder()
-        if recorder is None:
-            return self._run(args)
-        return recorder.run_piece(self.tag, self._run, args)
+        return self._run(args) if recorder is None else recorder.run_piece(self.tag, self._run, args)
 
     def forward(self, *args: Any) -> Any:
         return self.boxed(list(args))
@@ -62,18 +58,14 @@ class SplitRunner(torch.nn.Module):
 
     def __init__(self, call: torch.fx.GraphModule, tag: str, dense: bool = False) -> None:
         super().__init__()
-        self.call = call
-        self.tag = tag
-        self.dense = dense
+        self.call, self.tag, self.dense = call, tag, dense
 
     def _run(self, *args: Any) -> Any:
         return dense_fresh(self.call(*args), args) if self.dense else self.call(*args)
 
     def forward(self, *args: Any) -> Any:
         recorder = active_piece_recorder()
-        if recorder is None:
-            return self._run(*args)
-        return recorder.run_split(self.tag, self._run, args)
+        return self._run(*args) if recorder is None else recorder.run_split(self.tag, self._run, args)
 
 
 class SplitProgram:
@@ -82,16 +74,11 @@ class SplitProgram:
 
     def __init__(self, module: torch.fx.GraphModule) -> None:
         self.module = module
-        nodes = list(module.graph.nodes)
-        last_user: dict[torch.fx.Node, torch.fx.Node] = {}
-        for node in nodes:
-            for used in node.all_input_nodes:
-                last_user[used] = node
-        dies: dict[torch.fx.Node, list[torch.fx.Node]] = {}
+        self._nodes = list(module.graph.nodes)
+        last_user = {used: node for node in self._nodes for used in node.all_input_nodes}
+        self._dies: dict[torch.fx.Node, list[torch.fx.Node]] = {}
         for used, user in last_user.items():
-            dies.setdefault(user, []).append(used)
-        self._nodes = nodes
-        self._dies = dies
+            self._dies.setdefault(user, []).append(used)
 
     def __call__(self, *args: Any) -> Any:
         recorder = active_piece_recorder()
@@ -133,45 +120,34 @@ class SplitProgram:
         return fn(*call_args, **call_kwargs)
 
 
-def _partition(
-    gm: torch.fx.GraphModule, ops: tuple[torch._ops.OpOverload, ...]
-) -> tuple[dict[torch.fx.Node, int], set[int], list[str]]:
-    """Each node's partition (a new one around every call of ``ops``), the splitting partitions, and
-    the calls' targets."""
+def _partition(gm: torch.fx.GraphModule,
+               ops: tuple[torch._ops.OpOverload, ...]) -> tuple[dict[torch.fx.Node, int], list[str]]:
+    """Each node's partition (odd: a call of ``ops``, in a partition of its own; even: a piece) and the
+    calls' targets."""
     # dynamo records `torch.ops.ns.op(...)` as the packet: it splits if any overload does.
     splitting = {*ops, *(op.overloadpacket for op in ops)}
     part: dict[torch.fx.Node, int] = {}
-    split_ids: set[int] = set()
     targets: list[str] = []
-    pid = 0
     for node in gm.graph.nodes:
-        if node.op in ("placeholder", "output"):
-            continue
         if node.op == "call_function" and node.target in splitting:
-            pid += 1
-            part[node] = pid
-            split_ids.add(pid)
             targets.append(str(node.target))
-            pid += 1
-        else:
-            part[node] = pid
-    return part, split_ids, targets
+            part[node] = 2 * len(targets) - 1
+        elif node.op not in ("placeholder", "output"):
+            part[node] = 2 * len(targets)
+    return part, targets
 
 
-def split_graph(
-    gm: torch.fx.GraphModule,
-    ops: tuple[torch._ops.OpOverload, ...],
-    inductor: InductorPieces | None = None,
-    example_inputs: list[Any] | None = None,
-) -> tuple[torch.fx.GraphModule, SplitSummary]:
+def split_graph(gm: torch.fx.GraphModule, ops: tuple[torch._ops.OpOverload, ...],
+                inductor: InductorPieces | None = None,
+                example_inputs: list[Any] | None = None) -> tuple[torch.fx.GraphModule, SplitSummary]:
     """Split ``gm`` at every call of ``ops`` into runner sub-modules; with ``inductor``, every piece
     is compiled for dynamo's ``example_inputs`` first."""
     graph_id = next(_graph_ids)
-    part, split_ids, targets = _partition(gm, ops)
+    part, targets = _partition(gm, ops)
     # keep_original_order: splitting ops may mutate their arguments, so nodes must not move.
     split_gm = split_module(gm, None, lambda n: part[n], keep_original_order=True)  # type: ignore[arg-type]
     names = [str(n.target) for n in split_gm.graph.nodes if n.op == "call_module"]
-    is_call = {name: int(name.rsplit("_", 1)[1]) in split_ids for name in names}
+    is_call = {name: int(name.rsplit("_", 1)[1]) % 2 == 1 for name in names}
     pieces = [name for name in names if not is_call[name]]
     compiled = {}
     if inductor is not None:
