@@ -160,7 +160,8 @@ class CaptureBackend:
     def forecast(self, sizes: Iterable[int], forward_for: Callable[[int], Callable[[], Any]],
                  capture_inputs: Any = None) -> GraphMemoryForecast:
         """Forecast the graph memory of capturing ``sizes`` per output mode, before any capture; the next
-        session's plan may use it (docs/forecast.md). ``forward_for(size)``: ``capture_one``'s ``forward_fn``.
+        session's plan may use it (docs/forecast.md). ``forward_for(size)``: ``capture_one``'s ``forward_fn``;
+        it runs once eagerly at every size (first launches measured), then at the probed sizes.
 
         :raises ForecastError: fewer than two sizes, not the CUDA engine, or forwards whose
             allocations at the two probed sizes are not one pattern.
