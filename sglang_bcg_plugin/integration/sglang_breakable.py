@@ -124,10 +124,10 @@ class SharingPolicyMixin:
         finally:
             self._bcg_state.close()
 
-    #: The output mode of the latest capture session and why (``None`` before the first).
-    last_output_mode = property(lambda self: self._bcg_state.resolution)
-    #: The output mode of the open capture session (``None`` outside one).
-    output_mode_active = property(lambda self: self._bcg_state.mode_active)
+    last_output_mode = property(lambda self: self._bcg_state.resolution,
+                                doc="The output mode of the latest capture session and why (``None`` before the first).")
+    output_mode_active = property(lambda self: self._bcg_state.mode_active,
+                                  doc="The output mode of the open capture session (``None`` outside one).")
 
     def capture_one(self, shape_key: Any, forward_fn: Callable[[], Any], *args: Any, **kwargs: Any) -> None:
         """The release's own ``capture_one`` (its arguments under any release's names:
