@@ -8,6 +8,7 @@ import sys
 import warnings
 
 import pluggy
+import torch
 
 
 class OutputStructureError(ValueError):
@@ -16,11 +17,9 @@ class OutputStructureError(ValueError):
 
     def __init__(self, shape_key: object, path: str, reason: str) -> None:
         self.shape_key, self.path, self.reason = shape_key, path, reason
-        msg = (
-            f"output of {shape_key!r} cannot share its partition's buffer at leaf {path}: "
-            f"{reason}; capture largest-first with a stable output structure, or set "
-            "strict_outputs=False to let this key keep its own output"
-        )
+        msg = (f"output of {shape_key!r} cannot share its partition's buffer at leaf {path}: "
+               f"{reason}; capture largest-first with a stable output structure, or set "
+               "strict_outputs=False to let this key keep its own output")
         super().__init__(msg)
 
 
@@ -93,22 +92,18 @@ class HostReadError(RuntimeError):
         inside = "its graph" if segment is None else f"segment {segment}"
         at = f", at {where}" if where else ""
         hint = _TRANSFORMERS_HINT if where is not None and f"{os.sep}transformers{os.sep}" in where else ""
-        msg = (
-            f"capture of {shape_key!r} read a tensor's value on the host inside {inside} ({op}{at}): a "
-            "CUDA graph records device work only, so every replay would reuse the value read at capture "
-            "(on CUDA such a capture fails: a host sync inside a stream capture). Keep the value on the "
-            "device (torch.where or a mask instead of `if`, no .item()/.tolist()), or move the read into a "
-            "@graph_break function (it runs eagerly at every replay); reads during the warmups and "
-            f"outside capture are fine{hint}"
-        )
+        msg = (f"capture of {shape_key!r} read a tensor's value on the host inside {inside} ({op}{at}): a "
+               "CUDA graph records device work only, so every replay would reuse the value read at capture "
+               "(on CUDA such a capture fails: a host sync inside a stream capture). Keep the value on the "
+               "device (torch.where or a mask instead of `if`, no .item()/.tolist()), or move the read into a "
+               "@graph_break function (it runs eagerly at every replay); reads during the warmups and "
+               f"outside capture are fine{hint}")
         super().__init__(msg)
 
 
 def user_frame(frames: list[tuple[str, int, str]]) -> str | None:
     """``file:line in function`` of the innermost of ``frames`` (outermost first) outside torch, this
     package, pluggy and ``contextlib``, else ``None``."""
-    import torch
-
     skipped = (*_INTERNAL, os.path.dirname(os.path.abspath(torch.__file__)) + os.sep)
     for filename, lineno, function in reversed(frames):
         if not os.path.abspath(filename).startswith(skipped):
