@@ -49,11 +49,8 @@ class ObserverError(RuntimeError):
 
 
 #: Frames a warning skips to reach the caller's line.
-_INTERNAL = (
-    os.path.dirname(os.path.abspath(__file__)) + os.sep,
-    os.path.dirname(os.path.abspath(pluggy.__file__)) + os.sep,
-    os.path.abspath(contextlib.__file__),
-)
+_INTERNAL = (os.path.dirname(os.path.abspath(__file__)) + os.sep,
+             os.path.dirname(os.path.abspath(pluggy.__file__)) + os.sep, os.path.abspath(contextlib.__file__))
 
 
 def user_stacklevel() -> int:
@@ -75,12 +72,10 @@ class ForecastError(RuntimeError):
     """A graph-memory forecast cannot be made."""
 
 
-_TRANSFORMERS_HINT = (
-    "; transformers does this when it checks an attention mask's values (its 'sdpa' and 'eager' "
-    "attention with an attention_mask): pass attention_mask=None (causal attention needs no mask), "
-    "or register an attention function that is a @graph_break through transformers' "
-    "AttentionInterface (docs/breakable.md, 'transformers' attention')"
-)
+_TRANSFORMERS_HINT = ("; transformers does this when it checks an attention mask's values (its 'sdpa' and 'eager' "
+                      "attention with an attention_mask): pass attention_mask=None (causal attention needs no mask), "
+                      "or register an attention function that is a @graph_break through transformers' "
+                      "AttentionInterface (docs/breakable.md, 'transformers' attention')")
 
 
 class HostReadError(RuntimeError):

@@ -22,11 +22,8 @@ from .errors import ObserverError, ObserverWarning, PluginLoadWarning, warn_user
 hookimpl = pluggy.HookimplMarker(NAME)
 
 #: Modules registered as built-in plugins, in this order.
-BUILTIN_PLUGINS = (
-    "sglang_bcg_plugin.backends.full",
-    "sglang_bcg_plugin.backends.breakable",
-    "sglang_bcg_plugin.backends.piecewise",
-)
+BUILTIN_PLUGINS = ("sglang_bcg_plugin.backends.full", "sglang_bcg_plugin.backends.breakable",
+                   "sglang_bcg_plugin.backends.piecewise")
 
 _lock = threading.Lock()
 _manager: pluggy.PluginManager | None = None
