@@ -78,7 +78,7 @@ class CudaGraphEngine(Engine):
         stream = request.stream if request.stream is not None else self._streams[request.partition]
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
-            warm = run_warmups(request)  # kept alive until the capture ended (foreign storages)
+            warm = run_warmups(request)  # noqa: F841 - kept alive until the capture ended (foreign storages)
         torch.cuda.synchronize()
         pool = self.pool(request.partition)
         try:
@@ -89,7 +89,6 @@ class CudaGraphEngine(Engine):
                 self._pools.pop(request.partition, None)
             raise
         torch.cuda.synchronize()
-        del warm
         return graph
 
     def _record(self, request: CaptureRequest, pool: Any) -> FullGraph | SegmentedGraph:
