@@ -41,9 +41,8 @@ def parse_word(raw: object, words: Mapping[str, T], what: str, *, kind: str, acc
     return words[key]
 
 
-def parse_env(
-    name: str, words: Mapping[str, T], *, kind: str, accepted: str | None = None, environ: Mapping[str, str] | None = None
-) -> T | None:
+def parse_env(name: str, words: Mapping[str, T], *, kind: str, accepted: str | None = None,
+              environ: Mapping[str, str] | None = None) -> T | None:
     """The environment variable ``name`` read by :func:`parse_word`; ``None`` when unset or blank."""
     raw = (os.environ if environ is None else environ).get(name)
     if raw is None or not raw.strip():

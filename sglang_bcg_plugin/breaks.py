@@ -18,9 +18,8 @@ F = TypeVar("F", bound=Callable[..., Any])
 @overload
 def graph_break(fn: F) -> F: ...
 @overload
-def graph_break(
-    fn: None = None, *, reads: str | Iterable[str] = (), writes: str | Iterable[str] = ()
-) -> Callable[[F], F]: ...
+def graph_break(fn: None = None, *, reads: str | Iterable[str] = (),
+                writes: str | Iterable[str] = ()) -> Callable[[F], F]: ...
 
 
 def _names(field: str, value: str | Iterable[str]) -> frozenset[str]:
@@ -31,17 +30,14 @@ def _names(field: str, value: str | Iterable[str]) -> frozenset[str]:
         names = (value,)
     bad = [n for n in names if not isinstance(n, str)]
     if bad:
-        msg = (
-            f"graph_break({field}=...) takes parameter names (a str or an iterable of str, e.g. "
-            f"{field}=('out',)), got {value!r} with {bad[0]!r} of type {type(bad[0]).__name__}"
-        )
+        msg = (f"graph_break({field}=...) takes parameter names (a str or an iterable of str, e.g. "
+               f"{field}=('out',)), got {value!r} with {bad[0]!r} of type {type(bad[0]).__name__}")
         raise TypeError(msg)
     return frozenset(names)
 
 
-def graph_break(
-    fn: F | None = None, *, reads: str | Iterable[str] = (), writes: str | Iterable[str] = ()
-) -> F | Callable[[F], F]:
+def graph_break(fn: F | None = None, *, reads: str | Iterable[str] = (),
+                writes: str | Iterable[str] = ()) -> F | Callable[[F], F]:
     """Decorate ``fn`` as an eager break point: inside a breakable capture the open segment ends, the
     function runs eagerly, and at replay it runs again between the two segments; anywhere else
     (under ``torch.compile`` too) it is a plain call.
@@ -58,10 +54,8 @@ def graph_break(
         sig = inspect.signature(func)
         unknown = sorted((read_set | write_set) - set(sig.parameters))
         if unknown:
-            msg = (
-                f"graph_break({func.__qualname__}): reads/writes name {unknown}, which are not "
-                f"parameters of it; parameters: {list(sig.parameters)}"
-            )
+            msg = (f"graph_break({func.__qualname__}): reads/writes name {unknown}, which are not "
+                   f"parameters of it; parameters: {list(sig.parameters)}")
             raise ValueError(msg)
 
         @functools.wraps(func)

@@ -8,6 +8,7 @@ import sys
 import warnings
 
 import pluggy
+import torch
 
 
 class OutputStructureError(ValueError):
@@ -16,11 +17,9 @@ class OutputStructureError(ValueError):
 
     def __init__(self, shape_key: object, path: str, reason: str) -> None:
         self.shape_key, self.path, self.reason = shape_key, path, reason
-        msg = (
-            f"output of {shape_key!r} cannot share its partition's buffer at leaf {path}: "
-            f"{reason}; capture largest-first with a stable output structure, or set "
-            "strict_outputs=False to let this key keep its own output"
-        )
+        msg = (f"output of {shape_key!r} cannot share its partition's buffer at leaf {path}: "
+               f"{reason}; capture largest-first with a stable output structure, or set "
+               "strict_outputs=False to let this key keep its own output")
         super().__init__(msg)
 
 
@@ -50,11 +49,8 @@ class ObserverError(RuntimeError):
 
 
 #: Frames a warning skips to reach the caller's line.
-_INTERNAL = (
-    os.path.dirname(os.path.abspath(__file__)) + os.sep,
-    os.path.dirname(os.path.abspath(pluggy.__file__)) + os.sep,
-    os.path.abspath(contextlib.__file__),
-)
+_INTERNAL = (os.path.dirname(os.path.abspath(__file__)) + os.sep,
+             os.path.dirname(os.path.abspath(pluggy.__file__)) + os.sep, os.path.abspath(contextlib.__file__))
 
 
 def user_stacklevel() -> int:
@@ -76,12 +72,10 @@ class ForecastError(RuntimeError):
     """A graph-memory forecast cannot be made."""
 
 
-_TRANSFORMERS_HINT = (
-    "; transformers does this when it checks an attention mask's values (its 'sdpa' and 'eager' "
-    "attention with an attention_mask): pass attention_mask=None (causal attention needs no mask), "
-    "or register an attention function that is a @graph_break through transformers' "
-    "AttentionInterface (docs/breakable.md, 'transformers' attention')"
-)
+_TRANSFORMERS_HINT = ("; transformers does this when it checks an attention mask's values (its 'sdpa' and 'eager' "
+                      "attention with an attention_mask): pass attention_mask=None (causal attention needs no mask), "
+                      "or register an attention function that is a @graph_break through transformers' "
+                      "AttentionInterface (docs/breakable.md, 'transformers' attention')")
 
 
 class HostReadError(RuntimeError):
@@ -93,22 +87,18 @@ class HostReadError(RuntimeError):
         inside = "its graph" if segment is None else f"segment {segment}"
         at = f", at {where}" if where else ""
         hint = _TRANSFORMERS_HINT if where is not None and f"{os.sep}transformers{os.sep}" in where else ""
-        msg = (
-            f"capture of {shape_key!r} read a tensor's value on the host inside {inside} ({op}{at}): a "
-            "CUDA graph records device work only, so every replay would reuse the value read at capture "
-            "(on CUDA such a capture fails: a host sync inside a stream capture). Keep the value on the "
-            "device (torch.where or a mask instead of `if`, no .item()/.tolist()), or move the read into a "
-            "@graph_break function (it runs eagerly at every replay); reads during the warmups and "
-            f"outside capture are fine{hint}"
-        )
+        msg = (f"capture of {shape_key!r} read a tensor's value on the host inside {inside} ({op}{at}): a "
+               "CUDA graph records device work only, so every replay would reuse the value read at capture "
+               "(on CUDA such a capture fails: a host sync inside a stream capture). Keep the value on the "
+               "device (torch.where or a mask instead of `if`, no .item()/.tolist()), or move the read into a "
+               "@graph_break function (it runs eagerly at every replay); reads during the warmups and "
+               f"outside capture are fine{hint}")
         super().__init__(msg)
 
 
 def user_frame(frames: list[tuple[str, int, str]]) -> str | None:
     """``file:line in function`` of the innermost of ``frames`` (outermost first) outside torch, this
     package, pluggy and ``contextlib``, else ``None``."""
-    import torch
-
     skipped = (*_INTERNAL, os.path.dirname(os.path.abspath(torch.__file__)) + os.sep)
     for filename, lineno, function in reversed(frames):
         if not os.path.abspath(filename).startswith(skipped):

@@ -22,11 +22,8 @@ from .errors import ObserverError, ObserverWarning, PluginLoadWarning, warn_user
 hookimpl = pluggy.HookimplMarker(NAME)
 
 #: Modules registered as built-in plugins, in this order.
-BUILTIN_PLUGINS = (
-    "sglang_bcg_plugin.backends.full",
-    "sglang_bcg_plugin.backends.breakable",
-    "sglang_bcg_plugin.backends.piecewise",
-)
+BUILTIN_PLUGINS = ("sglang_bcg_plugin.backends.full", "sglang_bcg_plugin.backends.breakable",
+                   "sglang_bcg_plugin.backends.piecewise")
 
 _lock = threading.Lock()
 _manager: pluggy.PluginManager | None = None
@@ -43,10 +40,8 @@ class BrokenPlugin:
     error: str
 
     def describe(self) -> str:
-        return (
-            f"plugin {self.entry_point!r} = {self.value} (distribution {self.distribution} "
-            f"{self.version}) failed to load: {self.error}"
-        )
+        return (f"plugin {self.entry_point!r} = {self.value} (distribution {self.distribution} {self.version}) "
+                f"failed to load: {self.error}")
 
 
 class _Manager(pluggy.PluginManager):
@@ -159,10 +154,6 @@ def broken_plugins(pm: pluggy.PluginManager | None = None) -> tuple[BrokenPlugin
     return tuple(getattr(pm, "broken_plugins", ()))
 
 
-STARTED = "sglang_bcg_capture_started"
-FINISHED = "sglang_bcg_capture_finished"
-
-
 def _raising_plugin(caller: Any, exc: BaseException) -> tuple[int | None, str]:
     """The index among ``caller``'s hookimpls of the one that raised ``exc``, and its plugin name."""
     impls = caller.get_hookimpls()
@@ -177,12 +168,10 @@ def observe_started(pm: pluggy.PluginManager, backend: object, key: Hashable) ->
         caller(backend=backend, shape_key=key)
     except Exception as exc:
         _, plugin = _raising_plugin(caller, exc)
-        msg = (
-            f"capture_one({key!r}) aborted before it began: observer plugin {plugin!r} raised in "
-            f"{STARTED}: {_one_line(exc)}; nothing was captured: fix or unregister the plugin, then "
-            "capture the key again"
-        )
-        raise ObserverError(msg, plugin=plugin, hook=STARTED, shape_key=key) from exc
+        msg = (f"capture_one({key!r}) aborted before it began: observer plugin {plugin!r} raised in "
+               f"{caller.name}: {_one_line(exc)}; nothing was captured: fix or unregister the plugin, then "
+               "capture the key again")
+        raise ObserverError(msg, plugin=plugin, hook=caller.name, shape_key=key) from exc
 
 
 def observe_finished(pm: pluggy.PluginManager, key: Hashable, **kwargs: Any) -> None:
@@ -196,13 +185,11 @@ def observe_finished(pm: pluggy.PluginManager, key: Hashable, **kwargs: Any) -> 
             return
         except Exception as exc:
             i, plugin = _raising_plugin(caller, exc)
-            msg = (
-                f"observer plugin {plugin!r} raised in {FINISHED} for {key!r}: {_one_line(exc)}; the "
-                f"error is isolated: {outcome}"
-            )
+            msg = (f"observer plugin {plugin!r} raised in {caller.name} for {key!r}: {_one_line(exc)}; the error "
+                   f"is isolated: {outcome}")
             warn_user(msg, ObserverWarning)
             if i is None:  # which observers ran is unknown: tell none twice
                 return
             # pluggy calls the list last-first: the culprit and every one after it have run
             told.extend(impl.plugin for impl in caller.get_hookimpls()[i:])
-            caller = pm.subset_hook_caller(FINISHED, remove_plugins=told)
+            caller = pm.subset_hook_caller(caller.name, remove_plugins=told)

@@ -71,10 +71,8 @@ class Resolution:
         return f"{self.mode} ({self.source})"
 
 
-def explain_output_mode(
-    explicit: str | Resolution | None = None, *, environ: Mapping[str, str] | None = None,
-    default: OutputMode = OFF, default_reason: str = "default: off",
-) -> Resolution:
+def explain_output_mode(explicit: str | Resolution | None = None, *, environ: Mapping[str, str] | None = None,
+                        default: OutputMode = OFF, default_reason: str = "default: off") -> Resolution:
     """The output mode and why (precedence: the module docstring); ``explicit``: an option value, a
     host's :class:`Resolution` (returned as it is), or ``None``.
 
@@ -91,8 +89,7 @@ def explain_output_mode(
     return Resolution(default, default_reason)
 
 
-def resolve_output_mode(
-    explicit: str | Resolution | None = None, *, environ: Mapping[str, str] | None = None, default: OutputMode = OFF
-) -> OutputMode:
+def resolve_output_mode(explicit: str | Resolution | None = None, *, environ: Mapping[str, str] | None = None,
+                        default: OutputMode = OFF) -> OutputMode:
     """:func:`explain_output_mode` without the reason."""
     return explain_output_mode(explicit, environ=environ, default=default).mode

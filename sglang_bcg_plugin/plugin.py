@@ -17,8 +17,6 @@ from .manager import hookimpl
 from .registry import BackendRegistry
 from .sharing import OutputPolicy
 
-__all__ = [
-    "BackendRegistry", "BreakableBackend", "BreakableFront", "CaptureBackend", "CaptureRequest", "CaptureState",
-    "CapturedGraph", "EagerEngine", "EagerSegmentEngine", "Engine", "Front", "FullBackend", "FullCudaEngine",
-    "OutputPolicy", "PieceFront", "PiecewiseBackend", "SegmentCudaEngine", "hookimpl", "run_warmups",
-]
+__all__ = ["BackendRegistry", "BreakableBackend", "BreakableFront", "CaptureBackend", "CaptureRequest", "CaptureState",
+           "CapturedGraph", "EagerEngine", "EagerSegmentEngine", "Engine", "Front", "FullBackend", "FullCudaEngine",
+           "OutputPolicy", "PieceFront", "PiecewiseBackend", "SegmentCudaEngine", "hookimpl", "run_warmups"]

@@ -46,11 +46,9 @@ class BackendRegistry:
             raise BackendRegistrationError(msg)
         if name in self._factories:
             other, other_plugin = self._factories[name]
-            msg = (
-                f"backend name {name!r} is claimed by two plugins: {other_plugin!r} "
-                f"({_describe(other)}) and {plugin!r} ({_describe(factory)}); "
-                f"block one with SGLANG_BCG_BLOCK_PLUGINS"
-            )
+            msg = (f"backend name {name!r} is claimed by two plugins: {other_plugin!r} "
+                   f"({_describe(other)}) and {plugin!r} ({_describe(factory)}); "
+                   f"block one with SGLANG_BCG_BLOCK_PLUGINS")
             raise BackendRegistrationError(msg)
         self._factories[name] = (factory, plugin)
 
@@ -82,18 +80,14 @@ def available_backends(pm: pluggy.PluginManager | None = None) -> list[str]:
     return build_registry(pm).names()
 
 
-def create_backend(
-    name: str, *, options: BackendOptions | None = None, plugin_manager: pluggy.PluginManager | None = None,
-    **kwargs: Any,
-) -> CaptureBackend:
+def create_backend(name: str, *, options: BackendOptions | None = None,
+                   plugin_manager: pluggy.PluginManager | None = None, **kwargs: Any) -> CaptureBackend:
     """Create the backend registered as ``name``.
 
     :raises BackendRegistrationError: unknown name. :raises TypeError: ``options`` is not a ``BackendOptions``."""
     if options is not None and not isinstance(options, BackendOptions):
-        msg = (
-            f"create_backend({name!r}): options must be a BackendOptions or None, got "
-            f"{type(options).__name__} {options!r}; write options=BackendOptions(...)"
-        )
+        msg = (f"create_backend({name!r}): options must be a BackendOptions or None, got "
+               f"{type(options).__name__} {options!r}; write options=BackendOptions(...)")
         raise TypeError(msg)
     pm = plugin_manager or get_plugin_manager()
     factory = build_registry(pm).get(name)

@@ -80,9 +80,8 @@ class MemoryReport:
         return sum(self.bridge_bytes.values())
 
     @classmethod
-    def from_keys(
-        cls, backend: str, engine: str, keys: list[KeyReport], bridge_bytes: Mapping[int | None, int] | None = None
-    ) -> MemoryReport:
+    def from_keys(cls, backend: str, engine: str, keys: list[KeyReport],
+                  bridge_bytes: Mapping[int | None, int] | None = None) -> MemoryReport:
         seconds = {k.key: k.capture_seconds for k in keys if k.capture_seconds is not None}
         return cls(
             backend, engine, tuple(keys),
@@ -123,9 +122,7 @@ class MemoryReport:
             f"resident {self.resident_output_bytes / mib:.2f} MiB, "
             f"saved {self.saved_bytes / mib:.2f} MiB"
         ]
-        lines.extend(
-            f"  bridges of partition {p}: {b / mib:.2f} MiB" for p, b in self.bridge_bytes.items() if b
-        )
+        lines.extend(f"  bridges of partition {p}: {b / mib:.2f} MiB" for p, b in self.bridge_bytes.items() if b)
         lines.extend(f"  fallback {k!r}: {why}" for k, why in self.fallbacks.items())
         if self.plan is not None:
             lines.append(f"  session: {self.plan.format()}")

@@ -49,10 +49,8 @@ def check_key(key: object) -> Hashable:
     :raises TypeError: no ``size``/``stream_idx``, or not hashable. :raises ValueError: a bad ``size``."""
     size = getattr(key, "size", None)
     if not hasattr(key, "stream_idx") or size is None:
-        msg = (
-            f"shape key {key!r} ({type(key).__name__}) needs 'size' and 'stream_idx' "
-            "attributes; use sglang_bcg_plugin.ShapeKey or SGLang's ShapeKey"
-        )
+        msg = (f"shape key {key!r} ({type(key).__name__}) needs 'size' and 'stream_idx' "
+               "attributes; use sglang_bcg_plugin.ShapeKey or SGLang's ShapeKey")
         raise TypeError(msg)
     if isinstance(size, bool) or not isinstance(size, int) or size < 1:
         msg = f"shape key {key!r} has size {size!r}; expected an int >= 1"

@@ -59,16 +59,12 @@ def _leaf_misfit(leaf: torch.Tensor, buf: torch.Tensor) -> str | None:
     if leaf.device != buf.device:
         return f"device changed: buffer {buf.device}, output {leaf.device}"
     if buf.is_inference() and not torch.is_inference_mode_enabled():
-        return (
-            "the buffer was made under torch.inference_mode() and this capture runs outside it "
-            "(only inference mode may write an inference tensor); capture every key of a "
-            "partition in one mode"
-        )
+        return ("the buffer was made under torch.inference_mode() and this capture runs outside it "
+                "(only inference mode may write an inference tensor); capture every key of a "
+                "partition in one mode")
     if leaf.numel() > buf.numel():
-        return (
-            f"{leaf.nbytes} bytes (shape {tuple(leaf.shape)}) do not fit the buffer's "
-            f"{buf.nbytes} bytes (capture was not largest-first)"
-        )
+        return (f"{leaf.nbytes} bytes (shape {tuple(leaf.shape)}) do not fit the buffer's "
+                f"{buf.nbytes} bytes (capture was not largest-first)")
     return None
 
 
@@ -89,10 +85,8 @@ class OutputPolicy:
         self.enabled, self.strict, self.source = plan.mode == ON, plan.strict, plan.buffer_source
         self.release, self.keep_first = plan.mode == RELEASED, plan.released_keeps_largest
         if plan.guard and not guard_supported() and self.guard is None:
-            msg = (
-                "stale_output_guard is on but this torch build cannot poison storages (needs "
-                "torch._C._set_storage_access_error_msg, present in CUDA builds); the guard does nothing"
-            )
+            msg = ("stale_output_guard is on but this torch build cannot poison storages (needs "
+                   "torch._C._set_storage_access_error_msg, present in CUDA builds); the guard does nothing")
             warn_user(msg, RuntimeWarning)
         self.guard = GUARD if plan.guard and guard_supported() else None
 
@@ -100,9 +94,8 @@ class OutputPolicy:
         """The session ended: drop its partitions (the graphs hold their outputs) and pending keys."""
         self.partitions, self._reserved, self._foreign, self._placed = {}, {}, {}, {}
 
-    def reserve(
-        self, key: Hashable, output: object, capacity_rows: int | None = None, foreign: Storages = frozenset()
-    ) -> None:
+    def reserve(self, key: Hashable, output: object, capacity_rows: int | None = None,
+                foreign: Storages = frozenset()) -> None:
         """From the last warmup's ``output``: note ``foreign`` storages (never adopted; a key never seen
         here adopts nothing); with the ``"reserve"`` source and no buffer yet, allocate the partition's
         buffers (the padded row dim grown to ``capacity_rows``)."""
@@ -144,12 +137,10 @@ class OutputPolicy:
             return Placed(output, shared=False, logical_bytes=logical)
         grads = [path for path, leaf in leaves if leaf.requires_grad and torch.is_grad_enabled()]
         if grads:
-            msg = (
-                f"output of {key!r} at leaf {grads[0]} requires grad (the forward ran with "
-                "autograd on, over parameters that require grad); shared output buffers hold "
-                "values, not autograd history: capture under torch.no_grad() or "
-                f"torch.inference_mode() (as SGLang does), or return {grads[0]}.detach()"
-            )
+            msg = (f"output of {key!r} at leaf {grads[0]} requires grad (the forward ran with "
+                   "autograd on, over parameters that require grad); shared output buffers hold "
+                   "values, not autograd history: capture under torch.no_grad() or "
+                   f"torch.inference_mode() (as SGLang does), or return {grads[0]}.detach()")
             raise ValueError(msg)
         stream = getattr(key, "stream_idx", None)
         part = self.partitions.get(stream)

@@ -52,10 +52,8 @@ def flatten(obj: object, path: str = "output") -> tuple[Node, Leaves]:
 
 def _flatten(obj: object, path: str, leaves: Leaves, depth: int) -> Node:
     if depth > MAX_DEPTH:
-        msg = (
-            f"output nested deeper than {MAX_DEPTH} levels at {cut(path)}: outputs are walked "
-            "level by level; return a flatter structure (a list of tensors, not a list inside a list ...)"
-        )
+        msg = (f"output nested deeper than {MAX_DEPTH} levels at {cut(path)}: outputs are walked "
+               "level by level; return a flatter structure (a list of tensors, not a list inside a list ...)")
         raise TypeError(msg)
     if isinstance(obj, torch.Tensor):
         leaves.append((path, _strided(obj, path)))
@@ -75,12 +73,10 @@ def _flatten(obj: object, path: str, leaves: Leaves, depth: int) -> Node:
     else:
         inside = tensor_inside(obj, path)
         if inside is not None:
-            msg = (
-                f"unsupported output type {type(obj).__qualname__} at {path}: it holds a tensor "
-                f"(at {cut(inside)}) that cannot be tracked, so replay would return it stale; "
-                f"supported: {SUPPORTED_TEXT}; return one of those (a set or an object with tensors in "
-                "attributes, __slots__ or a list attribute is not)"
-            )
+            msg = (f"unsupported output type {type(obj).__qualname__} at {path}: it holds a tensor "
+                   f"(at {cut(inside)}) that cannot be tracked, so replay would return it stale; "
+                   f"supported: {SUPPORTED_TEXT}; return one of those (a set or an object with tensors in "
+                   "attributes, __slots__ or a list attribute is not)")
             raise TypeError(msg)
         return Node("value", type(obj), value=obj)
     kids = tuple(_flatten(v, _child(kind, path, k), leaves, depth + 1) for k, v in zip(keys, values, strict=True))
@@ -92,11 +88,9 @@ def _strided(t: torch.Tensor, path: str) -> torch.Tensor:
     """:raises TypeError: ``t`` is not strided (sparse, nested, ...)."""
     if t.layout != torch.strided or t.is_nested:
         kind = "nested" if t.is_nested else str(t.layout).removeprefix("torch.")
-        msg = (
-            f"unsupported output tensor at {path}: layout {kind}; only strided (dense) tensors "
-            "can be captured and shared (sparse and other non-strided layouts are not supported); "
-            "return a dense tensor (.to_dense()) or its parts (indices and values)"
-        )
+        msg = (f"unsupported output tensor at {path}: layout {kind}; only strided (dense) tensors "
+               "can be captured and shared (sparse and other non-strided layouts are not supported); "
+               "return a dense tensor (.to_dense()) or its parts (indices and values)")
         raise TypeError(msg)
     return t
 
@@ -115,12 +109,10 @@ def _refuse_attributes(obj: object, path: str, walked: str, known: Callable[[str
             continue
         inside = tensor_inside(value, f"{path}.{name}")
         if inside is not None:
-            msg = (
-                f"unsupported output {type(obj).__qualname__} at {path}: its attribute {name!r} is not "
-                f"{walked} and holds a tensor (at {cut(inside)}) that cannot be tracked, so replay would "
-                f"return it stale; put the tensor in {walked} or return it beside the object (plain "
-                f"values on such attributes are fine); supported: {SUPPORTED_TEXT}"
-            )
+            msg = (f"unsupported output {type(obj).__qualname__} at {path}: its attribute {name!r} is not "
+                   f"{walked} and holds a tensor (at {cut(inside)}) that cannot be tracked, so replay would "
+                   f"return it stale; put the tensor in {walked} or return it beside the object (plain "
+                   f"values on such attributes are fine); supported: {SUPPORTED_TEXT}")
             raise TypeError(msg)
 
 

@@ -91,7 +91,7 @@ def test_on_a_gpu_the_step_keeps_named_arguments_and_returns_through_non_owning_
     kept_q = step.args[0]
     assert kept_q is not q and kept_q.data_ptr() == q.data_ptr()  # same memory ...
     assert kept_q.untyped_storage() is not q.untyped_storage()  # ... through a storage that owns nothing
-    assert step.ret_views[0].data_ptr() == out.data_ptr() and step.ret_views[0] is not out
+    assert step.outs[0].data_ptr() == out.data_ptr() and step.outs[0] is not out
     q.add_(1)
     graph.replay()
     torch.testing.assert_close(out, (q * 2 + k.sum()).transpose(1, 2))

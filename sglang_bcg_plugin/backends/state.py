@@ -115,8 +115,7 @@ class CaptureState:
                seconds: float | None = None, memory_bytes: int | None = None, can_release: bool = True) -> Any:
         """Commit ``key``'s placement and record the key; returns the output to hand out. ``graph``: one
         of ours (``num_segments=None``: its ``output`` is set here) or another engine's. The caller
-        drops its own references to the placed output (a released output is a non-owning alias)."""
-        self.begin(key)
+        drops its own references to the placed output (a released output is a non-owning alias). After :meth:`begin`."""
         assert self._open is not None
         placed = self.policy.commit(key, can_release=can_release)
         if num_segments is None:

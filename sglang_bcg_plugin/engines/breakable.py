@@ -12,7 +12,7 @@ import torch
 from ..released import maybe_alias
 from ..trees import flatten, storage_key, unflatten
 from .base import Front
-from .recorder import Recorder, Segments, refresh
+from .recorder import Recorder, Rerun, Segments, refresh
 
 
 class BreakableRecorder(Recorder):
@@ -31,7 +31,7 @@ class BreakableRecorder(Recorder):
         kept = inspect.BoundArguments(bound.signature, bound.arguments.copy())
         for name in (reads | writes) & kept.arguments.keys():
             kept.arguments[name] = maybe_alias(kept.arguments[name])
-        step = _Step(fn, kept.args, kept.kwargs, [maybe_alias(t) for t in targets])
+        step = _Step(f"break {fn.__qualname__}", fn, kept.args, kept.kwargs, [maybe_alias(t) for t in targets])
         self.add_step(step, (step.args, step.kwargs))  # strong: whatever was not aliased
         return unflatten(spec, targets)
 
@@ -48,22 +48,21 @@ def _flatten_return(fn: Callable[..., Any], result: Any,
         raise TypeError(msg) from None
 
 
-class _Step:
-    """Replay of one break: run the function again and refresh its returned tensors."""
+class _Step(Rerun):
+    """Replay of one break: run the function again and refresh its returned tensors (``outs``)."""
 
-    def __init__(self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], ret_views: list[Any]) -> None:
-        self.fn, self.args, self.kwargs, self.ret_views = fn, args, kwargs, ret_views
+    __slots__ = ()
 
     def __call__(self) -> None:
         out = self.fn(*self.args, **self.kwargs)
-        if not self.ret_views:
+        if not self.outs:
             return
         _, new = _flatten_return(self.fn, out, "output")
-        if len(new) != len(self.ret_views):
-            msg = f"break {self.fn.__qualname__} returned {len(new)} tensors on replay, captured {len(self.ret_views)}"
+        if len(new) != len(self.outs):
+            msg = f"{self.what} returned {len(new)} tensors on replay, captured {len(self.outs)}"
             raise RuntimeError(msg)
-        for view, (path, t) in zip(self.ret_views, new, strict=True):
-            refresh(view, t, f"break {self.fn.__qualname__} at {path}")
+        for view, (path, t) in zip(self.outs, new, strict=True):
+            refresh(view, t, f"{self.what} at {path}")
 
 
 class BreakableFront(Front):

@@ -3,6 +3,7 @@ and one capture stream per partition (docs/breakable.md, "Pools and streams").""
 
 from __future__ import annotations
 
+from collections import defaultdict
 from typing import Any
 
 import torch
@@ -45,7 +46,8 @@ class CudaGraphEngine(Engine):
 
     def __init__(self) -> None:
         self._pools: dict[int | None, Any] = {}
-        self._streams: dict[int | None, torch.cuda.Stream] = {}
+        #: one capture stream per partition (cuBLAS keeps one workspace per stream)
+        self._streams: defaultdict[int | None, torch.cuda.Stream] = defaultdict(torch.cuda.Stream)
         self._anchors: list[torch.cuda.CUDAGraph] = []
         self._reserve: dict[int | None, int] = {}
 
@@ -60,7 +62,7 @@ class CudaGraphEngine(Engine):
         if partition not in self._pools:
             handle = torch.cuda.graph_pool_handle()
             anchor = torch.cuda.CUDAGraph()
-            with gc_safe_capture(), torch.cuda.stream(self._partition_stream(partition)):
+            with gc_safe_capture(), torch.cuda.stream(self._streams[partition]):
                 anchor.capture_begin(pool=handle)
                 try:
                     nbytes = self._reserve.pop(partition, 0)
@@ -72,17 +74,11 @@ class CudaGraphEngine(Engine):
             self._pools[partition] = handle
         return self._pools[partition]
 
-    def _partition_stream(self, partition: int | None) -> torch.cuda.Stream:
-        """One capture stream per partition (cuBLAS keeps one workspace per stream)."""
-        if partition not in self._streams:
-            self._streams[partition] = torch.cuda.Stream()
-        return self._streams[partition]
-
     def capture(self, request: CaptureRequest) -> FullGraph | SegmentedGraph:
-        stream = request.stream if request.stream is not None else self._partition_stream(request.partition)
+        stream = request.stream if request.stream is not None else self._streams[request.partition]
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
-            warm = run_warmups(request)  # kept alive until the capture ended (foreign storages)
+            warm = run_warmups(request)  # noqa: F841 - kept alive until the capture ended (foreign storages)
         torch.cuda.synchronize()
         pool = self.pool(request.partition)
         try:
@@ -93,7 +89,6 @@ class CudaGraphEngine(Engine):
                 self._pools.pop(request.partition, None)
             raise
         torch.cuda.synchronize()
-        del warm
         return graph
 
     def _record(self, request: CaptureRequest, pool: Any) -> FullGraph | SegmentedGraph:

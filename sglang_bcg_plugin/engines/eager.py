@@ -52,10 +52,8 @@ class EagerEngine(Engine):
     name = "eager"
 
     def capture(self, request: CaptureRequest) -> EagerGraph:
-        warm = run_warmups(request)  # kept alive until the output is placed (foreign storages)
-        output = request.place(request.forward_fn())
-        del warm
-        return EagerGraph(request.key, request.forward_fn, output)
+        warm = run_warmups(request)  # noqa: F841 - kept alive until the output is placed (foreign storages)
+        return EagerGraph(request.key, request.forward_fn, request.place(request.forward_fn()))
 
 
 class EagerSegmentEngine(Engine):
@@ -67,11 +65,9 @@ class EagerSegmentEngine(Engine):
         self.front = front
 
     def capture(self, request: CaptureRequest) -> SegmentedGraph:
-        warm = run_warmups(request)  # kept alive until the output is placed (foreign storages)
+        warm = run_warmups(request)  # noqa: F841 - kept alive until the output is placed (foreign storages)
         recorder = self.front.recorder(request.key, EagerSegments(request.key), request.partition, request.static_inputs)
-        graph = record(recorder, request.forward_fn, request.place)
-        del warm
-        return graph
+        return record(recorder, request.forward_fn, request.place)
 
     def release(self) -> None:
         self.front.release()

@@ -99,11 +99,9 @@ class Rerun:
 
 
 #: What CUDA and torch say when a stream capture refuses a host sync, or what it says next.
-_CUDA_HOST_SYNC = (
-    "operation not permitted when stream is capturing", "cudaErrorStreamCaptureUnsupported",
-    "Cannot copy between CPU and CUDA tensors during CUDA graph capture",
-    "operation failed due to a previous error during capture", "cudaErrorStreamCaptureInvalidated",
-)
+_CUDA_HOST_SYNC = ("operation not permitted when stream is capturing", "cudaErrorStreamCaptureUnsupported",
+                   "Cannot copy between CPU and CUDA tensors during CUDA graph capture",
+                   "operation failed due to a previous error during capture", "cudaErrorStreamCaptureInvalidated")
 
 
 def host_read_error(exc: BaseException, key: object, segment: int | None) -> HostReadError | None:

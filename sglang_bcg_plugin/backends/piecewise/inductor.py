@@ -7,16 +7,12 @@ import contextlib
 import copy
 import time
 from collections.abc import Callable, Collection, Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ...trees import storage_key
-
-#: Inductor settings the pieces always get: we capture them, Inductor must not.
-FORCED_CONFIG: Mapping[str, Any] = {"triton.cudagraphs": False}
-
 
 def _fresh_key(t: torch.Tensor) -> object:
     """Storage identity that also works for fake tensors (no data pointer there)."""
@@ -57,24 +53,16 @@ def dense_fresh(result: Any, args: Sequence[Any]) -> Any:
     return tree_unflatten(out, spec)
 
 
-class CompiledPiece:
-    """A piece compiled by Inductor, returning what the FX piece returned (a tuple, or one value);
-    ``boxed(args)`` empties ``args`` so Inductor's code frees each input after its last use."""
+class CompiledPiece(NamedTuple):
+    """A piece compiled by Inductor, returning what the FX piece returned (a tuple, or one value)."""
 
-    def __init__(self, compiled: Callable[..., Any], returns_tuple: bool, boxed: bool = False) -> None:
-        self.compiled, self.returns_tuple, self.is_boxed = compiled, returns_tuple, boxed
+    compiled: Callable[[list[Any]], Any]
+    returns_tuple: bool
 
     def boxed(self, args: list[Any]) -> Any:
-        """Run on ``args`` (a list this call empties when Inductor's code is boxed)."""
-        if self.is_boxed:
-            out = self.compiled(args)
-        else:
-            out = self.compiled(*args)
-            args.clear()
+        """Run on ``args``, a list Inductor's boxed code empties (it frees each input after its last use)."""
+        out = self.compiled(args)
         return tuple(out) if self.returns_tuple else out[0]
-
-    def __call__(self, *args: Any) -> Any:
-        return self.boxed(list(args))
 
 
 class InductorPieces:
@@ -86,9 +74,8 @@ class InductorPieces:
         if extra.get("triton.cudagraphs"):
             msg = "inductor_config: triton.cudagraphs must stay off (the backend captures the pieces itself)"
             raise ValueError(msg)
-        self.config = {**extra, **FORCED_CONFIG}
-        self.num_compilations = 0
-        self.seconds = 0.0
+        self.config = {**extra, "triton.cudagraphs": False}  # we capture the pieces, Inductor must not
+        self.num_compilations, self.seconds = 0, 0.0
 
     def compile(self, split_gm: torch.fx.GraphModule, example_inputs: Sequence[Any], pieces: Collection[str],
                 dense: Collection[str]) -> dict[str, CompiledPiece]:
@@ -123,7 +110,7 @@ class InductorPieces:
         boxed = torch._dynamo.utils.GmWrapper(gm, tuple)
         compiled = compile_fx(boxed, list(fake_args), config_patches=dict(self.config))
         self.num_compilations += 1
-        return CompiledPiece(compiled, returns_tuple, boxed=True)  # type: ignore[arg-type]
+        return CompiledPiece(compiled, returns_tuple)  # type: ignore[arg-type]
 
 
 class _FakeRun(torch.fx.Interpreter):

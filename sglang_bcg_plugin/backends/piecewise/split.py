@@ -74,8 +74,8 @@ class SplitProgram:
 
     def __init__(self, module: torch.fx.GraphModule) -> None:
         self.module = module
-        self._nodes = list(module.graph.nodes)
-        last_user = {used: node for node in self._nodes for used in node.all_input_nodes}
+        *self._nodes, self._output = module.graph.nodes  # FX keeps the output node last
+        last_user = {used: node for node in module.graph.nodes for used in node.all_input_nodes}
         self._dies: dict[torch.fx.Node, list[torch.fx.Node]] = {}
         for used, user in last_user.items():
             self._dies.setdefault(user, []).append(used)
@@ -90,8 +90,6 @@ class SplitProgram:
         for node in self._nodes:
             if node.op == "placeholder":
                 env[node] = next(inputs)
-            elif node.op == "output":
-                return torch.fx.node.map_arg(node.args[0], env.__getitem__)
             else:
                 value = self._run_node(node, env)
                 if node.users:  # a value nothing reads is dropped at once
@@ -99,8 +97,7 @@ class SplitProgram:
                 del value
             for used in self._dies.get(node, ()):
                 env.pop(used, None)
-        msg = "split graph has no output node"
-        raise RuntimeError(msg)
+        return torch.fx.node.map_arg(self._output.args[0], env.__getitem__)
 
     def _run_node(self, node: torch.fx.Node, env: dict[torch.fx.Node, Any]) -> Any:
         """One node of the split module (``split_module`` makes only these kinds)."""
