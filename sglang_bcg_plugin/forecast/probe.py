@@ -272,17 +272,26 @@ def forecast_schedule(backend: CaptureBackend, sizes: Iterable[int], forward_for
             bridge_bytes=bridges, source=options.shared_buffer, pool_reserve=options.pool_reserve,
             configured_mode=configured_mode, expandable=expandable, released_keeps="auto", driver=driver,
             probe_left_bytes=probe_left)
-        references = reference_estimates(modes, fitted, schedule, outputs=outputs, expandable=expandable, driver=driver)
-        spread = (0, 0, 0) if expandable else address_spread(fitted, schedule, outputs=outputs,
-                                                             reserve_bytes=reserve_bytes)
-        modes = count_highest_order(modes, spread)
-    remedy = "pool_reserve='auto' starts the pool as one block" if options.pool_reserve == "off" else ""
-    caveat = "; ".join(c for c in (EXPANDABLE_CAVEAT if expandable else "", driver_caveat(driver),
-                                   address_caveat(spread, remedy)) if c)
+        remedy = "pool_reserve='auto' starts the pool as one block" if options.pool_reserve == "off" else ""
+        modes, references, caveat = finish_modes(modes, fitted, schedule, outputs=outputs, expandable=expandable,
+                                                 driver=driver, reserve_bytes=reserve_bytes, remedy=remedy)
     return GraphMemoryForecast(backend.name, tuple(schedule), configured_mode, MappingProxyType(modes),
                                tuple(t.size for t in traces), time.perf_counter() - start, source,
                                MappingProxyType(by_source), MappingProxyType(references), probe_seconds, reserve_bytes,
                                caveat, driver, probe_driver, lasting)
+
+
+def finish_modes(modes: dict[str, ModeForecast], fitted: ScaledTrace, sizes: Sequence[int], *, outputs: frozenset[int],
+                 expandable: bool, driver: DriverShare | None, reserve_bytes: int = 0,
+                 counted: str = "during the probes", remedy: str = "",
+                 ) -> tuple[dict[str, ModeForecast], dict[str, dict[str, int]], str]:
+    """``modes`` at the highest address order (:func:`~.model.count_highest_order`), their
+    :func:`~.model.reference_estimates`, and the caveat (``""``: none; ``counted``: :func:`driver_caveat`'s)."""
+    references = reference_estimates(modes, fitted, sizes, outputs=outputs, expandable=expandable, driver=driver)
+    spread = (0, 0, 0) if expandable else address_spread(fitted, sizes, outputs=outputs, reserve_bytes=reserve_bytes)
+    caveat = "; ".join(c for c in (EXPANDABLE_CAVEAT if expandable else "", driver_caveat(driver, counted),
+                                   address_caveat(spread, remedy)) if c)
+    return count_highest_order(modes, spread), references, caveat
 
 
 def first_launch_bytes(backend: CaptureBackend, sizes: Sequence[int], forward_for: Callable[[int], Callable[[], Any]],
@@ -321,8 +330,3 @@ EXPANDABLE_CAVEAT = ("the graph pool grows with expandable_segments (the process
                      "pool_segments='expandable'); the forecast models it as one segment growing in 20 MiB steps, "
                      "measured within 7 % on an H200 (up to 7 % over on Piecewise, within 3 % on Full), not exact "
                      "as without it")
-
-
-def allocator_caveat() -> str:
-    """:data:`EXPANDABLE_CAVEAT` when the allocator's settings turn ``expandable_segments`` on."""
-    return EXPANDABLE_CAVEAT if expandable_segments() else ""
