@@ -17,7 +17,7 @@ from ..engines.gcsafe import gc_safe_capture
 from ..errors import CaptureStateError, ForecastError
 from ..shape_key import ShapeKey
 from ..trees import flatten
-from .allocator import expandable_segments
+from .allocator import MB, expandable_segments
 from .driver import DRIVER_COEFFICIENTS, DriverShare, ProbeCount, counting_captures, driver_api, schedule_share
 from .model import (MODES, ModeForecast, address_caveat, address_spread, count_highest_order, reference_estimates,
                     schedule_forecast)
@@ -25,8 +25,6 @@ from .trace import KeyTrace, ScaledTrace, output_allocs, pinned_slack, pool_trac
 
 if TYPE_CHECKING:
     from ..backends.base import CaptureBackend
-
-MIB = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -78,7 +76,7 @@ class GraphMemoryForecast:
                 "modes": {m: f.to_dict() for m, f in self.modes.items()}}
 
     def format(self) -> str:
-        mib = self.pool_reserve_bytes / MIB
+        mib = self.pool_reserve_bytes / MB
         block = f"; the pool starts with one {mib:.0f} MiB block" if self.pool_reserve_bytes else ""
         lines = [f"{self.backend}: graph memory forecast for {len(self.sizes)} sizes up to "
                  f"{self.sizes[0] if self.sizes else 0} tokens (probes {_and(self.probe_sizes)}, "
@@ -86,14 +84,14 @@ class GraphMemoryForecast:
         for m in MODES:
             f = self.modes[m]
             optional = (("probes' stream", f.probe_left_bytes), ("address orders", f.address_bytes))
-            lines.append(f"  {m:8} {f.total_bytes / MIB:9.1f} MiB = working set {f.working_set_bytes / MIB:.1f} "
-                         f"+ outputs {f.outputs_bytes / MIB:.1f} + stream {f.stream_bytes / MIB:.1f} "
-                         f"+ bridges {f.bridge_bytes / MIB:.1f} + driver {f.driver_bytes / MIB:.1f}"
-                         + "".join(f" + {part} {n / MIB:.1f}" for part, n in optional if n)
+            lines.append(f"  {m:8} {f.total_bytes / MB:9.1f} MiB = working set {f.working_set_bytes / MB:.1f} "
+                         f"+ outputs {f.outputs_bytes / MB:.1f} + stream {f.stream_bytes / MB:.1f} "
+                         f"+ bridges {f.bridge_bytes / MB:.1f} + driver {f.driver_bytes / MB:.1f}"
+                         + "".join(f" + {part} {n / MB:.1f}" for part, n in optional if n)
                          + (" (keeps the largest output: a tighter pool)" if f.keeps_largest else "")
                          + (" <- configured" if m == self.mode else ""))
         if self.driver is not None:
-            lines.append(f"  driver: {self.driver.describe()} (the probes lost {self.probe_driver_bytes / MIB:.1f} MiB "
+            lines.append(f"  driver: {self.driver.describe()} (the probes lost {self.probe_driver_bytes / MB:.1f} MiB "
                          "outside the allocator)")
         if self.caveat:
             lines.append(f"  caveat: {self.caveat}")
@@ -201,8 +199,8 @@ def fit_probes(traces: Sequence[KeyTrace], output_bytes: Sequence[Sequence[int]]
         tried = ", ".join(str(t.size) for t in traces[2:])
         msg = f"{fitted}" + (f" (nor at the next sizes up: {tried} tokens)" if tried else "")
         raise ForecastError(msg)
-    return fitted.with_alone([(t, output_allocs(t, out)) for t, out in zip(traces[j + 1:], output_bytes[j + 1:],
-                                                                           strict=True)])
+    alone = zip(traces[j + 1:], output_bytes[j + 1:], strict=True)
+    return ScaledTrace(fitted.shape, fitted.lines, tuple((t, output_allocs(t, out)) for t, out in alone))
 
 
 #: Sizes a forecast probes, the next up from the smallest, where the largest and smallest do not pair.

@@ -84,14 +84,9 @@ class ScaledTrace:
     shape: tuple[tuple[int, int], ...]  # ops with frees as in the probes, allocs' bytes unused
     lines: tuple[tuple[float, float], ...]  # per op: (a, b) of bytes = a + b * size (allocs)
     #: sizes whose forward allocates in another sequence than the lines', each as its probe
-    #: recorded it, with the indices of its output allocs (:meth:`with_alone`)
+    #: recorded it, with the indices of its output allocs
     alone: tuple[tuple[KeyTrace, frozenset[int]], ...] = ()
     _at: dict[int, KeyTrace] = field(default_factory=dict, compare=False, repr=False)  # :meth:`at`'s, per size
-
-    def with_alone(self, traces: Sequence[tuple[KeyTrace, frozenset[int]]]) -> ScaledTrace:
-        """This trace, with ``traces`` (each a probe's :class:`KeyTrace` and its output allocs)
-        standing for their sizes."""
-        return ScaledTrace(self.shape, self.lines, tuple(traces))
 
     def outputs_at(self, size: int, outputs: frozenset[int]) -> frozenset[int]:
         """The output allocs of the trace at ``size``: ``outputs`` (the lines') unless ``size`` is

@@ -20,9 +20,10 @@ from typing import TextIO
 
 import torch
 
+from .._version import package_version
 from .compat import (
     BACKEND_CLASS, BACKEND_MODULE, ENV_FORECAST, RUNNER_CLASS, RUNNER_MODULE, Seam, code_names, installed, one_line,
-    release, seam_kind,
+    seam_kind,
 )
 from .forecast_log import forecast_enabled
 from .hooks import hooks_for
@@ -94,7 +95,7 @@ def _diagnose(target: str) -> Problem | None:
 def _sglang_version() -> str | None:
     """The installed SGLang's version; ``None`` without one (a namespace package is not SGLang)."""
     spec = importlib.util.find_spec("sglang")
-    version = release() if spec is not None and spec.origin is not None else "?"
+    version = package_version("sglang", "?") if spec is not None and spec.origin is not None else "?"
     return None if version == "?" else version
 
 

@@ -16,7 +16,7 @@ import torch
 
 from .._words import parse_bool_env
 from ..accounting import device_free_bytes
-from ..forecast.allocator import expandable_segments
+from ..forecast.allocator import MB, expandable_segments
 from ..forecast.driver import DriverShare, ProbeCount, counting_captures
 from ..forecast.model import MODES, buffer_bytes, forecast_modes
 from ..forecast.probe import (device_trace, finish_modes, pool_segments, probe_driver_share, record_history,
@@ -25,7 +25,6 @@ from ..forecast.trace import KeyTrace, ScaledTrace, inside, output_allocs, pool_
 from .compat import ENV_FORECAST, ENV_FORECAST_TRACE
 
 log = logging.getLogger("sglang_bcg_plugin")
-MIB = 1 << 20
 
 
 def forecast_enabled(environ: Mapping[str, str]) -> bool:
@@ -62,14 +61,14 @@ def format_forecast(modes: Mapping[str, Any], mode: str, sizes: Sequence[int], k
     for other in (m for m in MODES if m != mode):
         delta = modes[other].total_bytes - f.total_bytes
         tokens = f" = {delta // kv_per_token:,} KV tokens" if kv_per_token and delta > 0 else ""
-        parts.append(f"against {other} ({modes[other].total_bytes / MIB:,.1f} MiB) it "
-                     f"{'frees' if delta >= 0 else 'costs'} {abs(delta) / MIB:,.1f} MiB{tokens}")
+        parts.append(f"against {other} ({modes[other].total_bytes / MB:,.1f} MiB) it "
+                     f"{'frees' if delta >= 0 else 'costs'} {abs(delta) / MB:,.1f} MiB{tokens}")
     per_token = f"; KV cache {kv_per_token / 1024:,.1f} KiB/token" if kv_per_token else ""
     split = "" if f.total_bytes == f.pool_bytes else (
-        f"; of which graph pool {f.pool_bytes / MIB:,.1f} MiB, capture stream {f.stream_bytes / MIB:,.1f} MiB, "
-        f"CUDA driver {f.driver_bytes / MIB:,.1f} MiB" + (f" ({driver.describe()})" if driver is not None else ""))
+        f"; of which graph pool {f.pool_bytes / MB:,.1f} MiB, capture stream {f.stream_bytes / MB:,.1f} MiB, "
+        f"CUDA driver {f.driver_bytes / MB:,.1f} MiB" + (f" ({driver.describe()})" if driver is not None else ""))
     return (f"sglang_bcg: graph memory forecast for {len(sizes)} sizes up to {sizes[0]}: "
-            f"{f.total_bytes / MIB:,.1f} MiB with --enable-bcg-shared-output={mode}; " + "; ".join(parts) + per_token
+            f"{f.total_bytes / MB:,.1f} MiB with --enable-bcg-shared-output={mode}; " + "; ".join(parts) + per_token
             + split + (f" (caveat: {caveat})" if caveat else ""))
 
 
@@ -236,16 +235,16 @@ class SessionForecast:
         if self.free_at_open is not None and free_now is not None:
             self.lost = self.free_at_open - free_now
         lost = "" if not self.lost else (
-            f"; free device memory lost over the session {self.lost / MIB:.1f} MiB, forecast with the "
-            f"CUDA driver's share {f.total_bytes / MIB:.1f} MiB (+ capture stream {f.stream_bytes / MIB:.1f} "
-            f"+ driver {f.driver_bytes / MIB:.1f}), error {(f.total_bytes - self.lost) / self.lost * 100:+.1f} %")
+            f"; free device memory lost over the session {self.lost / MB:.1f} MiB, forecast with the "
+            f"CUDA driver's share {f.total_bytes / MB:.1f} MiB (+ capture stream {f.stream_bytes / MB:.1f} "
+            f"+ driver {f.driver_bytes / MB:.1f}), error {(f.total_bytes - self.lost) / self.lost * 100:+.1f} %")
         log.info("sglang_bcg: graph memory after capture: %.1f MiB (graph pool %.1f MiB + shared buffer %.1f MiB); "
-                 "forecast %.1f MiB, error %+.1f %%%s", measured / MIB, added / MIB, outside_pool_bytes / MIB,
-                 f.pool_bytes / MIB, error * 100, lost)
+                 "forecast %.1f MiB, error %+.1f %%%s", measured / MB, added / MB, outside_pool_bytes / MB,
+                 f.pool_bytes / MB, error * 100, lost)
         if self.baseline is not None and free_now is not None:
             log.info("sglang_bcg: free device memory lost since SGLang's baseline %.1f MiB (%.1f MiB before the "
-                     "first capture)", (self.baseline - free_now) / MIB,
-                     (self.baseline - (self.free_at_open or 0)) / MIB)
+                     "first capture)", (self.baseline - free_now) / MB,
+                     (self.baseline - (self.free_at_open or 0)) / MB)
         if self.trace_path:
             self._write_trace(free_now, self.forecast["modes"])
         return measured
