@@ -28,7 +28,7 @@ from .compat import (
 )
 from .forecast_log import SessionForecast
 from .sglang_session import (
-    apply_runner_rows, drop_global_pool, open_state, reserve_from_warmup, runner_server_args,
+    apply_runner_rows, check_rows, drop_global_pool, open_state, runner_server_args,
 )
 
 logger = logging.getLogger(__name__)
@@ -84,9 +84,13 @@ class _Forward:
     def after_warmup(self) -> None:
         if self.hook is not None:
             self.hook()
-        if self.warmups == WARMUPS:  # reserve: outside the graph pool, from the last warmup
-            reserve_from_warmup(self.backend._bcg_state, self.key, self.backend._cuda_graph_runner, self.last_warmup)
-            self.last_warmup = None
+        state, out, self.last_warmup = self.backend._bcg_state, self.last_warmup, None
+        if self.warmups == WARMUPS and state.mode_active == ON and out is not None:
+            # reserve: the buffer from the last warmup, outside the graph pool, with the rows the capture
+            # hands out, grown to cuda_graph_output_capacity_rows where asked
+            rows, capacity = runner_rows(self.backend._cuda_graph_runner, out)
+            state.policy.reserve(self.key, apply_runner_rows(out, rows),
+                                 check_rows("cuda_graph_output_capacity_rows", capacity))
 
     def _rows(self, out: Any) -> Any:
         return apply_runner_rows(out, runner_rows(self.backend._cuda_graph_runner, out)[0])

@@ -4,19 +4,19 @@ one resolution), the runner's row hooks, and SGLang's global graph pool."""
 from __future__ import annotations
 
 import os
-from collections.abc import Hashable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 from .._constants import ENV_SHARE_OUTPUT
 from .._words import parse_bool_env, parse_env
 from ..backends.plan import SessionPlan, plan_session
 from ..backends.state import CaptureState
-from ..output_mode import ON, RELEASED, OutputMode, Resolution, explain_output_mode
+from ..output_mode import RELEASED, OutputMode, Resolution, explain_output_mode
 from ..released import released_supported
 from ..sharing import BufferSource
 from ..trees import flatten, unflatten
 from . import compat
-from .compat import ENV_SHARED_BUFFER, ENV_STALE_OUTPUT_GUARD, Seam, pool_borrowing_exists, runner_rows, sglang_builtin_policy
+from .compat import ENV_SHARED_BUFFER, ENV_STALE_OUTPUT_GUARD, Seam, pool_borrowing_exists, sglang_builtin_policy
 
 #: SGLang's switch for eager tensors borrowing free graph-pool memory between replays.
 BORROW_ENV = "SGLANG_ENABLE_GRAPH_POOL_BORROW"
@@ -90,7 +90,7 @@ def open_state(state: CaptureState) -> SessionPlan:
 def apply_runner_rows(output: Any, rows: object) -> Any:
     """Trim to ``rows`` (``cuda_graph_output_rows``; ``None``: unchanged) the leaves whose leading
     dim is the largest among the output's leaves (the padded row dim); others keep their rows."""
-    rows = _check_rows("cuda_graph_output_rows", rows)
+    rows = check_rows("cuda_graph_output_rows", rows)
     if rows is None:
         return output
     if rows < 0:
@@ -103,21 +103,12 @@ def apply_runner_rows(output: Any, rows: object) -> Any:
     return unflatten(node, [t[:rows] if t.dim() > 0 and t.shape[0] == padded else t for _, t in leaves])
 
 
-def _check_rows(name: str, rows: object) -> int | None:
+def check_rows(name: str, rows: object) -> int | None:
+    """``rows``, what the runner's hook ``name`` returned. :raises TypeError: neither ``None`` nor an int."""
     if rows is not None and (isinstance(rows, bool) or not isinstance(rows, int)):
         msg = f"{name}() returned {rows!r}; expected None or an int >= 0"
         raise TypeError(msg)
     return rows
-
-
-def reserve_from_warmup(state: CaptureState, key: Hashable, runner: Any, warmup_out: Any) -> None:
-    """``reserve``: the partition's buffer from the last warmup's output, outside the pool, with
-    the rows the capture hands out, grown to ``cuda_graph_output_capacity_rows`` where asked."""
-    if state.mode_active != ON or warmup_out is None:
-        return
-    rows, capacity = runner_rows(runner, warmup_out)
-    trimmed = apply_runner_rows(warmup_out, rows)
-    state.policy.reserve(key, trimmed, _check_rows("cuda_graph_output_capacity_rows", capacity))
 
 
 def drop_global_pool(pool: Any) -> bool:
