@@ -243,7 +243,11 @@ def forecast_schedule(backend: CaptureBackend, sizes: Iterable[int], forward_for
         raise ForecastError(msg)
     options = backend.options
     free_start, reserved_start = device_free_bytes(collect=False), reserved_bytes()  # both after empty_cache
-    launch = first_launch_bytes(backend, schedule, forward_for, free_start, reserved_start)
+    with gc_safe_capture(collect=False), torch.no_grad():  # the first launches: one eager forward per size
+        for n in schedule:
+            with backend.size_context(n):
+                forward_for(n)()
+    launch = max(0, free_start - device_free_bytes(collect=False) - (reserved_bytes() - reserved_start))
     # one warmup per probe (the pool sees only the capture); the probes' requests, the process's allocator
     backend.configure(output_mode="off", stale_output_guard=False, num_warmups=min(options.num_warmups, 1),
                       pool_reserve="off", pool_segments="fixed")
@@ -290,18 +294,6 @@ def finish_modes(modes: dict[str, ModeForecast], fitted: ScaledTrace, sizes: Seq
     caveat = "; ".join(c for c in (EXPANDABLE_CAVEAT if expandable else "", driver_caveat(driver, counted),
                                    address_caveat(spread, remedy)) if c)
     return count_highest_order(modes, spread), references, caveat
-
-
-def first_launch_bytes(backend: CaptureBackend, sizes: Sequence[int], forward_for: Callable[[int], Callable[[], Any]],
-                       free_before: int, reserved_before: int) -> int:
-    """Run one eager forward at each of ``sizes`` (in ``backend.size_context``, no collection); the
-    free device memory that took beyond the allocator's growth since ``free_before`` and
-    ``reserved_before`` (read just before, after ``empty_cache``; docs/forecast.md, "How it works")."""
-    with gc_safe_capture(collect=False), torch.no_grad():
-        for n in sizes:
-            with backend.size_context(n):
-                forward_for(n)()
-    return max(0, free_before - device_free_bytes(collect=False) - (reserved_bytes() - reserved_before))
 
 
 def probe_driver_share(counts: Sequence[ProbeCount], lost: int, schedule: Sequence[int], output_tensors: int
