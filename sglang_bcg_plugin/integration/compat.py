@@ -181,8 +181,7 @@ def installed() -> Seam:
             capture_inputs=len(params) > 3 and params[3] == "capture_inputs",
             global_pool=_resolve(f"{POOL_MODULE}.get_or_create_global_graph_memory_pool") is not None,
             row_hooks=hasattr(_resolve(RUNNER_BASE), "cuda_graph_output_rows"),
-            eager_form=_eager_form(module.eager_on_graph),
-        )
+            eager_form=_eager_form(module.eager_on_graph))
     if kind == "runner":
         module = importlib.import_module(RUNNER_MODULE)
         bcg = sys.modules[module.BreakableCUDAGraph.__module__]
@@ -190,8 +189,7 @@ def installed() -> Seam:
             "runner", version, "model_executor.BreakableCudaGraphRunner._capture_all/_capture_one, wrapped",
             inspect_runner(module.BreakableCudaGraphRunner),
             eager_form=_eager_form(bcg.eager_on_graph),
-            global_pool=hasattr(module, "get_global_graph_memory_pool"),
-        )
+            global_pool=hasattr(module, "get_global_graph_memory_pool"))
     return Seam("none", version, f"neither {BACKEND_MODULE} nor {RUNNER_MODULE} exists",
                 BuiltinPolicy(None, "no breakable CUDA graph in this SGLang"))
 

@@ -21,10 +21,8 @@ from typing import TextIO
 import torch
 
 from .._version import package_version
-from .compat import (
-    BACKEND_CLASS, BACKEND_MODULE, ENV_FORECAST, RUNNER_CLASS, RUNNER_MODULE, Seam, code_names, installed, one_line,
-    seam_kind,
-)
+from .compat import (BACKEND_CLASS, BACKEND_MODULE, ENV_FORECAST, RUNNER_CLASS, RUNNER_MODULE, Seam, code_names,
+                     installed, one_line, seam_kind)
 from .forecast_log import forecast_enabled
 from .hooks import hooks_for
 from .sglang_breakable import BASE_MODULE, unknown_capture_helpers

@@ -35,9 +35,8 @@ ENV_TEXT: dict[OutputMode, str] = {ON: "1", OFF: "0", RELEASED: RELEASED}
 class OutputModeAction(argparse.Action):
     """``--enable-bcg-shared-output[=MODE]`` (``nargs="?"``): a bare flag means ``on``."""
 
-    def __call__(
-        self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any, option_string: str | None = None
-    ) -> None:
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:
         try:
             mode = parse_mode_text(values, what=FLAG)
         except ValueError as exc:

@@ -23,13 +23,10 @@ from ..registry import build_registry
 from ..report import MemoryReport
 from ..shape_key import check_key
 from ..trees import flatten
-from .compat import (
-    BACKEND_MODULE, capture_one_args, capture_var, code_names, installed, num_segments, run_outside_capture, runner_rows,
-)
+from .compat import (BACKEND_MODULE, capture_one_args, capture_var, code_names, installed, num_segments,
+                     run_outside_capture, runner_rows)
 from .forecast_log import SessionForecast
-from .sglang_session import (
-    apply_runner_rows, check_rows, drop_global_pool, open_state, runner_server_args,
-)
+from .sglang_session import apply_runner_rows, check_rows, drop_global_pool, open_state, runner_server_args
 
 logger = logging.getLogger(__name__)
 
@@ -186,10 +183,8 @@ def sglang_breakable_backend_class() -> type[Any]:
     :raises RuntimeError: the installed SGLang has no backend seam (0.5.13: :mod:`.runner_seam`)."""
     seam = installed()
     if seam.kind != "backend":
-        msg = (
-            f"{seam.describe()}: there is no BreakableCudaGraphBackend to subclass; "
-            "the plugin hooks this release's breakable graph through its runner instead"
-        )
+        msg = (f"{seam.describe()}: there is no BreakableCudaGraphBackend to subclass; "
+               "the plugin hooks this release's breakable graph through its runner instead")
         raise RuntimeError(msg)
     base = importlib.import_module(BACKEND_MODULE).BreakableCudaGraphBackend
     doc = "SGLang's breakable CUDA graphs with our output-sharing policy."
@@ -228,16 +223,14 @@ def swap_backend(phase: str, backend: Any, cuda_graph_runner: Any) -> Any:
     return chosen
 
 
-def around_resolve_prefill_backend(
-    original_fn: Callable[..., Any], cuda_graph_runner: Any, *args: Any, **kwargs: Any
-) -> Any:
+def around_resolve_prefill_backend(original_fn: Callable[..., Any], cuda_graph_runner: Any, *args: Any,
+                                   **kwargs: Any) -> Any:
     """AROUND hook of ``resolve_prefill_backend``."""
     return swap_backend("prefill", original_fn(cuda_graph_runner, *args, **kwargs), cuda_graph_runner)
 
 
-def around_resolve_decode_backend(
-    original_fn: Callable[..., Any], cuda_graph_runner: Any, *args: Any, **kwargs: Any
-) -> Any:
+def around_resolve_decode_backend(original_fn: Callable[..., Any], cuda_graph_runner: Any, *args: Any,
+                                  **kwargs: Any) -> Any:
     """AROUND hook of ``resolve_decode_backend``."""
     return swap_backend("decode", original_fn(cuda_graph_runner, *args, **kwargs), cuda_graph_runner)
 

@@ -41,25 +41,19 @@ def refusal(seam: Seam, mode: OutputMode, guard: bool, environ: Mapping[str, str
     ``None`` when it can. Checked at startup (the flag hook) and at every capture session."""
     where = f"SGLang {seam.release}"
     if seam.kind == "none":
-        return (
-            f"{where} has no breakable CUDA graph this plugin can hook ({seam.why}); output mode "
-            f"{mode!r} has nothing to apply to: unset {ENV_SHARE_OUTPUT} / --enable-bcg-shared-output"
-        )
+        return (f"{where} has no breakable CUDA graph this plugin can hook ({seam.why}); output mode "
+                f"{mode!r} has nothing to apply to: unset {ENV_SHARE_OUTPUT} / --enable-bcg-shared-output")
     if mode == RELEASED and not released_supported():
         return "output mode 'released' needs torch._C._construct_storage_from_data_pointer, which this torch lacks; use on"
     if mode == RELEASED and parse_bool_env(BORROW_ENV, environ) and pool_borrowing_exists():
-        return (
-            f"output mode 'released' cannot run with {BORROW_ENV}=1: released outputs live in free "
-            "graph-pool memory, which SGLang's graph-pool borrowing hands to eager tensors between "
-            "replays (sglang/srt/model_executor/runner_utils/pool.py, borrow_graph_pool); use "
-            f"--enable-bcg-shared-output=on or unset {BORROW_ENV}"
-        )
+        return (f"output mode 'released' cannot run with {BORROW_ENV}=1: released outputs live in free "
+                "graph-pool memory, which SGLang's graph-pool borrowing hands to eager tensors between "
+                "replays (sglang/srt/model_executor/runner_utils/pool.py, borrow_graph_pool); use "
+                f"--enable-bcg-shared-output=on or unset {BORROW_ENV}")
     if guard and seam.kind == "runner":
-        return (
-            f"{ENV_STALE_OUTPUT_GUARD}=1 needs replays that go through this plugin, and {where}'s "
-            "BreakableCudaGraphRunner.replay reads output_buffers itself (the runner seam); "
-            f"unset {ENV_STALE_OUTPUT_GUARD}"
-        )
+        return (f"{ENV_STALE_OUTPUT_GUARD}=1 needs replays that go through this plugin, and {where}'s "
+                "BreakableCudaGraphRunner.replay reads output_buffers itself (the runner seam); "
+                f"unset {ENV_STALE_OUTPUT_GUARD}")
     return None
 
 
