@@ -284,9 +284,8 @@ def forecast_schedule(backend: CaptureBackend, sizes: Iterable[int], forward_for
 
 
 def finish_modes(modes: dict[str, ModeForecast], fitted: ScaledTrace, sizes: Sequence[int], *, outputs: frozenset[int],
-                 expandable: bool, driver: DriverShare | None, reserve_bytes: int = 0,
-                 counted: str = "during the probes", remedy: str = "",
-                 ) -> tuple[dict[str, ModeForecast], dict[str, dict[str, int]], str]:
+                 expandable: bool, driver: DriverShare | None, reserve_bytes: int = 0, remedy: str = "",
+                 counted: str = "during the probes") -> tuple[dict[str, ModeForecast], dict[str, dict[str, int]], str]:
     """``modes`` at the highest address order (:func:`~.model.count_highest_order`), their
     :func:`~.model.reference_estimates`, and the caveat (``""``: none; ``counted``: :func:`driver_caveat`'s)."""
     references = reference_estimates(modes, fitted, sizes, outputs=outputs, expandable=expandable, driver=driver)

@@ -45,8 +45,6 @@ EXIT_OK, EXIT_MOVED, EXIT_NO_SGLANG, EXIT_IMPORT = 0, 1, 2, 3
 CPU_WHEELS = "https://download.pytorch.org/whl/cpu"
 #: Attributes SGLang's ``BreakableCudaGraphBackend.__init__`` must set (our capture reads them).
 BACKEND_ATTRS = ("_graphs", "_outputs", "_pool", "_debug_eager")
-#: One check of :func:`seam_checks`: its label, and a call that says why it fails (``None``: it holds).
-Check = tuple[str, Callable[[], str | None]]
 
 
 @dataclass(frozen=True)
@@ -178,8 +176,9 @@ def _unknown_helpers(dotted: str) -> str | None:
     return f"uses {unknown}, unknown to sglang_bcg" if unknown else None
 
 
-def seam_checks(seam: Seam) -> list[Check]:
-    """What our capture calls or reads on ``seam``, one check each; none without a seam (doctor says so itself)."""
+def seam_checks(seam: Seam) -> list[tuple[str, Callable[[], str | None]]]:
+    """What our capture calls or reads on ``seam``, one ``(label, check)`` each (``check()`` says why it fails,
+    ``None``: it holds); none without a seam (doctor says so itself)."""
     p = functools.partial
     if seam.kind == "backend":
         cls, mod = f"{BACKEND_MODULE}:BreakableCudaGraphBackend", f"{BACKEND_MODULE}:"

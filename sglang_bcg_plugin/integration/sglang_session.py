@@ -29,8 +29,7 @@ def resolve_mode(environ: Mapping[str, str] | None = None) -> Resolution:
 
 
 def shared_buffer(environ: Mapping[str, str] | None = None) -> BufferSource:
-    """``SGLANG_BCG_SHARED_BUFFER=adopt|reserve``; unset or blank: ``reserve``.
-    :raises ValueError: anything else."""
+    """``SGLANG_BCG_SHARED_BUFFER=adopt|reserve``; unset or blank: ``reserve``. :raises ValueError: anything else."""
     words: dict[str, BufferSource] = {"adopt": "adopt", "reserve": "reserve"}
     accepted = "'adopt' or 'reserve', or unset it"
     return parse_env(ENV_SHARED_BUFFER, words, kind="a buffer source", accepted=accepted, environ=environ) or "reserve"
@@ -73,8 +72,7 @@ def session_switches(environ: Mapping[str, str]) -> tuple[Resolution, bool]:
 
 
 def open_state(state: CaptureState) -> SessionPlan:
-    """Open ``state`` with a plan from SGLang's switches, read now.
-    :raises ValueError: one is invalid."""
+    """Open ``state`` with a plan from SGLang's switches, read now. :raises ValueError: one is invalid."""
     resolution, guard = session_switches(os.environ)
     plan = plan_session(resolution, engine=state.engine, shared_buffer=shared_buffer(), guard=guard)
     state.open(plan)
