@@ -91,8 +91,7 @@ def _diagnose(target: str) -> Problem | None:
 def _sglang_version() -> str | None:
     """The installed SGLang's version; ``None`` without one (a namespace package is not SGLang)."""
     spec = importlib.util.find_spec("sglang")
-    version = package_version("sglang", "?") if spec is not None and spec.origin is not None else "?"
-    return None if version == "?" else version
+    return (package_version("sglang", "") or None) if spec is not None and spec.origin is not None else None
 
 
 def _entry_point() -> str | None:

@@ -83,8 +83,7 @@ class _Forward:
             self.hook()
         state, out, self.last_warmup = self.backend._bcg_state, self.last_warmup, None
         if self.warmups == WARMUPS and state.mode_active == ON and out is not None:
-            # reserve: the buffer from the last warmup, outside the graph pool, with the rows the capture
-            # hands out, grown to cuda_graph_output_capacity_rows where asked
+            # reserve: from the last warmup, outside the pool, in the rows handed out, grown to the capacity asked
             rows, capacity = runner_rows(self.backend._cuda_graph_runner, out)
             state.policy.reserve(self.key, apply_runner_rows(out, rows),
                                  check_rows("cuda_graph_output_capacity_rows", capacity))
