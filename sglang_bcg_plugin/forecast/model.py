@@ -106,8 +106,7 @@ def address_caveat(spread: tuple[int, int, int], remedy: str = "") -> str:
 
 
 def buffer_bytes(largest_output_bytes: int, expandable: bool = False) -> int:
-    """What a reserved shared buffer takes: above 1 MiB, a segment of its own (nothing else on its
-    stream outlives the session)."""
+    """What a reserved shared buffer takes: above 1 MiB, a segment of its own."""
     need = round_size(largest_output_bytes) if largest_output_bytes else 0
     if need <= SMALL_SIZE:
         return need

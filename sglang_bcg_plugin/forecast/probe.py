@@ -186,11 +186,9 @@ def _fit(large: KeyTrace, small: KeyTrace) -> ScaledTrace | ForecastError:
 
 
 def fit_probes(traces: Sequence[KeyTrace], output_bytes: Sequence[Sequence[int]]) -> ScaledTrace:
-    """The lines through the first probe (the largest size) and the last one its allocations pair
-    with; the probes between them, each a size whose forward allocates in another sequence, stand
-    for their sizes alone (:attr:`ScaledTrace.alone`).
-
-    :raises ForecastError: the largest pairs with none of the others."""
+    """The lines through the first probe (the largest size) and the last one its allocations pair with;
+    the probes between them, each a size whose forward allocates in another sequence, stand for their
+    sizes alone (:attr:`ScaledTrace.alone`). :raises ForecastError: the largest pairs with none of the others."""
     for j in range(len(traces) - 1, 0, -1):  # the sizes probed because the smallest did not pair first
         fitted = _fit(traces[0], traces[j])
         if isinstance(fitted, ScaledTrace):
@@ -209,7 +207,6 @@ MAX_ALONE_PROBES = 3
 
 def _checked_sizes(name: str, sizes: Iterable[int]) -> list[int]:
     """``sizes`` as a list of ints ``>= 1``, as ``ShapeKey`` takes them.
-
     :raises TypeError: not an iterable, or one is not an int. :raises ValueError: one is below 1."""
     if isinstance(sizes, (str, bytes)) or not isinstance(sizes, Iterable):
         msg = f"{name} backend: forecast() takes the capture sizes as an iterable of ints, got {sizes!r:.200}"

@@ -184,11 +184,10 @@ def installed() -> Seam:
             eager_form=_eager_form(module.eager_on_graph))
     if kind == "runner":
         module = importlib.import_module(RUNNER_MODULE)
-        bcg = sys.modules[module.BreakableCUDAGraph.__module__]
         return Seam(
             "runner", version, "model_executor.BreakableCudaGraphRunner._capture_all/_capture_one, wrapped",
             inspect_runner(module.BreakableCudaGraphRunner),
-            eager_form=_eager_form(bcg.eager_on_graph),
+            eager_form=_eager_form(sys.modules[module.BreakableCUDAGraph.__module__].eager_on_graph),
             global_pool=hasattr(module, "get_global_graph_memory_pool"))
     return Seam("none", version, f"neither {BACKEND_MODULE} nor {RUNNER_MODULE} exists",
                 BuiltinPolicy(None, "no breakable CUDA graph in this SGLang"))

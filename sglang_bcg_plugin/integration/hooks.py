@@ -36,8 +36,7 @@ RUNNER_HOOKS: tuple[Hook, ...] = (
 
 
 def hooks_for(kind: SeamKind) -> tuple[Hook, ...]:
-    """The hooks of a seam kind: the flag's alone without a seam; the switch's on 0.5.13 too (its
-    route says why it cannot re-capture)."""
+    """The hooks of a seam kind: the flag's alone without a seam; on the runner seam, the switch's too."""
     return {"backend": HOOKS, "runner": HOOKS[:4] + RUNNER_HOOKS}.get(kind, HOOKS[:2])
 
 

@@ -1,7 +1,6 @@
-"""The backend seam (0.5.14+): our subclass of the release's ``BreakableCudaGraphBackend``, running
-its own ``capture_one`` with our output policy (docs/sglang.md, "The release's own capture"), and
-the resolver hooks that put it, or another registered backend, in place of SGLang's own
-(docs/sglang.md, "Routing a phase to another backend")."""
+"""The backend seam (0.5.14+): our subclass of the release's ``BreakableCudaGraphBackend``, running its own
+``capture_one`` with our output policy, and the resolver hooks that put it, or another registered backend, in
+place of SGLang's own (docs/sglang.md: "The release's own capture", "Routing a phase to another backend")."""
 
 from __future__ import annotations
 
