@@ -20,7 +20,7 @@ from sglang_bcg_plugin.errors import CaptureStateError, ForecastError
 from sglang_bcg_plugin.forecast import KeyTrace, ModeForecast, PoolModel, ScaledTrace, forecast_modes, pool_trace
 from sglang_bcg_plugin.forecast.allocator import MB, expandable_segments, round_size, segment_size
 from sglang_bcg_plugin.forecast.model import address_caveat, count_highest_order
-from sglang_bcg_plugin.forecast.probe import EXPANDABLE_CAVEAT, GraphMemoryForecast, allocator_caveat, output_allocs
+from sglang_bcg_plugin.forecast.probe import EXPANDABLE_CAVEAT, GraphMemoryForecast, finish_modes, output_allocs
 from sglang_bcg_plugin.report import MemoryReport
 
 DATA = Path(__file__).parent / "data" / "forecast"
@@ -529,7 +529,7 @@ def test_auto_buffer_source_is_the_cheaper_one(case: str) -> None:
     """``shared_buffer="auto"`` after a forecast: the source whose ``on`` is smaller. Adopting
     the largest output is free on the synthetic decoder's Full graphs (its output sits where the
     released pool has room: 710 MiB against 800 reserved) and costs more elsewhere."""
-    from sglang_bcg_plugin.forecast.model import cheaper_source, on_bytes_by_source, simulate
+    from sglang_bcg_plugin.forecast.model import schedule_forecast
 
     data = _load("h200_probes.json.gz")["cases"][case]
     sizes = data["sizes"]
@@ -537,14 +537,14 @@ def test_auto_buffer_source_is_the_cheaper_one(case: str) -> None:
     large, small = (pool_trace(int(n), _events(data["probes"][str(n)]), segments) for n in (sizes[0], sizes[-1]))
     out_bytes = data["largest_output_bytes"]
     fitted, outputs = ScaledTrace.fit(large, small), output_allocs(large, [out_bytes])
-    released = simulate(fitted, sizes, keep_outputs="none", outputs=outputs).reserved_bytes
-    by_source = on_bytes_by_source(fitted, sizes, outputs=outputs, released=released, largest_output_bytes=out_bytes)
+    _, by_source, chosen, _ = schedule_forecast(fitted, sizes, outputs=outputs, largest_output_bytes=out_bytes,
+                                                source="auto")
     stream = data["measured"]["off"]["reserved_bytes"] - data["measured"]["off"]["pool_bytes"]
     assert by_source["reserve"] + stream == data["measured"]["on"]["reserved_bytes"]
     if case in ON_BY_SOURCE_MEASURED:  # the adopt runs measured on the same machine
         for source, (lo, hi) in ON_BY_SOURCE_MEASURED[case].items():
             assert lo <= (by_source[source] + stream) >> 20 <= hi, (source, by_source)
-    assert cheaper_source(by_source) == ("adopt" if case == "synthetic/full" else "reserve")
+    assert chosen == ("adopt" if case == "synthetic/full" else "reserve")
     auto = forecast_modes(fitted, sizes, outputs=outputs, largest_output_bytes=out_bytes, source="auto")
     assert auto["on"].total_bytes == min(by_source.values())
 
@@ -742,15 +742,15 @@ def test_expandable_segments_are_read_from_the_allocator_settings(environ: dict[
     assert expandable_segments(environ) is expandable
 
 
-def test_the_forecast_names_an_allocator_it_does_not_model(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
-    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
-    assert allocator_caveat() == ""
-    monkeypatch.setenv("PYTORCH_ALLOC_CONF", "expandable_segments:True")
-    assert allocator_caveat() == EXPANDABLE_CAVEAT
+def test_the_forecast_names_an_allocator_it_does_not_model() -> None:
+    trace = ScaledTrace.proportional(KeyTrace(8, ((0, 4096),)))
+    modes = forecast_modes(trace, [8, 4], outputs=frozenset(), largest_output_bytes=0)
+    assert finish_modes(modes, trace, [8, 4], outputs=frozenset(), expandable=False, driver=None)[2] == ""
+    caveat = finish_modes(modes, trace, [8, 4], outputs=frozenset(), expandable=True, driver=None)[2]
+    assert caveat == EXPANDABLE_CAVEAT
     import dataclasses
 
-    fc = dataclasses.replace(_forecast(), caveat=allocator_caveat())
+    fc = dataclasses.replace(_forecast(), caveat=caveat)
     assert fc.format().endswith(f"  caveat: {EXPANDABLE_CAVEAT}") and fc.to_dict()["caveat"] == EXPANDABLE_CAVEAT
 
 

@@ -592,7 +592,8 @@ def test_a_size_whose_forward_takes_another_path_is_probed_alone(
     segments = [tuple(s) for s in case["pool_segments"]]
     trace = {n: pool_trace(n, [{"action": a, "addr": x, "size": b} for a, x, b in case["probes"][str(n)]], segments)
              for n in (top, 1, 2)}
-    fitted = ScaledTrace.fit(trace[top], trace[2]).with_alone([(trace[1], frozenset())])
+    line = ScaledTrace.fit(trace[top], trace[2])
+    fitted = ScaledTrace(line.shape, line.lines, ((trace[1], frozenset()),))
     assert fitted.at(1) == trace[1] and fitted.at(3).ops != trace[1].ops
     outputs = output_allocs(trace[top], [case["largest_output_bytes"]])
     from sglang_bcg_plugin.forecast.model import simulate

@@ -117,12 +117,25 @@ def test_proportional_fit_keeps_small_requests_constant() -> None:
         ScaledTrace.proportional(KeyTrace(0, ()))
 
 
-def test_the_log_line_warns_when_the_allocator_runs_expandable_segments(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
-    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:512")
+def test_the_log_line_warns_when_the_allocator_runs_expandable_segments(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
     assert "caveat" not in format_forecast(_modes(), "on", [16384, 4], None)
-    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:512, expandable_segments:True")
-    assert "(caveat: the graph pool grows with expandable_segments" in format_forecast(_modes(), "on", [16384, 4], None)
+    with gzip.open(DATA, "rt") as f:
+        data: Any = json.load(f)["cases"]["synthetic/full"]
+    sizes, segments = data["sizes"], [tuple(s) for s in data["pool_segments"]]
+    events = [{"action": a, "addr": x, "size": n} for a, x, n in data["probes"][str(sizes[0])]]
+    monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
+    lines = []
+    for conf in ("max_split_size_mb:512", "max_split_size_mb:512, expandable_segments:True"):
+        monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", conf)
+        caplog.clear()
+        fc = SessionForecast(SimpleNamespace(capture_num_tokens=sizes), "on", lambda: None,
+                             environ={"SGLANG_BCG_FORECAST": "1"})
+        with caplog.at_level(logging.INFO, logger="sglang_bcg_plugin"):
+            fc._forecast(sizes[0], events, segments, [data["largest_output_bytes"]])
+        lines.append(next(r.getMessage() for r in caplog.records if "graph memory forecast" in r.getMessage()))
+    assert "expandable_segments" not in lines[0]
+    assert "(caveat: the graph pool grows with expandable_segments" in lines[1]
 
 
 @pytest.mark.parametrize("case", ["synthetic/full", "llama/breakable"])

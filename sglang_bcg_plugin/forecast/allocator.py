@@ -21,8 +21,7 @@ ALLOC_CONF_VARS = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
 
 
 def expandable_segments(environ: dict[str, str] | None = None) -> bool:
-    """Whether ``environ``'s (default: the process's) :data:`ALLOC_CONF_VARS` turn
-    ``expandable_segments`` on."""
+    """Whether ``environ``'s (default: the process's) :data:`ALLOC_CONF_VARS` turn ``expandable_segments`` on."""
     env = os.environ if environ is None else environ
     items = (item.partition(":") for var in ALLOC_CONF_VARS for item in env.get(var, "").split(","))
     return any(key.strip() == "expandable_segments" and value.strip().lower() == "true" for key, _, value in items)

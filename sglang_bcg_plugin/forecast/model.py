@@ -106,21 +106,11 @@ def address_caveat(spread: tuple[int, int, int], remedy: str = "") -> str:
 
 
 def buffer_bytes(largest_output_bytes: int, expandable: bool = False) -> int:
-    """What a reserved shared buffer takes: above 1 MiB, a segment of its own (nothing else on its
-    stream outlives the session)."""
+    """What a reserved shared buffer takes: above 1 MiB, a segment of its own."""
     need = round_size(largest_output_bytes) if largest_output_bytes else 0
     if need <= SMALL_SIZE:
         return need
     return LARGE_BUFFER * -(-need // LARGE_BUFFER) if expandable else segment_size(need)
-
-
-def on_bytes_by_source(trace: ScaledTrace, sizes: list[int], *, outputs: frozenset[int], released: int,
-                       largest_output_bytes: int, reserve_bytes: int = 0, expandable: bool = False) -> dict[str, int]:
-    """The pool plus buffer of ``on`` per buffer source: ``reserve`` (the largest output outside
-    the pool) and ``adopt`` (the largest capture's output kept in the pool as the buffer)."""
-    adopt = simulate(trace, sizes, keep_outputs="first", outputs=outputs, reserve_bytes=reserve_bytes,
-                     expandable=expandable).reserved_bytes
-    return {"adopt": adopt, "reserve": released + buffer_bytes(largest_output_bytes, expandable)}
 
 
 #: Sizes tried for the pool's first block, in MiB above the largest capture's peak (rounded to
@@ -152,10 +142,11 @@ def schedule_forecast(trace: ScaledTrace, sizes: Iterable[int], *, outputs: froz
                       pool_reserve: str | int = "off", configured_mode: str = "released", expandable: bool = False,
                       released_keeps: str = "none", driver: DriverShare | None = None, probe_left_bytes: int = 0,
                       ) -> tuple[dict[str, ModeForecast], dict[str, int], str, int]:
-    """:func:`forecast_modes`, with ``on``'s pool plus buffer per source, the source taken
-    (``"auto"``: the cheaper) and the pool's first block (``pool_reserve``: ``"off"``, bytes, or
-    ``"auto"``: :func:`best_reserve`); ``released_keeps="auto"`` keeps the largest output where the
-    pool is smaller.
+    """:func:`forecast_modes`, with ``on``'s pool plus buffer per source (``reserve``: the largest
+    output outside the pool; ``adopt``: the largest capture's output kept in the pool as the
+    buffer), the source taken (``"auto"``: the cheaper, ``reserve`` on a tie) and the pool's first
+    block (``pool_reserve``: ``"off"``, bytes, or ``"auto"``: :func:`best_reserve`);
+    ``released_keeps="auto"`` keeps the largest output where the pool is smaller.
 
     :raises ValueError: ``released_keeps`` is neither ``"none"`` nor ``"auto"``."""
     if released_keeps not in ("none", "auto"):
@@ -165,11 +156,11 @@ def schedule_forecast(trace: ScaledTrace, sizes: Iterable[int], *, outputs: froz
 
     def pools(reserve_bytes: int) -> tuple[int, int, dict[str, int], str, bool]:
         """The pools released and kept, ``on``'s by source, the source taken, whether released keeps the largest."""
-        released, kept = (simulate(trace, sizes, keep_outputs=keep, outputs=outputs, reserve_bytes=reserve_bytes,
-                                   expandable=expandable).reserved_bytes for keep in ("none", "all"))
-        by_source = on_bytes_by_source(trace, sizes, outputs=outputs, released=released, expandable=expandable,
-                                       largest_output_bytes=largest_output_bytes, reserve_bytes=reserve_bytes)
-        chosen = cheaper_source(by_source) if source == "auto" else source
+        released, kept, adopt = (simulate(trace, sizes, keep_outputs=keep, outputs=outputs, expandable=expandable,
+                                          reserve_bytes=reserve_bytes).reserved_bytes
+                                 for keep in ("none", "all", "first"))
+        by_source = {"adopt": adopt, "reserve": released + buffer_bytes(largest_output_bytes, expandable)}
+        chosen = ("adopt" if adopt < by_source["reserve"] else "reserve") if source == "auto" else source
         return released, kept, by_source, chosen, released_keeps == "auto" and by_source["adopt"] < released
 
     released, kept, by_source, chosen, keep_largest = pools(0)
@@ -188,11 +179,6 @@ def schedule_forecast(trace: ScaledTrace, sizes: Iterable[int], *, outputs: froz
                              keeps_largest=m == "released" and keep_largest, driver_bytes=drv[m],
                              probe_left_bytes=probe_left_bytes) for m in MODES}
     return modes, by_source, chosen, reserve_bytes
-
-
-def cheaper_source(by_source: dict[str, int]) -> str:
-    """The buffer source whose ``on`` forecast is smaller (``reserve`` on a tie)."""
-    return "adopt" if by_source["adopt"] < by_source["reserve"] else "reserve"
 
 
 #: vLLM's floor for the per-graph cost of its extrapolation (1 MiB, "driver overhead per graph").

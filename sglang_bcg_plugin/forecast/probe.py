@@ -17,7 +17,7 @@ from ..engines.gcsafe import gc_safe_capture
 from ..errors import CaptureStateError, ForecastError
 from ..shape_key import ShapeKey
 from ..trees import flatten
-from .allocator import expandable_segments
+from .allocator import MB, expandable_segments
 from .driver import DRIVER_COEFFICIENTS, DriverShare, ProbeCount, counting_captures, driver_api, schedule_share
 from .model import (MODES, ModeForecast, address_caveat, address_spread, count_highest_order, reference_estimates,
                     schedule_forecast)
@@ -25,8 +25,6 @@ from .trace import KeyTrace, ScaledTrace, output_allocs, pinned_slack, pool_trac
 
 if TYPE_CHECKING:
     from ..backends.base import CaptureBackend
-
-MIB = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -78,7 +76,7 @@ class GraphMemoryForecast:
                 "modes": {m: f.to_dict() for m, f in self.modes.items()}}
 
     def format(self) -> str:
-        mib = self.pool_reserve_bytes / MIB
+        mib = self.pool_reserve_bytes / MB
         block = f"; the pool starts with one {mib:.0f} MiB block" if self.pool_reserve_bytes else ""
         lines = [f"{self.backend}: graph memory forecast for {len(self.sizes)} sizes up to "
                  f"{self.sizes[0] if self.sizes else 0} tokens (probes {_and(self.probe_sizes)}, "
@@ -86,14 +84,14 @@ class GraphMemoryForecast:
         for m in MODES:
             f = self.modes[m]
             optional = (("probes' stream", f.probe_left_bytes), ("address orders", f.address_bytes))
-            lines.append(f"  {m:8} {f.total_bytes / MIB:9.1f} MiB = working set {f.working_set_bytes / MIB:.1f} "
-                         f"+ outputs {f.outputs_bytes / MIB:.1f} + stream {f.stream_bytes / MIB:.1f} "
-                         f"+ bridges {f.bridge_bytes / MIB:.1f} + driver {f.driver_bytes / MIB:.1f}"
-                         + "".join(f" + {part} {n / MIB:.1f}" for part, n in optional if n)
+            lines.append(f"  {m:8} {f.total_bytes / MB:9.1f} MiB = working set {f.working_set_bytes / MB:.1f} "
+                         f"+ outputs {f.outputs_bytes / MB:.1f} + stream {f.stream_bytes / MB:.1f} "
+                         f"+ bridges {f.bridge_bytes / MB:.1f} + driver {f.driver_bytes / MB:.1f}"
+                         + "".join(f" + {part} {n / MB:.1f}" for part, n in optional if n)
                          + (" (keeps the largest output: a tighter pool)" if f.keeps_largest else "")
                          + (" <- configured" if m == self.mode else ""))
         if self.driver is not None:
-            lines.append(f"  driver: {self.driver.describe()} (the probes lost {self.probe_driver_bytes / MIB:.1f} MiB "
+            lines.append(f"  driver: {self.driver.describe()} (the probes lost {self.probe_driver_bytes / MB:.1f} MiB "
                          "outside the allocator)")
         if self.caveat:
             lines.append(f"  caveat: {self.caveat}")
@@ -188,11 +186,9 @@ def _fit(large: KeyTrace, small: KeyTrace) -> ScaledTrace | ForecastError:
 
 
 def fit_probes(traces: Sequence[KeyTrace], output_bytes: Sequence[Sequence[int]]) -> ScaledTrace:
-    """The lines through the first probe (the largest size) and the last one its allocations pair
-    with; the probes between them, each a size whose forward allocates in another sequence, stand
-    for their sizes alone (:attr:`ScaledTrace.alone`).
-
-    :raises ForecastError: the largest pairs with none of the others."""
+    """The lines through the first probe (the largest size) and the last one its allocations pair with;
+    the probes between them, each a size whose forward allocates in another sequence, stand for their
+    sizes alone (:attr:`ScaledTrace.alone`). :raises ForecastError: the largest pairs with none of the others."""
     for j in range(len(traces) - 1, 0, -1):  # the sizes probed because the smallest did not pair first
         fitted = _fit(traces[0], traces[j])
         if isinstance(fitted, ScaledTrace):
@@ -201,8 +197,8 @@ def fit_probes(traces: Sequence[KeyTrace], output_bytes: Sequence[Sequence[int]]
         tried = ", ".join(str(t.size) for t in traces[2:])
         msg = f"{fitted}" + (f" (nor at the next sizes up: {tried} tokens)" if tried else "")
         raise ForecastError(msg)
-    return fitted.with_alone([(t, output_allocs(t, out)) for t, out in zip(traces[j + 1:], output_bytes[j + 1:],
-                                                                           strict=True)])
+    alone = zip(traces[j + 1:], output_bytes[j + 1:], strict=True)
+    return ScaledTrace(fitted.shape, fitted.lines, tuple((t, output_allocs(t, out)) for t, out in alone))
 
 
 #: Sizes a forecast probes, the next up from the smallest, where the largest and smallest do not pair.
@@ -211,7 +207,6 @@ MAX_ALONE_PROBES = 3
 
 def _checked_sizes(name: str, sizes: Iterable[int]) -> list[int]:
     """``sizes`` as a list of ints ``>= 1``, as ``ShapeKey`` takes them.
-
     :raises TypeError: not an iterable, or one is not an int. :raises ValueError: one is below 1."""
     if isinstance(sizes, (str, bytes)) or not isinstance(sizes, Iterable):
         msg = f"{name} backend: forecast() takes the capture sizes as an iterable of ints, got {sizes!r:.200}"
@@ -245,7 +240,11 @@ def forecast_schedule(backend: CaptureBackend, sizes: Iterable[int], forward_for
         raise ForecastError(msg)
     options = backend.options
     free_start, reserved_start = device_free_bytes(collect=False), reserved_bytes()  # both after empty_cache
-    launch = first_launch_bytes(backend, schedule, forward_for, free_start, reserved_start)
+    with gc_safe_capture(collect=False), torch.no_grad():  # the first launches: one eager forward per size
+        for n in schedule:
+            with backend.size_context(n):
+                forward_for(n)()
+    launch = max(0, free_start - device_free_bytes(collect=False) - (reserved_bytes() - reserved_start))
     # one warmup per probe (the pool sees only the capture); the probes' requests, the process's allocator
     backend.configure(output_mode="off", stale_output_guard=False, num_warmups=min(options.num_warmups, 1),
                       pool_reserve="off", pool_segments="fixed")
@@ -272,29 +271,25 @@ def forecast_schedule(backend: CaptureBackend, sizes: Iterable[int], forward_for
             bridge_bytes=bridges, source=options.shared_buffer, pool_reserve=options.pool_reserve,
             configured_mode=configured_mode, expandable=expandable, released_keeps="auto", driver=driver,
             probe_left_bytes=probe_left)
-        references = reference_estimates(modes, fitted, schedule, outputs=outputs, expandable=expandable, driver=driver)
-        spread = (0, 0, 0) if expandable else address_spread(fitted, schedule, outputs=outputs,
-                                                             reserve_bytes=reserve_bytes)
-        modes = count_highest_order(modes, spread)
-    remedy = "pool_reserve='auto' starts the pool as one block" if options.pool_reserve == "off" else ""
-    caveat = "; ".join(c for c in (EXPANDABLE_CAVEAT if expandable else "", driver_caveat(driver),
-                                   address_caveat(spread, remedy)) if c)
+        remedy = "pool_reserve='auto' starts the pool as one block" if options.pool_reserve == "off" else ""
+        modes, references, caveat = finish_modes(modes, fitted, schedule, outputs=outputs, expandable=expandable,
+                                                 driver=driver, reserve_bytes=reserve_bytes, remedy=remedy)
     return GraphMemoryForecast(backend.name, tuple(schedule), configured_mode, MappingProxyType(modes),
                                tuple(t.size for t in traces), time.perf_counter() - start, source,
                                MappingProxyType(by_source), MappingProxyType(references), probe_seconds, reserve_bytes,
                                caveat, driver, probe_driver, lasting)
 
 
-def first_launch_bytes(backend: CaptureBackend, sizes: Sequence[int], forward_for: Callable[[int], Callable[[], Any]],
-                       free_before: int, reserved_before: int) -> int:
-    """Run one eager forward at each of ``sizes`` (in ``backend.size_context``, no collection); the
-    free device memory that took beyond the allocator's growth since ``free_before`` and
-    ``reserved_before`` (read just before, after ``empty_cache``; docs/forecast.md, "How it works")."""
-    with gc_safe_capture(collect=False), torch.no_grad():
-        for n in sizes:
-            with backend.size_context(n):
-                forward_for(n)()
-    return max(0, free_before - device_free_bytes(collect=False) - (reserved_bytes() - reserved_before))
+def finish_modes(modes: dict[str, ModeForecast], fitted: ScaledTrace, sizes: Sequence[int], *, outputs: frozenset[int],
+                 expandable: bool, driver: DriverShare | None, reserve_bytes: int = 0, remedy: str = "",
+                 counted: str = "during the probes") -> tuple[dict[str, ModeForecast], dict[str, dict[str, int]], str]:
+    """``modes`` at the highest address order (:func:`~.model.count_highest_order`), their
+    :func:`~.model.reference_estimates`, and the caveat (``""``: none; ``counted``: :func:`driver_caveat`'s)."""
+    references = reference_estimates(modes, fitted, sizes, outputs=outputs, expandable=expandable, driver=driver)
+    spread = (0, 0, 0) if expandable else address_spread(fitted, sizes, outputs=outputs, reserve_bytes=reserve_bytes)
+    caveat = "; ".join(c for c in (EXPANDABLE_CAVEAT if expandable else "", driver_caveat(driver, counted),
+                                   address_caveat(spread, remedy)) if c)
+    return count_highest_order(modes, spread), references, caveat
 
 
 def probe_driver_share(counts: Sequence[ProbeCount], lost: int, schedule: Sequence[int], output_tensors: int
@@ -321,8 +316,3 @@ EXPANDABLE_CAVEAT = ("the graph pool grows with expandable_segments (the process
                      "pool_segments='expandable'); the forecast models it as one segment growing in 20 MiB steps, "
                      "measured within 7 % on an H200 (up to 7 % over on Piecewise, within 3 % on Full), not exact "
                      "as without it")
-
-
-def allocator_caveat() -> str:
-    """:data:`EXPANDABLE_CAVEAT` when the allocator's settings turn ``expandable_segments`` on."""
-    return EXPANDABLE_CAVEAT if expandable_segments() else ""

@@ -39,8 +39,7 @@ def inside(addr: int, segments: Sequence[tuple[int, int]]) -> bool:
 
 
 def pool_trace(size: int, events: Iterable[dict[str, object]], segments: Sequence[tuple[int, int]]) -> KeyTrace:
-    """The :class:`KeyTrace` of the allocator's events that fall in ``segments`` (``(address,
-    bytes)`` of the capture's pool)."""
+    """The :class:`KeyTrace` of the allocator's events in ``segments`` (``(address, bytes)`` of the capture's pool)."""
     ops: list[tuple[int, int]] = []
     live: dict[int, int] = {}
     for e in events:
@@ -84,26 +83,19 @@ class ScaledTrace:
     shape: tuple[tuple[int, int], ...]  # ops with frees as in the probes, allocs' bytes unused
     lines: tuple[tuple[float, float], ...]  # per op: (a, b) of bytes = a + b * size (allocs)
     #: sizes whose forward allocates in another sequence than the lines', each as its probe
-    #: recorded it, with the indices of its output allocs (:meth:`with_alone`)
+    #: recorded it, with the indices of its output allocs
     alone: tuple[tuple[KeyTrace, frozenset[int]], ...] = ()
     _at: dict[int, KeyTrace] = field(default_factory=dict, compare=False, repr=False)  # :meth:`at`'s, per size
 
-    def with_alone(self, traces: Sequence[tuple[KeyTrace, frozenset[int]]]) -> ScaledTrace:
-        """This trace, with ``traces`` (each a probe's :class:`KeyTrace` and its output allocs)
-        standing for their sizes."""
-        return ScaledTrace(self.shape, self.lines, tuple(traces))
-
     def outputs_at(self, size: int, outputs: frozenset[int]) -> frozenset[int]:
-        """The output allocs of the trace at ``size``: ``outputs`` (the lines') unless ``size`` is
-        one of :attr:`alone`."""
+        """The output allocs at ``size``: ``outputs`` (the lines') unless ``size`` is one of :attr:`alone`."""
         return next((outs for trace, outs in self.alone if trace.size == size), outputs)
 
     @classmethod
     def fit(cls, large: KeyTrace, small: KeyTrace) -> ScaledTrace:
         """The lines through the two traces' allocations, paired by position where the two are the
-        same sequence, else by :func:`pair_allocs`.
-
-        :raises ForecastError: the two probe sizes are equal, or the allocations cannot be paired."""
+        same sequence, else by :func:`pair_allocs`. :raises ForecastError: the two probe sizes are
+        equal, or the allocations cannot be paired."""
         if large.size == small.size:
             msg = f"forecast: the two probe sizes must differ (both {large.size})"
             raise ForecastError(msg)
@@ -146,7 +138,6 @@ PROPORTIONAL_SLACK = 512
 def pair_allocs(large: KeyTrace, small: KeyTrace) -> dict[int, int]:
     """Pair the allocations of two probes whose requests come in another order by what each is
     (docs/forecast.md, "How it works"): ``{index in large.ops: its pair's index in small.ops}``.
-
     :raises ForecastError: the counts of allocations (or kept ones) differ, or one finds no pair."""
     def allocs(trace: KeyTrace) -> list[tuple[int, int, bool]]:
         kept = set(trace.kept)
@@ -186,8 +177,7 @@ def pair_allocs(large: KeyTrace, small: KeyTrace) -> dict[int, int]:
 
 
 def output_allocs(trace: KeyTrace, output_bytes: Sequence[int], among: Sequence[int] | None = None) -> frozenset[int]:
-    """The allocs that hold the output, matched by bytes among ``among`` (default: the allocs
-    ``trace`` keeps), first one first."""
+    """The output's allocs, matched by bytes among ``among`` (default: those ``trace`` keeps), first one first."""
     wanted = list(output_bytes)
     found = []
     for i in trace.kept if among is None else among:

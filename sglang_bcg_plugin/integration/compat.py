@@ -135,10 +135,6 @@ class Seam:
         return {name: getattr(self, name) for name in FEATURES}
 
 
-def release() -> str:
-    return package_version("sglang", "?")
-
-
 def sglang_source(module: str) -> Path | None:
     """The source file of ``module`` of the installed top package, found without importing it."""
     try:  # the top package only: find_spec of a submodule would import its parents
@@ -174,7 +170,7 @@ def _resolve(dotted: str) -> Any:
 @functools.cache
 def installed() -> Seam:
     """The installed SGLang's seam (probed once per process; imports SGLang)."""
-    kind, version = seam_kind(), release()
+    kind, version = seam_kind(), package_version("sglang", "?")
     if kind == "backend":
         module = importlib.import_module(BACKEND_MODULE)
         cls = module.BreakableCudaGraphBackend
@@ -185,22 +181,16 @@ def installed() -> Seam:
             capture_inputs=len(params) > 3 and params[3] == "capture_inputs",
             global_pool=_resolve(f"{POOL_MODULE}.get_or_create_global_graph_memory_pool") is not None,
             row_hooks=hasattr(_resolve(RUNNER_BASE), "cuda_graph_output_rows"),
-            eager_form=_eager_form(module.eager_on_graph),
-        )
+            eager_form=_eager_form(module.eager_on_graph))
     if kind == "runner":
         module = importlib.import_module(RUNNER_MODULE)
-        bcg = sys.modules[module.BreakableCUDAGraph.__module__]
         return Seam(
             "runner", version, "model_executor.BreakableCudaGraphRunner._capture_all/_capture_one, wrapped",
             inspect_runner(module.BreakableCudaGraphRunner),
-            eager_form=_eager_form(bcg.eager_on_graph),
-            global_pool=hasattr(module, "get_global_graph_memory_pool"),
-        )
+            eager_form=_eager_form(sys.modules[module.BreakableCUDAGraph.__module__].eager_on_graph),
+            global_pool=hasattr(module, "get_global_graph_memory_pool"))
     return Seam("none", version, f"neither {BACKEND_MODULE} nor {RUNNER_MODULE} exists",
                 BuiltinPolicy(None, "no breakable CUDA graph in this SGLang"))
-
-
-# -- calls whose form differs per release --------------------------------------------------
 
 
 def eager_break(module: Any, fn: Callable[..., Any], form: str) -> Callable[..., Any]:
@@ -232,9 +222,8 @@ def num_segments(graph: Any) -> int:
 def runner_rows(runner: Any, output: Any) -> tuple[object, object]:
     """``(cuda_graph_output_rows, cuda_graph_output_capacity_rows)`` of ``runner`` for ``output``;
     ``None`` for a hook the release (or the runner) does not have."""
-    rows = getattr(runner, "cuda_graph_output_rows", None)
-    capacity = getattr(runner, "cuda_graph_output_capacity_rows", None)
-    return (rows(output) if rows is not None else None, capacity(output) if capacity is not None else None)
+    hooks = (getattr(runner, name, None) for name in ("cuda_graph_output_rows", "cuda_graph_output_capacity_rows"))
+    return tuple(None if hook is None else hook(output) for hook in hooks)  # type: ignore[return-value]
 
 
 def pool_borrowing_exists() -> bool:

@@ -20,10 +20,9 @@ from typing import TextIO
 
 import torch
 
-from .compat import (
-    BACKEND_CLASS, BACKEND_MODULE, ENV_FORECAST, RUNNER_CLASS, RUNNER_MODULE, Seam, code_names, installed, one_line,
-    release, seam_kind,
-)
+from .._version import package_version
+from .compat import (BACKEND_CLASS, BACKEND_MODULE, ENV_FORECAST, RUNNER_CLASS, RUNNER_MODULE, Seam, code_names,
+                     installed, one_line, seam_kind)
 from .forecast_log import forecast_enabled
 from .hooks import hooks_for
 from .sglang_breakable import BASE_MODULE, unknown_capture_helpers
@@ -46,8 +45,6 @@ EXIT_OK, EXIT_MOVED, EXIT_NO_SGLANG, EXIT_IMPORT = 0, 1, 2, 3
 CPU_WHEELS = "https://download.pytorch.org/whl/cpu"
 #: Attributes SGLang's ``BreakableCudaGraphBackend.__init__`` must set (our capture reads them).
 BACKEND_ATTRS = ("_graphs", "_outputs", "_pool", "_debug_eager")
-#: One check of :func:`seam_checks`: its label, and a call that says why it fails (``None``: it holds).
-Check = tuple[str, Callable[[], str | None]]
 
 
 @dataclass(frozen=True)
@@ -94,8 +91,7 @@ def _diagnose(target: str) -> Problem | None:
 def _sglang_version() -> str | None:
     """The installed SGLang's version; ``None`` without one (a namespace package is not SGLang)."""
     spec = importlib.util.find_spec("sglang")
-    version = release() if spec is not None and spec.origin is not None else "?"
-    return None if version == "?" else version
+    return (package_version("sglang", "") or None) if spec is not None and spec.origin is not None else None
 
 
 def _entry_point() -> str | None:
@@ -179,8 +175,9 @@ def _unknown_helpers(dotted: str) -> str | None:
     return f"uses {unknown}, unknown to sglang_bcg" if unknown else None
 
 
-def seam_checks(seam: Seam) -> list[Check]:
-    """What our capture calls or reads on ``seam``, one check each; none without a seam (doctor says so itself)."""
+def seam_checks(seam: Seam) -> list[tuple[str, Callable[[], str | None]]]:
+    """What our capture calls or reads on ``seam``, one ``(label, check)`` each (``check()`` says why it fails,
+    ``None``: it holds); none without a seam (doctor says so itself)."""
     p = functools.partial
     if seam.kind == "backend":
         cls, mod = f"{BACKEND_MODULE}:BreakableCudaGraphBackend", f"{BACKEND_MODULE}:"

@@ -20,13 +20,11 @@ DEST = "enable_bcg_shared_output"
 ADD_CLI_ARGS_TARGET = "sglang.srt.server_args.ServerArgs.add_cli_args"
 FROM_CLI_ARGS_TARGET = "sglang.srt.server_args.ServerArgs.from_cli_args"
 
-HELP = (
-    "Output mode of breakable CUDA graphs (sglang_bcg_plugin). Bare or =on: share one output buffer per stream "
-    "across all capture sizes; =released: zero-copy outputs that live in graph-pool memory until any other graph "
-    "of the pool replays (opt-in; read the plugin's docs first); =off or --no-enable-bcg-shared-output: one output "
-    f"per size. When neither is given, {ENV_SHARE_OUTPUT} decides (1/0/released), else the installed SGLang's own "
-    "default (0.5.14+: on; 0.5.13: off). Engine(...) users set that variable."
-)
+HELP = ("Output mode of breakable CUDA graphs (sglang_bcg_plugin). Bare or =on: share one output buffer per stream "
+        "across all capture sizes; =released: zero-copy outputs that live in graph-pool memory until any other graph "
+        "of the pool replays (opt-in; read the plugin's docs first); =off or --no-enable-bcg-shared-output: one "
+        f"output per size. When neither is given, {ENV_SHARE_OUTPUT} decides (1/0/released), else the installed "
+        "SGLang's own default (0.5.14+: on; 0.5.13: off). Engine(...) users set that variable.")
 
 #: Each mode as the variable's text.
 ENV_TEXT: dict[OutputMode, str] = {ON: "1", OFF: "0", RELEASED: RELEASED}
@@ -35,9 +33,8 @@ ENV_TEXT: dict[OutputMode, str] = {ON: "1", OFF: "0", RELEASED: RELEASED}
 class OutputModeAction(argparse.Action):
     """``--enable-bcg-shared-output[=MODE]`` (``nargs="?"``): a bare flag means ``on``."""
 
-    def __call__(
-        self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any, option_string: str | None = None
-    ) -> None:
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:
         try:
             mode = parse_mode_text(values, what=FLAG)
         except ValueError as exc:

@@ -16,17 +16,15 @@ import torch
 
 from .._words import parse_bool_env
 from ..accounting import device_free_bytes
-from ..forecast.allocator import expandable_segments
+from ..forecast.allocator import MB, expandable_segments
 from ..forecast.driver import DriverShare, ProbeCount, counting_captures
-from ..forecast.model import (MODES, address_caveat, address_spread, buffer_bytes, count_highest_order,
-                              forecast_modes, reference_estimates)
-from ..forecast.probe import (allocator_caveat, device_trace, driver_caveat, pool_segments, probe_driver_share,
-                              record_history, reserved_bytes)
+from ..forecast.model import MODES, buffer_bytes, forecast_modes
+from ..forecast.probe import (device_trace, finish_modes, pool_segments, probe_driver_share, record_history,
+                              reserved_bytes)
 from ..forecast.trace import KeyTrace, ScaledTrace, inside, output_allocs, pool_trace
 from .compat import ENV_FORECAST, ENV_FORECAST_TRACE
 
 log = logging.getLogger("sglang_bcg_plugin")
-MIB = 1 << 20
 
 
 def forecast_enabled(environ: Mapping[str, str]) -> bool:
@@ -56,22 +54,21 @@ def kv_bytes_per_token(cuda_graph_runner: object) -> int | None:
 
 
 def format_forecast(modes: Mapping[str, Any], mode: str, sizes: Sequence[int], kv_per_token: int | None,
-                    driver: DriverShare | None = None, address: str = "") -> str:
-    """The log line: the configured mode's forecast, what it frees against the others, its parts."""
+                    driver: DriverShare | None = None, caveat: str = "") -> str:
+    """The log line: the configured mode's forecast, what it frees against the others, its parts, ``caveat``."""
     f = modes[mode]
     parts = []
     for other in (m for m in MODES if m != mode):
         delta = modes[other].total_bytes - f.total_bytes
         tokens = f" = {delta // kv_per_token:,} KV tokens" if kv_per_token and delta > 0 else ""
-        parts.append(f"against {other} ({modes[other].total_bytes / MIB:,.1f} MiB) it "
-                     f"{'frees' if delta >= 0 else 'costs'} {abs(delta) / MIB:,.1f} MiB{tokens}")
+        parts.append(f"against {other} ({modes[other].total_bytes / MB:,.1f} MiB) it "
+                     f"{'frees' if delta >= 0 else 'costs'} {abs(delta) / MB:,.1f} MiB{tokens}")
     per_token = f"; KV cache {kv_per_token / 1024:,.1f} KiB/token" if kv_per_token else ""
     split = "" if f.total_bytes == f.pool_bytes else (
-        f"; of which graph pool {f.pool_bytes / MIB:,.1f} MiB, capture stream {f.stream_bytes / MIB:,.1f} MiB, "
-        f"CUDA driver {f.driver_bytes / MIB:,.1f} MiB" + (f" ({driver.describe()})" if driver is not None else ""))
-    caveat = "; ".join(c for c in (allocator_caveat(), driver_caveat(driver, "in the first capture"), address) if c)
+        f"; of which graph pool {f.pool_bytes / MB:,.1f} MiB, capture stream {f.stream_bytes / MB:,.1f} MiB, "
+        f"CUDA driver {f.driver_bytes / MB:,.1f} MiB" + (f" ({driver.describe()})" if driver is not None else ""))
     return (f"sglang_bcg: graph memory forecast for {len(sizes)} sizes up to {sizes[0]}: "
-            f"{f.total_bytes / MIB:,.1f} MiB with --enable-bcg-shared-output={mode}; " + "; ".join(parts) + per_token
+            f"{f.total_bytes / MB:,.1f} MiB with --enable-bcg-shared-output={mode}; " + "; ".join(parts) + per_token
             + split + (f" (caveat: {caveat})" if caveat else ""))
 
 
@@ -217,13 +214,11 @@ class SessionForecast:
         stream = max(0, outside - (buffer_bytes(sum(output_bytes), expandable) if reserved else 0))
         modes = forecast_modes(fitted, self.sizes, outputs=outputs, largest_output_bytes=sum(output_bytes),
                                expandable=expandable, stream_bytes=stream, driver=self.driver)
-        references = reference_estimates(modes, fitted, self.sizes, outputs=outputs, expandable=expandable,
-                                         driver=self.driver)
-        spread = (0, 0, 0) if expandable else address_spread(fitted, self.sizes, outputs=outputs)
-        modes = count_highest_order(modes, spread)
+        modes, references, caveat = finish_modes(modes, fitted, self.sizes, outputs=outputs, expandable=expandable,
+                                                 driver=self.driver, counted="in the first capture")
         self.forecast = {"modes": modes, "references": references}
-        log.info("%s", format_forecast(modes, self.mode, self.sizes, kv_bytes_per_token(self.runner), self.driver,
-                                       address_caveat(spread)))
+        kv_per_token = kv_bytes_per_token(self.runner)
+        log.info("%s", format_forecast(modes, self.mode, self.sizes, kv_per_token, self.driver, caveat))
 
     def close(self, outside_pool_bytes: int = 0) -> int | None:
         """Log what the session added to the pool (+ ``outside_pool_bytes``, a reserved buffer)
@@ -240,16 +235,16 @@ class SessionForecast:
         if self.free_at_open is not None and free_now is not None:
             self.lost = self.free_at_open - free_now
         lost = "" if not self.lost else (
-            f"; free device memory lost over the session {self.lost / MIB:.1f} MiB, forecast with the "
-            f"CUDA driver's share {f.total_bytes / MIB:.1f} MiB (+ capture stream {f.stream_bytes / MIB:.1f} "
-            f"+ driver {f.driver_bytes / MIB:.1f}), error {(f.total_bytes - self.lost) / self.lost * 100:+.1f} %")
+            f"; free device memory lost over the session {self.lost / MB:.1f} MiB, forecast with the "
+            f"CUDA driver's share {f.total_bytes / MB:.1f} MiB (+ capture stream {f.stream_bytes / MB:.1f} "
+            f"+ driver {f.driver_bytes / MB:.1f}), error {(f.total_bytes - self.lost) / self.lost * 100:+.1f} %")
         log.info("sglang_bcg: graph memory after capture: %.1f MiB (graph pool %.1f MiB + shared buffer %.1f MiB); "
-                 "forecast %.1f MiB, error %+.1f %%%s", measured / MIB, added / MIB, outside_pool_bytes / MIB,
-                 f.pool_bytes / MIB, error * 100, lost)
+                 "forecast %.1f MiB, error %+.1f %%%s", measured / MB, added / MB, outside_pool_bytes / MB,
+                 f.pool_bytes / MB, error * 100, lost)
         if self.baseline is not None and free_now is not None:
             log.info("sglang_bcg: free device memory lost since SGLang's baseline %.1f MiB (%.1f MiB before the "
-                     "first capture)", (self.baseline - free_now) / MIB,
-                     (self.baseline - (self.free_at_open or 0)) / MIB)
+                     "first capture)", (self.baseline - free_now) / MB,
+                     (self.baseline - (self.free_at_open or 0)) / MB)
         if self.trace_path:
             self._write_trace(free_now, self.forecast["modes"])
         return measured

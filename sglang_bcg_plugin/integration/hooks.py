@@ -11,9 +11,8 @@ from typing import Any
 from .compat import SeamKind, seam_kind
 from .flag import ADD_CLI_ARGS_TARGET, FROM_CLI_ARGS_TARGET, after_add_cli_args, after_from_cli_args
 from .runner_seam import CAPTURE_ALL_TARGET, CAPTURE_ONE_TARGET, around_capture_all, around_capture_one
-from .sglang_breakable import (
-    DECODE_TARGET, PREFILL_TARGET, around_resolve_decode_backend, around_resolve_prefill_backend,
-)
+from .sglang_breakable import (DECODE_TARGET, PREFILL_TARGET, around_resolve_decode_backend,
+                               around_resolve_prefill_backend)
 from .switch import HTTP_TARGET, RPC_TARGET, WHERE, around_handle_rpc_request, before_setup_and_run_http_server
 
 logger = logging.getLogger(__name__)
@@ -37,8 +36,7 @@ RUNNER_HOOKS: tuple[Hook, ...] = (
 
 
 def hooks_for(kind: SeamKind) -> tuple[Hook, ...]:
-    """The hooks of a seam kind: the flag's alone without a seam; the switch's on 0.5.13 too (its
-    route says why it cannot re-capture)."""
+    """The hooks of a seam kind: the flag's alone without a seam; on the runner seam, the switch's too."""
     return {"backend": HOOKS, "runner": HOOKS[:4] + RUNNER_HOOKS}.get(kind, HOOKS[:2])
 
 

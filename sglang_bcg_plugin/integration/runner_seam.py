@@ -38,9 +38,8 @@ def around_capture_all(original_fn: Callable[..., Any], runner: Any, *args: Any,
         state.close()
 
 
-def around_capture_one(
-    original_fn: Callable[..., Any], runner: Any, num_tokens: int, pool: Any, stream: Any, *args: Any, **kwargs: Any
-) -> Any:
+def around_capture_one(original_fn: Callable[..., Any], runner: Any, num_tokens: int, pool: Any, stream: Any,
+                       *args: Any, **kwargs: Any) -> Any:
     """AROUND hook of ``BreakableCudaGraphRunner._capture_one``: the policy on one size's output."""
     state: CaptureState | None = runner.__dict__.get(STATE_ATTR)
     if state is None or state.mode_active is None:  # called outside _capture_all: SGLang's own
@@ -70,10 +69,8 @@ def around_capture_one(
         else:
             runner._run_forward = shadowed
     if len(placed) != 1:
-        msg = (
-            f"BreakableCudaGraphRunner._capture_one({num_tokens}) ran the forward {len(placed)} times "
-            "inside its capture; expected once (the runner seam of SGLang 0.5.13)"
-        )
+        msg = (f"BreakableCudaGraphRunner._capture_one({num_tokens}) ran the forward {len(placed)} times "
+               "inside its capture; expected once (the runner seam of SGLang 0.5.13)")
         raise RuntimeError(msg)
     placed.clear()  # released: the policy holds the last reference to the graph's own output
     output = state.commit(key, graph=graph, num_segments=num_segments(graph), seconds=time.perf_counter() - start)

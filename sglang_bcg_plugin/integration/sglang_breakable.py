@@ -1,7 +1,6 @@
-"""The backend seam (0.5.14+): our subclass of the release's ``BreakableCudaGraphBackend``, running
-its own ``capture_one`` with our output policy (docs/sglang.md, "The release's own capture"), and
-the resolver hooks that put it, or another registered backend, in place of SGLang's own
-(docs/sglang.md, "Routing a phase to another backend")."""
+"""The backend seam (0.5.14+): our subclass of the release's ``BreakableCudaGraphBackend``, running its own
+``capture_one`` with our output policy, and the resolver hooks that put it, or another registered backend, in
+place of SGLang's own (docs/sglang.md: "The release's own capture", "Routing a phase to another backend")."""
 
 from __future__ import annotations
 
@@ -23,13 +22,10 @@ from ..registry import build_registry
 from ..report import MemoryReport
 from ..shape_key import check_key
 from ..trees import flatten
-from .compat import (
-    BACKEND_MODULE, capture_one_args, capture_var, code_names, installed, num_segments, run_outside_capture, runner_rows,
-)
+from .compat import (BACKEND_MODULE, capture_one_args, capture_var, code_names, installed, num_segments,
+                     run_outside_capture, runner_rows)
 from .forecast_log import SessionForecast
-from .sglang_session import (
-    apply_runner_rows, drop_global_pool, open_state, reserve_from_warmup, runner_server_args,
-)
+from .sglang_session import apply_runner_rows, check_rows, drop_global_pool, open_state, runner_server_args
 
 logger = logging.getLogger(__name__)
 
@@ -84,9 +80,12 @@ class _Forward:
     def after_warmup(self) -> None:
         if self.hook is not None:
             self.hook()
-        if self.warmups == WARMUPS:  # reserve: outside the graph pool, from the last warmup
-            reserve_from_warmup(self.backend._bcg_state, self.key, self.backend._cuda_graph_runner, self.last_warmup)
-            self.last_warmup = None
+        state, out, self.last_warmup = self.backend._bcg_state, self.last_warmup, None
+        if self.warmups == WARMUPS and state.mode_active == ON and out is not None:
+            # reserve: from the last warmup, outside the pool, in the rows handed out, grown to the capacity asked
+            rows, capacity = runner_rows(self.backend._cuda_graph_runner, out)
+            state.policy.reserve(self.key, apply_runner_rows(out, rows),
+                                 check_rows("cuda_graph_output_capacity_rows", capacity))
 
     def _rows(self, out: Any) -> Any:
         return apply_runner_rows(out, runner_rows(self.backend._cuda_graph_runner, out)[0])
@@ -182,10 +181,8 @@ def sglang_breakable_backend_class() -> type[Any]:
     :raises RuntimeError: the installed SGLang has no backend seam (0.5.13: :mod:`.runner_seam`)."""
     seam = installed()
     if seam.kind != "backend":
-        msg = (
-            f"{seam.describe()}: there is no BreakableCudaGraphBackend to subclass; "
-            "the plugin hooks this release's breakable graph through its runner instead"
-        )
+        msg = (f"{seam.describe()}: there is no BreakableCudaGraphBackend to subclass; "
+               "the plugin hooks this release's breakable graph through its runner instead")
         raise RuntimeError(msg)
     base = importlib.import_module(BACKEND_MODULE).BreakableCudaGraphBackend
     doc = "SGLang's breakable CUDA graphs with our output-sharing policy."
@@ -224,16 +221,14 @@ def swap_backend(phase: str, backend: Any, cuda_graph_runner: Any) -> Any:
     return chosen
 
 
-def around_resolve_prefill_backend(
-    original_fn: Callable[..., Any], cuda_graph_runner: Any, *args: Any, **kwargs: Any
-) -> Any:
+def around_resolve_prefill_backend(original_fn: Callable[..., Any], cuda_graph_runner: Any, *args: Any,
+                                   **kwargs: Any) -> Any:
     """AROUND hook of ``resolve_prefill_backend``."""
     return swap_backend("prefill", original_fn(cuda_graph_runner, *args, **kwargs), cuda_graph_runner)
 
 
-def around_resolve_decode_backend(
-    original_fn: Callable[..., Any], cuda_graph_runner: Any, *args: Any, **kwargs: Any
-) -> Any:
+def around_resolve_decode_backend(original_fn: Callable[..., Any], cuda_graph_runner: Any, *args: Any,
+                                  **kwargs: Any) -> Any:
     """AROUND hook of ``resolve_decode_backend``."""
     return swap_backend("decode", original_fn(cuda_graph_runner, *args, **kwargs), cuda_graph_runner)
 

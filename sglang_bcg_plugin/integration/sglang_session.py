@@ -4,19 +4,19 @@ one resolution), the runner's row hooks, and SGLang's global graph pool."""
 from __future__ import annotations
 
 import os
-from collections.abc import Hashable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 from .._constants import ENV_SHARE_OUTPUT
 from .._words import parse_bool_env, parse_env
 from ..backends.plan import SessionPlan, plan_session
 from ..backends.state import CaptureState
-from ..output_mode import ON, RELEASED, OutputMode, Resolution, explain_output_mode
+from ..output_mode import RELEASED, OutputMode, Resolution, explain_output_mode
 from ..released import released_supported
 from ..sharing import BufferSource
 from ..trees import flatten, unflatten
 from . import compat
-from .compat import ENV_SHARED_BUFFER, ENV_STALE_OUTPUT_GUARD, Seam, pool_borrowing_exists, runner_rows, sglang_builtin_policy
+from .compat import ENV_SHARED_BUFFER, ENV_STALE_OUTPUT_GUARD, Seam, pool_borrowing_exists, sglang_builtin_policy
 
 #: SGLang's switch for eager tensors borrowing free graph-pool memory between replays.
 BORROW_ENV = "SGLANG_ENABLE_GRAPH_POOL_BORROW"
@@ -29,8 +29,7 @@ def resolve_mode(environ: Mapping[str, str] | None = None) -> Resolution:
 
 
 def shared_buffer(environ: Mapping[str, str] | None = None) -> BufferSource:
-    """``SGLANG_BCG_SHARED_BUFFER=adopt|reserve``; unset or blank: ``reserve``.
-    :raises ValueError: anything else."""
+    """``SGLANG_BCG_SHARED_BUFFER=adopt|reserve``; unset or blank: ``reserve``. :raises ValueError: anything else."""
     words: dict[str, BufferSource] = {"adopt": "adopt", "reserve": "reserve"}
     accepted = "'adopt' or 'reserve', or unset it"
     return parse_env(ENV_SHARED_BUFFER, words, kind="a buffer source", accepted=accepted, environ=environ) or "reserve"
@@ -41,25 +40,19 @@ def refusal(seam: Seam, mode: OutputMode, guard: bool, environ: Mapping[str, str
     ``None`` when it can. Checked at startup (the flag hook) and at every capture session."""
     where = f"SGLang {seam.release}"
     if seam.kind == "none":
-        return (
-            f"{where} has no breakable CUDA graph this plugin can hook ({seam.why}); output mode "
-            f"{mode!r} has nothing to apply to: unset {ENV_SHARE_OUTPUT} / --enable-bcg-shared-output"
-        )
+        return (f"{where} has no breakable CUDA graph this plugin can hook ({seam.why}); output mode "
+                f"{mode!r} has nothing to apply to: unset {ENV_SHARE_OUTPUT} / --enable-bcg-shared-output")
     if mode == RELEASED and not released_supported():
         return "output mode 'released' needs torch._C._construct_storage_from_data_pointer, which this torch lacks; use on"
     if mode == RELEASED and parse_bool_env(BORROW_ENV, environ) and pool_borrowing_exists():
-        return (
-            f"output mode 'released' cannot run with {BORROW_ENV}=1: released outputs live in free "
-            "graph-pool memory, which SGLang's graph-pool borrowing hands to eager tensors between "
-            "replays (sglang/srt/model_executor/runner_utils/pool.py, borrow_graph_pool); use "
-            f"--enable-bcg-shared-output=on or unset {BORROW_ENV}"
-        )
+        return (f"output mode 'released' cannot run with {BORROW_ENV}=1: released outputs live in free "
+                "graph-pool memory, which SGLang's graph-pool borrowing hands to eager tensors between "
+                "replays (sglang/srt/model_executor/runner_utils/pool.py, borrow_graph_pool); use "
+                f"--enable-bcg-shared-output=on or unset {BORROW_ENV}")
     if guard and seam.kind == "runner":
-        return (
-            f"{ENV_STALE_OUTPUT_GUARD}=1 needs replays that go through this plugin, and {where}'s "
-            "BreakableCudaGraphRunner.replay reads output_buffers itself (the runner seam); "
-            f"unset {ENV_STALE_OUTPUT_GUARD}"
-        )
+        return (f"{ENV_STALE_OUTPUT_GUARD}=1 needs replays that go through this plugin, and {where}'s "
+                "BreakableCudaGraphRunner.replay reads output_buffers itself (the runner seam); "
+                f"unset {ENV_STALE_OUTPUT_GUARD}")
     return None
 
 
@@ -79,8 +72,7 @@ def session_switches(environ: Mapping[str, str]) -> tuple[Resolution, bool]:
 
 
 def open_state(state: CaptureState) -> SessionPlan:
-    """Open ``state`` with a plan from SGLang's switches, read now.
-    :raises ValueError: one is invalid."""
+    """Open ``state`` with a plan from SGLang's switches, read now. :raises ValueError: one is invalid."""
     resolution, guard = session_switches(os.environ)
     plan = plan_session(resolution, engine=state.engine, shared_buffer=shared_buffer(), guard=guard)
     state.open(plan)
@@ -90,7 +82,7 @@ def open_state(state: CaptureState) -> SessionPlan:
 def apply_runner_rows(output: Any, rows: object) -> Any:
     """Trim to ``rows`` (``cuda_graph_output_rows``; ``None``: unchanged) the leaves whose leading
     dim is the largest among the output's leaves (the padded row dim); others keep their rows."""
-    rows = _check_rows("cuda_graph_output_rows", rows)
+    rows = check_rows("cuda_graph_output_rows", rows)
     if rows is None:
         return output
     if rows < 0:
@@ -103,21 +95,12 @@ def apply_runner_rows(output: Any, rows: object) -> Any:
     return unflatten(node, [t[:rows] if t.dim() > 0 and t.shape[0] == padded else t for _, t in leaves])
 
 
-def _check_rows(name: str, rows: object) -> int | None:
+def check_rows(name: str, rows: object) -> int | None:
+    """``rows``, what the runner's hook ``name`` returned. :raises TypeError: neither ``None`` nor an int."""
     if rows is not None and (isinstance(rows, bool) or not isinstance(rows, int)):
         msg = f"{name}() returned {rows!r}; expected None or an int >= 0"
         raise TypeError(msg)
     return rows
-
-
-def reserve_from_warmup(state: CaptureState, key: Hashable, runner: Any, warmup_out: Any) -> None:
-    """``reserve``: the partition's buffer from the last warmup's output, outside the pool, with
-    the rows the capture hands out, grown to ``cuda_graph_output_capacity_rows`` where asked."""
-    if state.mode_active != ON or warmup_out is None:
-        return
-    rows, capacity = runner_rows(runner, warmup_out)
-    trimmed = apply_runner_rows(warmup_out, rows)
-    state.policy.reserve(key, trimmed, _check_rows("cuda_graph_output_capacity_rows", capacity))
 
 
 def drop_global_pool(pool: Any) -> bool:
