@@ -62,7 +62,6 @@ def _bench_parser(sub: argparse._SubParsersAction[Any]) -> None:
     ])
     p = sub.add_parser("bench", help="capture a model at SGLang's prefill sizes with each backend, sharing off and on",
                        epilog=epilog, formatter_class=argparse.RawDescriptionHelpFormatter)
-    _debug_flags(p, argparse.SUPPRESS)
     p.add_argument("--model", choices=("synthetic", "llama"), default="synthetic",
                    help="synthetic: our tokens-first decoder (default); llama: transformers' LlamaModel, random weights")
     p.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda when available)")
@@ -148,19 +147,18 @@ def _parser() -> argparse.ArgumentParser:
     _debug_flags(parser, False)
     sub = parser.add_subparsers(dest="command", required=True)
     _bench_parser(sub)
-    backends = sub.add_parser("backends", help="list registered backends and the plugin of each; exit 1 if a plugin is broken")
-    _debug_flags(backends, argparse.SUPPRESS)
-    doctor = sub.add_parser("doctor", help="check the SGLang integration (version, hook targets, entry point, flag)")
-    _debug_flags(doctor, argparse.SUPPRESS)  # it takes no other argument: a stray one is one error: line here
+    sub.add_parser("backends", help="list registered backends and the plugin of each; exit 1 if a plugin is broken")
+    sub.add_parser("doctor", help="check the SGLang integration (version, hook targets, entry point, flag)")
     switch = sub.add_parser("switch", help="switch (or --show) the output mode of a running SGLang server "
                             "(POST/GET /bcg/output_mode; the server needs --admin-api-key)")
-    _debug_flags(switch, argparse.SUPPRESS)
     switch.add_argument("--url", required=True, help="the server, e.g. http://127.0.0.1:30000")
     switch.add_argument("--api-key", default=None, help="the server's --admin-api-key (default: $SGLANG_BCG_ADMIN_API_KEY)")
     switch.add_argument("--timeout", type=_positive, default=900, help="seconds to wait for the answer (default 900)")
     target = switch.add_mutually_exclusive_group(required=True)
     target.add_argument("mode", nargs="?", type=str.lower, choices=("off", "on", "released"), help="the new output mode")
     target.add_argument("--show", action="store_true", help="print the current mode and graph memory")
+    for command in sub.choices.values():  # after the command too; doctor takes nothing else
+        _debug_flags(command, argparse.SUPPRESS)
     return parser
 
 

@@ -94,10 +94,14 @@ def test_bad_env_value_is_an_error(monkeypatch: pytest.MonkeyPatch, capsys: pyte
 def test_unwritable_out_is_caught_up_front(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str], no_work: None
 ) -> None:
-    def denied(*args: Any, **kwargs: Any) -> Any:
-        raise PermissionError(13, "Permission denied")
+    real_open = os.open
 
-    monkeypatch.setattr(outdir, "_probe", denied)  # root ignores chmod; simulate it
+    def denied(path: Any, *args: Any, **kwargs: Any) -> Any:
+        if ".bench.probe." in str(path):  # the probe file of the check
+            raise PermissionError(13, "Permission denied")
+        return real_open(path, *args, **kwargs)
+
+    monkeypatch.setattr(outdir.os, "open", denied)  # root ignores chmod; simulate it
     assert main(["bench", "--out", str(tmp_path / "new")]) == 2
     assert "not a writable directory (Permission denied)" in _one_error_line(capsys)
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import datetime
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import asdict
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -100,7 +100,7 @@ def write_json(
     doc = {
         "package_version": __version__, "torch_version": torch.__version__,
         "timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "device": device,
-        "timings_meaningful": timings_meaningful, "config": config, "rows": [r.to_dict() for r in rows],
+        "timings_meaningful": timings_meaningful, "config": config, "rows": [asdict(r) for r in rows],
         "ratios": ratios(rows, timings_meaningful=timings_meaningful), "cold": cold,
     }
     path.write_text(json.dumps(doc, indent=2) + "\n")
@@ -119,8 +119,7 @@ NO_RESIDENT_CAPTION = ("graph-trees: no memory bar: resident output does not app
                        "past the next step); graph memory is measured on CUDA only")
 
 
-@dataclass(frozen=True)
-class PlotBar:
+class PlotBar(NamedTuple):
     """One bar per panel: a row's ``values`` (``PLOT_METRICS`` keys; ``None``: the metric does
     not apply, no bar is drawn) and its replay spread (below, above the median)."""
 
@@ -131,8 +130,7 @@ class PlotBar:
     forecast_mib: float | None = None  # the forecast made before capture (graph memory only)
 
 
-@dataclass(frozen=True)
-class PlotGroup:
+class PlotGroup(NamedTuple):
     """The bars of one backend, side by side; ``reference``: torch's Graph Trees, its own group."""
 
     backend: str
@@ -142,14 +140,12 @@ class PlotGroup:
 
 
 def _bar(row: BenchRow, *, graph_memory: bool, reference: bool) -> PlotBar:
-    if graph_memory:
-        held = row.graph_memory_bytes
-    else:  # resident output: ours hold outputs, Graph Trees hold none past the next step
-        held = None if reference else row.resident_output_bytes
-    variant = VARIANTS.get(row.variant)
-    label = variant.label if variant else row.variant
+    # resident output: ours hold outputs, Graph Trees hold none past the next step
+    held = row.graph_memory_bytes if graph_memory else None if reference else row.resident_output_bytes
     if reference:
         label = GRAPH_TREES_LABEL if graph_memory else GRAPH_TREES_CPU_LABEL
+    else:
+        label = VARIANTS[row.variant].label
     lo, hi = min(row.replay_ms_min, row.replay_ms), max(row.replay_ms_max, row.replay_ms)
     values = {"memory_mib": None if held is None else held / MIB, "replay_ms": row.replay_ms}
     forecast = row.forecast_bytes / MIB if graph_memory and row.forecast_bytes is not None else None
@@ -178,8 +174,7 @@ def _draw(axes: dict[str, Any], groups: list[PlotGroup]) -> bool:
     for j, group in enumerate(groups):
         for i, bar in enumerate(group.bars):
             x = j + (i - (len(group.bars) - 1) / 2) * width
-            variant = VARIANTS.get(bar.variant)
-            color = REFERENCE_COLOR if group.reference else variant.color if variant else None
+            color = REFERENCE_COLOR if group.reference else VARIANTS[bar.variant].color
             style = {"color": color, "hatch": "//" if group.reference else None,
                      "edgecolor": "white" if group.reference else None,
                      "label": bar.label if bar.label not in seen else "_nolegend_"}

@@ -10,7 +10,7 @@ import sys
 import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any, Literal, TextIO
 
 import torch
@@ -137,9 +137,6 @@ class BenchRow:
     forecast_s: float | None = None
     forecast: dict[str, Any] | None = None
     forecast_driver_bytes: int | None = None
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
 
     def summary(self) -> str:
         """One line for the progress log (the table has everything)."""
@@ -423,15 +420,11 @@ def warm_up(workload: Workload, backends: list[str], sizes: list[int] | None = N
     """On CUDA with ``sizes``, the whole schedule once per backend (released), the first after its
     forecast and returned (the cold row, :func:`cold_summary`; ``None`` elsewhere); then one capture
     cycle per backend at the smallest size."""
-    cold = None
-    if sizes and workload.shape.device.startswith("cuda"):
-        for name in backends:
-            row = run_variant(name, "released", workload, sizes, repeats=1, progress=False, forecast=cold is None)
-            if cold is None:
-                cold = row
+    rows = [run_variant(name, "released", workload, sizes, repeats=1, progress=False, forecast=i == 0)
+            for i, name in enumerate(backends) if sizes and workload.shape.device.startswith("cuda")]
     for name in backends:
         run_variant(name, "off", workload, prefill_capture_sizes(4), repeats=1, progress=False, forecast=False)
-    return cold
+    return rows[0] if rows else None
 
 
 def cold_summary(row: BenchRow | None) -> dict[str, Any] | None:
