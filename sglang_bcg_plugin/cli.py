@@ -7,6 +7,7 @@ failed; 2 a bad argument or an ``--out`` that could not take the results; 130 in
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import re
 import sys
@@ -17,7 +18,7 @@ from typing import Any, NoReturn
 import torch
 
 from ._version import __version__
-from .bench.usage import UsageError
+from .bench.usage import UsageError, shown
 from .errors import BackendRegistrationError
 
 #: A quoted value in an argparse message, longer than a message should echo.
@@ -33,8 +34,6 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _positive(value: str) -> int:
-    from .bench.usage import shown
-
     try:
         n = int(value)
     except ValueError:  # not a number, or more digits than Python converts
@@ -52,12 +51,12 @@ def _debug_flags(p: argparse.ArgumentParser, default: object) -> None:
 
 def _bench_parser(sub: argparse._SubParsersAction[Any]) -> None:
     from .bench.config import DTYPES
-    from .bench.runner import GRAPH_TREES, REFERENCE_VARIANT, VARIANT_MEANINGS, VARIANTS
+    from .bench.runner import GRAPH_TREES, REFERENCE_VARIANT, VARIANTS
 
-    width = max(map(len, VARIANT_MEANINGS))
+    width = max(map(len, VARIANTS))
     epilog = "\n".join([  # one line per variant, then the reference row
         "variants (--variants; each one a row per backend, measured in the same run):",
-        *(f"  {name.ljust(width)}  {meaning}" for name, meaning in VARIANT_MEANINGS.items()),
+        *(f"  {name.ljust(width)}  {v.meaning}" for name, v in VARIANTS.items()),
         f"{GRAPH_TREES} has no output modes: it ignores --variants and adds one row ({REFERENCE_VARIANT}).",
     ])
     p = sub.add_parser("bench", help="capture a model at SGLang's prefill sizes with each backend, sharing off and on",
@@ -88,7 +87,7 @@ def _bench(args: argparse.Namespace) -> int:
     from .registry import available_backends
 
     cfg = build_config(args, [*available_backends(), GRAPH_TREES])  # every check, before any work
-    with hold(cfg.out):  # refused when another live run holds --out
+    with hold(cfg.out) if cfg.out else contextlib.nullcontext():  # refused when another live run holds --out
         if ":" in cfg.device:  # pragma: no cover - CUDA only: streams and pools on the chosen GPU
             torch.cuda.set_device(torch.device(cfg.device))
         config = cfg.summary()

@@ -70,15 +70,14 @@ def _device(raw: str | None) -> str:
         if not torch.cuda.is_available():
             msg = f"--device {raw} but CUDA is not available to torch {torch.__version__}; use --device cpu"
             raise UsageError(msg)
-        index = int(raw.partition(":")[2] or 0)
-        if index >= torch.cuda.device_count():
-            count = torch.cuda.device_count()
+        count = torch.cuda.device_count()
+        if int(raw.partition(":")[2] or 0) >= count:
             msg = f"--device {raw}: this machine has {count} CUDA device(s); use cuda:0 to cuda:{count - 1}"
             raise UsageError(msg)
     return raw
 
 
-def _names(flag: str, raw: str, choices: Iterable[str], *, unknown: str) -> list[str]:
+def _names(flag: str, raw: str, choices: Iterable[str]) -> list[str]:
     """Comma-separated names: none empty, none twice, all known."""
     choices = list(choices)
     hint = f"give a comma-separated list of: {', '.join(choices)}"
@@ -95,7 +94,7 @@ def _names(flag: str, raw: str, choices: Iterable[str], *, unknown: str) -> list
         raise UsageError(msg)
     bad = sorted(set(names) - set(choices))
     if bad:
-        msg = f"{unknown} {shown(bad)}; {hint}"
+        msg = f"unknown {flag.removeprefix('--')} {shown(bad)}; {hint}"
         raise UsageError(msg)
     return names
 
@@ -175,9 +174,8 @@ def build_config(args: argparse.Namespace, available_backends: list[str]) -> Ben
     :raises UsageError: the first problem found."""
     device = _device(args.device)
     gpu = device.startswith("cuda")
-    backends = _names("--backends", args.backends, available_backends, unknown="unknown backends")
-    variants = _names("--variants", args.variants or ("off,on,floor,guard" if gpu else "off,on"), VARIANTS,
-                      unknown="unknown variants")
+    backends = _names("--backends", args.backends, available_backends)
+    variants = _names("--variants", args.variants or ("off,on,floor,guard" if gpu else "off,on"), VARIANTS)
     notes = _variant_rows(backends, variants, available_backends)
     try:
         env = parse_mode_text(os.environ.get(ENV_SHARE_OUTPUT))

@@ -101,12 +101,10 @@ def _take_over(out: Path, lock: Path, stale: int | None) -> None:
 
 
 @contextlib.contextmanager
-def hold(out: Path | None) -> Iterator[None]:
-    """Hold ``out`` for this run (nothing when ``None``): a lock file with our pid, taken over
-    from a dead run. :raises UsageError: another live run holds it."""
-    if out is None:
-        yield
-        return
+def hold(out: Path) -> Iterator[None]:
+    """Hold ``out`` for this run: a lock file with our pid, taken over from a dead run.
+
+    :raises UsageError: another live run holds it."""
     lock = out / LOCK
     try:
         for _ in range(3):

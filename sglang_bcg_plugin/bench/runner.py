@@ -11,7 +11,7 @@ import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
-from typing import Any, Literal, TextIO
+from typing import Any, Literal, NamedTuple, TextIO
 
 import torch
 
@@ -32,20 +32,17 @@ GRAPH_TREES = "graph-trees"
 REFERENCE_VARIANT = "reference"
 
 
-@dataclass(frozen=True)
-class Variant:
-    """How one bench variant captures, its ``--help`` line and its legend label in ``bench.png``."""
+class Variant(NamedTuple):
+    """How one bench variant captures (``options``: its ``BackendOptions`` but the engine), its
+    ``--help`` line and its legend label in ``bench.png``."""
 
     share: bool | Literal["released"]
     meaning: str
     label: str
     color: str
-    keep: bool = True
-    guard: bool = False
-    shared_buffer: str = "auto"
-    inductor: bool = False
-    pool_reserve: str = "off"
-    pool_segments: str = "fixed"
+    keep: bool
+    inductor: bool
+    options: dict[str, Any]
 
 
 def _variant(name: str, meaning: str, label: str, color: str) -> Variant:
@@ -53,12 +50,11 @@ def _variant(name: str, meaning: str, label: str, color: str) -> Variant:
     nothing, ``*released`` releases, ``guard``, ``adopt``/``reserve`` (the buffer source), ``inductor*``,
     ``*packed*`` (``pool_reserve="auto"``), ``*expandable*`` (``pool_segments="expandable"``)."""
     share: bool | Literal["released"] = "released" if name.endswith("released") else name not in ("off", "floor")
-    return Variant(
-        share, meaning, label, color, keep=name != "floor", guard=name == "guard",
-        shared_buffer=name if name in ("adopt", "reserve") else "auto", inductor=name.startswith("inductor"),
-        pool_reserve="auto" if "packed" in name else "off",
-        pool_segments="expandable" if "expandable" in name else "fixed",
-    )
+    options = {"output_mode": mode_of_option(share), "stale_output_guard": name == "guard",
+               "shared_buffer": name if name in ("adopt", "reserve") else "auto",
+               "pool_reserve": "auto" if "packed" in name else "off",
+               "pool_segments": "expandable" if "expandable" in name else "fixed"}
+    return Variant(share, meaning, label, color, name != "floor", name.startswith("inductor"), options)
 
 
 _ON, _RELEASED, _BLOCK = "sharing on", "outputs released", "pool as one block"
@@ -92,8 +88,6 @@ VARIANTS = {name: _variant(name, *about) for name, about in {
     "inductor-expandable-released": (f"released outputs, Inductor first, {_GROWN} (CUDA)",
                                      f"{_RELEASED}, Inductor, {_EXPANDABLE}", "#7f6084"),
 }.items()}
-#: One line per variant: ``sglang-bcg bench --help`` prints them.
-VARIANT_MEANINGS = {name: v.meaning for name, v in VARIANTS.items()}
 
 
 def runs(backend: str, variant: str) -> bool:
@@ -269,10 +263,8 @@ def _replay_all(
     device = workload.shape.device
     with torch.no_grad():
         workload.refill(static)  # inputs change after capture
-        max_err = None
-        if model is not None:
-            errors = (max_abs_error(replay(s), workload.call(model, static, s)) for s in sorted(sizes, reverse=True))
-            max_err = max([0.0, *errors])
+        max_err = None if model is None else max([0.0, *(
+            max_abs_error(replay(s), workload.call(model, static, s)) for s in sorted(sizes, reverse=True))])
         for _ in range(3):
             replay(max(sizes))
         _sync(device)
@@ -302,11 +294,7 @@ def run_variant(
     v = VARIANTS[variant]
     device = workload.shape.device
     model, static = _fresh(workload, backend_name, sizes)
-    options = BackendOptions(
-        output_mode=mode_of_option(v.share), engine="cuda" if device.startswith("cuda") else "eager",
-        stale_output_guard=v.guard, shared_buffer=v.shared_buffer,  # type: ignore[arg-type]
-        pool_reserve=v.pool_reserve, pool_segments=v.pool_segments,  # type: ignore[arg-type]
-    )
+    options = BackendOptions(engine="cuda" if device.startswith("cuda") else "eager", **v.options)
     piecewise = {"splitting_ops": list(workload.splitting_ops), "inductor": v.inductor}
     kwargs: dict[str, Any] = piecewise if backend_name == "piecewise" else {}
     backend = create_backend(backend_name, options=options, **kwargs)
@@ -398,10 +386,10 @@ def graph_trees_row(
         out = None
         for _ in range(1 + num_warmups):
             out = step(size)  # the previous step's output is alive meanwhile, as in a serving loop
-        logical[0] += sum(t.numel() * t.element_size() for _, t in flatten(out)[1])
+        logical[0] += sum(t.nbytes for _, t in flatten(out)[1])
 
-    label = f"{GRAPH_TREES}/{REFERENCE_VARIANT}"
-    elapsed, graph_bytes = _capture_all(device, sizes, label, progress, contextlib.nullcontext(), capture)
+    elapsed, graph_bytes = _capture_all(device, sizes, f"{GRAPH_TREES}/{REFERENCE_VARIANT}", progress,
+                                        contextlib.nullcontext(), capture)
     compile_s = compiled.seconds
     replayed = _replay_all(workload, sizes, static, step, model, repeats)
     del compiled, model

@@ -34,11 +34,9 @@ def capture_size_stats(max_tokens: int) -> SizeStats:
     """:func:`prefill_capture_sizes`' length, sum and maximum, in constant time."""
     _check(max_tokens)
     count = total = largest = 0
-    for r in _runs(max_tokens):
-        n = (r.stop - r.start + r.step - 1) // r.step if r.stop > r.start else 0  # len() overflows past 2**63
-        if n:
-            last = r.start + (n - 1) * r.step
-            count, total, largest = count + n, total + n * (r.start + last) // 2, last
+    for r in filter(None, _runs(max_tokens)):  # len() overflows past 2**63
+        n = (r[-1] - r.start) // r.step + 1
+        count, total, largest = count + n, total + n * (r.start + r[-1]) // 2, r[-1]
     return SizeStats(count, total, largest)
 
 
