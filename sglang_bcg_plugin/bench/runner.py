@@ -240,8 +240,7 @@ def _capture_all(
             bar.close()  # a clean stderr line for an error or Ctrl-C
     _sync(device)
     seconds = time.perf_counter() - start
-    free_after = _free_bytes(device)
-    return seconds, None if free_before is None or free_after is None else free_before - free_after
+    return seconds, None if free_before is None else free_before - device_free_bytes()
 
 
 def _fresh(workload: Workload, model_backend: str, sizes: list[int]) -> tuple[Callable[..., Any], Any]:
