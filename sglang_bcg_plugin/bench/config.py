@@ -50,11 +50,9 @@ class BenchConfig:
 
     def summary(self) -> dict[str, Any]:
         """The ``config`` object of ``bench.json``."""
-        m = self.workload.shape
+        shape = {k: v for k, v in vars(self.workload.shape).items() if k != "device"}  # hidden ... dtype
         return {
-            "model": self.workload.name, "hidden": m.hidden, "layers": m.layers, "heads": m.heads,
-            "kv_heads": m.kv_heads, "head_dim": m.head_dim,
-            "intermediate": m.intermediate, "dtype": str(m.dtype).removeprefix("torch."),
+            "model": self.workload.name, **shape, "dtype": str(shape["dtype"]).removeprefix("torch."),
             "max_tokens": max(self.sizes), "num_sizes": len(self.sizes), "repeats": self.repeats,
             "backends": self.backends, "variants": self.variants, "torch": torch.__version__,
         }
