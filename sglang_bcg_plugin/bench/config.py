@@ -7,9 +7,8 @@ import argparse
 import os
 import re
 from collections.abc import Iterable
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -29,8 +28,7 @@ _DEVICE = re.compile(r"cpu|cuda(:\d+)?")
 MAX_TOKENS_LIMIT = 1 << 40
 
 
-@dataclass(frozen=True)
-class BenchConfig:
+class BenchConfig(NamedTuple):
     """A validated ``sglang-bcg bench`` run."""
 
     device: str

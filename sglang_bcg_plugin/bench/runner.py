@@ -195,15 +195,6 @@ class LineProgress:
             self.stream.flush()
 
 
-def progress_bar(total: int, desc: str, enabled: bool) -> Any:
-    """A progress bar over ``total`` capture sizes: tqdm when installed (the ``[bench]`` extra)."""
-    try:
-        from tqdm import tqdm
-    except ImportError:
-        return LineProgress(total, desc, sys.stderr, enabled)
-    return tqdm(total=total, desc=desc, unit="size", file=sys.stderr, disable=not enabled, leave=False)
-
-
 def _sync(device: str) -> None:
     if device.startswith("cuda"):
         torch.cuda.synchronize()
@@ -226,12 +217,17 @@ def _capture_all(
     device: str, sizes: list[int], label: str, progress: bool, session: AbstractContextManager[Any],
     capture: Callable[[int], None],
 ) -> tuple[float, int | None]:
-    """``capture(size)`` for every size, largest first, inside ``session``: the seconds it took and
-    the device memory it kept (``None`` off CUDA)."""
+    """``capture(size)`` for every size, largest first, inside ``session``, under a progress bar (tqdm
+    when installed): the seconds it took and the device memory it kept (``None`` off CUDA)."""
     free_before = _free_bytes(device)
     start = time.perf_counter()
     with torch.no_grad(), session:
-        bar = progress_bar(len(sizes), label, progress)
+        try:
+            from tqdm import tqdm
+        except ImportError:  # without the [bench] extra
+            bar: Any = LineProgress(len(sizes), label, sys.stderr, progress)
+        else:
+            bar = tqdm(total=len(sizes), desc=label, unit="size", file=sys.stderr, disable=not progress, leave=False)
         try:
             for size in sorted(sizes, reverse=True):
                 capture(size)
