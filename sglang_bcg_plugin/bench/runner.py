@@ -180,19 +180,17 @@ class LineProgress:
     """tqdm's ``update``/``close`` subset, written as one rewritten stderr line (without tqdm)."""
 
     def __init__(self, total: int, desc: str, stream: TextIO, enabled: bool) -> None:
-        self.total, self.desc, self.stream, self.enabled = total, desc, stream, enabled
-        self.n = 0
+        self.total, self.desc, self.stream, self.enabled, self.n = total, desc, stream, enabled, 0
 
     def update(self, n: int = 1) -> None:
         self.n += n
         if self.enabled:
-            self.stream.write(f"\r{self.desc}: {self.n}/{self.total} sizes")
-            self.stream.flush()
+            print(f"\r{self.desc}: {self.n}/{self.total} sizes", end="", file=self.stream, flush=True)
 
     def close(self) -> None:
         if self.enabled and self.n:
-            self.stream.write("\r" + " " * (len(self.desc) + 2 * len(str(self.total)) + 10) + "\r")
-            self.stream.flush()
+            blank = " " * (len(self.desc) + 2 * len(str(self.total)) + 10)
+            print(f"\r{blank}\r", end="", file=self.stream, flush=True)
 
 
 def _sync(device: str) -> None:
@@ -227,7 +225,8 @@ def _capture_all(
         except ImportError:  # without the [bench] extra
             bar: Any = LineProgress(len(sizes), label, sys.stderr, progress)
         else:
-            bar = tqdm(total=len(sizes), desc=label, unit="size", file=sys.stderr, disable=not progress, leave=False)
+            bar = tqdm(total=len(sizes), desc=label, unit="size", file=sys.stderr, disable=not progress,
+                       leave=False)
         try:
             for size in sorted(sizes, reverse=True):
                 capture(size)
