@@ -82,7 +82,7 @@ def _bench_parser(sub: argparse._SubParsersAction[Any]) -> None:
 def _bench(args: argparse.Namespace) -> int:
     from .bench.config import build_config
     from .bench.outdir import hold, write_pair
-    from .bench.output import PLOT_SKIPPED, format_table, write_json, write_plot
+    from .bench.output import PLOT_SKIPPED, format_table, row_line, write_json, write_plot
     from .bench.runner import GRAPH_TREES, cold_summary, graph_trees_row, run_variant, variants_for, warm_up
     from .registry import available_backends
 
@@ -107,7 +107,7 @@ def _bench(args: argparse.Namespace) -> int:
                 row = (graph_trees_row(cfg.workload, cfg.sizes, **kw) if backend == GRAPH_TREES
                        else run_variant(backend, variant, cfg.workload, cfg.sizes, **kw))
                 rows.append(row)
-                print(f"  {backend}/{variant} done in {time.perf_counter() - t0:.1f} s: {row.summary()}", file=sys.stderr)
+                print(f"  {backend}/{variant} done in {time.perf_counter() - t0:.1f} s: {row_line(row)}", file=sys.stderr)
         print(format_table(rows, timings_meaningful=cfg.gpu))
         print(f"({time.perf_counter() - start:.1f} s)", file=sys.stderr)
         if cfg.out is not None:

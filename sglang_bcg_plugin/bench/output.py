@@ -48,6 +48,14 @@ def _ratio(on: float | None, off: float | None) -> float | None:
     return on / off if on is not None and off else None
 
 
+def row_line(r: BenchRow) -> str:
+    """One line for the progress log (the table has everything)."""
+    forecast = "" if r.forecast_bytes is None else f", forecast {_mib(r.forecast_bytes)} MiB"
+    return (f"resident {r.resident_output_bytes / MIB:,.2f} MiB, graph {_mib(r.graph_memory_bytes)} MiB, bridges "
+            f"{_mib(r.bridge_bytes)} MiB, capture {r.capture_s:.2f} s, replay {r.replay_ms:.3f} ms, max abs err "
+            f"{_cell(r.max_abs_err, '.3g')}, fallbacks {r.fallbacks}{forecast}")
+
+
 def ratios(rows: list[BenchRow], *, timings_meaningful: bool = True) -> dict[str, dict[str, float | None]]:
     """Per backend: sharing-on / sharing-off ratios (the timing ones ``None`` unless meaningful)."""
     out: dict[str, dict[str, float | None]] = {}

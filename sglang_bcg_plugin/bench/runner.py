@@ -132,17 +132,6 @@ class BenchRow:
     forecast: dict[str, Any] | None = None
     forecast_driver_bytes: int | None = None
 
-    def summary(self) -> str:
-        """One line for the progress log (the table has everything)."""
-        graph = "-" if self.graph_memory_bytes is None else f"{self.graph_memory_bytes / 2**20:,.1f}"
-        err = "-" if self.max_abs_err is None else f"{self.max_abs_err:.3g}"
-        return (
-            f"resident {self.resident_output_bytes / 2**20:,.2f} MiB, graph {graph} MiB, "
-            f"bridges {self.bridge_bytes / 2**20:,.1f} MiB, capture {self.capture_s:.2f} s, "
-            f"replay {self.replay_ms:.3f} ms, max abs err {err}, fallbacks {self.fallbacks}"
-            + ("" if self.forecast_bytes is None else f", forecast {self.forecast_bytes / 2**20:,.1f} MiB")
-        )
-
 
 def per_size_rows(report: MemoryReport, compile_s: dict[Any, float] | None = None) -> list[dict[str, Any]]:
     """``bench.json``'s per-size rows from ``memory_report().keys``; ``compile_s`` per key is taken
