@@ -103,7 +103,6 @@ def _take_over(out: Path, lock: Path, stale: int | None) -> None:
 @contextlib.contextmanager
 def hold(out: Path) -> Iterator[None]:
     """Hold ``out`` for this run: a lock file with our pid, taken over from a dead run.
-
     :raises UsageError: another live run holds it."""
     lock = out / LOCK
     try:

@@ -147,8 +147,8 @@ class PlotGroup(NamedTuple):
     bars: list[PlotBar]
 
 
-def _bar(row: BenchRow, *, graph_memory: bool, reference: bool) -> PlotBar:
-    # resident output: ours hold outputs, Graph Trees hold none past the next step
+def _bar(row: BenchRow, graph_memory: bool) -> PlotBar:
+    reference = row.backend == GRAPH_TREES  # resident output: Graph Trees hold none past the next step
     held = row.graph_memory_bytes if graph_memory else None if reference else row.resident_output_bytes
     if reference:
         label = GRAPH_TREES_LABEL if graph_memory else GRAPH_TREES_CPU_LABEL
@@ -163,15 +163,12 @@ def _bar(row: BenchRow, *, graph_memory: bool, reference: bool) -> PlotBar:
 def plot_groups(rows: list[BenchRow], *, graph_memory: bool) -> list[PlotGroup]:
     """``bench.png``'s bar groups: one per backend of ours, in row order, then Graph Trees' own;
     ``graph_memory``: the memory panel shows graph memory (CUDA), else resident output memory."""
-    ours = [b for b in dict.fromkeys(r.backend for r in rows) if b != GRAPH_TREES]
-    groups = [
-        PlotGroup(b, b, False, [_bar(r, graph_memory=graph_memory, reference=False) for r in rows if r.backend == b])
-        for b in ours
+    backends = sorted(dict.fromkeys(r.backend for r in rows), key=lambda b: b == GRAPH_TREES)  # stable: GT last
+    return [
+        PlotGroup(b, "graph-trees\n(torch's CUDA\nGraph Trees)" if b == GRAPH_TREES else b, b == GRAPH_TREES,
+                  [_bar(r, graph_memory) for r in rows if r.backend == b])
+        for b in backends
     ]
-    reference = [_bar(r, graph_memory=graph_memory, reference=True) for r in rows if r.backend == GRAPH_TREES]
-    if reference:
-        groups.append(PlotGroup(GRAPH_TREES, "graph-trees\n(torch's CUDA\nGraph Trees)", True, reference))
-    return groups
 
 
 def _draw(axes: dict[str, Any], groups: list[PlotGroup]) -> bool:

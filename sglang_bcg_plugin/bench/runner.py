@@ -9,7 +9,6 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
-from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any, Literal, NamedTuple, TextIO
 
@@ -201,7 +200,7 @@ def max_abs_error(out: Any, ref: Any) -> float:
 
 
 def _capture_all(
-    device: str, sizes: list[int], label: str, progress: bool, session: AbstractContextManager[Any],
+    device: str, sizes: list[int], label: str, progress: bool, session: contextlib.AbstractContextManager[Any],
     capture: Callable[[int], None],
 ) -> tuple[float, int | None]:
     """``capture(size)`` for every size, largest first, inside ``session``, under a progress bar (tqdm
