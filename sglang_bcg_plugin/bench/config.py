@@ -41,10 +41,7 @@ class BenchConfig(NamedTuple):
     out: Path | None
     progress: bool
     notes: list[str]
-
-    @property
-    def gpu(self) -> bool:
-        return self.device.startswith("cuda")
+    gpu: bool
 
     def summary(self) -> dict[str, Any]:
         """The ``config`` object of ``bench.json``."""
@@ -156,12 +153,9 @@ def _variant_rows(backends: list[str], variants: list[str], available: list[str]
                f"--backends {','.join(backends)} has none of them: add {_or(by)} to --backends or drop {what} "
                "from --variants")
         raise UsageError(msg)
-    notes = []
-    for b in ours:
-        skipped = [v for v in variants if not runs(b, v)]
-        if skipped:
-            notes.append(f"note: {b} does not run --variants {', '.join(skipped)} (no compiled callable): no row for it")
-    return notes
+    skipped = {b: ", ".join(v for v in variants if not runs(b, v)) for b in ours}
+    return [f"note: {b} does not run --variants {s} (no compiled callable): no row for it"
+            for b, s in skipped.items() if s]
 
 
 def build_config(args: argparse.Namespace, available_backends: list[str]) -> BenchConfig:
@@ -201,5 +195,5 @@ def build_config(args: argparse.Namespace, available_backends: list[str]) -> Ben
     return BenchConfig(
         device=device, device_name=torch.cuda.get_device_name(device) if gpu else "cpu", backends=backends,
         variants=variants, workload=workload, sizes=prefill_capture_sizes(max_tokens),
-        repeats=args.repeats or (50 if gpu else 10), out=out, progress=not args.no_progress, notes=notes,
+        repeats=args.repeats or (50 if gpu else 10), out=out, progress=not args.no_progress, notes=notes, gpu=gpu,
     )
