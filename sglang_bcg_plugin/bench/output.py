@@ -58,19 +58,14 @@ def row_line(r: BenchRow) -> str:
 
 def ratios(rows: list[BenchRow], *, timings_meaningful: bool = True) -> dict[str, dict[str, float | None]]:
     """Per backend: sharing-on / sharing-off ratios (the timing ones ``None`` unless meaningful)."""
-    out: dict[str, dict[str, float | None]] = {}
-    by = {(r.backend, r.variant): r for r in rows}
-    for backend in dict.fromkeys(r.backend for r in rows):
-        on, off = by.get((backend, "on")), by.get((backend, "off"))
-        if on is None or off is None:
-            continue
-        out[backend] = {
-            "graph_memory_on_over_off": _ratio(on.graph_memory_bytes, off.graph_memory_bytes),
-            "resident_on_over_off": _ratio(on.resident_output_bytes, off.resident_output_bytes),
-            "replay_on_over_off": _ratio(on.replay_ms, off.replay_ms) if timings_meaningful else None,
-            "capture_on_over_off": _ratio(on.capture_s, off.capture_s) if timings_meaningful else None,
-        }
-    return out
+    offs = {r.backend: r for r in rows if r.variant == "off"}
+    ons = {r.backend: r for r in rows if r.variant == "on" and r.backend in offs}
+    return {backend: {
+        "graph_memory_on_over_off": _ratio(on.graph_memory_bytes, offs[backend].graph_memory_bytes),
+        "resident_on_over_off": _ratio(on.resident_output_bytes, offs[backend].resident_output_bytes),
+        "replay_on_over_off": _ratio(on.replay_ms, offs[backend].replay_ms) if timings_meaningful else None,
+        "capture_on_over_off": _ratio(on.capture_s, offs[backend].capture_s) if timings_meaningful else None,
+    } for backend, on in ons.items()}
 
 
 def format_table(rows: list[BenchRow], *, timings_meaningful: bool = True) -> str:
