@@ -23,7 +23,6 @@ from .workload import WORKLOADS, ModelShape, Workload
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}
-_DEVICE = re.compile(r"cpu|cuda(:\d+)?")
 #: The largest ``--max-tokens`` accepted before the memory check (2**40 tokens).
 MAX_TOKENS_LIMIT = 1 << 40
 
@@ -56,7 +55,7 @@ class BenchConfig(NamedTuple):
 def _device(raw: str | None) -> str:
     if raw is None:
         return "cuda" if torch.cuda.is_available() else "cpu"
-    if not _DEVICE.fullmatch(raw):
+    if not re.fullmatch(r"cpu|cuda(:\d+)?", raw):
         msg = f"--device {shown(raw)} is not supported; use cpu, cuda or cuda:N"
         raise UsageError(msg)
     if raw.startswith("cuda"):
