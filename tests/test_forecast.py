@@ -765,8 +765,6 @@ def _row(**kw: Any) -> Any:
 
 
 def test_bench_row_table_and_plot_carry_the_forecast() -> None:
-    from dataclasses import asdict
-
     from sglang_bcg_plugin.bench.output import format_table, plot_groups
     from sglang_bcg_plugin.bench.runner import _forecast_fields
 
@@ -785,7 +783,7 @@ def test_bench_row_table_and_plot_carry_the_forecast() -> None:
     assert group.bars[0].forecast_mib == 490.0
     (group,) = plot_groups([row], graph_memory=False)  # CPU: resident memory, no forecast marker
     assert group.bars[0].forecast_mib is None
-    assert asdict(row)["forecast"]["mode"] == "on"
+    assert row.to_dict()["forecast"]["mode"] == "on"
 
 
 def test_session_switches_expandable_segments_only_while_it_is_open(monkeypatch: pytest.MonkeyPatch) -> None:

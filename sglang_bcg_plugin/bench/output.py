@@ -5,7 +5,6 @@ from __future__ import annotations
 import datetime
 import json
 import math
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -103,7 +102,7 @@ def write_json(
     doc = {
         "package_version": __version__, "torch_version": torch.__version__,
         "timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "device": device,
-        "timings_meaningful": timings_meaningful, "config": config, "rows": [asdict(r) for r in rows],
+        "timings_meaningful": timings_meaningful, "config": config, "rows": [r.to_dict() for r in rows],
         "ratios": ratios(rows, timings_meaningful=timings_meaningful), "cold": cold,
     }
     path.write_text(json.dumps(doc, indent=2) + "\n")

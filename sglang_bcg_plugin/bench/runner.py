@@ -9,7 +9,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any, Literal, NamedTuple, TextIO
 
 import torch
@@ -130,6 +130,9 @@ class BenchRow:
     forecast_s: float | None = None
     forecast: dict[str, Any] | None = None
     forecast_driver_bytes: int | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
 
 
 def per_size_rows(report: MemoryReport, compile_s: dict[Any, float] | None = None) -> list[dict[str, Any]]:
