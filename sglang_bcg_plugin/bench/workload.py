@@ -68,8 +68,7 @@ class SyntheticWorkload(Workload):
 
     def __init__(self, shape: ModelShape) -> None:
         super().__init__(shape)
-        s = shape
-        self.cfg = DecoderConfig(s.hidden, s.layers, s.heads, s.kv_heads, s.intermediate, s.dtype, s.device)
+        self.cfg = DecoderConfig(**{k: v for k, v in vars(shape).items() if k != "head_dim"})  # hidden / heads
 
     def model_for(self, backend: str, max_tokens: int) -> Callable[..., Any]:
         return SyntheticDecoder(self.cfg, attention=attention_op if backend != "breakable" else attention_break)
