@@ -144,10 +144,7 @@ class PlotGroup(NamedTuple):
 def _bar(row: BenchRow, graph_memory: bool) -> PlotBar:
     reference = row.backend == GRAPH_TREES  # resident output: Graph Trees hold none past the next step
     held = row.graph_memory_bytes if graph_memory else None if reference else row.resident_output_bytes
-    if reference:
-        label = GRAPH_TREES_LABEL if graph_memory else GRAPH_TREES_CPU_LABEL
-    else:
-        label = VARIANTS[row.variant].label
+    label = (GRAPH_TREES_LABEL if graph_memory else GRAPH_TREES_CPU_LABEL) if reference else VARIANTS[row.variant].label
     lo, hi = min(row.replay_ms_min, row.replay_ms), max(row.replay_ms_max, row.replay_ms)
     values = {"memory_mib": None if held is None else held / MIB, "replay_ms": row.replay_ms}
     forecast = row.forecast_bytes / MIB if graph_memory and row.forecast_bytes is not None else None
