@@ -7,6 +7,7 @@ failed; 2 a bad argument or an ``--out`` that could not take the results; 130 in
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import re
 import sys
@@ -17,7 +18,7 @@ from typing import Any, NoReturn
 import torch
 
 from ._version import __version__
-from .bench.usage import UsageError
+from .bench.usage import UsageError, shown
 from .errors import BackendRegistrationError
 
 #: A quoted value in an argparse message, longer than a message should echo.
@@ -33,8 +34,6 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _positive(value: str) -> int:
-    from .bench.usage import shown
-
     try:
         n = int(value)
     except ValueError:  # not a number, or more digits than Python converts
@@ -52,17 +51,16 @@ def _debug_flags(p: argparse.ArgumentParser, default: object) -> None:
 
 def _bench_parser(sub: argparse._SubParsersAction[Any]) -> None:
     from .bench.config import DTYPES
-    from .bench.runner import GRAPH_TREES, REFERENCE_VARIANT, VARIANT_MEANINGS, VARIANTS
+    from .bench.runner import GRAPH_TREES, REFERENCE_VARIANT, VARIANTS
 
-    width = max(map(len, VARIANT_MEANINGS))
+    width = max(map(len, VARIANTS))
     epilog = "\n".join([  # one line per variant, then the reference row
         "variants (--variants; each one a row per backend, measured in the same run):",
-        *(f"  {name.ljust(width)}  {meaning}" for name, meaning in VARIANT_MEANINGS.items()),
+        *(f"  {name.ljust(width)}  {v.meaning}" for name, v in VARIANTS.items()),
         f"{GRAPH_TREES} has no output modes: it ignores --variants and adds one row ({REFERENCE_VARIANT}).",
     ])
     p = sub.add_parser("bench", help="capture a model at SGLang's prefill sizes with each backend, sharing off and on",
                        epilog=epilog, formatter_class=argparse.RawDescriptionHelpFormatter)
-    _debug_flags(p, argparse.SUPPRESS)
     p.add_argument("--model", choices=("synthetic", "llama"), default="synthetic",
                    help="synthetic: our tokens-first decoder (default); llama: transformers' LlamaModel, random weights")
     p.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda when available)")
@@ -84,12 +82,12 @@ def _bench_parser(sub: argparse._SubParsersAction[Any]) -> None:
 def _bench(args: argparse.Namespace) -> int:
     from .bench.config import build_config
     from .bench.outdir import hold, write_pair
-    from .bench.output import PLOT_SKIPPED, format_table, write_json, write_plot
+    from .bench.output import PLOT_SKIPPED, format_table, row_line, write_json, write_plot
     from .bench.runner import GRAPH_TREES, cold_summary, graph_trees_row, run_variant, variants_for, warm_up
     from .registry import available_backends
 
     cfg = build_config(args, [*available_backends(), GRAPH_TREES])  # every check, before any work
-    with hold(cfg.out):  # refused when another live run holds --out
+    with hold(cfg.out) if cfg.out else contextlib.nullcontext():  # refused when another live run holds --out
         if ":" in cfg.device:  # pragma: no cover - CUDA only: streams and pools on the chosen GPU
             torch.cuda.set_device(torch.device(cfg.device))
         config = cfg.summary()
@@ -109,7 +107,7 @@ def _bench(args: argparse.Namespace) -> int:
                 row = (graph_trees_row(cfg.workload, cfg.sizes, **kw) if backend == GRAPH_TREES
                        else run_variant(backend, variant, cfg.workload, cfg.sizes, **kw))
                 rows.append(row)
-                print(f"  {backend}/{variant} done in {time.perf_counter() - t0:.1f} s: {row.summary()}", file=sys.stderr)
+                print(f"  {backend}/{variant} done in {time.perf_counter() - t0:.1f} s: {row_line(row)}", file=sys.stderr)
         print(format_table(rows, timings_meaningful=cfg.gpu))
         print(f"({time.perf_counter() - start:.1f} s)", file=sys.stderr)
         if cfg.out is not None:
@@ -148,19 +146,18 @@ def _parser() -> argparse.ArgumentParser:
     _debug_flags(parser, False)
     sub = parser.add_subparsers(dest="command", required=True)
     _bench_parser(sub)
-    backends = sub.add_parser("backends", help="list registered backends and the plugin of each; exit 1 if a plugin is broken")
-    _debug_flags(backends, argparse.SUPPRESS)
-    doctor = sub.add_parser("doctor", help="check the SGLang integration (version, hook targets, entry point, flag)")
-    _debug_flags(doctor, argparse.SUPPRESS)  # it takes no other argument: a stray one is one error: line here
+    sub.add_parser("backends", help="list registered backends and the plugin of each; exit 1 if a plugin is broken")
+    sub.add_parser("doctor", help="check the SGLang integration (version, hook targets, entry point, flag)")
     switch = sub.add_parser("switch", help="switch (or --show) the output mode of a running SGLang server "
                             "(POST/GET /bcg/output_mode; the server needs --admin-api-key)")
-    _debug_flags(switch, argparse.SUPPRESS)
     switch.add_argument("--url", required=True, help="the server, e.g. http://127.0.0.1:30000")
     switch.add_argument("--api-key", default=None, help="the server's --admin-api-key (default: $SGLANG_BCG_ADMIN_API_KEY)")
     switch.add_argument("--timeout", type=_positive, default=900, help="seconds to wait for the answer (default 900)")
     target = switch.add_mutually_exclusive_group(required=True)
     target.add_argument("mode", nargs="?", type=str.lower, choices=("off", "on", "released"), help="the new output mode")
     target.add_argument("--show", action="store_true", help="print the current mode and graph memory")
+    for command in sub.choices.values():  # after the command too; doctor takes nothing else
+        _debug_flags(command, argparse.SUPPRESS)
     return parser
 
 
@@ -198,7 +195,3 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"error: {line}", file=sys.stderr)
         return code
-
-
-if __name__ == "__main__":  # pragma: no cover
-    sys.exit(main())

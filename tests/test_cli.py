@@ -94,10 +94,14 @@ def test_bad_env_value_is_an_error(monkeypatch: pytest.MonkeyPatch, capsys: pyte
 def test_unwritable_out_is_caught_up_front(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str], no_work: None
 ) -> None:
-    def denied(*args: Any, **kwargs: Any) -> Any:
-        raise PermissionError(13, "Permission denied")
+    real_open = os.open
 
-    monkeypatch.setattr(outdir, "_probe", denied)  # root ignores chmod; simulate it
+    def denied(path: Any, *args: Any, **kwargs: Any) -> Any:
+        if ".bench.probe." in str(path):  # the probe file of the check
+            raise PermissionError(13, "Permission denied")
+        return real_open(path, *args, **kwargs)
+
+    monkeypatch.setattr(outdir.os, "open", denied)  # root ignores chmod; simulate it
     assert main(["bench", "--out", str(tmp_path / "new")]) == 2
     assert "not a writable directory (Permission denied)" in _one_error_line(capsys)
 
@@ -343,17 +347,16 @@ def test_help_and_getting_started_list_every_bench_option() -> None:
 
 def test_help_and_getting_started_say_what_each_variant_means(capsys: pytest.CaptureFixture[str]) -> None:
     """One line per variant, the same words in ``--help`` and in docs/getting-started.md."""
-    from sglang_bcg_plugin.bench.runner import VARIANT_MEANINGS, VARIANTS
+    from sglang_bcg_plugin.bench.runner import VARIANTS
 
-    assert list(VARIANT_MEANINGS) == list(VARIANTS)
     with pytest.raises(SystemExit) as info:
         main(["bench", "--help"])
     assert info.value.code == 0
     help_lines = [" ".join(line.split()) for line in capsys.readouterr().out.splitlines()]
     doc = (Path(__file__).resolve().parents[1] / "docs" / "getting-started.md").read_text()
-    for name, meaning in VARIANT_MEANINGS.items():
-        assert f"{name} {meaning}" in help_lines, name
-        assert f"  - `{name}`: {meaning}\n" in doc, name
+    for name, variant in VARIANTS.items():
+        assert f"{name} {variant.meaning}" in help_lines, name
+        assert f"  - `{name}`: {variant.meaning}\n" in doc, name
     assert "graph-trees has no output modes: it ignores --variants and adds one row (reference)." in help_lines
 
 

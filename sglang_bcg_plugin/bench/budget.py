@@ -4,8 +4,9 @@ memory (CPU: physical RAM), before any work (docs/getting-started.md)."""
 from __future__ import annotations
 
 import bisect
+import operator
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -26,17 +27,11 @@ def human_bytes(n: float) -> str:
     return f"{n:,.1f} PiB"
 
 
-#: Elements the eager segments (CPU) keep per captured token and layer, by workload and backend,
-#: from the hidden, query, key/value and MLP widths (fitted: docs/getting-started.md).
-TAPE_KEPT: dict[str, dict[str, Callable[[int, int, int, int], float]]] = {
-    "synthetic": {
-        "breakable": lambda h, q, kv, i: 6 * h + 2 * q + 2 * kv + 3 * i,
-        "piecewise": lambda h, q, kv, i: 2 * q + 2 * kv,
-    },
-    "llama": {
-        "breakable": lambda h, q, kv, i: 10 * h + 6.5 * q + 6.5 * kv + 4 * i,
-        "piecewise": lambda h, q, kv, i: 2 * q + 2 * kv,
-    },
+#: Elements the eager segments (CPU) keep per captured token and layer, by workload and backend:
+#: the factors of the hidden, query, key/value and MLP widths (fitted: docs/getting-started.md).
+TAPE_KEPT: dict[str, dict[str, tuple[float, float, float, float]]] = {
+    "synthetic": {"breakable": (6, 2, 2, 3), "piecewise": (0, 2, 2, 0)},
+    "llama": {"breakable": (10, 6.5, 6.5, 4), "piecewise": (0, 2, 2, 0)},
 }
 
 
@@ -48,7 +43,8 @@ def tape_kept_bytes(
         return 0
     q, kv = model.heads * model.head_dim, model.kv_heads * model.head_dim
     kept = TAPE_KEPT.get(workload, TAPE_KEPT["synthetic"])
-    per_token = max((kept[name](model.hidden, q, kv, model.intermediate) for name in backends if name in kept), default=0)
+    widths = (model.hidden, q, kv, model.intermediate)
+    per_token = max((sum(map(operator.mul, kept[name], widths)) for name in backends if name in kept), default=0)
     return int(per_token * model.layers * sizes.total * model.dtype.itemsize)
 
 

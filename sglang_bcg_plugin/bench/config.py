@@ -7,9 +7,8 @@ import argparse
 import os
 import re
 from collections.abc import Iterable
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -24,13 +23,11 @@ from .workload import WORKLOADS, ModelShape, Workload
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}
-_DEVICE = re.compile(r"cpu|cuda(:\d+)?")
 #: The largest ``--max-tokens`` accepted before the memory check (2**40 tokens).
 MAX_TOKENS_LIMIT = 1 << 40
 
 
-@dataclass(frozen=True)
-class BenchConfig:
+class BenchConfig(NamedTuple):
     """A validated ``sglang-bcg bench`` run."""
 
     device: str
@@ -43,18 +40,13 @@ class BenchConfig:
     out: Path | None
     progress: bool
     notes: list[str]
-
-    @property
-    def gpu(self) -> bool:
-        return self.device.startswith("cuda")
+    gpu: bool
 
     def summary(self) -> dict[str, Any]:
         """The ``config`` object of ``bench.json``."""
-        m = self.workload.shape
+        shape = {k: v for k, v in vars(self.workload.shape).items() if k != "device"}  # hidden ... dtype
         return {
-            "model": self.workload.name, "hidden": m.hidden, "layers": m.layers, "heads": m.heads,
-            "kv_heads": m.kv_heads, "head_dim": m.head_dim,
-            "intermediate": m.intermediate, "dtype": str(m.dtype).removeprefix("torch."),
+            "model": self.workload.name, **shape, "dtype": str(shape["dtype"]).removeprefix("torch."),
             "max_tokens": max(self.sizes), "num_sizes": len(self.sizes), "repeats": self.repeats,
             "backends": self.backends, "variants": self.variants, "torch": torch.__version__,
         }
@@ -63,22 +55,21 @@ class BenchConfig:
 def _device(raw: str | None) -> str:
     if raw is None:
         return "cuda" if torch.cuda.is_available() else "cpu"
-    if not _DEVICE.fullmatch(raw):
+    if not re.fullmatch(r"cpu|cuda(:\d+)?", raw):
         msg = f"--device {shown(raw)} is not supported; use cpu, cuda or cuda:N"
         raise UsageError(msg)
     if raw.startswith("cuda"):
         if not torch.cuda.is_available():
             msg = f"--device {raw} but CUDA is not available to torch {torch.__version__}; use --device cpu"
             raise UsageError(msg)
-        index = int(raw.partition(":")[2] or 0)
-        if index >= torch.cuda.device_count():
-            count = torch.cuda.device_count()
+        count = torch.cuda.device_count()
+        if int(raw.partition(":")[2] or 0) >= count:
             msg = f"--device {raw}: this machine has {count} CUDA device(s); use cuda:0 to cuda:{count - 1}"
             raise UsageError(msg)
     return raw
 
 
-def _names(flag: str, raw: str, choices: Iterable[str], *, unknown: str) -> list[str]:
+def _names(flag: str, raw: str, choices: Iterable[str]) -> list[str]:
     """Comma-separated names: none empty, none twice, all known."""
     choices = list(choices)
     hint = f"give a comma-separated list of: {', '.join(choices)}"
@@ -95,7 +86,7 @@ def _names(flag: str, raw: str, choices: Iterable[str], *, unknown: str) -> list
         raise UsageError(msg)
     bad = sorted(set(names) - set(choices))
     if bad:
-        msg = f"{unknown} {shown(bad)}; {hint}"
+        msg = f"unknown {flag.removeprefix('--')} {shown(bad)}; {hint}"
         raise UsageError(msg)
     return names
 
@@ -161,12 +152,9 @@ def _variant_rows(backends: list[str], variants: list[str], available: list[str]
                f"--backends {','.join(backends)} has none of them: add {_or(by)} to --backends or drop {what} "
                "from --variants")
         raise UsageError(msg)
-    notes = []
-    for b in ours:
-        skipped = [v for v in variants if not runs(b, v)]
-        if skipped:
-            notes.append(f"note: {b} does not run --variants {', '.join(skipped)} (no compiled callable): no row for it")
-    return notes
+    skipped = {b: ", ".join(v for v in variants if not runs(b, v)) for b in ours}
+    return [f"note: {b} does not run --variants {s} (no compiled callable): no row for it"
+            for b, s in skipped.items() if s]
 
 
 def build_config(args: argparse.Namespace, available_backends: list[str]) -> BenchConfig:
@@ -175,9 +163,8 @@ def build_config(args: argparse.Namespace, available_backends: list[str]) -> Ben
     :raises UsageError: the first problem found."""
     device = _device(args.device)
     gpu = device.startswith("cuda")
-    backends = _names("--backends", args.backends, available_backends, unknown="unknown backends")
-    variants = _names("--variants", args.variants or ("off,on,floor,guard" if gpu else "off,on"), VARIANTS,
-                      unknown="unknown variants")
+    backends = _names("--backends", args.backends, available_backends)
+    variants = _names("--variants", args.variants or ("off,on,floor,guard" if gpu else "off,on"), VARIANTS)
     notes = _variant_rows(backends, variants, available_backends)
     try:
         env = parse_mode_text(os.environ.get(ENV_SHARE_OUTPUT))
@@ -207,5 +194,5 @@ def build_config(args: argparse.Namespace, available_backends: list[str]) -> Ben
     return BenchConfig(
         device=device, device_name=torch.cuda.get_device_name(device) if gpu else "cpu", backends=backends,
         variants=variants, workload=workload, sizes=prefill_capture_sizes(max_tokens),
-        repeats=args.repeats or (50 if gpu else 10), out=out, progress=not args.no_progress, notes=notes,
+        repeats=args.repeats or (50 if gpu else 10), out=out, progress=not args.no_progress, notes=notes, gpu=gpu,
     )

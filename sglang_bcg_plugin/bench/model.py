@@ -75,7 +75,7 @@ class SyntheticDecoder(torch.nn.Module):
             if n % world:
                 msg = f"{what} {n} does not split over {world} ranks"
                 raise ValueError(msg)
-        self.cfg, self.attention, self.reduce = cfg, attention, reduce
+        self.cfg, self.attention, self.reduce = cfg, attention, reduce or (lambda x: x)
         head_dim = cfg.head_dim or cfg.hidden // cfg.heads
         self.heads, self.kv_heads = cfg.heads // world, cfg.kv_heads // world
         self.q_cols, self.kv_cols = self.heads * head_dim, self.kv_heads * head_dim
@@ -101,9 +101,6 @@ class SyntheticDecoder(torch.nn.Module):
         self.gate_up = torch.nn.ParameterList(w(2 * cfg.intermediate, cfg.hidden, gate_up) for _ in range(cfg.layers))
         self.down = torch.nn.ParameterList(w(cfg.hidden, cfg.intermediate, lambda t: t[:, part(0, inter)]) for _ in range(cfg.layers))
 
-    def _reduce(self, x: torch.Tensor) -> torch.Tensor:
-        return x if self.reduce is None else self.reduce(x)
-
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
         return F.rms_norm(x, (self.cfg.hidden,), eps=1e-6)
 
@@ -111,19 +108,19 @@ class SyntheticDecoder(torch.nn.Module):
         cfg = self.cfg
         h = x
         for i in range(cfg.layers):
-            # like a serving kernel stack (in-place adds, references dropped early): the pool holds a prefill's
+            # like a serving kernel stack: in-place adds, references dropped early
             qkv = F.linear(self._norm(h), self.qkv[i])
             q, k, v = qkv.split([self.q_cols, self.kv_cols, self.kv_cols], dim=-1)
             out = torch.empty(h.shape[0], self.q_cols, dtype=h.dtype, device=h.device)
             self.attention(q, k, v, out, self.heads, self.kv_heads)
             del qkv, q, k, v
-            attn = self._reduce(F.linear(out, self.o[i]))  # row-parallel o_proj: reduced inside the graph
+            attn = self.reduce(F.linear(out, self.o[i]))  # row-parallel o_proj: reduced inside the graph
             del out
             h = h + attn if i == 0 else h.add_(attn)  # never write the static input in place
             del attn
             gate, up = F.linear(self._norm(h), self.gate_up[i]).chunk(2, dim=-1)
             act = F.silu(gate).mul_(up)  # one temporary, like a fused silu_and_mul
             del gate, up
-            h.add_(self._reduce(F.linear(act, self.down[i])))  # row-parallel down
+            h.add_(self.reduce(F.linear(act, self.down[i])))  # row-parallel down
             del act
         return self._norm(h)

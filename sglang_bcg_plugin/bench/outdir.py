@@ -39,7 +39,9 @@ def check_out_dir(raw: str) -> Path:
             msg = f"--out {shown(raw)} is an existing file; give a directory (bench.json and bench.png are written into it)"
             raise UsageError(msg)
         out.mkdir(parents=True, exist_ok=True)
-        _probe(out)
+        probe = out / f".bench.probe.{os.getpid()}"  # a file can be created and removed there
+        os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+        probe.unlink()
         st = os.statvfs(out) if hasattr(os, "statvfs") else None
         free = None if st is None else st.f_bavail * st.f_frsize
         for name in (BENCH_JSON, BENCH_PNG):  # must be a regular file (or link to one), if there
@@ -59,13 +61,6 @@ def check_out_dir(raw: str) -> Path:
                f"{human_bytes(MIN_FREE_BYTES)}: free some space or give another --out")
         raise UsageError(msg)
     return out
-
-
-def _probe(out: Path) -> None:
-    """Create and remove a file in ``out`` (an ``OSError`` when that cannot be done)."""
-    probe = out / f".bench.probe.{os.getpid()}"
-    os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
-    probe.unlink()
 
 
 def _read_pid(path: Path) -> int | None:
@@ -106,12 +101,9 @@ def _take_over(out: Path, lock: Path, stale: int | None) -> None:
 
 
 @contextlib.contextmanager
-def hold(out: Path | None) -> Iterator[None]:
-    """Hold ``out`` for this run (nothing when ``None``): a lock file with our pid, taken over
-    from a dead run. :raises UsageError: another live run holds it."""
-    if out is None:
-        yield
-        return
+def hold(out: Path) -> Iterator[None]:
+    """Hold ``out`` for this run: a lock file with our pid, taken over from a dead run.
+    :raises UsageError: another live run holds it."""
     lock = out / LOCK
     try:
         for _ in range(3):

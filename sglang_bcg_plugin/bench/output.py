@@ -5,9 +5,8 @@ from __future__ import annotations
 import datetime
 import json
 import math
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -48,21 +47,24 @@ def _ratio(on: float | None, off: float | None) -> float | None:
     return on / off if on is not None and off else None
 
 
+def row_line(r: BenchRow) -> str:
+    """One line for the progress log (the table has everything)."""
+    forecast = "" if r.forecast_bytes is None else f", forecast {_mib(r.forecast_bytes)} MiB"
+    return (f"resident {r.resident_output_bytes / MIB:,.2f} MiB, graph {_mib(r.graph_memory_bytes)} MiB, bridges "
+            f"{_mib(r.bridge_bytes)} MiB, capture {r.capture_s:.2f} s, replay {r.replay_ms:.3f} ms, max abs err "
+            f"{_cell(r.max_abs_err, '.3g')}, fallbacks {r.fallbacks}{forecast}")
+
+
 def ratios(rows: list[BenchRow], *, timings_meaningful: bool = True) -> dict[str, dict[str, float | None]]:
     """Per backend: sharing-on / sharing-off ratios (the timing ones ``None`` unless meaningful)."""
-    out: dict[str, dict[str, float | None]] = {}
-    by = {(r.backend, r.variant): r for r in rows}
-    for backend in dict.fromkeys(r.backend for r in rows):
-        on, off = by.get((backend, "on")), by.get((backend, "off"))
-        if on is None or off is None:
-            continue
-        out[backend] = {
-            "graph_memory_on_over_off": _ratio(on.graph_memory_bytes, off.graph_memory_bytes),
-            "resident_on_over_off": _ratio(on.resident_output_bytes, off.resident_output_bytes),
-            "replay_on_over_off": _ratio(on.replay_ms, off.replay_ms) if timings_meaningful else None,
-            "capture_on_over_off": _ratio(on.capture_s, off.capture_s) if timings_meaningful else None,
-        }
-    return out
+    offs = {r.backend: r for r in rows if r.variant == "off"}
+    ons = {r.backend: r for r in rows if r.variant == "on" and r.backend in offs}
+    return {backend: {
+        "graph_memory_on_over_off": _ratio(on.graph_memory_bytes, offs[backend].graph_memory_bytes),
+        "resident_on_over_off": _ratio(on.resident_output_bytes, offs[backend].resident_output_bytes),
+        "replay_on_over_off": _ratio(on.replay_ms, offs[backend].replay_ms) if timings_meaningful else None,
+        "capture_on_over_off": _ratio(on.capture_s, offs[backend].capture_s) if timings_meaningful else None,
+    } for backend, on in ons.items()}
 
 
 def format_table(rows: list[BenchRow], *, timings_meaningful: bool = True) -> str:
@@ -119,8 +121,7 @@ NO_RESIDENT_CAPTION = ("graph-trees: no memory bar: resident output does not app
                        "past the next step); graph memory is measured on CUDA only")
 
 
-@dataclass(frozen=True)
-class PlotBar:
+class PlotBar(NamedTuple):
     """One bar per panel: a row's ``values`` (``PLOT_METRICS`` keys; ``None``: the metric does
     not apply, no bar is drawn) and its replay spread (below, above the median)."""
 
@@ -131,8 +132,7 @@ class PlotBar:
     forecast_mib: float | None = None  # the forecast made before capture (graph memory only)
 
 
-@dataclass(frozen=True)
-class PlotGroup:
+class PlotGroup(NamedTuple):
     """The bars of one backend, side by side; ``reference``: torch's Graph Trees, its own group."""
 
     backend: str
@@ -141,15 +141,10 @@ class PlotGroup:
     bars: list[PlotBar]
 
 
-def _bar(row: BenchRow, *, graph_memory: bool, reference: bool) -> PlotBar:
-    if graph_memory:
-        held = row.graph_memory_bytes
-    else:  # resident output: ours hold outputs, Graph Trees hold none past the next step
-        held = None if reference else row.resident_output_bytes
-    variant = VARIANTS.get(row.variant)
-    label = variant.label if variant else row.variant
-    if reference:
-        label = GRAPH_TREES_LABEL if graph_memory else GRAPH_TREES_CPU_LABEL
+def _bar(row: BenchRow, graph_memory: bool) -> PlotBar:
+    reference = row.backend == GRAPH_TREES  # resident output: Graph Trees hold none past the next step
+    held = row.graph_memory_bytes if graph_memory else None if reference else row.resident_output_bytes
+    label = (GRAPH_TREES_LABEL if graph_memory else GRAPH_TREES_CPU_LABEL) if reference else VARIANTS[row.variant].label
     lo, hi = min(row.replay_ms_min, row.replay_ms), max(row.replay_ms_max, row.replay_ms)
     values = {"memory_mib": None if held is None else held / MIB, "replay_ms": row.replay_ms}
     forecast = row.forecast_bytes / MIB if graph_memory and row.forecast_bytes is not None else None
@@ -159,15 +154,12 @@ def _bar(row: BenchRow, *, graph_memory: bool, reference: bool) -> PlotBar:
 def plot_groups(rows: list[BenchRow], *, graph_memory: bool) -> list[PlotGroup]:
     """``bench.png``'s bar groups: one per backend of ours, in row order, then Graph Trees' own;
     ``graph_memory``: the memory panel shows graph memory (CUDA), else resident output memory."""
-    ours = [b for b in dict.fromkeys(r.backend for r in rows) if b != GRAPH_TREES]
-    groups = [
-        PlotGroup(b, b, False, [_bar(r, graph_memory=graph_memory, reference=False) for r in rows if r.backend == b])
-        for b in ours
+    backends = sorted(dict.fromkeys(r.backend for r in rows), key=lambda b: b == GRAPH_TREES)  # stable: GT last
+    return [
+        PlotGroup(b, "graph-trees\n(torch's CUDA\nGraph Trees)" if b == GRAPH_TREES else b, b == GRAPH_TREES,
+                  [_bar(r, graph_memory) for r in rows if r.backend == b])
+        for b in backends
     ]
-    reference = [_bar(r, graph_memory=graph_memory, reference=True) for r in rows if r.backend == GRAPH_TREES]
-    if reference:
-        groups.append(PlotGroup(GRAPH_TREES, "graph-trees\n(torch's CUDA\nGraph Trees)", True, reference))
-    return groups
 
 
 def _draw(axes: dict[str, Any], groups: list[PlotGroup]) -> bool:
@@ -178,8 +170,7 @@ def _draw(axes: dict[str, Any], groups: list[PlotGroup]) -> bool:
     for j, group in enumerate(groups):
         for i, bar in enumerate(group.bars):
             x = j + (i - (len(group.bars) - 1) / 2) * width
-            variant = VARIANTS.get(bar.variant)
-            color = REFERENCE_COLOR if group.reference else variant.color if variant else None
+            color = REFERENCE_COLOR if group.reference else VARIANTS[bar.variant].color
             style = {"color": color, "hatch": "//" if group.reference else None,
                      "edgecolor": "white" if group.reference else None,
                      "label": bar.label if bar.label not in seen else "_nolegend_"}

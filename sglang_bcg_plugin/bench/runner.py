@@ -9,9 +9,8 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
-from contextlib import AbstractContextManager
 from dataclasses import asdict, dataclass, field
-from typing import Any, Literal, TextIO
+from typing import Any, Literal, NamedTuple, TextIO
 
 import torch
 
@@ -32,20 +31,17 @@ GRAPH_TREES = "graph-trees"
 REFERENCE_VARIANT = "reference"
 
 
-@dataclass(frozen=True)
-class Variant:
-    """How one bench variant captures, its ``--help`` line and its legend label in ``bench.png``."""
+class Variant(NamedTuple):
+    """How one bench variant captures (``options``: its ``BackendOptions`` but the engine), its
+    ``--help`` line and its legend label in ``bench.png``."""
 
     share: bool | Literal["released"]
     meaning: str
     label: str
     color: str
-    keep: bool = True
-    guard: bool = False
-    shared_buffer: str = "auto"
-    inductor: bool = False
-    pool_reserve: str = "off"
-    pool_segments: str = "fixed"
+    keep: bool
+    inductor: bool
+    options: dict[str, Any]
 
 
 def _variant(name: str, meaning: str, label: str, color: str) -> Variant:
@@ -53,12 +49,11 @@ def _variant(name: str, meaning: str, label: str, color: str) -> Variant:
     nothing, ``*released`` releases, ``guard``, ``adopt``/``reserve`` (the buffer source), ``inductor*``,
     ``*packed*`` (``pool_reserve="auto"``), ``*expandable*`` (``pool_segments="expandable"``)."""
     share: bool | Literal["released"] = "released" if name.endswith("released") else name not in ("off", "floor")
-    return Variant(
-        share, meaning, label, color, keep=name != "floor", guard=name == "guard",
-        shared_buffer=name if name in ("adopt", "reserve") else "auto", inductor=name.startswith("inductor"),
-        pool_reserve="auto" if "packed" in name else "off",
-        pool_segments="expandable" if "expandable" in name else "fixed",
-    )
+    options = {"output_mode": mode_of_option(share), "stale_output_guard": name == "guard",
+               "shared_buffer": name if name in ("adopt", "reserve") else "auto",
+               "pool_reserve": "auto" if "packed" in name else "off",
+               "pool_segments": "expandable" if "expandable" in name else "fixed"}
+    return Variant(share, meaning, label, color, name != "floor", name.startswith("inductor"), options)
 
 
 _ON, _RELEASED, _BLOCK = "sharing on", "outputs released", "pool as one block"
@@ -92,8 +87,6 @@ VARIANTS = {name: _variant(name, *about) for name, about in {
     "inductor-expandable-released": (f"released outputs, Inductor first, {_GROWN} (CUDA)",
                                      f"{_RELEASED}, Inductor, {_EXPANDABLE}", "#7f6084"),
 }.items()}
-#: One line per variant: ``sglang-bcg bench --help`` prints them.
-VARIANT_MEANINGS = {name: v.meaning for name, v in VARIANTS.items()}
 
 
 def runs(backend: str, variant: str) -> bool:
@@ -141,17 +134,6 @@ class BenchRow:
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
-    def summary(self) -> str:
-        """One line for the progress log (the table has everything)."""
-        graph = "-" if self.graph_memory_bytes is None else f"{self.graph_memory_bytes / 2**20:,.1f}"
-        err = "-" if self.max_abs_err is None else f"{self.max_abs_err:.3g}"
-        return (
-            f"resident {self.resident_output_bytes / 2**20:,.2f} MiB, graph {graph} MiB, "
-            f"bridges {self.bridge_bytes / 2**20:,.1f} MiB, capture {self.capture_s:.2f} s, "
-            f"replay {self.replay_ms:.3f} ms, max abs err {err}, fallbacks {self.fallbacks}"
-            + ("" if self.forecast_bytes is None else f", forecast {self.forecast_bytes / 2**20:,.1f} MiB")
-        )
-
 
 def per_size_rows(report: MemoryReport, compile_s: dict[Any, float] | None = None) -> list[dict[str, Any]]:
     """``bench.json``'s per-size rows from ``memory_report().keys``; ``compile_s`` per key is taken
@@ -189,28 +171,17 @@ class LineProgress:
     """tqdm's ``update``/``close`` subset, written as one rewritten stderr line (without tqdm)."""
 
     def __init__(self, total: int, desc: str, stream: TextIO, enabled: bool) -> None:
-        self.total, self.desc, self.stream, self.enabled = total, desc, stream, enabled
-        self.n = 0
+        self.total, self.desc, self.stream, self.enabled, self.n = total, desc, stream, enabled, 0
 
     def update(self, n: int = 1) -> None:
         self.n += n
         if self.enabled:
-            self.stream.write(f"\r{self.desc}: {self.n}/{self.total} sizes")
-            self.stream.flush()
+            print(f"\r{self.desc}: {self.n}/{self.total} sizes", end="", file=self.stream, flush=True)
 
     def close(self) -> None:
         if self.enabled and self.n:
-            self.stream.write("\r" + " " * (len(self.desc) + 2 * len(str(self.total)) + 10) + "\r")
-            self.stream.flush()
-
-
-def progress_bar(total: int, desc: str, enabled: bool) -> Any:
-    """A progress bar over ``total`` capture sizes: tqdm when installed (the ``[bench]`` extra)."""
-    try:
-        from tqdm import tqdm
-    except ImportError:
-        return LineProgress(total, desc, sys.stderr, enabled)
-    return tqdm(total=total, desc=desc, unit="size", file=sys.stderr, disable=not enabled, leave=False)
+            blank = " " * (len(self.desc) + 2 * len(str(self.total)) + 10)
+            print(f"\r{blank}\r", end="", file=self.stream, flush=True)
 
 
 def _sync(device: str) -> None:
@@ -232,15 +203,21 @@ def max_abs_error(out: Any, ref: Any) -> float:
 
 
 def _capture_all(
-    device: str, sizes: list[int], label: str, progress: bool, session: AbstractContextManager[Any],
+    device: str, sizes: list[int], label: str, progress: bool, session: contextlib.AbstractContextManager[Any],
     capture: Callable[[int], None],
 ) -> tuple[float, int | None]:
-    """``capture(size)`` for every size, largest first, inside ``session``: the seconds it took and
-    the device memory it kept (``None`` off CUDA)."""
+    """``capture(size)`` for every size, largest first, inside ``session``, under a progress bar (tqdm
+    when installed): the seconds it took and the device memory it kept (``None`` off CUDA)."""
     free_before = _free_bytes(device)
     start = time.perf_counter()
     with torch.no_grad(), session:
-        bar = progress_bar(len(sizes), label, progress)
+        try:
+            from tqdm import tqdm
+        except ImportError:  # without the [bench] extra
+            bar: Any = LineProgress(len(sizes), label, sys.stderr, progress)
+        else:
+            bar = tqdm(total=len(sizes), desc=label, unit="size", file=sys.stderr, disable=not progress,
+                       leave=False)
         try:
             for size in sorted(sizes, reverse=True):
                 capture(size)
@@ -249,8 +226,7 @@ def _capture_all(
             bar.close()  # a clean stderr line for an error or Ctrl-C
     _sync(device)
     seconds = time.perf_counter() - start
-    free_after = _free_bytes(device)
-    return seconds, None if free_before is None or free_after is None else free_before - free_after
+    return seconds, None if free_before is None else free_before - device_free_bytes()
 
 
 def _fresh(workload: Workload, model_backend: str, sizes: list[int]) -> tuple[Callable[..., Any], Any]:
@@ -272,10 +248,8 @@ def _replay_all(
     device = workload.shape.device
     with torch.no_grad():
         workload.refill(static)  # inputs change after capture
-        max_err = None
-        if model is not None:
-            errors = (max_abs_error(replay(s), workload.call(model, static, s)) for s in sorted(sizes, reverse=True))
-            max_err = max([0.0, *errors])
+        max_err = None if model is None else max([0.0, *(
+            max_abs_error(replay(s), workload.call(model, static, s)) for s in sorted(sizes, reverse=True))])
         for _ in range(3):
             replay(max(sizes))
         _sync(device)
@@ -305,11 +279,7 @@ def run_variant(
     v = VARIANTS[variant]
     device = workload.shape.device
     model, static = _fresh(workload, backend_name, sizes)
-    options = BackendOptions(
-        output_mode=mode_of_option(v.share), engine="cuda" if device.startswith("cuda") else "eager",
-        stale_output_guard=v.guard, shared_buffer=v.shared_buffer,  # type: ignore[arg-type]
-        pool_reserve=v.pool_reserve, pool_segments=v.pool_segments,  # type: ignore[arg-type]
-    )
+    options = BackendOptions(engine="cuda" if device.startswith("cuda") else "eager", **v.options)
     piecewise = {"splitting_ops": list(workload.splitting_ops), "inductor": v.inductor}
     kwargs: dict[str, Any] = piecewise if backend_name == "piecewise" else {}
     backend = create_backend(backend_name, options=options, **kwargs)
@@ -401,10 +371,10 @@ def graph_trees_row(
         out = None
         for _ in range(1 + num_warmups):
             out = step(size)  # the previous step's output is alive meanwhile, as in a serving loop
-        logical[0] += sum(t.numel() * t.element_size() for _, t in flatten(out)[1])
+        logical[0] += sum(t.nbytes for _, t in flatten(out)[1])
 
-    label = f"{GRAPH_TREES}/{REFERENCE_VARIANT}"
-    elapsed, graph_bytes = _capture_all(device, sizes, label, progress, contextlib.nullcontext(), capture)
+    elapsed, graph_bytes = _capture_all(device, sizes, f"{GRAPH_TREES}/{REFERENCE_VARIANT}", progress,
+                                        contextlib.nullcontext(), capture)
     compile_s = compiled.seconds
     replayed = _replay_all(workload, sizes, static, step, model, repeats)
     del compiled, model
@@ -423,15 +393,11 @@ def warm_up(workload: Workload, backends: list[str], sizes: list[int] | None = N
     """On CUDA with ``sizes``, the whole schedule once per backend (released), the first after its
     forecast and returned (the cold row, :func:`cold_summary`; ``None`` elsewhere); then one capture
     cycle per backend at the smallest size."""
-    cold = None
-    if sizes and workload.shape.device.startswith("cuda"):
-        for name in backends:
-            row = run_variant(name, "released", workload, sizes, repeats=1, progress=False, forecast=cold is None)
-            if cold is None:
-                cold = row
+    rows = [run_variant(name, "released", workload, sizes, repeats=1, progress=False, forecast=i == 0)
+            for i, name in enumerate(backends) if sizes and workload.shape.device.startswith("cuda")]
     for name in backends:
         run_variant(name, "off", workload, prefill_capture_sizes(4), repeats=1, progress=False, forecast=False)
-    return cold
+    return rows[0] if rows else None
 
 
 def cold_summary(row: BenchRow | None) -> dict[str, Any] | None:

@@ -19,30 +19,23 @@ class SizeStats(NamedTuple):
     largest: int
 
 
-def _check(max_tokens: int) -> None:
+def _runs(max_tokens: int) -> list[range]:
+    """The schedule's runs, each cut at ``max_tokens`` (lazy ``range`` objects). :raises ValueError: not an int >= 4."""
     if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < MIN_CAPTURE_SIZE:
         msg = f"max_tokens must be an int >= {MIN_CAPTURE_SIZE} (the smallest prefill capture size), got {max_tokens!r}"
         raise ValueError(msg)
-
-
-def _runs(max_tokens: int) -> list[range]:
-    """The schedule's runs, each cut at ``max_tokens`` (lazy ``range`` objects)."""
     return [range(start, min(stop or max_tokens + 1, max_tokens + 1), step) for start, stop, step in _RUNS]
 
 
 def capture_size_stats(max_tokens: int) -> SizeStats:
     """:func:`prefill_capture_sizes`' length, sum and maximum, in constant time."""
-    _check(max_tokens)
     count = total = largest = 0
-    for r in _runs(max_tokens):
-        n = (r.stop - r.start + r.step - 1) // r.step if r.stop > r.start else 0  # len() overflows past 2**63
-        if n:
-            last = r.start + (n - 1) * r.step
-            count, total, largest = count + n, total + n * (r.start + last) // 2, last
+    for r in filter(None, _runs(max_tokens)):  # len() overflows past 2**63
+        n = (r[-1] - r.start) // r.step + 1
+        count, total, largest = count + n, total + n * (r.start + r[-1]) // 2, r[-1]
     return SizeStats(count, total, largest)
 
 
 def prefill_capture_sizes(max_tokens: int) -> list[int]:
     """Token counts SGLang 0.5.23 captures for prefill, ascending, up to ``max_tokens``."""
-    _check(max_tokens)
     return [s for r in _runs(max_tokens) for s in r]

@@ -3,8 +3,7 @@
 
 from __future__ import annotations
 
-#: Characters of a user's value echoed in a message before it is cut.
-SHOWN_CHARS = 80
+from .. import _words
 
 
 class UsageError(ValueError):
@@ -12,10 +11,9 @@ class UsageError(ValueError):
 
 
 def shown(value: object, *, quote: bool | None = None) -> str:
-    """A user's value for a message, cut to ``SHOWN_CHARS`` characters with ``…`` and the full
-    length; ``quote``: ``repr`` it (default: strings only)."""
-    text = str(value)
-    show = repr if (isinstance(value, str) if quote is None else quote) else str
-    if len(text) <= SHOWN_CHARS:
-        return show(text)
-    return f"{show(text[:SHOWN_CHARS])}… ({len(text)} characters)"
+    """A user's value for a message, cut as :func:`.._words.shown` cuts it; ``quote``: ``repr`` it
+    (default: strings only)."""
+    text, cut = str(value), _words.SHOWN_CHARS
+    if isinstance(value, str) if quote is None else quote:
+        return _words.shown(text)
+    return text if len(text) <= cut else f"{text[:cut]}… ({len(text)} characters)"

@@ -64,12 +64,11 @@ class SyntheticWorkload(Workload):
     """The synthetic tokens-first decoder (``bench/model.py``)."""
 
     name = "synthetic"
+    splitting_ops = (torch.ops.sglang_bcg_bench.attention.default,)
 
     def __init__(self, shape: ModelShape) -> None:
         super().__init__(shape)
-        s = shape
-        self.cfg = DecoderConfig(s.hidden, s.layers, s.heads, s.kv_heads, s.intermediate, s.dtype, s.device)
-        self.splitting_ops = (torch.ops.sglang_bcg_bench.attention.default,)
+        self.cfg = DecoderConfig(**{k: v for k, v in vars(shape).items() if k != "head_dim"})  # hidden / heads
 
     def model_for(self, backend: str, max_tokens: int) -> Callable[..., Any]:
         return SyntheticDecoder(self.cfg, attention=attention_op if backend != "breakable" else attention_break)
@@ -167,12 +166,12 @@ class LlamaWorkload(Workload):
     name = "llama"
     dynamic_dim = 1
     vocab = 1024
+    splitting_ops = (torch.ops.sglang_bcg_bench.llama_attention.default,)
 
     def __init__(self, shape: ModelShape) -> None:
         super().__init__(shape)
         register_attention()  # without transformers: a UsageError naming the extra
         llama_config(shape, 16, self.vocab)  # transformers' own checks, before any work (a UsageError)
-        self.splitting_ops = (torch.ops.sglang_bcg_bench.llama_attention.default,)
 
     def model_for(self, backend: str, max_tokens: int) -> Callable[..., Any]:
         """A ``LlamaModel`` with random weights (seeded: the same for every backend's attention)."""
