@@ -195,3 +195,7 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"error: {line}", file=sys.stderr)
         return code
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

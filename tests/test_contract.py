@@ -26,6 +26,7 @@ from sglang_bcg_plugin import (
     create_backend,
     graph_break,
 )
+from sglang_bcg_plugin.plugin import CaptureState
 
 H = 8
 SIZES = [16, 8, 3]
@@ -155,6 +156,9 @@ def test_session_rules(name: str) -> None:
             h.backend.cleanup()
     with pytest.raises(KeyError, match=r"never captured .* captured sizes: \[3\]"):
         h.backend.replay(ShapeKey(4))
+    # a plugin's engine driving the state itself (plugin API) gets the same error outside a session
+    with pytest.raises(CaptureStateError, match="must run inside"):
+        CaptureState(name, "eager").commit(ShapeKey(5), graph=object())
 
 
 def test_cleanup_releases_everything_and_allows_recapture(name: str) -> None:

@@ -105,18 +105,20 @@ class CaptureState:
         """The output mode of the latest session and why."""
         return None if self.plan is None else self.plan.resolution
 
-    def begin(self, key: Hashable) -> None:
-        """:raises CaptureStateError: no session is open."""
+    def begin(self, key: Hashable) -> SessionPlan:
+        """The open session's plan. :raises CaptureStateError: no session is open."""
         if self._open is None:
             msg = f"{self.name} backend: capture_one({key!r}) must run inside `with backend.capture_session():`"
             raise CaptureStateError(msg)
+        return self._open
 
     def commit(self, key: Hashable, *, graph: Any, num_segments: int | None = None, capture_inputs: Any = None,
                seconds: float | None = None, memory_bytes: int | None = None, can_release: bool = True) -> Any:
         """Commit ``key``'s placement and record the key; returns the output to hand out. ``graph``: one
         of ours (``num_segments=None``: its ``output`` is set here) or another engine's. The caller
-        drops its own references to the placed output (a released output is a non-owning alias). After :meth:`begin`."""
-        assert self._open is not None
+        drops its own references to the placed output (a released output is a non-owning alias).
+        :raises CaptureStateError: no session is open."""
+        session = self.begin(key)
         placed = self.policy.commit(key, can_release=can_release)
         if num_segments is None:
             graph.output = placed.output
@@ -126,7 +128,7 @@ class CaptureState:
         self._entries[key] = _Entry(
             key, held, capture_inputs, placed.shared, placed.fallback, placed.logical_bytes, seconds=seconds,
             memory_bytes=memory_bytes, released=placed.released,
-            input_ptrs=input_pointers(capture_inputs) if self._open.check_inputs else None,
+            input_ptrs=input_pointers(capture_inputs) if session.check_inputs else None,
         )
         return placed.output
 
