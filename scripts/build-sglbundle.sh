@@ -8,6 +8,10 @@
 #
 # Usage: bash scripts/build-sglbundle.sh [RELEASE] [BUNDLE_DIR]
 #        (RELEASE default 0.5.23; BUNDLE_DIR default .sglbundle for 0.5.23, .sglbundle-RELEASE else)
+#        env PACK=1: also write BUNDLE_DIR.tgz for a device call to carry; where that is over 60 MiB
+#        (0.5.13-0.5.21: about 85 MiB), BUNDLE_DIR.tgz without wheels-large/ and BUNDLE_DIR-large.tgz
+#        with it, carried by two calls of one warm machine, each unpacked with `tar xzf` in the
+#        checkout root (the unpacked folder is git-ignored, so it stays between the two calls).
 set -euo pipefail
 R="${1:-0.5.23}"
 if [[ "$R" == 0.5.23 ]]; then B="${2:-.sglbundle}"; else B="${2:-.sglbundle-$R}"; fi
@@ -60,3 +64,15 @@ cp -R "$HERE/sglbundle/standins" "$B/standins"
 cp "$HERE/../tests/sglang/torchvision_standin.py" "$B/standins/torchvision_standin.py"
 echo "$R" > "$B/RELEASE"
 echo "build-sglbundle: SGLang $R, $(du -sh "$B" | cut -f1) in $B; on the GPU machine: source $B/install.sh"
+if [[ "${PACK:-0}" == 1 ]]; then
+    T="$B.tgz" L="$B-large.tgz"
+    rm -f "$T" "$L"
+    tar czf "$T" "$B"
+    if (( $(stat -c %s "$T") > 60 << 20 )); then
+        tar czf "$T" --exclude="$B/wheels-large" "$B"
+        tar czf "$L" "$B/wheels-large"
+    fi
+    for f in "$T" "$L"; do
+        if [[ -f "$f" ]]; then echo "build-sglbundle: $(( $(stat -c %s "$f") >> 20 )) MiB -> $f"; fi
+    done
+fi
