@@ -72,10 +72,12 @@ class ForecastError(RuntimeError):
     """A graph-memory forecast cannot be made."""
 
 
-_TRANSFORMERS_HINT = ("; transformers does this when it checks an attention mask's values (its 'sdpa' and 'eager' "
-                      "attention with an attention_mask): pass attention_mask=None (causal attention needs no mask), "
-                      "or register an attention function that is a @graph_break through transformers' "
-                      "AttentionInterface (docs/breakable.md, 'transformers' attention')")
+_TRANSFORMERS_HINT = ("; transformers' mask preparation (masking_utils.py) reads a 2D attention_mask's values or, "
+                      "without one, the position ids (packed sequences) on the host unless a CUDA stream capture is "
+                      "running, which the eager engine's is not: pass a prepared 4D boolean mask, or register the "
+                      "attention under a name of your own through transformers' AttentionInterface (transformers "
+                      "builds no mask for it; for Breakable a @graph_break function) (docs/breakable.md, "
+                      "'transformers' attention')")
 
 
 class HostReadError(RuntimeError):

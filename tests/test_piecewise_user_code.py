@@ -387,3 +387,51 @@ def test_while_dynamo_traces_graph_break_never_looks_for_a_recorder(monkeypatch:
     x, out = torch.randn(2, 3), torch.empty(2, 3)
     attention(x, out)
     torch.testing.assert_close(out, torch.softmax(x, dim=-1))
+
+
+def _stock_llama() -> Any:
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=2, vocab_size=128, max_position_embeddings=64)
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(config).eval()  # stock "sdpa": transformers prepares the mask
+
+
+@pytest.mark.parametrize("dynamic", ["auto", "unbacked"])
+def test_a_size_dependent_guard_is_one_clear_error_naming_backed(dynamic: str) -> None:
+    """transformers' mask preparation guards on the size (packed-sequence detection): traced with
+    the size unbacked, dynamo cannot decide it. One error saying what to pass, nothing captured."""
+    from sglang_bcg_plugin.backends.piecewise import PiecewiseCompileError
+
+    model, ids = _stock_llama(), torch.randint(0, 100, (1, 16))
+    backend = _piecewise(True, "eager")
+    fn = backend.compile(model, dynamic=dynamic, dynamic_dim=1)
+    with torch.no_grad(), backend.capture_session():
+        with pytest.raises(PiecewiseCompileError, match=r"(?s)size dim unbacked .*dynamic='backed'.*Dynamo's report"):
+            backend.capture_one(ShapeKey(16), lambda: fn(input_ids=ids, use_cache=False), capture_inputs=ids)
+    assert backend.captured_keys() == []
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_stock_transformers_llama_compiles_backed_and_replays_eager(mode: Any) -> None:
+    """What that error advises works: ``dynamic="backed"``, every size, after the ids changed."""
+    model, ids = _stock_llama(), torch.randint(0, 100, (1, 16))
+    backend = _piecewise(mode, "eager")
+    fn = backend.compile(model, dynamic="backed", dynamic_dim=1)
+    sizes = [16, 11, 8, 3, 1]
+    with torch.no_grad(), backend.capture_session():
+        for s in sizes:
+            backend.capture_one(ShapeKey(s), lambda s=s: fn(input_ids=ids[:, :s], use_cache=False).logits,
+                                capture_inputs=ids)
+    _replay_matches(backend, sizes, lambda: ids.copy_(torch.randint(0, 100, ids.shape)),
+                    lambda s: model(input_ids=ids[:, :s], use_cache=False).logits)
+
+
+def test_other_dynamo_user_errors_keep_dynamos_report() -> None:
+    backend = _piecewise(False, "eager")
+    fn = backend.compile(lambda x: x + 1)
+    error = torch._dynamo.exc.UserError(torch._dynamo.exc.UserErrorType.ANTI_PATTERN, "not this way")
+    assert fn._why(error).startswith("backend.compile(model): torch.compile could not trace the model (not this way)")
+    backed = backend.compile(lambda x: x + 1, dynamic="backed")
+    guard = torch._dynamo.exc.UserError(torch._dynamo.exc.UserErrorType.DYNAMIC_CONTROL_FLOW, "data-dependent x")
+    assert "dynamic='backed'" not in backed._why(guard) and "dynamic='backed'" in fn._why(guard)

@@ -10,6 +10,7 @@ from collections.abc import Callable, Iterator
 from typing import Any, Literal, get_args
 
 import torch
+from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
 
 from ...engines.recorder import untracked
@@ -18,7 +19,8 @@ from .split import SplitProgram, SplitSummary, split_graph
 
 
 class PiecewiseCompileError(RuntimeError):
-    """Dynamo could not trace the model as one graph; dynamo's report is the cause."""
+    """Dynamo could not trace the model as one graph, or with its size dynamic; dynamo's report is
+    the cause."""
 
 
 class PiecewiseCompiler:
@@ -106,7 +108,8 @@ class PiecewiseCompiled:
     follows the capture size dynamic, as ``dynamic`` says, then calls the compiled model.
 
     :raises ValueError: unknown ``dynamic``, or ``dynamic_dim`` not an int >= 0.
-    :raises PiecewiseCompileError: (at a call) dynamo could not trace the model as one graph."""
+    :raises PiecewiseCompileError: (at a call) dynamo could not trace the model as one graph, or not
+        with the size dynamic as ``dynamic`` asks (a data-dependent guard)."""
 
     def __init__(self, model: Callable[..., Any], compiler: PiecewiseCompiler, *, dynamic: DynamicMode = "auto",
                  dynamic_dim: int = 0) -> None:
@@ -131,6 +134,24 @@ class PiecewiseCompiled:
             torch._dynamo.maybe_mark_dynamic(t, self.dynamic_dim)
         return t
 
+    def _why(self, exc: Exception) -> str:
+        """The message of a :class:`PiecewiseCompileError` for what dynamo raised."""
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        if isinstance(exc, torch._dynamo.exc.Unsupported):
+            return (f"backend.compile(model): torch.compile must trace the model as one graph (fullgraph=True: "
+                    f"work outside it would be missing from the pieces' replay) and could not ({first}). Make code "
+                    "that must run eagerly between the pieces a torch.library custom op and list it in "
+                    "splitting_ops; a @graph_break function is traced through under Piecewise, it is no split "
+                    f"point (docs/piecewise.md). Dynamo's report:\n{exc}")
+        data_dependent = isinstance(exc, GuardOnDataDependentSymNode) or "data-dependent" in str(exc)
+        if self.dynamic == "backed" or not data_dependent:
+            return f"backend.compile(model): torch.compile could not trace the model ({first}). Dynamo's report:\n{exc}"
+        return (f"backend.compile(model): torch.compile could not trace the model with its size dim {self.dynamic} "
+                f"({first}): the model decides something from a value that depends on the size (transformers' mask "
+                "preparation does, with its stock attention). Pass backend.compile(model, dynamic='backed'), which "
+                "compiles size 1 once more, or move that code into a splitting op (docs/piecewise.md, 'Dynamic "
+                f"shapes'). Dynamo's report:\n{exc}")
+
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         leaves, spec = tree_flatten((args, kwargs))
         marks = self.size_dims.marked(leaves, spec)
@@ -142,14 +163,8 @@ class PiecewiseCompiled:
         with untracked(), _size_oblivious() if self.dynamic == "size_oblivious" else contextlib.nullcontext():
             try:
                 out = self.compiled(*args, **kwargs)
-            except torch._dynamo.exc.Unsupported as exc:
-                first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-                msg = (f"backend.compile(model): torch.compile must trace the model as one graph (fullgraph=True: "
-                       f"work outside it would be missing from the pieces' replay) and could not ({first}). Make code "
-                       "that must run eagerly between the pieces a torch.library custom op and list it in "
-                       "splitting_ops; a @graph_break function is traced through under Piecewise, it is no split "
-                       f"point (docs/piecewise.md). Dynamo's report:\n{exc}")
-                raise PiecewiseCompileError(msg) from exc
+            except (torch._dynamo.exc.Unsupported, torch._dynamo.exc.UserError, GuardOnDataDependentSymNode) as exc:
+                raise PiecewiseCompileError(self._why(exc)) from exc
         if self.compiler.calls != calls:  # this call compiled: charge it, kernels finished
             if torch.cuda.is_initialized():  # pragma: no cover - CUDA only
                 torch.cuda.synchronize()
