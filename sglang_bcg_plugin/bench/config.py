@@ -40,7 +40,10 @@ class BenchConfig(NamedTuple):
     out: Path | None
     progress: bool
     notes: list[str]
-    gpu: bool
+
+    @property
+    def gpu(self) -> bool:
+        return self.device.startswith("cuda")
 
     def summary(self) -> dict[str, Any]:
         """The ``config`` object of ``bench.json``."""
@@ -194,5 +197,5 @@ def build_config(args: argparse.Namespace, available_backends: list[str]) -> Ben
     return BenchConfig(
         device=device, device_name=torch.cuda.get_device_name(device) if gpu else "cpu", backends=backends,
         variants=variants, workload=workload, sizes=prefill_capture_sizes(max_tokens),
-        repeats=args.repeats or (50 if gpu else 10), out=out, progress=not args.no_progress, notes=notes, gpu=gpu,
+        repeats=args.repeats or (50 if gpu else 10), out=out, progress=not args.no_progress, notes=notes,
     )
