@@ -234,7 +234,8 @@ def _settle() -> None:
 
 
 def test_graph_pool_memory_sharing_off_vs_on() -> None:
-    """Device memory the captured pieces hold (mem_get_info delta), sharing off vs on."""
+    """Device memory the captured pieces hold, sharing off vs on: the pool (reserved delta) always;
+    the free device memory lost (mem_get_info delta) only when no other xdist worker shares the device."""
     hidden = 2048
     sizes = [2048, 1536, 1024, 768, 512, 384, 256, 128, 64, 32, 16, 8, 4, 2, 1]
     model = Net(hidden)
@@ -290,5 +291,8 @@ def test_graph_pool_memory_sharing_off_vs_on() -> None:
     # sharing frees every non-largest key's output: ~2 x (sum(sizes) - max) x hidden x 4 bytes
     # Smaller keys' own outputs may fit in free pool blocks, so the pool need not grow (seen on
     # the H200: equal); it must never be larger with sharing on, and the held outputs shrink.
-    assert on["graph_memory_bytes_mem_get_info"] <= off["graph_memory_bytes_mem_get_info"]
+    assert on["reserved_delta_bytes"] <= off["reserved_delta_bytes"]
+    # Free device memory is device-wide: beside other pytest-xdist workers it moves with theirs.
+    if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) <= 1:
+        assert on["graph_memory_bytes_mem_get_info"] <= off["graph_memory_bytes_mem_get_info"]
     assert on["resident_output_bytes"] < off["resident_output_bytes"]
