@@ -10,11 +10,11 @@ from .errors import (BackendRegistrationError, CaptureStateError, HostReadError,
                      OutputStructureError, PluginLoadWarning)
 from .manager import BrokenPlugin, broken_plugins, get_plugin_manager, hookimpl
 from .options import BackendOptions
-from .output_mode import resolve_output_mode
+from .output.mode import resolve_output_mode
 from .registry import BackendRegistry, available_backends, create_backend
-from .report import KeyReport, MemoryReport
+from .output.report import KeyReport, MemoryReport
 from .shape_key import ShapeKey
-from .sharing import SharedOutputFallbackWarning
+from .output.policy import SharedOutputFallbackWarning
 
 __all__ = ["ENV_SHARE_OUTPUT", "NAME", "BackendOptions", "BackendRegistrationError", "BackendRegistry", "BrokenPlugin",
            "CaptureBackend", "CaptureStateError", "HostReadError", "KeyReport", "MemoryReport", "ObserverError",

@@ -186,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
             from .cli_switch import key_of, run
 
             return run(args.url, key_of(args.api_key), None if args.show else args.mode, float(args.timeout))
-        from .integration.doctor import doctor_main
+        from .sglang.doctor import doctor_main
 
         return doctor_main([])
     except (UsageError, BackendRegistrationError, RuntimeError, KeyboardInterrupt) as exc:

@@ -11,7 +11,7 @@ from ._constants import NAME
 if TYPE_CHECKING:
     from .backends.base import CaptureBackend
     from .registry import BackendRegistry
-    from .report import KeyReport
+    from .output.report import KeyReport
 
 hookspec = pluggy.HookspecMarker(NAME)
 
@@ -39,7 +39,7 @@ def sglang_bcg_capture_finished(
 ) -> None:
     """Observe: a capture of ``shape_key`` ended. Raising is isolated (an ``ObserverWarning``).
 
-    :param report: the key's :class:`~sglang_bcg_plugin.report.KeyReport`, or ``None`` on failure.
+    :param report: the key's :class:`~sglang_bcg_plugin.output.report.KeyReport`, or ``None`` on failure.
     :param error: the capture's exception (it propagates after the observers), or ``None``."""
 
 

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from ._words import parse_word
-from .output_mode import OutputMode, parse_output_mode
+from .output.mode import OutputMode, parse_output_mode
 
 EngineName = Literal["auto", "cuda", "eager"]
 SharedBufferSource = Literal["auto", "adopt", "reserve"]

@@ -8,14 +8,14 @@ from .backends.breakable import BreakableBackend
 from .backends.full import FullBackend
 from .backends.piecewise import PiecewiseBackend
 from .backends.piecewise.front import PieceFront
-from .backends.state import CaptureState
+from .output.state import CaptureState
 from .engines.base import CapturedGraph, CaptureRequest, Engine, Front, run_warmups
 from .engines.breakable import BreakableFront
 from .engines.cuda import FullCudaEngine, SegmentCudaEngine
 from .engines.eager import EagerEngine, EagerSegmentEngine
 from .manager import hookimpl
 from .registry import BackendRegistry
-from .sharing import OutputPolicy
+from .output.policy import OutputPolicy
 
 __all__ = ["BackendRegistry", "BreakableBackend", "BreakableFront", "CaptureBackend", "CaptureRequest", "CaptureState",
            "CapturedGraph", "EagerEngine", "EagerSegmentEngine", "Engine", "Front", "FullBackend", "FullCudaEngine",

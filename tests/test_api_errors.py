@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from sglang_bcg_plugin.output_mode import mode_of_option
+from sglang_bcg_plugin.output.mode import mode_of_option
 
 import dataclasses
 import math
@@ -20,10 +20,10 @@ from sglang_bcg_plugin import BackendOptions, ShapeKey, available_backends, brok
 from sglang_bcg_plugin.breaks import graph_break
 from sglang_bcg_plugin.errors import PluginLoadWarning, user_stacklevel, warn_user
 from sglang_bcg_plugin.manager import get_plugin_manager, reset_plugin_manager
-from sglang_bcg_plugin.report import KeyReport, MemoryReport
-from sglang_bcg_plugin.scan import SCAN_LIMIT, cut, short_repr, walk_tensors
-from sglang_bcg_plugin.sharing import SharedOutputFallbackWarning
-from sglang_bcg_plugin.trees import MAX_DEPTH, collect_tensors, diff, flatten
+from sglang_bcg_plugin.output.report import KeyReport, MemoryReport
+from sglang_bcg_plugin.output.scan import SCAN_LIMIT, cut, short_repr, walk_tensors
+from sglang_bcg_plugin.output.policy import SharedOutputFallbackWarning
+from sglang_bcg_plugin.output.trees import MAX_DEPTH, collect_tensors, diff, flatten
 
 SIZES = (8, 4, 2)
 

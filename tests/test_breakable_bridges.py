@@ -20,7 +20,7 @@ from sglang_bcg_plugin import graph_break
 from sglang_bcg_plugin.engines.breakable import BreakableRecorder
 from sglang_bcg_plugin.engines.recorder import SegmentedGraph, record
 from sglang_bcg_plugin.engines.tape import EagerSegments
-from sglang_bcg_plugin.trees import storage_key
+from sglang_bcg_plugin.output.trees import storage_key
 
 seen: list[tuple[torch.Tensor, torch.Tensor]] = []
 
@@ -82,7 +82,7 @@ def test_on_a_gpu_the_step_keeps_named_arguments_and_returns_through_non_owning_
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """What lets the pool reuse q/k/v once the model drops them (the H200 figures)."""
-    from sglang_bcg_plugin import released
+    from sglang_bcg_plugin.output import released
 
     monkeypatch.setattr(released, "ALIAS_DEVICE_TYPES", frozenset({"cpu", "cuda"}))
     q, k = torch.randn(1, 4, 16, 8), torch.randn(1, 8)

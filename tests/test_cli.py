@@ -368,7 +368,7 @@ def test_doctor_takes_no_argument(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_doctor_runs_the_doctor(monkeypatch: pytest.MonkeyPatch) -> None:
-    from sglang_bcg_plugin.integration import doctor
+    from sglang_bcg_plugin.sglang import doctor
 
     seen: list[object] = []
     monkeypatch.setattr(doctor, "doctor_main", lambda argv: seen.append(argv) or 3)

@@ -21,7 +21,7 @@ from sglang_bcg_plugin.forecast import KeyTrace, ModeForecast, PoolModel, Scaled
 from sglang_bcg_plugin.forecast.allocator import MB, expandable_segments, round_size, segment_size
 from sglang_bcg_plugin.forecast.model import address_caveat, count_highest_order
 from sglang_bcg_plugin.forecast.probe import EXPANDABLE_CAVEAT, GraphMemoryForecast, finish_modes, output_allocs
-from sglang_bcg_plugin.report import MemoryReport
+from sglang_bcg_plugin.output.report import MemoryReport
 
 DATA = Path(__file__).parent / "data" / "forecast"
 
@@ -170,7 +170,7 @@ def _server_segments(mode: dict[str, Any], before: int) -> list[tuple[int, int]]
 def _server_first_capture(data: dict[str, Any], mode: dict[str, Any]) -> tuple[KeyTrace, frozenset[int]]:
     """The recorded server's first capture as the log line reads it: its pool requests, without
     the kept outputs' allocs, and those allocs."""
-    from sglang_bcg_plugin.integration.forecast_log import outputs_kept
+    from sglang_bcg_plugin.sglang.forecast_log import outputs_kept
 
     first = mode["rows"][0]
     trace = pool_trace(first["size"], _events([e[1:] for e in mode["events"] if e[0] < first["events"]]),
@@ -549,17 +549,17 @@ def test_auto_buffer_source_is_the_cheaper_one(case: str) -> None:
     assert auto["on"].total_bytes == min(by_source.values())
 
 
-def _plan(engine: str, forecast: Any = None, **options: Any) -> Any:
-    from sglang_bcg_plugin.backends.plan import plan_session
-    from sglang_bcg_plugin.output_mode import Resolution
+def _plan(engine: str, advice: Any = None, **options: Any) -> Any:
+    from sglang_bcg_plugin.output.mode import Resolution
+    from sglang_bcg_plugin.output.plan import plan_session
 
-    return plan_session(Resolution(options.pop("mode", "on"), "test"), engine=engine, forecast=forecast, **options)
+    return plan_session(Resolution(options.pop("mode", "on"), "test"), engine=engine, advice=advice, **options)
 
 
 def _fc(**fields: Any) -> Any:
-    from types import SimpleNamespace
+    from sglang_bcg_plugin.output.plan import ForecastAdvice
 
-    return SimpleNamespace(**{"buffer_source": "reserve", "pool_reserve_bytes": 0, "released_keeps_largest": False, **fields})
+    return ForecastAdvice(**{"buffer_source": "reserve", "pool_reserve_bytes": 0, "released_keeps_largest": False, **fields})
 
 
 def test_buffer_source_auto_follows_the_forecast() -> None:

@@ -26,7 +26,7 @@ from sglang_bcg_plugin.forecast.driver import (
 from sglang_bcg_plugin.forecast.model import ModeForecast, schedule_forecast
 from sglang_bcg_plugin.forecast.probe import GraphMemoryForecast, driver_caveat, probe_driver_share
 from sglang_bcg_plugin.forecast.trace import KeyTrace, ScaledTrace
-from sglang_bcg_plugin.report import MemoryReport
+from sglang_bcg_plugin.output.report import MemoryReport
 
 MIB = 1 << 20
 RECORDING = Path(__file__).parent / "data" / "driver" / "h200_driver_cost.json"

@@ -28,8 +28,8 @@ import torch
 
 from sglang_bcg_plugin import BackendOptions
 from sglang_bcg_plugin.forecast import driver, probe
-from sglang_bcg_plugin.integration import forecast_log
-from sglang_bcg_plugin.integration.forecast_log import SessionForecast
+from sglang_bcg_plugin.sglang import forecast_log
+from sglang_bcg_plugin.sglang.forecast_log import SessionForecast
 
 DATA = Path(__file__).parent / "data" / "forecast" / "h200_probes.json.gz"
 POOL = (0, 9)
@@ -331,7 +331,7 @@ def test_the_workspace_the_probes_stream_leaves_is_in_a_fresh_process_total(
     assert "+ probes' stream 32.0" in fc.format() and fc.to_dict()["modes"]["released"]["probe_left_bytes"] == 32 * MIB
     # the session's drop: its allocator's part and its graphs' share with the driver; the process
     # lost that plus what the probes left (the driver's first capture and the workspace)
-    from sglang_bcg_plugin.report import MemoryReport
+    from sglang_bcg_plugin.output.report import MemoryReport
 
     assert fc.driver is not None and fc.driver.paid_bytes == 74 * MIB  # what the probes left beyond the workspace
     drop = released.allocator_bytes + released.driver_bytes - 74 * MIB

@@ -1,4 +1,4 @@
-"""The forecast inside SGLang (``integration/forecast_log.py``): the runner's schedule, the KV
+"""The forecast inside SGLang (``sglang/forecast_log.py``): the runner's schedule, the KV
 cache's bytes per token, the log line, when it is skipped, and the one-probe fit it uses,
 checked on the H200 allocator traces (the recording itself needs CUDA: tests/gpu)."""
 
@@ -16,8 +16,8 @@ import torch
 
 from sglang_bcg_plugin.forecast import ModeForecast, ScaledTrace, forecast_modes, pool_trace
 from sglang_bcg_plugin.forecast.probe import output_allocs
-from sglang_bcg_plugin.integration.doctor import forecast_line
-from sglang_bcg_plugin.integration.forecast_log import (
+from sglang_bcg_plugin.sglang.doctor import forecast_line
+from sglang_bcg_plugin.sglang.forecast_log import (
     SessionForecast,
     format_forecast,
     kv_bytes_per_token,
@@ -176,7 +176,7 @@ def test_off_is_forecast_when_the_session_frees_its_output(case: str, mode: str,
 
 def test_outputs_kept_finds_a_freed_output_and_keeps_every_index_valid() -> None:
     from sglang_bcg_plugin.forecast import KeyTrace
-    from sglang_bcg_plugin.integration.forecast_log import outputs_kept
+    from sglang_bcg_plugin.sglang.forecast_log import outputs_kept
 
     # allocs: 0 act (freed early), 1 out (freed last, by the policy), 2 act same bytes (freed at return)
     trace = KeyTrace(8, ((0, 100), (0, 800), (1, 0), (0, 800), (0, 16), (1, 3), (1, 1)))

@@ -15,7 +15,7 @@ import torch
 
 from _support import make_backend
 from sglang_bcg_plugin import ShapeKey
-from sglang_bcg_plugin.guard import guard_supported
+from sglang_bcg_plugin.output.guard import guard_supported
 
 
 def _capture(backend: Any, xs: dict[ShapeKey, torch.Tensor]) -> None:

@@ -32,7 +32,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from sglang_bcg_plugin import BackendOptions, HostReadError, ShapeKey, create_backend, graph_break
-from sglang_bcg_plugin.sharing import SharedOutputFallbackWarning
+from sglang_bcg_plugin.output.policy import SharedOutputFallbackWarning
 from splitting_ops import write_softmax
 
 MODES = ["off", "on", "released"]
@@ -529,7 +529,7 @@ def test_an_attribute_aliasing_a_key_of_a_model_output_is_allowed() -> None:
     pytest.importorskip("transformers")
     from transformers.modeling_outputs import BaseModelOutputWithPast
 
-    from sglang_bcg_plugin.trees import flatten
+    from sglang_bcg_plugin.output.trees import flatten
 
     t = torch.randn(2)
     out = BaseModelOutputWithPast(last_hidden_state=t)
@@ -539,7 +539,7 @@ def test_an_attribute_aliasing_a_key_of_a_model_output_is_allowed() -> None:
 
 
 def test_list_and_tuple_subclasses_with_tensor_attributes_are_refused() -> None:
-    from sglang_bcg_plugin.trees import flatten
+    from sglang_bcg_plugin.output.trees import flatten
 
     class Tagged(list):  # type: ignore[type-arg]
         pass
@@ -554,7 +554,7 @@ def test_list_and_tuple_subclasses_with_tensor_attributes_are_refused() -> None:
 
 
 def test_a_plain_value_holding_a_dict_subclass_with_a_tensor_attribute_is_refused() -> None:
-    from sglang_bcg_plugin.trees import flatten
+    from sglang_bcg_plugin.output.trees import flatten
 
     class Holder:
         def __init__(self, d: dict[str, int]) -> None:

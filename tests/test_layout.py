@@ -6,7 +6,7 @@ function-level ``import``/``from`` statements, relative or absolute; imports und
 built-in backends by name through ``importlib`` (tox's registry pattern), which is not an import
 edge.
 
-The core (every module but ``integration/``, ``cli.py``, ``bench/`` and ``__main__.py``) knows
+The core (every module but ``sglang/``, ``cli.py``, ``bench/`` and ``__main__.py``) knows
 nothing of SGLang or the CLI: it names no SGLang-only switch and imports neither SGLang nor those
 packages, except where :data:`CORE_MAY_NAME_SGLANG` says why.
 """
@@ -26,7 +26,7 @@ PKG = "sglang_bcg_plugin"
 MAX_COMPLEXITY = 20
 
 #: Outside the core (``cli`` also stands for ``cli*``, see :func:`_is_core`).
-NOT_CORE = (f"{PKG}.integration", f"{PKG}.cli", f"{PKG}.bench")
+NOT_CORE = (f"{PKG}.sglang", f"{PKG}.cli", f"{PKG}.bench")
 #: Names that belong to SGLang's server or to the command line, never to the core.
 SGLANG_OR_CLI_NAMES = re.compile(
     r"server_args|SGLANG_BCG_STALE_OUTPUT_GUARD|SGLANG_BCG_SHARED_BUFFER|SGLANG_BCG_FORECAST|UsageError"
@@ -54,14 +54,14 @@ def _is_type_checking(node: ast.If) -> bool:
     )
 
 
-def _imports(path: Path, modules: set[str]) -> set[str]:
+def _imports(path: Path, modules: set[str], type_only: bool = True) -> set[str]:
     name = _module_name(path)
     package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
     found: set[str] = set()
 
     def visit(node: ast.AST) -> None:
         for child in ast.iter_child_nodes(node):
-            if isinstance(child, ast.If) and _is_type_checking(child):
+            if isinstance(child, ast.If) and _is_type_checking(child) and not type_only:
                 for sub in child.orelse:
                     visit(sub)
                 continue
@@ -137,9 +137,9 @@ def test_no_function_above_complexity_grade_c() -> None:
 
 
 def _is_core(module: str) -> bool:
-    """Not ``integration``, ``bench``, ``cli*`` or ``__main__`` (the CLI's ``python -m``)."""
+    """Not ``sglang``, ``bench``, ``cli*`` or ``__main__`` (the CLI's ``python -m``)."""
     top = module.removeprefix(f"{PKG}.").split(".")[0]
-    return module == PKG or not (top in ("integration", "bench", "__main__") or top.startswith("cli"))
+    return module == PKG or not (top in ("sglang", "bench", "__main__") or top.startswith("cli"))
 
 
 def _import_targets(node: ast.Import | ast.ImportFrom, package: str) -> list[str]:
@@ -193,7 +193,7 @@ def test_core_names_no_sglang_or_cli_switch() -> None:
 
 
 def test_core_does_not_import_sglang_the_integration_or_the_cli() -> None:
-    """Never SGLang; ``integration``/``cli``/``bench`` never at module level, and inside a function
+    """Never SGLang; ``sglang``/``cli``/``bench`` never at module level, and inside a function
     only where :data:`CORE_MAY_NAME_SGLANG` allows it."""
     offenders = []
     for module, path in _core_files():
@@ -218,7 +218,7 @@ def test_layout_checks_catch_what_they_claim() -> None:
     """The checks above on a made-up core module: a module-level import of the integration, a
     ``server_args`` outside the allow-list, ``import sglang`` inside a function."""
     source = (
-        "from .integration import flag\n"
+        "from .sglang import flag\n"
         "def f(server_args):\n"
         "    import sglang.srt\n"
         "    return server_args\n"
@@ -229,7 +229,7 @@ def test_layout_checks_catch_what_they_claim() -> None:
     assert not _allowed(f"{PKG}.made_up", scopes, 2)
     assert _allowed(f"{PKG}.hookspecs", [("sglang_bcg_select_backend", 1, 9)], 5)
     imports = [t for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom)) for t in _import_targets(n, PKG)]
-    assert imports == [f"{PKG}.integration.flag", "sglang.srt"]
+    assert imports == [f"{PKG}.sglang.flag", "sglang.srt"]
     assert _is_core(PKG) and _is_core(f"{PKG}.backends.base") and _is_core(f"{PKG}.registry")
-    outer = ("integration", "integration.flag", "bench.usage", "cli", "cli_helpers", "__main__")
+    outer = ("sglang", "sglang.flag", "bench.usage", "cli", "cli_helpers", "__main__")
     assert not any(_is_core(f"{PKG}.{m}") for m in outer)

@@ -111,7 +111,7 @@ def test_none_option_follows_env_at_each_session(backend_name: str, monkeypatch:
 
 
 def test_output_mode_keyword_takes_a_resolution(backend_name: str) -> None:
-    from sglang_bcg_plugin.output_mode import Resolution
+    from sglang_bcg_plugin.output.mode import Resolution
 
     with pytest.raises(TypeError, match=r"output_mode= takes a Resolution .*give a mode as options=BackendOptions\(output_mode=\.\.\.\)"):
         create_backend(backend_name, output_mode="on")

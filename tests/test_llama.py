@@ -10,7 +10,7 @@ of the same module computes after the input ids changed. CPU: the eager engine (
 
 from __future__ import annotations
 
-from sglang_bcg_plugin.output_mode import mode_of_option
+from sglang_bcg_plugin.output.mode import mode_of_option
 
 from typing import Any
 

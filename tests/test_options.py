@@ -9,7 +9,7 @@ from sglang_bcg_plugin._words import parse_bool_env
 
 def _shares(*args: object, **kwargs: object) -> bool:
     """Sharing on (``on`` or ``released``)."""
-    from sglang_bcg_plugin.output_mode import resolve_output_mode
+    from sglang_bcg_plugin.output.mode import resolve_output_mode
 
     return resolve_output_mode(*args, **kwargs) != "off"  # type: ignore[arg-type]
 
@@ -39,7 +39,7 @@ def test_unset_or_empty_is_default_false() -> None:
 
 
 def test_precedence() -> None:
-    from sglang_bcg_plugin.output_mode import Resolution
+    from sglang_bcg_plugin.output.mode import Resolution
 
     def host_or(explicit: str | None, host: Resolution | None, environ: dict[str, str]) -> bool:
         """A host's resolution stands in for a missing explicit option."""

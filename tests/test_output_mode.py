@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 
 from sglang_bcg_plugin import BackendOptions, create_backend
-from sglang_bcg_plugin.output_mode import (
+from sglang_bcg_plugin.output.mode import (
     ACCEPTED_TEXT,
     Resolution,
     explain_output_mode,
@@ -19,7 +19,7 @@ from sglang_bcg_plugin.output_mode import (
 
 def _shares(*args: object, **kwargs: object) -> bool:
     """Sharing on (``on`` or ``released``)."""
-    from sglang_bcg_plugin.output_mode import resolve_output_mode
+    from sglang_bcg_plugin.output.mode import resolve_output_mode
 
     return resolve_output_mode(*args, **kwargs) != "off"  # type: ignore[arg-type]
 

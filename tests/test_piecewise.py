@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from sglang_bcg_plugin.output_mode import mode_of_option
+from sglang_bcg_plugin.output.mode import mode_of_option
 
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -14,7 +14,7 @@ from torch._dynamo.utils import counters
 from sglang_bcg_plugin import BackendOptions, ShapeKey, SharedOutputFallbackWarning, create_backend
 from sglang_bcg_plugin.backends.piecewise import PiecewiseBackend
 from sglang_bcg_plugin.backends.piecewise.ops import resolve_splitting_ops
-from sglang_bcg_plugin.trees import flatten
+from sglang_bcg_plugin.output.trees import flatten
 
 from splitting_ops import OPS, mix, write_softmax  # tests/splitting_ops.py
 
@@ -130,7 +130,7 @@ def assert_same(got: Any, want: Any) -> None:
 
 
 def clone(out: Any) -> Any:
-    from sglang_bcg_plugin.trees import unflatten
+    from sglang_bcg_plugin.output.trees import unflatten
 
     node, leaves = flatten(out)
     return unflatten(node, [t.clone() for _, t in leaves])

@@ -23,7 +23,7 @@ from sglang_bcg_plugin.backends.piecewise.inductor import CompiledPiece, Inducto
 from sglang_bcg_plugin.bench.output import plot_groups
 from sglang_bcg_plugin.bench.runner import BenchRow, variants_for
 from sglang_bcg_plugin.cli import main
-from sglang_bcg_plugin.trees import flatten
+from sglang_bcg_plugin.output.trees import flatten
 
 from splitting_ops import (  # tests/splitting_ops.py
     EXPIRED,

@@ -29,7 +29,7 @@ import torch
 
 from sglang_bcg_plugin import BackendOptions, ShapeKey, SharedOutputFallbackWarning, create_backend, graph_break
 from sglang_bcg_plugin.backends.piecewise import PiecewiseBackend
-from sglang_bcg_plugin.output_mode import mode_of_option
+from sglang_bcg_plugin.output.mode import mode_of_option
 
 from splitting_ops import mix, write_softmax  # tests/splitting_ops.py
 

@@ -34,14 +34,14 @@ from sglang_bcg_plugin import (
     SharedOutputFallbackWarning,
 )
 from sglang_bcg_plugin._words import parse_bool_env
-from sglang_bcg_plugin.output_mode import parse_mode_text
+from sglang_bcg_plugin.output.mode import parse_mode_text
 from sglang_bcg_plugin.shape_key import check_key
-from sglang_bcg_plugin.trees import flatten
+from sglang_bcg_plugin.output.trees import flatten
 
 
 def _shares(*args: object, **kwargs: object) -> bool:
     """Sharing on (``on`` or ``released``)."""
-    from sglang_bcg_plugin.output_mode import resolve_output_mode
+    from sglang_bcg_plugin.output.mode import resolve_output_mode
 
     return resolve_output_mode(*args, **kwargs) != "off"  # type: ignore[arg-type]
 
@@ -200,7 +200,7 @@ def _assert_tree_equal(a: Any, b: Any, where: str) -> None:
         assert ta.dtype == tb.dtype and ta.shape == tb.shape, (where, path)
         assert torch.equal(ta, tb), (where, path)
     # non-tensor leaves and containers: rebuilding with the same tensors gives equal structure
-    from sglang_bcg_plugin.trees import diff
+    from sglang_bcg_plugin.output.trees import diff
 
     assert diff(sa, sb) is None, (where, diff(sa, sb))
 

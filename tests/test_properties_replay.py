@@ -15,7 +15,7 @@ property on real CUDA graphs.
 
 from __future__ import annotations
 
-from sglang_bcg_plugin.output_mode import mode_of_option
+from sglang_bcg_plugin.output.mode import mode_of_option
 
 import warnings
 from typing import Any
@@ -25,7 +25,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from sglang_bcg_plugin import BackendOptions, ShapeKey, SharedOutputFallbackWarning, create_backend, graph_break
-from sglang_bcg_plugin.trees import flatten
+from sglang_bcg_plugin.output.trees import flatten
 
 H = 4
 LEAVES = ["fresh", "offset", "transpose", "strided", "input", "input_slice", "input_tail", "kept", "alias", "none", "value"]

@@ -8,7 +8,7 @@ cycle 20 is not above the number after cycle 2 (same sharing setting; warm cache
 
 from __future__ import annotations
 
-from sglang_bcg_plugin.output_mode import mode_of_option
+from sglang_bcg_plugin.output.mode import mode_of_option
 
 import gc
 from collections import Counter

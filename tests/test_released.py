@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from sglang_bcg_plugin import BackendOptions, ShapeKey, create_backend
-from sglang_bcg_plugin import released as rel
+from sglang_bcg_plugin.output import released as rel
 
 
 @pytest.fixture
@@ -47,7 +47,7 @@ def test_release_needs_the_alias_primitive(monkeypatch: pytest.MonkeyPatch) -> N
 
 
 def test_the_guard_poisons_released_outputs_of_other_graphs_of_the_pool(cpu_is_pool_memory: None, monkeypatch: pytest.MonkeyPatch) -> None:
-    from sglang_bcg_plugin.guard import StaleOutputGuard
+    from sglang_bcg_plugin.output.guard import StaleOutputGuard
 
     poisoned: list[tuple[int, str]] = []
     monkeypatch.setattr(torch._C, "_set_storage_access_error_msg", lambda t, m: poisoned.append((id(t), m)), raising=False)

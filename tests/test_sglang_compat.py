@@ -9,10 +9,10 @@ from typing import Any
 
 import pytest
 
-from sglang_bcg_plugin.integration import compat
-from sglang_bcg_plugin.integration.compat import BuiltinPolicy
-from sglang_bcg_plugin.integration.compat import Seam
-from sglang_bcg_plugin.integration.sglang_session import refusal
+from sglang_bcg_plugin.sglang import compat
+from sglang_bcg_plugin.sglang.compat import BuiltinPolicy
+from sglang_bcg_plugin.sglang.compat import Seam
+from sglang_bcg_plugin.sglang.sglang_session import refusal
 
 ON = BuiltinPolicy(True, "shares")
 
@@ -28,7 +28,7 @@ def test_refusals_name_the_release_and_the_reason(monkeypatch: pytest.MonkeyPatc
     guard = refusal(seam("runner"), "off", True, {})
     assert guard is not None and "SGLang 0.5.99's BreakableCudaGraphRunner.replay" in guard
     monkeypatch.setattr(compat, "pool_borrowing_exists", lambda: True)
-    from sglang_bcg_plugin.integration import sglang_session
+    from sglang_bcg_plugin.sglang import sglang_session
 
     monkeypatch.setattr(sglang_session, "pool_borrowing_exists", lambda: True)
     borrow = refusal(seam("backend"), "released", False, {"SGLANG_ENABLE_GRAPH_POOL_BORROW": "1"})
@@ -40,7 +40,7 @@ def test_refusals_name_the_release_and_the_reason(monkeypatch: pytest.MonkeyPatc
 def test_startup_refusal_is_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
     import argparse
 
-    from sglang_bcg_plugin.integration import flag
+    from sglang_bcg_plugin.sglang import flag
 
     def refuse_unsupported() -> None:  # the flag's AFTER hook, the flag not given
         assert flag.after_from_cli_args("result", object, argparse.Namespace()) == "result"
@@ -108,7 +108,7 @@ def test_seam_kind_without_sglang(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_checks_per_seam_kind() -> None:
-    from sglang_bcg_plugin.integration.doctor import seam_checks
+    from sglang_bcg_plugin.sglang.doctor import seam_checks
 
     assert seam_checks(seam("none")) == []
     labels = [label for label, _ in seam_checks(seam("runner"))]
@@ -117,7 +117,7 @@ def test_checks_per_seam_kind() -> None:
 
 
 def test_runner_policy_reads_the_class() -> None:
-    from sglang_bcg_plugin.integration.compat import inspect_runner
+    from sglang_bcg_plugin.sglang.compat import inspect_runner
 
     class KeepsOne:
         def _capture_all(self) -> None:

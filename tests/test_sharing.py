@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from sglang_bcg_plugin import OutputStructureError, ShapeKey, SharedOutputFallbackWarning
-from sglang_bcg_plugin.trees import flatten
+from sglang_bcg_plugin.output.trees import flatten
 
 from _support import Model, make_backend
 

@@ -1,4 +1,4 @@
-"""The live switch without a server (``integration/switch.py``): the body, the state machine of one
+"""The live switch without a server (``sglang/switch.py``): the body, the state machine of one
 rank (with a runner that records calls), the gate, the HTTP answers, and the client."""
 
 from __future__ import annotations
@@ -11,10 +11,10 @@ from typing import Any
 import pytest
 
 from sglang_bcg_plugin import cli_switch
-from sglang_bcg_plugin.integration import switch
-from sglang_bcg_plugin.integration.sglang_breakable import SharingPolicyMixin
-from sglang_bcg_plugin.output_mode import Resolution
-from sglang_bcg_plugin.report import MemoryReport
+from sglang_bcg_plugin.sglang import switch
+from sglang_bcg_plugin.sglang.sglang_breakable import SharingPolicyMixin
+from sglang_bcg_plugin.output.mode import Resolution
+from sglang_bcg_plugin.output.report import MemoryReport
 
 ENV = "SGLANG_ENABLE_BCG_SHARED_OUTPUT"
 MODE_OF_ENV = {"1": "on", "0": "off", "released": "released"}
@@ -305,7 +305,7 @@ def test_client_request_against_a_local_http_server() -> None:
 def test_where_each_hook_is_registered(monkeypatch: pytest.MonkeyPatch) -> None:
     import sys
 
-    from sglang_bcg_plugin.integration.hooks import wanted
+    from sglang_bcg_plugin.sglang.hooks import wanted
 
     monkeypatch.setitem(sys.modules, "sglang.srt.managers.scheduler", NS())
     assert switch.WHERE[switch.RPC_TARGET]() and wanted(switch.RPC_TARGET)

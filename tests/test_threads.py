@@ -10,7 +10,7 @@ and never corrupts an in-flight replay.
 
 from __future__ import annotations
 
-from sglang_bcg_plugin.output_mode import mode_of_option
+from sglang_bcg_plugin.output.mode import mode_of_option
 
 import threading
 from collections.abc import Callable

@@ -6,9 +6,9 @@ import pytest
 
 from sglang_bcg_plugin import BackendOptions
 from sglang_bcg_plugin._words import BOOLEAN, BOOLEAN_TEXT, parse_bool_env, parse_env, parse_word
-from sglang_bcg_plugin.integration.forecast_log import forecast_enabled
-from sglang_bcg_plugin.integration.sglang_session import shared_buffer
-from sglang_bcg_plugin.output_mode import parse_mode_text
+from sglang_bcg_plugin.sglang.forecast_log import forecast_enabled
+from sglang_bcg_plugin.sglang.sglang_session import shared_buffer
+from sglang_bcg_plugin.output.mode import parse_mode_text
 
 WORDS = {"adopt": "adopt", "reserve": "reserve"}
 
@@ -70,6 +70,6 @@ def test_every_caller_names_its_variable_and_the_accepted_values(call: object, m
 
 
 def test_doctor_says_a_forecast_variable_is_invalid() -> None:
-    from sglang_bcg_plugin.integration.doctor import forecast_line
+    from sglang_bcg_plugin.sglang.doctor import forecast_line
 
     assert forecast_line("backend", {"SGLANG_BCG_FORECAST": "tru"}).startswith("invalid (SGLANG_BCG_FORECAST='tru' is not a boolean")

@@ -14,7 +14,7 @@ held to what a caller sees.
 
 from __future__ import annotations
 
-from sglang_bcg_plugin.output_mode import mode_of_option
+from sglang_bcg_plugin.output.mode import mode_of_option
 
 import warnings
 from collections.abc import Callable

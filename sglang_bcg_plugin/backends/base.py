@@ -22,11 +22,11 @@ from ..errors import CaptureStateError
 from ..forecast.allocator import ALLOC_CONF_VARS, expandable_segments
 from ..manager import get_plugin_manager, observe_finished, observe_started
 from ..options import BackendOptions
-from ..output_mode import OutputMode, Resolution, explain_output_mode
-from ..report import MemoryReport
+from ..output.mode import OutputMode, Resolution, explain_output_mode
+from ..output.report import MemoryReport
 from ..shape_key import check_key
-from .plan import plan_session
-from .state import CaptureState, check_input_pointers, input_storages
+from ..output.plan import plan_session
+from ..output.state import CaptureState, check_input_pointers, input_storages
 
 if TYPE_CHECKING:
     from ..forecast.probe import GraphMemoryForecast
@@ -132,7 +132,8 @@ class CaptureBackend:
             plan = plan_session(
                 self._next_output_mode(), engine=engine.name, shared_buffer=opts.shared_buffer,
                 pool_reserve=opts.pool_reserve, guard=opts.stale_output_guard, strict=opts.strict_outputs,
-                check_inputs=opts.debug_check_inputs, forecast=self._state.forecast, captured=bool(self._state.keys()),
+                check_inputs=opts.debug_check_inputs, captured=bool(self._state.keys()),
+                advice=None if self._state.forecast is None else self._state.forecast.advice,
             )
             self._state.open(plan)
             self._stream = stream

@@ -13,7 +13,7 @@ from typing import Any, NamedTuple
 import torch
 
 from .._constants import ENV_SHARE_OUTPUT
-from ..output_mode import parse_mode_text
+from ..output.mode import parse_mode_text
 from .budget import check_fits
 from .outdir import check_out_dir
 from .runner import GRAPH_TREES, VARIANTS, runs

@@ -17,11 +17,11 @@ import torch
 from ..accounting import device_free_bytes
 from ..errors import ForecastError
 from ..options import BackendOptions
-from ..output_mode import mode_of_option
+from ..output.mode import mode_of_option
 from ..registry import create_backend
-from ..report import MemoryReport
+from ..output.report import MemoryReport
 from ..shape_key import ShapeKey
-from ..trees import flatten
+from ..output.trees import flatten
 from .sizes import prefill_capture_sizes
 from .workload import Workload
 

@@ -8,8 +8,8 @@ from typing import Any, Protocol
 
 import torch
 
-from ..sharing import OutputPolicy
-from ..trees import collect_tensors, storage_key
+from ..output.policy import OutputPolicy
+from ..output.trees import collect_tensors, storage_key
 
 
 class CapturedGraph(Protocol):

@@ -9,8 +9,8 @@ from typing import Any
 
 import torch
 
-from ..released import maybe_alias
-from ..trees import flatten, storage_key, unflatten
+from ..output.released import maybe_alias
+from ..output.trees import flatten, storage_key, unflatten
 from .base import Front
 from .recorder import Recorder, Rerun, Segments, refresh
 

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from ..trees import diff, flatten
+from ..output.trees import diff, flatten
 from .base import CaptureRequest, Engine, Front, run_warmups
 from .recorder import SegmentedGraph, record, refresh
 from .tape import EagerSegments

@@ -13,7 +13,7 @@ import torch
 from torch.utils._pytree import tree_leaves
 
 from ..errors import HostReadError, user_frame
-from ..trees import storage_key
+from ..output.trees import storage_key
 
 
 Action = Callable[[], None]

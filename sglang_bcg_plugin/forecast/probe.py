@@ -5,26 +5,48 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable, Iterable, Sequence
+import contextlib
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
 from ..accounting import device_free_bytes
 from ..engines.gcsafe import gc_safe_capture
 from ..errors import CaptureStateError, ForecastError
+from ..options import BackendOptions
+from ..output.plan import BufferSource, ForecastAdvice
+from ..output.report import MemoryReport
 from ..shape_key import ShapeKey
-from ..trees import flatten
+from ..output.trees import flatten
 from .allocator import MB, expandable_segments
 from .driver import DRIVER_COEFFICIENTS, DriverShare, ProbeCount, counting_captures, driver_api, schedule_share
 from .model import (MODES, ModeForecast, address_caveat, address_spread, count_highest_order, reference_estimates,
                     schedule_forecast)
 from .trace import KeyTrace, ScaledTrace, output_allocs, pinned_slack, pool_trace
 
-if TYPE_CHECKING:
-    from ..backends.base import CaptureBackend
+
+
+class ProbedBackend(Protocol):
+    """What the forecast drives: the public surface of a
+    :class:`~sglang_bcg_plugin.backends.base.CaptureBackend` (every backend offers it)."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def options(self) -> BackendOptions: ...
+    @property
+    def engine_name(self) -> str: ...
+    def configure(self, **changes: Any) -> BackendOptions: ...
+    def capture_session(self, stream: Any = None) -> contextlib.AbstractContextManager[None]: ...
+    def size_context(self, size: int) -> contextlib.AbstractContextManager[None]: ...
+    def capture_one(self, shape_key: Hashable, forward_fn: Callable[[], Any], capture_inputs: Any = None,
+                    post_warmup_hook: Callable[[], None] | None = None) -> Any: ...
+    def captured_keys(self) -> list[Hashable]: ...
+    def memory_report(self) -> MemoryReport: ...
+    def cleanup(self) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -55,6 +77,12 @@ class GraphMemoryForecast:
     def released_keeps_largest(self) -> bool:
         """Whether a ``released`` session after this forecast keeps the largest output."""
         return "released" in self.modes and self.modes["released"].keeps_largest
+
+    @property
+    def advice(self) -> ForecastAdvice:
+        """What this forecast steers in the next session's plan (:func:`~..output.plan.plan_session`)."""
+        source: BufferSource = "adopt" if self.buffer_source == "adopt" else "reserve"
+        return ForecastAdvice(source, int(self.pool_reserve_bytes), self.released_keeps_largest)
 
     def bytes_for(self, mode: str | None = None, *, driver: bool = True) -> int:
         """The forecast total of ``mode`` (default: :attr:`mode`); ``driver=False``: the allocator's only."""
@@ -127,7 +155,7 @@ def reserved_bytes() -> int:
     return int(torch.cuda.memory_reserved())
 
 
-def _probe(backend: CaptureBackend, sizes: Sequence[int], forward_for: Callable[[int], Callable[[], Any]],
+def _probe(backend: ProbedBackend, sizes: Sequence[int], forward_for: Callable[[int], Callable[[], Any]],
            capture_inputs: Any, upward: Sequence[int] = ()
            ) -> tuple[list[KeyTrace], list[list[int]], int, int, list[ProbeCount], int]:
     """Capture ``sizes`` (largest first), then, while the largest's and the last probe's traces
@@ -223,7 +251,7 @@ def _checked_sizes(name: str, sizes: Iterable[int]) -> list[int]:
     return checked
 
 
-def forecast_schedule(backend: CaptureBackend, sizes: Iterable[int], forward_for: Callable[[int], Callable[[], Any]],
+def forecast_schedule(backend: ProbedBackend, sizes: Iterable[int], forward_for: Callable[[int], Callable[[], Any]],
                       capture_inputs: Any = None, *, configured_mode: str) -> GraphMemoryForecast:
     """See :meth:`CaptureBackend.forecast`; ``configured_mode``: the mode its next session resolves to."""
     start = time.perf_counter()

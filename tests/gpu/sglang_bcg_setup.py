@@ -57,7 +57,7 @@ def import_sglang() -> None:
 
 def runner_seam() -> bool:
     """SGLang 0.5.13: the breakable graph is a runner (``BreakableCudaGraphRunner``)."""
-    from sglang_bcg_plugin.integration.compat import installed
+    from sglang_bcg_plugin.sglang.compat import installed
 
     return installed().kind == "runner"
 
@@ -100,7 +100,7 @@ class RunnerBackend:
 
     @property
     def last_output_mode(self) -> Any:
-        from sglang_bcg_plugin.integration.runner_seam import runner_state
+        from sglang_bcg_plugin.sglang.runner_seam import runner_state
 
         return runner_state(self.driver.runner).resolution if self.hooked else None
 
@@ -180,7 +180,7 @@ def sglang_attention() -> Callable[..., None]:
     import importlib
 
     from sglang_bcg_plugin.bench.model import attention_op
-    from sglang_bcg_plugin.integration.compat import BACKEND_MODULE, RUNNER_MODULE, eager_break, installed
+    from sglang_bcg_plugin.sglang.compat import BACKEND_MODULE, RUNNER_MODULE, eager_break, installed
 
     def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, num_heads: int, num_kv_heads: int) -> None:
         attention_op(q, k, v, out, num_heads, num_kv_heads)
@@ -275,7 +275,7 @@ class Setup:
             return RunnerBackend(self.cuda, hooked=kind != "builtin")
         from sglang.srt.model_executor.runner_backend.breakable_cuda_graph_backend import BreakableCudaGraphBackend
 
-        from sglang_bcg_plugin.integration import sglang_breakable_backend_class
+        from sglang_bcg_plugin.sglang import sglang_breakable_backend_class
 
         cls = BreakableCudaGraphBackend if kind == "builtin" else sglang_breakable_backend_class()
         return cls(runner or self.runner(), enable_memory_saver=False, debug_eager=False)
@@ -312,7 +312,7 @@ class Setup:
     def capture(self, backend: Any, sizes: list[int], *, keep: bool = True, output: str = "tensor") -> None:
         """One capture session over ``sizes`` (largest first), on the capture stream, as
         SGLang's runners do (``graph_capture`` makes the capture stream current)."""
-        from sglang_bcg_plugin.integration.compat import installed
+        from sglang_bcg_plugin.sglang.compat import installed
 
         # the static inputs, where the release's capture_one takes them (0.5.14-0.5.16 name that
         # parameter ``dummies``, and SGLang's own runners pass None there)

@@ -261,7 +261,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.variant != "engines":
             import_sglang()
         import sglang_bcg_plugin.bench.runner  # noqa: F401
-        import sglang_bcg_plugin.integration  # noqa: F401
+        import sglang_bcg_plugin.sglang  # noqa: F401
 
         print("READY", flush=True)
         if not sys.stdin.readline():

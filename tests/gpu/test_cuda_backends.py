@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from sglang_bcg_plugin.output_mode import mode_of_option
+from sglang_bcg_plugin.output.mode import mode_of_option
 
 import dataclasses
 from collections.abc import Callable
@@ -13,7 +13,7 @@ import torch
 
 from sglang_bcg_plugin import BackendOptions, ShapeKey, create_backend, graph_break
 from sglang_bcg_plugin.bench.sizes import prefill_capture_sizes
-from sglang_bcg_plugin.trees import flatten
+from sglang_bcg_plugin.output.trees import flatten
 
 pytestmark = pytest.mark.cuda
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from sglang_bcg_plugin import BackendOptions, ShapeKey, create_backend
-from sglang_bcg_plugin.guard import guard_supported
+from sglang_bcg_plugin.output.guard import guard_supported
 
 pytestmark = pytest.mark.cuda
 

@@ -9,7 +9,7 @@ resident, and the Breakable bridges hold one layer's attention inputs (not one p
 
 from __future__ import annotations
 
-from sglang_bcg_plugin.output_mode import mode_of_option
+from sglang_bcg_plugin.output.mode import mode_of_option
 
 from typing import Any
 

@@ -7,7 +7,7 @@ when that variable is set).
 
 from __future__ import annotations
 
-from sglang_bcg_plugin.output_mode import mode_of_option
+from sglang_bcg_plugin.output.mode import mode_of_option
 
 import gc
 import json
@@ -22,7 +22,7 @@ from torch._dynamo.utils import counters
 
 from sglang_bcg_plugin import BackendOptions, ShapeKey, create_backend
 from sglang_bcg_plugin.backends.piecewise import PiecewiseBackend
-from sglang_bcg_plugin.trees import flatten
+from sglang_bcg_plugin.output.trees import flatten
 
 from splitting_ops import OPS, mix, write_softmax  # tests/splitting_ops.py
 

@@ -8,7 +8,7 @@ changed. Errors are printed (and written to ``$SGLANG_BCG_GPU_RESULTS_DIR`` when
 
 from __future__ import annotations
 
-from sglang_bcg_plugin.output_mode import mode_of_option
+from sglang_bcg_plugin.output.mode import mode_of_option
 
 import json
 import os

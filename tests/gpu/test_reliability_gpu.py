@@ -15,7 +15,7 @@ Results (the memory series) go to ``$SGLANG_BCG_GPU_RESULTS_DIR/reliability_*.js
 
 from __future__ import annotations
 
-from sglang_bcg_plugin.output_mode import mode_of_option
+from sglang_bcg_plugin.output.mode import mode_of_option
 
 import gc
 import json
@@ -30,7 +30,7 @@ import pytest
 import torch
 
 from sglang_bcg_plugin import BackendOptions, ShapeKey, create_backend, graph_break
-from sglang_bcg_plugin.trees import flatten
+from sglang_bcg_plugin.output.trees import flatten
 
 pytestmark = [
     pytest.mark.cuda,

@@ -27,7 +27,7 @@ SMALL = {"device": "cuda", "hidden": 256, "layers": 2, "heads": 4, "kv_heads": 2
          "dtype": "float32", "max_tokens": 512, "repeats": 3, "cycles": 2}
 
 def _seam_kind() -> str:
-    from sglang_bcg_plugin.integration.compat import seam_kind
+    from sglang_bcg_plugin.sglang.compat import seam_kind
 
     return seam_kind()
 

@@ -29,7 +29,7 @@ SIZES = [4096, 2048, 1024, 512, 256, 64, 8]
 
 
 def _seam_kind() -> str:
-    from sglang_bcg_plugin.integration.compat import seam_kind
+    from sglang_bcg_plugin.sglang.compat import seam_kind
 
     return seam_kind()
 

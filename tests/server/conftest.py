@@ -34,7 +34,7 @@ def server_problem() -> str | None:
     if missing:
         return f"the server's packages are missing: {', '.join(missing)} (bash .ci/setup.sh installs them)"
     points = importlib.metadata.entry_points(group="sglang.srt.plugins")
-    if not any(ep.value == "sglang_bcg_plugin.integration:register" for ep in points):
+    if not any(ep.value == "sglang_bcg_plugin.sglang:register" for ep in points):
         return "the sglang.srt.plugins entry point is not installed (pip install -e . from the checkout)"
     return None
 

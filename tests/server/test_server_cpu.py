@@ -263,7 +263,7 @@ def test_doctor_in_the_server_environment() -> None:
                           text=True, timeout=START_S, check=False)
     out = proc.stdout
     assert proc.returncode == 0, out + proc.stderr
-    assert "entry point (sglang.srt.plugins): sglang_bcg = sglang_bcg_plugin.integration:register" in out, out
+    assert "entry point (sglang.srt.plugins): sglang_bcg = sglang_bcg_plugin.sglang:register" in out, out
     assert out.startswith("SGLang 0.5.23 (supported)") and out.rstrip().endswith("doctor: ok"), out
 
 

@@ -35,7 +35,7 @@ SGLANG_IMPORT_WARNINGS = (
     r"|Triton is not supported on current platform"
 )
 #: Every SGLang module the tests import (imported once, warnings filtered, before any test), per
-#: seam of the installed release (``sglang_bcg_plugin.integration.compat.seam_kind``).
+#: seam of the installed release (``sglang_bcg_plugin.sglang.compat.seam_kind``).
 SGLANG_MODULES = (
     "sglang.srt.plugins",
     "sglang.srt.plugins.hook_registry",
@@ -71,7 +71,7 @@ def sglang_problem() -> str | None:
             # Import-time warnings of SGLang and its dependencies differ per release (quantization
             # backends and Triton on CPU, deprecations): none of them is ours.
             warnings.simplefilter("ignore")
-            from sglang_bcg_plugin.integration.compat import seam_kind
+            from sglang_bcg_plugin.sglang.compat import seam_kind
 
             for name in (*SGLANG_MODULES, *SEAM_MODULES[seam_kind()]):
                 importlib.import_module(name)
@@ -152,7 +152,7 @@ def report(**kw):
 
 def seam() -> Any:
     """The installed release's seam, as the plugin probes it."""
-    from sglang_bcg_plugin.integration.compat import installed
+    from sglang_bcg_plugin.sglang.compat import installed
 
     return installed()
 
@@ -173,7 +173,7 @@ def runner_seam() -> None:
 
 def bcg_module() -> Any:
     """The module of the installed release's segment engine (``eager_on_graph``, ``BreakableCUDAGraph``)."""
-    from sglang_bcg_plugin.integration.compat import BACKEND_MODULE, RUNNER_MODULE
+    from sglang_bcg_plugin.sglang.compat import BACKEND_MODULE, RUNNER_MODULE
 
     name = BACKEND_MODULE if seam().kind == "backend" else RUNNER_MODULE
     module = importlib.import_module(name)
@@ -182,7 +182,7 @@ def bcg_module() -> Any:
 
 def eager_break(fn: Any) -> Any:
     """``fn`` as an eager break point of SGLang's segment engine, in the installed form."""
-    from sglang_bcg_plugin.integration.compat import eager_break as wrap
+    from sglang_bcg_plugin.sglang.compat import eager_break as wrap
 
     return wrap(bcg_module(), fn, seam().eager_form)
 

@@ -30,7 +30,7 @@ class BackendDriver:
     """Our backend subclass on the backend seam."""
 
     def __init__(self, runner: Any = None) -> None:
-        from sglang_bcg_plugin.integration import sglang_breakable_backend_class
+        from sglang_bcg_plugin.sglang import sglang_breakable_backend_class
 
         self.backend = sglang_breakable_backend_class()(runner or FakeRunner())
 
@@ -64,7 +64,7 @@ class RunnerDriver:
     def __init__(self, monkeypatch: Any, *, cuda: bool = False, hooked: bool = True) -> None:
         """``cuda``: real CUDA graphs on a side stream in a fresh pool (the GPU test);
         ``hooked=False``: SGLang's own capture loop without our hooks (the built-in to compare)."""
-        from sglang_bcg_plugin.integration import runner_seam
+        from sglang_bcg_plugin.sglang import runner_seam
 
         module = importlib.import_module("sglang.srt.model_executor.breakable_cuda_graph_runner")
         cls = module.BreakableCudaGraphRunner
@@ -136,7 +136,7 @@ class RunnerDriver:
         return self.runner.output_buffers[key.size]
 
     def report(self) -> Any:
-        from sglang_bcg_plugin.integration.runner_seam import runner_report
+        from sglang_bcg_plugin.sglang.runner_seam import runner_report
 
         return runner_report(self.runner)
 
@@ -144,7 +144,7 @@ class RunnerDriver:
         return list(self.runner.output_buffers.values())
 
     def cleanup(self) -> None:
-        from sglang_bcg_plugin.integration.runner_seam import runner_state
+        from sglang_bcg_plugin.sglang.runner_seam import runner_state
 
         runner_state(self.runner).clear()
         self.runner.graphs.clear()
@@ -158,14 +158,14 @@ def make_driver(monkeypatch: Any) -> BackendDriver | RunnerDriver:
 
 
 def storages(outputs: list[Any]) -> set[int]:
-    from sglang_bcg_plugin.trees import flatten
+    from sglang_bcg_plugin.output.trees import flatten
 
     return {t.untyped_storage().data_ptr() for out in outputs for _, t in flatten(out)[1]}
 
 
 def close(a: Any, b: Any) -> None:
     """Exact equality of two output trees (tensors, ``None`` and plain leaves)."""
-    from sglang_bcg_plugin.trees import flatten
+    from sglang_bcg_plugin.output.trees import flatten
 
     (na, la), (nb, lb) = flatten(a), flatten(b)
     assert [p for p, _ in la] == [p for p, _ in lb]

@@ -60,7 +60,7 @@ def shape_key(size: int, stream_idx: int | None = None) -> Any:
 
 
 def make_backend(runner: Any = None, **kwargs: Any) -> Any:
-    from sglang_bcg_plugin.integration import sglang_breakable_backend_class
+    from sglang_bcg_plugin.sglang import sglang_breakable_backend_class
 
     return sglang_breakable_backend_class()(runner or FakeRunner(), **kwargs)
 
@@ -82,7 +82,7 @@ def storages(backend: Any) -> set[int]:
 
 
 def _leaves(out: Any) -> list[torch.Tensor]:
-    from sglang_bcg_plugin.trees import flatten
+    from sglang_bcg_plugin.output.trees import flatten
 
     return [t for _, t in flatten(out)[1]]
 
@@ -190,7 +190,7 @@ def test_the_flag_overrides_the_operators_env_var(monkeypatch: pytest.MonkeyPatc
     reads it, with it as the reason."""
     import argparse
 
-    from sglang_bcg_plugin.integration import flag
+    from sglang_bcg_plugin.sglang import flag
 
     monkeypatch.setenv("SGLANG_ENABLE_BCG_SHARED_OUTPUT", "1")  # the operator's
     result = object()
@@ -228,8 +228,8 @@ def test_lifecycle_errors_and_cleanup() -> None:
 
 
 def test_helpers() -> None:
-    from sglang_bcg_plugin.backends.state import input_storages as _input_storages
-    from sglang_bcg_plugin.integration.sglang_session import apply_runner_rows, runner_server_args
+    from sglang_bcg_plugin.output.state import input_storages as _input_storages
+    from sglang_bcg_plugin.sglang.sglang_session import apply_runner_rows, runner_server_args
 
     t = torch.zeros(4, 2)
     with pytest.raises(TypeError, match="expected None or an int"):
@@ -273,7 +273,7 @@ def test_static_inputs_never_become_the_shared_buffer(monkeypatch: pytest.Monkey
 def test_server_args_published_in_process(monkeypatch: pytest.MonkeyPatch) -> None:
     runtime_context = pytest.importorskip("sglang.srt.runtime_context")
 
-    from sglang_bcg_plugin.integration.sglang_session import runner_server_args
+    from sglang_bcg_plugin.sglang.sglang_session import runner_server_args
 
     published = object()
     monkeypatch.setattr(runtime_context, "get_server_args", lambda: published, raising=False)  # <= 0.5.14: absent
@@ -334,7 +334,7 @@ def test_capture_one_takes_the_installed_releases_argument_names(monkeypatch: py
 
 
 def test_capture_one_args_every_spelling() -> None:
-    from sglang_bcg_plugin.integration.compat import capture_one_args
+    from sglang_bcg_plugin.sglang.compat import capture_one_args
 
     def hook() -> None:
         return None

@@ -6,9 +6,9 @@ import sys
 
 import pytest
 
-from sglang_bcg_plugin.integration import compat as builtin
-from sglang_bcg_plugin.integration.compat import BuiltinPolicy, inspect_builtin
-from sglang_bcg_plugin.integration.compat import sglang_builtin_policy
+from sglang_bcg_plugin.sglang import compat as builtin
+from sglang_bcg_plugin.sglang.compat import BuiltinPolicy, inspect_builtin
+from sglang_bcg_plugin.sglang.compat import sglang_builtin_policy
 
 pytestmark = pytest.mark.sglang
 
@@ -62,7 +62,7 @@ def test_other_policies_are_off_with_a_reason() -> None:
 
 
 def test_sglang_that_does_not_import_means_off(monkeypatch: pytest.MonkeyPatch) -> None:
-    from sglang_bcg_plugin.integration import compat
+    from sglang_bcg_plugin.sglang import compat
 
     compat.installed.cache_clear()
     for name in (compat.BACKEND_MODULE, compat.RUNNER_MODULE):
@@ -76,7 +76,7 @@ def test_sglang_that_does_not_import_means_off(monkeypatch: pytest.MonkeyPatch) 
 
 
 def test_runner_policies() -> None:
-    from sglang_bcg_plugin.integration.compat import inspect_runner
+    from sglang_bcg_plugin.sglang.compat import inspect_runner
 
     class Sharing:
         def _capture_all(self) -> None:

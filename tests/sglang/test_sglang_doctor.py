@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from sglang_bcg_plugin.integration.doctor import doctor_main
+from sglang_bcg_plugin.sglang.doctor import doctor_main
 
 
 def run(*argv: str) -> tuple[int, str]:
@@ -26,7 +26,7 @@ def test_without_sglang_exits_2(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_namespace_or_unregistered_sglang_is_not_sglang(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     import importlib.metadata
 
-    from sglang_bcg_plugin.integration import doctor
+    from sglang_bcg_plugin.sglang import doctor
 
     (tmp_path / "sglang").mkdir()  # a bare directory: imports as a namespace package
     monkeypatch.setitem(sys.modules, "sglang", None)
@@ -60,7 +60,7 @@ def test_all_targets_present(monkeypatch: pytest.MonkeyPatch, dist_dir: Path) ->
     assert f"SGLang {importlib.metadata.version('sglang')} (supported)" in text
     assert f"seam: {seam().describe()}" in text and "what the capture calls:" in text
     assert "MISSING" not in text and "NOT CHECKED" not in text and text.endswith("doctor: ok\n")
-    assert "entry point (sglang.srt.plugins): sglang_bcg = sglang_bcg_plugin.integration:register" in text
+    assert "entry point (sglang.srt.plugins): sglang_bcg = sglang_bcg_plugin.sglang:register" in text
     policy = seam().builtin
     assert (
         f"--enable-bcg-shared-output (resolved now): {policy.default_mode} ({policy.default_reason()}); "
@@ -73,7 +73,7 @@ def test_missing_target_exits_1(monkeypatch: pytest.MonkeyPatch, dist_dir: Path)
     import pkgutil
 
     from conftest import seam
-    from sglang_bcg_plugin.integration.hooks import hooks_for
+    from sglang_bcg_plugin.sglang.hooks import hooks_for
 
     target = hooks_for(seam().kind)[-1][0]  # a seam hook: an SGLang upgrade moved it
     owner, _, name = target.rpartition(".")
@@ -90,7 +90,7 @@ def test_missing_target_exits_1(monkeypatch: pytest.MonkeyPatch, dist_dir: Path)
 def test_missing_entry_point_and_bad_env_exit_1(monkeypatch: pytest.MonkeyPatch) -> None:
     import importlib.metadata
 
-    from sglang_bcg_plugin.integration import doctor
+    from sglang_bcg_plugin.sglang import doctor
 
     monkeypatch.setattr(doctor.importlib.metadata, "entry_points", lambda group: [])
     monkeypatch.setattr(doctor.importlib.metadata, "version", lambda name: "0.6.0")
@@ -99,13 +99,13 @@ def test_missing_entry_point_and_bad_env_exit_1(monkeypatch: pytest.MonkeyPatch)
     assert importlib.metadata.entry_points is doctor.importlib.metadata.entry_points
     assert code == 1
     assert "SGLang 0.6.0 (untested; supported: 0.5.13 to 0.5.23)" in text
-    assert "NOT FOUND (expected sglang_bcg_plugin.integration:register)" in text
+    assert "NOT FOUND (expected sglang_bcg_plugin.sglang:register)" in text
     assert "invalid (SGLANG_ENABLE_BCG_SHARED_OUTPUT='maybe'" in text
     assert "doctor: entry point not discoverable: reinstall the plugin" in text
 
 
 def test_check_names_the_import_error(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    from sglang_bcg_plugin.integration.doctor import _diagnose
+    from sglang_bcg_plugin.sglang.doctor import _diagnose
 
     def _check(target: str) -> str | None:
         problem = _diagnose(target)
@@ -124,7 +124,7 @@ def test_check_names_the_import_error(monkeypatch: pytest.MonkeyPatch, tmp_path:
 
 
 def test_diagnose_tells_causes_apart(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    from sglang_bcg_plugin.integration.doctor import Problem, _diagnose
+    from sglang_bcg_plugin.sglang.doctor import Problem, _diagnose
 
     (tmp_path / "bcg_needs_missing_dep.py").write_text("import bcg_no_such_dependency\n")
     pkg = tmp_path / "bcg_pkg"
@@ -140,12 +140,12 @@ def test_diagnose_tells_causes_apart(monkeypatch: pytest.MonkeyPatch, tmp_path: 
 
 
 def test_summary_groups_findings_by_cause(monkeypatch: pytest.MonkeyPatch) -> None:
-    from sglang_bcg_plugin.integration import doctor
-    from sglang_bcg_plugin.integration.doctor import Problem
+    from sglang_bcg_plugin.sglang import doctor
+    from sglang_bcg_plugin.sglang.doctor import Problem
 
     dep = Problem("dependency", "cannot import x: No module named 'torchvision'", "torchvision")
     monkeypatch.setattr(doctor, "_sglang_version", lambda: "0.5.23")
-    monkeypatch.setattr(doctor, "_entry_point", lambda: "sglang_bcg = sglang_bcg_plugin.integration:register")
+    monkeypatch.setattr(doctor, "_entry_point", lambda: "sglang_bcg = sglang_bcg_plugin.sglang:register")
     monkeypatch.setattr(doctor, "_diagnose", lambda name: dep if "model_executor." in name else None)
     monkeypatch.setattr(doctor, "seam_kind", lambda: "backend")
     import torch
@@ -179,7 +179,7 @@ def test_torchvision_advice_names_a_release_that_exists(monkeypatch: pytest.Monk
     torch, where its CPU build is."""
     import torch
 
-    from sglang_bcg_plugin.integration import doctor
+    from sglang_bcg_plugin.sglang import doctor
 
     assert [doctor.torchvision_for(v) for v in ("2.13.0+cpu", "2.0.1", "2.13", "1.13.1", "3.0.0")] == ["0.28", "0.15", "0.28", None, None]
     monkeypatch.setattr(torch, "__version__", "2.13.0+cpu")
@@ -205,7 +205,7 @@ def test_missing_torchvision_is_named_not_moved(dist_dir: Path) -> None:
     code = (
         "import sys; sys.modules['torchvision'] = None; "
         f"sys.path.insert(0, {str(dist_dir)!r}); "
-        "from sglang_bcg_plugin.integration.doctor import doctor_main; sys.exit(doctor_main([]))"
+        "from sglang_bcg_plugin.sglang.doctor import doctor_main; sys.exit(doctor_main([]))"
     )
     env = {k: v for k, v in os.environ.items() if k != "SGLANG_ENABLE_BCG_SHARED_OUTPUT"}
     root = Path(__file__).resolve().parents[2]

@@ -21,12 +21,12 @@ import os, pkgutil
 from types import SimpleNamespace as NS
 from sglang.srt.plugins import load_plugins
 from sglang.srt.plugins.hook_registry import HookRegistry
-from sglang_bcg_plugin.integration.compat import seam_kind
-from sglang_bcg_plugin.integration.hooks import hooks_for
+from sglang_bcg_plugin.sglang.compat import seam_kind
+from sglang_bcg_plugin.sglang.hooks import hooks_for
 load_plugins()
 patched = sorted(HookRegistry._patched)
 hook_counts = {t: len(h) for t, h in HookRegistry._hooks.items()}
-import sglang_bcg_plugin.integration as integration
+import sglang_bcg_plugin.sglang as integration
 integration.register()
 load_plugins()
 again = {t: len(h) for t, h in HookRegistry._hooks.items()}
@@ -90,7 +90,7 @@ def test_load_plugins_applies_every_hook(dist_dir: Path) -> None:
     assert r["patched"] == r["targets"]
     # This interpreter is no scheduler (the switch's RPC hook is not registered); it registers the
     # switch's HTTP hook where FastAPI is installed (as SGLang's launcher does).
-    from sglang_bcg_plugin.integration.switch import HTTP_TARGET, RPC_TARGET
+    from sglang_bcg_plugin.sglang.switch import HTTP_TARGET, RPC_TARGET
 
     assert set(r["all_targets"]) - set(r["targets"]) in ({RPC_TARGET}, {RPC_TARGET, HTTP_TARGET})
     assert len(r["all_targets"]) == 6

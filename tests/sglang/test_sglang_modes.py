@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from cpu_graph_standin import FakeRunner
-from sglang_bcg_plugin import released as rel
+from sglang_bcg_plugin.output import released as rel
 from test_sglang_breakable import SIZES, Model, capture_all, make_backend, replay, shape_key, storages
 
 pytestmark = [pytest.mark.sglang, pytest.mark.usefixtures("backend_seam", "cpu_bcg")]
@@ -119,7 +119,7 @@ def test_released_hands_out_aliases(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_released_refuses_graph_pool_borrowing(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(ENV, "released")
     monkeypatch.setenv("SGLANG_ENABLE_GRAPH_POOL_BORROW", "1")
-    from sglang_bcg_plugin.integration.compat import pool_borrowing_exists
+    from sglang_bcg_plugin.sglang.compat import pool_borrowing_exists
 
     backend = make_backend()
     if pool_borrowing_exists():  # a release that lends free pool blocks to eager tensors
@@ -174,7 +174,7 @@ def test_guard_unsupported_warns(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_cleanup_leaves_the_global_pool_usable(monkeypatch: pytest.MonkeyPatch) -> None:
     from sglang.srt.model_executor.runner_utils import pool
 
-    from sglang_bcg_plugin.integration.sglang_session import drop_global_pool
+    from sglang_bcg_plugin.sglang.sglang_session import drop_global_pool
 
     from conftest import seam
 

@@ -18,7 +18,7 @@ import torch
 
 from seam_drivers import close, make_driver, storages
 from sglang_bcg_plugin import SharedOutputFallbackWarning
-from sglang_bcg_plugin import released as rel
+from sglang_bcg_plugin.output import released as rel
 
 pytestmark = [pytest.mark.sglang, pytest.mark.usefixtures("cpu_bcg")]
 
@@ -162,7 +162,7 @@ def test_doctor_agrees_with_a_real_capture(monkeypatch: pytest.MonkeyPatch, dist
     """Doctor says ok exactly when a real capture through our plugin works on this release."""
     import io
 
-    from sglang_bcg_plugin.integration.doctor import doctor_main
+    from sglang_bcg_plugin.sglang.doctor import doctor_main
 
     monkeypatch.syspath_prepend(str(dist_dir))
     driver, model = make_driver(monkeypatch), Model(1, lambda h: h)

@@ -14,8 +14,8 @@ from typing import Any
 import pytest
 import torch
 
-from sglang_bcg_plugin import released as rel
-from sglang_bcg_plugin.integration import runner_seam
+from sglang_bcg_plugin.output import released as rel
+from sglang_bcg_plugin.sglang import runner_seam
 
 pytestmark = [pytest.mark.sglang, pytest.mark.usefixtures("cpu_bcg")]
 ENV = "SGLANG_ENABLE_BCG_SHARED_OUTPUT"

@@ -42,7 +42,7 @@ def select(request: pytest.FixtureRequest) -> Iterator[list[Any]]:
 
 @pytest.mark.parametrize("phase", ["prefill", "decode"])
 def test_breakable_becomes_ours_with_same_arguments(phase: str, select: list[Any]) -> None:
-    from sglang_bcg_plugin.integration import sglang_breakable as seam, sglang_breakable_backend_class
+    from sglang_bcg_plugin.sglang import sglang_breakable as seam, sglang_breakable_backend_class
 
     hook = seam.around_resolve_prefill_backend if phase == "prefill" else seam.around_resolve_decode_backend
     runner = FakeRunner()
@@ -63,7 +63,7 @@ def test_breakable_becomes_ours_with_same_arguments(phase: str, select: list[Any
 def test_full_and_other_backends_pass_through(select: list[Any]) -> None:
     from sglang.srt.model_executor.runner_backend.full_cuda_graph_backend import FullCudaGraphBackend
 
-    from sglang_bcg_plugin.integration import sglang_breakable as seam, sglang_breakable_backend_class
+    from sglang_bcg_plugin.sglang import sglang_breakable as seam, sglang_breakable_backend_class
 
     full = FullCudaGraphBackend(FakeRunner())
     assert seam.around_resolve_decode_backend(lambda r: full, FakeRunner()) is full
@@ -78,7 +78,7 @@ def test_select_routes_to_registered_backend_via_adapter(select: list[Any], monk
     from sglang.srt.model_executor.runner_backend.base_cuda_graph_backend import BaseCudaGraphBackend
 
     from sglang_bcg_plugin.backends.full import FullBackend
-    from sglang_bcg_plugin.integration import sglang_breakable as seam
+    from sglang_bcg_plugin.sglang import sglang_breakable as seam
 
     monkeypatch.setenv("SGLANG_ENABLE_BCG_SHARED_OUTPUT", "1")
     backend = seam.around_resolve_decode_backend(lambda r: sglang_bcg(r), FakeRunner())
@@ -107,7 +107,7 @@ def test_select_routes_to_registered_backend_via_adapter(select: list[Any], monk
 def test_a_routed_backend_follows_the_env_var_the_flag_sets(select: list[Any], monkeypatch: pytest.MonkeyPatch) -> None:
     """A routed backend is built with ``BackendOptions()``: its mode is the environment variable's,
     which ``--enable-bcg-shared-output`` writes, with the variable as the reason."""
-    from sglang_bcg_plugin.integration import sglang_breakable as seam
+    from sglang_bcg_plugin.sglang import sglang_breakable as seam
 
     for raw, mode in (("0", "off"), ("1", "on")):
         monkeypatch.setenv("SGLANG_ENABLE_BCG_SHARED_OUTPUT", raw)
@@ -119,7 +119,7 @@ def test_a_routed_backend_follows_the_env_var_the_flag_sets(select: list[Any], m
 
 
 def test_select_routes_to_registered_sglang_subclass() -> None:
-    from sglang_bcg_plugin.integration import sglang_breakable as seam, sglang_breakable_backend_class
+    from sglang_bcg_plugin.sglang import sglang_breakable as seam, sglang_breakable_backend_class
 
     class Mine(sglang_breakable_backend_class()):  # type: ignore[misc]
         pass
@@ -146,7 +146,7 @@ def test_select_routes_to_registered_sglang_subclass() -> None:
 
 
 def test_flag_hooks(monkeypatch: pytest.MonkeyPatch) -> None:
-    from sglang_bcg_plugin.integration.flag import HELP, after_add_cli_args, after_from_cli_args
+    from sglang_bcg_plugin.sglang.flag import HELP, after_add_cli_args, after_from_cli_args
 
     parser = argparse.ArgumentParser()
     after_add_cli_args(None, parser)
@@ -179,8 +179,8 @@ def test_register_is_idempotent(monkeypatch: pytest.MonkeyPatch) -> None:
 
     from sglang.srt.plugins.hook_registry import HookRegistry
 
-    from sglang_bcg_plugin.integration import HOOKS, hooks, register
-    from sglang_bcg_plugin.integration.hooks import wanted
+    from sglang_bcg_plugin.sglang import HOOKS, hooks, register
+    from sglang_bcg_plugin.sglang.hooks import wanted
 
     # private: SGLang's HookRegistry has no public read of what is registered or patched
     monkeypatch.setattr(HookRegistry, "_hooks", defaultdict(list))

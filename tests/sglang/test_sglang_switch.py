@@ -1,6 +1,6 @@
 """The live switch's SGLang side on the installed release (CI runs each release's real wheel).
 
-The two targets :mod:`sglang_bcg_plugin.integration.switch` hooks exist in the release's source;
+The two targets :mod:`sglang_bcg_plugin.sglang.switch` hooks exist in the release's source;
 in a fresh process that imported SGLang's scheduler (as a scheduler process has when it loads
 plugins), ``load_plugins()`` wraps ``Scheduler.handle_rpc_request``, and SGLang's own RPC message
 types and socket encoding carry a request from our HTTP-side client over a real ZMQ socket to the
@@ -20,8 +20,8 @@ pytestmark = [pytest.mark.sglang, pytest.mark.slow]
 
 
 def test_switch_targets_exist_in_the_release() -> None:
-    from sglang_bcg_plugin.integration.compat import seam_kind
-    from sglang_bcg_plugin.integration.switch import MODULES, defined_in_source, doctor_line
+    from sglang_bcg_plugin.sglang.compat import seam_kind
+    from sglang_bcg_plugin.sglang.switch import MODULES, defined_in_source, doctor_line
 
     assert all(defined_in_source(t, m) for t, m in MODULES.items()), MODULES
     assert not defined_in_source("sglang.srt.managers.scheduler.Scheduler.no_such_method", "sglang.srt.managers.scheduler")
@@ -36,7 +36,7 @@ import sglang.srt.managers.scheduler as sched
 from sglang.srt.plugins import load_plugins
 from sglang.srt.managers import io_struct
 load_plugins()
-from sglang_bcg_plugin.integration import switch
+from sglang_bcg_plugin.sglang import switch
 wrapped = hasattr(sched.Scheduler.handle_rpc_request, "__wrapped__")
 
 import zmq
@@ -67,7 +67,7 @@ report(wrapped=wrapped, shown=shown, posted=posted, pid=os.getpid())
 
 
 def test_rpc_round_trip_through_the_hooked_scheduler_handler(dist_dir: Path) -> None:
-    from sglang_bcg_plugin.integration.compat import seam_kind
+    from sglang_bcg_plugin.sglang.compat import seam_kind
 
     r = run_child(ROUND_TRIP, dist_dir, timeout=240).result
     assert r["wrapped"]
@@ -94,7 +94,7 @@ def test_rpc_round_trip_in_process(monkeypatch: pytest.MonkeyPatch) -> None:
         from sglang.srt.managers import io_struct
         from sglang.srt.utils.network import get_zmq_socket
 
-    from sglang_bcg_plugin.integration import switch
+    from sglang_bcg_plugin.sglang import switch
 
     endpoint = "ipc://" + tempfile.mktemp(prefix="bcg-rpc-")
     client = switch.RpcClient(endpoint)
@@ -149,7 +149,7 @@ from types import SimpleNamespace as NS
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 from sglang.srt.utils.auth import add_api_key_middleware
-from sglang_bcg_plugin.integration import switch
+from sglang_bcg_plugin.sglang import switch
 
 answers = {"show": (True, {"ranks": [{"ok": True, "mode": "on", "pid": 5, "tp_rank": 0}]}),
            "switch": (False, {"ranks": [{"ok": False, "refused": "no graphs", "pid": 5}]})}

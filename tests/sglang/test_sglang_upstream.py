@@ -1,6 +1,6 @@
 """The installed release's own ``capture_one`` runs under our backend, and still fits our wrap.
 
-Our SGLang backend copies none of SGLang's capture code (``integration/sglang_breakable.py``):
+Our SGLang backend copies none of SGLang's capture code (``sglang/sglang_breakable.py``):
 it calls the release's ``capture_one`` with a forward and a post-warmup hook of ours and
 overrides the output helpers that ``capture_one`` calls. These tests fail, naming what changed,
 when a release's ``capture_one`` stops fitting that: a new private helper (it may keep an output
@@ -26,7 +26,7 @@ def _sglang_class() -> Any:
 def test_capture_one_uses_only_helpers_we_know() -> None:
     import importlib.metadata
 
-    from sglang_bcg_plugin.integration.sglang_breakable import INTERCEPTED, NEUTRAL, unknown_capture_helpers
+    from sglang_bcg_plugin.sglang.sglang_breakable import INTERCEPTED, NEUTRAL, unknown_capture_helpers
 
     unknown = unknown_capture_helpers(_sglang_class().capture_one)
     assert not unknown, (
@@ -37,9 +37,9 @@ def test_capture_one_uses_only_helpers_we_know() -> None:
 
 
 def test_every_helper_the_release_calls_is_ours() -> None:
-    from sglang_bcg_plugin.integration import sglang_breakable_backend_class
-    from sglang_bcg_plugin.integration.compat import code_names
-    from sglang_bcg_plugin.integration.sglang_breakable import INTERCEPTED, SharingPolicyMixin
+    from sglang_bcg_plugin.sglang import sglang_breakable_backend_class
+    from sglang_bcg_plugin.sglang.compat import code_names
+    from sglang_bcg_plugin.sglang.sglang_breakable import INTERCEPTED, SharingPolicyMixin
 
     used = code_names(_sglang_class().capture_one) or frozenset()
     ours = sglang_breakable_backend_class()
@@ -53,7 +53,7 @@ def test_every_helper_the_release_calls_is_ours() -> None:
 def test_the_releases_capture_one_runs_and_makes_no_buffer(monkeypatch: pytest.MonkeyPatch, debug_eager: bool) -> None:
     from cpu_graph_standin import FakeRunner
 
-    from sglang_bcg_plugin.integration import sglang_breakable_backend_class
+    from sglang_bcg_plugin.sglang import sglang_breakable_backend_class
     from sglang.srt.model_executor.runner.shape_key import ShapeKey
 
     cls, calls = _sglang_class(), []

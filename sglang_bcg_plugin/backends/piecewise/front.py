@@ -11,8 +11,8 @@ from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
 
 from ...engines.base import Front
 from ...engines.recorder import Recorder, Rerun, Segments, active_recorder
-from ...released import maybe_alias
-from ...trees import flatten, storage_key, unflatten
+from ...output.released import maybe_alias
+from ...output.trees import flatten, storage_key, unflatten
 
 
 def active_piece_recorder() -> PieceRecorder | None:

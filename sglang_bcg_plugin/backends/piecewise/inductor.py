@@ -12,7 +12,7 @@ from typing import Any, NamedTuple
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from ...trees import storage_key
+from ...output.trees import storage_key
 
 def _fresh_key(t: torch.Tensor) -> object:
     """Storage identity that also works for fake tensors (no data pointer there)."""

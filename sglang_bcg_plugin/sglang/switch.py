@@ -24,7 +24,7 @@ import torch.distributed
 
 from .._constants import ENV_SHARE_OUTPUT
 from .._words import parse_word
-from ..output_mode import MODES, OutputMode, parse_mode_text
+from ..output.mode import MODES, OutputMode, parse_mode_text
 from . import compat
 from .flag import ENV_TEXT
 from .sglang_breakable import SharingPolicyMixin

@@ -4,15 +4,23 @@ forecast steers anything. ``memory_report().plan`` shows the latest plan."""
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from typing import TYPE_CHECKING
+from typing import Literal
 
-from ..output_mode import RELEASED, OutputMode, Resolution
-from ..sharing import BufferSource
-
-if TYPE_CHECKING:
-    from ..forecast.probe import GraphMemoryForecast
+from .mode import RELEASED, OutputMode, Resolution
 
 _MIB = 1024 * 1024
+
+#: Where a partition's shared buffer comes from: the first capture's own output, or reserved first.
+BufferSource = Literal["adopt", "reserve"]
+
+
+@dataclass(frozen=True, slots=True)
+class ForecastAdvice:
+    """The three things a forecast may steer in a plan (``GraphMemoryForecast.advice``)."""
+
+    buffer_source: BufferSource
+    pool_reserve_bytes: int = 0
+    released_keeps_largest: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,34 +59,34 @@ class SessionPlan:
         return "; ".join(parts)
 
 
-def _buffer(choice: str, engine: str, forecast: GraphMemoryForecast | None) -> tuple[BufferSource, str]:
+def _buffer(choice: str, engine: str, advice: ForecastAdvice | None) -> tuple[BufferSource, str]:
     if choice in ("adopt", "reserve"):
         return choice, "option"  # type: ignore[return-value]
     if engine != "cuda":
         return "adopt", f"auto: no pool to fragment on the {engine} engine"
-    if forecast is None:
+    if advice is None:
         return "reserve", "auto: no forecast, a reserved buffer costs one output at most"
-    return forecast.buffer_source, "auto: the forecast found it cheaper"  # type: ignore[return-value]
+    return advice.buffer_source, "auto: the forecast found it cheaper"
 
 
-def _pool(choice: str | int, engine: str, forecast: GraphMemoryForecast | None) -> tuple[int, str]:
+def _pool(choice: str | int, engine: str, advice: ForecastAdvice | None) -> tuple[int, str]:
     if engine != "cuda" or choice == "off":
         return 0, "off"
     if isinstance(choice, int):
         return choice, "option"
-    if forecast is None or not forecast.pool_reserve_bytes:
+    if advice is None or not advice.pool_reserve_bytes:
         return 0, "auto: no forecast or no saving"
-    return int(forecast.pool_reserve_bytes), "auto: the forecast's block"
+    return int(advice.pool_reserve_bytes), "auto: the forecast's block"
 
 
 def plan_session(resolution: Resolution, *, engine: str, shared_buffer: str = "auto", pool_reserve: str | int = "off",
                  guard: bool = False, strict: bool = False, check_inputs: bool = False,
-                 forecast: GraphMemoryForecast | None = None, captured: bool = False) -> SessionPlan:
-    """The plan of a session that resolved ``resolution`` on ``engine``, after ``forecast`` (or none);
-    in mode ``released`` the largest capture keeps its output only when ``forecast`` says so and
-    nothing is ``captured`` yet."""
-    source, buffer_reason = _buffer(shared_buffer, engine, forecast)
-    reserve, pool_reason = _pool(pool_reserve, engine, forecast)
-    keeps = resolution.mode == RELEASED and not captured and forecast is not None and forecast.released_keeps_largest
+                 advice: ForecastAdvice | None = None, captured: bool = False) -> SessionPlan:
+    """The plan of a session that resolved ``resolution`` on ``engine``, after a forecast's ``advice``
+    (or none); in mode ``released`` the largest capture keeps its output only when the advice says
+    so and nothing is ``captured`` yet."""
+    source, buffer_reason = _buffer(shared_buffer, engine, advice)
+    reserve, pool_reason = _pool(pool_reserve, engine, advice)
+    keeps = resolution.mode == RELEASED and not captured and advice is not None and advice.released_keeps_largest
     return SessionPlan(resolution, source, buffer_reason, guard=guard, strict=strict, check_inputs=check_inputs,
                        released_keeps_largest=bool(keeps), pool_reserve_bytes=reserve, pool_reason=pool_reason)

@@ -33,7 +33,7 @@ from .switch import doctor_line as switch_doctor_line
 #: The SGLang releases this integration was checked against.
 SUPPORTED_SGLANG = tuple(f"0.5.{n}" for n in range(13, 24))
 ENTRY_POINT_GROUP = "sglang.srt.plugins"
-ENTRY_POINT_VALUE = "sglang_bcg_plugin.integration:register"
+ENTRY_POINT_VALUE = "sglang_bcg_plugin.sglang:register"
 INSTALL = "from a checkout of sglang_bcg_plugin: pip install -e '.[sglang]'"
 #: Dependencies built against one torch: installing one from PyPI may replace torch itself.
 TORCH_BOUND = frozenset({"torchvision", "torchaudio", "sgl_kernel", "triton", "xformers", "flashinfer"})

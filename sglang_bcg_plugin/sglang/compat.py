@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from .._version import package_version
-from ..output_mode import OFF, ON, OutputMode
+from ..output.mode import OFF, ON, OutputMode
 
 SeamKind = Literal["backend", "runner", "none"]
 

@@ -6,21 +6,20 @@ from __future__ import annotations
 import math
 from collections.abc import Hashable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .errors import CaptureStateError, OutputStructureError, warn_user
+from ..errors import CaptureStateError, OutputStructureError, warn_user
 from .guard import GUARD, StaleOutputGuard, guard_supported
-from .output_mode import ON, RELEASED
+from .mode import ON, RELEASED
 from .released import release_output
 from .scan import cut
 from .trees import Leaves, Node, Storages, diff, flatten, storage_key, unflatten
 
 if TYPE_CHECKING:
-    from .backends.plan import SessionPlan
+    from .plan import BufferSource, SessionPlan
 
-BufferSource = Literal["adopt", "reserve"]
 
 
 class SharedOutputFallbackWarning(UserWarning):

@@ -13,15 +13,15 @@ from collections.abc import Callable, Hashable, Iterator
 from typing import Any
 
 from ..backends.base import CaptureBackend
-from ..backends.state import CaptureState, input_storages
+from ..output.state import CaptureState, input_storages
 from ..engines.gcsafe import defer_release, gc_safe_capture
 from ..manager import get_plugin_manager
 from ..options import BackendOptions
-from ..output_mode import ON
+from ..output.mode import ON
 from ..registry import build_registry
-from ..report import MemoryReport
+from ..output.report import MemoryReport
 from ..shape_key import check_key
-from ..trees import flatten
+from ..output.trees import flatten
 from .compat import (BACKEND_MODULE, capture_one_args, capture_var, code_names, installed, num_segments,
                      run_outside_capture, runner_rows)
 from .forecast_log import SessionForecast

@@ -8,8 +8,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Literal
 
-from ._constants import ENV_SHARE_OUTPUT
-from ._words import BOOLEAN, BOOLEAN_TEXT, parse_word
+from .._constants import ENV_SHARE_OUTPUT
+from .._words import BOOLEAN, BOOLEAN_TEXT, parse_word
 
 OutputMode = Literal["off", "on", "released"]
 OFF: OutputMode = "off"

@@ -9,7 +9,7 @@ from typing import Any
 
 from .._constants import ENV_SHARE_OUTPUT
 from .._words import parse_bool_env
-from ..output_mode import OFF, ON, RELEASED, OutputMode, parse_mode_text
+from ..output.mode import OFF, ON, RELEASED, OutputMode, parse_mode_text
 from .compat import ENV_STALE_OUTPUT_GUARD
 from .sglang_session import session_switches
 

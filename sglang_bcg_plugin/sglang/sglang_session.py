@@ -9,12 +9,11 @@ from typing import Any
 
 from .._constants import ENV_SHARE_OUTPUT
 from .._words import parse_bool_env, parse_env
-from ..backends.plan import SessionPlan, plan_session
-from ..backends.state import CaptureState
-from ..output_mode import RELEASED, OutputMode, Resolution, explain_output_mode
-from ..released import released_supported
-from ..sharing import BufferSource
-from ..trees import flatten, unflatten
+from ..output.plan import BufferSource, SessionPlan, plan_session
+from ..output.state import CaptureState
+from ..output.mode import RELEASED, OutputMode, Resolution, explain_output_mode
+from ..output.released import released_supported
+from ..output.trees import flatten, unflatten
 from . import compat
 from .compat import ENV_SHARED_BUFFER, ENV_STALE_OUTPUT_GUARD, Seam, pool_borrowing_exists, sglang_builtin_policy
 

@@ -8,7 +8,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from ..backends.state import CaptureState
+from ..output.state import CaptureState
 from ..engines.gcsafe import gc_safe_capture
 from ..shape_key import ShapeKey
 from .compat import RUNNER_MODULE, capture_var, num_segments

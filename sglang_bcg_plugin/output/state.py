@@ -9,12 +9,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import CaptureStateError
-from ..guard import GUARD
-from ..output_mode import OutputMode, Resolution
-from ..report import KeyReport, MemoryReport, claim_resident_bytes
-from ..scan import walk_tensors
-from ..sharing import OutputPolicy
-from ..trees import collect_tensors, storage_key
+from .guard import GUARD
+from .mode import OutputMode, Resolution
+from .report import KeyReport, MemoryReport, claim_resident_bytes
+from .scan import walk_tensors
+from .policy import OutputPolicy
+from .trees import collect_tensors, storage_key
 from .plan import SessionPlan
 
 
