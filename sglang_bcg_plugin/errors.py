@@ -10,6 +10,14 @@ import warnings
 import pluggy
 import torch
 
+#: The longest one-line error text the package prints of another's exception.
+ONE_LINE_CHARS = 500
+
+
+def one_line(text: object) -> str:
+    """``text`` (an exception, a message) as one line of at most :data:`ONE_LINE_CHARS` characters."""
+    return " ".join(str(text).split())[:ONE_LINE_CHARS]
+
 
 class OutputStructureError(ValueError):
     """A captured output does not fit its partition's shared buffer (strict mode); carries

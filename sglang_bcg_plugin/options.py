@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from ._words import parse_word
-from .output.mode import OutputMode, parse_output_mode
+from .output.mode import OutputMode, parse_mode
 
 EngineName = Literal["auto", "cuda", "eager"]
 SharedBufferSource = Literal["auto", "adopt", "reserve"]
@@ -64,7 +64,7 @@ class BackendOptions:
     debug_check_inputs: bool = False
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "output_mode", parse_output_mode(self.output_mode))
+        object.__setattr__(self, "output_mode", parse_mode(self.output_mode))
         for field, (names, kind) in _WORDS.items():
             word = parse_word(getattr(self, field), {n: n for n in names}, f"BackendOptions.{field}", kind=kind)
             object.__setattr__(self, field, word)

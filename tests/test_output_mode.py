@@ -6,13 +6,14 @@ from typing import Any
 
 import pytest
 
+from sglang_bcg_plugin._constants import ENV_SHARE_OUTPUT
 from sglang_bcg_plugin import BackendOptions, create_backend
 from sglang_bcg_plugin.output.mode import (
     ACCEPTED_TEXT,
     Resolution,
     explain_output_mode,
     mode_of_option,
-    parse_mode_text,
+    parse_mode,
     resolve_output_mode,
 )
 
@@ -29,7 +30,7 @@ ENV = "SGLANG_ENABLE_BCG_SHARED_OUTPUT"
 @pytest.mark.parametrize(("raw", "mode"), [("1", "on"), ("ON", "on"), (" yes ", "on"), ("0", "off"), ("No", "off"),
                                            ("released", "released"), (" RELEASED\t", "released"), ("", None), ("  ", None)])
 def test_text_spellings(raw: str, mode: str | None) -> None:
-    assert parse_mode_text(raw) == mode
+    assert parse_mode(raw, ENV_SHARE_OUTPUT, text=True) == mode
     assert resolve_output_mode(environ={ENV: raw}) == (mode or "off")
     assert _shares(environ={ENV: raw}) is (mode in ("on", "released"))
 

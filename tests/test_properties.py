@@ -34,7 +34,7 @@ from sglang_bcg_plugin import (
     SharedOutputFallbackWarning,
 )
 from sglang_bcg_plugin._words import parse_bool_env
-from sglang_bcg_plugin.output.mode import parse_mode_text
+from sglang_bcg_plugin.output.mode import parse_mode
 from sglang_bcg_plugin.shape_key import check_key
 from sglang_bcg_plugin.output.trees import flatten
 
@@ -481,7 +481,7 @@ def test_bad_env_refuses_session_and_leaves_backend_usable(raw: str, backend: st
     b = make_backend(backend, None)  # type: ignore[arg-type]
     with mock.patch.dict(os.environ, {ENV_SHARE_OUTPUT: raw}):
         try:
-            expected = parse_mode_text(raw)  # a boolean word or "released", any case
+            expected = parse_mode(raw, ENV_SHARE_OUTPUT, text=True)  # a boolean word or "released", any case
         except ValueError:
             with pytest.raises(ValueError, match=ENV_SHARE_OUTPUT), b.capture_session():
                 pass  # pragma: no cover

@@ -1,4 +1,4 @@
-"""The live switch without a server (``sglang/switch.py``): the body, the state machine of one
+"""The live switch without a server (``sglang/switch/``): the body, the state machine of one
 rank (with a runner that records calls), the gate, the HTTP answers, and the client."""
 
 from __future__ import annotations
@@ -11,7 +11,8 @@ from typing import Any
 import pytest
 
 from sglang_bcg_plugin import cli_switch
-from sglang_bcg_plugin.sglang import switch
+from sglang_bcg_plugin.sglang import doctor, hooks
+from sglang_bcg_plugin.sglang.switch import rank, routes, rpc
 from sglang_bcg_plugin.sglang.sglang_breakable import SharingPolicyMixin
 from sglang_bcg_plugin.output.mode import Resolution
 from sglang_bcg_plugin.output.report import MemoryReport
@@ -85,48 +86,48 @@ def no_check(env: Any) -> None:
     (b'{"mode": "sometimes"}', "mode='sometimes' is not an output mode"), (b'{"mode": true}', "mode must be"),
 ])
 def test_bad_bodies_are_one_line(raw: bytes, why: str) -> None:
-    with pytest.raises(switch.BodyError) as info:
-        switch.parse_body(raw)
+    with pytest.raises(routes.BodyError) as info:
+        routes.parse_body(raw)
     assert why in str(info.value) and "\n" not in str(info.value), str(info.value)
 
 
 def test_good_bodies() -> None:
-    assert switch.parse_body(b'{"mode": " Released "}') == "released"
-    assert switch.parse_body(b'{"mode": "OFF"}') == "off"
+    assert routes.parse_body(b'{"mode": " Released "}') == "released"
+    assert routes.parse_body(b'{"mode": "OFF"}') == "off"
 
 
 def test_switch_recaptures_in_the_new_mode() -> None:
     env = {ENV: "1"}
     runner = FakeRunner(env)
-    result = switch.switch_rank(runner, "off", "backend", env, check=no_check)
+    result = rank.switch_rank(runner, "off", "backend", env, check=no_check)
     assert result["ok"] and result["previous"] == "on" and result["mode"] == "off", result
     assert runner.calls == ["cleanup on", "capture off"] and env[ENV] == "0"
     assert result["seconds"] >= 0 and result["keys"] == 2 and result["resident_output_bytes"] == 0
-    shown = switch.answer_rank(runner, {"action": "show"}, "backend")
+    shown = rank.answer_rank(runner, {"action": "show"}, "backend")
     assert shown["mode"] == "off" and shown["refusal"] is None and shown["ok"]
 
 
 def test_decode_graphs_are_recaptured_after_prefill() -> None:
     env = {ENV: "released"}
     runner = DecodeRunner(env)
-    result = switch.switch_rank(runner, "on", "backend", env, check=no_check)
+    result = rank.switch_rank(runner, "on", "backend", env, check=no_check)
     assert result["ok"] and result["decode_recaptured"] and env[ENV] == "1"
     assert runner.calls == ["cleanup released", "cleanup decode", "capture on", "capture decode"]
     runner = DecodeRunner(env := {ENV: "1"}, fail=("off",))
-    result = switch.switch_rank(runner, "off", "backend", env, check=no_check)
+    result = rank.switch_rank(runner, "off", "backend", env, check=no_check)
     assert result["rolled_back"] and runner.calls == ["cleanup on", "cleanup decode", "capture off", "capture on", "capture decode"]
 
 
 def test_a_failed_capture_recaptures_the_previous_mode() -> None:
     env = {ENV: "1"}
     runner = FakeRunner(env, fail=("released",))
-    result = switch.switch_rank(runner, "released", "backend", env, check=no_check)
+    result = rank.switch_rank(runner, "released", "backend", env, check=no_check)
     assert not result["ok"] and result["rolled_back"] and result["mode"] == "on", result
     assert result["error"] == "RuntimeError: CUDA out of memory capturing released second line"
     assert runner.calls == ["cleanup on", "capture released", "capture on"] and env[ENV] == "1"
     # Both fail: prefill runs eagerly (as with SGLang's capture disabled), and the answer says so.
     runner = FakeRunner(env := {ENV: "0"}, fail=("on", "off"))
-    result = switch.switch_rank(runner, "on", "backend", env, check=no_check)
+    result = rank.switch_rank(runner, "on", "backend", env, check=no_check)
     assert not result["ok"] and result["rolled_back"] is False
     assert runner.prefill_cuda_graph_runner is runner.eager_runner and env[ENV] == "0"
 
@@ -139,26 +140,26 @@ def test_refusals_touch_nothing() -> None:
         assert trial[ENV] == "released"
         raise ValueError("output mode 'released' cannot run with SGLANG_ENABLE_GRAPH_POOL_BORROW=1:\nuse on")
 
-    with pytest.raises(switch.Refused, match="cannot run with SGLANG_ENABLE_GRAPH_POOL_BORROW=1: use on"):
-        switch.switch_rank(runner, "released", "backend", env, check=release_refuses)
+    with pytest.raises(rank.Refused, match="cannot run with SGLANG_ENABLE_GRAPH_POOL_BORROW=1: use on"):
+        rank.switch_rank(runner, "released", "backend", env, check=release_refuses)
     for kind, why in (("runner", "SGLang 0.5.13's BreakableCudaGraphRunner cannot drop its graphs"),
                       ("none", "no breakable CUDA graph")):
-        assert why in switch.answer_rank(runner, {"action": "switch", "mode": "off"}, kind)["refused"]
+        assert why in rank.answer_rank(runner, {"action": "switch", "mode": "off"}, kind)["refused"]
     assert runner.calls == [] and env[ENV] == "1"
     cpu = FakeRunner(env, device="cpu")
     cpu.prefill_cuda_graph_runner = None
-    assert switch.refusal(cpu, "backend") == "no prefill CUDA graphs in this server (cpu engine): nothing to re-capture"
+    assert rank.recapture_refusal(cpu, "backend") == "no prefill CUDA graphs in this server (cpu engine): nothing to re-capture"
     cpu.device = "cuda"
     cpu.prefill_cuda_graph_runner = NS(backend=object())
-    assert "not the plugin's breakable backend (prefill backend: object)" in str(switch.refusal(cpu, "backend"))
-    bad = switch.answer_rank(runner, {"action": "switch", "mode": "sometimes"}, "backend")
+    assert "not the plugin's breakable backend (prefill backend: object)" in str(rank.recapture_refusal(cpu, "backend"))
+    bad = rank.answer_rank(runner, {"action": "switch", "mode": "sometimes"}, "backend")
     assert not bad["ok"] and "is not an output mode" in bad["error"]
 
 
 def test_a_second_switch_is_refused_while_one_runs() -> None:
-    gate = switch.SwitchGate(clock=iter([0.0, 12.0, 12.4]).__next__)
+    gate = routes.SwitchGate(clock=iter([0.0, 12.0, 12.4]).__next__)
     with gate.hold("on"):
-        with pytest.raises(switch.Busy, match=r"a switch to 'on' is running \(12 s so far\)"):
+        with pytest.raises(routes.Busy, match=r"a switch to 'on' is running \(12 s so far\)"):
             with gate.hold("off"):
                 pass
     with gate.hold("off"):  # free again
@@ -183,29 +184,29 @@ class FakeClient:
 
 def test_http_answers() -> None:
     rank = {"ok": True, "pid": 7, "mode": "off", "previous": "on", "tp_rank": 0}
-    status, body = switch.http_answer(FakeClient((True, {"ranks": [rank]})), switch.SwitchGate(), "off")  # type: ignore[arg-type]
+    status, body = routes.http_answer(FakeClient((True, {"ranks": [rank]})), routes.SwitchGate(), "off")  # type: ignore[arg-type]
     assert status == 200 and body["mode"] == "off" and body["previous"] == "on" and body["pids"] == [7] and "seconds" in body
     refused = {"ok": False, "refused": "no prefill CUDA graphs in this server (cpu engine): nothing to re-capture", "pid": 7}
-    status, body = switch.http_answer(FakeClient((False, {"ranks": [refused]})), switch.SwitchGate(), "off")  # type: ignore[arg-type]
+    status, body = routes.http_answer(FakeClient((False, {"ranks": [refused]})), routes.SwitchGate(), "off")  # type: ignore[arg-type]
     assert status == 422 and body["error"].startswith("refused: no prefill CUDA graphs")
     failed = {**rank, "ok": False, "mode": "on", "error": "RuntimeError: oom", "rolled_back": True}
-    status, body = switch.http_answer(FakeClient((False, {"ranks": [failed]})), switch.SwitchGate(), "released")  # type: ignore[arg-type]
+    status, body = routes.http_answer(FakeClient((False, {"ranks": [failed]})), routes.SwitchGate(), "released")  # type: ignore[arg-type]
     assert status == 500 and body["error"] == "re-capture failed: RuntimeError: oom; the previous mode 'on' was re-captured"
     broken = {"ok": False, "error": "AttributeError: no tp_worker", "pid": 7}
-    status, body = switch.http_answer(FakeClient((False, {"ranks": [broken]})), switch.SwitchGate(), None)  # type: ignore[arg-type]
+    status, body = routes.http_answer(FakeClient((False, {"ranks": [broken]})), routes.SwitchGate(), None)  # type: ignore[arg-type]
     assert status == 500 and body["error"] == "a scheduler could not answer: AttributeError: no tp_worker"
     both_failed = {**failed, "rolled_back": False}
-    status, body = switch.http_answer(FakeClient((False, {"ranks": [both_failed]})), switch.SwitchGate(), "off")  # type: ignore[arg-type]
+    status, body = routes.http_answer(FakeClient((False, {"ranks": [both_failed]})), routes.SwitchGate(), "off")  # type: ignore[arg-type]
     assert body["error"].endswith("re-capturing the previous mode failed too: prefill runs without graphs")
-    status, body = switch.http_answer(FakeClient(TimeoutError("no answer in 9 s")), switch.SwitchGate(), None)  # type: ignore[arg-type]
+    status, body = routes.http_answer(FakeClient(TimeoutError("no answer in 9 s")), routes.SwitchGate(), None)  # type: ignore[arg-type]
     assert status == 504 and body == {"error": "no answer in 9 s"}
     # A second switch while one runs: 409, at once.
-    gate, release = switch.SwitchGate(), threading.Event()
+    gate, release = routes.SwitchGate(), threading.Event()
     slow = FakeClient((True, {"ranks": [rank]}), wait=release)
-    first = threading.Thread(target=switch.http_answer, args=(slow, gate, "off"))
+    first = threading.Thread(target=routes.http_answer, args=(slow, gate, "off"))
     first.start()
     assert slow.started.wait(10)
-    status, body = switch.http_answer(FakeClient((True, {"ranks": [rank]})), gate, "on")  # type: ignore[arg-type]
+    status, body = routes.http_answer(FakeClient((True, {"ranks": [rank]})), gate, "on")  # type: ignore[arg-type]
     assert status == 409 and body["error"].startswith("a switch to 'off' is running"), body
     release.set()
     first.join(10)
@@ -214,17 +215,17 @@ def test_http_answers() -> None:
 
 def test_route_not_registered_without_an_admin_key(caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level("INFO")
-    assert switch.before_setup_and_run_http_server(NS(admin_api_key=None), None, None, NS(rpc_ipc_name="ipc://x")) is None
+    assert routes.before_setup_and_run_http_server(NS(admin_api_key=None), None, None, NS(rpc_ipc_name="ipc://x")) is None
     assert "/bcg/output_mode not registered: the server has no --admin-api-key" in caplog.text
-    assert switch.before_setup_and_run_http_server(server_args=NS(admin_api_key="k"), port_args=None) is None
+    assert routes.before_setup_and_run_http_server(server_args=NS(admin_api_key="k"), port_args=None) is None
     assert "SGLang's RPC endpoint is unknown here" in caplog.text
 
 
 def test_rpc_hook_passes_other_methods_on() -> None:
     seen = []
-    out = switch.around_handle_rpc_request(lambda s, r: seen.append(r.method) or "sglang's", NS(), NS(method="save_remote_model"))
+    out = rpc.around_handle_rpc_request(lambda s, r: seen.append(r.method) or "sglang's", NS(), NS(method="save_remote_model"))
     assert out == "sglang's" and seen == ["save_remote_model"]
-    assert switch._gather(NS(), {"pid": 1}) == [{"pid": 1}]
+    assert rpc._gather(NS(), {"pid": 1}) == [{"pid": 1}]
 
 
 def test_every_tp_rank_answers(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -236,7 +237,7 @@ def test_every_tp_rank_answers(monkeypatch: pytest.MonkeyPatch) -> None:
 
     monkeypatch.setattr(dist, "all_gather_object", all_gather_object)
     scheduler = NS(tp_group=NS(world_size=2, cpu_group="cpu"))
-    assert switch._gather(scheduler, {"pid": 1}) == [{"pid": 1}, {"pid": 2}]
+    assert rpc._gather(scheduler, {"pid": 1}) == [{"pid": 1}, {"pid": 2}]
 
 
 def test_client_lines_and_errors(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
@@ -308,30 +309,30 @@ def test_where_each_hook_is_registered(monkeypatch: pytest.MonkeyPatch) -> None:
     from sglang_bcg_plugin.sglang.hooks import wanted
 
     monkeypatch.setitem(sys.modules, "sglang.srt.managers.scheduler", NS())
-    assert switch.WHERE[switch.RPC_TARGET]() and wanted(switch.RPC_TARGET)
+    assert hooks.WHERE[rpc.RPC_TARGET]() and wanted(rpc.RPC_TARGET)
     monkeypatch.delitem(sys.modules, "sglang.srt.managers.scheduler")
-    assert not wanted(switch.RPC_TARGET) and wanted("any.other.target")
-    assert switch.WHERE[switch.HTTP_TARGET]() == (__import__("importlib").util.find_spec("fastapi") is not None)
+    assert not wanted(rpc.RPC_TARGET) and wanted("any.other.target")
+    assert hooks.WHERE[routes.HTTP_TARGET]() == (__import__("importlib").util.find_spec("fastapi") is not None)
 
 
 def test_doctor_line_and_the_source_check(monkeypatch: pytest.MonkeyPatch) -> None:
-    assert not switch.defined_in_source("no_such_package_x.mod.f", "no_such_package_x.mod")
-    assert not switch.defined_in_source("json.nothing.f", "json.nothing")  # no such file
-    assert switch.defined_in_source("json.decoder.JSONDecoder.decode", "json.decoder")
-    assert not switch.defined_in_source("json.decoder.JSONDecoder.nope", "json.decoder")
-    assert switch.doctor_line("none") == "not available (no breakable CUDA graph to switch)"
-    monkeypatch.setattr(switch, "MODULES", {"json.decoder.JSONDecoder.decode": "json.decoder"})
-    assert switch.doctor_line("runner").endswith("on this release a POST is refused (its runner cannot drop its graphs)")
-    assert switch.doctor_line("backend").endswith("sglang-bcg switch --url URL --api-key KEY off|on|released")
-    monkeypatch.setattr(switch, "MODULES", {"json.decoder.gone": "json.decoder"})
-    assert switch.doctor_line("backend") == "not available on this release: json.decoder.gone not found"
+    assert not doctor.defined_in_source("no_such_package_x.mod.f", "no_such_package_x.mod")
+    assert not doctor.defined_in_source("json.nothing.f", "json.nothing")  # no such file
+    assert doctor.defined_in_source("json.decoder.JSONDecoder.decode", "json.decoder")
+    assert not doctor.defined_in_source("json.decoder.JSONDecoder.nope", "json.decoder")
+    assert doctor.switch_doctor_line("none") == "not available (no breakable CUDA graph to switch)"
+    monkeypatch.setattr(doctor, "SWITCH_MODULES", {"json.decoder.JSONDecoder.decode": "json.decoder"})
+    assert doctor.switch_doctor_line("runner").endswith("on this release a POST is refused (its runner cannot drop its graphs)")
+    assert doctor.switch_doctor_line("backend").endswith("sglang-bcg switch --url URL --api-key KEY off|on|released")
+    monkeypatch.setattr(doctor, "SWITCH_MODULES", {"json.decoder.gone": "json.decoder"})
+    assert doctor.switch_doctor_line("backend") == "not available on this release: json.decoder.gone not found"
 
 
 def test_more_failures_of_one_rank() -> None:
     env = {ENV: "1"}
     runner = FakeRunner(env)
     runner.init_prefill_cuda_graph = None  # type: ignore[assignment,method-assign]
-    assert "no init_prefill_cuda_graph()" in str(switch.refusal(runner, "backend"))
+    assert "no init_prefill_cuda_graph()" in str(rank.recapture_refusal(runner, "backend"))
     # The capture "succeeds" without our backend: a failure, rolled back; an unset variable stays unset.
     env = {ENV: "1"}
     runner = FakeRunner(env)
@@ -343,7 +344,7 @@ def test_more_failures_of_one_rank() -> None:
     runner.init_prefill_cuda_graph = not_ours  # type: ignore[method-assign]
     env_without: dict[str, str] = {}
     runner.env = env_without
-    result = switch.switch_rank(runner, "off", "backend", env_without, check=no_check)
+    result = rank.switch_rank(runner, "off", "backend", env_without, check=no_check)
     assert not result["ok"] and "not ours in mode 'off'" in result["error"] and ENV not in env_without, result
 
 
@@ -394,27 +395,27 @@ def test_routes_answer_in_process(monkeypatch: pytest.MonkeyPatch) -> None:
 
     pytest.importorskip("fastapi")
     pytest.importorskip("sglang.srt.utils.auth")
-    routes: dict[str, Any] = {}
-    app = NS(add_api_route=lambda path, fn, methods: routes.update({methods[0]: fn}))
+    added: dict[str, Any] = {}
+    app = NS(add_api_route=lambda path, fn, methods: added.update({methods[0]: fn}))
     rank = {"ok": True, "mode": "on", "pid": 5}
-    monkeypatch.setattr(switch.RpcClient, "call", lambda self, params, timeout_s=1: (True, {"ranks": [rank]}))
-    switch.add_routes(app, switch.RpcClient("ipc://x"), switch.SwitchGate())
-    assert routes["GET"]._auth_level.value == routes["POST"]._auth_level.value == "admin_force"
+    monkeypatch.setattr(rpc.RpcClient, "call", lambda self, params, timeout_s=1: (True, {"ranks": [rank]}))
+    routes.add_routes(app, rpc.RpcClient("ipc://x"), routes.SwitchGate())
+    assert added["GET"]._auth_level.value == added["POST"]._auth_level.value == "admin_force"
 
     def body(raw: bytes) -> Any:
         async def read() -> bytes:
             return raw
         return NS(body=read)
 
-    got = asyncio.run(routes["GET"]())
+    got = asyncio.run(added["GET"]())
     assert got.status_code == 200 and json.loads(got.body)["pids"] == [5]
-    bad = asyncio.run(routes["POST"](body(b"[")))
+    bad = asyncio.run(added["POST"](body(b"[")))
     assert bad.status_code == 400 and json.loads(bad.body)["error"].startswith("the body is not JSON")
-    assert asyncio.run(routes["POST"](body(b'{"mode": "on"}'))).status_code == 200
+    assert asyncio.run(added["POST"](body(b'{"mode": "on"}'))).status_code == 200
     monkeypatch.setitem(__import__("sys").modules, "sglang.srt.entrypoints.http_server", NS(app=app))
-    routes.clear()
-    switch.before_setup_and_run_http_server(NS(admin_api_key="k", dp_size=1), None, None, NS(rpc_ipc_name="ipc://x"))
-    assert set(routes) == {"GET", "POST"}
+    added.clear()
+    routes.before_setup_and_run_http_server(NS(admin_api_key="k", dp_size=1), None, None, NS(rpc_ipc_name="ipc://x"))
+    assert set(added) == {"GET", "POST"}
 
 
 def _gpu_switch_checks() -> Any:

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import pytest
 
+from sglang_bcg_plugin._constants import ENV_SHARE_OUTPUT
 from sglang_bcg_plugin import BackendOptions
 from sglang_bcg_plugin._words import BOOLEAN, BOOLEAN_TEXT, parse_bool_env, parse_env, parse_word
 from sglang_bcg_plugin.sglang.forecast_log import forecast_enabled
 from sglang_bcg_plugin.sglang.sglang_session import shared_buffer
-from sglang_bcg_plugin.output.mode import parse_mode_text
+from sglang_bcg_plugin.output.mode import parse_mode
 
 WORDS = {"adopt": "adopt", "reserve": "reserve"}
 
@@ -43,7 +44,7 @@ def test_unset_is_none_and_each_caller_says_its_default() -> None:
     assert parse_env("FLAG", WORDS, kind="a buffer source", environ={}) is None
     assert parse_bool_env("FLAG", {}) is None
     assert shared_buffer({}) == "reserve" and shared_buffer({"SGLANG_BCG_SHARED_BUFFER": " "}) == "reserve"
-    assert parse_mode_text(None) is None and parse_mode_text(" ") is None
+    assert parse_mode(None, ENV_SHARE_OUTPUT, text=True) is None and parse_mode(" ", ENV_SHARE_OUTPUT, text=True) is None
 
 
 def test_every_caller_takes_the_same_spelling() -> None:
@@ -51,7 +52,7 @@ def test_every_caller_takes_the_same_spelling() -> None:
     assert shared_buffer({"SGLANG_BCG_SHARED_BUFFER": "ADOPT"}) == "adopt"
     assert BackendOptions(shared_buffer="ADOPT").shared_buffer == "adopt"  # type: ignore[arg-type]
     assert BackendOptions(engine=" Eager ").engine == "eager"  # type: ignore[arg-type]
-    assert parse_mode_text(" Yes ") == "on" and parse_mode_text("RELEASED") == "released"
+    assert parse_mode(" Yes ", ENV_SHARE_OUTPUT, text=True) == "on" and parse_mode("RELEASED", ENV_SHARE_OUTPUT, text=True) == "released"
 
 
 @pytest.mark.parametrize(("call", "match"), [
@@ -61,7 +62,7 @@ def test_every_caller_takes_the_same_spelling() -> None:
      r"SGLANG_BCG_FORECAST='tru' is not a boolean; use one of 1/0, true/false, yes/no, on/off"),
     (lambda: shared_buffer({"SGLANG_BCG_SHARED_BUFFER": "auto"}),
      r"SGLANG_BCG_SHARED_BUFFER='auto' is not a buffer source; use one of 'adopt' or 'reserve', or unset it"),
-    (lambda: parse_mode_text("maybe"),
+    (lambda: parse_mode("maybe", ENV_SHARE_OUTPUT, text=True),
      r"SGLANG_ENABLE_BCG_SHARED_OUTPUT='maybe' is not an output mode; use one of 1/0, .* or released"),
 ])
 def test_every_caller_names_its_variable_and_the_accepted_values(call: object, match: str) -> None:

@@ -13,7 +13,7 @@ from typing import Any, NamedTuple
 import torch
 
 from .._constants import ENV_SHARE_OUTPUT
-from ..output.mode import parse_mode_text
+from ..output.mode import parse_mode
 from .budget import check_fits
 from .outdir import check_out_dir
 from .runner import GRAPH_TREES, VARIANTS, runs
@@ -170,7 +170,7 @@ def build_config(args: argparse.Namespace, available_backends: list[str]) -> Ben
     variants = _names("--variants", args.variants or ("off,on,floor,guard" if gpu else "off,on"), VARIANTS)
     notes = _variant_rows(backends, variants, available_backends)
     try:
-        env = parse_mode_text(os.environ.get(ENV_SHARE_OUTPUT))
+        env = parse_mode(os.environ.get(ENV_SHARE_OUTPUT), ENV_SHARE_OUTPUT, text=True)
     except ValueError as exc:
         msg = f"{exc} (or unset it: bench sets sharing per --variants)"
         raise UsageError(msg) from None

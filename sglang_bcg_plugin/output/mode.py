@@ -23,36 +23,41 @@ TEXT_WORDS: dict[str, OutputMode] = {**{word: ON if on else OFF for word, on in 
 ACCEPTED_TEXT = f"{BOOLEAN_TEXT} (sharing on/off) or released"
 
 
-def parse_output_mode(value: object) -> OutputMode | None:
-    """``BackendOptions.output_mode``: a mode (any case; returned lowercase) or ``None`` (follow the switch).
+#: The option's name and what it accepts, in every error about ``BackendOptions.output_mode``.
+OPTION = "BackendOptions.output_mode"
+OPTION_ACCEPTS = f"'off', 'on', 'released' or None (follow --enable-bcg-shared-output / {ENV_SHARE_OUTPUT})"
 
-    :raises ValueError: a string that is not a mode. :raises TypeError: anything else (a bool says
-        which mode it meant); both name the option, the value and what is accepted."""
+
+def parse_mode(value: object, what: str = OPTION, *, text: bool = False) -> OutputMode | None:
+    """The one parser of an output mode, wherever one is given; ``None`` where none is set.
+
+    ``text=False``: a value (``BackendOptions.output_mode``, a request's ``"mode"``): ``off``,
+    ``on`` or ``released`` in any case, or ``None``; a bool is refused, saying which mode it meant.
+    ``text=True``: a switch's text (the environment variable, the flag's value): also the boolean
+    words of :data:`ACCEPTED_TEXT`; unset or blank is ``None``.
+
+    :raises ValueError: a string that is not a mode. :raises TypeError: anything else; both name
+        ``what``, the value and what is accepted."""
+    if text:
+        if value is None or (isinstance(value, str) and not value.strip()):
+            return None
+        return parse_word(value, TEXT_WORDS, what, kind="an output mode", accepted=ACCEPTED_TEXT)
     if value is None:
         return None
-    name = "BackendOptions.output_mode"
-    accepted = f"'off', 'on', 'released' or None (follow --enable-bcg-shared-output / {ENV_SHARE_OUTPUT})"
+    accepted = OPTION_ACCEPTS if what == OPTION else "'off', 'on' or 'released'"
     if isinstance(value, bool):
-        msg = f"{name} must be {accepted}, got {value!r} of type bool (use output_mode={'on' if value else 'off'!r})"
+        hint = f"{'output_mode=' if what == OPTION else ''}{'on' if value else 'off'!r}"
+        msg = f"{what} must be {accepted}, got {value!r} of type bool (use {hint})"
         raise TypeError(msg)
-    return parse_word(value, {mode: mode for mode in MODES}, name, kind="an output mode", accepted=accepted)
+    return parse_word(value, {mode: mode for mode in MODES}, what, kind="an output mode", accepted=accepted)
 
 
 def mode_of_option(value: bool | str | None) -> OutputMode | None:
-    """The mode a bench variant's ``share`` selects (``True`` = ``on``, ``False`` = ``off``) or
-    an ``output_mode`` string; ``None``: not set."""
+    """The mode of a bench variant's or a test's ``share`` (``True`` = ``on``, ``False`` = ``off``)
+    or of an ``output_mode`` value (:func:`parse_mode`); ``None``: not set."""
     if isinstance(value, bool):
         return ON if value else OFF
-    return parse_output_mode(value)
-
-
-def parse_mode_text(raw: str | None, *, what: str = ENV_SHARE_OUTPUT) -> OutputMode | None:
-    """A textual mode (environment variable or flag value); ``None`` when unset/empty.
-
-    :raises ValueError: not one of :data:`ACCEPTED_TEXT`, naming ``what`` and the value."""
-    if raw is None or not raw.strip():
-        return None
-    return parse_word(raw, TEXT_WORDS, what, kind="an output mode", accepted=ACCEPTED_TEXT)
+    return parse_mode(value)
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,11 +84,11 @@ def explain_output_mode(explicit: str | Resolution | None = None, *, environ: Ma
     :raises TypeError, ValueError: ``explicit`` or the environment variable is not a mode."""
     if isinstance(explicit, Resolution):
         return explicit
-    mode = parse_output_mode(explicit)
+    mode = parse_mode(explicit)
     if mode is not None:
         return Resolution(mode, f"BackendOptions.output_mode={mode!r}")
     raw = (os.environ if environ is None else environ).get(ENV_SHARE_OUTPUT)
-    from_env = parse_mode_text(raw)
+    from_env = parse_mode(raw, ENV_SHARE_OUTPUT, text=True)
     if from_env is not None:
         return Resolution(from_env, f"{ENV_SHARE_OUTPUT}={raw!r}")
     return Resolution(default, default_reason)

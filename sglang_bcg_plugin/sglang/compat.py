@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from .._version import package_version
+from ..errors import one_line
 from ..output.mode import OFF, ON, OutputMode
 
 SeamKind = Literal["backend", "runner", "none"]
@@ -237,11 +238,6 @@ def sglang_builtin_policy() -> BuiltinPolicy:
         return installed().builtin
     except Exception as exc:  # noqa: BLE001 - any import failure means "cannot tell"
         return BuiltinPolicy(None, f"SGLang's breakable graph does not import ({type(exc).__name__}: {one_line(exc)})")
-
-
-def one_line(exc: BaseException) -> str:
-    """The first non-empty line of an exception's text."""
-    return next((line.strip() for line in str(exc).splitlines() if line.strip()), "")
 
 
 def capture_one_args(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Callable[[], None] | None]:

@@ -3,6 +3,7 @@ Exit codes: 0 all good, 1 a seam moved or no entry point, 2 no SGLang, 3 SGLang 
 
 from __future__ import annotations
 
+import ast
 import argparse
 import functools
 import importlib
@@ -21,18 +22,21 @@ from typing import TextIO
 import torch
 
 from .._version import package_version
+from ..errors import one_line
 from .compat import (BACKEND_CLASS, BACKEND_MODULE, ENV_FORECAST, RUNNER_CLASS, RUNNER_MODULE, Seam, code_names,
-                     installed, one_line, seam_kind)
+                     installed, seam_kind, sglang_source)
 from .forecast_log import forecast_enabled
 from .hooks import hooks_for
 from .sglang_breakable import BASE_MODULE, unknown_capture_helpers
 from .sglang_session import resolve_mode
-from .switch import MODULES as SWITCH_MODULES
-from .switch import doctor_line as switch_doctor_line
+from .switch.routes import HTTP_TARGET, ROUTE
+from .switch.rpc import RPC_TARGET
 
 #: The SGLang releases this integration was checked against.
 SUPPORTED_SGLANG = tuple(f"0.5.{n}" for n in range(13, 24))
 ENTRY_POINT_GROUP = "sglang.srt.plugins"
+#: Each live-switch target and the module that holds it.
+SWITCH_MODULES = {HTTP_TARGET: "sglang.srt.entrypoints.http_server", RPC_TARGET: "sglang.srt.managers.scheduler"}
 ENTRY_POINT_VALUE = "sglang_bcg_plugin.sglang:register"
 INSTALL = "from a checkout of sglang_bcg_plugin: pip install -e '.[sglang]'"
 #: Dependencies built against one torch: installing one from PyPI may replace torch itself.
@@ -55,6 +59,34 @@ class Problem:
     kind: str
     detail: str
     dependency: str | None = None
+
+
+def defined_in_source(target: str, module: str) -> bool:
+    """Whether ``module``'s source defines ``target`` (``module.func`` or ``module.Class.method``),
+    read with ``ast``, without importing it (the HTTP server's module needs FastAPI)."""
+    path = sglang_source(module)
+    body: list[ast.stmt] = [] if path is None else ast.parse(path.read_text(encoding="utf-8")).body
+    kinds = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
+    for part in target[len(module) + 1:].split("."):
+        node = next((n for n in body if isinstance(n, kinds) and n.name == part), None)
+        if node is None:
+            return False
+        body = node.body
+    return True
+
+
+def switch_doctor_line(seam_kind: str) -> str:
+    """``sglang-bcg doctor``'s one line on the live switch."""
+    missing = [t for t, m in SWITCH_MODULES.items() if not defined_in_source(t, m)]
+    if seam_kind not in ("backend", "runner"):
+        return "not available (no breakable CUDA graph to switch)"
+    if missing:
+        return f"not available on this release: {', '.join(missing)} not found"
+    where = (f"GET/POST {ROUTE} registered only when the server starts with --admin-api-key (SGLang's admin "
+             "authentication); without it the route does not exist")
+    if seam_kind == "runner":
+        return where + "; on this release a POST is refused (its runner cannot drop its graphs)"
+    return where + "; sglang-bcg switch --url URL --api-key KEY off|on|released"
 
 
 def _diagnose(target: str) -> Problem | None:

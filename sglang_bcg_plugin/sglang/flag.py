@@ -9,7 +9,7 @@ from typing import Any
 
 from .._constants import ENV_SHARE_OUTPUT
 from .._words import parse_bool_env
-from ..output.mode import OFF, ON, RELEASED, OutputMode, parse_mode_text
+from ..output.mode import OFF, ON, RELEASED, OutputMode, parse_mode
 from .compat import ENV_STALE_OUTPUT_GUARD
 from .sglang_session import session_switches
 
@@ -36,7 +36,7 @@ class OutputModeAction(argparse.Action):
     def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
                  option_string: str | None = None) -> None:
         try:
-            mode = parse_mode_text(values, what=FLAG)
+            mode = parse_mode(values, FLAG, text=True)
         except ValueError as exc:
             parser.error(f"{exc} (give the mode as {FLAG}=MODE)")
         setattr(namespace, self.dest, ON if mode is None else mode)

@@ -3,7 +3,10 @@ installed release's seam (:func:`.compat.seam_kind`) and this process (:func:`wa
 
 from __future__ import annotations
 
+import importlib.util
 import logging
+import multiprocessing
+import sys
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -13,7 +16,8 @@ from .flag import ADD_CLI_ARGS_TARGET, FROM_CLI_ARGS_TARGET, after_add_cli_args,
 from .runner_seam import CAPTURE_ALL_TARGET, CAPTURE_ONE_TARGET, around_capture_all, around_capture_one
 from .sglang_breakable import (DECODE_TARGET, PREFILL_TARGET, around_resolve_decode_backend,
                                around_resolve_prefill_backend)
-from .switch import HTTP_TARGET, RPC_TARGET, WHERE, around_handle_rpc_request, before_setup_and_run_http_server
+from .switch.routes import HTTP_TARGET, before_setup_and_run_http_server
+from .switch.rpc import RPC_TARGET, around_handle_rpc_request
 
 logger = logging.getLogger(__name__)
 
@@ -34,6 +38,13 @@ RUNNER_HOOKS: tuple[Hook, ...] = (
     (CAPTURE_ONE_TARGET, around_capture_one, "AROUND"),
 )
 
+#: target -> whether this process registers it: the HTTP hook in the launcher (not a multiprocessing
+#: child, FastAPI installed), the RPC hook in schedulers (they import the scheduler before plugins).
+WHERE: dict[str, Callable[[], bool]] = {
+    HTTP_TARGET: lambda: multiprocessing.parent_process() is None and importlib.util.find_spec("fastapi") is not None,
+    RPC_TARGET: lambda: "sglang.srt.managers.scheduler" in sys.modules,
+}
+
 
 def hooks_for(kind: SeamKind) -> tuple[Hook, ...]:
     """The hooks of a seam kind: the flag's alone without a seam; on the runner seam, the switch's too."""
@@ -41,7 +52,7 @@ def hooks_for(kind: SeamKind) -> tuple[Hook, ...]:
 
 
 def wanted(target: str) -> bool:
-    """Whether this process registers ``target`` (:data:`.switch.WHERE`; any other hook: yes)."""
+    """Whether this process registers ``target`` (:data:`WHERE`; any other hook: yes)."""
     return target not in WHERE or WHERE[target]()
 
 

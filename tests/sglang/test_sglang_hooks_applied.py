@@ -90,7 +90,8 @@ def test_load_plugins_applies_every_hook(dist_dir: Path) -> None:
     assert r["patched"] == r["targets"]
     # This interpreter is no scheduler (the switch's RPC hook is not registered); it registers the
     # switch's HTTP hook where FastAPI is installed (as SGLang's launcher does).
-    from sglang_bcg_plugin.sglang.switch import HTTP_TARGET, RPC_TARGET
+    from sglang_bcg_plugin.sglang.switch.routes import HTTP_TARGET
+    from sglang_bcg_plugin.sglang.switch.rpc import RPC_TARGET
 
     assert set(r["all_targets"]) - set(r["targets"]) in ({RPC_TARGET}, {RPC_TARGET, HTTP_TARGET})
     assert len(r["all_targets"]) == 6

@@ -21,7 +21,9 @@ pytestmark = [pytest.mark.sglang, pytest.mark.slow]
 
 def test_switch_targets_exist_in_the_release() -> None:
     from sglang_bcg_plugin.sglang.compat import seam_kind
-    from sglang_bcg_plugin.sglang.switch import MODULES, defined_in_source, doctor_line
+    from sglang_bcg_plugin.sglang.doctor import SWITCH_MODULES as MODULES
+    from sglang_bcg_plugin.sglang.doctor import defined_in_source
+    from sglang_bcg_plugin.sglang.doctor import switch_doctor_line as doctor_line
 
     assert all(defined_in_source(t, m) for t, m in MODULES.items()), MODULES
     assert not defined_in_source("sglang.srt.managers.scheduler.Scheduler.no_such_method", "sglang.srt.managers.scheduler")
@@ -36,13 +38,13 @@ import sglang.srt.managers.scheduler as sched
 from sglang.srt.plugins import load_plugins
 from sglang.srt.managers import io_struct
 load_plugins()
-from sglang_bcg_plugin.sglang import switch
+from sglang_bcg_plugin.sglang.switch import routes, rpc
 wrapped = hasattr(sched.Scheduler.handle_rpc_request, "__wrapped__")
 
 import zmq
 from sglang.srt.utils.network import get_zmq_socket
 endpoint = "ipc://" + tempfile.mktemp(prefix="bcg-rpc-")
-client = switch.RpcClient(endpoint)
+client = rpc.RpcClient(endpoint)
 client._open()  # bound here, as Engine binds it
 runner = NS(device="cpu", prefill_cuda_graph_runner=None)
 fake = NS(tp_worker=NS(model_runner=runner), tp_group=NS(world_size=1, rank_in_group=0))
@@ -58,9 +60,9 @@ def scheduler_side(n):
 
 thread = threading.Thread(target=scheduler_side, args=(2,), daemon=True)
 thread.start()
-gate = switch.SwitchGate()
-shown = switch.http_answer(client, gate, None)
-posted = switch.http_answer(client, gate, "off")
+gate = routes.SwitchGate()
+shown = routes.http_answer(client, gate, None)
+posted = routes.http_answer(client, gate, "off")
 thread.join(30)
 report(wrapped=wrapped, shown=shown, posted=posted, pid=os.getpid())
 """
@@ -94,10 +96,10 @@ def test_rpc_round_trip_in_process(monkeypatch: pytest.MonkeyPatch) -> None:
         from sglang.srt.managers import io_struct
         from sglang.srt.utils.network import get_zmq_socket
 
-    from sglang_bcg_plugin.sglang import switch
+    from sglang_bcg_plugin.sglang.switch import routes, rpc
 
     endpoint = "ipc://" + tempfile.mktemp(prefix="bcg-rpc-")
-    client = switch.RpcClient(endpoint)
+    client = rpc.RpcClient(endpoint)
     client._open()
     fake = NS(tp_worker=NS(model_runner=NS(device="cpu", prefill_cuda_graph_runner=None)))
     send, recv = getattr(io_struct, "sock_send", None), getattr(io_struct, "sock_recv", None)
@@ -113,7 +115,7 @@ def test_rpc_round_trip_in_process(monkeypatch: pytest.MonkeyPatch) -> None:
         stale = io_struct.RpcReqOutput(success=True, message='{"id": -1}')  # a late reply to an older call
         for _ in range(2):
             req = recv(sock) if recv else sock.recv_pyobj()
-            out = switch.around_handle_rpc_request(sglangs, fake, req)
+            out = rpc.around_handle_rpc_request(sglangs, fake, req)
             for msg in (stale, out):
                 send(sock, msg) if send else sock.send_pyobj(msg)
         sock.recv()  # a third request, taken and never answered
@@ -127,7 +129,7 @@ def test_rpc_round_trip_in_process(monkeypatch: pytest.MonkeyPatch) -> None:
     ok, body = client.call({"action": "show"}, timeout_s=60)
     assert ok and body["ranks"][0]["refusal"].startswith(("no prefill CUDA graphs", "SGLang 0.5.13's")), body
     assert body["ranks"][0]["pid"] == __import__("os").getpid()
-    status, answer = switch.http_answer(client, switch.SwitchGate(), "released")
+    status, answer = routes.http_answer(client, routes.SwitchGate(), "released")
     assert status == 422 and answer["error"].startswith("refused: "), answer
     with pytest.raises(TimeoutError, match="did not answer in 0 s"):
         client.call({"action": "show"}, timeout_s=0.2)
@@ -135,8 +137,8 @@ def test_rpc_round_trip_in_process(monkeypatch: pytest.MonkeyPatch) -> None:
     thread.join(30)
     assert passed_on == []  # only our method was asked
     client.close()
-    client = switch.RpcClient("ipc://" + tempfile.mktemp(prefix="bcg-rpc-"))
-    monkeypatch.setattr(switch, "SEND_TIMEOUT_MS", 100)
+    client = rpc.RpcClient("ipc://" + tempfile.mktemp(prefix="bcg-rpc-"))
+    monkeypatch.setattr(rpc, "SEND_TIMEOUT_MS", 100)
     with pytest.raises(TimeoutError, match="no scheduler took the request"):  # nobody connected
         client.call({"action": "show"})
     client.close()
@@ -149,26 +151,26 @@ from types import SimpleNamespace as NS
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 from sglang.srt.utils.auth import add_api_key_middleware
-from sglang_bcg_plugin.sglang import switch
+from sglang_bcg_plugin.sglang.switch import routes, rpc
 
 answers = {"show": (True, {"ranks": [{"ok": True, "mode": "on", "pid": 5, "tp_rank": 0}]}),
            "switch": (False, {"ranks": [{"ok": False, "refused": "no graphs", "pid": 5}]})}
-switch.RpcClient.call = lambda self, params, timeout_s=1: answers[str(params["action"])]
+rpc.RpcClient.call = lambda self, params, timeout_s=1: answers[str(params["action"])]
 app = FastAPI()  # SGLang's http_server.app in a server (the hook on it: tests/server/test_server_cpu.py)
-switch.add_routes(app, switch.RpcClient("ipc://rpc"), switch.SwitchGate())  # what the hook adds with a key
+routes.add_routes(app, rpc.RpcClient("ipc://rpc"), routes.SwitchGate())  # what the hook adds with a key
 add_api_key_middleware(app, api_key=None, admin_api_key="k")  # what _setup_and_run_http_server does next
 web = TestClient(app)
 auth = {"Authorization": "Bearer k"}
-got = web.get(switch.ROUTE, headers=auth)
+got = web.get(routes.ROUTE, headers=auth)
 dp = FastAPI()
-switch.add_routes(dp, switch.RpcClient("ipc://rpc"), switch.SwitchGate(), dp_size=2)
+routes.add_routes(dp, rpc.RpcClient("ipc://rpc"), routes.SwitchGate(), dp_size=2)
 report(
     get=[got.status_code, got.json()],
-    no_key=web.get(switch.ROUTE).status_code,
-    wrong_key=web.post(switch.ROUTE, json={"mode": "on"}, headers={"Authorization": "Bearer wrong"}).status_code,
-    bad=[(r := web.post(switch.ROUTE, content=b"{", headers=auth)).status_code, r.json()],
-    refused=[(r := web.post(switch.ROUTE, json={"mode": "off"}, headers=auth)).status_code, r.json()],
-    dp=TestClient(dp).get(switch.ROUTE).json(),
+    no_key=web.get(routes.ROUTE).status_code,
+    wrong_key=web.post(routes.ROUTE, json={"mode": "on"}, headers={"Authorization": "Bearer wrong"}).status_code,
+    bad=[(r := web.post(routes.ROUTE, content=b"{", headers=auth)).status_code, r.json()],
+    refused=[(r := web.post(routes.ROUTE, json={"mode": "off"}, headers=auth)).status_code, r.json()],
+    dp=TestClient(dp).get(routes.ROUTE).json(),
 )
 """
 

@@ -1,0 +1,188 @@
+"""The live switch in one TP rank's scheduler: whether it can re-capture, what it reports, and the
+re-capture itself with its rollback (docs/sglang.md#switching-the-mode-of-a-running-server)."""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import logging
+import os
+import sys
+import time
+from collections.abc import Callable, Mapping, MutableMapping
+from typing import Any
+
+import torch
+
+from ..._constants import ENV_SHARE_OUTPUT
+from ...errors import one_line
+from ...output.mode import OutputMode, parse_mode
+from ..flag import ENV_TEXT
+from ..sglang_breakable import SharingPolicyMixin
+from ..sglang_session import session_switches
+
+logger = logging.getLogger(__name__)
+
+class Refused(Exception):
+    """The rank cannot switch; nothing was touched."""
+
+
+def prefill_backend(model_runner: Any) -> Any:
+    return getattr(getattr(model_runner, "prefill_cuda_graph_runner", None), "backend", None)
+
+
+def recapture_refusal(model_runner: Any, seam_kind: str) -> str | None:
+    """Why this rank cannot re-capture its prefill graphs, in one line; ``None`` when it can."""
+    if seam_kind == "runner":
+        return ("SGLang 0.5.13's BreakableCudaGraphRunner cannot drop its graphs (no cleanup; they stay in the "
+                "process-global pool), so a re-capture would hold two sets: restart with --enable-bcg-shared-output=MODE")
+    if seam_kind != "backend":
+        return "this SGLang has no breakable CUDA graph the plugin hooks"
+    backend = prefill_backend(model_runner)
+    if not isinstance(backend, SharingPolicyMixin):
+        device = str(getattr(model_runner, "device", "?"))
+        if device != "cuda":
+            return f"no prefill CUDA graphs in this server ({device} engine): nothing to re-capture"
+        name = type(backend).__name__ if backend is not None else "none"
+        return (f"the prefill graphs are not the plugin's breakable backend (prefill backend: {name}); "
+                "start the server with --cuda-graph-backend-prefill breakable")
+    if not callable(getattr(model_runner, "init_prefill_cuda_graph", None)):
+        return "this SGLang's ModelRunner has no init_prefill_cuda_graph() to re-capture with"
+    return None
+
+
+def _pool_bytes(pool: Any) -> tuple[int | None, int | None]:
+    """The bytes the caching allocator holds for graph pool ``pool`` and for every graph pool."""
+    if not torch.cuda.is_available():
+        return None, None
+    pooled = [s for s in torch.cuda.memory_snapshot() if tuple(s.get("segment_pool_id", (0, 0))) != (0, 0)]  # pragma: no cover
+    mine = None if pool is None else sum(int(s["total_size"]) for s in pooled if tuple(s["segment_pool_id"]) == tuple(pool))  # pragma: no cover
+    return mine, sum(int(s["total_size"]) for s in pooled)  # pragma: no cover
+
+
+def describe_rank(model_runner: Any, environ: MutableMapping[str, str] | None = None) -> dict[str, Any]:
+    """What one rank reports: its process, the mode a capture resolves now, and its graphs."""
+    env = os.environ if environ is None else environ
+    backend = prefill_backend(model_runner)
+    out: dict[str, Any] = {"pid": os.getpid(), "env": env.get(ENV_SHARE_OUTPUT),
+                           "prefill_backend": type(backend).__name__ if backend is not None else None}
+    if isinstance(backend, SharingPolicyMixin):
+        resolution, report = backend.last_output_mode, backend.memory_report()
+        out.update(mode=resolution and resolution.mode, reason=resolution and resolution.source,
+                   keys=len(getattr(backend, "_graphs", {})), resident_output_bytes=int(report.resident_output_bytes),
+                   logical_output_bytes=int(report.logical_output_bytes),
+                   measured_graph_bytes=report.measured_graph_bytes)
+        out["pool_bytes"], out["graph_pools_bytes"] = _pool_bytes(getattr(backend, "_pool", None))
+    else:  # the mode a capture would take from the variable (unset: the release's default)
+        with contextlib.suppress(ValueError):
+            out["mode"] = parse_mode(env.get(ENV_SHARE_OUTPUT), ENV_SHARE_OUTPUT, text=True)
+        out["reason"] = f"no prefill graphs of the plugin in this process; {ENV_SHARE_OUTPUT}={env.get(ENV_SHARE_OUTPUT)!r}"
+    if torch.cuda.is_available():  # pragma: no cover - CUDA only (tests/gpu/test_sglang_switch_gpu.py)
+        free, total = torch.cuda.mem_get_info()
+        out.update(free_bytes=int(free), total_bytes=int(total), reserved_bytes=int(torch.cuda.memory_reserved()))
+    return out
+
+
+def _on_cuda(call: str) -> None:
+    """``torch.cuda.<call>()`` (``synchronize``, ``empty_cache``) where there is CUDA."""
+    if torch.cuda.is_available():  # pragma: no cover - CUDA only
+        getattr(torch.cuda, call)()
+
+
+def _drop_graphs(model_runner: Any) -> bool:
+    """Drop the prefill and decode graphs (not the eager runner) and SGLang's global graph pool, so
+    the re-capture starts a fresh pool; whether decode graphs were dropped."""
+    decode, eager = False, getattr(model_runner, "eager_runner", None)
+    for name in ("prefill_cuda_graph_runner", "decode_cuda_graph_runner"):
+        runner = getattr(model_runner, name, None)
+        if runner is not None and runner is not eager and getattr(runner, "backend", None) is not None:
+            runner.backend.cleanup()
+            setattr(model_runner, name, None)
+            decode = decode or name.startswith("decode")
+    runner = None  # noqa: F841 - the loop's last runner must not outlive the collection below
+    sglang_pool = sys.modules.get("sglang.srt.model_executor.runner_utils.pool")  # a stand-in runner: none
+    if sglang_pool is not None:
+        sglang_pool.set_global_graph_memory_pool(None)
+    gc.collect()
+    _on_cuda("empty_cache")
+    return decode
+
+
+def _capture(model_runner: Any, decode: bool) -> None:
+    """SGLang's own start-up captures, in start-up order."""
+    model_runner.init_prefill_cuda_graph()
+    if decode:
+        model_runner.init_decode_cuda_graph()
+
+
+def switch_rank(model_runner: Any, mode: OutputMode, seam_kind: str,
+                environ: MutableMapping[str, str] | None = None,
+                check: Callable[[Mapping[str, str]], object] = session_switches) -> dict[str, Any]:
+    """Re-capture this rank's prefill graphs in ``mode`` (``check``: the release can serve it); its
+    report, with ``error`` and ``rolled_back`` on a failed capture (:raises Refused: untouched)."""
+    env = os.environ if environ is None else environ
+    why = recapture_refusal(model_runner, seam_kind)
+    if why is not None:
+        raise Refused(why)
+    previous_env, resolution = env.get(ENV_SHARE_OUTPUT), prefill_backend(model_runner).last_output_mode
+    try:
+        check({**env, ENV_SHARE_OUTPUT: ENV_TEXT[mode]})
+    except ValueError as exc:
+        raise Refused(one_line(exc)) from None
+    start = time.perf_counter()
+    _on_cuda("synchronize")  # a batch the overlap scheduler launched finishes on the old graphs
+    decode = _drop_graphs(model_runner)
+    env[ENV_SHARE_OUTPUT] = ENV_TEXT[mode]
+    result: dict[str, Any] = {"previous": resolution and resolution.mode, "mode": mode, "decode_recaptured": decode}
+    try:
+        _capture(model_runner, decode)
+        got = prefill_backend(model_runner)
+        done = got.last_output_mode if isinstance(got, SharingPolicyMixin) else None
+        if done is None or done.mode != mode:
+            raise RuntimeError(f"the re-captured prefill backend is {type(got).__name__}, not ours in mode {mode!r}")
+        result["ok"] = True
+    except Exception as exc:  # noqa: BLE001 - any capture failure is reported, then rolled back
+        logger.exception("sglang_bcg: re-capture in output mode %r failed", mode)
+        result.update(ok=False, error=f"{type(exc).__name__}: {one_line(exc)}",
+                      rolled_back=_roll_back(model_runner, env, previous_env, decode))
+    _on_cuda("synchronize")
+    gc.collect()
+    _on_cuda("empty_cache")  # the old pool, once nothing holds its blocks
+    result["seconds"] = round(time.perf_counter() - start, 3)
+    result.update(describe_rank(model_runner, env))
+    return result
+
+
+def _roll_back(model_runner: Any, env: MutableMapping[str, str], previous_env: str | None, decode: bool) -> bool:
+    """Re-capture in the previous mode after a failed capture; ``False`` if that fails too (prefill
+    and decode then run without graphs, as SGLang does when its capture is disabled)."""
+    if previous_env is None:
+        env.pop(ENV_SHARE_OUTPUT, None)
+    else:
+        env[ENV_SHARE_OUTPUT] = previous_env
+    try:
+        _drop_graphs(model_runner)
+        _capture(model_runner, decode)
+    except Exception:  # noqa: BLE001 - reported as rolled_back=False
+        logger.exception("sglang_bcg: re-capturing the previous output mode failed too")
+        model_runner.prefill_cuda_graph_runner = getattr(model_runner, "eager_runner", None)
+        if decode:
+            model_runner.decode_cuda_graph_runner = model_runner.prefill_cuda_graph_runner
+        return False
+    return True
+
+
+def answer_rank(model_runner: Any, params: dict[str, Any], seam_kind: str) -> dict[str, Any]:
+    """One rank's answer to ``{"action": "show"}`` or ``{"action": "switch", "mode": MODE}``."""
+    try:
+        if params.get("action") == "switch":
+            mode = parse_mode(params.get("mode"), "mode")
+            if mode is None:
+                raise Refused("no mode given: the request names none")
+            return switch_rank(model_runner, mode, seam_kind)
+        return {**describe_rank(model_runner), "ok": True, "refusal": recapture_refusal(model_runner, seam_kind)}
+    except Refused as exc:
+        return {"ok": False, "refused": str(exc), "pid": os.getpid()}
+    except Exception as exc:  # noqa: BLE001 - the scheduler keeps serving; the HTTP side says why
+        logger.exception("sglang_bcg: output mode request failed")
+        return {"ok": False, "error": f"{type(exc).__name__}: {one_line(exc)}", "pid": os.getpid()}
