@@ -72,8 +72,12 @@ def user_stacklevel() -> int:
 
 
 def warn_user(message: str, category: type[Warning]) -> None:
-    """``warnings.warn`` attributed to the user's line, not to this package's internals."""
-    warnings.warn(message, category, stacklevel=user_stacklevel())
+    """``warnings.warn`` attributed to the user's line, not to this package's internals (Python
+    3.12+: ``skip_file_prefixes``; before: :func:`user_stacklevel`, the one frame walk of the package)."""
+    if sys.version_info >= (3, 12):
+        warnings.warn(message, category, skip_file_prefixes=_INTERNAL)  # type: ignore[call-overload,unused-ignore]
+    else:
+        warnings.warn(message, category, stacklevel=user_stacklevel())
 
 
 class ForecastError(RuntimeError):

@@ -7,7 +7,6 @@ import contextlib
 import json
 import logging
 import os
-import sys
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -25,6 +24,11 @@ from ..forecast.trace import KeyTrace, ScaledTrace, inside, output_allocs, pool_
 from .compat import ENV_FORECAST, ENV_FORECAST_TRACE
 
 log = logging.getLogger("sglang_bcg_plugin")
+
+
+def measuring_forecast(environ: Mapping[str, str] | None = None) -> bool:
+    """Whether a session here measures device memory for the forecast's log lines (on, on CUDA)."""
+    return torch.cuda.is_available() and forecast_enabled(os.environ if environ is None else environ)
 
 
 def forecast_enabled(environ: Mapping[str, str]) -> bool:
@@ -80,18 +84,6 @@ def _read(read: Callable[..., int], **kwargs: Any) -> int | None:
         return None
 
 
-def sglang_baseline_free() -> int | None:
-    """The free device memory SGLang read before building the graph runner (``before_mem``, GiB,
-    in a caller's ``capture*`` frame), its "mem usage" baseline; ``None`` where no frame has it."""
-    frame = sys._getframe(1)
-    while frame is not None:
-        value = frame.f_locals.get("before_mem") if "capture" in frame.f_code.co_name else None
-        if isinstance(value, float | int) and not isinstance(value, bool) and value > 0:
-            return int(value * (1 << 30))
-        frame = frame.f_back
-    return None
-
-
 def outputs_kept(trace: KeyTrace, output_bytes: Sequence[int]) -> tuple[KeyTrace, frozenset[int]]:
     """The first capture's trace with its output held to the end (the session's policy freed it
     inside the recording), and the indices of the output allocs (the match: docs/sglang.md)."""
@@ -113,7 +105,8 @@ class SessionForecast:
     :meth:`close` at its end; ``pool`` returns SGLang's graph pool handle (its session sets it)."""
 
     def __init__(self, cuda_graph_runner: object, mode: str, pool: Callable[[], Any],
-                 environ: Mapping[str, str] | None = None, buffer_source: str = "reserve") -> None:
+                 environ: Mapping[str, str] | None = None, buffer_source: str = "reserve",
+                 free_at_build: int | None = None) -> None:
         env = os.environ if environ is None else environ
         self.runner, self.mode, self.pool, self.buffer_source = cuda_graph_runner, mode, pool, buffer_source
         self.sizes = schedule_sizes(cuda_graph_runner)
@@ -128,7 +121,9 @@ class SessionForecast:
         self.reserved_at_open = _read(reserved_bytes) if self.free_at_open is not None else None
         self.driver: DriverShare | None = None  # the driver's share of the forecast (first capture)
         self.first_capture_driver: int | None = None  # what the first capture lost beyond the allocator
-        self.baseline = sglang_baseline_free() if self.free_at_open is not None else None
+        #: free device memory when the backend was built (its ``__init__``, inside SGLang's runner,
+        #: measured as SGLang measures: after ``empty_cache``), the baseline of the lost-memory line
+        self.baseline = free_at_build if self.free_at_open is not None else None
         self.trace_path = env.get(ENV_FORECAST_TRACE) if self.free_at_open is not None else None
         self.rows: list[dict[str, Any]] = []
 
@@ -242,8 +237,8 @@ class SessionForecast:
                  "forecast %.1f MiB, error %+.1f %%%s", measured / MB, added / MB, outside_pool_bytes / MB,
                  f.pool_bytes / MB, error * 100, lost)
         if self.baseline is not None and free_now is not None:
-            log.info("sglang_bcg: free device memory lost since SGLang's baseline %.1f MiB (%.1f MiB before the "
-                     "first capture)", (self.baseline - free_now) / MB,
+            log.info("sglang_bcg: free device memory lost since the prefill backend was built %.1f MiB "
+                     "(%.1f MiB before the first capture)", (self.baseline - free_now) / MB,
                      (self.baseline - (self.free_at_open or 0)) / MB)
         if self.trace_path:
             self._write_trace(free_now, self.forecast["modes"])

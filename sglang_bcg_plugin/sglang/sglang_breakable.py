@@ -12,6 +12,7 @@ import time
 from collections.abc import Callable, Hashable, Iterator
 from typing import Any
 
+from ..accounting import device_free_bytes
 from ..backends.base import CaptureBackend
 from ..output.state import CaptureState, input_storages
 from ..engines.gcsafe import defer_release, gc_safe_capture
@@ -24,7 +25,7 @@ from ..shape_key import check_key
 from ..output.trees import flatten
 from .compat import (BACKEND_MODULE, capture_one_args, capture_var, code_names, installed, num_segments,
                      run_outside_capture, runner_rows)
-from .forecast_log import SessionForecast
+from .forecast_log import SessionForecast, measuring_forecast
 from .sglang_session import apply_runner_rows, check_rows, drop_global_pool, open_state, runner_server_args
 
 logger = logging.getLogger(__name__)
@@ -108,6 +109,8 @@ class SharingPolicyMixin:
             cuda_graph_runner, enable_memory_saver=enable_memory_saver, debug_eager=debug_eager)
         self._cuda_graph_runner = cuda_graph_runner  # set by SGLang itself only from 0.5.21
         self._bcg_state = CaptureState(self.name, "sglang-bcg")
+        # the forecast log's baseline, measured here at the seam (SGLang's own figure is a local of its caller)
+        self._bcg_free_at_build = device_free_bytes(collect=False) if measuring_forecast() else None
 
     @contextlib.contextmanager
     def capture_session(self, stream: Any) -> Iterator[None]:
@@ -115,7 +118,7 @@ class SharingPolicyMixin:
         plan = open_state(self._bcg_state)
         try:  # gc: one collection per session, not per key (docs/index.md "GC safety")
             self._bcg_forecast = SessionForecast(self._cuda_graph_runner, plan.mode, lambda: getattr(self, "_pool", None),
-                                                 buffer_source=plan.buffer_source)
+                                                 buffer_source=plan.buffer_source, free_at_build=self._bcg_free_at_build)
             with gc_safe_capture(), super().capture_session(stream):  # type: ignore[misc]
                 yield
             reserved = plan.mode == ON and plan.buffer_source == "reserve"
