@@ -44,7 +44,7 @@ class BackendOptions:
     :param engine: ``"cuda"``, ``"eager"`` (static outputs without graphs) or ``"auto"`` (CUDA when available).
     :param num_warmups: eager runs before each capture.
     :param stale_output_guard: a stale read of an earlier replay's output raises (docs/reliability.md).
-    :param shared_buffer: ``"adopt"``, ``"reserve"`` or ``"auto"`` (docs/index.md, "Output sharing").
+    :param shared_buffer: ``"adopt"``, ``"reserve"`` or ``"auto"`` (docs/index.md#output-sharing).
     :param pool_reserve: CUDA: ``"off"``, ``"auto"`` (the forecast's block) or bytes (docs/forecast.md).
     :param pool_segments: CUDA: ``"fixed"`` or ``"expandable"`` during a session (docs/forecast.md).
     :param debug_check_inputs: every ``replay`` raises ``RuntimeError`` where a ``capture_inputs``

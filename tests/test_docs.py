@@ -75,6 +75,53 @@ def test_docs_reference_only_files_in_the_repository() -> None:
                     assert (path.parent / target).exists(), f"{rel} links to missing {target}"
 
 
+def _slug(title: str) -> str:
+    """GitHub's anchor of a heading: links and code spans unwrapped, lowercase, punctuation dropped
+    (``-`` and ``_`` kept), spaces to ``-``."""
+    title = re.sub(r"\[([^\]]*)\]\([^)]*\)", r"\1", title).replace("`", "")
+    return re.sub(r"[^\w\- ]", "", title.strip().lower()).replace(" ", "-")
+
+
+def _anchors(doc: Path) -> set[str]:
+    """Every heading anchor of a Markdown file (a repeated heading gets ``-1``, ``-2``, ...)."""
+    found: set[str] = set()
+    seen: dict[str, int] = {}
+    fenced = False
+    for line in doc.read_text().splitlines():
+        if line.startswith("```"):
+            fenced = not fenced
+        elif not fenced and (m := re.match(r"#{1,6}\s+(.*?)\s*#*\s*$", line)):
+            slug = _slug(m.group(1))
+            found.add(slug if slug not in seen else f"{slug}-{seen[slug]}")
+            seen[slug] = seen.get(slug, 0) + 1
+    return found
+
+
+def test_anchor_slugs_follow_githubs_rule() -> None:
+    assert _slug("The driver's share: how it is modelled") == "the-drivers-share-how-it-is-modelled"
+    assert _slug("Inductor pieces (`inductor=True`)") == "inductor-pieces-inductortrue"
+    assert _slug("See [the plan](sglang.md#x)") == "see-the-plan"
+
+
+def test_code_cites_only_docs_sections_that_exist() -> None:
+    """Code and scripts cite a section as ``docs/FILE.md#anchor``, and the anchor is a heading of
+    that file today; Markdown links (``](FILE.md#anchor)``) in the docs likewise. A title in quotes
+    after a path (``docs/x.md, "Title"``) is refused: nothing could check it."""
+    broken, by_title = [], []
+    for path in _doc_files():
+        text, rel = path.read_text(), path.relative_to(ROOT)
+        cites = [(ROOT / "docs" / f"{name}.md", anchor) for name, anchor in re.findall(r"docs/([\w-]+)\.md#([\w-]+)", text)]
+        if path.suffix == ".md":
+            cites += [((path.parent / target) if target else path, anchor)
+                      for target, anchor in re.findall(r"\]\(([^)#\s:]*\.md|)#([^)\s]+)\)", text)]
+        broken += [f"{rel}: {doc.relative_to(ROOT)}#{anchor}" for doc, anchor in cites
+                   if not doc.exists() or anchor not in _anchors(doc)]
+        if path.suffix == ".py":
+            by_title += [f"{rel}: {m}" for m in re.findall(r"docs/[\w-]+\.md[,:]?\s*\(?[\"'][A-Z][^\"']*", text)]
+    assert not broken, "citations of sections that do not exist:\n" + "\n".join(broken)
+    assert not by_title, "cite sections as docs/FILE.md#anchor:\n" + "\n".join(by_title)
+
+
 def test_install_commands_work_from_a_checkout() -> None:
     """The package is not on PyPI: no ``pip install sglang-bcg-plugin`` anywhere."""
     for path in _doc_files():

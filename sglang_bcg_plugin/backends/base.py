@@ -1,4 +1,4 @@
-"""``CaptureBackend``: the contract every backend implements (docs/index.md, "Backends"); ``capture_one``
+"""``CaptureBackend``: the contract every backend implements (docs/index.md#backends); ``capture_one``
 reads top-down: check → observers → the engine (warmups, the recording) → ``state.commit`` → observers."""
 
 from __future__ import annotations

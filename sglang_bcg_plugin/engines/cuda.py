@@ -1,5 +1,5 @@
 """CUDA engines: whole-forward graphs (Full) and the segmented engine over CUDA graphs; one private pool
-and one capture stream per partition (docs/breakable.md, "Pools and streams")."""
+and one capture stream per partition (docs/breakable.md#pools-and-streams)."""
 
 from __future__ import annotations
 

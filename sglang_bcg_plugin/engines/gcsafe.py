@@ -1,4 +1,4 @@
-"""Keep CUDA-graph destructors out of CUDA-graph captures (docs/index.md, "GC safety"): one
+"""Keep CUDA-graph destructors out of CUDA-graph captures (docs/index.md#gc-safety): one
 collection, then no cyclic GC while any capture runs; graphs dropped inside a capture parked."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """A model of PyTorch's CUDA caching allocator for one memory pool (no CUDA needed): its rules,
-fixed or ``expandable_segments``, are listed in docs/forecast.md ("How it works")."""
+fixed or ``expandable_segments``, are listed in docs/forecast.md#how-it-works."""
 
 from __future__ import annotations
 

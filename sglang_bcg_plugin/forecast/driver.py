@@ -31,15 +31,16 @@ class DriverCoefficients:
                      + nodes * self.per_node_bytes + sizes * self.per_size_bytes)
 
 
-#: The one place the driver's coefficients live (how each was fitted: docs/forecast.md, "The driver's share").
+#: The one place the driver's coefficients live (how each was fitted: docs/forecast.md#the-drivers-share-how-it-is-modelled).
 DRIVER_COEFFICIENTS = DriverCoefficients(69 * MIB, 106 * KIB, 2560, "NVIDIA H200, torch 2.11.0+cu130",
                                          per_size_bytes=41 * KIB)
 
 
 @dataclass(frozen=True, slots=True)
 class DriverShare:
-    """The driver's share of one schedule's capture (its fields: docs/forecast.md, "The driver's
-    share"); ``paid_bytes``, where measured, stands for ``launch_bytes`` and the first capture."""
+    """The driver's share of one schedule's capture (its fields:
+    docs/forecast.md#the-drivers-share-how-it-is-modelled); ``paid_bytes``, where measured, stands for
+    ``launch_bytes`` and the first capture."""
 
     graphs: int
     nodes: int

@@ -176,7 +176,7 @@ def _probe(backend: ProbedBackend, sizes: Sequence[int], forward_for: Callable[[
         return [pool_trace(n, ev, segments) for n, ev in zip(queue, events, strict=True)]
 
     try:
-        # No collection: free memory is measured inside the session (docs/index.md, "GC safety").
+        # No collection: free memory is measured inside the session (docs/index.md#gc-safety).
         with gc_safe_capture(collect=False), torch.no_grad(), backend.capture_session(), counting_captures() as count:
             free_before, reserved_before = device_free_bytes(collect=False), reserved_bytes()
             cursor = len(device_trace())
@@ -207,7 +207,7 @@ def _probe(backend: ProbedBackend, sizes: Sequence[int], forward_for: Callable[[
 def _fit(large: KeyTrace, small: KeyTrace) -> ScaledTrace | ForecastError:
     """:meth:`ScaledTrace.fit` of the two, or the error where their allocations cannot be paired."""
     try:
-        with gc_safe_capture(collect=False):  # many short-lived objects (docs/index.md, "GC safety")
+        with gc_safe_capture(collect=False):  # many short-lived objects (docs/index.md#gc-safety)
             return ScaledTrace.fit(large, small)
     except ForecastError as exc:
         return exc
@@ -288,7 +288,7 @@ def forecast_schedule(backend: ProbedBackend, sizes: Iterable[int], forward_for:
     probe_seconds = time.perf_counter() - start
     largest_output = output_bytes[0]
     fitted = fit_probes(traces, output_bytes)
-    with gc_safe_capture(collect=False):  # many short-lived objects (docs/index.md, "GC safety")
+    with gc_safe_capture(collect=False):  # many short-lived objects (docs/index.md#gc-safety)
         outputs = output_allocs(traces[0], largest_output)
         expandable = expandable_segments() or options.pool_segments == "expandable"
         # the first launches and the probes' share with the driver, measured: the session pays its own graphs

@@ -137,7 +137,7 @@ PROPORTIONAL_SLACK = 512
 
 def pair_allocs(large: KeyTrace, small: KeyTrace) -> dict[int, int]:
     """Pair the allocations of two probes whose requests come in another order by what each is
-    (docs/forecast.md, "How it works"): ``{index in large.ops: its pair's index in small.ops}``.
+    (docs/forecast.md#how-it-works): ``{index in large.ops: its pair's index in small.ops}``.
     :raises ForecastError: the counts of allocations (or kept ones) differ, or one finds no pair."""
     def allocs(trace: KeyTrace) -> list[tuple[int, int, bool]]:
         kept = set(trace.kept)

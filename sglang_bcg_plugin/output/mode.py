@@ -1,4 +1,4 @@
-"""The output mode (``off``, ``on`` or ``released``; docs/index.md, "The switch: output modes") and its
+"""The output mode (``off``, ``on`` or ``released``; docs/index.md#the-switch-output-modes) and its
 resolution: explicit option > a host's :class:`Resolution` > ``SGLANG_ENABLE_BCG_SHARED_OUTPUT`` > default."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Released outputs (output mode ``released``): non-owning aliases of graph-pool memory, valid
-until the next replay of any graph of the pool (docs/index.md, "The switch")."""
+until the next replay of any graph of the pool (docs/index.md#the-switch-output-modes)."""
 
 from __future__ import annotations
 

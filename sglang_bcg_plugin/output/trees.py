@@ -1,5 +1,5 @@
 """Output trees: flatten a forward output into tensor leaves and rebuild it, without global
-registration (docs/index.md, "Output sharing", lists the supported nodes and what is refused)."""
+registration (docs/index.md#output-sharing, lists the supported nodes and what is refused)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """What the installed SGLang offers, probed from its classes (never from version strings): the one
-place per-release differences live (docs/sglang.md, "What differs between releases"), and the
+place per-release differences live (docs/sglang.md#what-differs-between-releases), and the
 integration's environment variables."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Inside SGLang: the graph memory of the whole schedule, forecast from the session's first capture
-and logged (``SGLANG_BCG_FORECAST=1``: docs/sglang.md, "Graph memory forecast in the log")."""
+and logged (``SGLANG_BCG_FORECAST=1``: docs/sglang.md#graph-memory-forecast-in-the-log)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """SGLang 0.5.13: the core's ``CaptureState`` around ``BreakableCudaGraphRunner``'s own capture loop
-(docs/sglang.md, "SGLang 0.5.13: the runner seam")."""
+(docs/sglang.md#sglang-0513-the-runner-seam)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """The backend seam (0.5.14+): our subclass of the release's ``BreakableCudaGraphBackend``, running its own
 ``capture_one`` with our output policy, and the resolver hooks that put it, or another registered backend, in
-place of SGLang's own (docs/sglang.md: "The release's own capture", "Routing a phase to another backend")."""
+place of SGLang's own (docs/sglang.md#the-releases-own-capture and docs/sglang.md#routing-a-phase-to-another-backend)."""
 
 from __future__ import annotations
 
@@ -116,7 +116,7 @@ class SharingPolicyMixin:
     def capture_session(self, stream: Any) -> Iterator[None]:
         """SGLang's session (pool, dedup, BCG mode) plus a freshly resolved output policy."""
         plan = open_state(self._bcg_state)
-        try:  # gc: one collection per session, not per key (docs/index.md "GC safety")
+        try:  # gc: one collection per session, not per key (docs/index.md#gc-safety)
             self._bcg_forecast = SessionForecast(self._cuda_graph_runner, plan.mode, lambda: getattr(self, "_pool", None),
                                                  buffer_source=plan.buffer_source, free_at_build=self._bcg_free_at_build)
             with gc_safe_capture(), super().capture_session(stream):  # type: ignore[misc]

@@ -104,7 +104,7 @@ def check_rows(name: str, rows: object) -> int | None:
 
 def drop_global_pool(pool: Any) -> bool:
     """After ``cleanup()``: forget SGLang's process-global pool handle when it is ``pool``, so the
-    next session captures into a fresh pool (why: docs/sglang.md, "Recapture in one process")."""
+    next session captures into a fresh pool (why: docs/sglang.md#recapture-in-one-process)."""
     from sglang.srt.model_executor.runner_utils import pool as sglang_pool
 
     if pool is None or sglang_pool.get_global_graph_memory_pool() != pool:

@@ -1,5 +1,5 @@
 """Piecewise compilation: ``torch.compile`` with our compile backend, split at splitting ops; the size
-dim of the tensors that follow the capture size marked dynamic (docs/piecewise.md, "Dynamic shapes")."""
+dim of the tensors that follow the capture size marked dynamic (docs/piecewise.md#dynamic-shapes)."""
 
 from __future__ import annotations
 
@@ -149,8 +149,8 @@ class PiecewiseCompiled:
         return (f"backend.compile(model): torch.compile could not trace the model with its size dim {self.dynamic} "
                 f"({first}): the model decides something from a value that depends on the size (transformers' mask "
                 "preparation does, with its stock attention). Pass backend.compile(model, dynamic='backed'), which "
-                "compiles size 1 once more, or move that code into a splitting op (docs/piecewise.md, 'Dynamic "
-                f"shapes'). Dynamo's report:\n{exc}")
+                "compiles size 1 once more, or move that code into a splitting op (docs/piecewise.md#dynamic-shapes). "
+                f"Dynamo's report:\n{exc}")
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         leaves, spec = tree_flatten((args, kwargs))

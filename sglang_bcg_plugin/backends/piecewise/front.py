@@ -1,5 +1,5 @@
 """The Piecewise front of the segment recorder: one segment per stretch between splitting calls, which
-run eagerly; what crosses a split passes as it is (docs/piecewise.md, "Values crossing a splitting op")."""
+run eagerly; what crosses a split passes as it is (docs/piecewise.md#values-crossing-a-splitting-op)."""
 
 from __future__ import annotations
 

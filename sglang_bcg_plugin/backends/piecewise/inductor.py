@@ -1,5 +1,5 @@
 """Inductor for the pieces (``inductor=True``): one dynamic compilation per piece, on fake inputs with
-dynamo's symbolic sizes; Inductor's own CUDA graphs stay off (docs/piecewise.md, "Inductor pieces")."""
+dynamo's symbolic sizes; Inductor's own CUDA graphs stay off (docs/piecewise.md#inductor-pieces-inductortrue)."""
 
 from __future__ import annotations
 

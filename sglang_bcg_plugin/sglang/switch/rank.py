@@ -1,5 +1,5 @@
 """The live switch in one TP rank's scheduler: whether it can re-capture, what it reports, and the
-re-capture itself with its rollback (docs/sglang.md#switching-the-mode-of-a-running-server)."""
+re-capture itself with its rollback (docs/sglang.md#switching-the-mode-of-a-running-server-bcgoutput_mode)."""
 
 from __future__ import annotations
 

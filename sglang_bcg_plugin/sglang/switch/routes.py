@@ -1,5 +1,5 @@
 """``GET``/``POST /bcg/output_mode`` in the launcher's HTTP server: the body, one switch at a time,
-the status of each answer (docs/sglang.md#switching-the-mode-of-a-running-server)."""
+the status of each answer (docs/sglang.md#switching-the-mode-of-a-running-server-bcgoutput_mode)."""
 
 from __future__ import annotations
 
