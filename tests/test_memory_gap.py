@@ -126,6 +126,16 @@ def _post_capture(tokens: int = 905_123, kv_gb: float = 110.48, avail: float = 1
                     "KV size: %.2f GB, avail mem=%.2f GB") % tuple(values)
 
 
+def _post_capture_gap(decode_max_bs: int = 256, running_requests: int = 4096) -> tuple[list[Any], str]:
+    values = [decode_max_bs, running_requests]
+    return values, ("Post-capture KV sizing: decode CUDA graph max_bs=%d < "  # noqa: UP031 - SGLang's
+                    "max_running_requests=%d; reserving activation headroom") % tuple(values)
+
+
+def _post_capture_reqs(before: int = 4096, after: int = 3000) -> tuple[list[Any], str]:
+    return [before, after], "Post-capture KV sizing: max_running_requests %d -> %d" % (before, after)  # noqa: UP031
+
+
 def _scheduler(max_total_num_tokens: int = 861_000, available: float = 16.1) -> tuple[list[Any], str]:
     chunked_prefill_size, max_prefill_tokens, max_running_requests, context_len = 8192, 16384, 4096, 32768
     label = "available_gpu_mem"
@@ -152,6 +162,10 @@ SGLANG_LINES: dict[str, tuple[str, str, Callable[[], tuple[list[Any], str]]]] = 
     "decode_end": ("model_executor/model_runner_components/cuda_graph_setup.py", "Capture ", _decode_end),
     "post_capture": ("model_executor/model_runner_components/kv_pool_runtime.py",
                      "Post-capture KV sizing: KV cache allocated.", _post_capture),
+    "post_capture_gap": ("model_executor/model_runner_components/kv_pool_runtime.py",
+                         "Post-capture KV sizing: decode CUDA graph", _post_capture_gap),
+    "post_capture_reqs": ("model_executor/model_runner_components/kv_pool_runtime.py",
+                          "Post-capture KV sizing: max_running_requests", _post_capture_reqs),
     "scheduler": ("managers/scheduler.py", "max_total_num_tokens=", _scheduler),
 }
 
@@ -205,14 +219,15 @@ def test_a_stock_log_gives_the_fraction_the_pool_the_captures_and_the_free_memor
 
 
 def test_a_post_capture_log_gives_the_resized_pool() -> None:
-    reqs = "Post-capture KV sizing: max_running_requests %d -> %d" % (4096, 3000)  # noqa: UP031 - SGLang's
     text = _log(_server_args(0.989)[1], _kv_allocated(True, 1_100_000, 67.14, 67.14)[1], _decode_end()[1],
-                _prefill_end()[1], _post_capture(905_123, 110.48, 1.61)[1], reqs)
+                _prefill_end()[1], _post_capture_gap()[1], _post_capture(905_123, 110.48, 1.61)[1],
+                _post_capture_reqs()[1])
     log = gap.parse_memory_log(text)
     assert log["server_args"]["mem_fraction_static"] == 0.989
     assert log["kv_pool"]["virtual"] is True and log["kv_pool"]["tokens"] == 1_100_000
     assert log["post_capture"] == {"tokens": 905_123, "size_gib": 110.48, "avail_gib": 1.61,
-                                   "max_running_requests": [4096, 3000]}
+                                   "max_running_requests": [4096, 3000],
+                                   "eager_decode_gap": {"decode_max_bs": 256, "max_running_requests": 4096}}
     # without the scheduler's line, the post-capture line is the pool and the free memory
     assert gap.kv_tokens(log) == 905_123 and gap.free_after_capture_gib(log) == 1.61
     log = gap.parse_memory_log(text + _log(_scheduler(905_123, 1.58)[1]))
@@ -416,6 +431,8 @@ def test_how_an_answer_is_judged() -> None:
 class _FakeServer(ThreadingHTTPServer):
     """``/generate`` answering like SGLang once every expected request is in flight at once; chunk
     prompts get an HTTP 500, logprob requests an abort, decode requests their tokens."""
+
+    request_queue_size = 64  # every connection of the load at once
 
     def __init__(self, expected: int) -> None:
         self.expected, self.in_flight, self.most = expected, 0, 0

@@ -85,6 +85,8 @@ _CAPTURE_END = re.compile(r"Capture (\w+) (\w+) \w+ graph end\. (?:bs=\[([\d, ]*
 _POST_CAPTURE = re.compile(r"Post-capture KV sizing: KV cache allocated\. dtype: (\S+), #tokens: (\d+), "
                            r"KV size: " + _NUM + " GB, avail mem=" + _NUM + " GB")
 _POST_CAPTURE_REQS = re.compile(r"Post-capture KV sizing: max_running_requests (\d+) -> (\d+)")
+_POST_CAPTURE_GAP = re.compile(r"Post-capture KV sizing: decode CUDA graph max_bs=(\d+) < max_running_requests=(\d+); "
+                               r"reserving activation headroom")
 _SCHEDULER = re.compile(r"max_total_num_tokens=(\d+), chunked_prefill_size=(-?\d+), max_prefill_tokens=(\d+), "
                         r"max_running_requests=(\d+), context_len=(\d+), available_gpu_mem=" + _NUM + " GB")
 _DECODE_BATCH = re.compile(r"Decode batch(?: \[\d+\])?, #running-req: (\d+), .*?\w+ graph: (True|False)")
@@ -193,6 +195,9 @@ def parse_memory_log(text: str) -> dict[str, Any]:
                                  "avail_gib": float(m.group(4))}
         if r := _POST_CAPTURE_REQS.search(text):
             found["post_capture"]["max_running_requests"] = [int(r.group(1)), int(r.group(2))]
+        if g := _POST_CAPTURE_GAP.search(text):  # its headroom is then the stock activation reserve
+            found["post_capture"]["eager_decode_gap"] = {"decode_max_bs": int(g.group(1)),
+                                                         "max_running_requests": int(g.group(2))}
     if m := _SCHEDULER.search(text):
         found["scheduler"] = {"max_total_num_tokens": int(m.group(1)), "chunked_prefill_size": int(m.group(2)),
                               "max_prefill_tokens": int(m.group(3)), "max_running_requests": int(m.group(4)),
