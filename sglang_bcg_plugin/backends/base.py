@@ -204,7 +204,7 @@ class CaptureBackend:
             msg = f"capture_one({key!r}): forward_fn must be callable, got {forward_fn!r}"
             raise TypeError(msg)
         with self._lock, self.size_context(key.size):  # type: ignore[attr-defined]
-            self._state.begin(key)
+            plan = self._state.begin(key)
             if self._capturing is not None:
                 msg = (f"{self.name} backend: re-entrant capture: capture_one({key!r}) was called while "
                        f"{self._capturing!r} is being captured (from inside its forward_fn or a hook); "
@@ -226,7 +226,7 @@ class CaptureBackend:
                     graph = engine.capture(request)
                 output = self._state.commit(  # the eager engine has no pool: nothing to release
                     key, graph=graph, capture_inputs=capture_inputs, seconds=measured.seconds,
-                    memory_bytes=measured.memory_bytes, can_release=engine.name == "cuda",
+                    memory_bytes=measured.memory_bytes, can_release=plan.releases_outputs,
                 )
             except BaseException as exc:
                 self._state.policy.discard()
