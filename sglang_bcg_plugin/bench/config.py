@@ -17,7 +17,7 @@ from .._words import parse_word
 from ..output_mode import parse_mode_text
 from .budget import check_fits
 from .outdir import check_out_dir
-from .runner import GRAPH_TREES, VARIANTS, runs
+from .runner import GRAPH_TREES, VARIANTS, eager_note, runs
 from .sizes import MIN_CAPTURE_SIZE, capture_size_stats, prefill_capture_sizes
 from .usage import UsageError, shown
 from .workload import WORKLOADS, ModelShape, Workload
@@ -183,6 +183,8 @@ def build_config(args: argparse.Namespace, available_backends: list[str]) -> Ben
     backends = _names("--backends", args.backends, available_backends)
     variants = _names("--variants", args.variants or ("off,on,floor,guard" if gpu else "off,on"), VARIANTS)
     notes = _variant_rows(backends, variants, available_backends)
+    if not gpu and any(b != GRAPH_TREES for b in backends):  # the eager engine: what each variant runs as
+        notes += [note for note in map(eager_note, variants) if note is not None]
     try:
         env = parse_mode_text(os.environ.get(ENV_SHARE_OUTPUT))
     except ValueError as exc:
