@@ -23,7 +23,7 @@ class SessionPlan:
     resolution: Resolution
     buffer_source: BufferSource
     buffer_reason: str
-    #: the stale-output guard was asked for (``stale_output_guard``, ``SGLANG_BCG_STALE_OUTPUT_GUARD``) ...
+    #: the stale-output guard was asked for (the option, or a host's switch) ...
     guard: bool = False
     #: ... and this torch build can poison storages, so it runs (``guard_supported()``)
     guard_armed: bool = False

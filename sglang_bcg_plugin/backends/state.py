@@ -65,34 +65,42 @@ def _fields_text(key: object, names: list[str]) -> str:
     return ", ".join(f"{name}={getattr(key, name, None)!r}" for name in names)
 
 
-def never_captured(key: Hashable, captured: list[Hashable]) -> str:
-    """Why ``key`` is not among ``captured``: the fields (stream, variant label, ...) its size was captured
-    with instead, then the captured sizes (per stream where several streams or another stream have them)."""
+def _same_size(key: Hashable, captured: list[Hashable]) -> str:
+    """What ``key``'s size was captured with instead: the fields that differ, or another key type."""
     size = getattr(key, "size", None)
     same = [k for k in captured if getattr(k, "size", None) == size and type(k) is type(key)]
     varying = [n for n in _key_fields(key) if any(getattr(k, n, None) != getattr(key, n, None) for k in same)]
-    others = sorted({type(k).__qualname__ for k in captured if getattr(k, "size", None) == size and type(k) is not type(key)})
-    why = ""
     if varying:
         combos = list(dict.fromkeys(_fields_text(k, varying) for k in same))
         asked = _fields_text(key, varying)
         if len(varying) > 1:
             combos, asked = [f"({c})" for c in combos], f"({asked})"
-        why = (f": size {size} was captured for {', '.join(combos)} but not for {asked} (a key that differs in any "
-               "field has graphs of its own: capture the size for it too, or replay a captured key)")
-    elif others:
-        why = (f": size {size} was captured with another key type ({', '.join(others)}), and keys are told apart by "
-               f"their own equality: replay with the key type the size was captured with")
+        return (f": size {size} was captured for {', '.join(combos)} but not for {asked} (a key that differs in any "
+                "field has graphs of its own: capture the size for it too, or replay a captured key)")
+    others = sorted({type(k).__qualname__ for k in captured if getattr(k, "size", None) == size and type(k) is not type(key)})
+    if others:
+        return (f": size {size} was captured with another key type ({', '.join(others)}), and keys are told apart by "
+                "their own equality: replay with the key type the size was captured with")
+    return ""
+
+
+def _sizes_per_stream(key: Hashable, captured: list[Hashable]) -> str:
+    """The captured sizes per ``stream_idx`` (``key``'s too), where another stream than ``key``'s has some."""
     streams: dict[object, set[int]] = {}
     for k in captured:
         streams.setdefault(getattr(k, "stream_idx", None), set()).add(getattr(k, "size", 0))
     stream = getattr(key, "stream_idx", None)
-    per_stream = ""
-    if captured and set(streams) != {stream}:
-        order = sorted({*streams, stream}, key=lambda s: (s is not None, s if isinstance(s, int) else 0))
-        per_stream = " (" + "; ".join(f"stream_idx={s!r}: {sorted(streams.get(s, ())) or 'none'}" for s in order) + ")"
+    if not captured or set(streams) == {stream}:
+        return ""
+    order = sorted({*streams, stream}, key=lambda s: (s is not None, s if isinstance(s, int) else 0))
+    return " (" + "; ".join(f"stream_idx={s!r}: {sorted(streams.get(s, ())) or 'none'}" for s in order) + ")"
+
+
+def never_captured(key: Hashable, captured: list[Hashable]) -> str:
+    """Why ``key`` is not among ``captured``: the fields (stream, variant label, ...) its size was captured
+    with instead, then the captured sizes (per stream where another stream than ``key``'s has some)."""
     sizes = sorted({getattr(k, "size", 0) for k in captured})
-    return f"{why}; captured sizes: {sizes or 'none'}{per_stream}"
+    return f"{_same_size(key, captured)}; captured sizes: {sizes or 'none'}{_sizes_per_stream(key, captured)}"
 
 
 @dataclass(eq=False)

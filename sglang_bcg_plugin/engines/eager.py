@@ -27,9 +27,7 @@ class EagerGraph:
         self._static = [t for _, t in flatten(output)[1]]
         # the forward's own output, not the placement: a shared leaf is a plain view where the forward
         # returned a parameter or a tensor subclass, a repeated leaf a copy of its own
-        spec, leaves = flatten(output if returned is None else returned)
-        self._spec = skeleton(spec)
-        self._returned = [(t.dtype, t.device) for _, t in leaves]
+        self._spec = skeleton(flatten(output if returned is None else returned)[0])
         # the forward re-runs in the capture's autograd mode (docs/reliability.md)
         self._inference = torch.is_inference_mode_enabled()
 
@@ -44,12 +42,7 @@ class EagerGraph:
                 msg = (f"forward of {self.key!r} returned another structure at replay than at capture "
                        f"({found[0]}: {found[1]}); a CUDA graph would replay the captured one")
                 raise RuntimeError(msg)
-            for static, (dtype, device), (path, new) in zip(self._static, self._returned, leaves, strict=True):
-                if (new.dtype, new.device) != (dtype, device):
-                    msg = (f"forward of {self.key!r} returned {path} as {new.dtype} on {new.device} at replay, "
-                           f"{dtype} on {device} at capture; a CUDA graph would replay the captured one: "
-                           "return the same dtype and device at every call")
-                    raise RuntimeError(msg)
+            for static, (path, new) in zip(self._static, leaves, strict=True):
                 refresh(static, new, f"forward of {self.key!r} at {path}")
         return self.output
 
