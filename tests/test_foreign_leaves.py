@@ -82,15 +82,9 @@ def foreign_case(name: str, mode: str, kind: str, device: str, engine: str) -> N
 
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("name", ["full", "breakable"])
+@pytest.mark.parametrize("name", BACKENDS)
 def test_outputs_the_graph_did_not_make_replay_right(name: str, mode: str, kind: str) -> None:
     foreign_case(name, mode, kind, "cpu", "eager")
-
-
-@pytest.mark.parametrize("kind", ["param", "param_dict", "repeat", "constant"])
-@pytest.mark.parametrize("mode", MODES)
-def test_outputs_the_graph_did_not_make_replay_right_piecewise(mode: str, kind: str) -> None:
-    foreign_case("piecewise", mode, kind, "cpu", "eager")
 
 
 @pytest.mark.parametrize("mode", MODES)
