@@ -458,3 +458,50 @@ def test_warm_up_runs_the_whole_schedule_first_and_forecasts_only_the_first(monk
     assert runner.warm_up(cpu, ["full"], [16, 8, 4]) is None  # type: ignore[arg-type]
     assert runner.warm_up(cuda, ["full"]) is None  # type: ignore[arg-type]
     assert calls == [("full", "off", 1, False), ("full", "off", 1, False)]
+
+
+def test_a_variant_the_eager_engine_cannot_run_says_what_ran(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every variant needing a graph pool (``*packed*``, ``*expandable*``, ``*released``) names, on the
+    eager engine, the variant it runs as (or its meaning, where none has it) and why; ``guard`` only
+    where this torch cannot poison storages; the rest run as themselves."""
+    from sglang_bcg_plugin.bench.runner import VARIANTS, eager_note, eager_stand_in
+
+    monkeypatch.setattr(torch._C, "_set_storage_access_error_msg", lambda t, m: None, raising=False)
+    ran = {v: eager_stand_in(v) for v in VARIANTS}
+    assert {v for v, r in ran.items() if r is None} == {"off", "on", "floor", "guard", "adopt", "reserve", "inductor"}
+    assert {v: r[0] for v, r in ran.items() if r is not None} == {
+        "released": "off", "packed": "on", "packed-released": "off", "inductor-packed": "inductor",
+        "expandable-released": "off", "inductor-expandable": "inductor",
+        "inductor-released": "'sharing off, Inductor first'", "inductor-packed-released": "'sharing off, Inductor first'",
+        "inductor-expandable-released": "'sharing off, Inductor first'",
+    }
+    assert all(r[1].startswith("CUDA-only: ") for r in ran.values() if r is not None)
+    assert "pool_segments='expandable'" in ran["inductor-expandable"][1] and "pool_reserve" not in ran["inductor-expandable"][1]
+    monkeypatch.delattr(torch._C, "_set_storage_access_error_msg")
+    assert eager_stand_in("guard") == ("on", "the stale-output guard poisons storages, which this torch build cannot; "
+                                                "a CUDA build can")
+    assert eager_note("on") is None and eager_note("packed-released") == (
+        "note: --variants packed-released runs as off here (CUDA-only: pool_reserve='auto' starts a CUDA graph pool as one "
+        "block; released outputs are aliases of CUDA graph-pool memory, and the eager engine has no graph pool): its rows "
+        "measure that, under the name packed-released")
+
+
+def test_bench_on_cpu_says_which_variants_ran_as_another(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A CUDA-only variant on CPU: a note before the run, its progress line, a starred table row with
+    a footnote, and ``ran_as``/``ran_as_reason`` in ``bench.json``; its numbers are those of what ran."""
+    rc = main(["bench", "--backends", "full", "--variants", "off,on,packed,expandable-released", "--max-tokens", "16",
+               "--hidden", "16", "--layers", "1", "--repeats", "1", "--out", str(tmp_path), "--no-progress"])
+    assert rc == 0
+    out = capsys.readouterr()
+    assert "note: --variants packed runs as on here (CUDA-only: pool_reserve='auto'" in out.err
+    assert "note: --variants expandable-released runs as off here (CUDA-only: pool_segments='expandable'" in out.err
+    assert "full/packed done in" in out.err and ": ran as on (CUDA-only" in out.err
+    table = out.out.splitlines()
+    assert any(" packed* " in line for line in table) and any(" on " in line and "*" not in line for line in table)
+    assert any(line.startswith("expandable-released*: ran as off (CUDA-only") for line in table)
+    rows = {r["variant"]: r for r in json.loads((tmp_path / "bench.json").read_text())["rows"]}
+    assert rows["off"]["ran_as"] is None and rows["on"]["ran_as"] is None
+    assert rows["packed"]["ran_as"] == "on" and "pool_reserve='auto'" in rows["packed"]["ran_as_reason"]
+    assert rows["expandable-released"]["ran_as"] == "off"
+    assert rows["packed"]["resident_output_bytes"] == rows["on"]["resident_output_bytes"]
+    assert rows["expandable-released"]["resident_output_bytes"] == rows["off"]["resident_output_bytes"]

@@ -47,10 +47,16 @@ def _ratio(on: float | None, off: float | None) -> float | None:
     return on / off if on is not None and off else None
 
 
+def ran_as_note(r: BenchRow) -> str:
+    """What a row's variant ran as on the eager engine, and why (empty when it ran as itself)."""
+    return "" if r.ran_as is None else f"ran as {r.ran_as} ({r.ran_as_reason})"
+
+
 def row_line(r: BenchRow) -> str:
     """One line for the progress log (the table has everything)."""
     forecast = "" if r.forecast_bytes is None else f", forecast {_mib(r.forecast_bytes)} MiB"
-    return (f"resident {r.resident_output_bytes / MIB:,.2f} MiB, graph {_mib(r.graph_memory_bytes)} MiB, bridges "
+    ran = "" if r.ran_as is None else f"{ran_as_note(r)}: "
+    return (f"{ran}resident {r.resident_output_bytes / MIB:,.2f} MiB, graph {_mib(r.graph_memory_bytes)} MiB, bridges "
             f"{_mib(r.bridge_bytes)} MiB, capture {r.capture_s:.2f} s, replay {r.replay_ms:.3f} ms, max abs err "
             f"{_cell(r.max_abs_err, '.3g')}, fallbacks {r.fallbacks}{forecast}")
 
@@ -71,7 +77,7 @@ def format_table(rows: list[BenchRow], *, timings_meaningful: bool = True) -> st
     """The rows as a text table, then the on/off ratios per backend."""
     head = ["backend", "variant", "sizes", "max_tokens", "resident MiB", "logical MiB", "graph MiB", "forecast MiB", "error %", "bridges MiB", "capture s", "compile s", "replay ms", "max abs err", "fallbacks"]
     body = [
-        [r.backend, r.variant, str(r.num_sizes), str(r.max_tokens), *map(_mib, (
+        [r.backend, r.variant + ("*" if r.ran_as is not None else ""), str(r.num_sizes), str(r.max_tokens), *map(_mib, (
             r.resident_output_bytes, r.logical_output_bytes, r.graph_memory_bytes, r.forecast_bytes)),
          _cell(r.forecast_error, "+.1f", 100), _mib(r.bridge_bytes), f"{r.capture_s:.2f}", _cell(r.compile_s, ".2f"),
          f"{r.replay_ms:.3f}", _cell(r.max_abs_err, ".3g"), str(r.fallbacks)]
@@ -90,6 +96,8 @@ def format_table(rows: list[BenchRow], *, timings_meaningful: bool = True) -> st
         lines.append(f"{backend}: " + ", ".join(parts))
     if rs_all and not timings_meaningful:
         lines.append(CPU_TIMING_NOTE)
+    ran = {r.variant: ran_as_note(r) for r in rows if r.ran_as is not None}
+    lines.extend(f"{variant}*: {note}" for variant, note in ran.items())
     return "\n".join(lines)
 
 

@@ -16,6 +16,7 @@ import torch
 
 from ..accounting import device_free_bytes
 from ..errors import ForecastError
+from ..output.guard import guard_supported
 from ..options import BackendOptions
 from ..output.mode import mode_of_option
 from ..registry import create_backend
@@ -89,6 +90,41 @@ VARIANTS = {name: _variant(name, *about) for name, about in {
 }.items()}
 
 
+#: What a variant's word needs a CUDA graph pool for (the eager engine has none).
+_POOL_WORDS = {"packed": "pool_reserve='auto' starts a CUDA graph pool as one block",
+               "expandable": "pool_segments='expandable' grows a CUDA graph pool",
+               "released": "released outputs are aliases of CUDA graph-pool memory"}
+
+
+def eager_stand_in(variant: str) -> tuple[str, str] | None:
+    """What ``variant`` runs as on the eager engine (CPU: no graph pool) and why, when that is not
+    ``variant`` itself; else ``None``. The first: a variant's name, or its meaning where none has it."""
+    words = variant.split("-")
+    pool = [w for w in words if w in _POOL_WORDS]
+    guard = variant == "guard" and not guard_supported()
+    if not pool and not guard:
+        return None
+    why = [f"CUDA-only: {'; '.join(_POOL_WORDS[w] for w in pool)}, and the eager engine has no graph pool"] if pool else []
+    if guard:
+        why.append("the stale-output guard poisons storages, which this torch build cannot; a CUDA build can")
+    v = VARIANTS[variant]
+    mode = "off" if v.share == "released" else v.options["output_mode"]
+    effective = {**v.options, "output_mode": mode, "stale_output_guard": v.options["stale_output_guard"] and not guard,
+                 "pool_reserve": "off", "pool_segments": "fixed"}
+    same = [n for n, o in VARIANTS.items() if (o.options, o.inductor, o.keep) == (effective, v.inductor, v.keep)]
+    ran = same[0] if same else f"'sharing {mode}{', Inductor first' if v.inductor else ''}'"
+    return ran, "; ".join(why)
+
+
+def eager_note(variant: str) -> str | None:
+    """The ``note:`` line of a variant that runs as another on the eager engine (:func:`eager_stand_in`)."""
+    stand_in = eager_stand_in(variant)
+    if stand_in is None:
+        return None
+    ran, why = stand_in
+    return f"note: --variants {variant} runs as {ran} here ({why}): its rows measure that, under the name {variant}"
+
+
 def runs(backend: str, variant: str) -> bool:
     """Whether the bench runs ``variant`` for ``backend`` (``inductor*`` needs a compiled callable)."""
     return not variant.startswith("inductor") or backend in ("piecewise", "full")
@@ -130,6 +166,10 @@ class BenchRow:
     forecast_s: float | None = None
     forecast: dict[str, Any] | None = None
     forecast_driver_bytes: int | None = None
+    #: on the eager engine, what a CUDA-only variant ran as instead (:func:`eager_stand_in`), else ``None``
+    ran_as: str | None = None
+    #: why it ran as ``ran_as``
+    ran_as_reason: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -320,6 +360,9 @@ def run_variant(
         per_size=per_size_rows(report, per_key_compile if compile_s is not None else None), compile_s=compile_s,
         **replayed, **_forecast_fields(predicted, graph_bytes, forecast_compile),
     )
+    stand_in = None if device.startswith("cuda") else eager_stand_in(variant)  # the engine follows the device
+    if stand_in is not None:
+        row.ran_as, row.ran_as_reason = stand_in
     log.info("%s", row)
     return row
 

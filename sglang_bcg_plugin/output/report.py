@@ -41,7 +41,7 @@ class MemoryReport:
     bridge_bytes: Mapping[int | None, int] = field(default_factory=lambda: MappingProxyType({}))
     #: The forecast made before the capture (``CaptureBackend.forecast``), else ``None``.
     forecast: Any = None
-    #: The latest session's ``backends.plan.SessionPlan``, else ``None``.
+    #: The latest session's ``output.plan.SessionPlan``, else ``None``.
     plan: Any = None
     #: Device memory the session took, measured only after a forecast, else ``None``.
     measured_graph_bytes: int | None = None
