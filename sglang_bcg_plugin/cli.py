@@ -153,7 +153,7 @@ def _parser() -> argparse.ArgumentParser:
     _debug_flags(parser, False)
     sub = parser.add_subparsers(dest="command", required=True)
     _bench_parser(sub)
-    sub.add_parser("backends", help="list registered backends and the plugin of each; exit 1 if a plugin is broken")
+    sub.add_parser("backends", help="list registered backends and the module of each; exit 1 if a plugin is broken")
     sub.add_parser("doctor", help="check the SGLang integration (version, hook targets, entry point, flag)")
     switch = sub.add_parser("switch", help="switch (or --show) the output mode of a running SGLang server "
                             "(POST/GET /bcg/output_mode; the server needs --admin-api-key)")

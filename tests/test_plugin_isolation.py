@@ -11,6 +11,7 @@ non-callable, a name claimed twice) still raises, as before.
 from __future__ import annotations
 
 import ast
+import textwrap
 from collections.abc import Callable, Generator
 from pathlib import Path
 from typing import Any
@@ -36,7 +37,7 @@ from sglang_bcg_plugin import (
 )
 from sglang_bcg_plugin.backends.full import FullBackend
 from sglang_bcg_plugin.cli import main
-from sglang_bcg_plugin.manager import call_each, reset_plugin_manager
+from sglang_bcg_plugin.manager import call_each, plugin_origin, reset_plugin_manager
 from sglang_bcg_plugin.registry import build_registry
 from test_plugins import _write_dist, on_path  # noqa: F401 - the fixture, reused
 
@@ -265,12 +266,24 @@ def test_a_wrapper_that_misbehaves_is_isolated(wrapper: type, error: str) -> Non
 def test_call_each_passes_the_arguments_an_implementation_names_and_lets_interrupts_through() -> None:
     pm = pluggy.PluginManager(sglang_bcg_plugin.NAME)
     pm.add_hookspecs(hookspecs)
-    got: list[tuple[object, ...]] = []
+    got: list[object] = []
 
     class Partial:
         @hookimpl
-        def sglang_bcg_capture_finished(self, shape_key: Any, error: Any = "default") -> None:
+        def sglang_bcg_capture_finished(self, shape_key: Any, error: Any = "default") -> object:
             got.append((shape_key, error))
+            return "partial's result"
+
+    class Wrapper:
+        @hookimpl(wrapper=True)
+        def sglang_bcg_capture_finished(self) -> Generator[None, Any, Any]:
+            try:
+                results = yield
+            except GeneratorExit:
+                got.append("wrapper closed")
+                raise
+            got.append(results)
+            return results
 
     class Interrupted:
         @hookimpl(tryfirst=True)
@@ -278,13 +291,32 @@ def test_call_each_passes_the_arguments_an_implementation_names_and_lets_interru
             raise KeyboardInterrupt
 
     pm.register(Partial(), name="partial")
+    pm.register(Wrapper(), name="wrapper")
     kwargs = {"backend": None, "shape_key": ShapeKey(2), "report": None, "error": None}
     assert call_each(pm.hook.sglang_bcg_capture_finished, kwargs) == []
-    assert got == [(ShapeKey(2), None)]
+    assert got == [(ShapeKey(2), None), ["partial's result"]]  # the defaulted argument too; the wrapper sees results
     pm.register(Interrupted(), name="interrupted")
+    got.clear()
     with pytest.raises(KeyboardInterrupt):
         call_each(pm.hook.sglang_bcg_capture_finished, kwargs)
-    assert len(got) == 1  # the interrupt ran first and stopped the call
+    assert got == ["wrapper closed"]  # the interrupt ran first, stopped the call, and the wrapper was closed
+
+
+def test_a_plugin_module_registered_in_the_process_is_named_by_its_module(tmp_path: Path) -> None:
+    import types
+
+    module = types.ModuleType("inprocess_plugin")
+    exec(textwrap.dedent("""
+        def sglang_bcg_register_backends(registry):
+            raise RuntimeError("module-level")
+    """), module.__dict__)
+    module.sglang_bcg_register_backends = hookimpl(module.sglang_bcg_register_backends)
+    pm = get_plugin_manager()
+    pm.register(module, name="inproc")
+    with pytest.warns(PluginLoadWarning, match=r"plugin 'inproc' \(inprocess_plugin\) raised"):
+        (b,) = broken_plugins(pm)
+    assert (b.value, b.distribution, b.error) == ("inprocess_plugin", "", "RuntimeError: module-level")
+    assert plugin_origin(pm, "never-registered") == ("never-registered", "", "")
 
 
 def test_observers_of_one_hook_fail_one_by_one() -> None:
