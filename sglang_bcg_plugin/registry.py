@@ -77,12 +77,13 @@ class BackendRegistry:
         """The factory registered as ``name``.
 
         :raises BackendRegistrationError: no such backend; naming the broken plugin that had
-            registered it, or every broken plugin, which may provide it."""
+            registered it or has its name, else every broken plugin, which may provide it."""
         if name in self._factories:
             return self._factories[name][0]
-        if name in self._dropped:
-            b = self._dropped[name]
-            msg = f"backend {name!r} is unavailable: {b.describe()}, so its backends were dropped; {b.remedy()}"
+        # the plugin that had added it, else a broken plugin of that name (a plugin often names its backend)
+        culprit = self._dropped.get(name) or next((b for b in self._broken if b.entry_point == name), None)
+        if culprit is not None:
+            msg = f"backend {name!r} is unavailable: {culprit.describe()}; {culprit.remedy()}"
         else:
             msg = f"unknown backend {name!r}; available: {', '.join(self.names()) or '(none)'}"
             if self._broken:
