@@ -8,10 +8,10 @@ from .backends.base import CaptureBackend
 from .breaks import graph_break
 from .errors import (BackendRegistrationError, CaptureStateError, ForecastError, HostReadError, ObserverError,
                      ObserverWarning, OutputStructureError, PluginLoadWarning)
-from .manager import BrokenPlugin, broken_plugins, get_plugin_manager, hookimpl
+from .manager import BrokenPlugin, get_plugin_manager, hookimpl
 from .options import BackendOptions
 from .output_mode import resolve_output_mode
-from .registry import BackendRegistry, available_backends, create_backend
+from .registry import BackendRegistry, available_backends, broken_plugins, create_backend
 from .report import KeyReport, MemoryReport
 from .shape_key import ShapeKey
 from .sharing import SharedOutputFallbackWarning
