@@ -8,11 +8,11 @@ from .backends.base import CaptureBackend
 from .breaks import graph_break
 from .errors import (BackendRegistrationError, CaptureStateError, ForecastError, HostReadError, ObserverError,
                      ObserverWarning, OutputStructureError, PluginLoadWarning)
-from .manager import BrokenPlugin, broken_plugins, get_plugin_manager, hookimpl
+from .manager import BrokenPlugin, get_plugin_manager, hookimpl
 from .options import BackendOptions
 from .output.mode import resolve_output_mode
-from .registry import BackendRegistry, available_backends, create_backend
 from .output.report import KeyReport, MemoryReport
+from .registry import BackendRegistry, available_backends, broken_plugins, create_backend
 from .shape_key import ShapeKey
 from .output.policy import SharedOutputFallbackWarning
 

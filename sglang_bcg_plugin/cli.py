@@ -16,7 +16,7 @@ import time
 import traceback
 import warnings
 from collections.abc import Callable, Iterable
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import torch
 
@@ -24,6 +24,9 @@ from ._version import __version__
 from ._words import parse_word
 from .bench.usage import UsageError, shown
 from .errors import BackendRegistrationError
+
+if TYPE_CHECKING:
+    from .registry import BackendRegistry
 
 #: A quoted value in an argparse message, longer than a message should echo.
 _LONG_QUOTED = re.compile(r"'([^'\n]{80})[^'\n]+'")
@@ -104,9 +107,11 @@ def _bench(args: argparse.Namespace) -> int:
     from .bench.outdir import hold, write_pair
     from .bench.output import PLOT_SKIPPED, format_table, row_line, write_json, write_plot
     from .bench.runner import GRAPH_TREES, cold_summary, graph_trees_row, run_variant, variants_for, warm_up
-    from .registry import available_backends
 
-    cfg = build_config(args, [*available_backends(), GRAPH_TREES])  # every check, before any work
+    registry = _registry()
+    for b in registry.broken:  # before the checks: --backends may name one of its backends
+        print(f"note: {b.describe()}; its backends are not available ({b.remedy()})", file=sys.stderr)
+    cfg = build_config(args, [*registry.names(), GRAPH_TREES])  # every check, before any work
     with hold(cfg.out) if cfg.out else contextlib.nullcontext():  # refused when another live run holds --out
         if ":" in cfg.device:  # pragma: no cover - CUDA only: streams and pools on the chosen GPU
             torch.cuda.set_device(torch.device(cfg.device))
@@ -142,22 +147,24 @@ def _bench(args: argparse.Namespace) -> int:
     return 0
 
 
-def _backends(args: argparse.Namespace) -> int:
-    """Registered backends, then one ``BROKEN`` line per plugin that failed to load (exit 1)."""
+def _registry() -> BackendRegistry:
+    """The registry of the process's plugin manager, the broken plugins' warnings held back: the
+    commands print the broken plugins themselves."""
     from .errors import PluginLoadWarning
-    from .manager import broken_plugins, get_plugin_manager
     from .registry import build_registry
 
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore", PluginLoadWarning)  # printed below, as BROKEN lines
-        pm = get_plugin_manager()
-    registry = build_registry(pm)
-    for name in registry.names():
-        print(f"{name}\t{registry.plugin_of(name)}")
-    broken = broken_plugins(pm)
-    for b in broken:
-        print(f"BROKEN {b.entry_point} ({b.distribution} {b.version}): {b.error}")
-    return 1 if broken else 0
+        warnings.simplefilter("ignore", PluginLoadWarning)
+        return build_registry()
+
+
+def _backends(args: argparse.Namespace) -> int:
+    """Registered backends, then one ``BROKEN`` line per broken plugin (exit 1)."""
+    from .registry import listing
+
+    registry = _registry()
+    print(*listing(registry), sep="\n")
+    return 1 if registry.broken else 0
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -166,7 +173,7 @@ def _parser() -> argparse.ArgumentParser:
     _debug_flags(parser, False)
     sub = parser.add_subparsers(dest="command", required=True)
     _bench_parser(sub)
-    sub.add_parser("backends", help="list registered backends and the plugin of each; exit 1 if a plugin is broken")
+    sub.add_parser("backends", help="list registered backends and the module of each; exit 1 if a plugin is broken")
     sub.add_parser("doctor", help="check the SGLang integration (version, hook targets, entry point, flag)")
     switch = sub.add_parser("switch", help="switch (or --show) the output mode of a running SGLang server "
                             "(POST/GET /bcg/output_mode; the server needs --admin-api-key)")
