@@ -2,22 +2,17 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import pluggy
 
 from ._constants import NAME
-
-if TYPE_CHECKING:
-    from .backends.base import CaptureBackend
-    from .registry import BackendRegistry
-    from .output.report import KeyReport
+from .contract import BackendProtocol, RegistryProtocol
+from .output.report import KeyReport
 
 hookspec = pluggy.HookspecMarker(NAME)
 
 
 @hookspec
-def sglang_bcg_register_backends(registry: BackendRegistry) -> None:
+def sglang_bcg_register_backends(registry: RegistryProtocol) -> None:
     """Add backend classes to ``registry``; called once per registry build.
 
     :param registry: call ``registry.add(name, factory)``; ``factory(options=..., **kwargs)``
@@ -25,7 +20,7 @@ def sglang_bcg_register_backends(registry: BackendRegistry) -> None:
 
 
 @hookspec
-def sglang_bcg_capture_started(backend: CaptureBackend, shape_key: object) -> None:
+def sglang_bcg_capture_started(backend: BackendProtocol, shape_key: object) -> None:
     """Observe: a capture of ``shape_key`` begins (checks passed, before the warmups). Raising aborts
     the capture: ``capture_one`` raises :class:`~sglang_bcg_plugin.errors.ObserverError`.
 
@@ -35,7 +30,7 @@ def sglang_bcg_capture_started(backend: CaptureBackend, shape_key: object) -> No
 
 @hookspec
 def sglang_bcg_capture_finished(
-    backend: CaptureBackend, shape_key: object, report: KeyReport | None, error: BaseException | None
+    backend: BackendProtocol, shape_key: object, report: KeyReport | None, error: BaseException | None
 ) -> None:
     """Observe: a capture of ``shape_key`` ended. Raising is isolated (an ``ObserverWarning``).
 

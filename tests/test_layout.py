@@ -1,8 +1,8 @@
 """The package's shape: imports only go "down" (no cycles), and no function is complex.
 
 Imports are read with ``ast`` from every module of ``sglang_bcg_plugin``: module-level and
-function-level ``import``/``from`` statements, relative or absolute; imports under
-``if TYPE_CHECKING:`` are skipped (they never run). ``manager.BUILTIN_PLUGINS`` loads the
+function-level ``import``/``from`` statements, relative or absolute, those under ``if TYPE_CHECKING:``
+included (a circle of type-only imports is still a circle for the reader). ``manager.BUILTIN_PLUGINS`` loads the
 built-in backends by name through ``importlib`` (tox's registry pattern), which is not an import
 edge.
 

@@ -5,20 +5,18 @@ from __future__ import annotations
 
 import dataclasses
 import time
-import contextlib
-from collections.abc import Callable, Hashable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
 from ..accounting import device_free_bytes
 from ..engines.gcsafe import gc_safe_capture
 from ..errors import CaptureStateError, ForecastError
-from ..options import BackendOptions
+from ..contract import BackendProtocol
 from ..output.plan import BufferSource, ForecastAdvice
-from ..output.report import MemoryReport
 from ..shape_key import ShapeKey
 from ..output.trees import flatten
 from .allocator import MB, expandable_segments
@@ -27,26 +25,6 @@ from .model import (MODES, ModeForecast, address_caveat, address_spread, count_h
                     schedule_forecast)
 from .trace import KeyTrace, ScaledTrace, output_allocs, pinned_slack, pool_trace
 
-
-
-class ProbedBackend(Protocol):
-    """What the forecast drives: the public surface of a
-    :class:`~sglang_bcg_plugin.backends.base.CaptureBackend` (every backend offers it)."""
-
-    @property
-    def name(self) -> str: ...
-    @property
-    def options(self) -> BackendOptions: ...
-    @property
-    def engine_name(self) -> str: ...
-    def configure(self, **changes: Any) -> BackendOptions: ...
-    def capture_session(self, stream: Any = None) -> contextlib.AbstractContextManager[None]: ...
-    def size_context(self, size: int) -> contextlib.AbstractContextManager[None]: ...
-    def capture_one(self, shape_key: Hashable, forward_fn: Callable[[], Any], capture_inputs: Any = None,
-                    post_warmup_hook: Callable[[], None] | None = None) -> Any: ...
-    def captured_keys(self) -> list[Hashable]: ...
-    def memory_report(self) -> MemoryReport: ...
-    def cleanup(self) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -155,7 +133,7 @@ def reserved_bytes() -> int:
     return int(torch.cuda.memory_reserved())
 
 
-def _probe(backend: ProbedBackend, sizes: Sequence[int], forward_for: Callable[[int], Callable[[], Any]],
+def _probe(backend: BackendProtocol, sizes: Sequence[int], forward_for: Callable[[int], Callable[[], Any]],
            capture_inputs: Any, upward: Sequence[int] = ()
            ) -> tuple[list[KeyTrace], list[list[int]], int, int, list[ProbeCount], int]:
     """Capture ``sizes`` (largest first), then, while the largest's and the last probe's traces
@@ -251,7 +229,7 @@ def _checked_sizes(name: str, sizes: Iterable[int]) -> list[int]:
     return checked
 
 
-def forecast_schedule(backend: ProbedBackend, sizes: Iterable[int], forward_for: Callable[[int], Callable[[], Any]],
+def forecast_schedule(backend: BackendProtocol, sizes: Iterable[int], forward_for: Callable[[int], Callable[[], Any]],
                       capture_inputs: Any = None, *, configured_mode: str) -> GraphMemoryForecast:
     """See :meth:`CaptureBackend.forecast`; ``configured_mode``: the mode its next session resolves to."""
     start = time.perf_counter()
