@@ -22,6 +22,7 @@ import torch
 
 from ._version import __version__
 from ._words import parse_word
+from .output.mode import MODES
 from .bench.usage import UsageError, shown
 from .errors import BackendRegistrationError
 
@@ -182,8 +183,7 @@ def _parser() -> argparse.ArgumentParser:
     switch.add_argument("--timeout", default=None, help="seconds the whole exchange may take: connecting, sending, "
                         "the answer's headers and body (default 900, at most 86400)")
     target = switch.add_mutually_exclusive_group(required=True)
-    modes = ("off", "on", "released")
-    target.add_argument("mode", nargs="?", type=_word("mode", modes), choices=modes,
+    target.add_argument("mode", nargs="?", type=_word("mode", MODES), choices=MODES,
                         help="the new output mode (any case)")
     target.add_argument("--show", action="store_true", help="print the current mode and graph memory")
     for command in sub.choices.values():  # after the command too; doctor takes nothing else

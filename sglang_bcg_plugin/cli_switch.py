@@ -25,8 +25,8 @@ from urllib.parse import urljoin, urlsplit
 
 from ._version import __version__
 from .bench.usage import UsageError, shown
+from .sglang.switch.routes import ROUTE
 
-ROUTE = "/bcg/output_mode"
 #: Where the key is read when ``--api-key`` is not given (keeps it off the process list).
 ENV_KEY = "SGLANG_BCG_ADMIN_API_KEY"
 #: ``--timeout`` when not given: the server's own limit (``SGLANG_BCG_SWITCH_TIMEOUT``, default 900 s).
