@@ -86,20 +86,33 @@ def _bench_parser(sub: argparse._SubParsersAction[Any]) -> None:
                        epilog=epilog, formatter_class=argparse.RawDescriptionHelpFormatter)
     models = ("synthetic", "llama")
     p.add_argument("--model", choices=models, type=_word("--model", models), default="synthetic",
-                   help="synthetic: our tokens-first decoder (default); llama: transformers' LlamaModel, random weights")
+                   help="synthetic: our tokens-first decoder (default); "
+                        "llama: transformers' LlamaModel, random weights")
     p.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda when available)")
-    p.add_argument("--backends", default="breakable,full,piecewise", help="comma-separated backend names; graph-trees: torch.compile's reduce-overhead reference row")
-    p.add_argument("--variants", default=None, help=f"comma-separated of {', '.join(VARIANTS)} (default: off,on; plus floor,guard on CUDA; each is explained below)")
+    p.add_argument("--backends", default="breakable,full,piecewise",
+                   help="comma-separated backend names; graph-trees: torch.compile's reduce-overhead reference row")
+    p.add_argument("--variants", default=None,
+                   help=f"comma-separated of {', '.join(VARIANTS)} "
+                        "(default: off,on; plus floor,guard on CUDA; each is explained below)")
     p.add_argument("--hidden", type=_positive, default=None, help="hidden size (default: 2880 on CUDA, 128 on CPU)")
     p.add_argument("--layers", type=_positive, default=None, help="decoder layers (default: 4 on CUDA, 2 on CPU)")
-    p.add_argument("--heads", type=_positive, default=None, help="attention heads, dividing --hidden (default: 45 on CUDA, 4 on CPU; llama: 64 / 4)")
-    p.add_argument("--kv-heads", type=_positive, default=None, help="key/value heads, dividing --heads (default: 5 on CUDA, 2 on CPU; llama: 8 / 2)")
-    p.add_argument("--head-dim", type=_positive, default=None, help="llama only: head size (default: 64 on CUDA, 16 on CPU)")
-    p.add_argument("--intermediate", type=_positive, default=None, help="MLP width (default: hidden, as gpt-oss-20b experts)")
-    p.add_argument("--dtype", choices=sorted(DTYPES), type=_word("--dtype", DTYPES), default=None, help="default: bfloat16 on CUDA, float32 on CPU")
-    p.add_argument("--max-tokens", type=_positive, default=None, help="largest capture size, >= 4 and fitting in memory (default: 16384 on CUDA, 256 on CPU)")
-    p.add_argument("--repeats", type=_positive, default=None, help="replays timed at the largest size (default: 50 on CUDA, 10 on CPU)")
-    p.add_argument("--out", default=None, help="directory for bench.json and bench.png (created and locked up front; the pair is replaced as one)")
+    p.add_argument("--heads", type=_positive, default=None,
+                   help="attention heads, dividing --hidden (default: 45 on CUDA, 4 on CPU; llama: 64 / 4)")
+    p.add_argument("--kv-heads", type=_positive, default=None,
+                   help="key/value heads, dividing --heads (default: 5 on CUDA, 2 on CPU; llama: 8 / 2)")
+    p.add_argument("--head-dim", type=_positive, default=None,
+                   help="llama only: head size (default: 64 on CUDA, 16 on CPU)")
+    p.add_argument("--intermediate", type=_positive, default=None,
+                   help="MLP width (default: hidden, as gpt-oss-20b experts)")
+    p.add_argument("--dtype", choices=sorted(DTYPES), type=_word("--dtype", DTYPES), default=None,
+                   help="default: bfloat16 on CUDA, float32 on CPU")
+    p.add_argument("--max-tokens", type=_positive, default=None,
+                   help="largest capture size, >= 4 and fitting in memory (default: 16384 on CUDA, 256 on CPU)")
+    p.add_argument("--repeats", type=_positive, default=None,
+                   help="replays timed at the largest size (default: 50 on CUDA, 10 on CPU)")
+    p.add_argument("--out", default=None,
+                   help="directory for bench.json and bench.png (created and locked up front; "
+                        "the pair is replaced as one)")
     p.add_argument("--no-progress", action="store_true", help="hide the capture progress bar")
 
 
@@ -133,7 +146,8 @@ def _bench(args: argparse.Namespace) -> int:
                 row = (graph_trees_row(cfg.workload, cfg.sizes, **kw) if backend == GRAPH_TREES
                        else run_variant(backend, variant, cfg.workload, cfg.sizes, **kw))
                 rows.append(row)
-                print(f"  {backend}/{variant} done in {time.perf_counter() - t0:.1f} s: {row_line(row)}", file=sys.stderr)
+                print(f"  {backend}/{variant} done in {time.perf_counter() - t0:.1f} s: {row_line(row)}",
+                      file=sys.stderr)
         print(format_table(rows, timings_meaningful=cfg.gpu))
         print(f"({time.perf_counter() - start:.1f} s)", file=sys.stderr)
         if cfg.out is not None:
@@ -179,7 +193,8 @@ def _parser() -> argparse.ArgumentParser:
     switch = sub.add_parser("switch", help="switch (or --show) the output mode of a running SGLang server "
                             "(POST/GET /bcg/output_mode; the server needs --admin-api-key)")
     switch.add_argument("--url", required=True, help="the server, e.g. http://127.0.0.1:30000")
-    switch.add_argument("--api-key", default=None, help="the server's --admin-api-key (default: $SGLANG_BCG_ADMIN_API_KEY)")
+    switch.add_argument("--api-key", default=None,
+                        help="the server's --admin-api-key (default: $SGLANG_BCG_ADMIN_API_KEY)")
     switch.add_argument("--timeout", default=None, help="seconds the whole exchange may take: connecting, sending, "
                         "the answer's headers and body (default 900, at most 86400)")
     target = switch.add_mutually_exclusive_group(required=True)

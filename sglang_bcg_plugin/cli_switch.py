@@ -6,6 +6,7 @@ stdout, or one ``error:`` line (exit 1)."""
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import io
 import json
@@ -142,10 +143,8 @@ def parse_timeout(raw: object) -> float:
         return DEFAULT_TIMEOUT_S
     seconds = math.nan
     if isinstance(raw, (str, int, float)) and not isinstance(raw, bool):
-        try:
+        with contextlib.suppress(ValueError, OverflowError):
             seconds = float(raw.strip() if isinstance(raw, str) else raw)
-        except (ValueError, OverflowError):
-            pass
     if not 0 < seconds <= MAX_TIMEOUT_S:  # NaN too
         msg = (f"--timeout {shown(raw)} is not a number of seconds above 0 and at most {MAX_TIMEOUT_S:.0f} (a day); "
                f"it bounds the whole exchange with the server (default {DEFAULT_TIMEOUT_S:.0f}, the server's own "
@@ -254,10 +253,8 @@ class _Progress:
     def abort(self) -> None:
         sock = None if self.conn is None else self.conn.sock
         if sock is not None:
-            try:
+            with contextlib.suppress(OSError):
                 sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
 
 
 @dataclass(frozen=True)
@@ -318,7 +315,8 @@ def _unknown(mode: str | None, progress: _Progress) -> str:
     if mode is None:
         return ""
     if progress.stage in (CONNECTING, SENDING):
-        return "; nothing was switched" if progress.stage == CONNECTING else f"; whether it switched is unknown: {_CHECK}"
+        return ("; nothing was switched" if progress.stage == CONNECTING
+                else f"; whether it switched is unknown: {_CHECK}")
     return f"; the switch may still finish on the server: {_CHECK}"
 
 
@@ -337,7 +335,8 @@ def _failure(exc: BaseException, server: Server, mode: str | None, seconds: floa
     if isinstance(exc, socket.gaierror):
         return f"cannot reach {route}: the host {shown(server.host)} is not known ({exc.strerror}); check --url{after}"
     if isinstance(exc, ssl.SSLError):
-        return f"https with {route} failed ({exc.reason or exc}): does the server speak https? (http:// otherwise){after}"
+        return (f"https with {route} failed ({exc.reason or exc}): "
+                f"does the server speak https? (http:// otherwise){after}")
     if isinstance(exc, http.client.RemoteDisconnected):
         return f"{route} closed the connection without an answer{after}"
     if isinstance(exc, http.client.BadStatusLine):
@@ -421,7 +420,8 @@ def check_answer(body: object, mode: str | None, route: str, status: int = 200) 
     expected = f"the JSON object of {ROUTE} ({', '.join(fields)})"
     where = f"{route} answered {status} with"
     if not isinstance(body, dict):
-        msg = f"{where} a JSON {_json_kind(body)}, expected {expected}: is --url the SGLang server with this plugin?{after}"
+        msg = (f"{where} a JSON {_json_kind(body)}, expected {expected}: "
+               f"is --url the SGLang server with this plugin?{after}")
         raise SwitchError(msg)
     for name, (ok, what) in fields.items():
         if name not in body:
@@ -444,7 +444,8 @@ def _parsed(answer: _Answer, server: Server, mode: str | None) -> dict[str, Any]
         what = ("it was not followed, so nothing was switched (a switch is reported only from the server's own "
                 "answer to the POST)") if mode is not None else "it was not followed"
         base = where.removesuffix(ROUTE)
-        msg = f"{status} {answer.reason}: {route} redirected to {where}; {what}: if that is the server, give --url {base}"
+        msg = (f"{status} {answer.reason}: {route} redirected to {where}; {what}: "
+               f"if that is the server, give --url {base}")
         raise SwitchError(msg)
     if not 200 <= status < 300:
         raise SwitchError(_error_of(status, answer.data, route))

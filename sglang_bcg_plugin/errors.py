@@ -88,7 +88,8 @@ _TRANSFORMERS_HINT = ("; transformers' mask preparation (masking_utils.py) reads
                       "without one, the position ids (packed sequences) on the host unless a CUDA stream capture is "
                       "running, which the eager engine's is not: pass a prepared 4D boolean mask, or register the "
                       "attention under a name of your own through transformers' AttentionInterface (transformers "
-                      "builds no mask for it; for Breakable a @graph_break function) (docs/breakable.md#transformers-attention)")
+                      "builds no mask for it; for Breakable a @graph_break function) "
+                      "(docs/breakable.md#transformers-attention)")
 
 
 class HostReadError(RuntimeError):

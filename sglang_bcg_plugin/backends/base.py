@@ -174,7 +174,8 @@ class CaptureBackend:
         if self._state.mode_active is not None:
             msg = f"{self.name} backend: forecast() inside an open capture_session()"
             raise CaptureStateError(msg)
-        result = forecast_schedule(self, sizes, forward_for, capture_inputs, configured_mode=self._next_output_mode().mode)
+        result = forecast_schedule(self, sizes, forward_for, capture_inputs,
+                                   configured_mode=self._next_output_mode().mode)
         self._state.forecast = result
         return result
 

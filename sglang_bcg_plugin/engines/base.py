@@ -61,7 +61,8 @@ class Front(Protocol):
     #: Fewest warmups a CUDA capture needs (Piecewise: 1, so ``torch.compile`` runs first).
     min_cuda_warmups: int = 0
 
-    def recorder(self, key: object, segments: Any, partition: int | None, static_inputs: frozenset[tuple[str, int]]) -> Any:
+    def recorder(self, key: object, segments: Any, partition: int | None,
+                 static_inputs: frozenset[tuple[str, int]]) -> Any:
         """A :class:`~.recorder.Recorder` for one key over ``segments``."""
 
     def bridge_bytes(self) -> dict[int | None, int]:

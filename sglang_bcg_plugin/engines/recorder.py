@@ -62,7 +62,8 @@ def copy_broadcast(static: torch.Tensor, value: torch.Tensor, what: str) -> bool
     not broadcast (nothing written).
 
     :raises RuntimeError: ``value`` differs along a dim where ``static`` broadcasts."""
-    dims = [d for d, (size, stride) in enumerate(zip(static.shape, static.stride())) if stride == 0 and size > 1]
+    dims = [d for d, (size, stride) in enumerate(zip(static.shape, static.stride(), strict=True))
+            if stride == 0 and size > 1]
     if not dims:
         return False
     first = tuple(slice(0, 1) if d in dims else slice(None) for d in range(static.dim()))

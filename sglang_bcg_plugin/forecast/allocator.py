@@ -123,8 +123,7 @@ class PoolModel:
                     insort(free, (small, stream, remaining, rest.addr))
                 block.free = False
                 allocated += block.size
-                if allocated > peak:
-                    peak = allocated
+                peak = max(peak, allocated)
                 handles[i] = block.addr
                 continue
             block = by_addr[pop(value) if kind == FREE else value]

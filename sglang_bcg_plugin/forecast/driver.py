@@ -31,7 +31,8 @@ class DriverCoefficients:
                      + nodes * self.per_node_bytes + sizes * self.per_size_bytes)
 
 
-#: The one place the driver's coefficients live (how each was fitted: docs/forecast.md#the-drivers-share-how-it-is-modelled).
+#: The one place the driver's coefficients live (how each was fitted:
+#: docs/forecast.md#the-drivers-share-how-it-is-modelled).
 DRIVER_COEFFICIENTS = DriverCoefficients(69 * MIB, 106 * KIB, 2560, "NVIDIA H200, torch 2.11.0+cu130",
                                          per_size_bytes=41 * KIB)
 

@@ -46,7 +46,8 @@ class StaleOutputGuard:
         self._last: dict[Hashable, _Handout] = {}
         self._lock = threading.Lock()
 
-    def hand_out(self, owner: object, key: Hashable, output: Any, *, released: bool, pool: Hashable | None = None) -> Any:
+    def hand_out(self, owner: object, key: Hashable, output: Any, *, released: bool,
+                 pool: Hashable | None = None) -> Any:
         """``owner`` replayed ``key``'s graph: poison what the previous replay of another graph of its
         scope handed out (``released``: of ``pool``, ``None`` for the owner's partition; otherwise of
         the partition); return ``output`` as fresh aliases, remembered."""

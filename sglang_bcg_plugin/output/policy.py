@@ -1,4 +1,6 @@
-"""The output policy: one buffer per leaf path per stream partition, released outputs (docs/index.md#output-sharing). A key goes ``reserve`` (last warmup) → ``place`` (inside the capture) → ``commit``."""
+"""The output policy: one buffer per leaf path per stream partition, released outputs
+(docs/index.md#output-sharing). A key goes ``reserve`` (last warmup) → ``place`` (inside the capture)
+→ ``commit``."""
 
 from __future__ import annotations
 

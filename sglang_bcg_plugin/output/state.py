@@ -77,7 +77,8 @@ def _same_size(key: Hashable, captured: list[Hashable]) -> str:
             combos, asked = [f"({c})" for c in combos], f"({asked})"
         return (f": size {size} was captured for {', '.join(combos)} but not for {asked} (a key that differs in any "
                 "field has graphs of its own: capture the size for it too, or replay a captured key)")
-    others = sorted({type(k).__qualname__ for k in captured if getattr(k, "size", None) == size and type(k) is not type(key)})
+    others = sorted({type(k).__qualname__ for k in captured
+                     if getattr(k, "size", None) == size and type(k) is not type(key)})
     if others:
         return (f": size {size} was captured with another key type ({', '.join(others)}), and keys are told apart by "
                 "their own equality: replay with the key type the size was captured with")
@@ -213,7 +214,8 @@ class CaptureState:
             for e in self._entries.values()
         ]
         report = MemoryReport.from_keys(self.name, self.engine, keys, bridge_bytes=bridge_bytes)
-        return dataclasses.replace(report, plan=self.plan, forecast=self.forecast, measured_graph_bytes=self.measured_graph_bytes)
+        return dataclasses.replace(report, plan=self.plan, forecast=self.forecast,
+                                   measured_graph_bytes=self.measured_graph_bytes)
 
     def clear(self) -> None:
         """Forget every record and the guard's (the graphs are the engine's to destroy)."""

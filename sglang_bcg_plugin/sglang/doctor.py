@@ -146,7 +146,8 @@ def _summary(problems: list[Problem], entry_point_found: bool) -> tuple[list[str
     if not entry_point_found:
         lines.append(f"doctor: entry point not discoverable: reinstall the plugin into this environment ({INSTALL})")
     for dep, n in Counter(p.dependency for p in problems if p.kind == "dependency").items():
-        lines.append(f"doctor: SGLang could not be imported: dependency {dep!r} is missing ({_advice(dep)}); {n} name(s) could not be checked")
+        lines.append(f"doctor: SGLang could not be imported: dependency {dep!r} is missing ({_advice(dep)}); "
+                     f"{n} name(s) could not be checked")
     lines += [f"doctor: SGLang could not be imported: {p.detail}" for p in problems if p.kind == "import"][:1]
     if moved or not entry_point_found:
         return lines, EXIT_MOVED
@@ -229,7 +230,8 @@ def seam_checks(seam: Seam) -> list[tuple[str, Callable[[], str | None]]]:
              p(_unknown_helpers, f"{cls}.capture_one")),
             (f"{BACKEND_MODULE}.BreakableCUDAGraphCapture(cuda_graph, pool, stream)",
              p(_params, f"{mod}BreakableCUDAGraphCapture.__init__", "cuda_graph", "pool", "stream")),
-            (f"{BACKEND_MODULE}.BreakableCUDAGraph's module: _current_capture_var", p(_capture_var, f"{mod}BreakableCUDAGraph")),
+            (f"{BACKEND_MODULE}.BreakableCUDAGraph's module: _current_capture_var",
+             p(_capture_var, f"{mod}BreakableCUDAGraph")),
             (f"{BASE_MODULE}.BaseCudaGraphBackend",
              lambda: pkgutil.resolve_name(f"{BASE_MODULE}:BaseCudaGraphBackend") and None),
         ]
@@ -237,7 +239,8 @@ def seam_checks(seam: Seam) -> list[tuple[str, Callable[[], str | None]]]:
         return []
     cls = f"{RUNNER_MODULE}:BreakableCudaGraphRunner"
     return [
-        (f"{RUNNER_CLASS}._capture_one(num_tokens, pool, stream)", p(_params, f"{cls}._capture_one", "num_tokens", "pool", "stream")),
+        (f"{RUNNER_CLASS}._capture_one(num_tokens, pool, stream)",
+         p(_params, f"{cls}._capture_one", "num_tokens", "pool", "stream")),
         (f"{RUNNER_CLASS}._capture_one runs self._run_forward inside BreakableCUDAGraphCapture",
          p(_source_has, f"{cls}._capture_one", "self._run_forward(", "BreakableCUDAGraphCapture(")),
         (f"{RUNNER_CLASS}._capture_all stores output_buffers[num_tokens] from _capture_one",
@@ -328,7 +331,8 @@ def doctor_main(argv: list[str] | None = None, *, out: TextIO | None = None) -> 
     if version is None:
         say(f"SGLang not installed: install it into the serving environment ({INSTALL})")
         return EXIT_NO_SGLANG
-    supported = "supported" if version in SUPPORTED_SGLANG else f"untested; supported: {SUPPORTED_SGLANG[0]} to {SUPPORTED_SGLANG[-1]}"
+    supported = ("supported" if version in SUPPORTED_SGLANG
+                 else f"untested; supported: {SUPPORTED_SGLANG[0]} to {SUPPORTED_SGLANG[-1]}")
     say(f"SGLang {version} ({supported})")
     problems: list[Problem] = []
     kind = seam_kind()

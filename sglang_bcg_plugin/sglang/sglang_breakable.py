@@ -1,6 +1,7 @@
 """The backend seam (0.5.14+): our subclass of the release's ``BreakableCudaGraphBackend``, running its own
 ``capture_one`` with our output policy, and the resolver hooks that put it, or another registered backend, in
-place of SGLang's own (docs/sglang.md#the-releases-own-capture and docs/sglang.md#routing-a-phase-to-another-backend)."""
+place of SGLang's own (docs/sglang.md#the-releases-own-capture and
+docs/sglang.md#routing-a-phase-to-another-backend)."""
 
 from __future__ import annotations
 
@@ -61,7 +62,8 @@ class _Forward:
 
     def forward(self) -> Any:  # a named function: releases <= 0.5.21 log a debug break's __name__
         if self.captured:  # a debug_eager replay: the release's break reruns the forward; refresh ours
-            for (_, dst), (_, src) in zip(flatten(self.placed)[1], flatten(self._rows(self.forward_fn()))[1], strict=True):
+            for (_, dst), (_, src) in zip(flatten(self.placed)[1], flatten(self._rows(self.forward_fn()))[1],
+                                          strict=True):
                 dst.copy_(src)
             return self.placed
         if capture_var(self.engine).get() is None:  # a warmup
@@ -69,7 +71,8 @@ class _Forward:
             self.last_warmup = self.forward_fn()
             return self.last_warmup
         if self.warmups != WARMUPS:
-            msg = f"SGLang {installed().release}'s capture_one ran {self.warmups} warmups, not {WARMUPS}, before its capture"
+            msg = (f"SGLang {installed().release}'s capture_one ran {self.warmups} warmups, not {WARMUPS}, "
+                   "before its capture")
             raise RuntimeError(msg)
         # the captured call (under debug_eager inside the release's one eager break: run it outside)
         out = run_outside_capture(self.engine, self.forward_fn) if self.backend._debug_eager else self.forward_fn()
@@ -117,8 +120,10 @@ class SharingPolicyMixin:
         """SGLang's session (pool, dedup, BCG mode) plus a freshly resolved output policy."""
         plan = open_state(self._bcg_state)
         try:  # gc: one collection per session, not per key (docs/index.md#gc-safety)
-            self._bcg_forecast = SessionForecast(self._cuda_graph_runner, plan.mode, lambda: getattr(self, "_pool", None),
-                                                 buffer_source=plan.buffer_source, free_at_build=self._bcg_free_at_build)
+            self._bcg_forecast = SessionForecast(self._cuda_graph_runner, plan.mode,
+                                                 lambda: getattr(self, "_pool", None),
+                                                 buffer_source=plan.buffer_source,
+                                                 free_at_build=self._bcg_free_at_build)
             with gc_safe_capture(), super().capture_session(stream):  # type: ignore[misc]
                 yield
             reserved = plan.mode == ON and plan.buffer_source == "reserve"
@@ -127,7 +132,8 @@ class SharingPolicyMixin:
             self._bcg_state.close()
 
     last_output_mode = property(lambda self: self._bcg_state.resolution,
-                                doc="The output mode of the latest capture session and why (``None`` before the first).")
+                                doc="The output mode of the latest capture session and why "
+                                    "(``None`` before the first).")
     output_mode_active = property(lambda self: self._bcg_state.mode_active,
                                   doc="The output mode of the open capture session (``None`` outside one).")
 

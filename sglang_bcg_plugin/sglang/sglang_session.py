@@ -24,7 +24,8 @@ BORROW_ENV = "SGLANG_ENABLE_GRAPH_POOL_BORROW"
 def resolve_mode(environ: Mapping[str, str] | None = None) -> Resolution:
     """``SGLANG_ENABLE_BCG_SHARED_OUTPUT`` (set by the flag) > the installed SGLang's own default."""
     policy = sglang_builtin_policy()
-    return explain_output_mode(None, environ=environ, default=policy.default_mode, default_reason=policy.default_reason())
+    return explain_output_mode(None, environ=environ, default=policy.default_mode,
+                               default_reason=policy.default_reason())
 
 
 def shared_buffer(environ: Mapping[str, str] | None = None) -> BufferSource:
@@ -42,7 +43,8 @@ def refusal(seam: Seam, mode: OutputMode, guard: bool, environ: Mapping[str, str
         return (f"{where} has no breakable CUDA graph this plugin can hook ({seam.why}); output mode "
                 f"{mode!r} has nothing to apply to: unset {ENV_SHARE_OUTPUT} / --enable-bcg-shared-output")
     if mode == RELEASED and not released_supported():
-        return "output mode 'released' needs torch._C._construct_storage_from_data_pointer, which this torch lacks; use on"
+        return ("output mode 'released' needs torch._C._construct_storage_from_data_pointer, which this torch lacks; "
+                "use on")
     if mode == RELEASED and parse_bool_env(BORROW_ENV, environ) and pool_borrowing_exists():
         return (f"output mode 'released' cannot run with {BORROW_ENV}=1: released outputs live in free "
                 "graph-pool memory, which SGLang's graph-pool borrowing hands to eager tensors between "

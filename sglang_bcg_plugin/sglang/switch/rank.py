@@ -35,7 +35,8 @@ def recapture_refusal(model_runner: Any, seam_kind: str) -> str | None:
     """Why this rank cannot re-capture its prefill graphs, in one line; ``None`` when it can."""
     if seam_kind == "runner":
         return ("SGLang 0.5.13's BreakableCudaGraphRunner cannot drop its graphs (no cleanup; they stay in the "
-                "process-global pool), so a re-capture would hold two sets: restart with --enable-bcg-shared-output=MODE")
+                "process-global pool), so a re-capture would hold two sets: "
+                "restart with --enable-bcg-shared-output=MODE")
     if seam_kind != "backend":
         return "this SGLang has no breakable CUDA graph the plugin hooks"
     backend = prefill_backend(model_runner)
@@ -55,8 +56,10 @@ def _pool_bytes(pool: Any) -> tuple[int | None, int | None]:
     """The bytes the caching allocator holds for graph pool ``pool`` and for every graph pool."""
     if not torch.cuda.is_available():
         return None, None
-    pooled = [s for s in torch.cuda.memory_snapshot() if tuple(s.get("segment_pool_id", (0, 0))) != (0, 0)]  # pragma: no cover
-    mine = None if pool is None else sum(int(s["total_size"]) for s in pooled if tuple(s["segment_pool_id"]) == tuple(pool))  # pragma: no cover
+    pooled = [s for s in torch.cuda.memory_snapshot()  # pragma: no cover
+              if tuple(s.get("segment_pool_id", (0, 0))) != (0, 0)]
+    mine = None if pool is None else sum(int(s["total_size"])  # pragma: no cover
+                                         for s in pooled if tuple(s["segment_pool_id"]) == tuple(pool))
     return mine, sum(int(s["total_size"]) for s in pooled)  # pragma: no cover
 
 
@@ -76,7 +79,8 @@ def describe_rank(model_runner: Any, environ: MutableMapping[str, str] | None = 
     else:  # the mode a capture would take from the variable (unset: the release's default)
         with contextlib.suppress(ValueError):
             out["mode"] = parse_mode(env.get(ENV_SHARE_OUTPUT), ENV_SHARE_OUTPUT, text=True)
-        out["reason"] = f"no prefill graphs of the plugin in this process; {ENV_SHARE_OUTPUT}={env.get(ENV_SHARE_OUTPUT)!r}"
+        out["reason"] = ("no prefill graphs of the plugin in this process; "
+                         f"{ENV_SHARE_OUTPUT}={env.get(ENV_SHARE_OUTPUT)!r}")
     if torch.cuda.is_available():  # pragma: no cover - CUDA only (tests/gpu/test_sglang_switch_gpu.py)
         free, total = torch.cuda.mem_get_info()
         out.update(free_bytes=int(free), total_bytes=int(total), reserved_bytes=int(torch.cuda.memory_reserved()))
@@ -99,7 +103,7 @@ def _drop_graphs(model_runner: Any) -> bool:
             runner.backend.cleanup()
             setattr(model_runner, name, None)
             decode = decode or name.startswith("decode")
-    runner = None  # noqa: F841 - the loop's last runner must not outlive the collection below
+    runner = None  # the loop's last runner must not outlive the collection below
     sglang_pool = sys.modules.get("sglang.srt.model_executor.runner_utils.pool")  # a stand-in runner: none
     if sglang_pool is not None:
         sglang_pool.set_global_graph_memory_pool(None)
@@ -141,7 +145,7 @@ def switch_rank(model_runner: Any, mode: OutputMode, seam_kind: str,
         if done is None or done.mode != mode:
             raise RuntimeError(f"the re-captured prefill backend is {type(got).__name__}, not ours in mode {mode!r}")
         result["ok"] = True
-    except Exception as exc:  # noqa: BLE001 - any capture failure is reported, then rolled back
+    except Exception as exc:  # any capture failure is reported, then rolled back
         logger.exception("sglang_bcg: re-capture in output mode %r failed", mode)
         result.update(ok=False, error=f"{type(exc).__name__}: {one_line(exc)}",
                       rolled_back=_roll_back(model_runner, env, previous_env, decode))
@@ -163,7 +167,7 @@ def _roll_back(model_runner: Any, env: MutableMapping[str, str], previous_env: s
     try:
         _drop_graphs(model_runner)
         _capture(model_runner, decode)
-    except Exception:  # noqa: BLE001 - reported as rolled_back=False
+    except Exception:  # reported as rolled_back=False
         logger.exception("sglang_bcg: re-capturing the previous output mode failed too")
         model_runner.prefill_cuda_graph_runner = getattr(model_runner, "eager_runner", None)
         if decode:
@@ -183,6 +187,6 @@ def answer_rank(model_runner: Any, params: dict[str, Any], seam_kind: str) -> di
         return {**describe_rank(model_runner), "ok": True, "refusal": recapture_refusal(model_runner, seam_kind)}
     except Refused as exc:
         return {"ok": False, "refused": str(exc), "pid": os.getpid()}
-    except Exception as exc:  # noqa: BLE001 - the scheduler keeps serving; the HTTP side says why
+    except Exception as exc:  # the scheduler keeps serving; the HTTP side says why
         logger.exception("sglang_bcg: output mode request failed")
         return {"ok": False, "error": f"{type(exc).__name__}: {one_line(exc)}", "pid": os.getpid()}

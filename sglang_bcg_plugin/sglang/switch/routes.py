@@ -69,7 +69,8 @@ class SwitchGate:
     def hold(self, what: str) -> Any:
         if not self._lock.acquire(blocking=False):
             mode, since = self.running or ("?", self._clock())
-            raise Busy(f"a switch to {mode!r} is running ({self._clock() - since:.0f} s so far); try again when it ends")
+            raise Busy(f"a switch to {mode!r} is running ({self._clock() - since:.0f} s so far); "
+                       "try again when it ends")
         self.running = (what, self._clock())
         try:
             yield
@@ -121,7 +122,9 @@ def add_routes(app: Any, client: RpcClient, gate: SwitchGate, dp_size: int = 1) 
 
     async def reply(mode: OutputMode | None) -> Any:
         if dp_size > 1:
-            return JSONResponse({"error": f"not supported with --dp-size {dp_size}: SGLang's RPC reaches one scheduler group"}, status_code=422)
+            return JSONResponse({"error": f"not supported with --dp-size {dp_size}: "
+                                          "SGLang's RPC reaches one scheduler group"},
+                                status_code=422)
         status, body = await asyncio.to_thread(http_answer, client, gate, mode)
         return JSONResponse(body, status_code=status)
 
@@ -154,5 +157,6 @@ def before_setup_and_run_http_server(*args: Any, **kwargs: Any) -> None:
         return None
     from sglang.srt.entrypoints import http_server
 
-    add_routes(http_server.app, RpcClient(port_args.rpc_ipc_name), SwitchGate(), int(getattr(server_args, "dp_size", 1) or 1))
+    add_routes(http_server.app, RpcClient(port_args.rpc_ipc_name), SwitchGate(),
+               int(getattr(server_args, "dp_size", 1) or 1))
     logger.info("sglang_bcg: %s registered (admin API key required)", ROUTE)

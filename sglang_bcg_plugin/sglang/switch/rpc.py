@@ -38,7 +38,8 @@ def _gather(scheduler: Any, local: dict[str, Any]) -> list[dict[str, Any]]:
     return out
 
 
-def around_handle_rpc_request(original_fn: Callable[..., Any], scheduler: Any, recv_req: Any, *args: Any, **kwargs: Any) -> Any:
+def around_handle_rpc_request(original_fn: Callable[..., Any], scheduler: Any, recv_req: Any,
+                              *args: Any, **kwargs: Any) -> Any:
     """AROUND hook of ``Scheduler.handle_rpc_request``: answer our method, pass on the rest."""
     if getattr(recv_req, "method", None) != RPC_METHOD:
         return original_fn(scheduler, recv_req, *args, **kwargs)
@@ -87,9 +88,10 @@ class RpcClient:
         req = io_struct.RpcReqInput(method=RPC_METHOD, parameters={**params, "id": self._next})
         send, recv = getattr(io_struct, "sock_send", None), getattr(io_struct, "sock_recv", None)
         try:
-            send(sock, req) if send is not None else sock.send_pyobj(req)  # noqa: B018 - 0.5.13-0.5.14 pickle
+            send(sock, req) if send is not None else sock.send_pyobj(req)  # 0.5.13-0.5.14 pickle
         except zmq.Again:
-            raise TimeoutError(f"no scheduler took the request in {SEND_TIMEOUT_MS // 1000} s (is it running?)") from None
+            raise TimeoutError(f"no scheduler took the request in {SEND_TIMEOUT_MS // 1000} s "
+                               "(is it running?)") from None
         deadline = time.monotonic() + timeout_s
         while (left := deadline - time.monotonic()) > 0 and sock.poll(int(left * 1000)):
             out = recv(sock) if recv is not None else sock.recv_pyobj()
