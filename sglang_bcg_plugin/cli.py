@@ -139,12 +139,14 @@ def _bench(args: argparse.Namespace) -> int:
                   f"{cold['lost_bytes'] / 2**20:,.1f} MiB, forecast with the driver's share "
                   f"{cold['forecast_bytes'] / 2**20:,.1f} MiB" + ("" if err is None else f" ({err * 100:+.1f} %)"),
                   file=sys.stderr)
-        rows, kw = [], {"repeats": cfg.repeats, "progress": cfg.progress}
+        rows = []
         for backend in cfg.backends:
             for variant in variants_for(backend, cfg.variants):
                 t0 = time.perf_counter()
-                row = (graph_trees_row(cfg.workload, cfg.sizes, **kw) if backend == GRAPH_TREES
-                       else run_variant(backend, variant, cfg.workload, cfg.sizes, **kw))
+                row = (graph_trees_row(cfg.workload, cfg.sizes, repeats=cfg.repeats, progress=cfg.progress)
+                       if backend == GRAPH_TREES
+                       else run_variant(backend, variant, cfg.workload, cfg.sizes, repeats=cfg.repeats,
+                                        progress=cfg.progress))
                 rows.append(row)
                 print(f"  {backend}/{variant} done in {time.perf_counter() - t0:.1f} s: {row_line(row)}",
                       file=sys.stderr)

@@ -139,14 +139,14 @@ def _invoke(impl: pluggy.HookImpl, kwargs: Mapping[str, object]) -> Any:
 
 def _open_wrapper(impl: pluggy.HookImpl, kwargs: Mapping[str, object]) -> Generator[None, object, object]:
     """Run a wrapper (``wrapper=True`` or the old ``hookwrapper=True``) up to its ``yield``."""
-    gen = _invoke(impl, kwargs)
+    gen: Generator[None, object, object] = _invoke(impl, kwargs)  # a wrapper is a generator function
     with _running_as(impl):
         try:
             next(gen)
         except StopIteration:
             msg = f"wrapper {impl.function.__qualname__} of plugin {impl.plugin_name!r} did not yield"
             raise RuntimeError(msg) from None
-    return gen  # type: ignore[no-any-return]
+    return gen
 
 
 def _close_wrapper(impl: pluggy.HookImpl, gen: Generator[None, object, object], results: list[object]) -> None:

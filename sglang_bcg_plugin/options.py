@@ -69,8 +69,9 @@ class BackendOptions:
             word = parse_word(getattr(self, field), {n: n for n in names}, f"BackendOptions.{field}", kind=kind)
             object.__setattr__(self, field, word)
         accepted = "'off', 'auto' or bytes as an int >= 0"
+        reserve: PoolReserve
         if isinstance(self.pool_reserve, str):
-            words = {"off": "off", "auto": "auto"}
+            words: dict[str, PoolReserve] = {"off": "off", "auto": "auto"}
             reserve = parse_word(self.pool_reserve, words, "BackendOptions.pool_reserve",
                                  kind="a pool reserve", accepted=accepted)
         else:  # 0 bytes is "off"

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Hashable
 from dataclasses import dataclass
+from typing import Protocol, cast
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,7 +43,18 @@ def _check(name: str, value: object, want: str, typed: bool, valid: bool) -> Non
         raise ValueError(msg)
 
 
-def check_key(key: object) -> Hashable:
+class ShapeKeyLike(Protocol):
+    """What :func:`check_key` proves of a shape key, ours or SGLang's: hashable, with ``size`` and
+    ``stream_idx``."""
+
+    @property
+    def size(self) -> int: ...
+    @property
+    def stream_idx(self) -> int | None: ...
+    def __hash__(self) -> int: ...
+
+
+def check_key(key: object) -> ShapeKeyLike:
     """``key``, any hashable object with ``size`` (an int >= 1) and ``stream_idx`` (ours or SGLang's).
 
     :raises TypeError: no ``size``/``stream_idx``, or not hashable. :raises ValueError: a bad ``size``."""
@@ -60,4 +71,4 @@ def check_key(key: object) -> Hashable:
     except TypeError:
         msg = f"shape key {key!r} ({type(key).__name__}) is not hashable"
         raise TypeError(msg) from None
-    return key  # type: ignore[return-value]
+    return cast(ShapeKeyLike, key)  # checked above: size an int >= 1, stream_idx present, hashable

@@ -63,7 +63,7 @@ class CaptureBackend:
 
     name: ClassVar[str] = "base"
     #: the front of a segmented backend's engines (``None``: whole-forward graphs)
-    _front: ClassVar[Callable[[], Front] | None] = None
+    _front: ClassVar[type[Front] | None] = None
 
     def __init__(self, *, options: BackendOptions | None = None, plugin_manager: pluggy.PluginManager | None = None,
                  output_mode: Resolution | None = None) -> None:
@@ -214,7 +214,7 @@ class CaptureBackend:
                    f"run after each warmup), got {short_repr(post_warmup_hook)} ({type(post_warmup_hook).__name__}); "
                    "nothing was warmed up or captured")
             raise TypeError(msg)
-        with self._lock, self.size_context(key.size):  # type: ignore[attr-defined]
+        with self._lock, self.size_context(key.size):
             plan = self._state.begin(key)
             if self._capturing is not None:
                 msg = (f"{self.name} backend: re-entrant capture: capture_one({key!r}) was called while "

@@ -47,7 +47,10 @@ class Engine(Protocol):
     name: str
 
     def capture(self, request: CaptureRequest) -> CapturedGraph: ...
-    def release(self) -> None: ...
+
+    def release(self) -> None:
+        """Drop the engine's pools and streams (nothing by default)."""
+        return None
 
     def bridge_bytes(self) -> dict[int | None, int]:
         """Bytes of bridge storage per partition (none by default)."""

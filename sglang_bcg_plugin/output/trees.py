@@ -59,8 +59,9 @@ def _flatten(obj: object, path: str, leaves: Leaves, depth: int) -> Node:
         leaves.append((path, _strided(obj, path)))
         # a Parameter is its values here: a shared buffer or a replay hands them out as a plain tensor
         return Node("tensor", torch.Tensor if isinstance(obj, torch.nn.Parameter) else type(obj))
+    keys: tuple[Any, ...]  # indices, a dict's keys or field names
     if isinstance(obj, (tuple, list)):  # named tuples too
-        kind, values, walked = "seq", list(obj), "one of its items"  # type: ignore[call-overload]
+        kind, values, walked = "seq", list(obj), "one of its items"
         keys, known = tuple(range(len(values))), lambda name, value: False
     elif isinstance(obj, dict):  # a ModelOutput keeps its fields as attributes too: the very values of its keys
         kind, keys, walked = "map", tuple(obj), "one of its keys"

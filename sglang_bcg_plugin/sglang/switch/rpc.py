@@ -31,9 +31,10 @@ SEND_TIMEOUT_MS = 10_000
 def _gather(scheduler: Any, local: dict[str, Any]) -> list[dict[str, Any]]:
     """Every TP rank's answer (rank order), gathered on the TP group's CPU group."""
     tp_group = getattr(scheduler, "tp_group", None)
-    if int(getattr(tp_group, "world_size", 1) or 1) == 1:
+    world_size = int(getattr(tp_group, "world_size", 1) or 1)
+    if tp_group is None or world_size == 1:
         return [local]
-    out: list[Any] = [None] * int(tp_group.world_size)
+    out: list[Any] = [None] * world_size
     torch.distributed.all_gather_object(out, local, group=tp_group.cpu_group)
     return out
 
