@@ -6,8 +6,8 @@ from ._constants import ENV_SHARE_OUTPUT, NAME
 from ._version import __version__
 from .backends.base import CaptureBackend
 from .breaks import graph_break
-from .errors import (BackendRegistrationError, CaptureStateError, HostReadError, ObserverError, ObserverWarning,
-                     OutputStructureError, PluginLoadWarning)
+from .errors import (BackendRegistrationError, CaptureStateError, GraphBreakError, HostReadError, ObserverError,
+                     ObserverWarning, OutputStructureError, PluginLoadWarning)
 from .manager import BrokenPlugin, broken_plugins, get_plugin_manager, hookimpl
 from .options import BackendOptions
 from .output_mode import resolve_output_mode
@@ -17,7 +17,7 @@ from .shape_key import ShapeKey
 from .sharing import SharedOutputFallbackWarning
 
 __all__ = ["ENV_SHARE_OUTPUT", "NAME", "BackendOptions", "BackendRegistrationError", "BackendRegistry", "BrokenPlugin",
-           "CaptureBackend", "CaptureStateError", "HostReadError", "KeyReport", "MemoryReport", "ObserverError",
+           "CaptureBackend", "CaptureStateError", "GraphBreakError", "HostReadError", "KeyReport", "MemoryReport", "ObserverError",
            "ObserverWarning", "OutputStructureError", "PluginLoadWarning", "ShapeKey", "SharedOutputFallbackWarning",
            "__version__", "available_backends", "broken_plugins", "create_backend", "get_plugin_manager", "graph_break",
            "hookimpl", "resolve_output_mode"]

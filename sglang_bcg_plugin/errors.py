@@ -68,6 +68,12 @@ def warn_user(message: str, category: type[Warning]) -> None:
     warnings.warn(message, category, stacklevel=user_stacklevel())
 
 
+class GraphBreakError(TypeError, ValueError):
+    """``graph_break`` cannot make a break point of what it was given: ``reads``/``writes`` that are not
+    parameter names, names it cannot match (a builtin without a signature), or not a function. A
+    ``TypeError`` and a ``ValueError`` both, as ``inspect`` and argument checks raise either."""
+
+
 class ForecastError(RuntimeError):
     """A graph-memory forecast cannot be made."""
 
