@@ -74,6 +74,11 @@ class GraphBreakError(TypeError, ValueError):
     ``TypeError`` and a ``ValueError`` both, as ``inspect`` and argument checks raise either."""
 
 
+class SplittingOpError(TypeError, ValueError):
+    """``splitting_ops`` of the Piecewise backend holds something no graph can split at: not a list,
+    not a torch op, an op packet without overloads. A ``TypeError`` and a ``ValueError`` both."""
+
+
 class ForecastError(RuntimeError):
     """A graph-memory forecast cannot be made."""
 
