@@ -17,7 +17,7 @@ from .shape_key import ShapeKey
 from .sharing import SharedOutputFallbackWarning
 
 __all__ = ["ENV_SHARE_OUTPUT", "NAME", "BackendOptions", "BackendRegistrationError", "BackendRegistry", "BrokenPlugin",
-           "CaptureBackend", "CaptureStateError", "GraphBreakError", "HostReadError", "KeyReport", "MemoryReport", "ObserverError",
-           "ObserverWarning", "OutputStructureError", "PluginLoadWarning", "ShapeKey", "SharedOutputFallbackWarning",
-           "__version__", "available_backends", "broken_plugins", "create_backend", "get_plugin_manager", "graph_break",
-           "hookimpl", "resolve_output_mode"]
+           "CaptureBackend", "CaptureStateError", "GraphBreakError", "HostReadError", "KeyReport", "MemoryReport",
+           "ObserverError", "ObserverWarning", "OutputStructureError", "PluginLoadWarning", "ShapeKey",
+           "SharedOutputFallbackWarning", "__version__", "available_backends", "broken_plugins", "create_backend",
+           "get_plugin_manager", "graph_break", "hookimpl", "resolve_output_mode"]

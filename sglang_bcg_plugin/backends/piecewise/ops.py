@@ -62,9 +62,9 @@ def unsplit_torch_ops(ops: tuple[torch._ops.OpOverload, ...], gm: torch.fx.Graph
 
 def unsplit_message(names: list[str]) -> str:
     """The :class:`PiecewiseCompileError` text for torch's own ops the graph never calls."""
-    return (f"backend.compile(model): splitting_ops lists torch's own op(s) {', '.join(names)}, which the graph torch.compile traced never "
-            "calls: dynamo records the torch functions the model calls (torch.mm, x @ w, torch.softmax, "
-            "Tensor.softmax), not the aten ops they dispatch to, so nothing would split there and the model would "
-            "be one piece. An aten op splits only where the model calls torch.ops.aten.<op> itself. To run that work "
-            f"eagerly between pieces, put it in a torch.library custom op and list that: splitting_ops takes {ACCEPTED} "
-            "(docs/piecewise.md, 'Splitting ops')")
+    return (f"backend.compile(model): splitting_ops lists torch's own op(s) {', '.join(names)}, which the graph "
+            "torch.compile traced never calls: dynamo records the torch functions the model calls (torch.mm, x @ w, "
+            "torch.softmax, Tensor.softmax), not the aten ops they dispatch to, so nothing would split there and the "
+            "model would be one piece. An aten op splits only where the model calls torch.ops.aten.<op> itself. To "
+            "run that work eagerly between pieces, put it in a torch.library custom op and list that: splitting_ops "
+            f"takes {ACCEPTED} (docs/piecewise.md, 'Splitting ops')")
