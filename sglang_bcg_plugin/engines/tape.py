@@ -73,7 +73,8 @@ def _validates_only(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) ->
 
 def _body_keys(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch._C.DispatchKeySet | None:
     """The keys to run custom op ``func``'s body with below the Python key (its tensors' backend), or
-    ``None`` for torch's own ops and ops without tensor arguments (run as they are)."""
+    ``None`` for torch's own ops, ops without tensor arguments and tensor subclasses that dispatch
+    in Python themselves (run as they are)."""
     if not isinstance(func, torch._ops.OpOverload) or func.namespace in _TORCH_NAMESPACES:
         return None
     tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
@@ -82,7 +83,7 @@ def _body_keys(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> torc
     keys = torch._C._dispatch_keys(tensors[0])
     for t in tensors[1:]:
         keys = keys | torch._C._dispatch_keys(t)
-    return keys & _BELOW_PYTHON
+    return None if keys.has(torch._C.DispatchKey.Python) else keys & _BELOW_PYTHON
 
 
 def _composite(func: Any) -> bool:
