@@ -268,3 +268,40 @@ def test_under_inference_mode_a_truth_test_in_a_segment_is_refused(read: str) ->
     with torch.inference_mode(), backend.capture_session():
         with pytest.raises(HostReadError, match=r"\.item\(\), bool\(t\)"):
             backend.capture_one(ShapeKey(6), forward, capture_inputs=x)
+
+
+@torch.library.custom_op("sglang_bcg_hidden::filled", mutates_args=())
+def _filled(rows: int, value: float) -> torch.Tensor:
+    """No tensor argument: nothing of the forward's to read (run as it is)."""
+    return torch.full((rows, 4), value)
+
+
+@_filled.register_fake
+def _(rows: int, value: float) -> torch.Tensor:
+    return torch.empty(rows, 4)
+
+
+def test_a_custom_op_without_tensor_arguments_is_recorded_as_it_is() -> None:
+    x = torch.randn(6, 4)
+    backend = _backend("breakable")
+    with torch.no_grad(), backend.capture_session():
+        backend.capture_one(ShapeKey(6), lambda: x * _filled(6, 2.0), capture_inputs=x)
+    x.copy_(torch.randn(6, 4))
+    torch.testing.assert_close(backend.replay(ShapeKey(6)), x * 2.0)
+
+
+def test_tensor_subclasses_and_closed_segments_are_left_alone() -> None:
+    """A tensor that dispatches in Python itself (a fake tensor) keeps its own dispatch; no
+    segment open, nothing to watch."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from sglang_bcg_plugin.engines.tape import EagerSegments, _body_keys
+
+    with FakeTensorMode():
+        fake = torch.empty(2, 4)
+    op = READING["item"][0]._opoverload
+    assert _body_keys(op, (fake,), {}) is None
+    assert _body_keys(op, (torch.empty(2, 4),), {}) is not None
+    assert _body_keys(torch.ops.aten.mul.Tensor, (torch.empty(2),), {}) is None
+    with EagerSegments("key").watched():
+        assert torch.ones(1).item() == 1.0  # no open segment: a read is no capture's

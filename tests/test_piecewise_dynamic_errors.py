@@ -217,3 +217,25 @@ def test_errors_that_are_no_size_assumption_pass_through() -> None:
         with pytest.raises(RuntimeError, match="^odd rows are not served$") as info:
             backend.capture_one(ShapeKey(9), lambda: fn(x[:9]), capture_inputs=x)
     assert not isinstance(info.value, PiecewiseCompileError)
+
+
+def test_a_direct_call_that_breaks_the_assumption_names_no_capture_size() -> None:
+    model = SHAPE_MODELS["pairs"][0]
+    fn = _piecewise().compile(model)
+    assert fn(torch.randn(4, 6)).shape == (2, 6)
+    with pytest.raises(PiecewiseCompileError, match=r"^backend.compile\(model\): a call breaks what torch.compile "
+                                                    r"assumed of the size .* size dim unbacked"):
+        fn(torch.randn(3, 6))
+
+
+def test_other_compile_backend_failures_keep_dynamos_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    from sglang_bcg_plugin.backends.piecewise import compile as compile_module
+
+    def broken(*args: Any, **kwargs: Any) -> Any:
+        msg = "split failed"
+        raise ValueError(msg)
+
+    monkeypatch.setattr(compile_module, "split_graph", broken)
+    fn = _piecewise().compile(lambda x: x * 2)
+    with pytest.raises(torch._dynamo.exc.BackendCompilerFailed, match="split failed"):
+        fn(torch.randn(4, 6))

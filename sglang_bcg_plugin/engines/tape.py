@@ -27,6 +27,7 @@ _TORCH_NAMESPACES = frozenset({"aten", "prims", "prim"})
 
 #: Where a custom op's body runs: below the Python key, so the ops it calls come back to the modes.
 _BELOW_PYTHON = torch._C._dispatch_keyset_full_after(torch._C.DispatchKey.Python)
+
 #: Ops that only allocate: a CUDA graph replays no kernel for them, so neither does the tape.
 _ALLOCATIONS = frozenset(
     getattr(_aten, name).default if name != "empty" else _aten.empty.memory_format
@@ -44,6 +45,7 @@ _PY_READS = {
     torch.Tensor.cpu: "Tensor.cpu() (a copy to the host: on CUDA a sync a stream capture refuses)",
 }
 
+#: The kernel of an aten op made of others (:func:`_composite`).
 _IMPLICIT = torch._C.DispatchKey.CompositeImplicitAutograd
 
 
