@@ -6,8 +6,8 @@ from ._constants import ENV_SHARE_OUTPUT, NAME
 from ._version import __version__
 from .backends.base import CaptureBackend
 from .breaks import graph_break
-from .errors import (BackendRegistrationError, CaptureStateError, ForecastError, HostReadError, ObserverError,
-                     ObserverWarning, OutputStructureError, PluginLoadWarning)
+from .errors import (BackendRegistrationError, CaptureStateError, ForecastError, GraphBreakError, HostReadError,
+                     ObserverError, ObserverWarning, OutputStructureError, PluginLoadWarning)
 from .manager import BrokenPlugin, get_plugin_manager, hookimpl
 from .options import BackendOptions
 from .output.mode import resolve_output_mode
@@ -17,7 +17,8 @@ from .shape_key import ShapeKey
 from .output.policy import SharedOutputFallbackWarning
 
 __all__ = ["ENV_SHARE_OUTPUT", "NAME", "BackendOptions", "BackendRegistrationError", "BackendRegistry", "BrokenPlugin",
-           "CaptureBackend", "CaptureStateError", "ForecastError", "HostReadError", "KeyReport", "MemoryReport",
+           "CaptureBackend", "CaptureStateError", "ForecastError", "GraphBreakError", "HostReadError", "KeyReport",
+           "MemoryReport",
            "ObserverError", "ObserverWarning", "OutputStructureError", "PluginLoadWarning", "ShapeKey",
            "SharedOutputFallbackWarning", "__version__", "available_backends", "broken_plugins", "create_backend",
            "get_plugin_manager", "graph_break", "hookimpl", "resolve_output_mode"]
