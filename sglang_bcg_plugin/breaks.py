@@ -26,17 +26,10 @@ _WRAP = ("wrap it in a plain Python def whose parameters carry the names and tha
          "torch.nn.functional.scaled_dot_product_attention(q, k, v)")
 
 
-@overload
-def graph_break(fn: F) -> F: ...
-@overload
-def graph_break(fn: None = None, *, reads: str | Iterable[str] = (),
-                writes: str | Iterable[str] = ()) -> Callable[[F], F]: ...
-
-
 def _names(field: str, value: str | Iterable[str]) -> frozenset[str]:
     """``reads``/``writes`` as a set of names: one string is one name (``reads="out"``)."""
     try:
-        names = (value,) if isinstance(value, str) else tuple(value)
+        names: tuple[object, ...] = (value,) if isinstance(value, str) else tuple(value)
     except TypeError:
         names = (value,)
     bad = [n for n in names if not isinstance(n, str)]
@@ -44,7 +37,7 @@ def _names(field: str, value: str | Iterable[str]) -> frozenset[str]:
         msg = (f"graph_break({field}=...) takes parameter names (a str or an iterable of str, e.g. "
                f"{field}=('out',)), got {value!r} with {bad[0]!r} of type {type(bad[0]).__name__}")
         raise GraphBreakError(msg)
-    return frozenset(names)
+    return frozenset(n for n in names if isinstance(n, str))
 
 
 def _signature(func: Callable[..., Any], name: str, names: frozenset[str]) -> inspect.Signature:
@@ -65,6 +58,13 @@ def _signature(func: Callable[..., Any], name: str, names: frozenset[str]) -> in
                f"parameters: {list(sig.parameters)}; name those, or {_WRAP}")
         raise GraphBreakError(msg)
     return sig
+
+
+@overload
+def graph_break(fn: F) -> F: ...
+@overload
+def graph_break(fn: None = None, *, reads: str | Iterable[str] = (),
+                writes: str | Iterable[str] = ()) -> Callable[[F], F]: ...
 
 
 def graph_break(fn: F | None = None, *, reads: str | Iterable[str] = (),

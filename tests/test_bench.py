@@ -278,7 +278,7 @@ def test_size_stats_match_the_schedule_without_building_it() -> None:
         sizes = prefill_capture_sizes(m)
         assert capture_size_stats(m) == (len(sizes), sum(sizes), max(sizes)), m
     big = capture_size_stats(10**22)  # constant time: the list would not fit in any memory
-    assert big.largest == 4608 + (10**22 - 4608) // 512 * 512 and big.count > 10**19
+    assert big.largest == 4608 + (10**22 - 4608) // 512 * 512 and big.num > 10**19
     with pytest.raises(ValueError, match="max_tokens"):
         capture_size_stats(True)
 

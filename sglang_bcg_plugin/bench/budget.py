@@ -108,7 +108,7 @@ def check_fits(
     todo = f"use --max-tokens {best} or less" if best is not None else "lower --hidden, --layers or --intermediate"
     tape = tape_kept_bytes(model, stats, backends, workload)
     kept = f", {human_bytes(tape)} the eager segments keep of every size" if tape else ""
-    sizes = f"{stats.count} capture size{'' if stats.count == 1 else 's'}"
+    sizes = f"{stats.num} capture size{'' if stats.num == 1 else 's'}"
     msg = (f"--max-tokens {max_tokens} needs at least {human_bytes(need(max_tokens))} ({sizes}: weights, inputs, "
            f"captured outputs, activations of the largest{kept}) but {where}; {todo}")
     raise UsageError(msg)

@@ -14,7 +14,7 @@ _RUNS = ((4, 33, 4), (48, 257, 16), (288, 513, 32), (576, 1025, 64), (1280, 4097
 class SizeStats(NamedTuple):
     """Count, sum and largest of the capture sizes up to a ``max_tokens``."""
 
-    count: int
+    num: int
     total: int
     largest: int
 

@@ -93,7 +93,7 @@ def _transformers() -> Any:
 def _sdpa() -> Callable[..., Any]:
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    return sdpa_attention_forward  # type: ignore[no-any-return]
+    return sdpa_attention_forward
 
 
 @graph_break(reads=("query", "key", "value"))
@@ -101,7 +101,7 @@ def break_attention(
     module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: Any, **kwargs: Any
 ) -> tuple[torch.Tensor, None]:
     """transformers' SDPA attention as an eager break point of the Breakable backend."""
-    return _sdpa()(module, query, key, value, attention_mask, **kwargs)  # type: ignore[no-any-return]
+    return _sdpa()(module, query, key, value, attention_mask, **kwargs)
 
 
 @torch.library.custom_op("sglang_bcg_bench::llama_attention", mutates_args=())
@@ -181,7 +181,7 @@ class LlamaWorkload(Workload):
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(0)
             model = _transformers().LlamaModel(config)
-        return model.to(device=self.shape.device, dtype=self.shape.dtype).eval().requires_grad_(False)  # type: ignore[no-any-return]
+        return model.to(device=self.shape.device, dtype=self.shape.dtype).eval().requires_grad_(False)
 
     def static_input(self, max_tokens: int) -> torch.Tensor:
         return torch.randint(0, self.vocab, (1, max_tokens), device=self.shape.device)

@@ -71,7 +71,8 @@ class EagerSegmentEngine(Engine):
 
     def capture(self, request: CaptureRequest) -> SegmentedGraph:
         warm = run_warmups(request)  # noqa: F841 - kept alive until the output is placed (foreign storages)
-        recorder = self.front.recorder(request.key, EagerSegments(request.key), request.partition, request.static_inputs)
+        recorder = self.front.recorder(request.key, EagerSegments(request.key), request.partition,
+                                       request.static_inputs)
         return record(recorder, request.forward_fn, request.place)
 
     def release(self) -> None:

@@ -66,7 +66,7 @@ def _size_oblivious() -> contextlib.AbstractContextManager[None]:
     """Trace backed sizes without 0/1 specialization (feature-detected)."""
     config = torch.fx.experimental._config
     if hasattr(config, "backed_size_oblivious"):
-        return config.patch(backed_size_oblivious=True)  # type: ignore[no-any-return,attr-defined]
+        return config.patch(backed_size_oblivious=True)  # type: ignore[attr-defined]
     return contextlib.nullcontext()  # pragma: no cover - older torch: size 1 recompiles once
 
 
@@ -177,8 +177,8 @@ class PiecewiseCompiled:
             return (f"backend.compile(model): torch.compile could not trace the model with its size dim {self.dynamic} "
                     f"({first}): the model decides something from a value that depends on the size (transformers' "
                     "mask preparation does, with its stock attention). Pass backend.compile(model, dynamic='backed'), "
-                    "which compiles size 1 once more, or move that code into a splitting op (docs/piecewise.md#dynamic-shapes). "
-                    f"Dynamo's report:\n{exc}")
+                    "which compiles size 1 once more, or move that code into a splitting op "
+                    f"(docs/piecewise.md#dynamic-shapes). Dynamo's report:\n{exc}")
         if isinstance(exc, torch._dynamo.exc.UserError):
             return f"backend.compile(model): torch.compile could not trace the model ({first}). Dynamo's report:\n{exc}"
         size = _capture_size.get()

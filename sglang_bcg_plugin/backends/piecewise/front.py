@@ -28,7 +28,8 @@ def _tensors(tree: object) -> list[torch.Tensor]:
 class PieceRecorder(Recorder):
     """Records the pieces and splitting calls of one key (set active while its forward runs)."""
 
-    def __init__(self, key: object, segments: Segments, static_inputs: frozenset[tuple[str, int]] = frozenset()) -> None:
+    def __init__(self, key: object, segments: Segments,
+                 static_inputs: frozenset[tuple[str, int]] = frozenset()) -> None:
         super().__init__(key, segments)
         self.inputs: set[tuple[str, int]] = set(static_inputs)
         self.graph_calls = 0

@@ -108,7 +108,8 @@ class InductorPieces:
             gm.recompile()
         # wrapped, compile_fx returns a boxed callable (one list, emptied)
         boxed = torch._dynamo.utils.GmWrapper(gm, tuple)
-        compiled = compile_fx(boxed, list(fake_args), config_patches=dict(self.config))
+        # torch's annotation says GraphModule; a GmWrapper is how compile_fx is asked for a boxed callable
+        compiled = compile_fx(boxed, list(fake_args), config_patches=dict(self.config))  # type: ignore[arg-type]
         self.num_compilations += 1
         return CompiledPiece(compiled, returns_tuple)  # type: ignore[arg-type]
 

@@ -30,9 +30,8 @@ def resolve_splitting_ops(ops: Iterable[object] | None) -> tuple[torch._ops.OpOv
                f"({type(ops).__name__}); wrap a single op in a list: splitting_ops=[torch.ops.ns.op.default]")
         raise SplittingOpError(msg)
     resolved: dict[torch._ops.OpOverload, None] = {}
-    for i, op in enumerate(ops):
-        if isinstance(op, CustomOpDef):  # what torch.library.custom_op returns
-            op = op._opoverload
+    for i, given in enumerate(ops):
+        op = given._opoverload if isinstance(given, CustomOpDef) else given  # what torch.library.custom_op returns
         if isinstance(op, torch._ops.OpOverload):
             resolved[op] = None
         elif isinstance(op, torch._ops.OpOverloadPacket):
@@ -67,4 +66,4 @@ def unsplit_message(names: list[str]) -> str:
             "torch.softmax, Tensor.softmax), not the aten ops they dispatch to, so nothing would split there and the "
             "model would be one piece. An aten op splits only where the model calls torch.ops.aten.<op> itself. To "
             "run that work eagerly between pieces, put it in a torch.library custom op and list that: splitting_ops "
-            f"takes {ACCEPTED} (docs/piecewise.md, 'Splitting ops')")
+            f"takes {ACCEPTED} (docs/piecewise.md#splitting-ops)")
