@@ -167,7 +167,7 @@ def build_config(args: argparse.Namespace, available_backends: list[str]) -> Ben
     device = _device(args.device)
     gpu = device.startswith("cuda")
     backends = _names("--backends", args.backends, available_backends)
-    variants = _names("--variants", args.variants or ("off,on,floor,guard" if gpu else "off,on"), VARIANTS)
+    variants = _names("--variants", args.variants or ("off,on,floor,guard" if gpu else "off,on,released"), VARIANTS)
     notes = _variant_rows(backends, variants, available_backends)
     try:
         env = parse_mode_text(os.environ.get(ENV_SHARE_OUTPUT))

@@ -17,7 +17,7 @@ import torch
 from ..accounting import device_free_bytes
 from ..errors import ForecastError
 from ..options import BackendOptions
-from ..output_mode import mode_of_option
+from ..output_mode import OutputMode, mode_of_option, parse_output_mode
 from ..registry import create_backend
 from ..report import MemoryReport
 from ..shape_key import ShapeKey
@@ -105,7 +105,7 @@ class BenchRow:
 
     backend: str
     variant: str
-    share_output: bool | Literal["released"]
+    output_mode: OutputMode  # "off", "on" or "released", as BackendOptions(output_mode=...)
     num_sizes: int
     max_tokens: int
     resident_output_bytes: int
@@ -133,6 +133,19 @@ class BenchRow:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> BenchRow:
+        """A row of a ``bench.json``, also one written before ``output_mode`` had its name: its
+        ``share_output`` (``True``/``False``/``"released"``, or their ``str()``) is read as the mode."""
+        row = dict(data)
+        old = row.pop("share_output", None)
+        if "output_mode" not in row and old is not None:  # str(): a GPU driver wrote "True" / "False"
+            row["output_mode"] = mode_of_option({"True": True, "False": False}.get(old, old) if isinstance(old, str)
+                                                else old)
+        if row.get("output_mode") is not None:
+            row["output_mode"] = parse_output_mode(row["output_mode"])
+        return cls(**row)
 
 
 def per_size_rows(report: MemoryReport, compile_s: dict[Any, float] | None = None) -> list[dict[str, Any]]:
@@ -313,7 +326,8 @@ def run_variant(
                            repeats)
     backend.cleanup()  # the graphs, pools and buffers go; the next variant measures from here
     row = BenchRow(
-        backend=backend_name, variant=variant, share_output=v.share, num_sizes=len(sizes), max_tokens=max(sizes),
+        backend=backend_name, variant=variant, output_mode=v.options["output_mode"], num_sizes=len(sizes),
+        max_tokens=max(sizes),
         resident_output_bytes=report.resident_output_bytes, logical_output_bytes=report.logical_output_bytes,
         graph_memory_bytes=graph_bytes, capture_s=elapsed - ((compile_s or 0.0) - forecast_compile),
         fallbacks=len(report.fallbacks), bridge_bytes=report.total_bridge_bytes, model=workload.name,
@@ -383,7 +397,7 @@ def graph_trees_row(
         torch._inductor.cudagraph_trees.reset_cudagraph_trees()
     _free_bytes(device)
     return BenchRow(
-        backend=GRAPH_TREES, variant=REFERENCE_VARIANT, share_output=False, num_sizes=len(sizes),
+        backend=GRAPH_TREES, variant=REFERENCE_VARIANT, output_mode="off", num_sizes=len(sizes),
         max_tokens=max(sizes), resident_output_bytes=0, logical_output_bytes=logical[0], graph_memory_bytes=graph_bytes,
         capture_s=elapsed - compile_s, fallbacks=0, model=workload.name, compile_s=compile_s, **replayed,
     )
