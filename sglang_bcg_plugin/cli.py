@@ -1,7 +1,8 @@
 """``sglang-bcg``: ``bench`` (the main job), ``backends``, ``doctor``, ``switch``.
 
 Exit codes (docs/getting-started.md): 0 success; 1 a broken plugin, out of memory, or ``switch``
-failed; 2 a bad argument or an ``--out`` that could not take the results; 130 interrupted.
+failed; 2 a bad argument or an ``--out`` that could not take the results (``--debug`` adds the
+traceback, never another code); 130 interrupted.
 """
 
 from __future__ import annotations
@@ -12,14 +13,20 @@ import logging
 import re
 import sys
 import time
+import traceback
 import warnings
-from typing import Any, NoReturn
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import torch
 
 from ._version import __version__
+from ._words import parse_word
 from .bench.usage import UsageError, shown
 from .errors import BackendRegistrationError
+
+if TYPE_CHECKING:
+    from .registry import BackendRegistry
 
 #: A quoted value in an argparse message, longer than a message should echo.
 _LONG_QUOTED = re.compile(r"'([^'\n]{80})[^'\n]+'")
@@ -44,6 +51,21 @@ def _positive(value: str) -> int:
     return n
 
 
+def _word(what: str, words: Iterable[str]) -> Callable[[str], str]:
+    """An argparse ``type`` for a flag with ``choices=words``: the word in any case, with surrounding
+    whitespace (:func:`.._words.parse_word`), as spelled in ``words``; another value is returned as
+    given, for argparse's "invalid choice" error listing the choices."""
+    table = {w.lower(): w for w in words}
+
+    def parse(raw: str) -> str:
+        try:
+            return parse_word(raw, table, what, kind="a choice")
+        except ValueError:
+            return raw
+
+    return parse
+
+
 def _debug_flags(p: argparse.ArgumentParser, default: object) -> None:
     p.add_argument("-v", "--verbose", action="store_true", default=default, help="debug logging; tracebacks")
     p.add_argument("--debug", action="store_true", default=default, help="show tracebacks of errors")
@@ -61,7 +83,8 @@ def _bench_parser(sub: argparse._SubParsersAction[Any]) -> None:
     ])
     p = sub.add_parser("bench", help="capture a model at SGLang's prefill sizes with each backend in each output mode",
                        epilog=epilog, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", choices=("synthetic", "llama"), default="synthetic",
+    models = ("synthetic", "llama")
+    p.add_argument("--model", choices=models, type=_word("--model", models), default="synthetic",
                    help="synthetic: our tokens-first decoder (default); llama: transformers' LlamaModel, random weights")
     p.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda when available)")
     p.add_argument("--backends", default="breakable,full,piecewise", help="comma-separated backend names; graph-trees: torch.compile's reduce-overhead reference row")
@@ -73,7 +96,7 @@ def _bench_parser(sub: argparse._SubParsersAction[Any]) -> None:
     p.add_argument("--kv-heads", type=_positive, default=None, help="key/value heads, dividing --heads (default: 5 on CUDA, 2 on CPU; llama: 8 / 2)")
     p.add_argument("--head-dim", type=_positive, default=None, help="llama only: head size (default: 64 on CUDA, 16 on CPU)")
     p.add_argument("--intermediate", type=_positive, default=None, help="MLP width (default: hidden, as gpt-oss-20b experts)")
-    p.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="default: bfloat16 on CUDA, float32 on CPU")
+    p.add_argument("--dtype", choices=sorted(DTYPES), type=_word("--dtype", DTYPES), default=None, help="default: bfloat16 on CUDA, float32 on CPU")
     p.add_argument("--max-tokens", type=_positive, default=None, help="largest capture size, >= 4 and fitting in memory (default: 16384 on CUDA, 256 on CPU)")
     p.add_argument("--repeats", type=_positive, default=None, help="replays timed at the largest size (default: 50 on CUDA, 10 on CPU)")
     p.add_argument("--out", default=None, help="directory for bench.json and bench.png (created and locked up front; the pair is replaced as one)")
@@ -85,9 +108,11 @@ def _bench(args: argparse.Namespace) -> int:
     from .bench.outdir import hold, write_pair
     from .bench.output import PLOT_SKIPPED, format_table, printable, row_line, write_json, write_plot
     from .bench.runner import GRAPH_TREES, cold_summary, graph_trees_row, run_variant, variants_for, warm_up
-    from .registry import available_backends
 
-    cfg = build_config(args, [*available_backends(), GRAPH_TREES])  # every check, before any work
+    registry = _registry()
+    for b in registry.broken:  # before the checks: --backends may name one of its backends
+        print(f"note: {b.describe()}; its backends are not available ({b.remedy()})", file=sys.stderr)
+    cfg = build_config(args, [*registry.names(), GRAPH_TREES])  # every check, before any work
     with hold(cfg.out) if cfg.out else contextlib.nullcontext():  # refused when another live run holds --out
         if ":" in cfg.device:  # pragma: no cover - CUDA only: streams and pools on the chosen GPU
             torch.cuda.set_device(torch.device(cfg.device))
@@ -123,22 +148,24 @@ def _bench(args: argparse.Namespace) -> int:
     return 0
 
 
-def _backends(args: argparse.Namespace) -> int:
-    """Registered backends, then one ``BROKEN`` line per plugin that failed to load (exit 1)."""
+def _registry() -> BackendRegistry:
+    """The registry of the process's plugin manager, the broken plugins' warnings held back: the
+    commands print the broken plugins themselves."""
     from .errors import PluginLoadWarning
-    from .manager import broken_plugins, get_plugin_manager
     from .registry import build_registry
 
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore", PluginLoadWarning)  # printed below, as BROKEN lines
-        pm = get_plugin_manager()
-    registry = build_registry(pm)
-    for name in registry.names():
-        print(f"{name}\t{registry.plugin_of(name)}")
-    broken = broken_plugins(pm)
-    for b in broken:
-        print(f"BROKEN {b.entry_point} ({b.distribution} {b.version}): {b.error}")
-    return 1 if broken else 0
+        warnings.simplefilter("ignore", PluginLoadWarning)
+        return build_registry()
+
+
+def _backends(args: argparse.Namespace) -> int:
+    """Registered backends, then one ``BROKEN`` line per broken plugin (exit 1)."""
+    from .registry import listing
+
+    registry = _registry()
+    print(*listing(registry), sep="\n")
+    return 1 if registry.broken else 0
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -147,15 +174,18 @@ def _parser() -> argparse.ArgumentParser:
     _debug_flags(parser, False)
     sub = parser.add_subparsers(dest="command", required=True)
     _bench_parser(sub)
-    sub.add_parser("backends", help="list registered backends and the plugin of each; exit 1 if a plugin is broken")
+    sub.add_parser("backends", help="list registered backends and the module of each; exit 1 if a plugin is broken")
     sub.add_parser("doctor", help="check the SGLang integration (version, hook targets, entry point, flag)")
     switch = sub.add_parser("switch", help="switch (or --show) the output mode of a running SGLang server "
                             "(POST/GET /bcg/output_mode; the server needs --admin-api-key)")
     switch.add_argument("--url", required=True, help="the server, e.g. http://127.0.0.1:30000")
     switch.add_argument("--api-key", default=None, help="the server's --admin-api-key (default: $SGLANG_BCG_ADMIN_API_KEY)")
-    switch.add_argument("--timeout", type=_positive, default=900, help="seconds to wait for the answer (default 900)")
+    switch.add_argument("--timeout", default=None, help="seconds the whole exchange may take: connecting, sending, "
+                        "the answer's headers and body (default 900, at most 86400)")
     target = switch.add_mutually_exclusive_group(required=True)
-    target.add_argument("mode", nargs="?", type=str.lower, choices=("off", "on", "released"), help="the new output mode")
+    modes = ("off", "on", "released")
+    target.add_argument("mode", nargs="?", type=_word("mode", modes), choices=modes,
+                        help="the new output mode (any case)")
     target.add_argument("--show", action="store_true", help="print the current mode and graph memory")
     for command in sub.choices.values():  # after the command too; doctor takes nothing else
         _debug_flags(command, argparse.SUPPRESS)
@@ -184,16 +214,20 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "backends":
             return _backends(args)
         if args.command == "switch":
-            from .cli_switch import key_of, run
+            from .cli_switch import key_of, parse_timeout, parse_url, run
 
-            return run(args.url, key_of(args.api_key), None if args.show else args.mode, float(args.timeout))
+            parse_url(args.url)  # every argument checked before any network work
+            key, timeout = key_of(args.api_key), parse_timeout(args.timeout)
+            return run(args.url, key, None if args.show else args.mode, timeout)
         from .integration.doctor import doctor_main
 
         return doctor_main([])
     except (UsageError, BackendRegistrationError, RuntimeError, KeyboardInterrupt) as exc:
         line, code = _error_line(exc)
-        if line is None or args.debug or args.verbose:
+        if line is None:
             raise
+        if args.debug or args.verbose:  # the traceback, then the same line and exit code
+            traceback.print_exc()
         print(f"error: {line}", file=sys.stderr)
         return code
 

@@ -68,6 +68,17 @@ def warn_user(message: str, category: type[Warning]) -> None:
     warnings.warn(message, category, stacklevel=user_stacklevel())
 
 
+class GraphBreakError(TypeError, ValueError):
+    """``graph_break`` cannot make a break point of what it was given: ``reads``/``writes`` that are not
+    parameter names, names it cannot match (a builtin without a signature), or not a function. A
+    ``TypeError`` and a ``ValueError`` both, as ``inspect`` and argument checks raise either."""
+
+
+class SplittingOpError(TypeError, ValueError):
+    """``splitting_ops`` of the Piecewise backend holds something no graph can split at: not a list,
+    not a torch op, an op packet without overloads. A ``TypeError`` and a ``ValueError`` both."""
+
+
 class ForecastError(RuntimeError):
     """A graph-memory forecast cannot be made."""
 

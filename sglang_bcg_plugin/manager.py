@@ -1,16 +1,19 @@
-"""The plugin manager (built lazily, cached, never at import time) and the observers' calls."""
+"""The plugin manager (built lazily, cached, never at import time), the per-plugin hook calls
+(:func:`call_each`: each implementation on its own, so one plugin's error never stops the others)
+and the observers' calls."""
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import difflib
 import importlib
 import importlib.metadata
 import os
 import threading
-import traceback
-from collections.abc import Hashable, Iterable, Sequence
+from collections.abc import Generator, Hashable, Iterator, Mapping
 from dataclasses import dataclass
-from types import FrameType
+from types import ModuleType
 from typing import Any
 
 import pluggy
@@ -27,21 +30,53 @@ BUILTIN_PLUGINS = ("sglang_bcg_plugin.backends.full", "sglang_bcg_plugin.backend
 
 _lock = threading.Lock()
 _manager: pluggy.PluginManager | None = None
+#: The plugin whose hookimpl :func:`call_each` is running in this context.
+_running: contextvars.ContextVar[str | None] = contextvars.ContextVar("sglang_bcg_running_plugin", default=None)
 
 
 @dataclass(frozen=True)
 class BrokenPlugin:
-    """An entry point of group ``sglang_bcg`` that failed to load (import or registration)."""
+    """A plugin that failed: an entry point of group ``sglang_bcg`` that failed to load (import or
+    validation; ``hook`` is ``None``), or a registered plugin whose ``hook`` raised.
+
+    ``entry_point`` is the plugin's name (its entry point's, or the name it was registered under),
+    ``value`` what it loads (the entry point's value, or the plugin's module or class),
+    ``distribution`` and ``version`` where it is installed from (``""`` for a plugin registered in
+    the process), ``error`` the exception on one line."""
 
     entry_point: str
     value: str
     distribution: str
     version: str
     error: str
+    hook: str | None = None
+
+    def source(self) -> str:
+        """``= value (distribution d v)``, or ``(value)`` without a distribution."""
+        if self.distribution:
+            return f"= {self.value} (distribution {self.distribution} {self.version})"
+        return f"({self.value})"
 
     def describe(self) -> str:
-        return (f"plugin {self.entry_point!r} = {self.value} (distribution {self.distribution} {self.version}) "
-                f"failed to load: {self.error}")
+        failed = "failed to load" if self.hook is None else f"raised in {self.hook}"
+        return f"plugin {self.entry_point!r} {self.source()} {failed}: {self.error}"
+
+    def remedy(self) -> str:
+        """What to do: fix or uninstall it, or block it."""
+        fix = f"fix or uninstall {self.distribution}" if self.distribution else "fix or unregister it"
+        return f"{fix}, or set {ENV_BLOCK_PLUGINS}={self.entry_point}"
+
+
+@dataclass(frozen=True)
+class HookFailure:
+    """One hook implementation that raised: its ``plugin``'s name, the ``hook`` and the ``error``."""
+
+    plugin: str
+    hook: str
+    error: Exception
+
+    def error_line(self) -> str:
+        return _one_line(self.error)
 
 
 class _Manager(pluggy.PluginManager):
@@ -51,6 +86,8 @@ class _Manager(pluggy.PluginManager):
         super().__init__(project_name)
         self.broken_plugins: list[BrokenPlugin] = []
         self._distributions: list[tuple[object, importlib.metadata.Distribution]] = []
+        #: plugin name -> ``(entry point value, distribution, version)`` of each entry point loaded
+        self.origins: dict[str, tuple[str, str, str]] = {}
 
     def list_plugin_distributions(self) -> list[tuple[object, importlib.metadata.Distribution]]:
         """``(plugin, distribution)`` of every entry-point plugin loaded (pluggy's older name:
@@ -65,18 +102,97 @@ def _one_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {' '.join(str(exc).split())}"
 
 
-def running_hookimpl(impls: Sequence[Any], frames: Iterable[FrameType]) -> int | None:
-    """The index in ``impls`` of the hookimpl running in the first of ``frames`` (innermost first)
-    that runs one; plugins of one class are told apart by the frame's ``self``."""
-    for frame in frames:
-        code = frame.f_code
-        matches = [i for i, impl in enumerate(impls) if getattr(impl.function, "__code__", None) is code]
-        if len(matches) > 1 and code.co_varnames:
-            first = frame.f_locals.get(code.co_varnames[0])
-            matches = [i for i in matches if getattr(impls[i].function, "__self__", None) is first] or matches
-        if matches:
-            return matches[0]
-    return None
+def plugin_origin(pm: pluggy.PluginManager, name: str) -> tuple[str, str, str]:
+    """``(value, distribution, version)`` of the plugin registered as ``name``: its entry point's value
+    and distribution, else its module (or class) and ``""``."""
+    origins: dict[str, tuple[str, str, str]] = getattr(pm, "origins", {})
+    if name in origins:
+        return origins[name]
+    plugin = pm.get_plugin(name)
+    if plugin is None or isinstance(plugin, ModuleType):
+        return getattr(plugin, "__name__", name), "", ""
+    cls = plugin if isinstance(plugin, type) else type(plugin)
+    return f"{cls.__module__}:{cls.__qualname__}", "", ""
+
+
+def running_plugin() -> str | None:
+    """The name of the plugin whose hookimpl :func:`call_each` is running now, else ``None``."""
+    return _running.get()
+
+
+@contextlib.contextmanager
+def _running_as(impl: pluggy.HookImpl) -> Iterator[None]:
+    token = _running.set(impl.plugin_name)
+    try:
+        yield
+    finally:
+        _running.reset(token)
+
+
+def _invoke(impl: pluggy.HookImpl, kwargs: Mapping[str, object]) -> Any:
+    """``impl``'s function with the hook's arguments it names (positional by ``argnames``, the
+    defaulted ones it also names by keyword), as pluggy passes them."""
+    extra = {name: kwargs[name] for name in impl.kwargnames if name in kwargs}
+    with _running_as(impl):
+        return impl.function(*(kwargs[name] for name in impl.argnames), **extra)
+
+
+def _open_wrapper(impl: pluggy.HookImpl, kwargs: Mapping[str, object]) -> Generator[None, object, object]:
+    """Run a wrapper (``wrapper=True`` or the old ``hookwrapper=True``) up to its ``yield``."""
+    gen = _invoke(impl, kwargs)
+    with _running_as(impl):
+        try:
+            next(gen)
+        except StopIteration:
+            msg = f"wrapper {impl.function.__qualname__} of plugin {impl.plugin_name!r} did not yield"
+            raise RuntimeError(msg) from None
+    return gen  # type: ignore[no-any-return]
+
+
+def _close_wrapper(impl: pluggy.HookImpl, gen: Generator[None, object, object], results: list[object]) -> None:
+    """Resume a wrapper with the implementations' results (a ``pluggy.Result`` for an old-style one)."""
+    with _running_as(impl):
+        try:
+            gen.send(pluggy.Result(results, None) if impl.hookwrapper else results)
+        except StopIteration:
+            return
+        finally:
+            gen.close()
+    msg = f"wrapper {impl.function.__qualname__} of plugin {impl.plugin_name!r} has a second yield"
+    raise RuntimeError(msg)
+
+
+def call_each(caller: pluggy.HookCaller, kwargs: Mapping[str, object], *,
+              stop_at_first: bool = False) -> list[HookFailure]:
+    """Call every implementation of ``caller`` with ``kwargs`` on its own, in pluggy's order (last
+    registered first, ``tryfirst``/``trylast`` honoured, wrappers around the others and resumed with
+    their results); an ``Exception`` of one is caught and returned with its plugin, and every other
+    implementation still runs (``stop_at_first``: the ones after it are skipped; the wrappers opened
+    still close). ``KeyboardInterrupt`` and other ``BaseException``s propagate."""
+    failures: list[HookFailure] = []
+    opened: list[tuple[pluggy.HookImpl, Generator[None, object, object]]] = []
+    results: list[object] = []
+    try:
+        for impl in reversed(caller.get_hookimpls()):
+            if failures and stop_at_first:
+                break
+            try:
+                if impl.wrapper or impl.hookwrapper:
+                    opened.append((impl, _open_wrapper(impl, kwargs)))
+                elif (result := _invoke(impl, kwargs)) is not None:
+                    results.append(result)
+            except Exception as exc:  # noqa: BLE001 - one plugin's error, isolated and returned
+                failures.append(HookFailure(impl.plugin_name, caller.name, exc))
+    except BaseException:
+        for _, gen in opened:
+            gen.close()
+        raise
+    for impl, gen in reversed(opened):
+        try:
+            _close_wrapper(impl, gen, results)
+        except Exception as exc:  # noqa: BLE001 - as above
+            failures.append(HookFailure(impl.plugin_name, caller.name, exc))
+    return failures
 
 
 def _check_known_hooks(pm: pluggy.PluginManager, name: str) -> None:
@@ -110,13 +226,11 @@ def _load_entry_points(pm: _Manager) -> None:
                 failed.add(ep.name)
                 broken = BrokenPlugin(ep.name, ep.value, dist.metadata["Name"] or "?", dist.version, _one_line(exc))
                 pm.broken_plugins.append(broken)
-                warn_user(
-                    f"{broken.describe()}; its backends are unavailable, the others work "
-                    f"(fix or uninstall {broken.distribution}, or set {ENV_BLOCK_PLUGINS}={ep.name})",
-                    PluginLoadWarning,
-                )
+                warn_user(f"{broken.describe()}; its backends are unavailable, the others work ({broken.remedy()})",
+                          PluginLoadWarning)
             else:
                 pm._distributions.append((plugin, dist))
+                pm.origins[ep.name] = (ep.value, dist.metadata["Name"] or "?", dist.version)
 
 
 def _build() -> pluggy.PluginManager:
@@ -148,48 +262,32 @@ def reset_plugin_manager() -> None:
         _manager = None
 
 
-def broken_plugins(pm: pluggy.PluginManager | None = None) -> tuple[BrokenPlugin, ...]:
-    """The ``sglang_bcg`` entry points that failed to load into ``pm`` (default: the process's)."""
-    pm = pm or get_plugin_manager()
+def load_failures(pm: pluggy.PluginManager) -> tuple[BrokenPlugin, ...]:
+    """The ``sglang_bcg`` entry points that failed to load into ``pm`` (none for a manager this
+    module did not build); :func:`sglang_bcg_plugin.broken_plugins` adds the registration failures."""
     return tuple(getattr(pm, "broken_plugins", ()))
 
 
-def _raising_plugin(caller: Any, exc: BaseException) -> tuple[int | None, str]:
-    """The index among ``caller``'s hookimpls of the one that raised ``exc``, and its plugin name."""
-    impls = caller.get_hookimpls()
-    i = running_hookimpl(impls, reversed([frame for frame, _ in traceback.walk_tb(exc.__traceback__)]))
-    return i, "<unknown>" if i is None else impls[i].plugin_name
-
-
 def observe_started(pm: pluggy.PluginManager, backend: object, key: Hashable) -> None:
-    """:raises ObserverError: an observer raised (its error is the cause); nothing was captured."""
+    """Tell the observers a capture begins, each on its own; the first that raises stops the others.
+
+    :raises ObserverError: an observer raised (its error is the cause); nothing was captured."""
     caller = pm.hook.sglang_bcg_capture_started
-    try:
-        caller(backend=backend, shape_key=key)
-    except Exception as exc:
-        _, plugin = _raising_plugin(caller, exc)
-        msg = (f"capture_one({key!r}) aborted before it began: observer plugin {plugin!r} raised in "
-               f"{caller.name}: {_one_line(exc)}; nothing was captured: fix or unregister the plugin, then "
+    failures = call_each(caller, {"backend": backend, "shape_key": key}, stop_at_first=True)
+    if failures:
+        failure = failures[0]
+        msg = (f"capture_one({key!r}) aborted before it began: observer plugin {failure.plugin!r} raised in "
+               f"{caller.name}: {failure.error_line()}; nothing was captured: fix or unregister the plugin, then "
                "capture the key again")
-        raise ObserverError(msg, plugin=plugin, hook=caller.name, shape_key=key) from exc
+        raise ObserverError(msg, plugin=failure.plugin, hook=caller.name, shape_key=key) from failure.error
 
 
 def observe_finished(pm: pluggy.PluginManager, key: Hashable, **kwargs: Any) -> None:
-    """Tell every observer a capture ended; one that raises is isolated (an ``ObserverWarning``)."""
-    outcome = "the capture stands and the key replays" if kwargs["error"] is None else "the capture's own error propagates"
-    caller: Any = pm.hook.sglang_bcg_capture_finished
-    told: list[object] = []
-    while True:
-        try:
-            caller(shape_key=key, **kwargs)
-            return
-        except Exception as exc:
-            i, plugin = _raising_plugin(caller, exc)
-            msg = (f"observer plugin {plugin!r} raised in {caller.name} for {key!r}: {_one_line(exc)}; the error "
-                   f"is isolated: {outcome}")
-            warn_user(msg, ObserverWarning)
-            if i is None:  # which observers ran is unknown: tell none twice
-                return
-            # pluggy calls the list last-first: the culprit and every one after it have run
-            told.extend(impl.plugin for impl in caller.get_hookimpls()[i:])
-            caller = pm.subset_hook_caller(caller.name, remove_plugins=told)
+    """Tell every observer a capture ended, each on its own; one that raises is isolated (an
+    ``ObserverWarning`` per observer that raised) and every other one is still told."""
+    outcome = ("the capture stands and the key replays" if kwargs["error"] is None
+               else "the capture's own error propagates")
+    for failure in call_each(pm.hook.sglang_bcg_capture_finished, {"shape_key": key, **kwargs}):
+        msg = (f"observer plugin {failure.plugin!r} raised in {failure.hook} for {key!r}: {failure.error_line()}; "
+               f"the error is isolated: {outcome}")
+        warn_user(msg, ObserverWarning)

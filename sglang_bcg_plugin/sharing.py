@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 
 from .errors import CaptureStateError, OutputStructureError, warn_user
-from .guard import GUARD, StaleOutputGuard, guard_supported
+from .guard import GUARD, StaleOutputGuard
 from .output_mode import ON, RELEASED
 from .released import release_output
 from .scan import cut
@@ -84,11 +84,11 @@ class OutputPolicy:
         """A session with ``plan``: fresh partitions; the guard read now serves every replay."""
         self.enabled, self.strict, self.source = plan.mode == ON, plan.strict, plan.buffer_source
         self.release, self.keep_first = plan.mode == RELEASED, plan.released_keeps_largest
-        if plan.guard and not guard_supported() and self.guard is None:
+        if plan.guard and not plan.guard_armed and self.guard is None:
             msg = ("stale_output_guard is on but this torch build cannot poison storages (needs "
                    "torch._C._set_storage_access_error_msg, present in CUDA builds); the guard does nothing")
             warn_user(msg, RuntimeWarning)
-        self.guard = GUARD if plan.guard and guard_supported() else None
+        self.guard = GUARD if plan.guard_armed else None
 
     def close(self) -> None:
         """The session ended: drop its partitions (the graphs hold their outputs) and pending keys."""

@@ -57,7 +57,8 @@ def _flatten(obj: object, path: str, leaves: Leaves, depth: int) -> Node:
         raise TypeError(msg)
     if isinstance(obj, torch.Tensor):
         leaves.append((path, _strided(obj, path)))
-        return Node("tensor", type(obj))
+        # a Parameter is its values here: a shared buffer or a replay hands them out as a plain tensor
+        return Node("tensor", torch.Tensor if isinstance(obj, torch.nn.Parameter) else type(obj))
     if isinstance(obj, (tuple, list)):  # named tuples too
         kind, values, walked = "seq", list(obj), "one of its items"  # type: ignore[call-overload]
         keys, known = tuple(range(len(values))), lambda name, value: False
@@ -138,6 +139,12 @@ def unflatten(node: Node, tensors: Iterator[torch.Tensor] | list[torch.Tensor]) 
     return new
 
 
+def skeleton(node: Node) -> Node:
+    """``node`` without its containers' templates: what :func:`diff` compares, holding none of an output's
+    tensors (a template is the output's own dict or dataclass, its tensors included)."""
+    return Node(node.kind, node.type, node.keys, tuple(skeleton(k) for k in node.children), node.value)
+
+
 def _is_nan(v: object) -> bool:
     return (isinstance(v, float) and math.isnan(v)) or (isinstance(v, complex) and math.isnan(abs(v)))
 
@@ -152,10 +159,14 @@ def _values_equal(a: object, b: object) -> bool:
         return False
 
 
+def _tensor_type(kind: type) -> str:
+    return "a tensor" if kind is torch.Tensor else f"a {kind.__module__}.{kind.__qualname__} tensor"
+
+
 def describe(node: Node) -> str:
     """Short human description of a node for error messages."""
     if node.kind == "tensor":
-        return "a tensor"
+        return _tensor_type(node.type)
     if node.kind == "value":
         return "None" if node.value is None else f"{type(node.value).__name__} {short_repr(node.value)}"
     return node.type.__qualname__
@@ -164,6 +175,8 @@ def describe(node: Node) -> str:
 def diff(a: Node, b: Node, path: str = "output") -> tuple[str, str] | None:
     """First structural difference between two trees as ``(path, reason)``, or ``None``."""
     if a.kind != b.kind or a.type is not b.type:
+        if a.kind == b.kind == "tensor":
+            return path, f"tensor type changed: expected {_tensor_type(a.type)}, got {_tensor_type(b.type)}"
         if a.kind == "tensor" or b.kind == "tensor":
             return path, f"expected {describe(a)}, got {describe(b)}"
         return path, f"type changed: expected {describe(a)}, got {describe(b)}"

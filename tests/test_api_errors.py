@@ -386,3 +386,74 @@ def test_memory_report_says_one_key() -> None:
     assert ": 1 key, " in MemoryReport.from_keys("full", "eager", [key]).format()
     assert ": 2 keys, " in MemoryReport.from_keys("full", "eager", [key, key]).format()
     assert ": 0 keys, " in MemoryReport("full", "eager").format()
+
+
+# -- issue 53: errors that name their cause ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", ["full", "breakable"])
+def test_replaying_a_size_captured_on_another_stream_names_the_streams(name: str) -> None:
+    x = torch.randn(12, 3)
+    b = create_backend(name, options=BackendOptions(output_mode="on", engine="eager"))
+    with torch.no_grad(), b.capture_session():
+        for key in (ShapeKey(12, 3), ShapeKey(6, 3), ShapeKey(6, 5), ShapeKey(2)):
+            b.capture_one(key, lambda n=key.size: x[:n] + 1)
+    with pytest.raises(KeyError) as info:
+        b.replay(ShapeKey(12, 4))
+    text = info.value.args[0]
+    assert "size 12 was captured for stream_idx=3 but not for stream_idx=4" in text
+    assert "stream_idx=None: [2]; stream_idx=3: [6, 12]; stream_idx=4: none; stream_idx=5: [6]" in text
+    with pytest.raises(KeyError, match=r"size 6 was captured for stream_idx=3, stream_idx=5 but not for stream_idx=None"):
+        b.replay(ShapeKey(6))
+    with pytest.raises(KeyError) as info:
+        b.replay(ShapeKey(12, 3, "lora-a"))
+    assert "size 12 was captured for variant_label=None but not for variant_label='lora-a'" in info.value.args[0]
+    assert "stream_idx" not in info.value.args[0].split("; captured sizes")[0].split("was never captured")[1]
+    with pytest.raises(KeyError, match=r"never captured by the .* backend; captured sizes: \[2, 6, 12\] \(stream_idx=None"):
+        b.replay(ShapeKey(7, 3))  # no such size anywhere: the sizes per stream
+
+
+def test_a_key_of_another_type_with_the_same_fields_is_named() -> None:
+    @dataclasses.dataclass(frozen=True)
+    class HostKey:
+        size: int
+        stream_idx: int | None = None
+        variant_label: str | None = None
+        attention_variant: str | None = None
+
+    x = torch.randn(4, 2)
+    b = create_backend("full", options=BackendOptions(engine="eager"))
+    with b.capture_session():
+        b.capture_one(ShapeKey(4), lambda: x * 2)
+        b.capture_one(HostKey(2, attention_variant="dense"), lambda: x[:2] * 2)
+    with pytest.raises(KeyError, match=r"size 4 was captured with another key type \(ShapeKey\)"):
+        b.replay(HostKey(4))
+    with pytest.raises(KeyError, match="size 2 was captured for attention_variant='dense' but not for attention_variant="):
+        b.replay(HostKey(2, attention_variant="sparse"))
+    with pytest.raises(KeyError) as info:
+        create_backend("full").replay(ShapeKey(1))
+    assert info.value.args[0].endswith("was never captured by the full backend; captured sizes: none")
+
+
+def test_forecast_error_is_public() -> None:
+    import sglang_bcg_plugin
+    from sglang_bcg_plugin.errors import ForecastError
+
+    assert sglang_bcg_plugin.ForecastError is ForecastError and "ForecastError" in sglang_bcg_plugin.__all__
+    assert issubclass(ForecastError, RuntimeError)
+    b = create_backend("full", options=BackendOptions(engine="eager"))
+    with pytest.raises(sglang_bcg_plugin.ForecastError):
+        b.forecast([8, 4], lambda n: (lambda: torch.ones(n)))
+
+
+@pytest.mark.parametrize("hook", [0, "barrier", [print]])
+def test_a_non_callable_post_warmup_hook_fails_before_any_warmup(hook: object) -> None:
+    calls: list[int] = []
+    b = create_backend("full", options=BackendOptions(engine="eager"))
+    with b.capture_session():
+        with pytest.raises(TypeError, match=r"post_warmup_hook must be None or callable .* nothing was warmed up"):
+            b.capture_one(ShapeKey(4), lambda: calls.append(1), post_warmup_hook=hook)  # type: ignore[arg-type]
+        assert calls == [] and b.captured_keys() == []
+        b.capture_one(ShapeKey(4), lambda: torch.ones(4), post_warmup_hook=lambda: calls.append(2))
+    assert calls == [2, 2]  # one call per warmup
+    with b.capture_session(), pytest.raises(TypeError, match=r"forward_fn must be callable .* got 'x' \(str\)"):
+        b.capture_one(ShapeKey(2), "x")  # type: ignore[arg-type]

@@ -514,6 +514,11 @@ def test_the_default_cpu_run_fits_a_terminal_and_says_what_the_cpu_cannot_measur
             assert _saving_line(backend, variant, off, rows[(backend, variant)]) in out.splitlines()
     assert [(s["backend"], s["variant"]) for s in doc["savings"]] == [
         (b, v) for b in ("breakable", "full", "piecewise") for v in ("on", "released")]
+    table = out.splitlines()
+    assert sum(line.split()[1:2] == ["released*"] for line in table) == 3  # released ran as off here
+    (footnote,) = [line for line in table if line.startswith("released*: ")]
+    assert footnote.startswith("released*: ran as off (CUDA-only: released outputs are aliases of CUDA graph-pool")
+    assert all(rows[(b, "released")]["ran_as"] == "off" for b in ("breakable", "full", "piecewise"))
 
 
 def test_a_run_with_many_variants_fits_a_terminal(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -631,3 +636,68 @@ def test_the_minus_sign_prints_where_the_terminal_has_none() -> None:
     assert printable("\N{SNOWMAN}", "ascii") == "?"
     assert [percent(f) for f in (0.0, 0.004, -0.0004, 0.35, -0.0123)] == [
         "0.0 %", "+0.4 %", "0.0 %", "+35 %", "\N{MINUS SIGN}1 %"]
+
+
+def test_a_variant_the_eager_engine_cannot_run_says_what_ran(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every variant needing a graph pool (``*packed*``, ``*expandable*``, ``*released``) names, on the
+    eager engine, the variant it runs as (or its meaning, where none has it) and why; ``guard`` only
+    where this torch cannot poison storages; the rest run as themselves."""
+    from sglang_bcg_plugin.bench.runner import VARIANTS, eager_note, eager_stand_in
+
+    monkeypatch.setattr(torch._C, "_set_storage_access_error_msg", lambda t, m: None, raising=False)
+    ran = {v: eager_stand_in(v) for v in VARIANTS}
+    assert {v for v, r in ran.items() if r is None} == {"off", "on", "floor", "guard", "adopt", "reserve", "inductor"}
+    assert {v: r[0] for v, r in ran.items() if r is not None} == {
+        "released": "off", "packed": "on", "packed-released": "off", "inductor-packed": "inductor",
+        "expandable-released": "off", "inductor-expandable": "inductor",
+        "inductor-released": "'sharing off, Inductor first'", "inductor-packed-released": "'sharing off, Inductor first'",
+        "inductor-expandable-released": "'sharing off, Inductor first'",
+    }
+    assert all(r[1].startswith("CUDA-only: ") for r in ran.values() if r is not None)
+    assert "pool_segments='expandable'" in ran["inductor-expandable"][1] and "pool_reserve" not in ran["inductor-expandable"][1]
+    monkeypatch.delattr(torch._C, "_set_storage_access_error_msg")
+    assert eager_stand_in("guard") == ("on", "the stale-output guard poisons storages, which this torch build cannot; "
+                                                "a CUDA build can")
+    assert eager_note("on") is None and eager_note("packed-released") == (
+        "note: --variants packed-released runs as off here (CUDA-only: pool_reserve='auto' starts a CUDA graph pool as one "
+        "block; released outputs are aliases of CUDA graph-pool memory, and the eager engine has no graph pool): its rows "
+        "measure that, under the name packed-released")
+
+
+def test_bench_on_cpu_says_which_variants_ran_as_another(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A CUDA-only variant on CPU: a note before the run, its progress line, a starred table row with
+    a footnote, and ``ran_as``/``ran_as_reason`` in ``bench.json``; its numbers are those of what ran."""
+    rc = main(["bench", "--backends", "full", "--variants", "off,on,packed,expandable-released", "--max-tokens", "16",
+               "--hidden", "16", "--layers", "1", "--repeats", "1", "--out", str(tmp_path), "--no-progress"])
+    assert rc == 0
+    out = capsys.readouterr()
+    assert "note: --variants packed runs as on here (CUDA-only: pool_reserve='auto'" in out.err
+    assert "note: --variants expandable-released runs as off here (CUDA-only: pool_segments='expandable'" in out.err
+    assert "full/packed done in" in out.err and ": ran as on (CUDA-only" in out.err
+    table = out.out.splitlines()
+    assert any(" packed* " in line for line in table) and any(" on " in line and "*" not in line for line in table)
+    assert any(line.startswith("expandable-released*: ran as off (CUDA-only") for line in table)
+    rows = {r["variant"]: r for r in json.loads((tmp_path / "bench.json").read_text())["rows"]}
+    assert rows["off"]["ran_as"] is None and rows["on"]["ran_as"] is None
+    assert rows["packed"]["ran_as"] == "on" and "pool_reserve='auto'" in rows["packed"]["ran_as_reason"]
+    assert rows["expandable-released"]["ran_as"] == "off"
+    assert rows["packed"]["resident_output_bytes"] == rows["on"]["resident_output_bytes"]
+    assert rows["expandable-released"]["resident_output_bytes"] == rows["off"]["resident_output_bytes"]
+
+
+def test_a_starred_variant_keeps_its_star_where_names_are_cut() -> None:
+    """Rows that ran as another keep the ``*`` of their footnote in a table cut to fit; the footnote
+    (wrapped) fits too."""
+    from sglang_bcg_plugin.bench.output import format_table
+
+    rows = _gpu_rows(["breakable", "full"], ["off", "on", "inductor-expandable-released"])
+    for r in rows:
+        if r.variant == "inductor-expandable-released":
+            r.ran_as, r.ran_as_reason = "'sharing off, Inductor first'", "CUDA-only: " + "a long reason " * 10
+    for width in (120, 80, 60):
+        text = format_table(rows, width=width)
+        lines = text.splitlines()
+        assert _widest(text) <= width
+        cells = [line.split()[1] for line in lines[3:7]]
+        assert cells[0] == "off" and cells[1] == "on" and cells[2].endswith("*") and "*" not in "".join(cells[:2])
+        assert sum(line.startswith("inductor-expandable-released*: ran as 'sharing off") for line in lines) == 1

@@ -27,7 +27,6 @@ from sglang_bcg_plugin import (
     get_plugin_manager,
     hookimpl,
 )
-from sglang_bcg_plugin import manager
 from sglang_bcg_plugin.manager import reset_plugin_manager
 from test_plugins import _write_dist, on_path  # noqa: F401 - the fixture, reused
 
@@ -195,24 +194,6 @@ def test_two_observers_of_one_class_are_told_apart() -> None:
         backend.capture_one(ShapeKey(2), lambda: torch.ones(2))
     assert len(caught) == 1
     assert (bad.calls, ok.calls) == (1, 1)
-
-
-def test_an_observer_that_cannot_be_named(monkeypatch: pytest.MonkeyPatch, raising_plugin: Callable[[str], Any]) -> None:
-    """Where no frame of the traceback is a hookimpl's, the messages say so; no observer is told twice."""
-    monkeypatch.setattr(manager, "running_hookimpl", lambda impls, frames: None)
-    raising_plugin("finished")
-    backend = _backend("full")
-    with backend.capture_session(), pytest.warns(ObserverWarning, match="observer plugin '<unknown>'"):
-        backend.capture_one(ShapeKey(2), lambda: torch.ones(2))
-    assert backend.captured_keys() == [ShapeKey(2)]
-
-
-def test_a_started_observer_that_cannot_be_named(monkeypatch: pytest.MonkeyPatch, raising_plugin: Callable[[str], Any]) -> None:
-    monkeypatch.setattr(manager, "running_hookimpl", lambda impls, frames: None)
-    raising_plugin("started")
-    backend = _backend("full")
-    with backend.capture_session(), pytest.raises(ObserverError, match="observer plugin '<unknown>'"):
-        backend.capture_one(ShapeKey(2), lambda: torch.ones(2))
 
 
 def test_an_interrupt_in_an_observer_is_not_isolated() -> None:

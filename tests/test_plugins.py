@@ -280,9 +280,9 @@ def test_broken_plugins_of_a_plain_pluggy_manager_is_empty() -> None:
     assert broken_plugins() == ()
 
 
-def test_registration_goes_through_pluggys_hook_caller() -> None:
-    """One call of ``pm.hook.sglang_bcg_register_backends``: a hookwrapper wraps it, pluggy checks
-    the arguments, and each ``add`` is still told apart by the plugin whose hookimpl made it."""
+def test_registration_calls_each_hookimpl_with_the_wrappers_around() -> None:
+    """Each hookimpl of ``sglang_bcg_register_backends`` is called on its own, a wrapper around them
+    all, and each ``add`` is told apart by the plugin whose hookimpl made it."""
     seen: list[str] = []
 
     class Wrapper:

@@ -181,3 +181,55 @@ def test_a_kept_largest_output_is_guarded_like_a_released_one(cpu_is_pool_memory
     assert poisoned == [small.data_ptr(), large.data_ptr()]
     torch.testing.assert_close(again, xs[ShapeKey(4)] * 2)
     backend.cleanup()
+
+
+@pytest.mark.parametrize("name", ["breakable", "full", "piecewise"])
+def test_the_eager_engines_report_says_what_released_and_the_guard_did(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On the eager engine ``released`` keeps every output (no graph pool) and, on a torch build
+    that cannot poison storages, the guard is not armed: ``format()`` and the plan say so, and claim
+    neither a release nor a guard; with the poison primitive there the guard is armed and named."""
+    monkeypatch.delattr(torch._C, "_set_storage_access_error_msg", raising=False)
+    backend = create_backend(name, options=BackendOptions(output_mode="released", engine="eager", stale_output_guard=True))
+    fn = backend.compile(lambda x: x * 3) if name == "piecewise" else (lambda x: x * 3)
+    xs = {ShapeKey(16): torch.randn(16, 64), ShapeKey(8): torch.randn(8, 64)}
+    with pytest.warns(RuntimeWarning, match="cannot poison storages"), backend.capture_session():
+        for key, x in xs.items():
+            backend.capture_one(key, lambda x=x: fn(x), capture_inputs=x)
+    report = backend.memory_report()
+    text, plan = report.format(), report.to_dict()["plan"]
+    assert report.resident_output_bytes == report.logical_output_bytes == (16 + 8) * 64 * 4 and report.saved_bytes == 0
+    assert "eager engine: no graph pool to release outputs into, so nothing is released" in text
+    assert "releases its output" not in text and "keeps its output" not in text and "buffer (" not in text
+    assert "guard asked for but not armed: this torch build cannot poison storages" in text
+    assert not text.rstrip().endswith("; guard")
+    assert plan["mode"] == "released" and plan["releases_outputs"] is False and plan["engine"] == "eager"
+    assert plan["guard"] is True and plan["guard_armed"] is False
+    for key, x in xs.items():
+        out = backend.replay(key)
+        assert out.untyped_storage() is backend.replay(key).untyped_storage()  # owned, not a fresh alias
+        torch.testing.assert_close(out, x * 3)
+    backend.cleanup()
+    monkeypatch.setattr(torch._C, "_set_storage_access_error_msg", lambda t, m: None, raising=False)
+    backend.configure(output_mode="off")
+    with backend.capture_session():
+        backend.capture_one(ShapeKey(4), lambda: fn(xs[ShapeKey(8)][:4]))
+    text = backend.memory_report().format()
+    assert text.endswith("mode off (BackendOptions.output_mode='off'); guard") and "not armed" not in text
+    assert backend.memory_report().plan.guard_armed
+
+
+def test_a_pool_engines_plan_keeps_its_wording(cpu_is_pool_memory: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The pool engine's line (the eager engine renamed "cuda" stands in, as above) is unchanged:
+    the buffer, the largest capture releasing its output, the guard."""
+    from sglang_bcg_plugin import accounting
+
+    monkeypatch.setattr(accounting, "_reserved", lambda backend: None)
+    monkeypatch.setattr(torch._C, "_set_storage_access_error_msg", lambda t, m: None, raising=False)
+    backend = create_backend("full", options=BackendOptions(output_mode="released", engine="eager", stale_output_guard=True))
+    backend._get_engine().name = "cuda"  # type: ignore[misc]  # a stand-in pool engine
+    _capture(backend, {ShapeKey(8): torch.randn(8, 2)})
+    report = backend.memory_report()
+    assert report.format().endswith("; reserve buffer (auto: no forecast, a reserved buffer costs one output at most); "
+                                    "the largest capture releases its output; guard")
+    assert report.plan.releases_outputs and report.resident_output_bytes == 0
+    backend.cleanup()

@@ -24,6 +24,7 @@ from ..manager import get_plugin_manager, observe_finished, observe_started
 from ..options import BackendOptions
 from ..output_mode import OutputMode, Resolution, explain_output_mode
 from ..report import MemoryReport
+from ..scan import short_repr
 from ..shape_key import check_key
 from .plan import plan_session
 from .state import CaptureState, check_input_pointers, input_storages
@@ -197,14 +198,22 @@ class CaptureBackend:
         ``capture_inputs`` (any tree) is kept alive with the graph.
 
         :raises CaptureStateError: no session is open, or a capture is in progress.
+        :raises TypeError: ``forward_fn`` is not callable, or ``post_warmup_hook`` neither ``None`` nor callable
+            (before any warmup).
         :raises ValueError: ``shape_key`` is captured already.
         :raises ObserverError: a ``sglang_bcg_capture_started`` observer raised."""
         key = check_key(shape_key)
         if not callable(forward_fn):
-            msg = f"capture_one({key!r}): forward_fn must be callable, got {forward_fn!r}"
+            msg = (f"capture_one({key!r}): forward_fn must be callable (a function of no arguments), got "
+                   f"{short_repr(forward_fn)} ({type(forward_fn).__name__})")
+            raise TypeError(msg)
+        if post_warmup_hook is not None and not callable(post_warmup_hook):
+            msg = (f"capture_one({key!r}): post_warmup_hook must be None or callable (a function of no arguments, "
+                   f"run after each warmup), got {short_repr(post_warmup_hook)} ({type(post_warmup_hook).__name__}); "
+                   "nothing was warmed up or captured")
             raise TypeError(msg)
         with self._lock, self.size_context(key.size):  # type: ignore[attr-defined]
-            self._state.begin(key)
+            plan = self._state.begin(key)
             if self._capturing is not None:
                 msg = (f"{self.name} backend: re-entrant capture: capture_one({key!r}) was called while "
                        f"{self._capturing!r} is being captured (from inside its forward_fn or a hook); "
@@ -226,7 +235,7 @@ class CaptureBackend:
                     graph = engine.capture(request)
                 output = self._state.commit(  # the eager engine has no pool: nothing to release
                     key, graph=graph, capture_inputs=capture_inputs, seconds=measured.seconds,
-                    memory_bytes=measured.memory_bytes, can_release=engine.name == "cuda",
+                    memory_bytes=measured.memory_bytes, can_release=plan.releases_outputs,
                 )
             except BaseException as exc:
                 self._state.policy.discard()

@@ -54,6 +54,55 @@ def check_input_pointers(key: Hashable, entry: _Entry) -> None:
             raise RuntimeError(msg)
 
 
+def _key_fields(key: object) -> list[str]:
+    """The fields of a shape key beside ``size`` (a dataclass's, else ``stream_idx`` and ``variant_label``)."""
+    if dataclasses.is_dataclass(key):
+        return [f.name for f in dataclasses.fields(key) if f.name != "size"]
+    return [name for name in ("stream_idx", "variant_label") if hasattr(key, name)]
+
+
+def _fields_text(key: object, names: list[str]) -> str:
+    return ", ".join(f"{name}={getattr(key, name, None)!r}" for name in names)
+
+
+def _same_size(key: Hashable, captured: list[Hashable]) -> str:
+    """What ``key``'s size was captured with instead: the fields that differ, or another key type."""
+    size = getattr(key, "size", None)
+    same = [k for k in captured if getattr(k, "size", None) == size and type(k) is type(key)]
+    varying = [n for n in _key_fields(key) if any(getattr(k, n, None) != getattr(key, n, None) for k in same)]
+    if varying:
+        combos = list(dict.fromkeys(_fields_text(k, varying) for k in same))
+        asked = _fields_text(key, varying)
+        if len(varying) > 1:
+            combos, asked = [f"({c})" for c in combos], f"({asked})"
+        return (f": size {size} was captured for {', '.join(combos)} but not for {asked} (a key that differs in any "
+                "field has graphs of its own: capture the size for it too, or replay a captured key)")
+    others = sorted({type(k).__qualname__ for k in captured if getattr(k, "size", None) == size and type(k) is not type(key)})
+    if others:
+        return (f": size {size} was captured with another key type ({', '.join(others)}), and keys are told apart by "
+                "their own equality: replay with the key type the size was captured with")
+    return ""
+
+
+def _sizes_per_stream(key: Hashable, captured: list[Hashable]) -> str:
+    """The captured sizes per ``stream_idx`` (``key``'s too), where another stream than ``key``'s has some."""
+    streams: dict[object, set[int]] = {}
+    for k in captured:
+        streams.setdefault(getattr(k, "stream_idx", None), set()).add(getattr(k, "size", 0))
+    stream = getattr(key, "stream_idx", None)
+    if not captured or set(streams) == {stream}:
+        return ""
+    order = sorted({*streams, stream}, key=lambda s: (s is not None, s if isinstance(s, int) else 0))
+    return " (" + "; ".join(f"stream_idx={s!r}: {sorted(streams.get(s, ())) or 'none'}" for s in order) + ")"
+
+
+def never_captured(key: Hashable, captured: list[Hashable]) -> str:
+    """Why ``key`` is not among ``captured``: the fields (stream, variant label, ...) its size was captured
+    with instead, then the captured sizes (per stream where another stream than ``key``'s has some)."""
+    sizes = sorted({getattr(k, "size", 0) for k in captured})
+    return f"{_same_size(key, captured)}; captured sizes: {sizes or 'none'}{_sizes_per_stream(key, captured)}"
+
+
 @dataclass(eq=False)
 class ForeignGraph:
     """A graph recorded by another engine (replayed by it), as :meth:`CaptureState.report` reads it."""
@@ -150,8 +199,7 @@ class CaptureState:
         try:
             return self._entries[key]  # one lookup: this is on the replay path
         except KeyError:
-            sizes = sorted({getattr(k, "size", 0) for k in self._entries})
-            msg = f"{key!r} was never captured by the {self.name} backend; captured sizes: {sizes or 'none'}"
+            msg = f"{key!r} was never captured by the {self.name} backend{never_captured(key, list(self._entries))}"
             raise KeyError(msg) from None
 
     def report(self, bridge_bytes: dict[int | None, int] | None = None) -> MemoryReport:

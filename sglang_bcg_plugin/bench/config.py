@@ -13,10 +13,11 @@ from typing import Any, NamedTuple
 import torch
 
 from .._constants import ENV_SHARE_OUTPUT
+from .._words import parse_word
 from ..output_mode import parse_mode_text
 from .budget import check_fits
 from .outdir import check_out_dir
-from .runner import GRAPH_TREES, VARIANTS, runs
+from .runner import GRAPH_TREES, VARIANTS, eager_note, runs
 from .sizes import MIN_CAPTURE_SIZE, capture_size_stats, prefill_capture_sizes
 from .usage import UsageError, shown
 from .workload import WORKLOADS, ModelShape, Workload
@@ -58,9 +59,10 @@ class BenchConfig(NamedTuple):
 def _device(raw: str | None) -> str:
     if raw is None:
         return "cuda" if torch.cuda.is_available() else "cpu"
-    if not re.fullmatch(r"cpu|cuda(:\d+)?", raw):
+    if not re.fullmatch(r"cpu|cuda(:\d+)?", raw.strip().lower(), flags=re.ASCII):
         msg = f"--device {shown(raw)} is not supported; use cpu, cuda or cuda:N"
         raise UsageError(msg)
+    raw = raw.strip().lower()  # any case, as every flag value
     if raw.startswith("cuda"):
         if not torch.cuda.is_available():
             msg = f"--device {raw} but CUDA is not available to torch {torch.__version__}; use --device cpu"
@@ -72,17 +74,29 @@ def _device(raw: str | None) -> str:
     return raw
 
 
+def _name(entry: str, choices: list[str], words: dict[str, str], flag: str) -> str:
+    """``entry`` as spelled in ``choices`` (any case: :func:`.._words.parse_word`); unknown: as given."""
+    if entry in choices:
+        return entry
+    try:
+        return parse_word(entry, words, flag, kind="a known name")
+    except ValueError:
+        return entry
+
+
 def _names(flag: str, raw: str, choices: Iterable[str]) -> list[str]:
-    """Comma-separated names: none empty, none twice, all known."""
+    """Comma-separated names, any case: none empty, none twice, all known."""
     choices = list(choices)
     hint = f"give a comma-separated list of: {', '.join(choices)}"
     if not raw.strip():
         msg = f"{flag} is empty; {hint}"
         raise UsageError(msg)
-    names = [n.strip() for n in raw.split(",")]
-    if "" in names:
+    entries = [n.strip() for n in raw.split(",")]
+    if "" in entries:
         msg = f"{flag} {shown(raw)} has an empty entry; {hint}"
         raise UsageError(msg)
+    words = {c.lower(): c for c in reversed(choices)}  # two names differing in case: the first listed
+    names = [_name(n, choices, words, flag) for n in entries]
     twice = sorted({n for n in names if names.count(n) > 1})
     if twice:
         msg = f"{flag} {shown(raw)} lists {shown(', '.join(twice), quote=False)} more than once; give each once"
@@ -169,6 +183,8 @@ def build_config(args: argparse.Namespace, available_backends: list[str]) -> Ben
     backends = _names("--backends", args.backends, available_backends)
     variants = _names("--variants", args.variants or ("off,on,floor,guard" if gpu else "off,on,released"), VARIANTS)
     notes = _variant_rows(backends, variants, available_backends)
+    if not gpu and any(b != GRAPH_TREES for b in backends):  # the eager engine: what each variant runs as
+        notes += [note for note in map(eager_note, variants) if note is not None]
     try:
         env = parse_mode_text(os.environ.get(ENV_SHARE_OUTPUT))
     except ValueError as exc:

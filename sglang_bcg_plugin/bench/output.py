@@ -37,6 +37,8 @@ PLOT_SKIPPED = ("plot skipped: matplotlib is not installed; for bench.png instal
 #: The metrics a row saves against ``off``: graph memory where measured (CUDA), else resident output.
 GRAPH, RESIDENT = "graph_memory_bytes", "resident_output_bytes"
 MINUS = "\N{MINUS SIGN}"
+#: After the variant of a row that ran as another (:func:`ran_as_note`), with a footnote under the table.
+STAR = "*"
 
 
 def sig2(value: float) -> str:
@@ -73,8 +75,14 @@ def _ratio(on: float | None, off: float | None) -> float | None:
     return on / off if on is not None and off else None
 
 
+def ran_as_note(r: BenchRow) -> str:
+    """What a row's variant ran as on the eager engine, and why (empty when it ran as itself)."""
+    return "" if r.ran_as is None else f"ran as {r.ran_as} ({r.ran_as_reason})"
+
+
 def row_line(r: BenchRow) -> str:
-    """One line for the progress log (the table has everything); what was not measured is left out."""
+    """One line for the progress log (the table has everything); what was not measured is left out;
+    a variant that ran as another starts with what it ran as (:func:`ran_as_note`)."""
     parts = [] if r.backend == GRAPH_TREES else [f"resident {r.resident_output_bytes / MIB:,.2f} MiB"]
     if r.graph_memory_bytes is not None:
         parts.append(f"graph {mib(r.graph_memory_bytes)} MiB")
@@ -85,7 +93,8 @@ def row_line(r: BenchRow) -> str:
     parts += [f"capture {r.capture_s:.2f} s", f"replay {r.replay_ms:.3f} ms"]
     if r.max_abs_err is not None:
         parts.append(f"max abs err {r.max_abs_err:.3g}")
-    return ", ".join([*parts, f"fallbacks {r.fallbacks}"])
+    ran = "" if r.ran_as is None else f"{ran_as_note(r)}: "
+    return ran + ", ".join([*parts, f"fallbacks {r.fallbacks}"])
 
 
 def ratios(rows: list[BenchRow], *, timings_meaningful: bool = True) -> dict[str, dict[str, float | None]]:
@@ -163,7 +172,7 @@ class Column(NamedTuple):
 
 COLUMNS: dict[str, Column] = {
     "backend": Column(("backend", ""), lambda r: r.backend, left=True),
-    "variant": Column(("variant", ""), lambda r: r.variant, left=True),
+    "variant": Column(("variant", ""), lambda r: r.variant + (STAR if r.ran_as is not None else ""), left=True),
     "graph": Column(("graph", "MiB"), lambda r: _cell(r.graph_memory_bytes, ",.1f", 1 / MIB)),
     "forecast": Column(("forecast", "MiB"), lambda r: _cell(r.forecast_bytes, ",.1f", 1 / MIB)),
     "error": Column(("error", "%"), lambda r: _cell(r.forecast_error, "+.1f", 100)),
@@ -180,8 +189,8 @@ COLUMNS: dict[str, Column] = {
 #: Left out, in this order, where the table would be wider than its width (bench.json has them).
 DROP_ORDER = ("logical", "bridges", "compile", "capture", "max_abs_err", "error", "forecast")
 #: Where the table is too wide, names are cut (with "…") to this first (the longest variant's), and
-#: to ``MIN_NAME_WIDTH`` at most where leaving columns out was not enough.
-NAME_WIDTH, MIN_NAME_WIDTH = max(map(len, VARIANTS)), 8
+#: to ``MIN_NAME_WIDTH`` at most where leaving columns out was not enough (a variant's :data:`STAR` counts).
+NAME_WIDTH, MIN_NAME_WIDTH = max(map(len, VARIANTS)) + len(STAR), 8
 
 
 def _widths(cells: dict[str, list[str]]) -> dict[str, int]:
@@ -193,7 +202,15 @@ def _total(cells: dict[str, list[str]]) -> int:
 
 
 def _cut(cells: dict[str, list[str]], key: str, keep: int) -> None:
-    cells[key] = [c if len(c) <= keep else f"{c[:keep - 1]}\N{HORIZONTAL ELLIPSIS}" for c in cells[key]]
+    """Cut ``key``'s cells to ``keep`` characters, with "…" (a variant's :data:`STAR` kept)."""
+
+    def cut(c: str) -> str:
+        if len(c) <= keep:
+            return c
+        star = STAR if key == "variant" and c.endswith(STAR) else ""
+        return f"{c[:keep - 1 - len(star)]}\N{HORIZONTAL ELLIPSIS}{star}"
+
+    cells[key] = [cut(c) for c in cells[key]]
 
 
 def _fit(cells: dict[str, list[str]], width: int) -> list[str]:
@@ -216,9 +233,24 @@ def _fit(cells: dict[str, list[str]], width: int) -> list[str]:
     return dropped
 
 
+def _table_notes(rows: list[BenchRow], dropped: list[str], width: int, timings_meaningful: bool) -> list[str]:
+    """The lines under the table: a footnote per starred variant, the columns left out, Graph Trees'
+    note, what each row saves against its backend's ``off``; each wrapped to ``width``."""
+    ran = {r.variant: ran_as_note(r) for r in rows if r.ran_as is not None}
+    notes = [f"{variant}{STAR}: {note}" for variant, note in ran.items()]
+    if dropped:
+        names = ", ".join(" ".join(COLUMNS[k].head).strip() for k in dropped)
+        notes.append(f"left out to fit {width} columns (bench.json has them): {names}")
+    if any(r.backend == GRAPH_TREES for r in rows):
+        notes.append(GRAPH_TREES_NOTE)
+    notes += [s.line() for s in savings(rows, timings_meaningful=timings_meaningful)]
+    return [part for note in notes for part in textwrap.wrap(note, width, subsequent_indent="  ")]
+
+
 def format_table(rows: list[BenchRow], *, timings_meaningful: bool = True, width: int = TABLE_WIDTH) -> str:
     """The rows as a table at most ``width`` columns wide (a column no row has is left out; where it
-    is still too wide, ``DROP_ORDER``'s, said in a line), then what each row saves against its
+    is still too wide, ``DROP_ORDER``'s, said in a line), then a footnote per starred variant (one
+    that ran as another: ``packed*: ran as on (...)``), then what each row saves against its
     backend's ``off`` (MiB and %), then, where timings are not meaningful (CPU), :data:`CPU_NOTE`."""
     cells = {k: [c.cell(r) for r in rows] for k, c in COLUMNS.items()}
     shown = {k: ["-" if c is None else c for c in col] for k, col in cells.items()
@@ -233,13 +265,7 @@ def format_table(rows: list[BenchRow], *, timings_meaningful: bool = True, width
     lines = [line([COLUMNS[k].head[i] for k in shown]) for i in (0, 1)]
     lines.append("  ".join("-" * w for w in widths.values()))
     lines += [line([shown[k][i] for k in shown]) for i in range(len(rows))]
-    notes = [s.line() for s in savings(rows, timings_meaningful=timings_meaningful)]
-    if any(r.backend == GRAPH_TREES for r in rows):
-        notes.insert(0, GRAPH_TREES_NOTE)
-    if dropped:
-        names = ", ".join(" ".join(COLUMNS[k].head).strip() for k in dropped)
-        notes.insert(0, f"left out to fit {width} columns (bench.json has them): {names}")
-    lines += [part for note in notes for part in textwrap.wrap(note, width, subsequent_indent="  ")]
+    lines += _table_notes(rows, dropped, width, timings_meaningful)
     if not timings_meaningful:
         lines.append(CPU_NOTE)
     return "\n".join(lines)
@@ -366,6 +392,23 @@ def _draw(axes: dict[str, Any], groups: list[PlotGroup]) -> bool:
     return left_out
 
 
+def _label(axes: dict[str, Any], groups: list[PlotGroup], use_graph: bool, config: dict[str, Any]) -> None:
+    """Ticks, titles, axis labels and the memory panel's height; Graph Trees' group set apart."""
+    for ax in axes.values():
+        ax.set_xticks(range(len(groups)), [g.tick for g in groups])
+        ax.set_xlim(-0.5, len(groups) - 0.5)  # a group without a bar keeps its place
+        if groups and groups[-1].reference and len(groups) > 1:
+            ax.axvline(len(groups) - 1.5, color="#888888", linestyle="--", linewidth=0.8)
+    ax_mem = axes["memory_mib"]
+    ax_mem.set_ylabel("graph pool memory (MiB)" if use_graph else "resident output memory (MiB)")
+    ax_mem.set_title("Memory held by captured graphs" if use_graph else "Output memory held (eager engine, CPU)")
+    if "replay_ms" in axes:
+        axes["replay_ms"].set_ylabel(f"replay at {config.get('max_tokens')} tokens (ms, median)")
+        axes["replay_ms"].set_title("Replay time at the largest size")
+    top = max((b.get_height() for b in ax_mem.patches), default=0.0)
+    ax_mem.set_ylim(0, top * 1.15 if top > 0 else 1.0)
+
+
 def write_plot(
     path: Path, device: str, config: dict[str, Any], rows: list[BenchRow], *, timings_meaningful: bool = True
 ) -> bool:
@@ -386,19 +429,8 @@ def write_plot(
                                squeeze=False)
     axes = dict(zip(metrics, panels[0], strict=True))
     left_out = _draw(axes, groups)
-    for ax in axes.values():
-        ax.set_xticks(range(len(groups)), [g.tick for g in groups])
-        ax.set_xlim(-0.5, len(groups) - 0.5)  # a group without a bar keeps its place
-        if groups and groups[-1].reference and len(groups) > 1:
-            ax.axvline(len(groups) - 1.5, color="#888888", linestyle="--", linewidth=0.8)
+    _label(axes, groups, use_graph, config)
     ax_mem = axes["memory_mib"]
-    ax_mem.set_ylabel("graph pool memory (MiB)" if use_graph else "resident output memory (MiB)")
-    ax_mem.set_title("Memory held by captured graphs" if use_graph else "Output memory held (eager engine, CPU)")
-    if "replay_ms" in axes:
-        axes["replay_ms"].set_ylabel(f"replay at {config.get('max_tokens')} tokens (ms, median)")
-        axes["replay_ms"].set_title("Replay time at the largest size")
-    top = max((b.get_height() for b in ax_mem.patches), default=0.0)
-    ax_mem.set_ylim(0, top * 1.15 if top > 0 else 1.0)
     pairs = sorted(zip(*ax_mem.get_legend_handles_labels(), strict=True), key=lambda hl: hl[1] == FORECAST_LABEL)
     handles, labels = [h for h, _ in pairs], [label for _, label in pairs]  # every bar has a memory bar or stand-in
     captions = [*([] if timings_meaningful else CPU_CAPTION.splitlines()), *([NO_RESIDENT_CAPTION] if left_out else [])]

@@ -16,6 +16,7 @@ import torch
 
 from ..accounting import device_free_bytes
 from ..errors import ForecastError
+from ..guard import guard_supported
 from ..options import BackendOptions
 from ..output_mode import OutputMode, mode_of_option, parse_output_mode
 from ..registry import create_backend
@@ -89,6 +90,42 @@ VARIANTS = {name: _variant(name, *about) for name, about in {
 }.items()}
 
 
+#: What a variant's word needs a CUDA graph pool for (the eager engine has none).
+_POOL_WORDS = {"packed": "pool_reserve='auto' starts a CUDA graph pool as one block",
+               "expandable": "pool_segments='expandable' grows a CUDA graph pool",
+               "released": "released outputs are aliases of CUDA graph-pool memory"}
+
+
+def eager_stand_in(variant: str) -> tuple[str, str] | None:
+    """What ``variant`` runs as on the eager engine (CPU: no graph pool) and why, when that is not
+    ``variant`` itself; else ``None``. The first: a variant's name, or its meaning where none has it."""
+    words = variant.split("-")
+    pool = [w for w in words if w in _POOL_WORDS]
+    guard = variant == "guard" and not guard_supported()
+    if not pool and not guard:
+        return None
+    needs = "; ".join(_POOL_WORDS[w] for w in pool)
+    why = [f"CUDA-only: {needs}, and the eager engine has no graph pool"] if pool else []
+    if guard:
+        why.append("the stale-output guard poisons storages, which this torch build cannot; a CUDA build can")
+    v = VARIANTS[variant]
+    mode = "off" if v.share == "released" else v.options["output_mode"]
+    effective = {**v.options, "output_mode": mode, "stale_output_guard": v.options["stale_output_guard"] and not guard,
+                 "pool_reserve": "off", "pool_segments": "fixed"}
+    same = [n for n, o in VARIANTS.items() if (o.options, o.inductor, o.keep) == (effective, v.inductor, v.keep)]
+    ran = same[0] if same else f"'sharing {mode}{', Inductor first' if v.inductor else ''}'"
+    return ran, "; ".join(why)
+
+
+def eager_note(variant: str) -> str | None:
+    """The ``note:`` line of a variant that runs as another on the eager engine (:func:`eager_stand_in`)."""
+    stand_in = eager_stand_in(variant)
+    if stand_in is None:
+        return None
+    ran, why = stand_in
+    return f"note: --variants {variant} runs as {ran} here ({why}): its rows measure that, under the name {variant}"
+
+
 def runs(backend: str, variant: str) -> bool:
     """Whether the bench runs ``variant`` for ``backend`` (``inductor*`` needs a compiled callable)."""
     return not variant.startswith("inductor") or backend in ("piecewise", "full")
@@ -130,6 +167,10 @@ class BenchRow:
     forecast_s: float | None = None
     forecast: dict[str, Any] | None = None
     forecast_driver_bytes: int | None = None
+    #: on the eager engine, what a CUDA-only variant ran as instead (:func:`eager_stand_in`), else ``None``
+    ran_as: str | None = None
+    #: why it ran as ``ran_as``
+    ran_as_reason: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -212,7 +253,8 @@ def max_abs_error(out: Any, ref: Any) -> float:
     if len(a) != len(b):
         msg = f"replay returned {len(a)} tensors, the eager forward {len(b)}"
         raise RuntimeError(msg)
-    return max((float((x.float() - y.float()).abs().max()) for (_, x), (_, y) in zip(a, b, strict=True) if x.numel()), default=0.0)
+    return max((float((x.float() - y.float()).abs().max()) for (_, x), (_, y) in zip(a, b, strict=True) if x.numel()),
+               default=0.0)
 
 
 def _capture_all(
@@ -308,7 +350,8 @@ def run_variant(
     def compiled_s() -> float | None:  # None: nothing is compiled
         return getattr(backend, "compile_seconds", fn.seconds if isinstance(fn, CompileClock) else None)
 
-    predicted, forecast_compile = _forecast(backend, sizes, forward_for, static, compiled_s) if forecast else (None, 0.0)
+    predicted, forecast_compile = (_forecast(backend, sizes, forward_for, static, compiled_s) if forecast
+                                   else (None, 0.0))
     per_key_compile: dict[Any, float] = {}
 
     def capture(size: int) -> None:
@@ -319,7 +362,8 @@ def run_variant(
         if after_capture is not None:
             after_capture(key)
 
-    elapsed, graph_bytes = _capture_all(device, sizes, f"{backend_name}/{variant}", progress, backend.capture_session(), capture)
+    elapsed, graph_bytes = _capture_all(device, sizes, f"{backend_name}/{variant}", progress, backend.capture_session(),
+                                        capture)
     compile_s = compiled_s()
     report = backend.memory_report()
     replayed = _replay_all(workload, sizes, static, lambda s: backend.replay(ShapeKey(s)), model if v.keep else None,
@@ -334,6 +378,9 @@ def run_variant(
         per_size=per_size_rows(report, per_key_compile if compile_s is not None else None), compile_s=compile_s,
         **replayed, **_forecast_fields(predicted, graph_bytes, forecast_compile),
     )
+    stand_in = None if device.startswith("cuda") else eager_stand_in(variant)  # the engine follows the device
+    if stand_in is not None:
+        row.ran_as, row.ran_as_reason = stand_in
     log.info("%s", row)
     return row
 
@@ -373,13 +420,15 @@ def graph_trees_row(
     device = workload.shape.device
     gpu = device.startswith("cuda")
     model, static = _fresh(workload, "full", sizes)  # attention inside the compiled graph
-    compiled = CompileClock(torch.compile(model, mode="reduce-overhead" if gpu else None, dynamic=True), device)
+    # the one reference to the compiled callable, emptied before torch's reset below (a closure
+    # cannot use a name deleted in its function)
+    compiled = {"fn": CompileClock(torch.compile(model, mode="reduce-overhead" if gpu else None, dynamic=True), device)}
     logical = [0]
 
     def step(size: int) -> Any:
         if gpu:
             torch.compiler.cudagraph_mark_step_begin()
-        return workload.call(compiled, static, size)
+        return workload.call(compiled["fn"], static, size)
 
     def capture(size: int) -> None:
         out = None
@@ -389,9 +438,10 @@ def graph_trees_row(
 
     elapsed, graph_bytes = _capture_all(device, sizes, f"{GRAPH_TREES}/{REFERENCE_VARIANT}", progress,
                                         contextlib.nullcontext(), capture)
-    compile_s = compiled.seconds
+    compile_s = compiled["fn"].seconds
     replayed = _replay_all(workload, sizes, static, step, model, repeats)
-    del compiled, model
+    compiled.clear()
+    del model
     torch._dynamo.reset()  # drops the compiled code; then the Graph Trees and their pool
     if gpu:
         torch._inductor.cudagraph_trees.reset_cudagraph_trees()

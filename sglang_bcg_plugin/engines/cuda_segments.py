@@ -128,6 +128,10 @@ class CudaSegments:
         """Nothing to pause: a CUDA graph records every kernel on the capturing stream."""
         return contextlib.nullcontext()
 
+    def watched(self) -> contextlib.AbstractContextManager[None]:
+        """Nothing to watch: the stream capture itself refuses a host sync."""
+        return contextlib.nullcontext()
+
     def abort(self) -> None:
         if self._current is not None:
             abort_capture(self._current, self.pool)

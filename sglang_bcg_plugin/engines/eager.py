@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from ..trees import diff, flatten
+from ..trees import diff, flatten, skeleton
 from .base import CaptureRequest, Engine, Front, run_warmups
 from .recorder import SegmentedGraph, record, refresh
 from .tape import EagerSegments
@@ -19,11 +19,15 @@ class EagerGraph:
 
     num_segments = 1
 
-    def __init__(self, key: object, forward_fn: Callable[[], Any], output: Any) -> None:
+    def __init__(self, key: object, forward_fn: Callable[[], Any], output: Any, returned: Any = None) -> None:
+        """``output``: the static output (the policy's placement); ``returned``: what the forward returned
+        at capture (default ``output``), the structure every replay's forward must return again."""
         self.key, self.output = key, output
         self._forward_fn: Callable[[], Any] | None = forward_fn
-        self._spec, leaves = flatten(output)
-        self._static = [t for _, t in leaves]
+        self._static = [t for _, t in flatten(output)[1]]
+        # the forward's own output, not the placement: a shared leaf is a plain view where the forward
+        # returned a parameter or a tensor subclass, a repeated leaf a copy of its own
+        self._spec = skeleton(flatten(output if returned is None else returned)[0])
         # the forward re-runs in the capture's autograd mode (docs/reliability.md)
         self._inference = torch.is_inference_mode_enabled()
 
@@ -53,7 +57,8 @@ class EagerEngine(Engine):
 
     def capture(self, request: CaptureRequest) -> EagerGraph:
         warm = run_warmups(request)  # noqa: F841 - kept alive until the output is placed (foreign storages)
-        return EagerGraph(request.key, request.forward_fn, request.place(request.forward_fn()))
+        returned = request.forward_fn()
+        return EagerGraph(request.key, request.forward_fn, request.place(returned), returned)
 
 
 class EagerSegmentEngine(Engine):

@@ -13,6 +13,7 @@ import os
 import pkgutil
 import re
 import sys
+import warnings
 from collections import Counter
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -20,7 +21,10 @@ from typing import TextIO
 
 import torch
 
+from .._constants import NAME
 from .._version import package_version
+from ..errors import BackendRegistrationError, PluginLoadWarning
+from ..registry import build_registry, listing
 from .compat import (BACKEND_CLASS, BACKEND_MODULE, ENV_FORECAST, RUNNER_CLASS, RUNNER_MODULE, Seam, code_names,
                      installed, one_line, seam_kind)
 from .forecast_log import forecast_enabled
@@ -245,6 +249,25 @@ def _seam_lines(say: Callable[[str], None], problems: list[Problem]) -> None:
     say("features: " + ", ".join(f"{name}={value!r}" for name, value in seam.features().items()))
 
 
+def backend_lines() -> tuple[list[str], str | None]:
+    """The registered backends a phase can be routed to, one line each as ``sglang-bcg backends``
+    prints them, and the summary line when a plugin is broken (its backends cannot be selected)
+    or the registry refuses a registration (no backend can be selected); the exit code stays."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", PluginLoadWarning)  # printed as BROKEN lines
+        try:
+            registry = build_registry()
+        except BackendRegistrationError as exc:
+            return [f"  [REFUSED] {' '.join(str(exc).split())}"], (
+                f"doctor: the {NAME} backend registry refuses a registration: no backend can be selected "
+                "(see the REFUSED line)")
+    lines = [f"  {line}" for line in listing(registry)]
+    if not registry.broken:
+        return lines, None
+    return lines, (f"doctor: {len(registry.broken)} {NAME} plugin(s) broken: their backends cannot be selected, the "
+                   "others work (see the BROKEN lines)")
+
+
 def forecast_line(kind: str | None, environ: Mapping[str, str] | None = None) -> str:
     """How to read the forecast lines in SGLang's log (docs/sglang.md), or why there are none."""
     env = os.environ if environ is None else environ
@@ -289,6 +312,8 @@ def doctor_main(argv: list[str] | None = None, *, out: TextIO | None = None) -> 
         _seam_lines(say, problems)
     ep = _entry_point()
     say(f"entry point ({ENTRY_POINT_GROUP}): " + (ep or f"NOT FOUND (expected {ENTRY_POINT_VALUE})"))
+    backends, backend_problem = backend_lines()
+    say(f"backends ({NAME} plugins):", *backends, sep="\n")
     try:  # the mode a capture session would resolve now, and why
         flag = f"{resolve_mode().describe()}; --enable-bcg-shared-output overrides it at launch"
     except ValueError as exc:
@@ -297,5 +322,7 @@ def doctor_main(argv: list[str] | None = None, *, out: TextIO | None = None) -> 
     say(f"graph memory forecast: {forecast_line(kind)}")
     say(f"live switch: {switch_doctor_line(kind)}")
     lines, code = _summary(problems, ep is not None)
+    if backend_problem is not None:  # the seam is unaffected: the exit code stays
+        lines.insert(0, backend_problem)
     say("\n".join(lines))
     return code

@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from ...errors import SplittingOpError as SplittingOpError  # re-exported
 from ...manager import hookimpl
 from ...registry import BackendRegistry
 from ..base import CaptureBackend
@@ -24,10 +25,15 @@ class PiecewiseBackend(CaptureBackend):
     """Piecewise CUDA graphs of a ``torch.compile``-d model, split at ``splitting_ops``.
 
     :param splitting_ops: ops that run eagerly between pieces (``OpOverload``,
-        ``OpOverloadPacket`` or ``torch.library.custom_op`` objects).
+        ``OpOverloadPacket`` or ``torch.library.custom_op`` objects). torch's own ops (aten) split only
+        where the model calls them itself (``torch.ops.aten.mm.default(...)``): dynamo's graph holds
+        the torch functions a model calls; one the graph never calls is a ``PiecewiseCompileError``
+        at the first call.
     :param inductor: compile every piece with Inductor before it is captured (off by default).
     :param inductor_config: Inductor config patches for the pieces (only with ``inductor=True``).
-    :raises TypeError: ``inductor`` is not a bool, or a splitting op is not an op.
+    :raises TypeError: ``inductor`` is not a bool.
+    :raises SplittingOpError: (a ``TypeError`` and a ``ValueError``) ``splitting_ops`` is not a list
+        of ops, or holds a packet without overloads.
     :raises ValueError: ``inductor_config`` without ``inductor=True``."""
 
     name = "piecewise"

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import re
 import time
 from collections.abc import Callable, Iterator
 from typing import Any, Literal, get_args
@@ -15,12 +16,26 @@ from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
 
 from ...engines.recorder import untracked
 from .inductor import InductorPieces
+from .ops import unsplit_message, unsplit_torch_ops
 from .split import SplitProgram, SplitSummary, split_graph
 
 
 class PiecewiseCompileError(RuntimeError):
-    """Dynamo could not trace the model as one graph, or with its size dynamic; dynamo's report is
-    the cause."""
+    """Dynamo could not trace the model as one graph, or with its size dynamic (a call broke what it
+    assumed of the size), or ``splitting_ops`` names torch's own op the graph never calls; dynamo's
+    report is the cause."""
+
+
+#: What torch raises when a call breaks an assumption about the size made while tracing: an assert
+#: compiled into the graph, a guard dynamo made and failed at once.
+_SHAPE_ASSUMPTIONS = ("Runtime assertion failed for expression", "Guard failed on the same frame it was created")
+
+#: What dynamo raises for a model it cannot run on fake tensors (the model's error, or a symbolic
+#: size's): the ``got ...`` of its explanation is the model's own message.
+_FAKE_RUN = re.compile(r"got (\w+\(.*\))\s*$", re.MULTILINE)
+
+#: What dynamo says of an exception the model itself raised while it was traced.
+_RAISED = re.compile(r"raised exception (\w+\(.*\))\s*$", re.MULTILINE)
 
 
 class PiecewiseCompiler:
@@ -35,6 +50,9 @@ class PiecewiseCompiler:
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
         self.calls += 1
+        unsplit = unsplit_torch_ops(self.ops, gm)
+        if unsplit:
+            raise PiecewiseCompileError(unsplit_message(unsplit))
         split_gm, summary = split_graph(gm, self.ops, self.inductor, example_inputs)
         self.on_split(summary)
         return SplitProgram(split_gm)
@@ -109,7 +127,9 @@ class PiecewiseCompiled:
 
     :raises ValueError: unknown ``dynamic``, or ``dynamic_dim`` not an int >= 0.
     :raises PiecewiseCompileError: (at a call) dynamo could not trace the model as one graph, or not
-        with the size dynamic as ``dynamic`` asks (a data-dependent guard)."""
+        with the size dynamic as ``dynamic`` asks (a data-dependent guard, or a call whose size breaks
+        what tracing assumed of it: a runtime assertion), or ``splitting_ops`` names torch's own op
+        that the graph never calls."""
 
     def __init__(self, model: Callable[..., Any], compiler: PiecewiseCompiler, *, dynamic: DynamicMode = "auto",
                  dynamic_dim: int = 0) -> None:
@@ -135,22 +155,41 @@ class PiecewiseCompiled:
         return t
 
     def _why(self, exc: Exception) -> str:
-        """The message of a :class:`PiecewiseCompileError` for what dynamo raised."""
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        """The message of a :class:`PiecewiseCompileError` for what dynamo (or the compiled graph) raised."""
+        text = str(exc).strip()
+        found = _FAKE_RUN.search(text) if isinstance(exc, torch._dynamo.exc.TorchRuntimeError) else None
+        first = found.group(1) if found else text.splitlines()[0] if text else type(exc).__name__
+        if "Guard fail reason:" in first:  # dynamo's "This is a bug" is this mode's assumption failing
+            first = "guard failed: " + first.split("Guard fail reason:", 1)[1].split("  #", 1)[0].strip()
+        raised = _RAISED.search(text) if isinstance(exc, torch._dynamo.exc.Unsupported) else None
+        if raised:
+            return (f"backend.compile(model): the model raised {raised.group(1)} while torch.compile traced it: the "
+                    f"code raises so at this size eagerly too. Dynamo's report:\n{exc}")
         if isinstance(exc, torch._dynamo.exc.Unsupported):
             return (f"backend.compile(model): torch.compile must trace the model as one graph (fullgraph=True: "
                     f"work outside it would be missing from the pieces' replay) and could not ({first}). Make code "
                     "that must run eagerly between the pieces a torch.library custom op and list it in "
                     "splitting_ops; a @graph_break function is traced through under Piecewise, it is no split "
                     f"point (docs/piecewise.md). Dynamo's report:\n{exc}")
-        data_dependent = isinstance(exc, GuardOnDataDependentSymNode) or "data-dependent" in str(exc)
-        if self.dynamic == "backed" or not data_dependent:
+        if self.dynamic == "backed":
             return f"backend.compile(model): torch.compile could not trace the model ({first}). Dynamo's report:\n{exc}"
-        return (f"backend.compile(model): torch.compile could not trace the model with its size dim {self.dynamic} "
-                f"({first}): the model decides something from a value that depends on the size (transformers' mask "
-                "preparation does, with its stock attention). Pass backend.compile(model, dynamic='backed'), which "
-                "compiles size 1 once more, or move that code into a splitting op (docs/piecewise.md, 'Dynamic "
-                f"shapes'). Dynamo's report:\n{exc}")
+        if isinstance(exc, GuardOnDataDependentSymNode) or "data-dependent" in text:
+            return (f"backend.compile(model): torch.compile could not trace the model with its size dim {self.dynamic} "
+                    f"({first}): the model decides something from a value that depends on the size (transformers' "
+                    "mask preparation does, with its stock attention). Pass backend.compile(model, dynamic='backed'), "
+                    "which compiles size 1 once more, or move that code into a splitting op (docs/piecewise.md, "
+                    f"'Dynamic shapes'). Dynamo's report:\n{exc}")
+        if isinstance(exc, torch._dynamo.exc.UserError):
+            return f"backend.compile(model): torch.compile could not trace the model ({first}). Dynamo's report:\n{exc}"
+        size = _capture_size.get()
+        at = f" (capture size {size})" if size is not None else ""
+        return (f"backend.compile(model): a call{at} breaks what torch.compile assumed of the size when it traced "
+                f"the model with its size dim {self.dynamic} ({first}): traced that way, one graph serves every size "
+                "and asserts what the model's shapes needed of the size at the first call (a multiple of 2, equal to "
+                "another extent, not 1), which this size does not meet. If the model runs eagerly at this size, pass "
+                "backend.compile(model, dynamic='backed'), which compiles again where the shapes need it; if it "
+                "fails eagerly too, the model does not take this size (docs/piecewise.md, 'Dynamic shapes'). "
+                f"Torch's report:\n{exc}")
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         leaves, spec = tree_flatten((args, kwargs))
@@ -163,7 +202,16 @@ class PiecewiseCompiled:
         with untracked(), _size_oblivious() if self.dynamic == "size_oblivious" else contextlib.nullcontext():
             try:
                 out = self.compiled(*args, **kwargs)
-            except (torch._dynamo.exc.Unsupported, torch._dynamo.exc.UserError, GuardOnDataDependentSymNode) as exc:
+            except torch._dynamo.exc.BackendCompilerFailed as exc:
+                if isinstance(exc.inner_exception, PiecewiseCompileError):  # our compile backend's refusal
+                    raise exc.inner_exception from None
+                raise
+            except (torch._dynamo.exc.Unsupported, torch._dynamo.exc.UserError, torch._dynamo.exc.TorchRuntimeError,
+                    GuardOnDataDependentSymNode) as exc:
+                raise PiecewiseCompileError(self._why(exc)) from exc
+            except (RuntimeError, AssertionError) as exc:
+                if not any(m in str(exc) for m in _SHAPE_ASSUMPTIONS):
+                    raise
                 raise PiecewiseCompileError(self._why(exc)) from exc
         if self.compiler.calls != calls:  # this call compiled: charge it, kernels finished
             if torch.cuda.is_initialized():  # pragma: no cover - CUDA only

@@ -43,7 +43,8 @@ class PieceRecorder(Recorder):
         if self.in_break or not self.segments.reruns_actions:  # CUDA: the kernels are in the graph
             return fn(args)
         kept = tuple(args)  # eager segments: the re-run holds its arguments and outputs
-        result = fn(args)
+        with self.segments.watched():  # a host read in a piece: its CUDA graph would replay the value
+            result = fn(args)
         self.segments.record(Rerun(tag, lambda *a: fn(list(a)), kept, {}, tree_leaves(result)))
         return result
 
