@@ -82,7 +82,7 @@ def _bench_parser(sub: argparse._SubParsersAction[Any]) -> None:
         *(f"  {name.ljust(width)}  {v.meaning}" for name, v in VARIANTS.items()),
         f"{GRAPH_TREES} has no output modes: it ignores --variants and adds one row ({REFERENCE_VARIANT}).",
     ])
-    p = sub.add_parser("bench", help="capture a model at SGLang's prefill sizes with each backend, sharing off and on",
+    p = sub.add_parser("bench", help="capture a model at SGLang's prefill sizes with each backend in each output mode",
                        epilog=epilog, formatter_class=argparse.RawDescriptionHelpFormatter)
     models = ("synthetic", "llama")
     p.add_argument("--model", choices=models, type=_word("--model", models), default="synthetic",
@@ -92,8 +92,8 @@ def _bench_parser(sub: argparse._SubParsersAction[Any]) -> None:
     p.add_argument("--backends", default="breakable,full,piecewise",
                    help="comma-separated backend names; graph-trees: torch.compile's reduce-overhead reference row")
     p.add_argument("--variants", default=None,
-                   help=f"comma-separated of {', '.join(VARIANTS)} "
-                        "(default: off,on; plus floor,guard on CUDA; each is explained below)")
+                   help=f"comma-separated of {', '.join(VARIANTS)} (default: off,on,released on CPU, "
+                        "off,on,floor,guard on CUDA; each is explained below)")
     p.add_argument("--hidden", type=_positive, default=None, help="hidden size (default: 2880 on CUDA, 128 on CPU)")
     p.add_argument("--layers", type=_positive, default=None, help="decoder layers (default: 4 on CUDA, 2 on CPU)")
     p.add_argument("--heads", type=_positive, default=None,
@@ -119,7 +119,7 @@ def _bench_parser(sub: argparse._SubParsersAction[Any]) -> None:
 def _bench(args: argparse.Namespace) -> int:
     from .bench.config import build_config
     from .bench.outdir import hold, write_pair
-    from .bench.output import PLOT_SKIPPED, format_table, row_line, write_json, write_plot
+    from .bench.output import PLOT_SKIPPED, format_table, printable, row_line, write_json, write_plot
     from .bench.runner import GRAPH_TREES, cold_summary, graph_trees_row, run_variant, variants_for, warm_up
 
     registry = _registry()
@@ -150,7 +150,7 @@ def _bench(args: argparse.Namespace) -> int:
                 rows.append(row)
                 print(f"  {backend}/{variant} done in {time.perf_counter() - t0:.1f} s: {row_line(row)}",
                       file=sys.stderr)
-        print(format_table(rows, timings_meaningful=cfg.gpu))
+        print(printable(format_table(rows, timings_meaningful=cfg.gpu), sys.stdout.encoding))
         print(f"({time.perf_counter() - start:.1f} s)", file=sys.stderr)
         if cfg.out is not None:
             wrote = write_pair(

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from sglang_bcg_plugin.bench.model import DecoderConfig, SyntheticDecoder, attention_break, attention_op
+from sglang_bcg_plugin.bench.output import CPU_NOTE
 from sglang_bcg_plugin.bench.runner import BenchRow
 from sglang_bcg_plugin.bench.sizes import prefill_capture_sizes
 from sglang_bcg_plugin.cli import main
@@ -41,12 +42,13 @@ def test_bench_writes_table_json_and_plot(tmp_path: Path, capsys: pytest.Capture
                "--repeats", "2", "--out", str(tmp_path), "--no-progress"])
     assert rc == 0
     out = capsys.readouterr().out
-    assert "breakable" in out and "resident on/off" in out
+    assert "breakable: on saves " in out and "of resident output against off" in out
     doc = json.loads((tmp_path / "bench.json").read_text())
     assert doc["device"] == "cpu" and doc["config"]["max_tokens"] == 64 and doc["config"]["num_sizes"] == 10
     rows = {(r["backend"], r["variant"]): r for r in doc["rows"]}
-    assert set(rows) == {("breakable", "off"), ("breakable", "on"), ("full", "off"), ("full", "on")}
-    keys = {"backend", "share_output", "num_sizes", "max_tokens", "resident_output_bytes", "logical_output_bytes",
+    assert set(rows) == {(b, v) for b in ("breakable", "full") for v in ("off", "on", "released")}
+    assert {v: r["output_mode"] for (_, v), r in rows.items()} == {"off": "off", "on": "on", "released": "released"}
+    keys = {"backend", "output_mode", "num_sizes", "max_tokens", "resident_output_bytes", "logical_output_bytes",
             "graph_memory_bytes", "capture_s", "replay_ms", "max_abs_err"}
     for row in doc["rows"]:
         assert keys <= set(row)
@@ -71,7 +73,7 @@ def test_bench_writes_table_json_and_plot(tmp_path: Path, capsys: pytest.Capture
         assert sum(r["logical_output_bytes"] for r in row["per_size"]) == row["logical_output_bytes"]
         assert all(r["capture_s"] > 0 and r["graph_memory_bytes"] is None for r in row["per_size"])
         assert row["replay_ms_min"] <= row["replay_ms"] <= row["replay_ms_max"]
-    assert "replay on/off n/m" in out and "capture on/off n/m" in out and "not meaningful on CPU" in out
+    assert CPU_NOTE in out and "n/m" not in out
 
 
 def test_bench_floor_variant(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -177,11 +179,11 @@ def test_released_is_measured_on_every_backend_in_the_same_run(tmp_path: Path, c
     assert set(rows) == {(b, v) for b in ("breakable", "full", "piecewise") for v in ("off", "on", "released")}
     for b in ("breakable", "full", "piecewise"):
         released = rows[(b, "released")]
-        assert released["share_output"] == "released" and released["max_abs_err"] == 0.0 and released["fallbacks"] == 0
+        assert released["output_mode"] == "released" and released["max_abs_err"] == 0.0 and released["fallbacks"] == 0
         # the eager engine has no graph pool: released outputs stay owned, as with off
         assert released["resident_output_bytes"] == rows[(b, "off")]["resident_output_bytes"]
     assert (tmp_path / "bench.png").read_bytes()[:4] == b"\x89PNG"
-    groups = plot_groups([BenchRow(**r) for r in doc["rows"]], graph_memory=False)
+    groups = plot_groups([BenchRow.from_dict(r) for r in doc["rows"]], graph_memory=False)
     assert [(g.backend, g.reference, [b.variant for b in g.bars]) for g in groups] == [
         (b, False, ["off", "on", "released"]) for b in ("breakable", "full", "piecewise")
     ]
@@ -190,7 +192,7 @@ def test_released_is_measured_on_every_backend_in_the_same_run(tmp_path: Path, c
 def _row(backend: str, variant: str, graph_mib: int | None, replay: float) -> BenchRow:
     resident = 0 if backend == "graph-trees" else 2 * 2**20
     graph = None if graph_mib is None else graph_mib * 2**20
-    return BenchRow(backend, variant, False, 2, 8, resident, 4 * 2**20, graph, 1.0, replay, 0.0, 0,
+    return BenchRow(backend, variant, "off", 2, 8, resident, 4 * 2**20, graph, 1.0, replay, 0.0, 0,
                     replay_ms_min=replay - 0.5, replay_ms_max=replay + 1.0)
 
 
@@ -239,15 +241,21 @@ def test_plot_groups_without_graph_trees_or_rows() -> None:
     assert [(g.backend, g.reference) for g in only] == [("graph-trees", True)]
 
 
-def test_gpu_table_prints_timing_ratios() -> None:
-    from sglang_bcg_plugin.bench.output import format_table
+def test_gpu_table_prints_savings_of_graph_memory_and_the_replay_change() -> None:
+    """On CUDA a row is compared with ``off`` by graph memory (MiB and %) and replay time (%); no CPU note."""
+    from sglang_bcg_plugin.bench.output import CPU_NOTE, format_table
     from sglang_bcg_plugin.bench.runner import BenchRow
 
-    def row(variant: str, share: bool, replay: float) -> BenchRow:
-        return BenchRow("full", variant, share, 2, 8, 100, 200, 1000, 1.0, replay, 0.0, 0)
+    def row(variant: str, mode: str, graph_mib: int, replay: float) -> BenchRow:
+        return BenchRow("full", variant, mode, 2, 8, 100, 200, graph_mib << 20, 1.0, replay, 0.0, 0)
 
-    text = format_table([row("off", False, 2.0), row("on", True, 1.0)])
-    assert "replay on/off 0.500" in text and "graph_memory on/off 1.000" in text and "n/m" not in text
+    text = format_table([row("off", "off", 1790, 2.0), row("on", "on", 554, 1.0), row("guard", "on", 1800, 2.5),
+                         row("released", "released", 1790, 2.0)])
+    minus = "\N{MINUS SIGN}"
+    assert f"full: on saves 1,236.0 MiB ({minus}69 %) of graph memory against off; replay {minus}50.0 %" in text
+    assert "full: guard costs 10.0 MiB (+0.6 %) more graph memory than off; replay +25.0 %" in text
+    assert "full: released holds as much graph memory as off (1,790.0 MiB); replay 0.0 %" in text
+    assert CPU_NOTE not in text and "CPU" not in text
 
 
 def test_bench_llama_model(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -311,17 +319,23 @@ def test_llama_config_rejection_is_a_usage_error() -> None:
 
 
 def test_json_ratios_follow_the_table() -> None:
-    """On CPU the table prints timing ratios as n/m and bench.json holds null for them."""
-    from sglang_bcg_plugin.bench.output import TIMING_RATIOS, format_table, ratios
+    """On CPU the table prints no timing comparison and bench.json holds null for the timing ratios;
+    the savings it prints are bench.json's ``savings``."""
+    from sglang_bcg_plugin.bench.output import TIMING_RATIOS, format_table, ratios, savings
     from sglang_bcg_plugin.bench.runner import BenchRow
 
-    rows = [BenchRow("full", "off", False, 2, 8, 100, 200, None, 1.0, 2.0, 0.0, 0),
-            BenchRow("full", "on", True, 2, 8, 50, 200, None, 0.5, 9.0, 0.0, 0)]
+    rows = [BenchRow("full", "off", "off", 2, 8, 3 << 20, 3 << 20, None, 1.0, 2.0, 0.0, 0),
+            BenchRow("full", "on", "on", 2, 8, 1 << 20, 3 << 20, None, 0.5, 9.0, 0.0, 0)]
     cpu = ratios(rows, timings_meaningful=False)["full"]
-    assert all(cpu[k] is None for k in TIMING_RATIOS) and cpu["resident_on_over_off"] == 0.5
+    assert all(cpu[k] is None for k in TIMING_RATIOS) and cpu["resident_on_over_off"] == pytest.approx(1 / 3)
     assert ratios(rows)["full"]["replay_on_over_off"] == 4.5
     text = format_table(rows, timings_meaningful=False)
-    assert "full: resident on/off 0.500, replay on/off n/m, capture on/off n/m" in text
+    assert "full: on saves 2.0 MiB (\N{MINUS SIGN}67 %) of resident output against off\n" in text
+    assert "replay" not in text.split("full: on saves")[1].splitlines()[0] and "n/m" not in text
+    (saving,) = savings(rows, timings_meaningful=False)
+    assert saving.to_dict() == {"backend": "full", "variant": "on", "metric": "resident_output_bytes",
+                                "off_bytes": 3 << 20, "held_bytes": 1 << 20, "replay_change": None, "against": "off",
+                                "saved_bytes": 2 << 20, "change": pytest.approx(-2 / 3)}
 
 
 def test_per_size_capture_seconds_leave_compile_time_out(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -460,6 +474,170 @@ def test_warm_up_runs_the_whole_schedule_first_and_forecasts_only_the_first(monk
     assert calls == [("full", "off", 1, False), ("full", "off", 1, False)]
 
 
+# -- the table a terminal shows, and what the CPU cannot measure -----------------------------------
+def _widest(text: str) -> int:
+    return max(len(line) for line in text.splitlines())
+
+
+def _saving_line(backend: str, variant: str, off: dict[str, object], row: dict[str, object]) -> str:
+    """The line the table should print for ``row`` against ``off`` on CPU, from bench.json's numbers."""
+    before, after = int(off["resident_output_bytes"]), int(row["resident_output_bytes"])  # type: ignore[call-overload]
+    if before == after:
+        return f"{backend}: {variant} holds as much resident output as off ({after / 2**20:,.1f} MiB)"
+    pct = abs(after - before) / before * 100
+    sign = "\N{MINUS SIGN}" if after < before else "+"
+    verb = "saves" if after < before else "costs"
+    tail = "of resident output against off" if after < before else "more resident output than off"
+    return f"{backend}: {variant} {verb} {abs(before - after) / 2**20:,.1f} MiB ({sign}{pct:.0f} %) {tail}"
+
+
+@pytest.mark.slow
+def test_the_default_cpu_run_fits_a_terminal_and_says_what_the_cpu_cannot_measure(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``sglang-bcg bench --out out``, the README's main job, as it is: every backend in off, on and
+    released; the table at most 120 columns; savings in MiB and % as bench.json's rows give them;
+    the CPU note instead of empty graph-memory and forecast columns."""
+    assert main(["bench", "--out", str(tmp_path), "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    doc = json.loads((tmp_path / "bench.json").read_text())
+    assert doc["config"]["variants"] == ["off", "on", "released"] and doc["config"]["num_sizes"] == 22
+    assert _widest(out) <= 120
+    assert CPU_NOTE in out and "docs/benchmarks.md" in out
+    head = out.splitlines()[0].split()
+    assert "resident" in head and "graph" not in head and "forecast" not in head and "n/m" not in out
+    rows = {(r["backend"], r["variant"]): r for r in doc["rows"]}
+    assert set(rows) == {(b, v) for b in ("breakable", "full", "piecewise") for v in ("off", "on", "released")}
+    for backend in ("breakable", "full", "piecewise"):
+        off = rows[(backend, "off")]
+        for variant in ("on", "released"):
+            assert _saving_line(backend, variant, off, rows[(backend, variant)]) in out.splitlines()
+    assert [(s["backend"], s["variant"]) for s in doc["savings"]] == [
+        (b, v) for b in ("breakable", "full", "piecewise") for v in ("on", "released")]
+    table = out.splitlines()
+    assert sum(line.split()[1:2] == ["released*"] for line in table) == 3  # released ran as off here
+    (footnote,) = [line for line in table if line.startswith("released*: ")]
+    assert footnote.startswith("released*: ran as off (CUDA-only: released outputs are aliases of CUDA graph-pool")
+    assert all(rows[(b, "released")]["ran_as"] == "off" for b in ("breakable", "full", "piecewise"))
+
+
+def test_a_run_with_many_variants_fits_a_terminal(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Six variants and the Graph Trees row on CPU: every printed line at most 120 columns (``guard``
+    is left out: on CPU torch it warns that it cannot poison, and warnings are errors here)."""
+    variants = "off,on,floor,adopt,reserve,released"
+    assert main(["bench", "--backends", "breakable,full,graph-trees", "--variants", variants, "--max-tokens", "16",
+                 "--hidden", "16", "--layers", "1", "--repeats", "1", "--out", str(tmp_path), "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    assert _widest(out) <= 120
+    table = out.splitlines()
+    assert sum(line.startswith(("breakable ", "full ")) for line in table) == 12
+    assert "graph-trees: resident n/a" in out and "full: floor saves " in out and CPU_NOTE in out
+
+
+def _gpu_rows(backends: list[str], variants: list[str]) -> list[BenchRow]:
+    """Rows as a CUDA run writes them, with the widest figures of docs/benchmarks.md's tables."""
+    rows = []
+    for b in backends:
+        for i, v in enumerate(["reference"] if b == "graph-trees" else variants):
+            rows.append(BenchRow(b, v, "on", 74, 16384, 1705144320 - i, 1705144320, (2222 << 20) - i, 12.34, 32.523,
+                                 0.0859, 0, bridge_bytes=128 << 20, compile_s=67.42, forecast_bytes=(2210 << 20) - i,
+                                 forecast_error=0.009))
+    return rows
+
+
+@pytest.mark.parametrize("backends", [["breakable", "full", "piecewise", "graph-trees"],
+                                      ["a-plugin-backend-with-a-very-long-name-indeed", "full"]])
+def test_every_variant_with_cuda_figures_fits_120_columns(backends: list[str]) -> None:
+    """With every variant and every column a CUDA run fills, the table drops the least needed
+    columns (and says which: bench.json has them), then cuts names, to fit 120 columns."""
+    from sglang_bcg_plugin.bench.output import DROP_ORDER, format_table
+    from sglang_bcg_plugin.bench.runner import VARIANTS
+
+    rows = _gpu_rows(backends, list(VARIANTS))
+    text = format_table(rows)
+    assert _widest(text) <= 120
+    head = text.splitlines()[0].split()
+    assert head[:4] == ["backend", "variant", "graph", "forecast"] and "resident" in head and "replay" in head
+    (left_out,) = [line for line in text.splitlines() if line.startswith("left out to fit 120 columns")]
+    assert "logical MiB" in left_out and all(name in DROP_ORDER for name in ("logical", "compile"))
+    assert _widest(format_table(rows, width=200)) > 120  # the same rows, a wider terminal: nothing left out
+    assert "left out" not in format_table(rows, width=200)
+    narrow = format_table(rows, width=80)
+    assert _widest(narrow.split("\n" + "left out")[0]) <= 80
+
+
+def test_cpu_defaults_include_released() -> None:
+    from sglang_bcg_plugin.bench import config
+    from sglang_bcg_plugin.cli import _parser
+    from sglang_bcg_plugin.registry import available_backends
+
+    cfg = config.build_config(_parser().parse_args(["bench", "--device", "cpu"]), available_backends())
+    assert cfg.variants == ["off", "on", "released"] and not cfg.gpu
+
+
+def test_an_old_bench_json_with_share_output_is_read() -> None:
+    """docs/img/bench-h200.json was written when the mode was ``share_output`` (a bool): its rows read
+    as rows with ``output_mode``; so do the str() forms a GPU driver wrote and ``"released"``."""
+    from sglang_bcg_plugin.bench.output import format_table
+
+    old = json.loads((Path(__file__).resolve().parents[1] / "docs" / "img" / "bench-h200.json").read_text())
+    assert all("share_output" in r and "output_mode" not in r for r in old["rows"])
+    rows = [BenchRow.from_dict(r) for r in old["rows"]]
+    modes = {(r.backend, r.variant): r.output_mode for r in rows}
+    assert modes[("breakable", "off")] == "off" and modes[("full", "on")] == "on"
+    assert modes[("piecewise", "guard")] == "on"
+    assert modes[("full", "floor")] == "off"  # floor set no mode: nothing is kept
+    assert rows[0].graph_memory_bytes == old["rows"][0]["graph_memory_bytes"] and rows[0].per_size == []
+    assert _widest(format_table(rows)) <= 120 and "breakable: on saves " in format_table(rows)
+    new = rows[0].to_dict()
+    assert "share_output" not in new and BenchRow.from_dict(new) == rows[0]
+    base = {k: v for k, v in old["rows"][0].items() if k != "share_output"}
+    pairs = ((True, "on"), ("True", "on"), ("False", "off"), ("released", "released"), ("RELEASED", "released"))
+    for share, mode in pairs:
+        assert BenchRow.from_dict({**base, "share_output": share}).output_mode == mode
+    assert BenchRow.from_dict({**base, "output_mode": "On"}).output_mode == "on"
+    with pytest.raises(ValueError, match="sometimes"):
+        BenchRow.from_dict({**base, "output_mode": "sometimes"})
+
+
+def test_the_cpu_plot_leaves_replay_timing_out(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On CPU bench.png has the memory panel alone and says why (eager CPU time is not CUDA-graph
+    replay); with meaningful timings it has both panels."""
+    pytest.importorskip("matplotlib")
+    from matplotlib.figure import Figure
+
+    from sglang_bcg_plugin.bench.output import CPU_CAPTION, write_plot
+
+    saved: list[tuple[list[str], list[str]]] = []
+    original = Figure.savefig
+
+    def savefig(fig: Figure, *args: object, **kwargs: object) -> None:
+        saved.append(([ax.get_title() for ax in fig.axes], [t.get_text() for t in fig.texts]))
+        original(fig, *args, **kwargs)
+
+    monkeypatch.setattr(Figure, "savefig", savefig)
+    config = {"max_tokens": 8, "layers": 1, "hidden": 16, "dtype": "float32", "num_sizes": 2}
+    rows = [_row("breakable", "off", None, 30.0), _row("breakable", "on", None, 75.0)]
+    assert write_plot(tmp_path / "cpu.png", "cpu", config, rows, timings_meaningful=False)
+    assert write_plot(tmp_path / "gpu.png", "H200", config, rows, timings_meaningful=True)
+    (cpu_titles, cpu_texts), (gpu_titles, gpu_texts) = saved
+    assert len(cpu_titles) == 1 and "replay" not in " ".join(cpu_titles).lower()
+    assert cpu_texts[1:] == CPU_CAPTION.splitlines() and "docs/benchmarks.md" in CPU_CAPTION  # [0]: the title
+    assert len(gpu_titles) == 2 and "Replay" in gpu_titles[1] and len(gpu_texts) == 1
+
+
+def test_the_minus_sign_prints_where_the_terminal_has_none() -> None:
+    from sglang_bcg_plugin.bench.output import percent, printable
+
+    text = f"full: on saves 1.0 MiB ({percent(-0.35)}) of resident output against off; name…"
+    assert "\N{MINUS SIGN}35 %" in text
+    assert printable(text, "utf-8") == text and printable(text, None) == text and printable(text, "no-such") == text
+    assert printable(text, "latin-1") == "full: on saves 1.0 MiB (-35 %) of resident output against off; name..."
+    assert printable("\N{SNOWMAN}", "ascii") == "?"
+    assert [percent(f) for f in (0.0, 0.004, -0.0004, 0.35, -0.0123)] == [
+        "0.0 %", "+0.4 %", "0.0 %", "+35 %", "\N{MINUS SIGN}1 %"]
+
+
 def test_a_variant_the_eager_engine_cannot_run_says_what_ran(monkeypatch: pytest.MonkeyPatch) -> None:
     """Every variant needing a graph pool (``*packed*``, ``*expandable*``, ``*released``) names, on the
     eager engine, the variant it runs as (or its meaning, where none has it) and why; ``guard`` only
@@ -505,3 +683,21 @@ def test_bench_on_cpu_says_which_variants_ran_as_another(tmp_path: Path, capsys:
     assert rows["expandable-released"]["ran_as"] == "off"
     assert rows["packed"]["resident_output_bytes"] == rows["on"]["resident_output_bytes"]
     assert rows["expandable-released"]["resident_output_bytes"] == rows["off"]["resident_output_bytes"]
+
+
+def test_a_starred_variant_keeps_its_star_where_names_are_cut() -> None:
+    """Rows that ran as another keep the ``*`` of their footnote in a table cut to fit; the footnote
+    (wrapped) fits too."""
+    from sglang_bcg_plugin.bench.output import format_table
+
+    rows = _gpu_rows(["breakable", "full"], ["off", "on", "inductor-expandable-released"])
+    for r in rows:
+        if r.variant == "inductor-expandable-released":
+            r.ran_as, r.ran_as_reason = "'sharing off, Inductor first'", "CUDA-only: " + "a long reason " * 10
+    for width in (120, 80, 60):
+        text = format_table(rows, width=width)
+        lines = text.splitlines()
+        assert _widest(text) <= width
+        cells = [line.split()[1] for line in lines[3:7]]
+        assert cells[0] == "off" and cells[1] == "on" and cells[2].endswith("*") and "*" not in "".join(cells[:2])
+        assert sum(line.startswith("inductor-expandable-released*: ran as 'sharing off") for line in lines) == 1

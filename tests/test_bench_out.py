@@ -335,15 +335,21 @@ def test_ctrl_c_is_one_line_and_exit_130(tmp_path: Path) -> None:
     _no_leftovers(tmp_path)
 
 
-def test_ctrl_c_with_debug_keeps_the_traceback(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_ctrl_c_with_debug_keeps_the_traceback(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--debug`` adds the traceback and keeps the exit code: 130, after the same ``error:`` line."""
     from sglang_bcg_plugin.bench import runner
 
     def interrupt(*args: Any, **kwargs: Any) -> None:
         raise KeyboardInterrupt
 
     monkeypatch.setattr(runner, "warm_up", interrupt)
-    with pytest.raises(KeyboardInterrupt):
-        main([*TINY, "--debug"])
+    assert main([*TINY, "--debug"]) == 130
+    err = capsys.readouterr().err
+    assert "Traceback (most recent call last)" in err and "KeyboardInterrupt" in err
+    assert [line for line in err.splitlines() if line.startswith("error:")] == ["error: interrupted"]
+    assert err.strip().splitlines()[-1] == "error: interrupted"
 
 
 def test_ctrl_c_without_debug_in_process(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -309,10 +309,13 @@ def test_full_out_folder_is_refused(monkeypatch: pytest.MonkeyPatch, tmp_path: P
 def test_max_tokens_between_sizes_is_noted(capsys: pytest.CaptureFixture[str]) -> None:
     from sglang_bcg_plugin.cli import _parser
 
-    cfg = config.build_config(_parser().parse_args(["bench", "--max-tokens", "300"]), ["breakable", "full", "piecewise"])
+    backends = ["breakable", "full", "piecewise"]
+    # off,on: variants that run as themselves on every engine (CPU's default released has its own note)
+    cfg = config.build_config(_parser().parse_args(["bench", "--variants", "off,on", "--max-tokens", "300"]), backends)
     note = "note: --max-tokens 300 is not one of SGLang's prefill capture sizes; the largest below it, 288, is captured"
     assert cfg.notes == [note] and max(cfg.sizes) == 288 and cfg.summary()["max_tokens"] == 288
-    assert config.build_config(_parser().parse_args(["bench", "--max-tokens", "288"]), ["breakable", "full", "piecewise"]).notes == []
+    assert config.build_config(_parser().parse_args(["bench", "--variants", "off,on", "--max-tokens", "288"]),
+                               backends).notes == []
     assert main(["bench", "--backends", "full", "--variants", "on", "--max-tokens", "5", "--hidden", "16",
                  "--layers", "1", "--repeats", "1", "--no-progress"]) == 0
     assert "note: --max-tokens 5 is not one of SGLang's prefill capture sizes; the largest below it, 4, is captured" in capsys.readouterr().err

@@ -758,7 +758,7 @@ def test_the_forecast_names_an_allocator_it_does_not_model() -> None:
 def _row(**kw: Any) -> Any:
     from sglang_bcg_plugin.bench.runner import BenchRow
 
-    base = {"backend": "full", "variant": "on", "share_output": True, "num_sizes": 3, "max_tokens": 16,
+    base = {"backend": "full", "variant": "on", "output_mode": "on", "num_sizes": 3, "max_tokens": 16,
             "resident_output_bytes": 90 << 20, "logical_output_bytes": 200 << 20, "graph_memory_bytes": 500 << 20,
             "capture_s": 1.0, "replay_ms": 2.0, "max_abs_err": 0.0, "fallbacks": 0}
     return BenchRow(**{**base, **kw})
@@ -775,8 +775,8 @@ def test_bench_row_table_and_plot_carry_the_forecast() -> None:
     assert _forecast_fields(_forecast(), 500 << 20, 0.25)["forecast_s"] == pytest.approx(fields["forecast_s"] - 0.25)
     row = _row(**fields)
     table = format_table([row, _row(variant="off")])
-    head, _, with_fc, without = table.splitlines()[:4]
-    assert "forecast MiB" in head and "error %" in head
+    head, units, _, with_fc, without = table.splitlines()[:5]
+    assert head.split()[2:5] == ["graph", "forecast", "error"] and units.split()[:3] == ["MiB", "MiB", "%"]
     assert "490.0" in with_fc and "-2.0" in with_fc
     assert without.split().count("-") >= 2  # no forecast: "-" in both columns
     (group,) = plot_groups([row], graph_memory=True)

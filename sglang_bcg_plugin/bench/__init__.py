@@ -1,1 +1,1 @@
-"""``sglang-bcg bench``: capture a synthetic decoder with every backend, sharing off and on."""
+"""``sglang-bcg bench``: capture a synthetic decoder (or Llama) with every backend, in each output mode."""

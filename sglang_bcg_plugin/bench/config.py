@@ -181,7 +181,7 @@ def build_config(args: argparse.Namespace, available_backends: list[str]) -> Ben
     device = _device(args.device)
     gpu = device.startswith("cuda")
     backends = _names("--backends", args.backends, available_backends)
-    variants = _names("--variants", args.variants or ("off,on,floor,guard" if gpu else "off,on"), VARIANTS)
+    variants = _names("--variants", args.variants or ("off,on,floor,guard" if gpu else "off,on,released"), VARIANTS)
     notes = _variant_rows(backends, variants, available_backends)
     if not gpu and any(b != GRAPH_TREES for b in backends):  # the eager engine: what each variant runs as
         notes += [note for note in map(eager_note, variants) if note is not None]

@@ -14,7 +14,9 @@ from ..breaks import graph_break
 
 
 @torch.library.custom_op("sglang_bcg_bench::attention", mutates_args=("out",))
-def attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, num_heads: int, num_kv_heads: int) -> None:
+def attention_op(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, num_heads: int, num_kv_heads: int
+) -> None:
     """Causal prefill attention over ``q.shape[0]`` tokens into ``out`` (the splitting op and break body)."""
     tokens = q.shape[0]
     head_dim = q.shape[1] // num_heads
@@ -36,7 +38,9 @@ def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, num_
 
 
 @graph_break(reads=("q", "k", "v"), writes=("out",))
-def attention_break(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, num_heads: int, num_kv_heads: int) -> None:
+def attention_break(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, num_heads: int, num_kv_heads: int
+) -> None:
     """The breakable backend's break point: the same attention, run eagerly between segments."""
     attention_op(q, k, v, out, num_heads, num_kv_heads)
 
@@ -91,15 +95,18 @@ class SyntheticDecoder(torch.nn.Module):
             return slice(start + rank * n, start + (rank + 1) * n)
 
         def qkv(t: torch.Tensor) -> torch.Tensor:
-            return torch.cat([t[part(0, self.q_cols)], t[part(q_all, self.kv_cols)], t[part(q_all + kv_all, self.kv_cols)]])
+            return torch.cat([t[part(0, self.q_cols)], t[part(q_all, self.kv_cols)],
+                              t[part(q_all + kv_all, self.kv_cols)]])
 
         def gate_up(t: torch.Tensor) -> torch.Tensor:
             return torch.cat([t[part(0, inter)], t[part(cfg.intermediate, inter)]])
 
         self.qkv = torch.nn.ParameterList(w(q_all + 2 * kv_all, cfg.hidden, qkv) for _ in range(cfg.layers))
-        self.o = torch.nn.ParameterList(w(cfg.hidden, q_all, lambda t: t[:, part(0, self.q_cols)]) for _ in range(cfg.layers))
+        self.o = torch.nn.ParameterList(w(cfg.hidden, q_all, lambda t: t[:, part(0, self.q_cols)])
+                                        for _ in range(cfg.layers))
         self.gate_up = torch.nn.ParameterList(w(2 * cfg.intermediate, cfg.hidden, gate_up) for _ in range(cfg.layers))
-        self.down = torch.nn.ParameterList(w(cfg.hidden, cfg.intermediate, lambda t: t[:, part(0, inter)]) for _ in range(cfg.layers))
+        self.down = torch.nn.ParameterList(w(cfg.hidden, cfg.intermediate, lambda t: t[:, part(0, inter)])
+                                           for _ in range(cfg.layers))
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
         return F.rms_norm(x, (self.cfg.hidden,), eps=1e-6)

@@ -36,7 +36,8 @@ def check_out_dir(raw: str) -> Path:
     out = Path(raw)
     try:
         if out.exists() and not out.is_dir():
-            msg = f"--out {shown(raw)} is an existing file; give a directory (bench.json and bench.png are written into it)"
+            msg = (f"--out {shown(raw)} is an existing file; give a directory "
+                   "(bench.json and bench.png are written into it)")
             raise UsageError(msg)
         out.mkdir(parents=True, exist_ok=True)
         probe = out / f".bench.probe.{os.getpid()}"  # a file can be created and removed there
@@ -192,7 +193,8 @@ def write_pair(out: Path, write_json: Callable[[Path], None], write_png: Callabl
     except OSError as exc:
         msg = (
             f"could not write bench.json and bench.png into {shown(str(out))} ({exc.strerror or exc}); "
-            "the folder keeps its previous pair; free some space or give another --out (the table above has the results)"
+            "the folder keeps its previous pair; free some space or give another --out "
+            "(the table above has the results)"
         )
         raise OutputWriteError(msg) from None
     finally:

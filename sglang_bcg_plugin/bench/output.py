@@ -5,6 +5,8 @@ from __future__ import annotations
 import datetime
 import json
 import math
+import textwrap
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -15,14 +17,28 @@ from .runner import GRAPH_TREES, VARIANTS, BenchRow
 
 MIB = 1024 * 1024
 
-#: Footnote of the table when timings come from the eager engine (CPU).
-CPU_TIMING_NOTE = ("n/m: not meaningful on CPU (eager engine, no graphs: replay and capture times swing "
-                   "between runs; see each row's replay_ms_min/max in bench.json)")
+#: The widest line :func:`format_table` prints: a terminal's (the detail stays in bench.json).
+TABLE_WIDTH = 120
+#: Under the table on CPU: what the CPU cannot measure and where the GPU figures are.
+CPU_NOTE = (
+    "CPU: the eager engine, no CUDA graphs. Graph memory, its forecast and CUDA-graph replay speed cannot be\n"
+    "measured here: 'resident MiB' is the output memory each mode keeps; capture and replay times are eager CPU\n"
+    "times, not CUDA-graph replay (they swing between runs; bench.json keeps each row's spread). 'released' keeps\n"
+    "outputs here as 'off' does (no graph pool to release them into): what it saves is graph-pool memory.\n"
+    "GPU figures (H200, a real SGLang server): docs/benchmarks.md"
+)
+#: Under the table where Graph Trees has a row.
+GRAPH_TREES_NOTE = "graph-trees: resident n/a (Graph Trees keep no output past the next step)"
 #: Keys of ``ratios()`` that compare timings.
 TIMING_RATIOS = ("replay_on_over_off", "capture_on_over_off")
 #: One line printed instead of writing bench.png when matplotlib is missing.
 PLOT_SKIPPED = ("plot skipped: matplotlib is not installed; for bench.png install the [bench] extra "
                 "(from a checkout: pip install -e '.[bench]')")
+#: The metrics a row saves against ``off``: graph memory where measured (CUDA), else resident output.
+GRAPH, RESIDENT = "graph_memory_bytes", "resident_output_bytes"
+MINUS = "\N{MINUS SIGN}"
+#: After the variant of a row that ran as another (:func:`ran_as_note`), with a footnote under the table.
+STAR = "*"
 
 
 def sig2(value: float) -> str:
@@ -35,12 +51,24 @@ def sig2(value: float) -> str:
     return f"{rounded:.{1 - math.floor(math.log10(abs(rounded)))}f}"
 
 
-def _cell(v: float | None, spec: str, scale: float = 1.0) -> str:
-    return "-" if v is None else format(v * scale, spec)
+def percent(fraction: float, decimals: int | None = None) -> str:
+    """``fraction`` as a signed percentage, negative with :data:`MINUS`: "+0.2 %", "0.0 %", "+35 %";
+    ``decimals`` (default: none from 1 % on, one below)."""
+    value = fraction * 100
+    digits = decimals if decimals is not None else (0 if abs(value) >= 1 else 1)
+    text = f"{abs(value):.{digits}f}"
+    if not text.strip("0."):
+        return f"{text} %"
+    return f"{MINUS if value < 0 else '+'}{text} %"
 
 
-def _mib(v: int | None) -> str:
-    return _cell(v, ",.1f", 1 / MIB)
+def mib(n: float) -> str:
+    """Bytes as MiB with one decimal: "1,626.2"."""
+    return f"{n / MIB:,.1f}"
+
+
+def _cell(v: float | None, spec: str, scale: float = 1.0) -> str | None:
+    return None if v is None else format(v * scale, spec)
 
 
 def _ratio(on: float | None, off: float | None) -> float | None:
@@ -53,16 +81,24 @@ def ran_as_note(r: BenchRow) -> str:
 
 
 def row_line(r: BenchRow) -> str:
-    """One line for the progress log (the table has everything)."""
-    forecast = "" if r.forecast_bytes is None else f", forecast {_mib(r.forecast_bytes)} MiB"
+    """One line for the progress log (the table has everything); what was not measured is left out;
+    a variant that ran as another starts with what it ran as (:func:`ran_as_note`)."""
+    parts = [] if r.backend == GRAPH_TREES else [f"resident {r.resident_output_bytes / MIB:,.2f} MiB"]
+    if r.graph_memory_bytes is not None:
+        parts.append(f"graph {mib(r.graph_memory_bytes)} MiB")
+    if r.forecast_bytes is not None:
+        parts.append(f"forecast {mib(r.forecast_bytes)} MiB")
+    if r.bridge_bytes:
+        parts.append(f"bridges {mib(r.bridge_bytes)} MiB")
+    parts += [f"capture {r.capture_s:.2f} s", f"replay {r.replay_ms:.3f} ms"]
+    if r.max_abs_err is not None:
+        parts.append(f"max abs err {r.max_abs_err:.3g}")
     ran = "" if r.ran_as is None else f"{ran_as_note(r)}: "
-    return (f"{ran}resident {r.resident_output_bytes / MIB:,.2f} MiB, graph {_mib(r.graph_memory_bytes)} MiB, bridges "
-            f"{_mib(r.bridge_bytes)} MiB, capture {r.capture_s:.2f} s, replay {r.replay_ms:.3f} ms, max abs err "
-            f"{_cell(r.max_abs_err, '.3g')}, fallbacks {r.fallbacks}{forecast}")
+    return ran + ", ".join([*parts, f"fallbacks {r.fallbacks}"])
 
 
 def ratios(rows: list[BenchRow], *, timings_meaningful: bool = True) -> dict[str, dict[str, float | None]]:
-    """Per backend: sharing-on / sharing-off ratios (the timing ones ``None`` unless meaningful)."""
+    """Per backend: sharing-on / sharing-off ratios (the timing ones ``None`` unless meaningful), for bench.json."""
     offs = {r.backend: r for r in rows if r.variant == "off"}
     ons = {r.backend: r for r in rows if r.variant == "on" and r.backend in offs}
     return {backend: {
@@ -73,45 +109,194 @@ def ratios(rows: list[BenchRow], *, timings_meaningful: bool = True) -> dict[str
     } for backend, on in ons.items()}
 
 
-def format_table(rows: list[BenchRow], *, timings_meaningful: bool = True) -> str:
-    """The rows as a text table, then the on/off ratios per backend."""
-    head = ["backend", "variant", "sizes", "max_tokens", "resident MiB", "logical MiB", "graph MiB", "forecast MiB", "error %", "bridges MiB", "capture s", "compile s", "replay ms", "max abs err", "fallbacks"]
-    body = [
-        [r.backend, r.variant + ("*" if r.ran_as is not None else ""), str(r.num_sizes), str(r.max_tokens), *map(_mib, (
-            r.resident_output_bytes, r.logical_output_bytes, r.graph_memory_bytes, r.forecast_bytes)),
-         _cell(r.forecast_error, "+.1f", 100), _mib(r.bridge_bytes), f"{r.capture_s:.2f}", _cell(r.compile_s, ".2f"),
-         f"{r.replay_ms:.3f}", _cell(r.max_abs_err, ".3g"), str(r.fallbacks)]
-        for r in rows
-    ]
-    widths = [max(len(c) for c in col) for col in zip(head, *body)]
-    lines = ["  ".join(c.rjust(w) for c, w in zip(line, widths)) for line in [head, *body]]
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    rs_all = ratios(rows, timings_meaningful=timings_meaningful)
-    for backend, rs in rs_all.items():
-        parts = [
-            f"{k.replace('_on_over_off', '')} on/off " + ("n/m" if v is None else f"{v:.3f}")
-            for k, v in rs.items()
-            if v is not None or (k in TIMING_RATIOS and not timings_meaningful)
-        ]
-        lines.append(f"{backend}: " + ", ".join(parts))
-    if rs_all and not timings_meaningful:
-        lines.append(CPU_TIMING_NOTE)
+class Saving(NamedTuple):
+    """One row against its backend's ``off`` row: the bytes of ``metric`` (:data:`GRAPH` where both
+    rows measured it, else :data:`RESIDENT`) each holds, and the replay time's change (``None``
+    unless timings are meaningful)."""
+
+    backend: str
+    variant: str
+    metric: str
+    off_bytes: int
+    held_bytes: int
+    replay_change: float | None
+
+    @property
+    def saved_bytes(self) -> int:
+        return self.off_bytes - self.held_bytes
+
+    @property
+    def change(self) -> float | None:
+        """(held - off) / off; ``None`` where ``off`` holds nothing."""
+        return (self.held_bytes - self.off_bytes) / self.off_bytes if self.off_bytes else None
+
+    def line(self) -> str:
+        """"breakable: on saves 1.0 MiB (-89 %) of resident output against off" (the minus: :data:`MINUS`)."""
+        what = "graph memory" if self.metric == GRAPH else "resident output"
+        change = "" if self.change is None else f" ({percent(self.change)})"
+        if self.saved_bytes > 0:
+            text = f"saves {mib(self.saved_bytes)} MiB{change} of {what} against off"
+        elif self.saved_bytes < 0:
+            text = f"costs {mib(-self.saved_bytes)} MiB{change} more {what} than off"
+        else:
+            text = f"holds as much {what} as off ({mib(self.held_bytes)} MiB)"
+        replay = "" if self.replay_change is None else f"; replay {percent(self.replay_change, 1)}"
+        return f"{self.backend}: {self.variant} {text}{replay}"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**self._asdict(), "against": "off", "saved_bytes": self.saved_bytes, "change": self.change}
+
+
+def savings(rows: list[BenchRow], *, timings_meaningful: bool = True) -> list[Saving]:
+    """Every row of a backend that has an ``off`` row, against it, in row order."""
+    offs = {r.backend: r for r in rows if r.variant == "off"}
+    out = []
+    for r in rows:
+        off = offs.get(r.backend)
+        if off is None or r is off:
+            continue
+        metric = GRAPH if r.graph_memory_bytes is not None and off.graph_memory_bytes is not None else RESIDENT
+        replay = (r.replay_ms - off.replay_ms) / off.replay_ms if timings_meaningful and off.replay_ms else None
+        out.append(Saving(r.backend, r.variant, metric, getattr(off, metric), getattr(r, metric), replay))
+    return out
+
+
+class Column(NamedTuple):
+    """A table column: its two header lines (name, unit) and its cell per row (``None``: does not
+    apply to the row: ``-``; a column that applies to no row is left out)."""
+
+    head: tuple[str, str]
+    cell: Callable[[BenchRow], str | None]
+    left: bool = False
+
+
+COLUMNS: dict[str, Column] = {
+    "backend": Column(("backend", ""), lambda r: r.backend, left=True),
+    "variant": Column(("variant", ""), lambda r: r.variant + (STAR if r.ran_as is not None else ""), left=True),
+    "graph": Column(("graph", "MiB"), lambda r: _cell(r.graph_memory_bytes, ",.1f", 1 / MIB)),
+    "forecast": Column(("forecast", "MiB"), lambda r: _cell(r.forecast_bytes, ",.1f", 1 / MIB)),
+    "error": Column(("error", "%"), lambda r: _cell(r.forecast_error, "+.1f", 100)),
+    "resident": Column(("resident", "MiB"), lambda r: "n/a" if r.backend == GRAPH_TREES
+                       else _cell(r.resident_output_bytes, ",.1f", 1 / MIB)),
+    "logical": Column(("logical", "MiB"), lambda r: _cell(r.logical_output_bytes, ",.1f", 1 / MIB)),
+    "bridges": Column(("bridges", "MiB"), lambda r: _cell(r.bridge_bytes or None, ",.1f", 1 / MIB)),
+    "capture": Column(("capture", "s"), lambda r: f"{r.capture_s:.2f}"),
+    "compile": Column(("compile", "s"), lambda r: _cell(r.compile_s, ".2f")),
+    "replay": Column(("replay", "ms"), lambda r: f"{r.replay_ms:.3f}"),
+    "max_abs_err": Column(("max abs", "err"), lambda r: _cell(r.max_abs_err, ".3g")),
+    "fallbacks": Column(("fall-", "backs"), lambda r: str(r.fallbacks)),
+}
+#: Left out, in this order, where the table would be wider than its width (bench.json has them).
+DROP_ORDER = ("logical", "bridges", "compile", "capture", "max_abs_err", "error", "forecast")
+#: Where the table is too wide, names are cut (with "…") to this first (the longest variant's), and
+#: to ``MIN_NAME_WIDTH`` at most where leaving columns out was not enough (a variant's :data:`STAR` counts).
+NAME_WIDTH, MIN_NAME_WIDTH = max(map(len, VARIANTS)) + len(STAR), 8
+
+
+def _widths(cells: dict[str, list[str]]) -> dict[str, int]:
+    return {k: max(len(c) for c in (*COLUMNS[k].head, *col)) for k, col in cells.items()}
+
+
+def _total(cells: dict[str, list[str]]) -> int:
+    return sum(_widths(cells).values()) + 2 * (len(cells) - 1)
+
+
+def _cut(cells: dict[str, list[str]], key: str, keep: int) -> None:
+    """Cut ``key``'s cells to ``keep`` characters, with "…" (a variant's :data:`STAR` kept)."""
+
+    def cut(c: str) -> str:
+        if len(c) <= keep:
+            return c
+        star = STAR if key == "variant" and c.endswith(STAR) else ""
+        return f"{c[:keep - 1 - len(star)]}\N{HORIZONTAL ELLIPSIS}{star}"
+
+    cells[key] = [cut(c) for c in cells[key]]
+
+
+def _fit(cells: dict[str, list[str]], width: int) -> list[str]:
+    """Make the table fit ``width`` (in place): names cut to ``NAME_WIDTH``, then ``DROP_ORDER``'s
+    columns left out, then the names cut further (the backend's first); the keys left out."""
+    if _total(cells) > width:
+        for key in ("backend", "variant"):
+            _cut(cells, key, NAME_WIDTH)
+    dropped = []
+    for key in DROP_ORDER:
+        if _total(cells) <= width:
+            break
+        if key in cells:
+            del cells[key]
+            dropped.append(key)
+    for key in ("backend", "variant"):
+        excess = _total(cells) - width
+        if excess > 0:
+            _cut(cells, key, max(MIN_NAME_WIDTH, _widths(cells)[key] - excess))
+    return dropped
+
+
+def _table_notes(rows: list[BenchRow], dropped: list[str], width: int, timings_meaningful: bool) -> list[str]:
+    """The lines under the table: a footnote per starred variant, the columns left out, Graph Trees'
+    note, what each row saves against its backend's ``off``; each wrapped to ``width``."""
     ran = {r.variant: ran_as_note(r) for r in rows if r.ran_as is not None}
-    lines.extend(f"{variant}*: {note}" for variant, note in ran.items())
+    notes = [f"{variant}{STAR}: {note}" for variant, note in ran.items()]
+    if dropped:
+        names = ", ".join(" ".join(COLUMNS[k].head).strip() for k in dropped)
+        notes.append(f"left out to fit {width} columns (bench.json has them): {names}")
+    if any(r.backend == GRAPH_TREES for r in rows):
+        notes.append(GRAPH_TREES_NOTE)
+    notes += [s.line() for s in savings(rows, timings_meaningful=timings_meaningful)]
+    return [part for note in notes for part in textwrap.wrap(note, width, subsequent_indent="  ")]
+
+
+def format_table(rows: list[BenchRow], *, timings_meaningful: bool = True, width: int = TABLE_WIDTH) -> str:
+    """The rows as a table at most ``width`` columns wide (a column no row has is left out; where it
+    is still too wide, ``DROP_ORDER``'s, said in a line), then a footnote per starred variant (one
+    that ran as another: ``packed*: ran as on (...)``), then what each row saves against its
+    backend's ``off`` (MiB and %), then, where timings are not meaningful (CPU), :data:`CPU_NOTE`."""
+    cells = {k: [c.cell(r) for r in rows] for k, c in COLUMNS.items()}
+    shown = {k: ["-" if c is None else c for c in col] for k, col in cells.items()
+             if k in ("backend", "variant") or any(c is not None for c in col)}
+    dropped = _fit(shown, width)
+    widths = _widths(shown)
+
+    def line(texts: list[str]) -> str:
+        return "  ".join(t.ljust(widths[k]) if COLUMNS[k].left else t.rjust(widths[k])
+                         for k, t in zip(shown, texts, strict=True)).rstrip()
+
+    lines = [line([COLUMNS[k].head[i] for k in shown]) for i in (0, 1)]
+    lines.append("  ".join("-" * w for w in widths.values()))
+    lines += [line([shown[k][i] for k in shown]) for i in range(len(rows))]
+    lines += _table_notes(rows, dropped, width, timings_meaningful)
+    if not timings_meaningful:
+        lines.append(CPU_NOTE)
     return "\n".join(lines)
+
+
+def printable(text: str, encoding: str | None) -> str:
+    """``text`` as a stream of ``encoding`` can print it: where it cannot print the minus sign or
+    "…" (Latin-1, cp1252), "-" and "...", any other such character replaced."""
+    codec = encoding or "utf-8"
+    try:
+        text.encode(codec)
+    except UnicodeEncodeError:
+        text = text.replace(MINUS, "-").replace("\N{HORIZONTAL ELLIPSIS}", "...")
+        return text.encode(codec, errors="replace").decode(codec)
+    except LookupError:
+        return text
+    return text
 
 
 def write_json(
     path: Path, device: str, config: dict[str, Any], rows: list[BenchRow], *, timings_meaningful: bool = True,
     cold: dict[str, Any] | None = None,
 ) -> None:
-    """``bench.json``: versions, UTC timestamp, config, rows (with per-size rows), ratios, and ``cold``
-    (:func:`~.runner.cold_summary`)."""
+    """``bench.json``: versions, UTC timestamp, config, rows (with per-size rows), ratios, the savings
+    the table prints (:func:`savings`), and ``cold`` (:func:`~.runner.cold_summary`)."""
     doc = {
         "package_version": __version__, "torch_version": torch.__version__,
         "timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "device": device,
         "timings_meaningful": timings_meaningful, "config": config, "rows": [r.to_dict() for r in rows],
-        "ratios": ratios(rows, timings_meaningful=timings_meaningful), "cold": cold,
+        "ratios": ratios(rows, timings_meaningful=timings_meaningful),
+        "savings": [s.to_dict() for s in savings(rows, timings_meaningful=timings_meaningful)], "cold": cold,
     }
     path.write_text(json.dumps(doc, indent=2) + "\n")
 
@@ -125,8 +310,14 @@ GRAPH_TREES_LABEL = "torch's CUDA Graph Trees (torch.compile reduce-overhead)"
 FORECAST_LABEL = "forecast before capture (CaptureBackend.forecast)"
 GRAPH_TREES_CPU_LABEL = "torch.compile without mode (CPU stand-in: Graph Trees need CUDA)"
 #: Caption under the plot when Graph Trees' resident-output bar is left out (CPU).
-NO_RESIDENT_CAPTION = ("graph-trees: no memory bar: resident output does not apply (Graph Trees keep no output "
-                       "past the next step); graph memory is measured on CUDA only")
+NO_RESIDENT_CAPTION = ("graph-trees: no memory bar: resident output does not apply (Graph Trees keep no output past "
+                       "the next step)")
+#: Caption of the CPU plot, which leaves replay timing out: eager CPU time is not CUDA-graph replay
+#: (on a noisy machine its bars would read as one mode costing a multiple of another).
+CPU_CAPTION = ("CPU, eager engine: replay timing left out (eager CPU time is not CUDA-graph replay; "
+               "bench.json keeps it).\n"
+               "'released' keeps outputs here as 'off' does (no graph pool). Graph memory and replay on CUDA graphs: "
+               "docs/benchmarks.md")
 
 
 class PlotBar(NamedTuple):
@@ -171,7 +362,7 @@ def plot_groups(rows: list[BenchRow], *, graph_memory: bool) -> list[PlotGroup]:
 
 
 def _draw(axes: dict[str, Any], groups: list[PlotGroup]) -> bool:
-    """Draw every group's bars on ``axes`` (one per ``PLOT_METRICS`` key); ``True``: one left out."""
+    """Draw every group's bars on ``axes`` (one per drawn ``PLOT_METRICS`` key); ``True``: one left out."""
     width = 0.8 / max((len(g.bars) for g in groups), default=1)
     seen: set[str] = set()
     left_out = False
@@ -185,7 +376,8 @@ def _draw(axes: dict[str, Any], groups: list[PlotGroup]) -> bool:
             seen.add(bar.label)
             for metric, ax in axes.items():
                 value = bar.values[metric]
-                if value is None:
+                if value is None:  # no bar, but its legend entry (the legend comes from the first panel)
+                    ax.bar([x], [0.0], width, **style)
                     ax.annotate("n/a\n(see below)", (x, 0), ha="center", va="bottom", fontsize=8, color="#555555")
                     left_out = True
                     continue
@@ -200,10 +392,28 @@ def _draw(axes: dict[str, Any], groups: list[PlotGroup]) -> bool:
     return left_out
 
 
+def _label(axes: dict[str, Any], groups: list[PlotGroup], use_graph: bool, config: dict[str, Any]) -> None:
+    """Ticks, titles, axis labels and the memory panel's height; Graph Trees' group set apart."""
+    for ax in axes.values():
+        ax.set_xticks(range(len(groups)), [g.tick for g in groups])
+        ax.set_xlim(-0.5, len(groups) - 0.5)  # a group without a bar keeps its place
+        if groups and groups[-1].reference and len(groups) > 1:
+            ax.axvline(len(groups) - 1.5, color="#888888", linestyle="--", linewidth=0.8)
+    ax_mem = axes["memory_mib"]
+    ax_mem.set_ylabel("graph pool memory (MiB)" if use_graph else "resident output memory (MiB)")
+    ax_mem.set_title("Memory held by captured graphs" if use_graph else "Output memory held (eager engine, CPU)")
+    if "replay_ms" in axes:
+        axes["replay_ms"].set_ylabel(f"replay at {config.get('max_tokens')} tokens (ms, median)")
+        axes["replay_ms"].set_title("Replay time at the largest size")
+    top = max((b.get_height() for b in ax_mem.patches), default=0.0)
+    ax_mem.set_ylim(0, top * 1.15 if top > 0 else 1.0)
+
+
 def write_plot(
     path: Path, device: str, config: dict[str, Any], rows: list[BenchRow], *, timings_meaningful: bool = True
 ) -> bool:
-    """Write ``bench.png`` (memory and replay panels); ``False`` when matplotlib is not installed."""
+    """Write ``bench.png``: memory and replay panels; without meaningful timings (CPU) the memory
+    panel alone and :data:`CPU_CAPTION`. ``False`` when matplotlib is not installed."""
     try:
         import matplotlib
     except ImportError:
@@ -214,35 +424,27 @@ def write_plot(
 
     use_graph = all(r.graph_memory_bytes is not None for r in rows)
     groups = plot_groups(rows, graph_memory=use_graph)
-    fig, (ax_mem, ax_rep) = plt.subplots(1, 2, figsize=(12, 5.2))
-    left_out = _draw({"memory_mib": ax_mem, "replay_ms": ax_rep}, groups)
-    for ax in (ax_mem, ax_rep):
-        ax.set_xticks(range(len(groups)), [g.tick for g in groups])
-        ax.set_xlim(-0.5, len(groups) - 0.5)  # a group without a bar keeps its place
-        if groups and groups[-1].reference and len(groups) > 1:
-            ax.axvline(len(groups) - 1.5, color="#888888", linestyle="--", linewidth=0.8)
-    ax_mem.set_ylabel("graph pool memory (MiB)" if use_graph else "resident output memory (MiB)")
-    ax_mem.set_title("Memory held by captured graphs" if use_graph else "Output memory held (eager engine)")
-    ax_rep.set_ylabel(f"replay at {config.get('max_tokens')} tokens (ms, median)")
-    ax_rep.set_title("Replay time at the largest size" + ("" if timings_meaningful else " (CPU: not meaningful)"))
-    top = max((b.get_height() for b in ax_mem.patches), default=0.0)
-    ax_mem.set_ylim(0, top * 1.15 if top > 0 else 1.0)
-    # every bar has a replay bar (memory may be left out): the legend comes from the replay panel
-    handles, labels = ax_rep.get_legend_handles_labels()
-    for handle, label in zip(*ax_mem.get_legend_handles_labels()):
-        if label == FORECAST_LABEL:  # drawn on the memory panel only
-            handles.append(handle)
-            labels.append(label)
+    metrics = PLOT_METRICS if timings_meaningful else PLOT_METRICS[:1]
+    fig, panels = plt.subplots(1, len(metrics), figsize=(6 * len(metrics) + (0 if timings_meaningful else 2), 5.2),
+                               squeeze=False)
+    axes = dict(zip(metrics, panels[0], strict=True))
+    left_out = _draw(axes, groups)
+    _label(axes, groups, use_graph, config)
+    ax_mem = axes["memory_mib"]
+    pairs = sorted(zip(*ax_mem.get_legend_handles_labels(), strict=True), key=lambda hl: hl[1] == FORECAST_LABEL)
+    handles, labels = [h for h, _ in pairs], [label for _, label in pairs]  # every bar has a memory bar or stand-in
+    captions = [*([] if timings_meaningful else CPU_CAPTION.splitlines()), *([NO_RESIDENT_CAPTION] if left_out else [])]
     ncol = min(len(labels), 3) or 1
     legend_rows = -(-len(labels) // ncol)
-    caption = 0.035 if left_out else 0.0
-    fig.legend(handles, labels, loc="lower center", ncol=ncol, fontsize=8, bbox_to_anchor=(0.5, caption), frameon=False)
+    below = 0.03 * len(captions) + (0.01 if captions else 0.0)
+    fig.legend(handles, labels, loc="lower center", ncol=ncol, fontsize=8, bbox_to_anchor=(0.5, below), frameon=False)
     fig.suptitle(f"sglang-bcg bench on {device}: {config.get('layers')} layers, hidden {config.get('hidden')}, "
                  f"{config.get('dtype')}, {config.get('num_sizes')} sizes up to {config.get('max_tokens')} tokens",
                  fontsize=10)
-    if left_out:
-        fig.text(0.5, 0.01, NO_RESIDENT_CAPTION, ha="center", va="bottom", fontsize=8, style="italic")
-    fig.tight_layout(rect=(0, caption + 0.045 * legend_rows, 1, 1))
+    for k, caption in enumerate(captions):
+        fig.text(0.5, 0.01 + 0.03 * (len(captions) - 1 - k), caption, ha="center", va="bottom", fontsize=8,
+                 style="italic")
+    fig.tight_layout(rect=(0, below + 0.045 * legend_rows, 1, 1))
     fig.savefig(path, dpi=120, format="png")  # path may be a temporary name
     plt.close(fig)
     return True

@@ -18,7 +18,7 @@ from ..accounting import device_free_bytes
 from ..errors import ForecastError
 from ..output.guard import guard_supported
 from ..options import BackendOptions
-from ..output.mode import mode_of_option
+from ..output.mode import OutputMode, mode_of_option, parse_mode
 from ..registry import create_backend
 from ..output.report import MemoryReport
 from ..shape_key import ShapeKey
@@ -104,7 +104,8 @@ def eager_stand_in(variant: str) -> tuple[str, str] | None:
     guard = variant == "guard" and not guard_supported()
     if not pool and not guard:
         return None
-    why = [f"CUDA-only: {'; '.join(_POOL_WORDS[w] for w in pool)}, and the eager engine has no graph pool"] if pool else []
+    needs = "; ".join(_POOL_WORDS[w] for w in pool)
+    why = [f"CUDA-only: {needs}, and the eager engine has no graph pool"] if pool else []
     if guard:
         why.append("the stale-output guard poisons storages, which this torch build cannot; a CUDA build can")
     v = VARIANTS[variant]
@@ -141,7 +142,7 @@ class BenchRow:
 
     backend: str
     variant: str
-    share_output: bool | Literal["released"]
+    output_mode: OutputMode  # "off", "on" or "released", as BackendOptions(output_mode=...)
     num_sizes: int
     max_tokens: int
     resident_output_bytes: int
@@ -173,6 +174,19 @@ class BenchRow:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> BenchRow:
+        """A row of a ``bench.json``, also one written before ``output_mode`` had its name: its
+        ``share_output`` (``True``/``False``/``"released"``, or their ``str()``) is read as the mode."""
+        row = dict(data)
+        old = row.pop("share_output", None)
+        if "output_mode" not in row and old is not None:  # str(): a GPU driver wrote "True" / "False"
+            row["output_mode"] = mode_of_option({"True": True, "False": False}.get(old, old) if isinstance(old, str)
+                                                else old)
+        if row.get("output_mode") is not None:
+            row["output_mode"] = parse_mode(row["output_mode"], "bench.json output_mode")
+        return cls(**row)
 
 
 def per_size_rows(report: MemoryReport, compile_s: dict[Any, float] | None = None) -> list[dict[str, Any]]:
@@ -239,7 +253,8 @@ def max_abs_error(out: Any, ref: Any) -> float:
     if len(a) != len(b):
         msg = f"replay returned {len(a)} tensors, the eager forward {len(b)}"
         raise RuntimeError(msg)
-    return max((float((x.float() - y.float()).abs().max()) for (_, x), (_, y) in zip(a, b, strict=True) if x.numel()), default=0.0)
+    return max((float((x.float() - y.float()).abs().max()) for (_, x), (_, y) in zip(a, b, strict=True) if x.numel()),
+               default=0.0)
 
 
 def _capture_all(
@@ -335,7 +350,8 @@ def run_variant(
     def compiled_s() -> float | None:  # None: nothing is compiled
         return getattr(backend, "compile_seconds", fn.seconds if isinstance(fn, CompileClock) else None)
 
-    predicted, forecast_compile = _forecast(backend, sizes, forward_for, static, compiled_s) if forecast else (None, 0.0)
+    predicted, forecast_compile = (_forecast(backend, sizes, forward_for, static, compiled_s) if forecast
+                                   else (None, 0.0))
     per_key_compile: dict[Any, float] = {}
 
     def capture(size: int) -> None:
@@ -346,14 +362,16 @@ def run_variant(
         if after_capture is not None:
             after_capture(key)
 
-    elapsed, graph_bytes = _capture_all(device, sizes, f"{backend_name}/{variant}", progress, backend.capture_session(), capture)
+    elapsed, graph_bytes = _capture_all(device, sizes, f"{backend_name}/{variant}", progress, backend.capture_session(),
+                                        capture)
     compile_s = compiled_s()
     report = backend.memory_report()
     replayed = _replay_all(workload, sizes, static, lambda s: backend.replay(ShapeKey(s)), model if v.keep else None,
                            repeats)
     backend.cleanup()  # the graphs, pools and buffers go; the next variant measures from here
     row = BenchRow(
-        backend=backend_name, variant=variant, share_output=v.share, num_sizes=len(sizes), max_tokens=max(sizes),
+        backend=backend_name, variant=variant, output_mode=v.options["output_mode"], num_sizes=len(sizes),
+        max_tokens=max(sizes),
         resident_output_bytes=report.resident_output_bytes, logical_output_bytes=report.logical_output_bytes,
         graph_memory_bytes=graph_bytes, capture_s=elapsed - ((compile_s or 0.0) - forecast_compile),
         fallbacks=len(report.fallbacks), bridge_bytes=report.total_bridge_bytes, model=workload.name,
@@ -402,13 +420,15 @@ def graph_trees_row(
     device = workload.shape.device
     gpu = device.startswith("cuda")
     model, static = _fresh(workload, "full", sizes)  # attention inside the compiled graph
-    compiled = CompileClock(torch.compile(model, mode="reduce-overhead" if gpu else None, dynamic=True), device)
+    # the one reference to the compiled callable, emptied before torch's reset below (a closure
+    # cannot use a name deleted in its function)
+    compiled = {"fn": CompileClock(torch.compile(model, mode="reduce-overhead" if gpu else None, dynamic=True), device)}
     logical = [0]
 
     def step(size: int) -> Any:
         if gpu:
             torch.compiler.cudagraph_mark_step_begin()
-        return workload.call(compiled, static, size)
+        return workload.call(compiled["fn"], static, size)
 
     def capture(size: int) -> None:
         out = None
@@ -418,15 +438,16 @@ def graph_trees_row(
 
     elapsed, graph_bytes = _capture_all(device, sizes, f"{GRAPH_TREES}/{REFERENCE_VARIANT}", progress,
                                         contextlib.nullcontext(), capture)
-    compile_s = compiled.seconds
+    compile_s = compiled["fn"].seconds
     replayed = _replay_all(workload, sizes, static, step, model, repeats)
-    del compiled, model
+    compiled.clear()
+    del model
     torch._dynamo.reset()  # drops the compiled code; then the Graph Trees and their pool
     if gpu:
         torch._inductor.cudagraph_trees.reset_cudagraph_trees()
     _free_bytes(device)
     return BenchRow(
-        backend=GRAPH_TREES, variant=REFERENCE_VARIANT, share_output=False, num_sizes=len(sizes),
+        backend=GRAPH_TREES, variant=REFERENCE_VARIANT, output_mode="off", num_sizes=len(sizes),
         max_tokens=max(sizes), resident_output_bytes=0, logical_output_bytes=logical[0], graph_memory_bytes=graph_bytes,
         capture_s=elapsed - compile_s, fallbacks=0, model=workload.name, compile_s=compile_s, **replayed,
     )

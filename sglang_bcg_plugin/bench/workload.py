@@ -98,7 +98,8 @@ def _sdpa() -> Callable[..., Any]:
 
 @graph_break(reads=("query", "key", "value"))
 def break_attention(
-    module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: Any, **kwargs: Any
+    module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: Any,
+    **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
     """transformers' SDPA attention as an eager break point of the Breakable backend."""
     return _sdpa()(module, query, key, value, attention_mask, **kwargs)
@@ -109,7 +110,8 @@ def split_attention_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
     """Causal GQA attention ``[1, heads, seq, d]`` -> ``[1, seq, heads, d]``, without a mask and
     without repeating the key/value heads: the splitting op."""
     gqa = query.shape[1] != key.shape[1]
-    out = torch.nn.functional.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling, enable_gqa=gqa)
+    out = torch.nn.functional.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling,
+                                                           enable_gqa=gqa)
     return out.transpose(1, 2).contiguous()
 
 
@@ -120,7 +122,8 @@ def _(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: floa
 
 
 def split_attention(
-    module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: Any, **kwargs: Any
+    module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: Any,
+    **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
     """Attention through the splitting op (``attention_mask`` is ``None`` under our name)."""
     scaling: float = kwargs.get("scaling") or module.scaling  # type: ignore[assignment]

@@ -242,7 +242,7 @@ def engines(setup: Setup) -> list[dict[str, Any]]:
         runner.warm_up(workload, [backend])
         for variant in ("adopt", "reserve", "released", "floor"):
             row = runner.run_variant(backend, variant, workload, setup.sizes, repeats=setup.repeats, progress=False)
-            rows.append({**row.to_dict(), "share_output": str(row.share_output)})
+            rows.append(row.to_dict())
     return rows
 
 

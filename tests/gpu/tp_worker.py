@@ -142,7 +142,7 @@ def check_row(row: dict[str, Any], sizes: list[int], shape: ModelShape, tol: flo
     # them, as "off" does
     keeps = ((row.get("forecast") or {}).get("modes") or {}).get("released", {}).get("keeps_largest", False)
     released = (max(sizes) * one if keeps else 0) if shape.device.startswith("cuda") else sum(sizes) * one
-    expected = {False: sum(sizes) * one, True: max(sizes) * one, "released": released}[row["share_output"]]
+    expected = {"off": sum(sizes) * one, "on": max(sizes) * one, "released": released}[row["output_mode"]]
     if row["logical_output_bytes"] != sum(sizes) * one or row["resident_output_bytes"] != expected:
         failures.append(
             f"{name}: outputs {row['resident_output_bytes']} resident / {row['logical_output_bytes']} logical bytes, "
