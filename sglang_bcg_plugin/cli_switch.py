@@ -20,7 +20,7 @@ import threading
 import time
 import unicodedata
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urljoin, urlsplit
 
@@ -69,71 +69,60 @@ def _char(c: str) -> str:
     return f"U+{ord(c):04X} ({unicodedata.name(c, 'a control character')})"
 
 
-def _url_problem(url: str) -> str | None:
-    """What makes ``url`` (stripped, not empty) unusable, before it is split."""
+def _url_problem(url: str) -> tuple[str, str]:
+    """What makes ``url`` (stripped, not empty) unusable before it is split, and the example to give."""
     odd = next((c for c in url if c.isspace() or unicodedata.category(c) in ("Cc", "Cf")), None)
-    if odd is not None:
-        return f"contains {_char(odd)}"
     scheme, sep, _ = url.partition("://")
-    if not sep or not scheme or not (scheme[0].isascii() and scheme[0].isalpha()) or not all(
-            c.isascii() and (c.isalnum() or c in "+-.") for c in scheme):
+    if odd is not None:
+        return f" contains {_char(odd)}", _EXAMPLE
+    if not sep or not re.fullmatch(r"[A-Za-z][A-Za-z0-9+.-]*", scheme):
         plain = len(url) <= 80 and re.fullmatch(r"[\w.-]+(:\d+)?(/.*)?", url, flags=re.ASCII)  # host[:port][/path]
-        return "has no scheme; write http:// (or https://) before the host" + (f": --url http://{url}" if plain else "")
+        return (" has no scheme; write http:// (or https://) before the host",
+                f"--url http://{url}" if plain else _EXAMPLE)
     if scheme.lower() not in SCHEMES:
-        return f"has the scheme {shown(scheme)}; the server's HTTP address starts with http:// or https://"
+        return f" has the scheme {shown(scheme)}; the server's HTTP address starts with http:// or https://", _EXAMPLE
     if "?" in url or "#" in url:
-        return "has a query or a fragment; give the server's address (the route /bcg/output_mode is added)"
-    return None
-
-
-def _port(netloc: str) -> tuple[str, str]:
-    """(``:`` or ``""``, the port's text) of ``host[:port]`` or ``[v6][:port]``."""
-    rest = netloc[netloc.index("]") + 1:] if netloc.startswith("[") else netloc
-    _, colon, text = rest.partition(":")
-    return colon, text
+        return " has a query or a fragment; give the server's address (the route /bcg/output_mode is added)", _EXAMPLE
+    return "", _EXAMPLE
 
 
 def parse_url(raw: object) -> Server:
     """``--url``: ``http(s)://host[:port][/path]`` (the route is added; given with it, it is not
     added twice). :raises UsageError: naming ``--url``, what is wrong and what to give."""
-    if not isinstance(raw, str) or not raw.strip():
+    url = raw.strip() if isinstance(raw, str) else ""
+    if not url:
         msg = f"--url is empty; give the server's HTTP address, {_EXAMPLE}"
         raise UsageError(msg)
-    url = raw.strip()
-    problem = _url_problem(url)
-    if problem is None:
+    problem, example = _url_problem(url)
+    if not problem:
         try:
             parts = urlsplit(url)
         except ValueError as exc:  # an unclosed IPv6 bracket
-            problem = f"is not a URL ({exc})"
-    if problem is not None:
-        msg = f"--url {shown(url)} {problem}" + ("" if ": --url http" in problem else f"; {_EXAMPLE}")
+            problem = f" is not a URL ({exc})"
+    if not problem:
+        if "@" in parts.netloc:  # never echoed: it may hold a password
+            msg = (f"--url has credentials before the host ({parts.scheme}://…@{parts.netloc.rpartition('@')[2]}); "
+                   f"they are not sent: give the server's --admin-api-key with --api-key or {ENV_KEY}")
+            raise UsageError(msg)
+        host = parts.hostname or ""
+        port = parts.netloc.rpartition("]")[2].partition(":")[2]  # of host[:port] or [v6][:port]
+        base = parts.path.rstrip("/")
+        if not host:
+            problem = " has no host"
+        elif port and not (port.isascii() and port.isdigit() and len(port) <= 5 and 1 <= int(port) <= 65535):
+            problem = f": the port {shown(port)} is not a number from 1 to 65535"
+        elif not base.isascii():
+            problem, example = " has characters outside ASCII in its path", "percent-encode them (%XX)"
+        else:
+            try:
+                host.encode("idna")
+            except UnicodeError as exc:
+                problem = f": {shown(host)} is not a host name ({str(exc).rpartition('UnicodeError: ')[2].rstrip(')')})"
+    if problem:
+        msg = f"--url {shown(url)}{problem}" + (f": {example}" if example.startswith("--url") else f"; {example}")
         raise UsageError(msg)
-    if "@" in parts.netloc:  # never echoed: it may hold a password
-        msg = (f"--url has credentials before the host ({parts.scheme}://…@{parts.netloc.rpartition('@')[2]}); "
-               f"they are not sent: give the server's --admin-api-key with --api-key or {ENV_KEY}")
-        raise UsageError(msg)
-    host = parts.hostname or ""
-    colon, port_text = _port(parts.netloc)
-    if not host:
-        msg = f"--url {shown(url)} has no host; {_EXAMPLE}"
-        raise UsageError(msg)
-    if colon and port_text and not (port_text.isascii() and port_text.isdigit() and len(port_text) <= 5
-                                    and 1 <= int(port_text) <= 65535):
-        msg = f"--url {shown(url)}: the port {shown(port_text)} is not a number from 1 to 65535; {_EXAMPLE}"
-        raise UsageError(msg)
-    try:
-        host.encode("idna")
-    except UnicodeError as exc:
-        why = str(exc).rpartition("UnicodeError: ")[2].rstrip(")")
-        msg = f"--url {shown(url)}: {shown(host)} is not a host name ({why}); {_EXAMPLE}"
-        raise UsageError(msg) from None
-    base = parts.path.rstrip("/")
-    if not base.isascii():
-        msg = f"--url {shown(url)} has characters outside ASCII in its path; percent-encode them (%XX)"
-        raise UsageError(msg)
-    base = base.removesuffix(ROUTE).rstrip("/")
-    return Server(parts.scheme.lower(), host, int(port_text) if port_text else None, base, parts.netloc)
+    return Server(parts.scheme.lower(), host, int(port) if port else None, base.removesuffix(ROUTE).rstrip("/"),
+                  parts.netloc)
 
 
 def parse_timeout(raw: object) -> float:
@@ -161,15 +150,12 @@ def check_key(key: str, source: str) -> str:
                f"or leave {source} out to send none")
         raise UsageError(msg)
     for i, c in enumerate(key, 1):
-        if c in "\r\n":
-            why = "a line break"
-        elif unicodedata.category(c) == "Cc" or ord(c) > 0xFF:
-            why = _char(c)
-        else:
-            continue
-        msg = (f"{source} has {why} at character {i} (the key is not shown); an HTTP header carries printable "
-               "latin-1 characters only, so no server can receive this key: copy the server's --admin-api-key again")
-        raise UsageError(msg)
+        if unicodedata.category(c) == "Cc" or ord(c) > 0xFF:
+            why = "a line break" if c in "\r\n" else _char(c)
+            msg = (f"{source} has {why} at character {i} (the key is not shown); an HTTP header carries printable "
+                   "latin-1 characters only, so no server can receive this key: copy the server's --admin-api-key "
+                   "again")
+            raise UsageError(msg)
     if key != key.strip():
         msg = (f"{source} starts or ends with a space, which HTTP drops from a header (the key is not shown); "
                "give the key without it")
@@ -185,17 +171,27 @@ def key_of(given: str | None, environ: Mapping[str, str] | None = None) -> str |
     return None if from_env is None else check_key(from_env, ENV_KEY)
 
 
+def _arguments(url: str, key: str | None, timeout_s: float) -> tuple[Server, float]:
+    if key is not None:
+        check_key(key, "--api-key")
+    return parse_url(url), parse_timeout(timeout_s)
+
+
 # -- the exchange, within one deadline --------------------------------------------------------------
 
 CONNECTING, SENDING, HEADERS, BODY = "connecting", "sending the request", "waiting for the answer", "reading the answer"
 
 
-class _Deadline:
-    """The end of the exchange: each step may take what is left of ``--timeout``, no more."""
+class _Deadline(io.RawIOBase):
+    """The end of the exchange, where the exchange is, and the answer's bytes as read: each step,
+    each read too, may take what is left of ``--timeout``, no more, so an answer trickled byte by
+    byte cannot outlast it."""
 
     def __init__(self, seconds: float, clock: Callable[[], float] = time.monotonic) -> None:
-        self._clock = clock
-        self.end = clock() + seconds
+        super().__init__()
+        self._clock, self.end = clock, clock() + seconds
+        self.stage, self.received = CONNECTING, 0
+        self.conn: http.client.HTTPConnection | None = None
 
     def left(self) -> float:
         """Seconds left. :raises TimeoutError: none."""
@@ -204,155 +200,81 @@ class _Deadline:
             raise TimeoutError("--timeout passed")
         return left
 
-
-class _DeadlineReader(io.RawIOBase):
-    """A socket's bytes; each read waits at most what is left before the deadline, so an answer
-    trickled byte by byte cannot outlast it."""
-
-    def __init__(self, sock: socket.socket, deadline: _Deadline) -> None:
-        super().__init__()
-        self._sock, self._deadline = sock, deadline
-        self.received = 0
-
     def readable(self) -> bool:
         return True
 
     def readinto(self, buffer: Any) -> int:
-        self._sock.settimeout(self._deadline.left())
-        n = self._sock.recv_into(buffer)
+        assert self.conn is not None and self.conn.sock is not None  # connected
+        self.conn.sock.settimeout(self.left())
+        n: int = self.conn.sock.recv_into(buffer)
         self.received += n
         return n
 
-
-class _Socket:
-    """What :class:`http.client.HTTPResponse` reads from: the socket behind the deadline."""
-
-    def __init__(self, reader: _DeadlineReader) -> None:
-        self._reader = reader
-
-    def makefile(self, mode: str) -> io.BufferedReader:
-        return io.BufferedReader(self._reader)
+    def makefile(self, mode: str) -> io.BufferedReader:  # what http.client.HTTPResponse reads from
+        return io.BufferedReader(self)
 
 
-class _TooLarge(Exception):
-    pass
-
-
-@dataclass
-class _Progress:
-    """Where the exchange is, for the timeout's message; the connection, to abort it."""
-
-    stage: str = CONNECTING
-    reader: _DeadlineReader | None = None
-    conn: http.client.HTTPConnection | None = field(default=None, repr=False)
-
-    def so_far(self) -> str:
-        n = 0 if self.reader is None else self.reader.received
-        return f"{self.stage}, {n} bytes of it so far" if self.stage in (HEADERS, BODY) else self.stage
-
-    def abort(self) -> None:
-        sock = None if self.conn is None else self.conn.sock
-        if sock is not None:
-            with contextlib.suppress(OSError):
-                sock.shutdown(socket.SHUT_RDWR)
-
-
-@dataclass(frozen=True)
-class _Answer:
-    status: int
-    reason: str
-    location: str | None
-    data: bytes
-
-
-def _read_body(answer: http.client.HTTPResponse) -> bytes:
-    chunks, size = [], 0
-    while chunk := answer.read(64 * 1024):
-        size += len(chunk)
-        if size > MAX_ANSWER_BYTES:
-            raise _TooLarge
-        chunks.append(chunk)
-    data = b"".join(chunks)
-    if answer.length:  # the connection closed before Content-Length bytes came
-        raise http.client.IncompleteRead(data, answer.length)
-    return data
-
-
-def _exchange(server: Server, key: str | None, mode: str | None, deadline: _Deadline, progress: _Progress) -> _Answer:
-    """One request on a fresh connection (``Connection: close``); redirects are answers, not followed."""
+def _exchange(server: Server, key: str | None, mode: str | None, deadline: _Deadline
+              ) -> tuple[int, str, str | None, bytes]:
+    """One request on a fresh connection (``Connection: close``); redirects are answers, not followed.
+    The status, reason, ``Location`` and body (more than :data:`MAX_ANSWER_BYTES`: cut one byte past)."""
     kind = http.client.HTTPSConnection if server.scheme == "https" else http.client.HTTPConnection
     # The port always given: http.client would read an IPv6 literal's last group as one.
-    conn = kind(server.host, server.port or kind.default_port, timeout=deadline.left())
-    progress.conn = conn
-    try:
+    deadline.conn = conn = kind(server.host, server.port or kind.default_port, timeout=deadline.left())
+    method = "GET" if mode is None else "POST"
+    headers = {"Accept": "application/json", "Connection": "close", "User-Agent": f"sglang-bcg/{__version__}",
+               **({"Authorization": f"Bearer {key}"} if key else {}),
+               **({} if mode is None else {"Content-Type": "application/json"})}
+    with contextlib.closing(conn):
         conn.connect()  # TCP (and TLS) within what is left; the name lookup: see request()
-        progress.stage = SENDING
-        method = "GET" if mode is None else "POST"
-        headers = {"Accept": "application/json", "Connection": "close", "User-Agent": f"sglang-bcg/{__version__}"}
-        if key:
-            headers["Authorization"] = f"Bearer {key}"
-        body = None
-        if mode is not None:
-            headers["Content-Type"] = "application/json"
-            body = json.dumps({"mode": mode}).encode()
+        deadline.stage = SENDING
         assert conn.sock is not None  # connected
         conn.sock.settimeout(deadline.left())
-        conn.request(method, server.base + ROUTE, body=body, headers=headers)
-        progress.stage, progress.reader = HEADERS, _DeadlineReader(conn.sock, deadline)
-        answer = http.client.HTTPResponse(_Socket(progress.reader), method=method)  # type: ignore[arg-type]
-        try:
+        conn.request(method, server.base + ROUTE, body=None if mode is None else json.dumps({"mode": mode}).encode(),
+                     headers=headers)
+        deadline.stage = HEADERS
+        with http.client.HTTPResponse(deadline, method=method) as answer:  # type: ignore[arg-type]
             answer.begin()
-            progress.stage = BODY
-            return _Answer(answer.status, answer.reason, answer.getheader("Location"), _read_body(answer))
-        finally:
-            answer.close()
-    finally:
-        conn.close()
+            deadline.stage = BODY
+            data = answer.read(MAX_ANSWER_BYTES + 1)
+            if answer.length and len(data) <= MAX_ANSWER_BYTES:  # closed before Content-Length bytes came
+                raise http.client.IncompleteRead(data, answer.length)
+            return answer.status, answer.reason, answer.getheader("Location"), data
 
 
-def _unknown(mode: str | None, progress: _Progress) -> str:
-    """What the user can know of the switch after a failure at ``progress``."""
+def _unknown(mode: str | None, stage: str) -> str:
     if mode is None:
         return ""
-    if progress.stage in (CONNECTING, SENDING):
-        return ("; nothing was switched" if progress.stage == CONNECTING
-                else f"; whether it switched is unknown: {_CHECK}")
-    return f"; the switch may still finish on the server: {_CHECK}"
+    return {CONNECTING: "; nothing was switched", SENDING: f"; whether it switched is unknown: {_CHECK}"}.get(
+        stage, f"; the switch may still finish on the server: {_CHECK}")
 
 
-def _timed_out(server: Server, mode: str | None, seconds: float, progress: _Progress) -> str:
-    return (f"no complete answer from {server.route_url} within --timeout {seconds:g} s (still {progress.so_far()})"
-            f"{_unknown(mode, progress)}")
-
-
-def _failure(exc: BaseException, server: Server, mode: str | None, seconds: float, progress: _Progress) -> str:
+def _failure(exc: BaseException, server: Server, mode: str | None, seconds: float, deadline: _Deadline) -> str:
     """The line of a failed exchange. :raises BaseException: ``exc`` when it is a bug of ours."""
-    route, after = server.route_url, _unknown(mode, progress)
+    route, after = server.route_url, _unknown(mode, deadline.stage)
     if isinstance(exc, TimeoutError):
-        return _timed_out(server, mode, seconds, progress)
-    if isinstance(exc, _TooLarge):
-        return f"{route} answered more than {MAX_ANSWER_BYTES // 2**20} MiB: not the answer of {ROUTE}{after}"
+        so_far = f", {deadline.received} bytes of it so far" if deadline.stage in (HEADERS, BODY) else ""
+        return f"no complete answer from {route} within --timeout {seconds:g} s (still {deadline.stage}{so_far}){after}"
     if isinstance(exc, socket.gaierror):
         return f"cannot reach {route}: the host {shown(server.host)} is not known ({exc.strerror}); check --url{after}"
     if isinstance(exc, ssl.SSLError):
-        return (f"https with {route} failed ({exc.reason or exc}): "
-                f"does the server speak https? (http:// otherwise){after}")
+        return (f"https with {route} failed ({exc.reason or exc}): does the server speak https? "
+                f"(http:// otherwise){after}")
     if isinstance(exc, http.client.RemoteDisconnected):
         return f"{route} closed the connection without an answer{after}"
     if isinstance(exc, http.client.BadStatusLine):
-        line = str(getattr(exc, "line", exc))
-        return (f"{route} did not answer in HTTP (its first line: {shown(line)[:120]}): is --url the "
-                f"server's HTTP address?{after}")
+        return (f"{route} did not answer in HTTP (its first line: {shown(str(getattr(exc, 'line', exc)))[:120]}): "
+                f"is --url the server's HTTP address?{after}")
     if isinstance(exc, http.client.IncompleteRead):
         return f"{route} closed the connection after {len(exc.partial)} bytes of its answer's body{after}"
     if isinstance(exc, http.client.HTTPException):
         return f"{route} answered something that is not HTTP ({type(exc).__name__}: {shown(str(exc))}){after}"
-    if isinstance(exc, OSError):
-        reason = exc.strerror or str(exc) or type(exc).__name__
-        if progress.stage == CONNECTING:
-            return f"cannot reach {route}: {reason} (is the server up at {server.scheme}://{server.netloc}?){after}"
-        return f"the connection to {route} broke while {progress.stage} ({reason}){after}"
-    raise exc
+    if not isinstance(exc, OSError):
+        raise exc
+    reason = exc.strerror or str(exc) or type(exc).__name__
+    if deadline.stage == CONNECTING:
+        return f"cannot reach {route}: {reason} (is the server up at {server.scheme}://{server.netloc}?){after}"
+    return f"the connection to {route} broke while {deadline.stage} ({reason}){after}"
 
 
 def _error_of(status: int, data: bytes, url: str) -> str:
@@ -361,37 +283,27 @@ def _error_of(status: int, data: bytes, url: str) -> str:
     except (ValueError, AttributeError, RecursionError):
         text = data.decode(errors="replace").strip()
     text = " ".join(text.split())[:500]
-    if status == 401:
-        return f"401 Unauthorized: {url} wants the server's --admin-api-key (--api-key KEY or {ENV_KEY})"
-    if status == 403:
-        return f"403 Forbidden: {url} ({text or 'the server has no --admin-api-key'})"
-    if status == 404:
-        return (f"404: {url} has no {ROUTE}: the server was started without --admin-api-key, or without "
-                "this plugin installed (sglang-bcg doctor)")
-    return f"{status}: {text or 'no reason given'}"
+    return {401: f"401 Unauthorized: {url} wants the server's --admin-api-key (--api-key KEY or {ENV_KEY})",
+            403: f"403 Forbidden: {url} ({text or 'the server has no --admin-api-key'})",
+            404: f"404: {url} has no {ROUTE}: the server was started without --admin-api-key, or without this plugin "
+                 "installed (sglang-bcg doctor)"}.get(status, f"{status}: {text or 'no reason given'}")
 
 
 # -- the answer ---------------------------------------------------------------------------------------
 
 
-def _is_mode_report(v: object) -> bool:
-    return v is None or isinstance(v, str) or (isinstance(v, list) and all(isinstance(m, str) for m in v))
-
-
-def _is_seconds(v: object) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0
-
-
 _RANKS = (lambda v: isinstance(v, list) and all(isinstance(r, dict) for r in v), "a list of objects, one per TP rank")
 #: The documented answer (docs/sglang.md): field -> (check, what it must be).
 FIELDS_GET: dict[str, tuple[Callable[[object], bool], str]] = {
-    "mode": (_is_mode_report, "an output mode, a list of them (ranks that differ) or null"),
+    "mode": (lambda v: v is None or isinstance(v, str) or (isinstance(v, list) and all(isinstance(m, str) for m in v)),
+             "an output mode, a list of them (ranks that differ) or null"),
     "ranks": _RANKS,
 }
 FIELDS_POST: dict[str, tuple[Callable[[object], bool], str]] = {
     "mode": (lambda v: isinstance(v, str), "the output mode asked for"),
     "previous": (lambda v: v is None or isinstance(v, str), "the previous output mode or null"),
-    "seconds": (_is_seconds, "the switch's seconds, a number"),
+    "seconds": (lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0,
+                "the switch's seconds, a number"),
     "ranks": _RANKS,
 }
 
@@ -399,17 +311,8 @@ FIELDS_POST: dict[str, tuple[Callable[[object], bool], str]] = {
 def _json_kind(v: object) -> str:
     names = {type(None): "null", bool: "boolean", int: "number", float: "number", str: "string", list: "list",
              dict: "object"}
-    return f"{names.get(type(v), type(v).__name__)} {_brief(v)}"
-
-
-def _brief(v: object) -> str:
-    text = json.dumps(v) if isinstance(v, (dict, list, str, int, float, bool, type(None))) else repr(v)
-    return text if len(text) <= 60 else f"{text[:60]}…"
-
-
-def _preview(data: bytes) -> str:
-    text = " ".join(data[:200].decode("utf-8", "replace").split())
-    return repr(text[:60]) + ("…" if len(text) > 60 or len(data) > 200 else "")
+    text = json.dumps(v) if type(v) in names else repr(v)
+    return f"{names.get(type(v), type(v).__name__)} {text if len(text) <= 60 else f'{text[:60]}…'}"
 
 
 def check_answer(body: object, mode: str | None, route: str, status: int = 200) -> dict[str, Any]:
@@ -436,30 +339,51 @@ def check_answer(body: object, mode: str | None, route: str, status: int = 200) 
     return body
 
 
-def _parsed(answer: _Answer, server: Server, mode: str | None) -> dict[str, Any]:
-    """The checked JSON of a 2xx answer. :raises SwitchError: a redirect, an error status, not the object."""
-    route, status = server.route_url, answer.status
+def _parsed(answer: tuple[int, str, str | None, bytes], server: Server, mode: str | None) -> dict[str, Any]:
+    """The checked JSON of a 2xx answer. :raises SwitchError: too large, a redirect, an error status,
+    not the object."""
+    (status, reason, location, data), route = answer, server.route_url
+    if len(data) > MAX_ANSWER_BYTES:
+        msg = (f"{route} answered more than {MAX_ANSWER_BYTES // 2**20} MiB: not the answer of {ROUTE}"
+               f"{_unknown(mode, BODY)}")
+        raise SwitchError(msg)
     if 300 <= status < 400:
-        where = urljoin(route, answer.location) if answer.location else "nowhere (no Location)"
+        where = urljoin(route, location) if location else "nowhere (no Location)"
         what = ("it was not followed, so nothing was switched (a switch is reported only from the server's own "
                 "answer to the POST)") if mode is not None else "it was not followed"
-        base = where.removesuffix(ROUTE)
-        msg = (f"{status} {answer.reason}: {route} redirected to {where}; {what}: "
-               f"if that is the server, give --url {base}")
+        msg = f"{status} {reason}: {route} redirected to {where}; {what}: if that is the server, give --url " + (
+            where.removesuffix(ROUTE))
         raise SwitchError(msg)
     if not 200 <= status < 300:
-        raise SwitchError(_error_of(status, answer.data, route))
+        raise SwitchError(_error_of(status, data, route))
     after = "" if mode is None else f"; whether it switched is unknown: {_CHECK}"
-    if not answer.data.strip():
+    if not data.strip():
         msg = f"{route} answered {status} with an empty body, expected the JSON object of {ROUTE}{after}"
         raise SwitchError(msg)
     try:
-        body = json.loads(answer.data)
+        body = json.loads(data)
     except (ValueError, RecursionError):  # not UTF-8 or not JSON; nested past the parser's depth
-        msg = (f"{route} answered something that is not JSON ({status}, {len(answer.data)} bytes: "
-               f"{_preview(answer.data)}), expected the JSON object of {ROUTE}: is --url the SGLang server?{after}")
+        text = " ".join(data[:200].decode("utf-8", "replace").split())
+        preview = repr(text[:60]) + ("…" if len(text) > 60 or len(data) > 200 else "")
+        msg = (f"{route} answered something that is not JSON ({status}, {len(data)} bytes: {preview}), "
+               f"expected the JSON object of {ROUTE}: is --url the SGLang server?{after}")
         raise SwitchError(msg) from None
     return check_answer(body, mode, route, status)
+
+
+def _started(work: Callable[[], object]) -> tuple[threading.Thread, dict[str, Any]]:
+    """A daemon thread running ``work``; its box gets the ``"value"`` returned or the ``"error"`` raised."""
+    box: dict[str, Any] = {}
+
+    def boxed() -> None:
+        try:
+            box["value"] = work()
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller's thread
+            box["error"] = exc
+
+    thread = threading.Thread(target=boxed, name="sglang-bcg switch", daemon=True)
+    thread.start()
+    return thread, box
 
 
 def request(url: str, key: str | None, mode: str | None, timeout_s: float) -> dict[str, Any]:
@@ -467,27 +391,18 @@ def request(url: str, key: str | None, mode: str | None, timeout_s: float) -> di
     ``timeout_s`` seconds in all (``SLACK_S`` more at most where a name lookup hangs).
 
     :raises UsageError: a bad ``url``, ``key`` or ``timeout_s``. :raises SwitchError: any other failure."""
-    server, seconds = parse_url(url), parse_timeout(timeout_s)
-    if key is not None:
-        check_key(key, "--api-key")
-    deadline, progress = _Deadline(seconds), _Progress()
-    box: dict[str, Any] = {}
-
-    def work() -> None:
-        try:
-            box["answer"] = _exchange(server, key, mode, deadline, progress)
-        except BaseException as exc:  # noqa: BLE001 - handed to the caller's thread
-            box["error"] = exc
-
-    worker = threading.Thread(target=work, name="sglang-bcg switch", daemon=True)
-    worker.start()
+    server, seconds = _arguments(url, key, timeout_s)
+    deadline = _Deadline(seconds)
+    worker, box = _started(lambda: _exchange(server, key, mode, deadline))
     worker.join(max(0.0, deadline.end - time.monotonic()) + SLACK_S)
-    if worker.is_alive():  # a step no socket timeout bounds (a name lookup, every address of a host)
-        progress.abort()
-        raise SwitchError(_timed_out(server, mode, seconds, progress))
+    if worker.is_alive():  # a step no socket timeout bounds (a name lookup, every address of a host): abandoned
+        if (sock := getattr(deadline.conn, "sock", None)) is not None:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+        raise SwitchError(_failure(TimeoutError(), server, mode, seconds, deadline))
     if "error" in box:
-        raise SwitchError(_failure(box["error"], server, mode, seconds, progress)) from None
-    return _parsed(box["answer"], server, mode)
+        raise SwitchError(_failure(box["error"], server, mode, seconds, deadline)) from None
+    return _parsed(box["value"], server, mode)
 
 
 # -- the command ---------------------------------------------------------------------------------------
@@ -497,55 +412,38 @@ def _mib(n: object) -> str:
     return f"{n / 2**20:.1f} MiB" if isinstance(n, int) and not isinstance(n, bool) else "?"
 
 
-def _mode_text(mode: object) -> str:
-    return f"{', '.join(map(str, mode))} (the ranks differ)" if isinstance(mode, list) else str(mode)
-
-
 def result_line(body: dict[str, Any], mode: str | None) -> str:
     ranks = body.get("ranks", [])
     first = ranks[0] if ranks else {}
     where = (f"on {len(ranks)} TP rank(s) (scheduler pid {','.join(str(r.get('pid')) for r in ranks)}); graph pool "
              f"{_mib(first.get('pool_bytes'))}, resident outputs {_mib(first.get('resident_output_bytes'))}")
     if mode is None:
+        shown_mode = body.get("mode")
+        if isinstance(shown_mode, list):
+            shown_mode = f"{', '.join(map(str, shown_mode))} (the ranks differ)"
         why = f"; switch refused here: {first['refusal']}" if first.get("refusal") else ""
-        return f"output mode: {_mode_text(body.get('mode'))} {where}{why}"
+        return f"output mode: {shown_mode} {where}{why}"
     return f"output mode: {body.get('mode')} (was {body.get('previous')}), switched in {body.get('seconds')} s {where}"
 
 
 def run(url: str, key: str | None, mode: str | None, timeout_s: float) -> int:
     """The command: the arguments checked (:raises UsageError:), then the request in a thread and a
     progress line until it answers; 0 from the server's 2xx with the documented answer, else 1."""
-    parse_url(url)  # request() checks them too; here, before the progress line
-    parse_timeout(timeout_s)
-    if key is not None:
-        check_key(key, "--api-key")
-    box: dict[str, Any] = {}
-
-    def work() -> None:
-        try:
-            box["body"] = request(url, key, mode, timeout_s)
-        except SwitchError as exc:
-            box["error"] = str(exc)
-        except BaseException as exc:  # noqa: BLE001 - a bug: its traceback, from the command's thread
-            box["bug"] = exc
-
+    _arguments(url, key, timeout_s)  # request() checks them too; here, before the progress line
     what = "reading the output mode of" if mode is None else f"switching the output mode to {mode} at"
-    thread = threading.Thread(target=work, daemon=True)
-    start = time.monotonic()
-    thread.start()
-    tty = sys.stderr.isatty()
-    print(f"sglang-bcg switch: {what} {url.strip()} ...", file=sys.stderr, end="" if tty else "\n", flush=True)
+    line, start, tty = f"sglang-bcg switch: {what} {url.strip()} ...", time.monotonic(), sys.stderr.isatty()
+    thread, box = _started(lambda: request(url, key, mode, timeout_s))
+    print(line, file=sys.stderr, end="" if tty else "\n", flush=True)
     while thread.is_alive():
         thread.join(0.5)
         if tty:
-            print(f"\rsglang-bcg switch: {what} {url.strip()} ... {time.monotonic() - start:.0f} s", file=sys.stderr,
-                  end="", flush=True)
+            print(f"\r{line} {time.monotonic() - start:.0f} s", file=sys.stderr, end="", flush=True)
     if tty:
         print(file=sys.stderr)
-    if "bug" in box:
-        raise box["bug"]
-    if "error" in box:
+    if isinstance(box.get("error"), SwitchError):
         print(f"error: {box['error']}", file=sys.stderr)
         return 1
-    print(result_line(box["body"], mode))
+    if "error" in box:  # a bug: its traceback, from the command's thread
+        raise box["error"]
+    print(result_line(box["value"], mode))
     return 0
