@@ -51,15 +51,11 @@ class BrokenPlugin:
     error: str
     hook: str | None = None
 
-    def source(self) -> str:
-        """``= value (distribution d v)``, or ``(value)`` without a distribution."""
-        if self.distribution:
-            return f"= {self.value} (distribution {self.distribution} {self.version})"
-        return f"({self.value})"
-
     def describe(self) -> str:
+        source = f"= {self.value} (distribution {self.distribution} {self.version})" if self.distribution \
+            else f"({self.value})"
         failed = "failed to load" if self.hook is None else f"raised in {self.hook}"
-        return f"plugin {self.entry_point!r} {self.source()} {failed}: {self.error}"
+        return f"plugin {self.entry_point!r} {source} {failed}: {self.error}"
 
     def remedy(self) -> str:
         """What to do: fix or uninstall it, or block it."""
@@ -90,11 +86,16 @@ class _Manager(pluggy.PluginManager):
         self.origins: dict[str, tuple[str, str, str]] = {}
 
     def list_plugin_distributions(self) -> list[tuple[object, importlib.metadata.Distribution]]:
-        """``(plugin, distribution)`` of every entry-point plugin loaded (pluggy's older name:
-        ``list_plugin_distinfo``)."""
+        """``(plugin, distribution)`` of every entry-point plugin loaded (older name: ``list_plugin_distinfo``)."""
         return list(self._distributions)
 
     list_plugin_distinfo = list_plugin_distributions  # type: ignore[assignment]
+
+
+def warn_broken(broken: BrokenPlugin) -> None:
+    """One ``PluginLoadWarning``: ``broken``'s backends are unavailable, the others work."""
+    warn_user(f"{broken.describe()}; its backends are unavailable, the others work ({broken.remedy()})",
+              PluginLoadWarning)
 
 
 def _one_line(exc: BaseException) -> str:
@@ -131,35 +132,18 @@ def _running_as(impl: pluggy.HookImpl) -> Iterator[None]:
 
 def _invoke(impl: pluggy.HookImpl, kwargs: Mapping[str, object]) -> Any:
     """``impl``'s function with the hook's arguments it names (positional by ``argnames``, the
-    defaulted ones it also names by keyword), as pluggy passes them."""
+    defaulted ones it also names by keyword), as pluggy passes them; a wrapper (``wrapper=True`` or
+    the old ``hookwrapper=True``, a generator function) run up to its ``yield``."""
     extra = {name: kwargs[name] for name in impl.kwargnames if name in kwargs}
     with _running_as(impl):
-        return impl.function(*(kwargs[name] for name in impl.argnames), **extra)
-
-
-def _open_wrapper(impl: pluggy.HookImpl, kwargs: Mapping[str, object]) -> Generator[None, object, object]:
-    """Run a wrapper (``wrapper=True`` or the old ``hookwrapper=True``) up to its ``yield``."""
-    gen: Generator[None, object, object] = _invoke(impl, kwargs)  # a wrapper is a generator function
-    with _running_as(impl):
-        try:
-            next(gen)
-        except StopIteration:
-            msg = f"wrapper {impl.function.__qualname__} of plugin {impl.plugin_name!r} did not yield"
-            raise RuntimeError(msg) from None
-    return gen
-
-
-def _close_wrapper(impl: pluggy.HookImpl, gen: Generator[None, object, object], results: list[object]) -> None:
-    """Resume a wrapper with the implementations' results (a ``pluggy.Result`` for an old-style one)."""
-    with _running_as(impl):
-        try:
-            gen.send(pluggy.Result(results, None) if impl.hookwrapper else results)
-        except StopIteration:
-            return
-        finally:
-            gen.close()
-    msg = f"wrapper {impl.function.__qualname__} of plugin {impl.plugin_name!r} has a second yield"
-    raise RuntimeError(msg)
+        result: Any = impl.function(*(kwargs[name] for name in impl.argnames), **extra)
+        if impl.wrapper or impl.hookwrapper:
+            try:
+                next(result)
+            except StopIteration:
+                msg = f"wrapper {impl.function.__qualname__} of plugin {impl.plugin_name!r} did not yield"
+                raise RuntimeError(msg) from None
+        return result
 
 
 def call_each(caller: pluggy.HookCaller, kwargs: Mapping[str, object], *,
@@ -177,9 +161,10 @@ def call_each(caller: pluggy.HookCaller, kwargs: Mapping[str, object], *,
             if failures and stop_at_first:
                 break
             try:
+                result = _invoke(impl, kwargs)
                 if impl.wrapper or impl.hookwrapper:
-                    opened.append((impl, _open_wrapper(impl, kwargs)))
-                elif (result := _invoke(impl, kwargs)) is not None:
+                    opened.append((impl, result))
+                elif result is not None:
                     results.append(result)
             except Exception as exc:  # noqa: BLE001 - one plugin's error, isolated and returned
                 failures.append(HookFailure(impl.plugin_name, caller.name, exc))
@@ -187,9 +172,17 @@ def call_each(caller: pluggy.HookCaller, kwargs: Mapping[str, object], *,
         for _, gen in opened:
             gen.close()
         raise
-    for impl, gen in reversed(opened):
+    for impl, gen in reversed(opened):  # resumed with the results (a ``pluggy.Result`` for an old-style one)
         try:
-            _close_wrapper(impl, gen, results)
+            with _running_as(impl):
+                try:
+                    gen.send(pluggy.Result(results, None) if impl.hookwrapper else results)
+                except StopIteration:
+                    continue
+                finally:
+                    gen.close()
+            msg = f"wrapper {impl.function.__qualname__} of plugin {impl.plugin_name!r} has a second yield"
+            raise RuntimeError(msg)
         except Exception as exc:  # noqa: BLE001 - as above
             failures.append(HookFailure(impl.plugin_name, caller.name, exc))
     return failures
@@ -216,6 +209,7 @@ def _load_entry_points(pm: _Manager) -> None:
         for ep in dist.entry_points:
             if ep.group != NAME or ep.name in failed or pm.has_plugin(ep.name) or pm.is_blocked(ep.name):
                 continue
+            origin = (ep.value, dist.metadata["Name"] or "?", dist.version)
             try:
                 plugin = ep.load()
                 pm.register(plugin, name=ep.name)
@@ -224,26 +218,11 @@ def _load_entry_points(pm: _Manager) -> None:
                 if pm.has_plugin(ep.name):
                     pm.unregister(name=ep.name)
                 failed.add(ep.name)
-                broken = BrokenPlugin(ep.name, ep.value, dist.metadata["Name"] or "?", dist.version, _one_line(exc))
-                pm.broken_plugins.append(broken)
-                warn_user(f"{broken.describe()}; its backends are unavailable, the others work ({broken.remedy()})",
-                          PluginLoadWarning)
+                pm.broken_plugins.append(broken := BrokenPlugin(ep.name, *origin, _one_line(exc)))
+                warn_broken(broken)
             else:
                 pm._distributions.append((plugin, dist))
-                pm.origins[ep.name] = (ep.value, dist.metadata["Name"] or "?", dist.version)
-
-
-def _build() -> pluggy.PluginManager:
-    pm = _Manager(NAME)
-    pm.add_hookspecs(hookspecs)
-    for name in filter(None, map(str.strip, os.environ.get(ENV_BLOCK_PLUGINS, "").split(","))):
-        pm.set_blocked(name)  # first: a blocked entry point never loads
-    _load_entry_points(pm)
-    for module_name in BUILTIN_PLUGINS:
-        if not pm.is_blocked(module_name):
-            pm.register(importlib.import_module(module_name), name=module_name)
-    pm.check_pending()
-    return pm
+                pm.origins[ep.name] = origin
 
 
 def get_plugin_manager() -> pluggy.PluginManager:
@@ -251,7 +230,16 @@ def get_plugin_manager() -> pluggy.PluginManager:
     global _manager
     with _lock:
         if _manager is None:
-            _manager = _build()
+            pm = _Manager(NAME)
+            pm.add_hookspecs(hookspecs)
+            for name in filter(None, map(str.strip, os.environ.get(ENV_BLOCK_PLUGINS, "").split(","))):
+                pm.set_blocked(name)  # first: a blocked entry point never loads
+            _load_entry_points(pm)
+            for module_name in BUILTIN_PLUGINS:
+                if not pm.is_blocked(module_name):
+                    pm.register(importlib.import_module(module_name), name=module_name)
+            pm.check_pending()
+            _manager = pm
         return _manager
 
 

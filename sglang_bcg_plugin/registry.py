@@ -9,9 +9,9 @@ from typing import TYPE_CHECKING, Any
 
 import pluggy
 
-from .errors import BackendRegistrationError, PluginLoadWarning, warn_user
-from .manager import (BrokenPlugin, HookFailure, call_each, get_plugin_manager, load_failures, plugin_origin,
-                      running_plugin)
+from .errors import BackendRegistrationError
+from .manager import (BrokenPlugin, call_each, get_plugin_manager, load_failures, plugin_origin, running_plugin,
+                      warn_broken)
 from .options import BackendOptions
 
 if TYPE_CHECKING:
@@ -44,26 +44,20 @@ class BackendRegistry:
 
         :raises BackendRegistrationError: bad name, non-callable factory, or the name is claimed."""
         plugin = running_plugin() or DIRECT
-        try:
-            self._check(plugin, name, factory)
-        except BackendRegistrationError as exc:
-            self._refusals.append(exc)
-            raise
-        self._factories[name] = (factory, plugin)
-
-    def _check(self, plugin: str, name: str, factory: BackendFactory) -> None:
         if not isinstance(name, str) or not name.isidentifier():
             msg = f"plugin {plugin!r} registers backend name {name!r}: expected an identifier str"
-            raise BackendRegistrationError(msg)
-        if not callable(factory):
+        elif not callable(factory):
             msg = f"plugin {plugin!r} registers backend {name!r} with non-callable {factory!r}"
-            raise BackendRegistrationError(msg)
-        if name in self._factories:
+        elif name in self._factories:
             other, other_plugin = self._factories[name]
             msg = (f"backend name {name!r} is claimed by two plugins: {other_plugin!r} "
                    f"({_describe(other)}) and {plugin!r} ({_describe(factory)}); "
                    f"block one with SGLANG_BCG_BLOCK_PLUGINS")
-            raise BackendRegistrationError(msg)
+        else:
+            self._factories[name] = (factory, plugin)
+            return
+        self._refusals.append(refusal := BackendRegistrationError(msg))
+        raise refusal
 
     def names(self) -> list[str]:
         return sorted(self._factories)
@@ -94,18 +88,6 @@ class BackendRegistry:
     def plugin_of(self, name: str) -> str:
         return self._factories[name][1]
 
-    def _drop(self, broken: BrokenPlugin) -> None:
-        """Forget every backend ``broken``'s plugin added before it raised."""
-        for name in [n for n, (_, plugin) in self._factories.items() if plugin == broken.entry_point]:
-            del self._factories[name]
-            self._dropped[name] = broken
-        self._broken.append(broken)
-
-
-def _broken(pm: pluggy.PluginManager, failure: HookFailure) -> BrokenPlugin:
-    value, distribution, version = plugin_origin(pm, failure.plugin)
-    return BrokenPlugin(failure.plugin, value, distribution, version, failure.error_line(), failure.hook)
-
 
 def _collect(pm: pluggy.PluginManager) -> BackendRegistry:
     """Every plugin's ``sglang_bcg_register_backends``, called on its own; a refusal of ``add`` that
@@ -115,15 +97,16 @@ def _collect(pm: pluggy.PluginManager) -> BackendRegistry:
     warned = _warned.setdefault(pm, set())
     failures = call_each(pm.hook.sglang_bcg_register_backends, {"registry": registry})
     registry._refusals = [r for r in registry._refusals if any(f.error is r for f in failures)]
-    for failure in failures:
-        if failure.error in registry._refusals:
-            continue
-        broken = _broken(pm, failure)
-        registry._drop(broken)
+    for failure in (f for f in failures if f.error not in registry._refusals):
+        broken = BrokenPlugin(failure.plugin, *plugin_origin(pm, failure.plugin), failure.error_line(), failure.hook)
+        # every backend its plugin added before it raised is dropped
+        for name in [n for n, (_, plugin) in registry._factories.items() if plugin == broken.entry_point]:
+            del registry._factories[name]
+            registry._dropped[name] = broken
+        registry._broken.append(broken)
         if (broken.entry_point, broken.error) not in warned:
             warned.add((broken.entry_point, broken.error))
-            warn_user(f"{broken.describe()}; its backends are unavailable, the others work ({broken.remedy()})",
-                      PluginLoadWarning)
+            warn_broken(broken)
     return registry
 
 
@@ -134,8 +117,7 @@ def build_registry(pm: pluggy.PluginManager | None = None) -> BackendRegistry:
 
     :raises BackendRegistrationError: ``registry.add`` refused a registration (a bad name, a
         non-callable factory, a name claimed twice)."""
-    registry = _collect(pm or get_plugin_manager())
-    if registry._refusals:
+    if (registry := _collect(pm or get_plugin_manager()))._refusals:
         raise registry._refusals[0]
     return registry
 
@@ -154,11 +136,9 @@ def listing(registry: BackendRegistry) -> list[str]:
     """What ``sglang-bcg backends`` and ``doctor`` print: one ``name<TAB>module`` line per backend
     (the module of its factory, built-in or not), then one ``BROKEN name (source)[ in hook]: error``
     line per broken plugin (``source``: its distribution and version, else its module or class)."""
-    lines = [f"{name}\t{getattr(registry.get(name), '__module__', '?')}" for name in registry.names()]
-    for b in registry.broken:
-        source = f"{b.distribution} {b.version}" if b.distribution else b.value
-        lines.append(f"BROKEN {b.entry_point} ({source}){'' if b.hook is None else f' in {b.hook}'}: {b.error}")
-    return lines
+    return [f"{name}\t{getattr(registry.get(name), '__module__', '?')}" for name in registry.names()] + [
+        f"BROKEN {b.entry_point} ({f'{b.distribution} {b.version}' if b.distribution else b.value})"
+        f"{'' if b.hook is None else f' in {b.hook}'}: {b.error}" for b in registry.broken]
 
 
 def available_backends(pm: pluggy.PluginManager | None = None) -> list[str]:

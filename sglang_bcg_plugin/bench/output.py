@@ -29,14 +29,16 @@ CPU_NOTE = (
 )
 #: Under the table where Graph Trees has a row.
 GRAPH_TREES_NOTE = "graph-trees: resident n/a (Graph Trees keep no output past the next step)"
-#: Keys of ``ratios()`` that compare timings.
+#: ``ratios()``' keys and the row fields they compare; :data:`TIMING_RATIOS` are the timing ones.
+RATIO_FIELDS = {"graph_memory_on_over_off": "graph_memory_bytes", "resident_on_over_off": "resident_output_bytes",
+                "replay_on_over_off": "replay_ms", "capture_on_over_off": "capture_s"}
 TIMING_RATIOS = ("replay_on_over_off", "capture_on_over_off")
 #: One line printed instead of writing bench.png when matplotlib is missing.
 PLOT_SKIPPED = ("plot skipped: matplotlib is not installed; for bench.png install the [bench] extra "
                 "(from a checkout: pip install -e '.[bench]')")
 #: The metrics a row saves against ``off``: graph memory where measured (CUDA), else resident output.
 GRAPH, RESIDENT = "graph_memory_bytes", "resident_output_bytes"
-MINUS = "\N{MINUS SIGN}"
+MINUS, ELLIPSIS = "\N{MINUS SIGN}", "\N{HORIZONTAL ELLIPSIS}"
 #: After the variant of a row that ran as another (:func:`ran_as_note`), with a footnote under the table.
 STAR = "*"
 
@@ -46,20 +48,15 @@ def sig2(value: float) -> str:
     if value == 0 or not math.isfinite(value):
         return f"{value:.0f}"
     rounded = round(value, 1 - math.floor(math.log10(abs(value))))
-    if abs(rounded) >= 10:
-        return f"{rounded:.0f}"
-    return f"{rounded:.{1 - math.floor(math.log10(abs(rounded)))}f}"
+    return f"{rounded:.0f}" if abs(rounded) >= 10 else f"{rounded:.{1 - math.floor(math.log10(abs(rounded)))}f}"
 
 
 def percent(fraction: float, decimals: int | None = None) -> str:
     """``fraction`` as a signed percentage, negative with :data:`MINUS`: "+0.2 %", "0.0 %", "+35 %";
     ``decimals`` (default: none from 1 % on, one below)."""
     value = fraction * 100
-    digits = decimals if decimals is not None else (0 if abs(value) >= 1 else 1)
-    text = f"{abs(value):.{digits}f}"
-    if not text.strip("0."):
-        return f"{text} %"
-    return f"{MINUS if value < 0 else '+'}{text} %"
+    text = f"{abs(value):.{decimals if decimals is not None else (0 if abs(value) >= 1 else 1)}f}"
+    return f"{(MINUS if value < 0 else '+') if text.strip('0.') else ''}{text} %"
 
 
 def mib(n: float) -> str:
@@ -71,10 +68,6 @@ def _cell(v: float | None, spec: str, scale: float = 1.0) -> str | None:
     return None if v is None else format(v * scale, spec)
 
 
-def _ratio(on: float | None, off: float | None) -> float | None:
-    return on / off if on is not None and off else None
-
-
 def ran_as_note(r: BenchRow) -> str:
     """What a row's variant ran as on the eager engine, and why (empty when it ran as itself)."""
     return "" if r.ran_as is None else f"ran as {r.ran_as} ({r.ran_as_reason})"
@@ -84,29 +77,19 @@ def row_line(r: BenchRow) -> str:
     """One line for the progress log (the table has everything); what was not measured is left out;
     a variant that ran as another starts with what it ran as (:func:`ran_as_note`)."""
     parts = [] if r.backend == GRAPH_TREES else [f"resident {r.resident_output_bytes / MIB:,.2f} MiB"]
-    if r.graph_memory_bytes is not None:
-        parts.append(f"graph {mib(r.graph_memory_bytes)} MiB")
-    if r.forecast_bytes is not None:
-        parts.append(f"forecast {mib(r.forecast_bytes)} MiB")
-    if r.bridge_bytes:
-        parts.append(f"bridges {mib(r.bridge_bytes)} MiB")
+    parts += [f"{what} {mib(n)} MiB" for what, n in (("graph", r.graph_memory_bytes), ("forecast", r.forecast_bytes),
+                                                      ("bridges", r.bridge_bytes or None)) if n is not None]
     parts += [f"capture {r.capture_s:.2f} s", f"replay {r.replay_ms:.3f} ms"]
-    if r.max_abs_err is not None:
-        parts.append(f"max abs err {r.max_abs_err:.3g}")
-    ran = "" if r.ran_as is None else f"{ran_as_note(r)}: "
-    return ran + ", ".join([*parts, f"fallbacks {r.fallbacks}"])
+    parts += [] if r.max_abs_err is None else [f"max abs err {r.max_abs_err:.3g}"]
+    return ("" if r.ran_as is None else f"{ran_as_note(r)}: ") + ", ".join([*parts, f"fallbacks {r.fallbacks}"])
 
 
 def ratios(rows: list[BenchRow], *, timings_meaningful: bool = True) -> dict[str, dict[str, float | None]]:
     """Per backend: sharing-on / sharing-off ratios (the timing ones ``None`` unless meaningful), for bench.json."""
     offs = {r.backend: r for r in rows if r.variant == "off"}
-    ons = {r.backend: r for r in rows if r.variant == "on" and r.backend in offs}
-    return {backend: {
-        "graph_memory_on_over_off": _ratio(on.graph_memory_bytes, offs[backend].graph_memory_bytes),
-        "resident_on_over_off": _ratio(on.resident_output_bytes, offs[backend].resident_output_bytes),
-        "replay_on_over_off": _ratio(on.replay_ms, offs[backend].replay_ms) if timings_meaningful else None,
-        "capture_on_over_off": _ratio(on.capture_s, offs[backend].capture_s) if timings_meaningful else None,
-    } for backend, on in ons.items()}
+    return {r.backend: {key: getattr(r, f) / getattr(offs[r.backend], f) if getattr(r, f) is not None
+                        and getattr(offs[r.backend], f) and (timings_meaningful or key not in TIMING_RATIOS) else None
+                        for key, f in RATIO_FIELDS.items()} for r in rows if r.variant == "on" and r.backend in offs}
 
 
 class Saving(NamedTuple):
@@ -134,12 +117,9 @@ class Saving(NamedTuple):
         """"breakable: on saves 1.0 MiB (-89 %) of resident output against off" (the minus: :data:`MINUS`)."""
         what = "graph memory" if self.metric == GRAPH else "resident output"
         change = "" if self.change is None else f" ({percent(self.change)})"
-        if self.saved_bytes > 0:
-            text = f"saves {mib(self.saved_bytes)} MiB{change} of {what} against off"
-        elif self.saved_bytes < 0:
-            text = f"costs {mib(-self.saved_bytes)} MiB{change} more {what} than off"
-        else:
-            text = f"holds as much {what} as off ({mib(self.held_bytes)} MiB)"
+        text = (f"saves {mib(self.saved_bytes)} MiB{change} of {what} against off" if self.saved_bytes > 0
+                else f"costs {mib(-self.saved_bytes)} MiB{change} more {what} than off" if self.saved_bytes < 0
+                else f"holds as much {what} as off ({mib(self.held_bytes)} MiB)")
         replay = "" if self.replay_change is None else f"; replay {percent(self.replay_change, 1)}"
         return f"{self.backend}: {self.variant} {text}{replay}"
 
@@ -151,10 +131,7 @@ def savings(rows: list[BenchRow], *, timings_meaningful: bool = True) -> list[Sa
     """Every row of a backend that has an ``off`` row, against it, in row order."""
     offs = {r.backend: r for r in rows if r.variant == "off"}
     out = []
-    for r in rows:
-        off = offs.get(r.backend)
-        if off is None or r is off:
-            continue
+    for r, off in ((r, offs[r.backend]) for r in rows if r.backend in offs and r is not offs[r.backend]):
         metric = GRAPH if r.graph_memory_bytes is not None and off.graph_memory_bytes is not None else RESIDENT
         replay = (r.replay_ms - off.replay_ms) / off.replay_ms if timings_meaningful and off.replay_ms else None
         out.append(Saving(r.backend, r.variant, metric, getattr(off, metric), getattr(r, metric), replay))
@@ -197,65 +174,43 @@ def _widths(cells: dict[str, list[str]]) -> dict[str, int]:
     return {k: max(len(c) for c in (*COLUMNS[k].head, *col)) for k, col in cells.items()}
 
 
-def _total(cells: dict[str, list[str]]) -> int:
-    return sum(_widths(cells).values()) + 2 * (len(cells) - 1)
+def _fit(rows: list[BenchRow], width: int) -> tuple[dict[str, list[str]], list[str]]:
+    """The table's cells by column (a column no row has left out), made to fit ``width``: names cut
+    to ``NAME_WIDTH``, then ``DROP_ORDER``'s columns left out, then the names cut further (the
+    backend's first); and the keys left out."""
+    cells = {k: ["-" if c is None else c for c in col] for k, col in
+             ((k, [c.cell(r) for r in rows]) for k, c in COLUMNS.items())
+             if k in ("backend", "variant") or any(c is not None for c in col)}
 
+    def excess() -> int:
+        return sum(_widths(cells).values()) + 2 * (len(cells) - 1) - width
 
-def _cut(cells: dict[str, list[str]], key: str, keep: int) -> None:
-    """Cut ``key``'s cells to ``keep`` characters, with "…" (a variant's :data:`STAR` kept)."""
+    def cut(key: str, keep: int) -> None:  # to ``keep`` characters, with "…" (a variant's STAR kept)
+        stars = [STAR if key == "variant" and c.endswith(STAR) else "" for c in cells[key]]
+        cells[key] = [c if len(c) <= keep else f"{c[:keep - 1 - len(s)]}{ELLIPSIS}{s}"
+                      for c, s in zip(cells[key], stars, strict=True)]
 
-    def cut(c: str) -> str:
-        if len(c) <= keep:
-            return c
-        star = STAR if key == "variant" and c.endswith(STAR) else ""
-        return f"{c[:keep - 1 - len(star)]}\N{HORIZONTAL ELLIPSIS}{star}"
-
-    cells[key] = [cut(c) for c in cells[key]]
-
-
-def _fit(cells: dict[str, list[str]], width: int) -> list[str]:
-    """Make the table fit ``width`` (in place): names cut to ``NAME_WIDTH``, then ``DROP_ORDER``'s
-    columns left out, then the names cut further (the backend's first); the keys left out."""
-    if _total(cells) > width:
+    if excess() > 0:
         for key in ("backend", "variant"):
-            _cut(cells, key, NAME_WIDTH)
+            cut(key, NAME_WIDTH)
     dropped = []
     for key in DROP_ORDER:
-        if _total(cells) <= width:
-            break
-        if key in cells:
+        if key in cells and excess() > 0:
             del cells[key]
             dropped.append(key)
     for key in ("backend", "variant"):
-        excess = _total(cells) - width
-        if excess > 0:
-            _cut(cells, key, max(MIN_NAME_WIDTH, _widths(cells)[key] - excess))
-    return dropped
-
-
-def _table_notes(rows: list[BenchRow], dropped: list[str], width: int, timings_meaningful: bool) -> list[str]:
-    """The lines under the table: a footnote per starred variant, the columns left out, Graph Trees'
-    note, what each row saves against its backend's ``off``; each wrapped to ``width``."""
-    ran = {r.variant: ran_as_note(r) for r in rows if r.ran_as is not None}
-    notes = [f"{variant}{STAR}: {note}" for variant, note in ran.items()]
-    if dropped:
-        names = ", ".join(" ".join(COLUMNS[k].head).strip() for k in dropped)
-        notes.append(f"left out to fit {width} columns (bench.json has them): {names}")
-    if any(r.backend == GRAPH_TREES for r in rows):
-        notes.append(GRAPH_TREES_NOTE)
-    notes += [s.line() for s in savings(rows, timings_meaningful=timings_meaningful)]
-    return [part for note in notes for part in textwrap.wrap(note, width, subsequent_indent="  ")]
+        if (over := excess()) > 0:
+            cut(key, max(MIN_NAME_WIDTH, _widths(cells)[key] - over))
+    return cells, dropped
 
 
 def format_table(rows: list[BenchRow], *, timings_meaningful: bool = True, width: int = TABLE_WIDTH) -> str:
     """The rows as a table at most ``width`` columns wide (a column no row has is left out; where it
     is still too wide, ``DROP_ORDER``'s, said in a line), then a footnote per starred variant (one
-    that ran as another: ``packed*: ran as on (...)``), then what each row saves against its
-    backend's ``off`` (MiB and %), then, where timings are not meaningful (CPU), :data:`CPU_NOTE`."""
-    cells = {k: [c.cell(r) for r in rows] for k, c in COLUMNS.items()}
-    shown = {k: ["-" if c is None else c for c in col] for k, col in cells.items()
-             if k in ("backend", "variant") or any(c is not None for c in col)}
-    dropped = _fit(shown, width)
+    that ran as another: ``packed*: ran as on (...)``), then Graph Trees' note, then what each row
+    saves against its backend's ``off`` (MiB and %), each wrapped to ``width``, then, where timings
+    are not meaningful (CPU), :data:`CPU_NOTE`."""
+    shown, dropped = _fit(rows, width)
     widths = _widths(shown)
 
     def line(texts: list[str]) -> str:
@@ -265,10 +220,15 @@ def format_table(rows: list[BenchRow], *, timings_meaningful: bool = True, width
     lines = [line([COLUMNS[k].head[i] for k in shown]) for i in (0, 1)]
     lines.append("  ".join("-" * w for w in widths.values()))
     lines += [line([shown[k][i] for k in shown]) for i in range(len(rows))]
-    lines += _table_notes(rows, dropped, width, timings_meaningful)
-    if not timings_meaningful:
-        lines.append(CPU_NOTE)
-    return "\n".join(lines)
+    notes = [f"{variant}{STAR}: {note}" for variant, note in {r.variant: ran_as_note(r) for r in rows
+                                                                if r.ran_as is not None}.items()]
+    if dropped:
+        names = ", ".join(" ".join(COLUMNS[k].head).strip() for k in dropped)
+        notes.append(f"left out to fit {width} columns (bench.json has them): {names}")
+    notes += [GRAPH_TREES_NOTE] if any(r.backend == GRAPH_TREES for r in rows) else []
+    notes += [s.line() for s in savings(rows, timings_meaningful=timings_meaningful)]
+    lines += [part for note in notes for part in textwrap.wrap(note, width, subsequent_indent="  ")]
+    return "\n".join(lines if timings_meaningful else [*lines, CPU_NOTE])
 
 
 def printable(text: str, encoding: str | None) -> str:
@@ -278,27 +238,23 @@ def printable(text: str, encoding: str | None) -> str:
     try:
         text.encode(codec)
     except UnicodeEncodeError:
-        text = text.replace(MINUS, "-").replace("\N{HORIZONTAL ELLIPSIS}", "...")
-        return text.encode(codec, errors="replace").decode(codec)
+        return text.replace(MINUS, "-").replace(ELLIPSIS, "...").encode(codec, errors="replace").decode(codec)
     except LookupError:
-        return text
+        pass
     return text
 
 
-def write_json(
-    path: Path, device: str, config: dict[str, Any], rows: list[BenchRow], *, timings_meaningful: bool = True,
-    cold: dict[str, Any] | None = None,
-) -> None:
+def write_json(path: Path, device: str, config: dict[str, Any], rows: list[BenchRow], *,
+               timings_meaningful: bool = True, cold: dict[str, Any] | None = None) -> None:
     """``bench.json``: versions, UTC timestamp, config, rows (with per-size rows), ratios, the savings
     the table prints (:func:`savings`), and ``cold`` (:func:`~.runner.cold_summary`)."""
-    doc = {
+    path.write_text(json.dumps({
         "package_version": __version__, "torch_version": torch.__version__,
         "timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "device": device,
         "timings_meaningful": timings_meaningful, "config": config, "rows": [r.to_dict() for r in rows],
         "ratios": ratios(rows, timings_meaningful=timings_meaningful),
         "savings": [s.to_dict() for s in savings(rows, timings_meaningful=timings_meaningful)], "cold": cold,
-    }
-    path.write_text(json.dumps(doc, indent=2) + "\n")
+    }, indent=2) + "\n")
 
 
 #: The metrics of every bar of ``bench.png``, one panel each, in panel order.
@@ -307,28 +263,28 @@ PLOT_METRICS = ("memory_mib", "replay_ms")
 REFERENCE_COLOR = "#4bacc6"
 #: Graph Trees' legend label: torch's own CUDA graphs (on CPU the same compile, without graphs).
 GRAPH_TREES_LABEL = "torch's CUDA Graph Trees (torch.compile reduce-overhead)"
-FORECAST_LABEL = "forecast before capture (CaptureBackend.forecast)"
 GRAPH_TREES_CPU_LABEL = "torch.compile without mode (CPU stand-in: Graph Trees need CUDA)"
+FORECAST_LABEL = "forecast before capture (CaptureBackend.forecast)"
 #: Caption under the plot when Graph Trees' resident-output bar is left out (CPU).
 NO_RESIDENT_CAPTION = ("graph-trees: no memory bar: resident output does not apply (Graph Trees keep no output past "
                        "the next step)")
 #: Caption of the CPU plot, which leaves replay timing out: eager CPU time is not CUDA-graph replay
 #: (on a noisy machine its bars would read as one mode costing a multiple of another).
-CPU_CAPTION = ("CPU, eager engine: replay timing left out (eager CPU time is not CUDA-graph replay; "
-               "bench.json keeps it).\n"
-               "'released' keeps outputs here as 'off' does (no graph pool). Graph memory and replay on CUDA graphs: "
-               "docs/benchmarks.md")
+CPU_CAPTION = ("CPU, eager engine: replay timing left out (eager CPU time is not CUDA-graph replay; bench.json "
+               "keeps it).\n'released' keeps outputs here as 'off' does (no graph pool). Graph memory and replay on "
+               "CUDA graphs: docs/benchmarks.md")
 
 
 class PlotBar(NamedTuple):
     """One bar per panel: a row's ``values`` (``PLOT_METRICS`` keys; ``None``: the metric does
-    not apply, no bar is drawn) and its replay spread (below, above the median)."""
+    not apply, no bar is drawn), its replay spread (below, above the median) and the forecast
+    made before capture (graph memory only)."""
 
     variant: str
     label: str
     values: dict[str, float | None]
     replay_spread: tuple[float, float]
-    forecast_mib: float | None = None  # the forecast made before capture (graph memory only)
+    forecast_mib: float | None = None
 
 
 class PlotGroup(NamedTuple):
@@ -354,29 +310,22 @@ def plot_groups(rows: list[BenchRow], *, graph_memory: bool) -> list[PlotGroup]:
     """``bench.png``'s bar groups: one per backend of ours, in row order, then Graph Trees' own;
     ``graph_memory``: the memory panel shows graph memory (CUDA), else resident output memory."""
     backends = sorted(dict.fromkeys(r.backend for r in rows), key=lambda b: b == GRAPH_TREES)  # stable: GT last
-    return [
-        PlotGroup(b, "graph-trees\n(torch's CUDA\nGraph Trees)" if b == GRAPH_TREES else b, b == GRAPH_TREES,
-                  [_bar(r, graph_memory) for r in rows if r.backend == b])
-        for b in backends
-    ]
+    return [PlotGroup(b, "graph-trees\n(torch's CUDA\nGraph Trees)" if b == GRAPH_TREES else b, b == GRAPH_TREES,
+                      [_bar(r, graph_memory) for r in rows if r.backend == b]) for b in backends]
 
 
 def _draw(axes: dict[str, Any], groups: list[PlotGroup]) -> bool:
     """Draw every group's bars on ``axes`` (one per drawn ``PLOT_METRICS`` key); ``True``: one left out."""
     width = 0.8 / max((len(g.bars) for g in groups), default=1)
-    seen: set[str] = set()
     left_out = False
     for j, group in enumerate(groups):
         for i, bar in enumerate(group.bars):
             x = j + (i - (len(group.bars) - 1) / 2) * width
-            color = REFERENCE_COLOR if group.reference else VARIANTS[bar.variant].color
-            style = {"color": color, "hatch": "//" if group.reference else None,
-                     "edgecolor": "white" if group.reference else None,
-                     "label": bar.label if bar.label not in seen else "_nolegend_"}
-            seen.add(bar.label)
+            style = {"color": REFERENCE_COLOR if group.reference else VARIANTS[bar.variant].color,
+                     "hatch": "//" if group.reference else None, "edgecolor": "white" if group.reference else None,
+                     "label": bar.label}  # one legend entry per label: write_plot's
             for metric, ax in axes.items():
-                value = bar.values[metric]
-                if value is None:  # no bar, but its legend entry (the legend comes from the first panel)
+                if (value := bar.values[metric]) is None:  # no bar, but its legend entry (from the first panel)
                     ax.bar([x], [0.0], width, **style)
                     ax.annotate("n/a\n(see below)", (x, 0), ha="center", va="bottom", fontsize=8, color="#555555")
                     left_out = True
@@ -387,31 +336,12 @@ def _draw(axes: dict[str, Any], groups: list[PlotGroup]) -> bool:
                     ax.bar_label(drawn, labels=[sig2(value)], fontsize=8, rotation=90 if width < 0.18 else 0)
                     if bar.forecast_mib is not None:  # the forecast made before the capture
                         ax.plot([x - width / 2, x + width / 2], [bar.forecast_mib] * 2, color="black", linewidth=1.5,
-                                label=FORECAST_LABEL if "forecast" not in seen else "_nolegend_")
-                        seen.add("forecast")
+                                label=FORECAST_LABEL)
     return left_out
 
 
-def _label(axes: dict[str, Any], groups: list[PlotGroup], use_graph: bool, config: dict[str, Any]) -> None:
-    """Ticks, titles, axis labels and the memory panel's height; Graph Trees' group set apart."""
-    for ax in axes.values():
-        ax.set_xticks(range(len(groups)), [g.tick for g in groups])
-        ax.set_xlim(-0.5, len(groups) - 0.5)  # a group without a bar keeps its place
-        if groups and groups[-1].reference and len(groups) > 1:
-            ax.axvline(len(groups) - 1.5, color="#888888", linestyle="--", linewidth=0.8)
-    ax_mem = axes["memory_mib"]
-    ax_mem.set_ylabel("graph pool memory (MiB)" if use_graph else "resident output memory (MiB)")
-    ax_mem.set_title("Memory held by captured graphs" if use_graph else "Output memory held (eager engine, CPU)")
-    if "replay_ms" in axes:
-        axes["replay_ms"].set_ylabel(f"replay at {config.get('max_tokens')} tokens (ms, median)")
-        axes["replay_ms"].set_title("Replay time at the largest size")
-    top = max((b.get_height() for b in ax_mem.patches), default=0.0)
-    ax_mem.set_ylim(0, top * 1.15 if top > 0 else 1.0)
-
-
-def write_plot(
-    path: Path, device: str, config: dict[str, Any], rows: list[BenchRow], *, timings_meaningful: bool = True
-) -> bool:
+def write_plot(path: Path, device: str, config: dict[str, Any], rows: list[BenchRow], *,
+               timings_meaningful: bool = True) -> bool:
     """Write ``bench.png``: memory and replay panels; without meaningful timings (CPU) the memory
     panel alone and :data:`CPU_CAPTION`. ``False`` when matplotlib is not installed."""
     try:
@@ -429,22 +359,35 @@ def write_plot(
                                squeeze=False)
     axes = dict(zip(metrics, panels[0], strict=True))
     left_out = _draw(axes, groups)
-    _label(axes, groups, use_graph, config)
+    titles = {"memory_mib": ("graph pool memory (MiB)", "Memory held by captured graphs") if use_graph
+              else ("resident output memory (MiB)", "Output memory held (eager engine, CPU)"),
+              "replay_ms": (f"replay at {config.get('max_tokens')} tokens (ms, median)",
+                            "Replay time at the largest size")}
+    for metric, ax in axes.items():  # Graph Trees' group set apart
+        ax.set_ylabel(titles[metric][0])
+        ax.set_title(titles[metric][1])
+        ax.set_xticks(range(len(groups)), [g.tick for g in groups])
+        ax.set_xlim(-0.5, len(groups) - 0.5)  # a group without a bar keeps its place
+        if groups and groups[-1].reference and len(groups) > 1:
+            ax.axvline(len(groups) - 1.5, color="#888888", linestyle="--", linewidth=0.8)
     ax_mem = axes["memory_mib"]
-    pairs = sorted(zip(*ax_mem.get_legend_handles_labels(), strict=True), key=lambda hl: hl[1] == FORECAST_LABEL)
-    handles, labels = [h for h, _ in pairs], [label for _, label in pairs]  # every bar has a memory bar or stand-in
+    top = max((b.get_height() for b in ax_mem.patches), default=0.0)
+    ax_mem.set_ylim(0, top * 1.15 if top > 0 else 1.0)
+    # every bar has a memory bar or stand-in, so the memory panel holds every legend entry; the forecast's last
+    handles, labels = ax_mem.get_legend_handles_labels()  # every bar has a memory bar or stand-in
+    legend = dict(sorted(zip(labels, handles, strict=True), key=lambda lh: lh[0] == FORECAST_LABEL))  # one per label
     captions = [*([] if timings_meaningful else CPU_CAPTION.splitlines()), *([NO_RESIDENT_CAPTION] if left_out else [])]
-    ncol = min(len(labels), 3) or 1
-    legend_rows = -(-len(labels) // ncol)
+    ncol = min(len(legend), 3) or 1
     below = 0.03 * len(captions) + (0.01 if captions else 0.0)
-    fig.legend(handles, labels, loc="lower center", ncol=ncol, fontsize=8, bbox_to_anchor=(0.5, below), frameon=False)
+    fig.legend(list(legend.values()), list(legend), loc="lower center", ncol=ncol, fontsize=8,
+               bbox_to_anchor=(0.5, below), frameon=False)
     fig.suptitle(f"sglang-bcg bench on {device}: {config.get('layers')} layers, hidden {config.get('hidden')}, "
                  f"{config.get('dtype')}, {config.get('num_sizes')} sizes up to {config.get('max_tokens')} tokens",
                  fontsize=10)
     for k, caption in enumerate(captions):
         fig.text(0.5, 0.01 + 0.03 * (len(captions) - 1 - k), caption, ha="center", va="bottom", fontsize=8,
                  style="italic")
-    fig.tight_layout(rect=(0, below + 0.045 * legend_rows, 1, 1))
+    fig.tight_layout(rect=(0, below + 0.045 * -(-len(legend) // ncol), 1, 1))
     fig.savefig(path, dpi=120, format="png")  # path may be a temporary name
     plt.close(fig)
     return True
