@@ -1,8 +1,7 @@
-"""``sglang-bcg switch``: the client of a running server's ``/bcg/output_mode`` (docs/sglang.md),
-standard library only. Its arguments are checked before any network work (a ``UsageError``: exit 2);
-then one request, never redirected, whose whole exchange (name lookup, connect, sending, the
-answer's headers and body) ``--timeout`` bounds; a progress line on stderr, one result line on
-stdout, or one ``error:`` line (exit 1)."""
+"""``sglang-bcg switch``: the client of a running server's ``/bcg/output_mode`` (docs/sglang.md), standard library
+only. Its arguments are checked before any network work (a ``UsageError``: exit 2); then one request, never redirected,
+whose whole exchange (name lookup, connect, sending, the answer's headers and body) ``--timeout`` bounds; a progress
+line on stderr, one result line on stdout, or one ``error:`` line (exit 1)."""
 
 from __future__ import annotations
 
@@ -28,16 +27,11 @@ from ._version import __version__
 from .bench.usage import UsageError, shown
 from .sglang.switch.routes import ROUTE
 
-#: Where the key is read when ``--api-key`` is not given (keeps it off the process list).
-ENV_KEY = "SGLANG_BCG_ADMIN_API_KEY"
-#: ``--timeout`` when not given: the server's own limit (``SGLANG_BCG_SWITCH_TIMEOUT``, default 900 s).
-DEFAULT_TIMEOUT_S = 900.0
-#: The longest ``--timeout`` accepted (a day): a re-capture takes minutes, not days.
-MAX_TIMEOUT_S = 86_400.0
-#: The largest answer read: the route's answer is a few KiB per TP rank.
-MAX_ANSWER_BYTES = 16 * 2**20
-#: How long past ``--timeout`` the command waits for a step no socket timeout bounds (a name lookup).
-SLACK_S = 0.5
+ENV_KEY = "SGLANG_BCG_ADMIN_API_KEY"  #: the key when ``--api-key`` is not given (keeps it off the process list)
+DEFAULT_TIMEOUT_S = 900.0  #: the server's own limit (``SGLANG_BCG_SWITCH_TIMEOUT``, default 900 s)
+MAX_TIMEOUT_S = 86_400.0  #: the longest ``--timeout`` (a day): a re-capture takes minutes, not days
+MAX_ANSWER_BYTES = 16 * 2**20  #: the largest answer read: the route's answer is a few KiB per TP rank
+SLACK_S = 0.5  #: how long past ``--timeout`` to wait for a step no socket timeout bounds (a name lookup)
 SCHEMES = ("http", "https")
 _EXAMPLE = "e.g. --url http://127.0.0.1:30000"
 _CHECK = "check with sglang-bcg switch --show"
@@ -45,9 +39,6 @@ _CHECK = "check with sglang-bcg switch --show"
 
 class SwitchError(Exception):
     """One line for the user; never a traceback."""
-
-
-# -- the arguments, before any network work -------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -58,11 +49,7 @@ class Server:
     host: str  #: as the socket takes it (an IPv6 literal without brackets)
     port: int | None  #: ``None``: the scheme's
     base: str  #: the path before :data:`ROUTE`, without a trailing ``/``
-    netloc: str  #: host and port as given
-
-    @property
-    def route_url(self) -> str:
-        return f"{self.scheme}://{self.netloc}{self.base}{ROUTE}"
+    route_url: str  #: where the request goes, the route included
 
 
 def _char(c: str) -> str:
@@ -106,7 +93,7 @@ def parse_url(raw: object) -> Server:
             raise UsageError(msg)
         host = parts.hostname or ""
         port = parts.netloc.rpartition("]")[2].partition(":")[2]  # of host[:port] or [v6][:port]
-        base = parts.path.rstrip("/")
+        base = parts.path.rstrip("/").removesuffix(ROUTE).rstrip("/")
         if not host:
             problem = " has no host"
         elif port and not (port.isascii() and port.isdigit() and len(port) <= 5 and 1 <= int(port) <= 65535):
@@ -121,8 +108,8 @@ def parse_url(raw: object) -> Server:
     if problem:
         msg = f"--url {shown(url)}{problem}" + (f": {example}" if example.startswith("--url") else f"; {example}")
         raise UsageError(msg)
-    return Server(parts.scheme.lower(), host, int(port) if port else None, base.removesuffix(ROUTE).rstrip("/"),
-                  parts.netloc)
+    return Server(parts.scheme, host, int(port) if port else None, base,  # urlsplit: scheme lower-case
+                  f"{parts.scheme}://{parts.netloc}{base}{ROUTE}")
 
 
 def parse_timeout(raw: object) -> float:
@@ -177,15 +164,12 @@ def _arguments(url: str, key: str | None, timeout_s: float) -> tuple[Server, flo
     return parse_url(url), parse_timeout(timeout_s)
 
 
-# -- the exchange, within one deadline --------------------------------------------------------------
-
 CONNECTING, SENDING, HEADERS, BODY = "connecting", "sending the request", "waiting for the answer", "reading the answer"
 
 
 class _Deadline(io.RawIOBase):
-    """The end of the exchange, where the exchange is, and the answer's bytes as read: each step,
-    each read too, may take what is left of ``--timeout``, no more, so an answer trickled byte by
-    byte cannot outlast it."""
+    """The end of the exchange, where the exchange is, and the answer's bytes as read: each step, each read too, may
+    take what is left of ``--timeout``, no more, so an answer trickled byte by byte cannot outlast it."""
 
     def __init__(self, seconds: float, clock: Callable[[], float] = time.monotonic) -> None:
         super().__init__()
@@ -221,17 +205,16 @@ def _exchange(server: Server, key: str | None, mode: str | None, deadline: _Dead
     kind = http.client.HTTPSConnection if server.scheme == "https" else http.client.HTTPConnection
     # The port always given: http.client would read an IPv6 literal's last group as one.
     deadline.conn = conn = kind(server.host, server.port or kind.default_port, timeout=deadline.left())
-    method = "GET" if mode is None else "POST"
+    method, body = ("GET", None) if mode is None else ("POST", json.dumps({"mode": mode}).encode())
     headers = {"Accept": "application/json", "Connection": "close", "User-Agent": f"sglang-bcg/{__version__}",
                **({"Authorization": f"Bearer {key}"} if key else {}),
-               **({} if mode is None else {"Content-Type": "application/json"})}
+               **({} if body is None else {"Content-Type": "application/json"})}
     with contextlib.closing(conn):
         conn.connect()  # TCP (and TLS) within what is left; the name lookup: see request()
         deadline.stage = SENDING
         assert conn.sock is not None  # connected
         conn.sock.settimeout(deadline.left())
-        conn.request(method, server.base + ROUTE, body=None if mode is None else json.dumps({"mode": mode}).encode(),
-                     headers=headers)
+        conn.request(method, server.base + ROUTE, body=body, headers=headers)
         deadline.stage = HEADERS
         with http.client.HTTPResponse(deadline, method=method) as answer:  # type: ignore[arg-type]
             answer.begin()
@@ -243,10 +226,8 @@ def _exchange(server: Server, key: str | None, mode: str | None, deadline: _Dead
 
 
 def _unknown(mode: str | None, stage: str) -> str:
-    if mode is None:
-        return ""
-    return {CONNECTING: "; nothing was switched", SENDING: f"; whether it switched is unknown: {_CHECK}"}.get(
-        stage, f"; the switch may still finish on the server: {_CHECK}")
+    after = {CONNECTING: "; nothing was switched", SENDING: f"; whether it switched is unknown: {_CHECK}"}
+    return "" if mode is None else after.get(stage, f"; the switch may still finish on the server: {_CHECK}")
 
 
 def _failure(exc: BaseException, server: Server, mode: str | None, seconds: float, deadline: _Deadline) -> str:
@@ -273,7 +254,7 @@ def _failure(exc: BaseException, server: Server, mode: str | None, seconds: floa
         raise exc
     reason = exc.strerror or str(exc) or type(exc).__name__
     if deadline.stage == CONNECTING:
-        return f"cannot reach {route}: {reason} (is the server up at {server.scheme}://{server.netloc}?){after}"
+        return f"cannot reach {route}: {reason} (is the server up at {route.removesuffix(server.base + ROUTE)}?){after}"
     return f"the connection to {route} broke while {deadline.stage} ({reason}){after}"
 
 
@@ -287,9 +268,6 @@ def _error_of(status: int, data: bytes, url: str) -> str:
             403: f"403 Forbidden: {url} ({text or 'the server has no --admin-api-key'})",
             404: f"404: {url} has no {ROUTE}: the server was started without --admin-api-key, or without this plugin "
                  "installed (sglang-bcg doctor)"}.get(status, f"{status}: {text or 'no reason given'}")
-
-
-# -- the answer ---------------------------------------------------------------------------------------
 
 
 _RANKS = (lambda v: isinstance(v, list) and all(isinstance(r, dict) for r in v), "a list of objects, one per TP rank")
@@ -318,10 +296,8 @@ def _json_kind(v: object) -> str:
 def check_answer(body: object, mode: str | None, route: str, status: int = 200) -> dict[str, Any]:
     """``body`` if it is the documented answer of a GET (``mode=None``) or of a POST switching to
     ``mode``. :raises SwitchError: what came and what was expected."""
-    fields = FIELDS_GET if mode is None else FIELDS_POST
-    after = "" if mode is None else f"; nothing is reported as switched: {_CHECK}"
-    expected = f"the JSON object of {ROUTE} ({', '.join(fields)})"
-    where = f"{route} answered {status} with"
+    fields, after = (FIELDS_GET, "") if mode is None else (FIELDS_POST, f"; nothing is reported as switched: {_CHECK}")
+    where, expected = f"{route} answered {status} with", f"the JSON object of {ROUTE} ({', '.join(fields)})"
     if not isinstance(body, dict):
         msg = (f"{where} a JSON {_json_kind(body)}, expected {expected}: "
                f"is --url the SGLang server with this plugin?{after}")
@@ -340,8 +316,7 @@ def check_answer(body: object, mode: str | None, route: str, status: int = 200) 
 
 
 def _parsed(answer: tuple[int, str, str | None, bytes], server: Server, mode: str | None) -> dict[str, Any]:
-    """The checked JSON of a 2xx answer. :raises SwitchError: too large, a redirect, an error status,
-    not the object."""
+    """The checked JSON of a 2xx answer. :raises SwitchError: too large, a redirect, an error status, not the object."""
     (status, reason, location, data), route = answer, server.route_url
     if len(data) > MAX_ANSWER_BYTES:
         msg = (f"{route} answered more than {MAX_ANSWER_BYTES // 2**20} MiB: not the answer of {ROUTE}"
@@ -349,8 +324,8 @@ def _parsed(answer: tuple[int, str, str | None, bytes], server: Server, mode: st
         raise SwitchError(msg)
     if 300 <= status < 400:
         where = urljoin(route, location) if location else "nowhere (no Location)"
-        what = ("it was not followed, so nothing was switched (a switch is reported only from the server's own "
-                "answer to the POST)") if mode is not None else "it was not followed"
+        what = "it was not followed" + ("" if mode is None else ", so nothing was switched (a switch is reported only "
+                                        "from the server's own answer to the POST)")
         msg = f"{status} {reason}: {route} redirected to {where}; {what}: if that is the server, give --url " + (
             where.removesuffix(ROUTE))
         raise SwitchError(msg)
@@ -380,32 +355,26 @@ def _started(work: Callable[[], object]) -> tuple[threading.Thread, dict[str, An
             box["value"] = work()
         except BaseException as exc:  # noqa: BLE001 - handed to the caller's thread
             box["error"] = exc
-
-    thread = threading.Thread(target=boxed, name="sglang-bcg switch", daemon=True)
-    thread.start()
+    (thread := threading.Thread(target=boxed, name="sglang-bcg switch", daemon=True)).start()
     return thread, box
 
 
 def request(url: str, key: str | None, mode: str | None, timeout_s: float) -> dict[str, Any]:
-    """GET (``mode=None``) or POST ``{"mode": mode}``; the checked JSON answer of a 2xx, within
-    ``timeout_s`` seconds in all (``SLACK_S`` more at most where a name lookup hangs).
-
+    """GET (``mode=None``) or POST ``{"mode": mode}``; the checked JSON answer of a 2xx, within ``timeout_s`` seconds
+    in all (``SLACK_S`` more at most where a name lookup hangs).
     :raises UsageError: a bad ``url``, ``key`` or ``timeout_s``. :raises SwitchError: any other failure."""
     server, seconds = _arguments(url, key, timeout_s)
     deadline = _Deadline(seconds)
     worker, box = _started(lambda: _exchange(server, key, mode, deadline))
     worker.join(max(0.0, deadline.end - time.monotonic()) + SLACK_S)
     if worker.is_alive():  # a step no socket timeout bounds (a name lookup, every address of a host): abandoned
+        box["error"] = TimeoutError()
         if (sock := getattr(deadline.conn, "sock", None)) is not None:
             with contextlib.suppress(OSError):
                 sock.shutdown(socket.SHUT_RDWR)
-        raise SwitchError(_failure(TimeoutError(), server, mode, seconds, deadline))
     if "error" in box:
         raise SwitchError(_failure(box["error"], server, mode, seconds, deadline)) from None
     return _parsed(box["value"], server, mode)
-
-
-# -- the command ---------------------------------------------------------------------------------------
 
 
 def _mib(n: object) -> str:
@@ -418,17 +387,15 @@ def result_line(body: dict[str, Any], mode: str | None) -> str:
     where = (f"on {len(ranks)} TP rank(s) (scheduler pid {','.join(str(r.get('pid')) for r in ranks)}); graph pool "
              f"{_mib(first.get('pool_bytes'))}, resident outputs {_mib(first.get('resident_output_bytes'))}")
     if mode is None:
-        shown_mode = body.get("mode")
-        if isinstance(shown_mode, list):
-            shown_mode = f"{', '.join(map(str, shown_mode))} (the ranks differ)"
+        shown_mode = f"{', '.join(map(str, m))} (the ranks differ)" if isinstance(m := body.get("mode"), list) else m
         why = f"; switch refused here: {first['refusal']}" if first.get("refusal") else ""
         return f"output mode: {shown_mode} {where}{why}"
     return f"output mode: {body.get('mode')} (was {body.get('previous')}), switched in {body.get('seconds')} s {where}"
 
 
 def run(url: str, key: str | None, mode: str | None, timeout_s: float) -> int:
-    """The command: the arguments checked (:raises UsageError:), then the request in a thread and a
-    progress line until it answers; 0 from the server's 2xx with the documented answer, else 1."""
+    """The command: the arguments checked (:raises UsageError:), then the request in a thread and a progress line until
+    it answers; 0 from the server's 2xx with the documented answer, else 1."""
     _arguments(url, key, timeout_s)  # request() checks them too; here, before the progress line
     what = "reading the output mode of" if mode is None else f"switching the output mode to {mode} at"
     line, start, tty = f"sglang-bcg switch: {what} {url.strip()} ...", time.monotonic(), sys.stderr.isatty()
@@ -438,8 +405,7 @@ def run(url: str, key: str | None, mode: str | None, timeout_s: float) -> int:
         thread.join(0.5)
         if tty:
             print(f"\r{line} {time.monotonic() - start:.0f} s", file=sys.stderr, end="", flush=True)
-    if tty:
-        print(file=sys.stderr)
+    print(file=sys.stderr, end="\n" if tty else "")
     if isinstance(box.get("error"), SwitchError):
         print(f"error: {box['error']}", file=sys.stderr)
         return 1
