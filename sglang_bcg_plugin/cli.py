@@ -42,10 +42,9 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _positive(value: str) -> int:
-    try:
+    n = 0
+    with contextlib.suppress(ValueError):  # not a number, or more digits than Python converts
         n = int(value)
-    except ValueError:  # not a number, or more digits than Python converts
-        n = 0
     if n < 1:
         msg = f"expected a positive integer, got {shown(value)}"
         raise argparse.ArgumentTypeError(msg)
@@ -53,9 +52,9 @@ def _positive(value: str) -> int:
 
 
 def _word(what: str, words: Iterable[str]) -> Callable[[str], str]:
-    """An argparse ``type`` for a flag with ``choices=words``: the word in any case, with surrounding
-    whitespace (:func:`.._words.parse_word`), as spelled in ``words``; another value is returned as
-    given, for argparse's "invalid choice" error listing the choices."""
+    """An argparse ``type`` for a flag with ``choices=words``: the word in any case, with surrounding whitespace
+    (:func:`.._words.parse_word`), as spelled in ``words``; another value is returned as given, for argparse's "invalid
+    choice" error listing the choices."""
     table = {w.lower(): w for w in words}
 
     def parse(raw: str) -> str:
@@ -85,34 +84,28 @@ def _bench_parser(sub: argparse._SubParsersAction[Any]) -> None:
     p = sub.add_parser("bench", help="capture a model at SGLang's prefill sizes with each backend in each output mode",
                        epilog=epilog, formatter_class=argparse.RawDescriptionHelpFormatter)
     models = ("synthetic", "llama")
-    p.add_argument("--model", choices=models, type=_word("--model", models), default="synthetic",
-                   help="synthetic: our tokens-first decoder (default); "
-                        "llama: transformers' LlamaModel, random weights")
-    p.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda when available)")
+    p.add_argument("--model", choices=models, type=_word("--model", models), default="synthetic", help="synthetic: our "
+                   "tokens-first decoder (default); llama: transformers' LlamaModel, random weights")
+    p.add_argument("--device", help="cpu, cuda or cuda:N (default: cuda when available)")
     p.add_argument("--backends", default="breakable,full,piecewise",
                    help="comma-separated backend names; graph-trees: torch.compile's reduce-overhead reference row")
-    p.add_argument("--variants", default=None,
-                   help=f"comma-separated of {', '.join(VARIANTS)} (default: off,on,released on CPU, "
-                        "off,on,floor,guard on CUDA; each is explained below)")
-    p.add_argument("--hidden", type=_positive, default=None, help="hidden size (default: 2880 on CUDA, 128 on CPU)")
-    p.add_argument("--layers", type=_positive, default=None, help="decoder layers (default: 4 on CUDA, 2 on CPU)")
-    p.add_argument("--heads", type=_positive, default=None,
-                   help="attention heads, dividing --hidden (default: 45 on CUDA, 4 on CPU; llama: 64 / 4)")
-    p.add_argument("--kv-heads", type=_positive, default=None,
-                   help="key/value heads, dividing --heads (default: 5 on CUDA, 2 on CPU; llama: 8 / 2)")
-    p.add_argument("--head-dim", type=_positive, default=None,
-                   help="llama only: head size (default: 64 on CUDA, 16 on CPU)")
-    p.add_argument("--intermediate", type=_positive, default=None,
-                   help="MLP width (default: hidden, as gpt-oss-20b experts)")
-    p.add_argument("--dtype", choices=sorted(DTYPES), type=_word("--dtype", DTYPES), default=None,
+    p.add_argument("--variants", help=f"comma-separated of {', '.join(VARIANTS)} (default: off,on,released on CPU, "
+                                      "off,on,floor,guard on CUDA; each is explained below)")
+    for flag, text in (("--hidden", "hidden size (default: 2880 on CUDA, 128 on CPU)"),
+                       ("--layers", "decoder layers (default: 4 on CUDA, 2 on CPU)"),
+                       ("--heads", "attention heads, dividing --hidden (default: 45 on CUDA, 4 on CPU; llama: 64 / 4)"),
+                       ("--kv-heads", "key/value heads, dividing --heads (default: 5 on CUDA, 2 on CPU; llama: 8 / 2)"),
+                       ("--head-dim", "llama only: head size (default: 64 on CUDA, 16 on CPU)"),
+                       ("--intermediate", "MLP width (default: hidden, as gpt-oss-20b experts)")):
+        p.add_argument(flag, type=_positive, help=text)
+    p.add_argument("--dtype", choices=sorted(DTYPES), type=_word("--dtype", DTYPES),
                    help="default: bfloat16 on CUDA, float32 on CPU")
-    p.add_argument("--max-tokens", type=_positive, default=None,
-                   help="largest capture size, >= 4 and fitting in memory (default: 16384 on CUDA, 256 on CPU)")
-    p.add_argument("--repeats", type=_positive, default=None,
+    p.add_argument("--max-tokens", type=_positive, help="largest capture size, >= 4 and fitting in memory "
+                                                        "(default: 16384 on CUDA, 256 on CPU)")
+    p.add_argument("--repeats", type=_positive,
                    help="replays timed at the largest size (default: 50 on CUDA, 10 on CPU)")
-    p.add_argument("--out", default=None,
-                   help="directory for bench.json and bench.png (created and locked up front; "
-                        "the pair is replaced as one)")
+    p.add_argument("--out", help="directory for bench.json and bench.png (created and locked up front; the pair is "
+                                 "replaced as one)")
     p.add_argument("--no-progress", action="store_true", help="hide the capture progress bar")
 
 
@@ -153,11 +146,9 @@ def _bench(args: argparse.Namespace) -> int:
         print(printable(format_table(rows, timings_meaningful=cfg.gpu), sys.stdout.encoding))
         print(f"({time.perf_counter() - start:.1f} s)", file=sys.stderr)
         if cfg.out is not None:
-            wrote = write_pair(
-                cfg.out,
-                lambda p: write_json(p, cfg.device_name, config, rows, timings_meaningful=cfg.gpu, cold=cold),
-                lambda p: write_plot(p, cfg.device_name, config, rows, timings_meaningful=cfg.gpu),
-            )
+            shared = (cfg.device_name, config, rows)
+            wrote = write_pair(cfg.out, lambda p: write_json(p, *shared, timings_meaningful=cfg.gpu, cold=cold),
+                               lambda p: write_plot(p, *shared, timings_meaningful=cfg.gpu))
             if len(wrote) == 1:
                 print(PLOT_SKIPPED, file=sys.stderr)
             print("wrote " + " and ".join(str(p) for p in wrote), file=sys.stderr)
@@ -175,15 +166,6 @@ def _registry() -> BackendRegistry:
         return build_registry()
 
 
-def _backends(args: argparse.Namespace) -> int:
-    """Registered backends, then one ``BROKEN`` line per broken plugin (exit 1)."""
-    from .registry import listing
-
-    registry = _registry()
-    print(*listing(registry), sep="\n")
-    return 1 if registry.broken else 0
-
-
 def _parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="sglang-bcg", description=__doc__.splitlines()[0])
     parser.add_argument("--version", action="version", version=f"sglang-bcg {__version__} (torch {torch.__version__})")
@@ -195,9 +177,8 @@ def _parser() -> argparse.ArgumentParser:
     switch = sub.add_parser("switch", help="switch (or --show) the output mode of a running SGLang server "
                             "(POST/GET /bcg/output_mode; the server needs --admin-api-key)")
     switch.add_argument("--url", required=True, help="the server, e.g. http://127.0.0.1:30000")
-    switch.add_argument("--api-key", default=None,
-                        help="the server's --admin-api-key (default: $SGLANG_BCG_ADMIN_API_KEY)")
-    switch.add_argument("--timeout", default=None, help="seconds the whole exchange may take: connecting, sending, "
+    switch.add_argument("--api-key", help="the server's --admin-api-key (default: $SGLANG_BCG_ADMIN_API_KEY)")
+    switch.add_argument("--timeout", help="seconds the whole exchange may take: connecting, sending, "
                         "the answer's headers and body (default 900, at most 86400)")
     target = switch.add_mutually_exclusive_group(required=True)
     target.add_argument("mode", nargs="?", type=_word("mode", MODES), choices=MODES,
@@ -227,8 +208,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "bench":
             return _bench(args)
-        if args.command == "backends":
-            return _backends(args)
+        if args.command == "backends":  # registered backends, then one BROKEN line per broken plugin (exit 1)
+            from .registry import listing
+
+            print(*listing(registry := _registry()), sep="\n")
+            return 1 if registry.broken else 0
         if args.command == "switch":
             from .cli_switch import key_of, parse_timeout, parse_url, run
 
