@@ -29,8 +29,7 @@ from .errors import BackendRegistrationError
 if TYPE_CHECKING:
     from .registry import BackendRegistry
 
-#: A quoted value in an argparse message, longer than a message should echo.
-_LONG_QUOTED = re.compile(r"'([^'\n]{80})[^'\n]+'")
+_LONG_QUOTED = re.compile(r"'([^'\n]{80})[^'\n]+'")  #: a quoted value longer than an argparse message should echo
 
 
 class _Parser(argparse.ArgumentParser):
@@ -64,11 +63,6 @@ def _word(what: str, words: Iterable[str]) -> Callable[[str], str]:
             return raw
 
     return parse
-
-
-def _debug_flags(p: argparse.ArgumentParser, default: object) -> None:
-    p.add_argument("-v", "--verbose", action="store_true", default=default, help="debug logging; tracebacks")
-    p.add_argument("--debug", action="store_true", default=default, help="show tracebacks of errors")
 
 
 def _bench_parser(sub: argparse._SubParsersAction[Any]) -> None:
@@ -169,7 +163,6 @@ def _registry() -> BackendRegistry:
 def _parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="sglang-bcg", description=__doc__.splitlines()[0])
     parser.add_argument("--version", action="version", version=f"sglang-bcg {__version__} (torch {torch.__version__})")
-    _debug_flags(parser, False)
     sub = parser.add_subparsers(dest="command", required=True)
     _bench_parser(sub)
     sub.add_parser("backends", help="list registered backends and the module of each; exit 1 if a plugin is broken")
@@ -184,8 +177,10 @@ def _parser() -> argparse.ArgumentParser:
     target.add_argument("mode", nargs="?", type=_word("mode", MODES), choices=MODES,
                         help="the new output mode (any case)")
     target.add_argument("--show", action="store_true", help="print the current mode and graph memory")
-    for command in sub.choices.values():  # after the command too; doctor takes nothing else
-        _debug_flags(command, argparse.SUPPRESS)
+    # Before the command and after it too (SUPPRESS: not overriding the first); doctor takes nothing else.
+    for p, default in ((parser, False), *((command, argparse.SUPPRESS) for command in sub.choices.values())):
+        p.add_argument("-v", "--verbose", action="store_true", default=default, help="debug logging; tracebacks")
+        p.add_argument("--debug", action="store_true", default=default, help="show tracebacks of errors")
     return parser
 
 

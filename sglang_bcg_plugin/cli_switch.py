@@ -173,8 +173,7 @@ class _Deadline(io.RawIOBase):
 
     def __init__(self, seconds: float, clock: Callable[[], float] = time.monotonic) -> None:
         super().__init__()
-        self._clock, self.end = clock, clock() + seconds
-        self.stage, self.received = CONNECTING, 0
+        self._clock, self.end, self.stage, self.received = clock, clock() + seconds, CONNECTING, 0
         self.conn: http.client.HTTPConnection | None = None
 
     def left(self) -> float:
