@@ -274,15 +274,13 @@ _RANKS = (lambda v: isinstance(v, list) and all(isinstance(r, dict) for r in v),
 FIELDS_GET: dict[str, tuple[Callable[[object], bool], str]] = {
     "mode": (lambda v: v is None or isinstance(v, str) or (isinstance(v, list) and all(isinstance(m, str) for m in v)),
              "an output mode, a list of them (ranks that differ) or null"),
-    "ranks": _RANKS,
-}
+    "ranks": _RANKS}
 FIELDS_POST: dict[str, tuple[Callable[[object], bool], str]] = {
     "mode": (lambda v: isinstance(v, str), "the output mode asked for"),
     "previous": (lambda v: v is None or isinstance(v, str), "the previous output mode or null"),
     "seconds": (lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0,
                 "the switch's seconds, a number"),
-    "ranks": _RANKS,
-}
+    "ranks": _RANKS}
 
 
 def _json_kind(v: object) -> str:
@@ -405,10 +403,7 @@ def run(url: str, key: str | None, mode: str | None, timeout_s: float) -> int:
         if tty:
             print(f"\r{line} {time.monotonic() - start:.0f} s", file=sys.stderr, end="", flush=True)
     print(file=sys.stderr, end="\n" if tty else "")
-    if isinstance(box.get("error"), SwitchError):
-        print(f"error: {box['error']}", file=sys.stderr)
-        return 1
-    if "error" in box:  # a bug: its traceback, from the command's thread
-        raise box["error"]
-    print(result_line(box["value"], mode))
-    return 0
+    if (error := box.get("error")) is not None and not isinstance(error, SwitchError):  # a bug: its traceback
+        raise error
+    print(f"error: {error}" if error else result_line(box["value"], mode), file=sys.stderr if error else sys.stdout)
+    return 1 if error else 0
