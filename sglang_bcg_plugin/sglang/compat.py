@@ -5,7 +5,6 @@ integration's environment variables."""
 from __future__ import annotations
 
 import functools
-import importlib
 import importlib.util
 import inspect
 import sys
@@ -41,8 +40,6 @@ RUNNER_BASE = "sglang.srt.model_executor.runner.base_cuda_graph_runner.BaseCudaG
 #: The probed features, printed by ``sglang-bcg doctor`` (what each probes and changes: docs/sglang.md,
 #: "What differs between releases").
 FEATURES = ("dedup_mixin", "capture_inputs", "global_pool", "row_hooks", "eager_form")
-
-
 #: Names whose use in SGLang's ``capture_one`` means "copies every output into one buffer".
 SHARING_NAMES = ("_shared_output_buffer", "_copy_output_to_buffer")
 #: Used too when the buffer comes from the warmup (0.5.16+); without it the first output is adopted.
@@ -76,12 +73,8 @@ def code_names(fn: object) -> frozenset[str] | None:
     stack = [code]
     while stack:
         c = stack.pop()
-        names.update(c.co_names)
-        for const in c.co_consts:
-            if isinstance(const, types.CodeType):
-                stack.append(const)
-            elif isinstance(const, str):
-                names.add(const)
+        names.update(c.co_names, (k for k in c.co_consts if isinstance(k, str)))
+        stack += [k for k in c.co_consts if isinstance(k, types.CodeType)]
     return frozenset(names)
 
 
@@ -95,12 +88,11 @@ def inspect_builtin(cls: type) -> BuiltinPolicy:
         return BuiltinPolicy(False, f"{name}.capture_one keeps one output per shape key")
     switches = ", ".join(w for w in SWITCH_WORDS if w in " ".join(capture).lower())
     if switches:
-        why = f"{name}.capture_one shares under a switch ({switches}) this plugin does not know; assuming off"
-        return BuiltinPolicy(None, why)
-    if WARMUP_BUFFER in capture:
-        return BuiltinPolicy(True, f"{name}.capture_one always copies outputs into one _shared_output_buffer")
-    adopts = "adopts the first capture's output as one _shared_output_buffer and copies the others into it"
-    return BuiltinPolicy(True, f"{name}.capture_one {adopts}")
+        return BuiltinPolicy(None, f"{name}.capture_one shares under a switch ({switches}) this plugin does not know; "
+                                   "assuming off")
+    how = ("always copies outputs into one _shared_output_buffer" if WARMUP_BUFFER in capture
+           else "adopts the first capture's output as one _shared_output_buffer and copies the others into it")
+    return BuiltinPolicy(True, f"{name}.capture_one {how}")
 
 
 def inspect_runner(cls: type) -> BuiltinPolicy:
@@ -173,13 +165,11 @@ def installed() -> Seam:
     """The installed SGLang's seam (probed once per process; imports SGLang)."""
     kind, version = seam_kind(), package_version("sglang", "?")
     if kind == "backend":
-        module = importlib.import_module(BACKEND_MODULE)
-        cls = module.BreakableCudaGraphBackend
-        params = list(inspect.signature(cls.capture_one).parameters)
+        cls = (module := importlib.import_module(BACKEND_MODULE)).BreakableCudaGraphBackend
         return Seam(
             "backend", version, "runner_backend.BreakableCudaGraphBackend, subclassed", inspect_builtin(cls),
             dedup_mixin=hasattr(cls, "begin_cuda_graph_capture") and hasattr(cls, "close"),
-            capture_inputs=len(params) > 3 and params[3] == "capture_inputs",
+            capture_inputs=list(inspect.signature(cls.capture_one).parameters)[3:4] == ["capture_inputs"],
             global_pool=_resolve(f"{POOL_MODULE}.get_or_create_global_graph_memory_pool") is not None,
             row_hooks=hasattr(_resolve(RUNNER_BASE), "cuda_graph_output_rows"),
             eager_form=_eager_form(module.eager_on_graph))
@@ -206,8 +196,7 @@ def capture_var(capture_cls: type) -> ContextVar[Any]:
 
 def run_outside_capture(capture_cls: type, forward_fn: Callable[[], Any]) -> Any:
     """Run ``forward_fn`` with SGLang's capture variable unset (its own breaks run inline)."""
-    var = capture_var(capture_cls)
-    token = var.set(None)
+    token = (var := capture_var(capture_cls)).set(None)
     try:
         return forward_fn()
     finally:
@@ -216,8 +205,7 @@ def run_outside_capture(capture_cls: type, forward_fn: Callable[[], Any]) -> Any
 
 def num_segments(graph: Any) -> int:
     """Segments of SGLang's ``BreakableCUDAGraph`` (1 where the graph does not say)."""
-    segments = getattr(graph, "_segments", None)
-    return len(segments) if segments is not None else 1
+    return 1 if (segments := getattr(graph, "_segments", None)) is None else len(segments)
 
 
 def runner_rows(runner: Any, output: Any) -> tuple[object, object]:

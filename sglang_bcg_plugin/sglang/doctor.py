@@ -6,7 +6,6 @@ from __future__ import annotations
 import ast
 import argparse
 import functools
-import importlib
 import importlib.metadata
 import importlib.util
 import inspect
@@ -307,11 +306,9 @@ def forecast_line(kind: str | None, environ: Mapping[str, str] | None = None) ->
 
 def doctor_main(argv: list[str] | None = None, *, out: TextIO | None = None) -> int:
     """Run the checks, print a report and return the exit code (the module's doc lists them)."""
-    parser = argparse.ArgumentParser(prog="sglang-bcg doctor", description=__doc__.splitlines()[0])
-    parser.parse_args(argv)
+    argparse.ArgumentParser(prog="sglang-bcg doctor", description=__doc__.splitlines()[0]).parse_args(argv)
     say = functools.partial(print, file=out or sys.stdout)
-    version = _sglang_version()
-    if version is None:
+    if (version := _sglang_version()) is None:
         say(f"SGLang not installed: install it into the serving environment ({INSTALL})")
         return EXIT_NO_SGLANG
     supported = ("supported" if version in SUPPORTED_SGLANG

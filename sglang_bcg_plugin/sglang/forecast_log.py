@@ -109,11 +109,9 @@ class SessionForecast:
                  free_at_build: int | None = None) -> None:
         env = os.environ if environ is None else environ
         self.runner, self.mode, self.pool, self.buffer_source = cuda_graph_runner, mode, pool, buffer_source
-        self.sizes = schedule_sizes(cuda_graph_runner)
-        self.enabled = forecast_enabled(env)
-        self.done = False
+        self.sizes, self.enabled = schedule_sizes(cuda_graph_runner), forecast_enabled(env)
+        self.done, self.held_at_start = False, 0
         self.forecast: dict[str, Any] | None = None
-        self.held_at_start = 0
         self.measured: int | None = None  # what close() found in the pool (+ a reserved buffer)
         self.lost: int | None = None  # the free device memory the session gave up (close())
         measuring = self.enabled and torch.cuda.is_available()
@@ -136,15 +134,10 @@ class SessionForecast:
 
     def skip_reason(self) -> str | None:
         """Why no forecast is made (``None``: one is)."""
-        if not self.enabled:
-            return f"{ENV_FORECAST} is not 1"
-        if not torch.cuda.is_available():
-            return "no CUDA"
-        if self.sizes is None or len(self.sizes) < 2:
-            return "the runner names no schedule of two sizes or more"
-        if device_trace():
-            return "the allocator's history is already being recorded"
-        return None
+        checks = ((lambda: self.enabled, f"{ENV_FORECAST} is not 1"), (torch.cuda.is_available, "no CUDA"),
+                  (lambda: len(self.sizes or ()) >= 2, "the runner names no schedule of two sizes or more"),
+                  (lambda: not device_trace(), "the allocator's history is already being recorded"))
+        return next((why for holds, why in checks if not holds()), None)
 
     @contextlib.contextmanager
     def first_capture(self, size: int, output_bytes: list[int]) -> Iterator[None]:
@@ -199,8 +192,7 @@ class SessionForecast:
             log.debug("sglang_bcg: no graph memory forecast: the first capture made no request to the pool")
             return
         trace, outputs = outputs_kept(trace, output_bytes)
-        fitted = ScaledTrace.proportional(trace)
-        expandable = expandable_segments()
+        fitted, expandable = ScaledTrace.proportional(trace), expandable_segments()
         outside, self.first_capture_driver = first if first is not None else (0, None)
         self.driver = None if graphs is None else probe_driver_share(
             [graphs], self.first_capture_driver or 0, self.sizes, len(output_bytes))
@@ -212,8 +204,8 @@ class SessionForecast:
         modes, references, caveat = finish_modes(modes, fitted, self.sizes, outputs=outputs, expandable=expandable,
                                                  driver=self.driver, counted="in the first capture")
         self.forecast = {"modes": modes, "references": references}
-        kv_per_token = kv_bytes_per_token(self.runner)
-        log.info("%s", format_forecast(modes, self.mode, self.sizes, kv_per_token, self.driver, caveat))
+        log.info("%s", format_forecast(modes, self.mode, self.sizes, kv_bytes_per_token(self.runner), self.driver,
+                                       caveat))
 
     def close(self, outside_pool_bytes: int = 0) -> int | None:
         """Log what the session added to the pool (+ ``outside_pool_bytes``, a reserved buffer)
