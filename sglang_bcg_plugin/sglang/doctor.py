@@ -67,13 +67,12 @@ def defined_in_source(target: str, module: str) -> bool:
     """Whether ``module``'s source defines ``target`` (``module.func`` or ``module.Class.method``),
     read with ``ast``, without importing it (the HTTP server's module needs FastAPI)."""
     path = sglang_source(module)
-    body: list[ast.stmt] = [] if path is None else ast.parse(path.read_text(encoding="utf-8")).body
+    body: list[ast.stmt] | None = [] if path is None else ast.parse(path.read_text(encoding="utf-8")).body
     kinds = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
     for part in target[len(module) + 1:].split("."):
-        node = next((n for n in body if isinstance(n, kinds) and n.name == part), None)
-        if node is None:
+        body = next((n.body for n in body or () if isinstance(n, kinds) and n.name == part), None)
+        if body is None:
             return False
-        body = node.body
     return True
 
 
@@ -126,11 +125,9 @@ def _sglang_version() -> str | None:
 
 
 def _entry_point() -> str | None:
-    for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
-        if ep.value.replace(" ", "") == ENTRY_POINT_VALUE:
-            dist = ep.dist.name if ep.dist is not None else "?"
-            return f"{ep.name} = {ep.value} (dist {dist})"
-    return None
+    return next((f"{ep.name} = {ep.value} (dist {ep.dist.name if ep.dist is not None else '?'})"
+                 for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP)
+                 if ep.value.replace(" ", "") == ENTRY_POINT_VALUE), None)
 
 
 def _summary(problems: list[Problem], entry_point_found: bool) -> tuple[list[str], int]:

@@ -143,13 +143,10 @@ class SessionForecast:
     def first_capture(self, size: int, output_bytes: list[int]) -> Iterator[None]:
         """Record the first capture's allocator events (later calls pass through); after it,
         log the forecast. The caller fills ``output_bytes`` with the output's storage bytes."""
-        if self.done:
-            yield
-            return
-        self.done = True
-        why = self.skip_reason()
-        if why is not None:
-            log.debug("sglang_bcg: no graph memory forecast: %s", why)
+        why, self.done = "" if self.done else self.skip_reason(), True
+        if why is not None:  # "": a later capture, passed through
+            if why:
+                log.debug("sglang_bcg: no graph memory forecast: %s", why)
             yield
             return
         self.held_at_start = self._pool_bytes()
@@ -232,25 +229,23 @@ class SessionForecast:
             log.info("sglang_bcg: free device memory lost since the prefill backend was built %.1f MiB "
                      "(%.1f MiB before the first capture)", (self.baseline - free_now) / MB,
                      (self.baseline - (self.free_at_open or 0)) / MB)
-        if self.trace_path:
-            self._write_trace(free_now, self.forecast["modes"])
-        return measured
-
-    def _write_trace(self, free_now: int | None, modes: Mapping[str, Any]) -> None:
-        """Write the session's record to ``SGLANG_BCG_FORECAST_TRACE``: its rows, forecast and the
-        ``(index, action, address, bytes, stream)`` of every event in the pool's address ranges."""
-        events = device_trace()
+        if not self.trace_path:
+            return measured
+        # the session's record for SGLANG_BCG_FORECAST_TRACE: its rows, forecast and the ``(index, action,
+        # address, bytes, stream)`` of every event in the pool's address ranges
+        events, modes = device_trace(), self.forecast["modes"]
         record_history(False)
         segments = self._pool_segments()
         record = {"mode": self.mode, "sizes": self.sizes, "baseline": self.baseline, "free_at_open": self.free_at_open,
                   "free_at_close": free_now, "held_at_start": self.held_at_start, "rows": self.rows,
-                  "forecast": {m: f.total_bytes for m, f in modes.items()},
-                  "forecast_parts": {m: f.to_dict() for m, f in modes.items()},
+                  "forecast": {m: x.total_bytes for m, x in modes.items()},
+                  "forecast_parts": {m: x.to_dict() for m, x in modes.items()},
                   "driver": None if self.driver is None else self.driver.to_dict(),
                   "first_capture_driver": self.first_capture_driver, "segments": segments,
                   "events": [(i, e["action"], int(e["addr"]), int(e["size"]), int(e.get("stream", 0)))
                              for i, e in enumerate(events) if inside(int(e["addr"]), segments)]}
         try:
-            Path(self.trace_path).write_text(json.dumps(record), encoding="utf-8")  # type: ignore[arg-type]
+            Path(self.trace_path).write_text(json.dumps(record), encoding="utf-8")
         except OSError as exc:
             log.warning("sglang_bcg: could not write %s=%s: %s", ENV_FORECAST_TRACE, self.trace_path, exc)
+        return measured
