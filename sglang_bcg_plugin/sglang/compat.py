@@ -1,6 +1,5 @@
-"""What the installed SGLang offers, probed from its classes (never from version strings): the one
-place per-release differences live (docs/sglang.md#what-differs-between-releases), and the
-integration's environment variables."""
+"""What the installed SGLang offers, probed from its classes (never from version strings): the one place per-release
+differences live (docs/sglang.md#what-differs-between-releases), and the integration's environment variables."""
 
 from __future__ import annotations
 
@@ -69,13 +68,10 @@ def code_names(fn: object) -> frozenset[str] | None:
     code = getattr(getattr(fn, "__func__", fn), "__code__", None)
     if code is None:
         return None
-    names: set[str] = set()
-    stack = [code]
-    while stack:
-        c = stack.pop()
-        names.update(c.co_names, (k for k in c.co_consts if isinstance(k, str)))
-        stack += [k for k in c.co_consts if isinstance(k, types.CodeType)]
-    return frozenset(names)
+    codes = [code]
+    for c in codes:  # nested code joins the walk
+        codes += [k for k in c.co_consts if isinstance(k, types.CodeType)]
+    return frozenset(n for c in codes for n in (*c.co_names, *c.co_consts) if isinstance(n, str))
 
 
 def inspect_builtin(cls: type) -> BuiltinPolicy:
@@ -166,20 +162,18 @@ def installed() -> Seam:
     kind, version = seam_kind(), package_version("sglang", "?")
     if kind == "backend":
         cls = (module := importlib.import_module(BACKEND_MODULE)).BreakableCudaGraphBackend
-        return Seam(
-            "backend", version, "runner_backend.BreakableCudaGraphBackend, subclassed", inspect_builtin(cls),
-            dedup_mixin=hasattr(cls, "begin_cuda_graph_capture") and hasattr(cls, "close"),
-            capture_inputs=list(inspect.signature(cls.capture_one).parameters)[3:4] == ["capture_inputs"],
-            global_pool=_resolve(f"{POOL_MODULE}.get_or_create_global_graph_memory_pool") is not None,
-            row_hooks=hasattr(_resolve(RUNNER_BASE), "cuda_graph_output_rows"),
-            eager_form=_eager_form(module.eager_on_graph))
+        return Seam("backend", version, "runner_backend.BreakableCudaGraphBackend, subclassed", inspect_builtin(cls),
+                    dedup_mixin=hasattr(cls, "begin_cuda_graph_capture") and hasattr(cls, "close"),
+                    capture_inputs=list(inspect.signature(cls.capture_one).parameters)[3:4] == ["capture_inputs"],
+                    global_pool=_resolve(f"{POOL_MODULE}.get_or_create_global_graph_memory_pool") is not None,
+                    row_hooks=hasattr(_resolve(RUNNER_BASE), "cuda_graph_output_rows"),
+                    eager_form=_eager_form(module.eager_on_graph))
     if kind == "runner":
         module = importlib.import_module(RUNNER_MODULE)
-        return Seam(
-            "runner", version, "model_executor.BreakableCudaGraphRunner._capture_all/_capture_one, wrapped",
-            inspect_runner(module.BreakableCudaGraphRunner),
-            eager_form=_eager_form(sys.modules[module.BreakableCUDAGraph.__module__].eager_on_graph),
-            global_pool=hasattr(module, "get_global_graph_memory_pool"))
+        return Seam("runner", version, "model_executor.BreakableCudaGraphRunner._capture_all/_capture_one, wrapped",
+                    inspect_runner(module.BreakableCudaGraphRunner),
+                    eager_form=_eager_form(sys.modules[module.BreakableCUDAGraph.__module__].eager_on_graph),
+                    global_pool=hasattr(module, "get_global_graph_memory_pool"))
     return Seam("none", version, f"neither {BACKEND_MODULE} nor {RUNNER_MODULE} exists",
                 BuiltinPolicy(None, "no breakable CUDA graph in this SGLang"))
 

@@ -83,11 +83,10 @@ def switch_doctor_line(seam_kind: str) -> str:
         return "not available (no breakable CUDA graph to switch)"
     if missing:
         return f"not available on this release: {', '.join(missing)} not found"
-    where = (f"GET/POST {ROUTE} registered only when the server starts with --admin-api-key (SGLang's admin "
-             "authentication); without it the route does not exist")
-    if seam_kind == "runner":
-        return where + "; on this release a POST is refused (its runner cannot drop its graphs)"
-    return where + "; sglang-bcg switch --url URL --api-key KEY off|on|released"
+    how = ("on this release a POST is refused (its runner cannot drop its graphs)" if seam_kind == "runner"
+           else "sglang-bcg switch --url URL --api-key KEY off|on|released")
+    return (f"GET/POST {ROUTE} registered only when the server starts with --admin-api-key (SGLang's admin "
+            f"authentication); without it the route does not exist; {how}")
 
 
 def _diagnose(target: str) -> Problem | None:
@@ -265,9 +264,8 @@ def _seam_lines(say: Callable[[str], None], problems: list[Problem]) -> None:
 
 
 def backend_lines() -> tuple[list[str], str | None]:
-    """The registered backends a phase can be routed to, one line each as ``sglang-bcg backends``
-    prints them, and the summary line when a plugin is broken (its backends cannot be selected)
-    or the registry refuses a registration (no backend can be selected); the exit code stays."""
+    """The registered backends a phase can be routed to, one line each as ``sglang-bcg backends`` prints them,
+    and the summary line when a plugin is broken or the registry refuses a registration (the exit code stays)."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", PluginLoadWarning)  # printed as BROKEN lines
         try:
