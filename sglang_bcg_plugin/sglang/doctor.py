@@ -94,10 +94,9 @@ def _diagnose(target: str) -> Problem | None:
     not import, which ``pkgutil.resolve_name`` reports as a missing attribute)."""
     try:
         pkgutil.resolve_name(target)
+        return None
     except Exception as exc:  # noqa: BLE001 - any failure to resolve is a finding, not a crash
         error: Exception = exc
-    else:
-        return None
     parts = target.split(".")
     for i in range(1, len(parts)):  # shortest prefix first: the first that fails is the culprit
         module = ".".join(parts[:i])
@@ -141,9 +140,8 @@ def _summary(problems: list[Problem], entry_point_found: bool) -> tuple[list[str
         lines.append(f"doctor: SGLang could not be imported: dependency {dep!r} is missing ({_advice(dep)}); "
                      f"{n} name(s) could not be checked")
     lines += [f"doctor: SGLang could not be imported: {p.detail}" for p in problems if p.kind == "import"][:1]
-    if moved or not entry_point_found:
-        return lines, EXIT_MOVED
-    return (lines, EXIT_IMPORT) if lines else (["doctor: ok"], EXIT_OK)
+    code = EXIT_MOVED if moved or not entry_point_found else EXIT_IMPORT if lines else EXIT_OK
+    return lines or ["doctor: ok"], code
 
 
 def torchvision_for(torch_version: str) -> str | None:

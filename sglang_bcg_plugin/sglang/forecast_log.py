@@ -49,11 +49,10 @@ def kv_bytes_per_token(cuda_graph_runner: object) -> int | None:
     """Bytes of KV cache per token (the KV pool's bytes over its tokens; ``None``: unknown)."""
     runner = getattr(cuda_graph_runner, "model_runner", None)
     tokens = getattr(runner, "max_total_num_tokens", None)
-    try:
+    total = 0
+    with contextlib.suppress(Exception):  # any pool kind: no figure rather than no log line
         sizes = runner.token_to_kv_pool.get_kv_size_bytes()  # type: ignore[union-attr]
         total = sum(int(s) for s in (sizes if isinstance(sizes, tuple | list) else (sizes,)))
-    except Exception:  # noqa: BLE001 - any pool kind: no figure rather than no log line
-        return None
     return total // tokens if isinstance(tokens, int) and tokens > 0 and total > 0 else None
 
 
@@ -78,10 +77,9 @@ def format_forecast(modes: Mapping[str, Any], mode: str, sizes: Sequence[int], k
 
 def _read(read: Callable[..., int], **kwargs: Any) -> int | None:
     """``read(**kwargs)``, ``None`` where it raises: no figure rather than no log line."""
-    try:
+    with contextlib.suppress(Exception):
         return read(**kwargs)
-    except Exception:  # noqa: BLE001
-        return None
+    return None
 
 
 def outputs_kept(trace: KeyTrace, output_bytes: Sequence[int]) -> tuple[KeyTrace, frozenset[int]]:
