@@ -231,11 +231,9 @@ def capture_one_args(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any
     given = dict(zip(("capture_inputs", "post_warmup_hook"), args, strict=False))
     for name, value in kwargs.items():
         slot = "capture_inputs" if name == "dummies" else name
-        if slot not in ("capture_inputs", "post_warmup_hook"):
-            msg = f"capture_one() got an unexpected keyword argument {name!r}"
-            raise TypeError(msg)
-        if slot in given:
-            msg = f"capture_one() got multiple values for argument {slot!r}"
+        if slot in given or slot not in ("capture_inputs", "post_warmup_hook"):
+            msg = (f"capture_one() got multiple values for argument {slot!r}" if slot in given
+                   else f"capture_one() got an unexpected keyword argument {name!r}")
             raise TypeError(msg)
         given[slot] = value
     return given.get("capture_inputs"), given.get("post_warmup_hook")

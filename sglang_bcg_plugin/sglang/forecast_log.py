@@ -112,8 +112,7 @@ class SessionForecast:
         self.forecast: dict[str, Any] | None = None
         self.measured: int | None = None  # what close() found in the pool (+ a reserved buffer)
         self.lost: int | None = None  # the free device memory the session gave up (close())
-        measuring = self.enabled and torch.cuda.is_available()
-        self.free_at_open = _read(device_free_bytes, collect=False) if measuring else None
+        self.free_at_open = _read(device_free_bytes, collect=False) if measuring_forecast(env) else None
         self.reserved_at_open = _read(reserved_bytes) if self.free_at_open is not None else None
         self.driver: DriverShare | None = None  # the driver's share of the forecast (first capture)
         self.first_capture_driver: int | None = None  # what the first capture lost beyond the allocator
