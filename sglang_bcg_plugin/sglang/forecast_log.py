@@ -60,12 +60,10 @@ def format_forecast(modes: Mapping[str, Any], mode: str, sizes: Sequence[int], k
                     driver: DriverShare | None = None, caveat: str = "") -> str:
     """The log line: the configured mode's forecast, what it frees against the others, its parts, ``caveat``."""
     f = modes[mode]
-    parts = []
-    for other in (m for m in MODES if m != mode):
-        delta = modes[other].total_bytes - f.total_bytes
-        tokens = f" = {delta // kv_per_token:,} KV tokens" if kv_per_token and delta > 0 else ""
-        parts.append(f"against {other} ({modes[other].total_bytes / MB:,.1f} MiB) it "
-                     f"{'frees' if delta >= 0 else 'costs'} {abs(delta) / MB:,.1f} MiB{tokens}")
+    deltas = {m: modes[m].total_bytes - f.total_bytes for m in MODES if m != mode}
+    parts = [f"against {m} ({modes[m].total_bytes / MB:,.1f} MiB) it {'frees' if d >= 0 else 'costs'} "
+             f"{abs(d) / MB:,.1f} MiB" + (f" = {d // kv_per_token:,} KV tokens" if kv_per_token and d > 0 else "")
+             for m, d in deltas.items()]
     per_token = f"; KV cache {kv_per_token / 1024:,.1f} KiB/token" if kv_per_token else ""
     split = "" if f.total_bytes == f.pool_bytes else (
         f"; of which graph pool {f.pool_bytes / MB:,.1f} MiB, capture stream {f.stream_bytes / MB:,.1f} MiB, "
@@ -169,8 +167,7 @@ class SessionForecast:
         return outside, max(0, self.free_at_open - free - grown)  # type: ignore[operator]
 
     def _pool_segments(self) -> list[tuple[int, int]]:
-        handle = self.pool()
-        pool = tuple(handle) if isinstance(handle, tuple | list) else None
+        pool = tuple(handle) if isinstance(handle := self.pool(), tuple | list) else None
         return [(addr, n) for p, addr, n in pool_segments() if pool in (None, p)]
 
     def _pool_bytes(self) -> int:
