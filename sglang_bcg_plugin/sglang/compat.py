@@ -1,11 +1,9 @@
-"""What the installed SGLang offers, probed from its classes (never from version strings): the one
-place per-release differences live (docs/sglang.md#what-differs-between-releases), and the
-integration's environment variables."""
+"""What the installed SGLang offers, probed from its classes (never from version strings): the one place per-release
+differences live (docs/sglang.md#what-differs-between-releases), and the integration's environment variables."""
 
 from __future__ import annotations
 
 import functools
-import importlib
 import importlib.util
 import inspect
 import sys
@@ -41,8 +39,6 @@ RUNNER_BASE = "sglang.srt.model_executor.runner.base_cuda_graph_runner.BaseCudaG
 #: The probed features, printed by ``sglang-bcg doctor`` (what each probes and changes: docs/sglang.md,
 #: "What differs between releases").
 FEATURES = ("dedup_mixin", "capture_inputs", "global_pool", "row_hooks", "eager_form")
-
-
 #: Names whose use in SGLang's ``capture_one`` means "copies every output into one buffer".
 SHARING_NAMES = ("_shared_output_buffer", "_copy_output_to_buffer")
 #: Used too when the buffer comes from the warmup (0.5.16+); without it the first output is adopted.
@@ -72,17 +68,10 @@ def code_names(fn: object) -> frozenset[str] | None:
     code = getattr(getattr(fn, "__func__", fn), "__code__", None)
     if code is None:
         return None
-    names: set[str] = set()
-    stack = [code]
-    while stack:
-        c = stack.pop()
-        names.update(c.co_names)
-        for const in c.co_consts:
-            if isinstance(const, types.CodeType):
-                stack.append(const)
-            elif isinstance(const, str):
-                names.add(const)
-    return frozenset(names)
+    codes = [code]
+    for c in codes:  # nested code joins the walk
+        codes += [k for k in c.co_consts if isinstance(k, types.CodeType)]
+    return frozenset(n for c in codes for n in (*c.co_names, *c.co_consts) if isinstance(n, str))
 
 
 def inspect_builtin(cls: type) -> BuiltinPolicy:
@@ -95,12 +84,11 @@ def inspect_builtin(cls: type) -> BuiltinPolicy:
         return BuiltinPolicy(False, f"{name}.capture_one keeps one output per shape key")
     switches = ", ".join(w for w in SWITCH_WORDS if w in " ".join(capture).lower())
     if switches:
-        why = f"{name}.capture_one shares under a switch ({switches}) this plugin does not know; assuming off"
-        return BuiltinPolicy(None, why)
-    if WARMUP_BUFFER in capture:
-        return BuiltinPolicy(True, f"{name}.capture_one always copies outputs into one _shared_output_buffer")
-    adopts = "adopts the first capture's output as one _shared_output_buffer and copies the others into it"
-    return BuiltinPolicy(True, f"{name}.capture_one {adopts}")
+        return BuiltinPolicy(None, f"{name}.capture_one shares under a switch ({switches}) this plugin does not know; "
+                                   "assuming off")
+    how = ("always copies outputs into one _shared_output_buffer" if WARMUP_BUFFER in capture
+           else "adopts the first capture's output as one _shared_output_buffer and copies the others into it")
+    return BuiltinPolicy(True, f"{name}.capture_one {how}")
 
 
 def inspect_runner(cls: type) -> BuiltinPolicy:
@@ -173,23 +161,19 @@ def installed() -> Seam:
     """The installed SGLang's seam (probed once per process; imports SGLang)."""
     kind, version = seam_kind(), package_version("sglang", "?")
     if kind == "backend":
-        module = importlib.import_module(BACKEND_MODULE)
-        cls = module.BreakableCudaGraphBackend
-        params = list(inspect.signature(cls.capture_one).parameters)
-        return Seam(
-            "backend", version, "runner_backend.BreakableCudaGraphBackend, subclassed", inspect_builtin(cls),
-            dedup_mixin=hasattr(cls, "begin_cuda_graph_capture") and hasattr(cls, "close"),
-            capture_inputs=len(params) > 3 and params[3] == "capture_inputs",
-            global_pool=_resolve(f"{POOL_MODULE}.get_or_create_global_graph_memory_pool") is not None,
-            row_hooks=hasattr(_resolve(RUNNER_BASE), "cuda_graph_output_rows"),
-            eager_form=_eager_form(module.eager_on_graph))
+        cls = (module := importlib.import_module(BACKEND_MODULE)).BreakableCudaGraphBackend
+        return Seam("backend", version, "runner_backend.BreakableCudaGraphBackend, subclassed", inspect_builtin(cls),
+                    dedup_mixin=hasattr(cls, "begin_cuda_graph_capture") and hasattr(cls, "close"),
+                    capture_inputs=list(inspect.signature(cls.capture_one).parameters)[3:4] == ["capture_inputs"],
+                    global_pool=_resolve(f"{POOL_MODULE}.get_or_create_global_graph_memory_pool") is not None,
+                    row_hooks=hasattr(_resolve(RUNNER_BASE), "cuda_graph_output_rows"),
+                    eager_form=_eager_form(module.eager_on_graph))
     if kind == "runner":
         module = importlib.import_module(RUNNER_MODULE)
-        return Seam(
-            "runner", version, "model_executor.BreakableCudaGraphRunner._capture_all/_capture_one, wrapped",
-            inspect_runner(module.BreakableCudaGraphRunner),
-            eager_form=_eager_form(sys.modules[module.BreakableCUDAGraph.__module__].eager_on_graph),
-            global_pool=hasattr(module, "get_global_graph_memory_pool"))
+        return Seam("runner", version, "model_executor.BreakableCudaGraphRunner._capture_all/_capture_one, wrapped",
+                    inspect_runner(module.BreakableCudaGraphRunner),
+                    eager_form=_eager_form(sys.modules[module.BreakableCUDAGraph.__module__].eager_on_graph),
+                    global_pool=hasattr(module, "get_global_graph_memory_pool"))
     return Seam("none", version, f"neither {BACKEND_MODULE} nor {RUNNER_MODULE} exists",
                 BuiltinPolicy(None, "no breakable CUDA graph in this SGLang"))
 
@@ -206,8 +190,7 @@ def capture_var(capture_cls: type) -> ContextVar[Any]:
 
 def run_outside_capture(capture_cls: type, forward_fn: Callable[[], Any]) -> Any:
     """Run ``forward_fn`` with SGLang's capture variable unset (its own breaks run inline)."""
-    var = capture_var(capture_cls)
-    token = var.set(None)
+    token = (var := capture_var(capture_cls)).set(None)
     try:
         return forward_fn()
     finally:
@@ -216,8 +199,7 @@ def run_outside_capture(capture_cls: type, forward_fn: Callable[[], Any]) -> Any
 
 def num_segments(graph: Any) -> int:
     """Segments of SGLang's ``BreakableCUDAGraph`` (1 where the graph does not say)."""
-    segments = getattr(graph, "_segments", None)
-    return len(segments) if segments is not None else 1
+    return 1 if (segments := getattr(graph, "_segments", None)) is None else len(segments)
 
 
 def runner_rows(runner: Any, output: Any) -> tuple[object, object]:
@@ -249,11 +231,9 @@ def capture_one_args(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any
     given = dict(zip(("capture_inputs", "post_warmup_hook"), args, strict=False))
     for name, value in kwargs.items():
         slot = "capture_inputs" if name == "dummies" else name
-        if slot not in ("capture_inputs", "post_warmup_hook"):
-            msg = f"capture_one() got an unexpected keyword argument {name!r}"
-            raise TypeError(msg)
-        if slot in given:
-            msg = f"capture_one() got multiple values for argument {slot!r}"
+        if slot in given or slot not in ("capture_inputs", "post_warmup_hook"):
+            msg = (f"capture_one() got multiple values for argument {slot!r}" if slot in given
+                   else f"capture_one() got an unexpected keyword argument {name!r}")
             raise TypeError(msg)
         given[slot] = value
     return given.get("capture_inputs"), given.get("post_warmup_hook")

@@ -6,7 +6,6 @@ from __future__ import annotations
 import ast
 import argparse
 import functools
-import importlib
 import importlib.metadata
 import importlib.util
 import inspect
@@ -16,7 +15,7 @@ import re
 import sys
 import warnings
 from collections import Counter
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from typing import TextIO
 
@@ -68,13 +67,12 @@ def defined_in_source(target: str, module: str) -> bool:
     """Whether ``module``'s source defines ``target`` (``module.func`` or ``module.Class.method``),
     read with ``ast``, without importing it (the HTTP server's module needs FastAPI)."""
     path = sglang_source(module)
-    body: list[ast.stmt] = [] if path is None else ast.parse(path.read_text(encoding="utf-8")).body
+    body: list[ast.stmt] | None = [] if path is None else ast.parse(path.read_text(encoding="utf-8")).body
     kinds = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
     for part in target[len(module) + 1:].split("."):
-        node = next((n for n in body if isinstance(n, kinds) and n.name == part), None)
-        if node is None:
+        body = next((n.body for n in body or () if isinstance(n, kinds) and n.name == part), None)
+        if body is None:
             return False
-        body = node.body
     return True
 
 
@@ -85,11 +83,10 @@ def switch_doctor_line(seam_kind: str) -> str:
         return "not available (no breakable CUDA graph to switch)"
     if missing:
         return f"not available on this release: {', '.join(missing)} not found"
-    where = (f"GET/POST {ROUTE} registered only when the server starts with --admin-api-key (SGLang's admin "
-             "authentication); without it the route does not exist")
-    if seam_kind == "runner":
-        return where + "; on this release a POST is refused (its runner cannot drop its graphs)"
-    return where + "; sglang-bcg switch --url URL --api-key KEY off|on|released"
+    how = ("on this release a POST is refused (its runner cannot drop its graphs)" if seam_kind == "runner"
+           else "sglang-bcg switch --url URL --api-key KEY off|on|released")
+    return (f"GET/POST {ROUTE} registered only when the server starts with --admin-api-key (SGLang's admin "
+            f"authentication); without it the route does not exist; {how}")
 
 
 def _diagnose(target: str) -> Problem | None:
@@ -97,29 +94,25 @@ def _diagnose(target: str) -> Problem | None:
     not import, which ``pkgutil.resolve_name`` reports as a missing attribute)."""
     try:
         pkgutil.resolve_name(target)
+        return None
     except Exception as exc:  # noqa: BLE001 - any failure to resolve is a finding, not a crash
         error: Exception = exc
-    else:
-        return None
     parts = target.split(".")
     for i in range(1, len(parts)):  # shortest prefix first: the first that fails is the culprit
         module = ".".join(parts[:i])
         try:
             importlib.import_module(module)
+            continue
         except ModuleNotFoundError as exc:
             if exc.name == module:
                 break  # not a module (a class attribute, or it moved): the lookup error says it
-            detail = f"cannot import {module}: {exc}"
             missing = (exc.name or "").split(".")[0]
-            if missing and missing != parts[0]:
-                return Problem("dependency", detail, missing)
-            return Problem("import", detail)
+            detail, dep = f"cannot import {module}: {exc}", missing if missing not in ("", parts[0]) else None
         except Exception as exc:  # noqa: BLE001 - reported, the check continues
             detail = f"cannot import {module}: {type(exc).__name__}: {one_line(exc)}"
             named = _REQUIRES.search(str(exc)) if isinstance(exc, ImportError) else None
-            if named is not None:
-                return Problem("dependency", detail, named.group(1).lower())
-            return Problem("import", detail)
+            dep = None if named is None else named.group(1).lower()
+        return Problem("import" if dep is None else "dependency", detail, dep)
     return Problem("moved", f"{type(error).__name__}: {error}")
 
 
@@ -130,11 +123,9 @@ def _sglang_version() -> str | None:
 
 
 def _entry_point() -> str | None:
-    for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
-        if ep.value.replace(" ", "") == ENTRY_POINT_VALUE:
-            dist = ep.dist.name if ep.dist is not None else "?"
-            return f"{ep.name} = {ep.value} (dist {dist})"
-    return None
+    return next((f"{ep.name} = {ep.value} (dist {ep.dist.name if ep.dist is not None else '?'})"
+                 for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP)
+                 if ep.value.replace(" ", "") == ENTRY_POINT_VALUE), None)
 
 
 def _summary(problems: list[Problem], entry_point_found: bool) -> tuple[list[str], int]:
@@ -149,9 +140,8 @@ def _summary(problems: list[Problem], entry_point_found: bool) -> tuple[list[str
         lines.append(f"doctor: SGLang could not be imported: dependency {dep!r} is missing ({_advice(dep)}); "
                      f"{n} name(s) could not be checked")
     lines += [f"doctor: SGLang could not be imported: {p.detail}" for p in problems if p.kind == "import"][:1]
-    if moved or not entry_point_found:
-        return lines, EXIT_MOVED
-    return (lines, EXIT_IMPORT) if lines else (["doctor: ok"], EXIT_OK)
+    code = EXIT_MOVED if moved or not entry_point_found else EXIT_IMPORT if lines else EXIT_OK
+    return lines or ["doctor: ok"], code
 
 
 def torchvision_for(torch_version: str) -> str | None:
@@ -176,84 +166,72 @@ def _advice(dep: str | None) -> str:
     return f"install {made} into this environment, pip install 'torchvision=={pair}.*', {keep}"
 
 
-def _params(dotted: str, *names: str) -> str | None:
-    have = list(inspect.signature(pkgutil.resolve_name(dotted)).parameters)
+def _lacks(how: str, dotted: str, *names: str) -> str | None:
+    """Why ``dotted`` fails a check (``None``: it holds): ``params``, ``source`` or ``uses`` (each of ``names``
+    among its parameters, in its source, among its code's names), ``attrs``, ``capture_var`` or ``helpers``."""
+    obj = pkgutil.resolve_name(dotted)
+    if how == "capture_var":
+        module = sys.modules[obj.__module__]
+        return None if hasattr(module, "_current_capture_var") else f"{module.__name__} has no _current_capture_var"
+    if how == "helpers":
+        unknown = unknown_capture_helpers(obj)
+        return f"uses {unknown}, unknown to sglang_bcg" if unknown else None
+    if how == "attrs":
+        return next((f"no {n}" for n in names if not hasattr(obj, n)), None)
+    if how == "source":
+        try:
+            have: Collection[str] = inspect.getsource(obj)
+        except (OSError, TypeError) as exc:
+            return f"cannot read the source ({type(exc).__name__})"
+    else:
+        have = list(inspect.signature(obj).parameters) if how == "params" else code_names(obj) or frozenset()
     missing = [n for n in names if n not in have]
-    return f"parameters {missing} missing from ({', '.join(have)})" if missing else None
-
-
-def _source_has(dotted: str, *needles: str) -> str | None:
-    try:
-        source = inspect.getsource(pkgutil.resolve_name(dotted))
-    except (OSError, TypeError) as exc:
-        return f"cannot read the source ({type(exc).__name__})"
-    missing = [n for n in needles if n not in source]
-    return f"does not contain {missing}" if missing else None
-
-
-def _uses(dotted: str, *names: str) -> str | None:
-    used = code_names(pkgutil.resolve_name(dotted)) or frozenset()
-    missing = [n for n in names if n not in used]
-    return f"does not use {missing}" if missing else None
-
-
-def _capture_var(dotted: str) -> str | None:
-    module = sys.modules[pkgutil.resolve_name(dotted).__module__]
-    return None if hasattr(module, "_current_capture_var") else f"{module.__name__} has no _current_capture_var"
-
-
-def _first_missing(dotted: str, *names: str) -> str | None:
-    return next((f"no {n}" for n in names if not hasattr(pkgutil.resolve_name(dotted), n)), None)
-
-
-def _unknown_helpers(dotted: str) -> str | None:
-    unknown = unknown_capture_helpers(pkgutil.resolve_name(dotted))
-    return f"uses {unknown}, unknown to sglang_bcg" if unknown else None
+    if missing and how == "params":
+        return f"parameters {missing} missing from ({', '.join(have)})"
+    return f"does not {'contain' if how == 'source' else 'use'} {missing}" if missing else None
 
 
 def seam_checks(seam: Seam) -> list[tuple[str, Callable[[], str | None]]]:
     """What our capture calls or reads on ``seam``, one ``(label, check)`` each (``check()`` says why it fails,
     ``None``: it holds); none without a seam (doctor says so itself)."""
-    p = functools.partial
+    p = functools.partial(functools.partial, _lacks)
     if seam.kind == "backend":
         cls, mod = f"{BACKEND_MODULE}:BreakableCudaGraphBackend", f"{BACKEND_MODULE}:"
         inputs = "capture_inputs" if seam.capture_inputs else "dummies"
         return [
             (f"{BACKEND_CLASS}.__init__(cuda_graph_runner, *, enable_memory_saver, debug_eager)",
-             p(_params, f"{cls}.__init__", "cuda_graph_runner", "enable_memory_saver", "debug_eager")),
-            (f"{BACKEND_CLASS}.__init__ sets {', '.join(BACKEND_ATTRS)}", p(_uses, f"{cls}.__init__", *BACKEND_ATTRS)),
+             p("params", f"{cls}.__init__", "cuda_graph_runner", "enable_memory_saver", "debug_eager")),
+            (f"{BACKEND_CLASS}.__init__ sets {', '.join(BACKEND_ATTRS)}", p("uses", f"{cls}.__init__", *BACKEND_ATTRS)),
             (f"{BACKEND_CLASS}.capture_session / replay / cleanup",
-             p(_first_missing, cls, "capture_session", "replay", "cleanup")),
+             p("attrs", cls, "capture_session", "replay", "cleanup")),
             (f"{BACKEND_CLASS}.capture_one(shape_key, forward_fn, {inputs}, post_warmup_hook)",
-             p(_params, f"{cls}.capture_one", "shape_key", "forward_fn", inputs, "post_warmup_hook")),
+             p("params", f"{cls}.capture_one", "shape_key", "forward_fn", inputs, "post_warmup_hook")),
             (f"{BACKEND_CLASS}.capture_one keeps outputs only through the helpers sglang_bcg overrides",
-             p(_unknown_helpers, f"{cls}.capture_one")),
+             p("helpers", f"{cls}.capture_one")),
             (f"{BACKEND_MODULE}.BreakableCUDAGraphCapture(cuda_graph, pool, stream)",
-             p(_params, f"{mod}BreakableCUDAGraphCapture.__init__", "cuda_graph", "pool", "stream")),
+             p("params", f"{mod}BreakableCUDAGraphCapture.__init__", "cuda_graph", "pool", "stream")),
             (f"{BACKEND_MODULE}.BreakableCUDAGraph's module: _current_capture_var",
-             p(_capture_var, f"{mod}BreakableCUDAGraph")),
-            (f"{BASE_MODULE}.BaseCudaGraphBackend",
-             lambda: pkgutil.resolve_name(f"{BASE_MODULE}:BaseCudaGraphBackend") and None),
+             p("capture_var", f"{mod}BreakableCUDAGraph")),
+            (f"{BASE_MODULE}.BaseCudaGraphBackend", p("attrs", f"{BASE_MODULE}:BaseCudaGraphBackend")),
         ]
     if seam.kind != "runner":
         return []
     cls = f"{RUNNER_MODULE}:BreakableCudaGraphRunner"
     return [
         (f"{RUNNER_CLASS}._capture_one(num_tokens, pool, stream)",
-         p(_params, f"{cls}._capture_one", "num_tokens", "pool", "stream")),
+         p("params", f"{cls}._capture_one", "num_tokens", "pool", "stream")),
         (f"{RUNNER_CLASS}._capture_one runs self._run_forward inside BreakableCUDAGraphCapture",
-         p(_source_has, f"{cls}._capture_one", "self._run_forward(", "BreakableCUDAGraphCapture(")),
+         p("source", f"{cls}._capture_one", "self._run_forward(", "BreakableCUDAGraphCapture(")),
         (f"{RUNNER_CLASS}._capture_all stores output_buffers[num_tokens] from _capture_one",
-         p(_source_has, f"{cls}._capture_all", "self._capture_one(", "self.output_buffers[num_tokens] = output")),
+         p("source", f"{cls}._capture_all", "self._capture_one(", "self.output_buffers[num_tokens] = output")),
         (f"{RUNNER_CLASS}.replay returns output_buffers[static_num_tokens]",
-         p(_source_has, f"{cls}.replay", "self.output_buffers[static_num_tokens]")),
+         p("source", f"{cls}.replay", "self.output_buffers[static_num_tokens]")),
         (f"{RUNNER_MODULE}.BreakableCUDAGraphCapture's module: _current_capture_var",
-         p(_capture_var, f"{RUNNER_MODULE}:BreakableCUDAGraphCapture")),
+         p("capture_var", f"{RUNNER_MODULE}:BreakableCUDAGraphCapture")),
     ]
 
 
 def _report(say: Callable[[str], None], problems: list[Problem], label: str, problem: Problem | None) -> None:
-    """One ``[ok]``, ``[MISSING]`` (moved) or ``[NOT CHECKED]`` line; the problem kept."""
     if problem is None:
         say(f"  [ok] {label}")
     else:
@@ -284,9 +262,8 @@ def _seam_lines(say: Callable[[str], None], problems: list[Problem]) -> None:
 
 
 def backend_lines() -> tuple[list[str], str | None]:
-    """The registered backends a phase can be routed to, one line each as ``sglang-bcg backends``
-    prints them, and the summary line when a plugin is broken (its backends cannot be selected)
-    or the registry refuses a registration (no backend can be selected); the exit code stays."""
+    """The registered backends a phase can be routed to, one line each as ``sglang-bcg backends`` prints them,
+    and the summary line when a plugin is broken or the registry refuses a registration (the exit code stays)."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", PluginLoadWarning)  # printed as BROKEN lines
         try:
@@ -295,11 +272,9 @@ def backend_lines() -> tuple[list[str], str | None]:
             return [f"  [REFUSED] {' '.join(str(exc).split())}"], (
                 f"doctor: the {NAME} backend registry refuses a registration: no backend can be selected "
                 "(see the REFUSED line)")
-    lines = [f"  {line}" for line in listing(registry)]
-    if not registry.broken:
-        return lines, None
-    return lines, (f"doctor: {len(registry.broken)} {NAME} plugin(s) broken: their backends cannot be selected, the "
-                   "others work (see the BROKEN lines)")
+    return [f"  {line}" for line in listing(registry)], None if not registry.broken else (
+        f"doctor: {len(registry.broken)} {NAME} plugin(s) broken: their backends cannot be selected, the others work "
+        "(see the BROKEN lines)")
 
 
 def forecast_line(kind: str | None, environ: Mapping[str, str] | None = None) -> str:
@@ -324,11 +299,9 @@ def forecast_line(kind: str | None, environ: Mapping[str, str] | None = None) ->
 
 def doctor_main(argv: list[str] | None = None, *, out: TextIO | None = None) -> int:
     """Run the checks, print a report and return the exit code (the module's doc lists them)."""
-    parser = argparse.ArgumentParser(prog="sglang-bcg doctor", description=__doc__.splitlines()[0])
-    parser.parse_args(argv)
+    argparse.ArgumentParser(prog="sglang-bcg doctor", description=__doc__.splitlines()[0]).parse_args(argv)
     say = functools.partial(print, file=out or sys.stdout)
-    version = _sglang_version()
-    if version is None:
+    if (version := _sglang_version()) is None:
         say(f"SGLang not installed: install it into the serving environment ({INSTALL})")
         return EXIT_NO_SGLANG
     supported = ("supported" if version in SUPPORTED_SGLANG
@@ -356,8 +329,6 @@ def doctor_main(argv: list[str] | None = None, *, out: TextIO | None = None) -> 
     say(f"--enable-bcg-shared-output (resolved now): {flag}")
     say(f"graph memory forecast: {forecast_line(kind)}")
     say(f"live switch: {switch_doctor_line(kind)}")
-    lines, code = _summary(problems, ep is not None)
-    if backend_problem is not None:  # the seam is unaffected: the exit code stays
-        lines.insert(0, backend_problem)
-    say("\n".join(lines))
+    lines, code = _summary(problems, ep is not None)  # a broken plugin leaves the seam and the exit code as they are
+    say("\n".join([backend_problem, *lines] if backend_problem is not None else lines))
     return code

@@ -49,11 +49,10 @@ def kv_bytes_per_token(cuda_graph_runner: object) -> int | None:
     """Bytes of KV cache per token (the KV pool's bytes over its tokens; ``None``: unknown)."""
     runner = getattr(cuda_graph_runner, "model_runner", None)
     tokens = getattr(runner, "max_total_num_tokens", None)
-    try:
+    total = 0
+    with contextlib.suppress(Exception):  # any pool kind: no figure rather than no log line
         sizes = runner.token_to_kv_pool.get_kv_size_bytes()  # type: ignore[union-attr]
         total = sum(int(s) for s in (sizes if isinstance(sizes, tuple | list) else (sizes,)))
-    except Exception:  # noqa: BLE001 - any pool kind: no figure rather than no log line
-        return None
     return total // tokens if isinstance(tokens, int) and tokens > 0 and total > 0 else None
 
 
@@ -61,12 +60,10 @@ def format_forecast(modes: Mapping[str, Any], mode: str, sizes: Sequence[int], k
                     driver: DriverShare | None = None, caveat: str = "") -> str:
     """The log line: the configured mode's forecast, what it frees against the others, its parts, ``caveat``."""
     f = modes[mode]
-    parts = []
-    for other in (m for m in MODES if m != mode):
-        delta = modes[other].total_bytes - f.total_bytes
-        tokens = f" = {delta // kv_per_token:,} KV tokens" if kv_per_token and delta > 0 else ""
-        parts.append(f"against {other} ({modes[other].total_bytes / MB:,.1f} MiB) it "
-                     f"{'frees' if delta >= 0 else 'costs'} {abs(delta) / MB:,.1f} MiB{tokens}")
+    deltas = {m: modes[m].total_bytes - f.total_bytes for m in MODES if m != mode}
+    parts = [f"against {m} ({modes[m].total_bytes / MB:,.1f} MiB) it {'frees' if d >= 0 else 'costs'} "
+             f"{abs(d) / MB:,.1f} MiB" + (f" = {d // kv_per_token:,} KV tokens" if kv_per_token and d > 0 else "")
+             for m, d in deltas.items()]
     per_token = f"; KV cache {kv_per_token / 1024:,.1f} KiB/token" if kv_per_token else ""
     split = "" if f.total_bytes == f.pool_bytes else (
         f"; of which graph pool {f.pool_bytes / MB:,.1f} MiB, capture stream {f.stream_bytes / MB:,.1f} MiB, "
@@ -78,10 +75,9 @@ def format_forecast(modes: Mapping[str, Any], mode: str, sizes: Sequence[int], k
 
 def _read(read: Callable[..., int], **kwargs: Any) -> int | None:
     """``read(**kwargs)``, ``None`` where it raises: no figure rather than no log line."""
-    try:
+    with contextlib.suppress(Exception):
         return read(**kwargs)
-    except Exception:  # noqa: BLE001
-        return None
+    return None
 
 
 def outputs_kept(trace: KeyTrace, output_bytes: Sequence[int]) -> tuple[KeyTrace, frozenset[int]]:
@@ -109,15 +105,12 @@ class SessionForecast:
                  free_at_build: int | None = None) -> None:
         env = os.environ if environ is None else environ
         self.runner, self.mode, self.pool, self.buffer_source = cuda_graph_runner, mode, pool, buffer_source
-        self.sizes = schedule_sizes(cuda_graph_runner)
-        self.enabled = forecast_enabled(env)
-        self.done = False
+        self.sizes, self.enabled = schedule_sizes(cuda_graph_runner), forecast_enabled(env)
+        self.done, self.held_at_start = False, 0
         self.forecast: dict[str, Any] | None = None
-        self.held_at_start = 0
         self.measured: int | None = None  # what close() found in the pool (+ a reserved buffer)
         self.lost: int | None = None  # the free device memory the session gave up (close())
-        measuring = self.enabled and torch.cuda.is_available()
-        self.free_at_open = _read(device_free_bytes, collect=False) if measuring else None
+        self.free_at_open = _read(device_free_bytes, collect=False) if measuring_forecast(env) else None
         self.reserved_at_open = _read(reserved_bytes) if self.free_at_open is not None else None
         self.driver: DriverShare | None = None  # the driver's share of the forecast (first capture)
         self.first_capture_driver: int | None = None  # what the first capture lost beyond the allocator
@@ -136,27 +129,19 @@ class SessionForecast:
 
     def skip_reason(self) -> str | None:
         """Why no forecast is made (``None``: one is)."""
-        if not self.enabled:
-            return f"{ENV_FORECAST} is not 1"
-        if not torch.cuda.is_available():
-            return "no CUDA"
-        if self.sizes is None or len(self.sizes) < 2:
-            return "the runner names no schedule of two sizes or more"
-        if device_trace():
-            return "the allocator's history is already being recorded"
-        return None
+        checks = ((lambda: self.enabled, f"{ENV_FORECAST} is not 1"), (torch.cuda.is_available, "no CUDA"),
+                  (lambda: len(self.sizes or ()) >= 2, "the runner names no schedule of two sizes or more"),
+                  (lambda: not device_trace(), "the allocator's history is already being recorded"))
+        return next((why for holds, why in checks if not holds()), None)
 
     @contextlib.contextmanager
     def first_capture(self, size: int, output_bytes: list[int]) -> Iterator[None]:
         """Record the first capture's allocator events (later calls pass through); after it,
         log the forecast. The caller fills ``output_bytes`` with the output's storage bytes."""
-        if self.done:
-            yield
-            return
-        self.done = True
-        why = self.skip_reason()
-        if why is not None:
-            log.debug("sglang_bcg: no graph memory forecast: %s", why)
+        why, self.done = "" if self.done else self.skip_reason(), True
+        if why is not None:  # "": a later capture, passed through
+            if why:
+                log.debug("sglang_bcg: no graph memory forecast: %s", why)
             yield
             return
         self.held_at_start = self._pool_bytes()
@@ -182,8 +167,7 @@ class SessionForecast:
         return outside, max(0, self.free_at_open - free - grown)  # type: ignore[operator]
 
     def _pool_segments(self) -> list[tuple[int, int]]:
-        handle = self.pool()
-        pool = tuple(handle) if isinstance(handle, tuple | list) else None
+        pool = tuple(handle) if isinstance(handle := self.pool(), tuple | list) else None
         return [(addr, n) for p, addr, n in pool_segments() if pool in (None, p)]
 
     def _pool_bytes(self) -> int:
@@ -199,8 +183,7 @@ class SessionForecast:
             log.debug("sglang_bcg: no graph memory forecast: the first capture made no request to the pool")
             return
         trace, outputs = outputs_kept(trace, output_bytes)
-        fitted = ScaledTrace.proportional(trace)
-        expandable = expandable_segments()
+        fitted, expandable = ScaledTrace.proportional(trace), expandable_segments()
         outside, self.first_capture_driver = first if first is not None else (0, None)
         self.driver = None if graphs is None else probe_driver_share(
             [graphs], self.first_capture_driver or 0, self.sizes, len(output_bytes))
@@ -212,8 +195,8 @@ class SessionForecast:
         modes, references, caveat = finish_modes(modes, fitted, self.sizes, outputs=outputs, expandable=expandable,
                                                  driver=self.driver, counted="in the first capture")
         self.forecast = {"modes": modes, "references": references}
-        kv_per_token = kv_bytes_per_token(self.runner)
-        log.info("%s", format_forecast(modes, self.mode, self.sizes, kv_per_token, self.driver, caveat))
+        log.info("%s", format_forecast(modes, self.mode, self.sizes, kv_bytes_per_token(self.runner), self.driver,
+                                       caveat))
 
     def close(self, outside_pool_bytes: int = 0) -> int | None:
         """Log what the session added to the pool (+ ``outside_pool_bytes``, a reserved buffer)
@@ -240,25 +223,23 @@ class SessionForecast:
             log.info("sglang_bcg: free device memory lost since the prefill backend was built %.1f MiB "
                      "(%.1f MiB before the first capture)", (self.baseline - free_now) / MB,
                      (self.baseline - (self.free_at_open or 0)) / MB)
-        if self.trace_path:
-            self._write_trace(free_now, self.forecast["modes"])
-        return measured
-
-    def _write_trace(self, free_now: int | None, modes: Mapping[str, Any]) -> None:
-        """Write the session's record to ``SGLANG_BCG_FORECAST_TRACE``: its rows, forecast and the
-        ``(index, action, address, bytes, stream)`` of every event in the pool's address ranges."""
-        events = device_trace()
+        if not self.trace_path:
+            return measured
+        # the session's record for SGLANG_BCG_FORECAST_TRACE: its rows, forecast and the ``(index, action,
+        # address, bytes, stream)`` of every event in the pool's address ranges
+        events, modes = device_trace(), self.forecast["modes"]
         record_history(False)
         segments = self._pool_segments()
         record = {"mode": self.mode, "sizes": self.sizes, "baseline": self.baseline, "free_at_open": self.free_at_open,
                   "free_at_close": free_now, "held_at_start": self.held_at_start, "rows": self.rows,
-                  "forecast": {m: f.total_bytes for m, f in modes.items()},
-                  "forecast_parts": {m: f.to_dict() for m, f in modes.items()},
+                  "forecast": {m: x.total_bytes for m, x in modes.items()},
+                  "forecast_parts": {m: x.to_dict() for m, x in modes.items()},
                   "driver": None if self.driver is None else self.driver.to_dict(),
                   "first_capture_driver": self.first_capture_driver, "segments": segments,
                   "events": [(i, e["action"], int(e["addr"]), int(e["size"]), int(e.get("stream", 0)))
                              for i, e in enumerate(events) if inside(int(e["addr"]), segments)]}
         try:
-            Path(self.trace_path).write_text(json.dumps(record), encoding="utf-8")  # type: ignore[arg-type]
+            Path(self.trace_path).write_text(json.dumps(record), encoding="utf-8")
         except OSError as exc:
             log.warning("sglang_bcg: could not write %s=%s: %s", ENV_FORECAST_TRACE, self.trace_path, exc)
+        return measured
