@@ -55,8 +55,7 @@ def estimate_bytes(
     """Peak bytes of the heaviest of ``backends`` x ``variants`` capturing ``sizes`` (or their stats)."""
     if not isinstance(sizes, SizeStats):
         sizes = SizeStats(len(sizes), sum(sizes), max(sizes))
-    b = model.dtype.itemsize
-    h, inter, t = model.hidden, model.intermediate, sizes.largest
+    b, h, inter, t = model.dtype.itemsize, model.hidden, model.intermediate, sizes.largest
     q, kv = model.heads * model.head_dim, model.kv_heads * model.head_dim
     weights = model.layers * ((q + 2 * kv) * h + h * q + 3 * inter * h) * b
     if "off" in variants:
@@ -90,11 +89,9 @@ def check_fits(
     backends: Sequence[str] = (), workload: str = "synthetic",
 ) -> None:
     """:raises UsageError: the estimate for ``max_tokens`` exceeds the available memory."""
-    found = available_bytes(model.device)
-    if found is None:
+    if (found := available_bytes(model.device)) is None:
         return
-    avail, where = found
-    limit = int(avail * FRACTION)
+    limit, where = int(found[0] * FRACTION), found[1]
 
     def need(n: int) -> int:
         return estimate_bytes(model, capture_size_stats(n), variants, backends=backends, workload=workload)

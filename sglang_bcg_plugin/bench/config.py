@@ -13,7 +13,6 @@ from typing import Any, NamedTuple
 import torch
 
 from .._constants import ENV_SHARE_OUTPUT
-from .._words import parse_word
 from ..output.mode import parse_mode
 from .budget import check_fits
 from .outdir import check_out_dir
@@ -74,16 +73,6 @@ def _device(raw: str | None) -> str:
     return raw
 
 
-def _name(entry: str, choices: list[str], words: dict[str, str], flag: str) -> str:
-    """``entry`` as spelled in ``choices`` (any case: :func:`.._words.parse_word`); unknown: as given."""
-    if entry in choices:
-        return entry
-    try:
-        return parse_word(entry, words, flag, kind="a known name")
-    except ValueError:
-        return entry
-
-
 def _names(flag: str, raw: str, choices: Iterable[str]) -> list[str]:
     """Comma-separated names, any case: none empty, none twice, all known."""
     choices = list(choices)
@@ -96,7 +85,7 @@ def _names(flag: str, raw: str, choices: Iterable[str]) -> list[str]:
         msg = f"{flag} {shown(raw)} has an empty entry; {hint}"
         raise UsageError(msg)
     words = {c.lower(): c for c in reversed(choices)}  # two names differing in case: the first listed
-    names = [_name(n, choices, words, flag) for n in entries]
+    names = [n if n in choices else words.get(n.lower(), n) for n in entries]  # as spelled in choices; else as given
     twice = sorted({n for n in names if names.count(n) > 1})
     if twice:
         msg = f"{flag} {shown(raw)} lists {shown(', '.join(twice), quote=False)} more than once; give each once"

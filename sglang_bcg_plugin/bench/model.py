@@ -18,8 +18,7 @@ def attention_op(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, num_heads: int, num_kv_heads: int
 ) -> None:
     """Causal prefill attention over ``q.shape[0]`` tokens into ``out`` (the splitting op and break body)."""
-    tokens = q.shape[0]
-    head_dim = q.shape[1] // num_heads
+    tokens, head_dim = q.shape[0], q.shape[1] // num_heads
     # (1, heads, tokens, head_dim): the fused kernels want 4-D inputs.
     qh = q.reshape(1, tokens, num_heads, head_dim).transpose(1, 2)
     kh, vh = (t.reshape(1, tokens, num_kv_heads, head_dim).transpose(1, 2) for t in (k, v))
@@ -112,9 +111,8 @@ class SyntheticDecoder(torch.nn.Module):
         return F.rms_norm(x, (self.cfg.hidden,), eps=1e-6)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        cfg = self.cfg
         h = x
-        for i in range(cfg.layers):
+        for i in range(self.cfg.layers):
             # like a serving kernel stack: in-place adds, references dropped early
             qkv = F.linear(self._norm(h), self.qkv[i])
             q, k, v = qkv.split([self.q_cols, self.kv_cols, self.kv_cols], dim=-1)

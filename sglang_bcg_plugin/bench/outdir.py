@@ -43,8 +43,7 @@ def check_out_dir(raw: str) -> Path:
         probe = out / f".bench.probe.{os.getpid()}"  # a file can be created and removed there
         os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
         probe.unlink()
-        st = os.statvfs(out) if hasattr(os, "statvfs") else None
-        free = None if st is None else st.f_bavail * st.f_frsize
+        free = (st := os.statvfs(out)).f_bavail * st.f_frsize if hasattr(os, "statvfs") else None
         for name in (BENCH_JSON, BENCH_PNG):  # must be a regular file (or link to one), if there
             try:
                 mode = os.stat(out / name).st_mode
@@ -191,11 +190,8 @@ def write_pair(out: Path, write_json: Callable[[Path], None], write_png: Callabl
             if old_png is not None:
                 old_png.unlink()
     except OSError as exc:
-        msg = (
-            f"could not write bench.json and bench.png into {shown(str(out))} ({exc.strerror or exc}); "
-            "the folder keeps its previous pair; free some space or give another --out "
-            "(the table above has the results)"
-        )
+        msg = (f"could not write bench.json and bench.png into {shown(str(out))} ({exc.strerror or exc}); the folder "
+               "keeps its previous pair; free some space or give another --out (the table above has the results)")
         raise OutputWriteError(msg) from None
     finally:
         for p in (json_tmp, png_tmp):

@@ -205,11 +205,10 @@ def _fit(rows: list[BenchRow], width: int) -> tuple[dict[str, list[str]], list[s
 
 
 def format_table(rows: list[BenchRow], *, timings_meaningful: bool = True, width: int = TABLE_WIDTH) -> str:
-    """The rows as a table at most ``width`` columns wide (a column no row has is left out; where it
-    is still too wide, ``DROP_ORDER``'s, said in a line), then a footnote per starred variant (one
-    that ran as another: ``packed*: ran as on (...)``), then Graph Trees' note, then what each row
-    saves against its backend's ``off`` (MiB and %), each wrapped to ``width``, then, where timings
-    are not meaningful (CPU), :data:`CPU_NOTE`."""
+    """The rows as a table at most ``width`` columns wide (a column no row has is left out; where it is still too
+    wide, ``DROP_ORDER``'s, said in a line), then a footnote per starred variant (one that ran as another:
+    ``packed*: ran as on (...)``), then Graph Trees' note, then what each row saves against its backend's ``off``
+    (MiB and %), each wrapped to ``width``, then, where timings are not meaningful (CPU), :data:`CPU_NOTE`."""
     shown, dropped = _fit(rows, width)
     widths = _widths(shown)
 
@@ -234,9 +233,8 @@ def format_table(rows: list[BenchRow], *, timings_meaningful: bool = True, width
 def printable(text: str, encoding: str | None) -> str:
     """``text`` as a stream of ``encoding`` can print it: where it cannot print the minus sign or
     "…" (Latin-1, cp1252), "-" and "...", any other such character replaced."""
-    codec = encoding or "utf-8"
     try:
-        text.encode(codec)
+        text.encode(codec := encoding or "utf-8")
     except UnicodeEncodeError:
         return text.replace(MINUS, "-").replace(ELLIPSIS, "...").encode(codec, errors="replace").decode(codec)
     except LookupError:
@@ -374,7 +372,7 @@ def write_plot(path: Path, device: str, config: dict[str, Any], rows: list[Bench
     top = max((b.get_height() for b in ax_mem.patches), default=0.0)
     ax_mem.set_ylim(0, top * 1.15 if top > 0 else 1.0)
     # every bar has a memory bar or stand-in, so the memory panel holds every legend entry; the forecast's last
-    handles, labels = ax_mem.get_legend_handles_labels()  # every bar has a memory bar or stand-in
+    handles, labels = ax_mem.get_legend_handles_labels()
     legend = dict(sorted(zip(labels, handles, strict=True), key=lambda lh: lh[0] == FORECAST_LABEL))  # one per label
     captions = [*([] if timings_meaningful else CPU_CAPTION.splitlines()), *([NO_RESIDENT_CAPTION] if left_out else [])]
     ncol = min(len(legend), 3) or 1
