@@ -35,9 +35,7 @@ TAPE_KEPT: dict[str, dict[str, tuple[float, float, float, float]]] = {
 }
 
 
-def tape_kept_bytes(
-    model: ModelShape, sizes: SizeStats, backends: Sequence[str], workload: str = "synthetic"
-) -> int:
+def tape_kept_bytes(model: ModelShape, sizes: SizeStats, backends: Sequence[str], workload: str = "synthetic") -> int:
     """Bytes the eager segments of the heaviest of ``backends`` keep over every size (CPU)."""
     if model.device.startswith("cuda"):
         return 0
@@ -48,10 +46,8 @@ def tape_kept_bytes(
     return int(per_token * model.layers * sizes.total * model.dtype.itemsize)
 
 
-def estimate_bytes(
-    model: ModelShape, sizes: SizeStats | list[int], variants: list[str], *,
-    backends: Sequence[str] = (), workload: str = "synthetic",
-) -> int:
+def estimate_bytes(model: ModelShape, sizes: SizeStats | list[int], variants: list[str], *,
+                   backends: Sequence[str] = (), workload: str = "synthetic") -> int:
     """Peak bytes of the heaviest of ``backends`` x ``variants`` capturing ``sizes`` (or their stats)."""
     if not isinstance(sizes, SizeStats):
         sizes = SizeStats(len(sizes), sum(sizes), max(sizes))
@@ -84,10 +80,8 @@ def available_bytes(device: str) -> tuple[int, str] | None:
     return int(total), f"this machine has {human_bytes(total)} of RAM"
 
 
-def check_fits(
-    model: ModelShape, max_tokens: int, variants: list[str], *,
-    backends: Sequence[str] = (), workload: str = "synthetic",
-) -> None:
+def check_fits(model: ModelShape, max_tokens: int, variants: list[str], *, backends: Sequence[str] = (),
+               workload: str = "synthetic") -> None:
     """:raises UsageError: the estimate for ``max_tokens`` exceeds the available memory."""
     if (found := available_bytes(model.device)) is None:
         return

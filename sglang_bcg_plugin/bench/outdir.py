@@ -73,11 +73,10 @@ def _alive(pid: int) -> bool:
     if os.name == "nt":  # pragma: no cover - os.kill(pid, 0) would terminate it
         return True
     try:
-        os.kill(pid, 0)
+        with contextlib.suppress(PermissionError):  # alive, another user's
+            os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    except PermissionError:  # alive, another user's
-        pass
     return True
 
 

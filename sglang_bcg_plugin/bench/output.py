@@ -93,9 +93,8 @@ def ratios(rows: list[BenchRow], *, timings_meaningful: bool = True) -> dict[str
 
 
 class Saving(NamedTuple):
-    """One row against its backend's ``off`` row: the bytes of ``metric`` (:data:`GRAPH` where both
-    rows measured it, else :data:`RESIDENT`) each holds, and the replay time's change (``None``
-    unless timings are meaningful)."""
+    """One row against its backend's ``off`` row: the bytes of ``metric`` (:data:`GRAPH` where both rows measured it,
+    else :data:`RESIDENT`) each holds, and the replay time's change (``None`` unless timings are meaningful)."""
 
     backend: str
     variant: str
@@ -175,9 +174,8 @@ def _widths(cells: dict[str, list[str]]) -> dict[str, int]:
 
 
 def _fit(rows: list[BenchRow], width: int) -> tuple[dict[str, list[str]], list[str]]:
-    """The table's cells by column (a column no row has left out), made to fit ``width``: names cut
-    to ``NAME_WIDTH``, then ``DROP_ORDER``'s columns left out, then the names cut further (the
-    backend's first); and the keys left out."""
+    """The table's cells by column (a column no row has left out), made to fit ``width``: names cut to ``NAME_WIDTH``,
+    then ``DROP_ORDER``'s columns left out, then the names cut further (the backend's first); and the keys left out."""
     cells = {k: ["-" if c is None else c for c in col] for k, col in
              ((k, [c.cell(r) for r in rows]) for k, c in COLUMNS.items())
              if k in ("backend", "variant") or any(c is not None for c in col)}
@@ -274,9 +272,8 @@ CPU_CAPTION = ("CPU, eager engine: replay timing left out (eager CPU time is not
 
 
 class PlotBar(NamedTuple):
-    """One bar per panel: a row's ``values`` (``PLOT_METRICS`` keys; ``None``: the metric does
-    not apply, no bar is drawn), its replay spread (below, above the median) and the forecast
-    made before capture (graph memory only)."""
+    """One bar per panel: a row's ``values`` (``PLOT_METRICS`` keys; ``None``: the metric does not apply, no bar is
+    drawn), its replay spread (below, above the median) and the forecast made before capture (graph memory only)."""
 
     variant: str
     label: str
@@ -362,8 +359,7 @@ def write_plot(path: Path, device: str, config: dict[str, Any], rows: list[Bench
               "replay_ms": (f"replay at {config.get('max_tokens')} tokens (ms, median)",
                             "Replay time at the largest size")}
     for metric, ax in axes.items():  # Graph Trees' group set apart
-        ax.set_ylabel(titles[metric][0])
-        ax.set_title(titles[metric][1])
+        ax.set(ylabel=titles[metric][0], title=titles[metric][1])
         ax.set_xticks(range(len(groups)), [g.tick for g in groups])
         ax.set_xlim(-0.5, len(groups) - 0.5)  # a group without a bar keeps its place
         if groups and groups[-1].reference and len(groups) > 1:
