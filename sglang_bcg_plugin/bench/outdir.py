@@ -28,7 +28,6 @@ class OutputWriteError(UsageError):
 
 def check_out_dir(raw: str) -> Path:
     """Create ``--out`` (parents too) and prove it can take the pair, before the bench.
-
     :raises UsageError: it cannot (the message says why)."""
     if not raw:
         msg = "--out is empty; give a directory for bench.json and bench.png (--out . for the current one)"
@@ -161,7 +160,6 @@ def _temp(out: Path, label: str) -> Path:
 def write_pair(out: Path, write_json: Callable[[Path], None], write_png: Callable[[Path], bool]) -> list[Path]:
     """Write ``bench.png`` (when ``write_png`` makes one) and ``bench.json`` into ``out`` as one pair
     (renamed into place, the json last, Ctrl-C held back); the files written, the json first.
-
     :raises OutputWriteError: a write or rename failed; ``out`` keeps its old pair."""
     json_tmp, png_tmp = _temp(out, "json"), _temp(out, "png")
     try:

@@ -214,8 +214,7 @@ def format_table(rows: list[BenchRow], *, timings_meaningful: bool = True, width
         return "  ".join(t.ljust(widths[k]) if COLUMNS[k].left else t.rjust(widths[k])
                          for k, t in zip(shown, texts, strict=True)).rstrip()
 
-    lines = [line([COLUMNS[k].head[i] for k in shown]) for i in (0, 1)]
-    lines.append("  ".join("-" * w for w in widths.values()))
+    lines = [*(line([COLUMNS[k].head[i] for k in shown]) for i in (0, 1)), "  ".join("-" * w for w in widths.values())]
     lines += [line([shown[k][i] for k in shown]) for i in range(len(rows))]
     notes = [f"{variant}{STAR}: {note}" for variant, note in {r.variant: ran_as_note(r) for r in rows
                                                                 if r.ran_as is not None}.items()]

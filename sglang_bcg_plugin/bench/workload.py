@@ -141,7 +141,6 @@ def register_attention() -> None:
 
 def llama_config(shape: ModelShape, max_tokens: int, vocab: int) -> Any:
     """transformers' ``LlamaConfig`` of these sizes (no cache).
-
     :raises UsageError: transformers rejects it."""
     try:
         return _transformers().LlamaConfig(
