@@ -58,9 +58,8 @@ def _variant(name: str, meaning: str, label: str, color: str) -> Variant:
 
 
 _ON, _RELEASED, _BLOCK = "sharing on", "outputs released", "pool as one block"
-_EXPANDABLE = "pool as one expandable segment"
+_EXPANDABLE, _GROWN = "pool as one expandable segment", "the pool grown as one expandable segment"
 _SIZED = "the pool started as one block the forecast sized (CUDA)"
-_GROWN = "the pool grown as one expandable segment"
 _COMPILED = "the model compiled by Inductor first (piecewise and full only)"
 #: Every variant; docs/getting-started.md lists the same meanings (tests/test_cli.py checks it).
 VARIANTS = {name: _variant(name, *about) for name, about in {
@@ -169,8 +168,7 @@ class BenchRow:
     #: why it ran as ``ran_as``
     ran_as_reason: str | None = None
 
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+    to_dict = asdict
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> BenchRow:
