@@ -35,9 +35,7 @@ TAPE_KEPT: dict[str, dict[str, tuple[float, float, float, float]]] = {
 }
 
 
-def tape_kept_bytes(
-    model: ModelShape, sizes: SizeStats, backends: Sequence[str], workload: str = "synthetic"
-) -> int:
+def tape_kept_bytes(model: ModelShape, sizes: SizeStats, backends: Sequence[str], workload: str = "synthetic") -> int:
     """Bytes the eager segments of the heaviest of ``backends`` keep over every size (CPU)."""
     if model.device.startswith("cuda"):
         return 0
@@ -48,15 +46,12 @@ def tape_kept_bytes(
     return int(per_token * model.layers * sizes.total * model.dtype.itemsize)
 
 
-def estimate_bytes(
-    model: ModelShape, sizes: SizeStats | list[int], variants: list[str], *,
-    backends: Sequence[str] = (), workload: str = "synthetic",
-) -> int:
+def estimate_bytes(model: ModelShape, sizes: SizeStats | list[int], variants: list[str], *,
+                   backends: Sequence[str] = (), workload: str = "synthetic") -> int:
     """Peak bytes of the heaviest of ``backends`` x ``variants`` capturing ``sizes`` (or their stats)."""
     if not isinstance(sizes, SizeStats):
         sizes = SizeStats(len(sizes), sum(sizes), max(sizes))
-    b = model.dtype.itemsize
-    h, inter, t = model.hidden, model.intermediate, sizes.largest
+    b, h, inter, t = model.dtype.itemsize, model.hidden, model.intermediate, sizes.largest
     q, kv = model.heads * model.head_dim, model.kv_heads * model.head_dim
     weights = model.layers * ((q + 2 * kv) * h + h * q + 3 * inter * h) * b
     if "off" in variants:
@@ -85,16 +80,12 @@ def available_bytes(device: str) -> tuple[int, str] | None:
     return int(total), f"this machine has {human_bytes(total)} of RAM"
 
 
-def check_fits(
-    model: ModelShape, max_tokens: int, variants: list[str], *,
-    backends: Sequence[str] = (), workload: str = "synthetic",
-) -> None:
+def check_fits(model: ModelShape, max_tokens: int, variants: list[str], *, backends: Sequence[str] = (),
+               workload: str = "synthetic") -> None:
     """:raises UsageError: the estimate for ``max_tokens`` exceeds the available memory."""
-    found = available_bytes(model.device)
-    if found is None:
+    if (found := available_bytes(model.device)) is None:
         return
-    avail, where = found
-    limit = int(avail * FRACTION)
+    limit, where = int(found[0] * FRACTION), found[1]
 
     def need(n: int) -> int:
         return estimate_bytes(model, capture_size_stats(n), variants, backends=backends, workload=workload)

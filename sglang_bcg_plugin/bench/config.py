@@ -13,7 +13,6 @@ from typing import Any, NamedTuple
 import torch
 
 from .._constants import ENV_SHARE_OUTPUT
-from .._words import parse_word
 from ..output.mode import parse_mode
 from .budget import check_fits
 from .outdir import check_out_dir
@@ -59,29 +58,18 @@ class BenchConfig(NamedTuple):
 def _device(raw: str | None) -> str:
     if raw is None:
         return "cuda" if torch.cuda.is_available() else "cpu"
-    if not re.fullmatch(r"cpu|cuda(:\d+)?", raw.strip().lower(), flags=re.ASCII):
+    if not re.fullmatch(r"cpu|cuda(:\d+)?", device := raw.strip().lower(), flags=re.ASCII):  # any case, as every flag
         msg = f"--device {shown(raw)} is not supported; use cpu, cuda or cuda:N"
         raise UsageError(msg)
-    raw = raw.strip().lower()  # any case, as every flag value
-    if raw.startswith("cuda"):
+    if device.startswith("cuda"):
         if not torch.cuda.is_available():
-            msg = f"--device {raw} but CUDA is not available to torch {torch.__version__}; use --device cpu"
+            msg = f"--device {device} but CUDA is not available to torch {torch.__version__}; use --device cpu"
             raise UsageError(msg)
         count = torch.cuda.device_count()
-        if int(raw.partition(":")[2] or 0) >= count:
-            msg = f"--device {raw}: this machine has {count} CUDA device(s); use cuda:0 to cuda:{count - 1}"
+        if int(device.partition(":")[2] or 0) >= count:
+            msg = f"--device {device}: this machine has {count} CUDA device(s); use cuda:0 to cuda:{count - 1}"
             raise UsageError(msg)
-    return raw
-
-
-def _name(entry: str, choices: list[str], words: dict[str, str], flag: str) -> str:
-    """``entry`` as spelled in ``choices`` (any case: :func:`.._words.parse_word`); unknown: as given."""
-    if entry in choices:
-        return entry
-    try:
-        return parse_word(entry, words, flag, kind="a known name")
-    except ValueError:
-        return entry
+    return device
 
 
 def _names(flag: str, raw: str, choices: Iterable[str]) -> list[str]:
@@ -96,13 +84,11 @@ def _names(flag: str, raw: str, choices: Iterable[str]) -> list[str]:
         msg = f"{flag} {shown(raw)} has an empty entry; {hint}"
         raise UsageError(msg)
     words = {c.lower(): c for c in reversed(choices)}  # two names differing in case: the first listed
-    names = [_name(n, choices, words, flag) for n in entries]
-    twice = sorted({n for n in names if names.count(n) > 1})
-    if twice:
+    names = [n if n in choices else words.get(n.lower(), n) for n in entries]  # as spelled in choices; else as given
+    if twice := sorted({n for n in names if names.count(n) > 1}):
         msg = f"{flag} {shown(raw)} lists {shown(', '.join(twice), quote=False)} more than once; give each once"
         raise UsageError(msg)
-    bad = sorted(set(names) - set(choices))
-    if bad:
+    if bad := sorted(set(names) - set(choices)):
         msg = f"unknown {flag.removeprefix('--')} {shown(bad)}; {hint}"
         raise UsageError(msg)
     return names
@@ -158,11 +144,9 @@ def _or(names: list[str]) -> str:
 
 def _variant_rows(backends: list[str], variants: list[str], available: list[str]) -> list[str]:
     """``note:`` lines for backends that skip a variant. :raises UsageError: no backend runs one."""
-    ours = [b for b in backends if b != GRAPH_TREES]
-    if not ours:
+    if not (ours := [b for b in backends if b != GRAPH_TREES]):
         return []
-    unrun = [v for v in variants if not any(runs(b, v) for b in ours)]
-    if unrun:
+    if unrun := [v for v in variants if not any(runs(b, v) for b in ours)]:
         by = [b for b in available if b != GRAPH_TREES and runs(b, unrun[0])]
         what = ", ".join(unrun)
         msg = (f"--variants {what} {'is' if len(unrun) == 1 else 'are'} run only by --backends {_or(by)}, and "
@@ -176,7 +160,6 @@ def _variant_rows(backends: list[str], variants: list[str], available: list[str]
 
 def build_config(args: argparse.Namespace, available_backends: list[str]) -> BenchConfig:
     """Check every ``bench`` argument (and the environment) and resolve the defaults.
-
     :raises UsageError: the first problem found."""
     device = _device(args.device)
     gpu = device.startswith("cuda")
@@ -204,8 +187,7 @@ def build_config(args: argparse.Namespace, available_backends: list[str]) -> Ben
         msg = (f"--max-tokens {shown(max_tokens)} is beyond any machine's memory (at most {MAX_TOKENS_LIMIT} is "
                "accepted); SGLang captures prefill up to 16384 tokens by default: use --max-tokens 16384 or less")
         raise UsageError(msg)
-    largest = capture_size_stats(max_tokens).largest
-    if largest != max_tokens:
+    if (largest := capture_size_stats(max_tokens).largest) != max_tokens:
         notes.append(f"note: --max-tokens {max_tokens} is not one of SGLang's prefill capture "
                      f"sizes; the largest below it, {largest}, is captured")
     check_fits(model, max_tokens, variants, backends=backends, workload=args.model)

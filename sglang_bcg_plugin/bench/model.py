@@ -18,8 +18,7 @@ def attention_op(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, num_heads: int, num_kv_heads: int
 ) -> None:
     """Causal prefill attention over ``q.shape[0]`` tokens into ``out`` (the splitting op and break body)."""
-    tokens = q.shape[0]
-    head_dim = q.shape[1] // num_heads
+    tokens, head_dim = q.shape[0], q.shape[1] // num_heads
     # (1, heads, tokens, head_dim): the fused kernels want 4-D inputs.
     qh = q.reshape(1, tokens, num_heads, head_dim).transpose(1, 2)
     kh, vh = (t.reshape(1, tokens, num_kv_heads, head_dim).transpose(1, 2) for t in (k, v))
@@ -87,9 +86,10 @@ class SyntheticDecoder(torch.nn.Module):
         q_all, kv_all = cfg.heads * head_dim, cfg.kv_heads * head_dim
         g = torch.Generator(device="cpu").manual_seed(0)
 
-        def w(rows: int, cols: int, keep: Callable[[torch.Tensor], torch.Tensor]) -> torch.nn.Parameter:
-            t = keep(torch.randn(rows, cols, generator=g) / cols**0.5)
-            return torch.nn.Parameter(t.contiguous().to(cfg.dtype).to(cfg.device), requires_grad=False)
+        def w(rows: int, cols: int, keep: Callable[[torch.Tensor], torch.Tensor]) -> torch.nn.ParameterList:
+            ts = (keep(torch.randn(rows, cols, generator=g) / cols**0.5) for _ in range(cfg.layers))  # one per layer
+            return torch.nn.ParameterList(torch.nn.Parameter(t.contiguous().to(cfg.dtype).to(cfg.device),
+                                                             requires_grad=False) for t in ts)
 
         def part(start: int, n: int) -> slice:  # this rank's share of n rows from start
             return slice(start + rank * n, start + (rank + 1) * n)
@@ -101,20 +101,17 @@ class SyntheticDecoder(torch.nn.Module):
         def gate_up(t: torch.Tensor) -> torch.Tensor:
             return torch.cat([t[part(0, inter)], t[part(cfg.intermediate, inter)]])
 
-        self.qkv = torch.nn.ParameterList(w(q_all + 2 * kv_all, cfg.hidden, qkv) for _ in range(cfg.layers))
-        self.o = torch.nn.ParameterList(w(cfg.hidden, q_all, lambda t: t[:, part(0, self.q_cols)])
-                                        for _ in range(cfg.layers))
-        self.gate_up = torch.nn.ParameterList(w(2 * cfg.intermediate, cfg.hidden, gate_up) for _ in range(cfg.layers))
-        self.down = torch.nn.ParameterList(w(cfg.hidden, cfg.intermediate, lambda t: t[:, part(0, inter)])
-                                           for _ in range(cfg.layers))
+        self.qkv = w(q_all + 2 * kv_all, cfg.hidden, qkv)
+        self.o = w(cfg.hidden, q_all, lambda t: t[:, part(0, self.q_cols)])
+        self.gate_up = w(2 * cfg.intermediate, cfg.hidden, gate_up)
+        self.down = w(cfg.hidden, cfg.intermediate, lambda t: t[:, part(0, inter)])
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
         return F.rms_norm(x, (self.cfg.hidden,), eps=1e-6)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        cfg = self.cfg
         h = x
-        for i in range(cfg.layers):
+        for i in range(self.cfg.layers):
             # like a serving kernel stack: in-place adds, references dropped early
             qkv = F.linear(self._norm(h), self.qkv[i])
             q, k, v = qkv.split([self.q_cols, self.kv_cols, self.kv_cols], dim=-1)

@@ -28,7 +28,6 @@ class OutputWriteError(UsageError):
 
 def check_out_dir(raw: str) -> Path:
     """Create ``--out`` (parents too) and prove it can take the pair, before the bench.
-
     :raises UsageError: it cannot (the message says why)."""
     if not raw:
         msg = "--out is empty; give a directory for bench.json and bench.png (--out . for the current one)"
@@ -43,8 +42,7 @@ def check_out_dir(raw: str) -> Path:
         probe = out / f".bench.probe.{os.getpid()}"  # a file can be created and removed there
         os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
         probe.unlink()
-        st = os.statvfs(out) if hasattr(os, "statvfs") else None
-        free = None if st is None else st.f_bavail * st.f_frsize
+        free = (st := os.statvfs(out)).f_bavail * st.f_frsize if hasattr(os, "statvfs") else None
         for name in (BENCH_JSON, BENCH_PNG):  # must be a regular file (or link to one), if there
             try:
                 mode = os.stat(out / name).st_mode
@@ -74,11 +72,10 @@ def _alive(pid: int) -> bool:
     if os.name == "nt":  # pragma: no cover - os.kill(pid, 0) would terminate it
         return True
     try:
-        os.kill(pid, 0)
+        with contextlib.suppress(PermissionError):  # alive, another user's
+            os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    except PermissionError:  # alive, another user's
-        pass
     return True
 
 
@@ -163,7 +160,6 @@ def _temp(out: Path, label: str) -> Path:
 def write_pair(out: Path, write_json: Callable[[Path], None], write_png: Callable[[Path], bool]) -> list[Path]:
     """Write ``bench.png`` (when ``write_png`` makes one) and ``bench.json`` into ``out`` as one pair
     (renamed into place, the json last, Ctrl-C held back); the files written, the json first.
-
     :raises OutputWriteError: a write or rename failed; ``out`` keeps its old pair."""
     json_tmp, png_tmp = _temp(out, "json"), _temp(out, "png")
     try:
@@ -191,11 +187,8 @@ def write_pair(out: Path, write_json: Callable[[Path], None], write_png: Callabl
             if old_png is not None:
                 old_png.unlink()
     except OSError as exc:
-        msg = (
-            f"could not write bench.json and bench.png into {shown(str(out))} ({exc.strerror or exc}); "
-            "the folder keeps its previous pair; free some space or give another --out "
-            "(the table above has the results)"
-        )
+        msg = (f"could not write bench.json and bench.png into {shown(str(out))} ({exc.strerror or exc}); the folder "
+               "keeps its previous pair; free some space or give another --out (the table above has the results)")
         raise OutputWriteError(msg) from None
     finally:
         for p in (json_tmp, png_tmp):

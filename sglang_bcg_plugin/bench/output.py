@@ -93,9 +93,8 @@ def ratios(rows: list[BenchRow], *, timings_meaningful: bool = True) -> dict[str
 
 
 class Saving(NamedTuple):
-    """One row against its backend's ``off`` row: the bytes of ``metric`` (:data:`GRAPH` where both
-    rows measured it, else :data:`RESIDENT`) each holds, and the replay time's change (``None``
-    unless timings are meaningful)."""
+    """One row against its backend's ``off`` row: the bytes of ``metric`` (:data:`GRAPH` where both rows measured it,
+    else :data:`RESIDENT`) each holds, and the replay time's change (``None`` unless timings are meaningful)."""
 
     backend: str
     variant: str
@@ -175,9 +174,8 @@ def _widths(cells: dict[str, list[str]]) -> dict[str, int]:
 
 
 def _fit(rows: list[BenchRow], width: int) -> tuple[dict[str, list[str]], list[str]]:
-    """The table's cells by column (a column no row has left out), made to fit ``width``: names cut
-    to ``NAME_WIDTH``, then ``DROP_ORDER``'s columns left out, then the names cut further (the
-    backend's first); and the keys left out."""
+    """The table's cells by column (a column no row has left out), made to fit ``width``: names cut to ``NAME_WIDTH``,
+    then ``DROP_ORDER``'s columns left out, then the names cut further (the backend's first); and the keys left out."""
     cells = {k: ["-" if c is None else c for c in col] for k, col in
              ((k, [c.cell(r) for r in rows]) for k, c in COLUMNS.items())
              if k in ("backend", "variant") or any(c is not None for c in col)}
@@ -205,11 +203,10 @@ def _fit(rows: list[BenchRow], width: int) -> tuple[dict[str, list[str]], list[s
 
 
 def format_table(rows: list[BenchRow], *, timings_meaningful: bool = True, width: int = TABLE_WIDTH) -> str:
-    """The rows as a table at most ``width`` columns wide (a column no row has is left out; where it
-    is still too wide, ``DROP_ORDER``'s, said in a line), then a footnote per starred variant (one
-    that ran as another: ``packed*: ran as on (...)``), then Graph Trees' note, then what each row
-    saves against its backend's ``off`` (MiB and %), each wrapped to ``width``, then, where timings
-    are not meaningful (CPU), :data:`CPU_NOTE`."""
+    """The rows as a table at most ``width`` columns wide (a column no row has is left out; where it is still too
+    wide, ``DROP_ORDER``'s, said in a line), then a footnote per starred variant (one that ran as another:
+    ``packed*: ran as on (...)``), then Graph Trees' note, then what each row saves against its backend's ``off``
+    (MiB and %), each wrapped to ``width``, then, where timings are not meaningful (CPU), :data:`CPU_NOTE`."""
     shown, dropped = _fit(rows, width)
     widths = _widths(shown)
 
@@ -217,8 +214,7 @@ def format_table(rows: list[BenchRow], *, timings_meaningful: bool = True, width
         return "  ".join(t.ljust(widths[k]) if COLUMNS[k].left else t.rjust(widths[k])
                          for k, t in zip(shown, texts, strict=True)).rstrip()
 
-    lines = [line([COLUMNS[k].head[i] for k in shown]) for i in (0, 1)]
-    lines.append("  ".join("-" * w for w in widths.values()))
+    lines = [*(line([COLUMNS[k].head[i] for k in shown]) for i in (0, 1)), "  ".join("-" * w for w in widths.values())]
     lines += [line([shown[k][i] for k in shown]) for i in range(len(rows))]
     notes = [f"{variant}{STAR}: {note}" for variant, note in {r.variant: ran_as_note(r) for r in rows
                                                                 if r.ran_as is not None}.items()]
@@ -234,9 +230,8 @@ def format_table(rows: list[BenchRow], *, timings_meaningful: bool = True, width
 def printable(text: str, encoding: str | None) -> str:
     """``text`` as a stream of ``encoding`` can print it: where it cannot print the minus sign or
     "…" (Latin-1, cp1252), "-" and "...", any other such character replaced."""
-    codec = encoding or "utf-8"
     try:
-        text.encode(codec)
+        text.encode(codec := encoding or "utf-8")
     except UnicodeEncodeError:
         return text.replace(MINUS, "-").replace(ELLIPSIS, "...").encode(codec, errors="replace").decode(codec)
     except LookupError:
@@ -276,9 +271,8 @@ CPU_CAPTION = ("CPU, eager engine: replay timing left out (eager CPU time is not
 
 
 class PlotBar(NamedTuple):
-    """One bar per panel: a row's ``values`` (``PLOT_METRICS`` keys; ``None``: the metric does
-    not apply, no bar is drawn), its replay spread (below, above the median) and the forecast
-    made before capture (graph memory only)."""
+    """One bar per panel: a row's ``values`` (``PLOT_METRICS`` keys; ``None``: the metric does not apply, no bar is
+    drawn), its replay spread (below, above the median) and the forecast made before capture (graph memory only)."""
 
     variant: str
     label: str
@@ -364,8 +358,7 @@ def write_plot(path: Path, device: str, config: dict[str, Any], rows: list[Bench
               "replay_ms": (f"replay at {config.get('max_tokens')} tokens (ms, median)",
                             "Replay time at the largest size")}
     for metric, ax in axes.items():  # Graph Trees' group set apart
-        ax.set_ylabel(titles[metric][0])
-        ax.set_title(titles[metric][1])
+        ax.set(ylabel=titles[metric][0], title=titles[metric][1])
         ax.set_xticks(range(len(groups)), [g.tick for g in groups])
         ax.set_xlim(-0.5, len(groups) - 0.5)  # a group without a bar keeps its place
         if groups and groups[-1].reference and len(groups) > 1:
@@ -374,7 +367,7 @@ def write_plot(path: Path, device: str, config: dict[str, Any], rows: list[Bench
     top = max((b.get_height() for b in ax_mem.patches), default=0.0)
     ax_mem.set_ylim(0, top * 1.15 if top > 0 else 1.0)
     # every bar has a memory bar or stand-in, so the memory panel holds every legend entry; the forecast's last
-    handles, labels = ax_mem.get_legend_handles_labels()  # every bar has a memory bar or stand-in
+    handles, labels = ax_mem.get_legend_handles_labels()
     legend = dict(sorted(zip(labels, handles, strict=True), key=lambda lh: lh[0] == FORECAST_LABEL))  # one per label
     captions = [*([] if timings_meaningful else CPU_CAPTION.splitlines()), *([NO_RESIDENT_CAPTION] if left_out else [])]
     ncol = min(len(legend), 3) or 1

@@ -58,9 +58,8 @@ def _variant(name: str, meaning: str, label: str, color: str) -> Variant:
 
 
 _ON, _RELEASED, _BLOCK = "sharing on", "outputs released", "pool as one block"
-_EXPANDABLE = "pool as one expandable segment"
+_EXPANDABLE, _GROWN = "pool as one expandable segment", "the pool grown as one expandable segment"
 _SIZED = "the pool started as one block the forecast sized (CUDA)"
-_GROWN = "the pool grown as one expandable segment"
 _COMPILED = "the model compiled by Inductor first (piecewise and full only)"
 #: Every variant; docs/getting-started.md lists the same meanings (tests/test_cli.py checks it).
 VARIANTS = {name: _variant(name, *about) for name, about in {
@@ -99,13 +98,11 @@ _POOL_WORDS = {"packed": "pool_reserve='auto' starts a CUDA graph pool as one bl
 def eager_stand_in(variant: str) -> tuple[str, str] | None:
     """What ``variant`` runs as on the eager engine (CPU: no graph pool) and why, when that is not
     ``variant`` itself; else ``None``. The first: a variant's name, or its meaning where none has it."""
-    words = variant.split("-")
-    pool = [w for w in words if w in _POOL_WORDS]
+    pool = [_POOL_WORDS[w] for w in variant.split("-") if w in _POOL_WORDS]
     guard = variant == "guard" and not guard_supported()
     if not pool and not guard:
         return None
-    needs = "; ".join(_POOL_WORDS[w] for w in pool)
-    why = [f"CUDA-only: {needs}, and the eager engine has no graph pool"] if pool else []
+    why = [f"CUDA-only: {'; '.join(pool)}, and the eager engine has no graph pool"] if pool else []
     if guard:
         why.append("the stale-output guard poisons storages, which this torch build cannot; a CUDA build can")
     v = VARIANTS[variant]
@@ -119,11 +116,10 @@ def eager_stand_in(variant: str) -> tuple[str, str] | None:
 
 def eager_note(variant: str) -> str | None:
     """The ``note:`` line of a variant that runs as another on the eager engine (:func:`eager_stand_in`)."""
-    stand_in = eager_stand_in(variant)
-    if stand_in is None:
+    if (stand_in := eager_stand_in(variant)) is None:
         return None
-    ran, why = stand_in
-    return f"note: --variants {variant} runs as {ran} here ({why}): its rows measure that, under the name {variant}"
+    return (f"note: --variants {variant} runs as {stand_in[0]} here ({stand_in[1]}): its rows measure that, "
+            f"under the name {variant}")
 
 
 def runs(backend: str, variant: str) -> bool:
@@ -172,8 +168,7 @@ class BenchRow:
     #: why it ran as ``ran_as``
     ran_as_reason: str | None = None
 
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+    to_dict = asdict
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> BenchRow:
@@ -257,22 +252,19 @@ def max_abs_error(out: Any, ref: Any) -> float:
                default=0.0)
 
 
-def _capture_all(
-    device: str, sizes: list[int], label: str, progress: bool, session: contextlib.AbstractContextManager[Any],
-    capture: Callable[[int], None],
-) -> tuple[float, int | None]:
+def _capture_all(device: str, sizes: list[int], label: str, progress: bool,
+                 session: contextlib.AbstractContextManager[Any],
+                 capture: Callable[[int], None]) -> tuple[float, int | None]:
     """``capture(size)`` for every size, largest first, inside ``session``, under a progress bar (tqdm
     when installed): the seconds it took and the device memory it kept (``None`` off CUDA)."""
-    free_before = _free_bytes(device)
-    start = time.perf_counter()
+    free_before, start = _free_bytes(device), time.perf_counter()
     with torch.no_grad(), session:
         try:
             from tqdm import tqdm
         except ImportError:  # without the [bench] extra
             bar: Any = LineProgress(len(sizes), label, sys.stderr, progress)
         else:
-            bar = tqdm(total=len(sizes), desc=label, unit="size", file=sys.stderr, disable=not progress,
-                       leave=False)
+            bar = tqdm(total=len(sizes), desc=label, unit="size", file=sys.stderr, disable=not progress, leave=False)
         try:
             for size in sorted(sizes, reverse=True):
                 capture(size)
@@ -280,8 +272,7 @@ def _capture_all(
         finally:
             bar.close()  # a clean stderr line for an error or Ctrl-C
     _sync(device)
-    seconds = time.perf_counter() - start
-    return seconds, None if free_before is None else free_before - device_free_bytes()
+    return time.perf_counter() - start, None if free_before is None else free_before - device_free_bytes()
 
 
 def _fresh(workload: Workload, model_backend: str, sizes: list[int]) -> tuple[Callable[..., Any], Any]:
@@ -293,10 +284,8 @@ def _fresh(workload: Workload, model_backend: str, sizes: list[int]) -> tuple[Ca
     return workload.model_for(model_backend, max(sizes)), workload.static_input(max(sizes))
 
 
-def _replay_all(
-    workload: Workload, sizes: list[int], static: Any, replay: Callable[[int], Any], model: Callable[..., Any] | None,
-    repeats: int,
-) -> dict[str, Any]:
+def _replay_all(workload: Workload, sizes: list[int], static: Any, replay: Callable[[int], Any],
+                model: Callable[..., Any] | None, repeats: int) -> dict[str, Any]:
     """The row's replay fields: after new inputs, every size's largest error against the eager
     ``model`` (``None``: not checked), and the median, min and max milliseconds of ``repeats``
     replays of the largest size (CUDA events on GPU, perf_counter on CPU)."""
@@ -325,27 +314,23 @@ def _replay_all(
             "replay_ms_min": min(times), "replay_ms_max": max(times)}
 
 
-def run_variant(
-    backend_name: str, variant: str, workload: Workload, sizes: list[int], *, repeats: int, progress: bool = True,
-    forecast: bool = True, after_capture: Callable[[ShapeKey], None] | None = None,
-) -> BenchRow:
+def run_variant(backend_name: str, variant: str, workload: Workload, sizes: list[int], *, repeats: int,
+                progress: bool = True, forecast: bool = True,
+                after_capture: Callable[[ShapeKey], None] | None = None) -> BenchRow:
     """Capture every size with one backend and variant; measure memory, time and error (on CUDA,
     after a forecast of the schedule). ``after_capture(key)`` runs after each size's capture."""
     v = VARIANTS[variant]
     device = workload.shape.device
     model, static = _fresh(workload, backend_name, sizes)
     options = BackendOptions(engine="cuda" if device.startswith("cuda") else "eager", **v.options)
-    piecewise = {"splitting_ops": list(workload.splitting_ops), "inductor": v.inductor}
-    kwargs: dict[str, Any] = piecewise if backend_name == "piecewise" else {}
-    backend = create_backend(backend_name, options=options, **kwargs)
+    piecewise: dict[str, Any] = {"splitting_ops": list(workload.splitting_ops), "inductor": v.inductor}
+    backend = create_backend(backend_name, options=options, **(piecewise if backend_name == "piecewise" else {}))
     fn = backend.compile(model, dynamic_dim=workload.dynamic_dim)
     if v.inductor and backend_name != "piecewise":  # Inductor, no cudagraphs: the backend captures it
         fn = CompileClock(torch.compile(model, dynamic=True), device)
 
     def forward_for(s: int) -> Callable[[], Any]:
-        if v.keep:
-            return lambda: workload.call(fn, static, s)
-        return lambda: (workload.call(fn, static, s), None)[1]
+        return (lambda: workload.call(fn, static, s)) if v.keep else lambda: (workload.call(fn, static, s), None)[1]
 
     def compiled_s() -> float | None:  # None: nothing is compiled
         return getattr(backend, "compile_seconds", fn.seconds if isinstance(fn, CompileClock) else None)
@@ -369,6 +354,7 @@ def run_variant(
     replayed = _replay_all(workload, sizes, static, lambda s: backend.replay(ShapeKey(s)), model if v.keep else None,
                            repeats)
     backend.cleanup()  # the graphs, pools and buffers go; the next variant measures from here
+    ran_as, why = (None if device.startswith("cuda") else eager_stand_in(variant)) or (None, None)  # engine: device
     row = BenchRow(
         backend=backend_name, variant=variant, output_mode=v.options["output_mode"], num_sizes=len(sizes),
         max_tokens=max(sizes),
@@ -376,19 +362,14 @@ def run_variant(
         graph_memory_bytes=graph_bytes, capture_s=elapsed - ((compile_s or 0.0) - forecast_compile),
         fallbacks=len(report.fallbacks), bridge_bytes=report.total_bridge_bytes, model=workload.name,
         per_size=per_size_rows(report, per_key_compile if compile_s is not None else None), compile_s=compile_s,
-        **replayed, **_forecast_fields(predicted, graph_bytes, forecast_compile),
+        ran_as=ran_as, ran_as_reason=why, **replayed, **_forecast_fields(predicted, graph_bytes, forecast_compile),
     )
-    stand_in = None if device.startswith("cuda") else eager_stand_in(variant)  # the engine follows the device
-    if stand_in is not None:
-        row.ran_as, row.ran_as_reason = stand_in
     log.info("%s", row)
     return row
 
 
-def _forecast(
-    backend: Any, sizes: list[int], forward_for: Callable[[int], Callable[[], Any]], static: Any,
-    compiled_s: Callable[[], float | None],
-) -> tuple[Any, float]:
+def _forecast(backend: Any, sizes: list[int], forward_for: Callable[[int], Callable[[], Any]], static: Any,
+              compiled_s: Callable[[], float | None]) -> tuple[Any, float]:
     """``backend.forecast`` of the schedule on the CUDA engine (``None`` elsewhere, or where the
     forward cannot be forecast: a warning), and the compile seconds it paid."""
     if backend.engine_name != "cuda":
@@ -413,9 +394,8 @@ def _forecast_fields(forecast: Any, graph_bytes: int | None, compile_s: float = 
             "forecast": forecast.to_dict(), "forecast_driver_bytes": forecast.modes[forecast.mode].driver_bytes}
 
 
-def graph_trees_row(
-    workload: Workload, sizes: list[int], *, repeats: int, num_warmups: int = 2, progress: bool = True
-) -> BenchRow:
+def graph_trees_row(workload: Workload, sizes: list[int], *, repeats: int, num_warmups: int = 2,
+                    progress: bool = True) -> BenchRow:
     """Capture every size with Graph Trees; measure like :func:`run_variant`."""
     device = workload.shape.device
     gpu = device.startswith("cuda")

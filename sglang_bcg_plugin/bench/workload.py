@@ -141,19 +141,12 @@ def register_attention() -> None:
 
 def llama_config(shape: ModelShape, max_tokens: int, vocab: int) -> Any:
     """transformers' ``LlamaConfig`` of these sizes (no cache).
-
     :raises UsageError: transformers rejects it."""
     try:
         return _transformers().LlamaConfig(
-            hidden_size=shape.hidden,
-            intermediate_size=shape.intermediate,
-            num_hidden_layers=shape.layers,
-            num_attention_heads=shape.heads,
-            num_key_value_heads=shape.kv_heads,
-            head_dim=shape.head_dim,
-            vocab_size=vocab,
-            max_position_embeddings=max(max_tokens, 16),
-            use_cache=False,
+            hidden_size=shape.hidden, intermediate_size=shape.intermediate, num_hidden_layers=shape.layers,
+            num_attention_heads=shape.heads, num_key_value_heads=shape.kv_heads, head_dim=shape.head_dim,
+            vocab_size=vocab, max_position_embeddings=max(max_tokens, 16), use_cache=False,
         )
     except Exception as exc:  # noqa: BLE001 - ValueError, TypeError, huggingface_hub's StrictDataclassError (5.x)
         cause = exc.__cause__ if isinstance(exc.__cause__, ValueError) else exc
