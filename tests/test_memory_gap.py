@@ -582,7 +582,7 @@ def test_the_headline_and_the_summary_table(tmp_path: Path, capsys: pytest.Captu
     assert table[0].split(" | ")[0].strip() == "variant" and "unused at peak GiB" in table[0]
     assert set(table[1]) <= {"-", "|"} and len(table) == 5
     cells = [c.strip() for c in table[3].split("|")]
-    assert cells == ["post-capture", "0.900", "861,000", "16.10", "-", "-", "7", "yes", "no", "yes"]
+    assert cells == ["post-capture", "0.900", "861,000", "16.10", "-", "-", "7", "yes", "no", "yes", "-"]
     assert [c.strip() for c in table[2].split("|")][3:6] == ["16.10", "130.40", "10.00"]
     # --summarize reprints it from the JSON files, in the variants' order
     for r in (on, stock, post):
@@ -601,3 +601,23 @@ def test_the_command_line_checks_variants_and_the_model(capsys: pytest.CaptureFi
     with pytest.raises(SystemExit):
         gap.parse_args([])
     assert "--model is required" in capsys.readouterr().err
+
+
+def test_the_memory_plan_lines_as_the_plugin_logs_them() -> None:
+    """The plan's two lines, formatted by the plugin itself, parsed; the plan against the peak."""
+    from sglang_bcg_plugin.sglang.memory_plan import GiB, MemoryPlan
+
+    plan = MemoryPlan(total=80 * GiB, free=60 * GiB, weights=15 * GiB, forward=GiB, forward_tokens=8192,
+                      logprobs=2 * GiB, logprob_tokens=2048, sampler=0, margin=GiB, kv_bytes_per_token=131072,
+                      guess=10 * GiB)
+    text = _log(_server_args(0.98)[1]) + "\n[2026-12-07 05:00:00] " + plan.line() + "\n[2026-12-07 05:00:01] " \
+        + plan.after_line(plan.kv_tokens, 4 * GiB) + "\n"
+    log = gap.parse_memory_log(text)
+    assert log["plan"]["eager_gib"] == 3.0 and log["plan"]["margin_gib"] == 1.0 and log["plan"]["kv_gib"] == 56.0
+    assert log["plan"]["kv_tokens"] == log["plan"]["backed_tokens"] == plan.kv_tokens
+    assert log["plan"]["planned_peak_gib"] == 79.0
+    assert gap.plan_vs_peak(log["plan"], 79.0 * 1024) == 0.0
+    assert gap.plan_vs_peak(log["plan"], 80.0 * 1024) == pytest.approx(-1 / 80, abs=1e-4)
+    assert gap.plan_vs_peak(None, 1.0) is None and gap.plan_vs_peak(log["plan"], None) is None
+    line = "sglang_bcg: memory plan: not applied: SGLang allocated this server's KV pool before capture (...)"
+    assert gap.parse_memory_log(text + line + "\n")["plan"] == {"not_applied": line}

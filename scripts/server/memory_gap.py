@@ -59,6 +59,9 @@ VARIANTS: dict[str, tuple[str, dict[str, str]]] = {
     "stock": ("stock", {}),
     "post-capture": ("stock", {"SGLANG_ENABLE_POST_CAPTURE_KV_SIZING": "1"}),
     "plugin-on": ("on", {}),
+    # the memory plan (sglang_bcg_plugin/sglang/memory_plan.py) with the shared output, and with SGLang's mode
+    "plan": ("on", {"SGLANG_BCG_MEMORY_PLAN": "1"}),
+    "plan-off": ("off", {"SGLANG_BCG_MEMORY_PLAN": "1"}),
 }
 #: server_check's options that this measurement leaves to SGLang (and re-adds only when asked).
 SIZED_BY_SGLANG = ("--mem-fraction-static", "--max-total-tokens", "--chunked-prefill-size",
@@ -91,6 +94,10 @@ _SCHEDULER = re.compile(r"max_total_num_tokens=(\d+), chunked_prefill_size=(-?\d
                         r"max_running_requests=(\d+), context_len=(\d+), available_gpu_mem=" + _NUM + " GB")
 _DECODE_BATCH = re.compile(r"Decode batch(?: \[\d+\])?, #running-req: (\d+), .*?\w+ graph: (True|False)")
 _PREFILL_BATCH = re.compile(r"Prefill batch(?: \[\d+\])?, #new-seq: (\d+), #new-token: (\d+), ")
+_PLAN = re.compile(r"sglang_bcg: memory plan: card .*? \+ eager " + _NUM + r" GiB .*? \+ margin " + _NUM
+                   + r" GiB \+ KV " + _NUM + r" GiB(?: = (\d+) tokens)?")
+_PLAN_AFTER = re.compile(r"sglang_bcg: memory plan: KV backed (\d+) tokens .*?planned peak " + _NUM + " GiB")
+_PLAN_NOT = re.compile(r"sglang_bcg: memory plan: not applied: .*")
 _OOM = re.compile(r"out of memory|OutOfMemoryError|CUDA error", re.IGNORECASE)
 
 
@@ -198,6 +205,13 @@ def parse_memory_log(text: str) -> dict[str, Any]:
         if g := _POST_CAPTURE_GAP.search(text):  # its headroom is then the stock activation reserve
             found["post_capture"]["eager_decode_gap"] = {"decode_max_bs": int(g.group(1)),
                                                          "max_running_requests": int(g.group(2))}
+    if m := _PLAN.search(text):
+        found["plan"] = {"eager_gib": float(m.group(1)), "margin_gib": float(m.group(2)), "kv_gib": float(m.group(3)),
+                         "kv_tokens": int(m.group(4)) if m.group(4) else None, "line": m.group(0)}
+        if a := _PLAN_AFTER.search(text):
+            found["plan"].update(backed_tokens=int(a.group(1)), planned_peak_gib=float(a.group(2)))
+    if m := _PLAN_NOT.search(text):
+        found["plan"] = {"not_applied": m.group(0)}
     if m := _SCHEDULER.search(text):
         found["scheduler"] = {"max_total_num_tokens": int(m.group(1)), "chunked_prefill_size": int(m.group(2)),
                               "max_prefill_tokens": int(m.group(3)), "max_running_requests": int(m.group(4)),
@@ -616,7 +630,16 @@ def headline(result: dict[str, Any]) -> dict[str, Any]:
             "kv_tokens": kv_tokens(log), "free_after_capture_gib": free_after_capture_gib(log),
             "peak_used_gib": _gib(mem.get("peak_used_mib")), "unused_at_peak_gib": _gib(unused),
             "unused_at_peak_kv_tokens": int(unused * MIB // per_token) if unused is not None and per_token else None,
-            "failed": (result.get("load") or {}).get("failed"), "oom": bool(log.get("oom_lines"))}
+            "failed": (result.get("load") or {}).get("failed"), "oom": bool(log.get("oom_lines")),
+            "plan_vs_peak": plan_vs_peak(log.get("plan"), mem.get("peak_used_mib"))}
+
+
+def plan_vs_peak(plan: dict[str, Any] | None, peak_mib: float | None) -> float | None:
+    """(the plan's planned peak - the peak used) / the peak used (``None``: no plan or no peak)."""
+    planned = (plan or {}).get("planned_peak_gib")
+    if planned is None or not peak_mib:
+        return None
+    return round((planned * 1024 - peak_mib) / peak_mib, 4)
 
 
 def _gib(mib: float | None) -> float | None:
@@ -627,7 +650,7 @@ def _gib(mib: float | None) -> float | None:
 COLUMNS = (("variant", "variant"), ("fraction", "mem_fraction_static"), ("KV tokens", "kv_tokens"),
            ("free after capture GiB", "free_after_capture_gib"), ("peak used GiB", "peak_used_gib"),
            ("unused at peak GiB", "unused_at_peak_gib"), ("failed", "failed"), ("OOM", "oom"),
-           ("died", "died"), ("ids = stock", "ids_as_stock"))
+           ("died", "died"), ("ids = stock", "ids_as_stock"), ("plan vs peak", "plan_vs_peak"))
 
 
 def summary_rows(results: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -27,6 +27,7 @@ from ..output.trees import flatten
 from .compat import (BACKEND_MODULE, capture_one_args, capture_var, code_names, installed, num_segments,
                      run_outside_capture, runner_rows)
 from .forecast_log import SessionForecast, measuring_forecast
+from .memory_plan import EAGER, not_applied, tell_once
 from .sglang_session import apply_runner_rows, check_rows, drop_global_pool, open_state, runner_server_args
 
 logger = logging.getLogger(__name__)
@@ -68,7 +69,8 @@ class _Forward:
             return self.placed
         if capture_var(self.engine).get() is None:  # a warmup
             self.warmups += 1
-            self.last_warmup = self.forward_fn()
+            with EAGER.measuring(getattr(self.key, "size", 0)):  # the memory plan's eager forward
+                self.last_warmup = self.forward_fn()
             return self.last_warmup
         if self.warmups != WARMUPS:
             msg = (f"SGLang {installed().release}'s capture_one ran {self.warmups} warmups, not {WARMUPS}, "
@@ -119,6 +121,7 @@ class SharingPolicyMixin:
     def capture_session(self, stream: Any) -> Iterator[None]:
         """SGLang's session (pool, dedup, BCG mode) plus a freshly resolved output policy."""
         plan = open_state(self._bcg_state)
+        tell_once(not_applied(getattr(self._cuda_graph_runner, "model_runner", None)))
         try:  # gc: one collection per session, not per key (docs/index.md#gc-safety)
             self._bcg_forecast = SessionForecast(self._cuda_graph_runner, plan.mode,
                                                  lambda: getattr(self, "_pool", None),
