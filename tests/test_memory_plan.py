@@ -43,10 +43,15 @@ def test_line_names_every_part() -> None:
     assert line.startswith("sglang_bcg: memory plan: card 80.00 GiB = weights 15.00 GiB, graphs and buffers 5.00 GiB")
     for part in ("forward at 8192 tokens 1.00 GiB", "logprobs over 2048 tokens 2.00 GiB", "sampler 0.25 GiB",
                  "margin 1.00 GiB", f"KV 55.75 GiB = {plan().kv_tokens} tokens",
-                 "SGLang would hold back 10.00 GiB (5.75 GiB more)"):
+                 "SGLang's headroom 10.00 GiB: the KV pool 47104 tokens (5.75 GiB) larger than SGLang's"):
         assert part in line, part
     assert "weights, graphs and buffers 20.00 GiB" in plan(weights=0).line()
-    assert "(0.25 GiB less)" in plan(guess=4 * GiB).line()
+    assert line.endswith("larger than SGLang's")
+    small = plan(guess=4 * GiB).line()
+    assert small.endswith("SGLang's headroom 4.00 GiB is too small for the eager working set: the KV pool shrunk by "
+                          "2048 tokens (0.25 GiB) so that nothing runs out of memory")
+    assert plan(guess=4 * GiB, kv_bytes_per_token=0).against_sglang().endswith("shrunk by 0.25 GiB so that nothing "
+                                                                                "runs out of memory")
     after = plan().after_line(400_000, 5 * GiB)
     assert "KV backed 400000 tokens (48.83 GiB; planned 456704)" in after
     assert "free 5.00 GiB (planned: eager and margin 4.25 GiB); planned peak 79.00 GiB" in after

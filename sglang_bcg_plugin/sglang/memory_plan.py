@@ -134,12 +134,20 @@ class MemoryPlan:
         weights = (f"weights {g(self.weights)}, graphs and buffers {g(taken - self.weights)}" if self.weights
                    else f"weights, graphs and buffers {g(taken)}")
         kv = f"KV {g(self.kv_bytes)}" + (f" = {self.kv_tokens} tokens" if self.kv_bytes_per_token else "")
-        held = self.guess - self.reserve
         return (f"sglang_bcg: memory plan: card {g(self.total)} = {weights} (captured, measured) + eager "
                 f"{g(self.eager)} (forward at {self.forward_tokens} tokens {g(self.forward)}, logprobs over "
                 f"{self.logprob_tokens} tokens {g(self.logprobs)}, sampler {g(self.sampler)}) + margin "
-                f"{g(self.margin)} + {kv}; SGLang would hold back {g(self.guess)} ({g(abs(held))} "
-                f"{'more' if held >= 0 else 'less'})")
+                f"{g(self.margin)} + {kv}; {self.against_sglang()}")
+
+    def against_sglang(self) -> str:
+        """The plan's headroom against SGLang's, and what that does to the KV pool."""
+        more = self.guess - self.reserve
+        tokens = abs(more) // self.kv_bytes_per_token if self.kv_bytes_per_token else 0
+        pool = f"{tokens} tokens ({g(abs(more))})" if self.kv_bytes_per_token else g(abs(more))
+        if more >= 0:
+            return f"SGLang's headroom {g(self.guess)}: the KV pool {pool} larger than SGLang's"
+        return (f"SGLang's headroom {g(self.guess)} is too small for the eager working set: the KV pool shrunk by "
+                f"{pool} so that nothing runs out of memory")
 
     def after_line(self, tokens: int, free_after: int) -> str:
         """After the pool is backed: the plan against what was taken."""
