@@ -83,7 +83,7 @@ def test_margin_refused(text) -> None:
 
 def test_prepare_turns_post_capture_sizing_on() -> None:
     env = {mp.ENV_PLAN: "yes"}
-    assert mp.prepare(env) is True and env[mp.ENV_POST_CAPTURE] == "1"
+    assert mp.prepare(env) is True and env[mp.ENV_POST_CAPTURE] == env[mp.ENV_FORECAST] == "1"
     env = {mp.ENV_PLAN: "1", mp.ENV_POST_CAPTURE: "0"}  # the operator's own value stays (the check refuses it)
     assert mp.prepare(env) is True and env[mp.ENV_POST_CAPTURE] == "0"
     for env in ({}, {mp.ENV_PLAN: "0"}, {mp.ENV_PLAN: "sometimes"}):

@@ -3,6 +3,8 @@ rank (with a runner that records calls), the gate, the HTTP answers, and the cli
 
 from __future__ import annotations
 
+import logging
+
 import json
 import threading
 from types import SimpleNamespace as NS
@@ -455,3 +457,45 @@ def test_the_h200_recording_passes_the_gpu_checks() -> None:
     wrong["answers"][100]["ids"] = [0] * len(wrong["answers"][100]["ids"])
     with pytest.raises(AssertionError, match="differ from every fresh server"):
         checks.test_no_request_is_lost_or_answered_wrong(wrong)
+
+
+def test_the_memory_plan_refuses_a_switch_it_cannot_hold(monkeypatch: pytest.MonkeyPatch,
+                                                          caplog: pytest.LogCaptureFixture) -> None:
+    """With a plan made in this process, a switch whose graphs (the forecast of every mode) would take the
+    eager working set's memory is refused untouched; one that fits re-issues the plan's line."""
+    from sglang_bcg_plugin.sglang import memory_plan as mp
+
+    mib = 2**20
+    plan = mp.MemoryPlan(total=80 * 2**30, free=60 * 2**30, weights=0, forward=2**30, forward_tokens=8192,
+                         logprobs=2**30, logprob_tokens=2048, sampler=0, margin=2**30, kv_bytes_per_token=131072,
+                         guess=0)
+    monkeypatch.setattr(mp, "MADE", [plan])
+    forecast = {"modes": {m: NS(total_bytes=n * mib) for m, n in (("on", 2370), ("off", 2518), ("released", 2306))}}
+    env = {ENV: "1"}
+    runner = FakeRunner(env)
+    runner.prefill_cuda_graph_runner.backend._bcg_forecast = NS(forecast=forecast)
+    # 3 GiB + 100 MiB free: 148 MiB more for `off` do not fit beside the 3 GiB the plan keeps
+    monkeypatch.setattr(rank, "_free_bytes", lambda: 3 * 2**30 + 100 * mib)
+    with pytest.raises(rank.Refused, match=r"the memory plan: the prefill graphs in off take 148 MiB more than in on "
+                                           r"\(forecast\), and 3\.10 GiB is free .* need 3\.00 GiB: restart with "
+                                           r"--enable-bcg-shared-output=off"):
+        rank.switch_rank(runner, "off", "backend", env, check=no_check)
+    assert runner.calls == [] and env[ENV] == "1"
+    # released frees 64 MiB: it fits, and the plan's line comes again for the new mode
+    with caplog.at_level(logging.INFO, logger=rank.__name__):
+        result = rank.switch_rank(runner, "released", "backend", env, check=no_check)
+    assert result["ok"] and result["memory_plan"] == (
+        "sglang_bcg: memory plan after the switch to released: the prefill graphs free 64 MiB against on "
+        f"(forecast); KV {plan.kv_tokens} tokens as planned, free 3.10 GiB (planned: eager and margin 3.00 GiB)")
+    assert result["memory_plan"] in caplog.text
+    # with room, off goes through too; without a plan or a forecast nothing is checked
+    monkeypatch.setattr(rank, "_free_bytes", lambda: 4 * 2**30)
+    runner = FakeRunner(env := {ENV: "1"})
+    runner.prefill_cuda_graph_runner.backend._bcg_forecast = NS(forecast=forecast)
+    assert "take 148 MiB more against on" in rank.switch_rank(runner, "off", "backend", env, check=no_check)["memory_plan"]
+    assert mp.switch_refusal({}, "on", "off", 0) is None
+    monkeypatch.setattr(mp, "MADE", [])
+    assert mp.switch_refusal(forecast["modes"], "on", "off", 0) is None
+    assert mp.after_switch_line(forecast["modes"], "on", "off", 0) is None
+    assert mp.graph_change(forecast["modes"], None, "off") is None
+    assert mp.forecast_modes(object()) == {}

@@ -27,6 +27,7 @@ log = logging.getLogger("sglang_bcg_plugin")
 ENV_PLAN = "SGLANG_BCG_MEMORY_PLAN"
 ENV_MARGIN = "SGLANG_BCG_MEMORY_PLAN_MARGIN_MIB"
 ENV_POST_CAPTURE = "SGLANG_ENABLE_POST_CAPTURE_KV_SIZING"
+ENV_FORECAST = "SGLANG_BCG_FORECAST"
 RESIZE_TARGET = "sglang.srt.model_executor.model_runner.ModelRunner.post_capture_resize_kv_pool"
 RUNTIME_MODULE = "sglang.srt.model_executor.model_runner_components.kv_pool_runtime"
 #: The release's activation reserve (0.5.18+), which the plan's reserve replaces while SGLang sizes the pool.
@@ -54,11 +55,13 @@ def margin_bytes(environ: Mapping[str, str] | None = None) -> int:
 
 def prepare(environ: dict[str, str] | None = None) -> bool:
     """At plugin load, in every process: with the plan asked, SGLang's post-capture KV sizing on (unless the
-    operator set it). Returns whether the plan is on; an unreadable value is left for the flag's check."""
+    operator set it) and the graph memory forecast on (a live switch is checked against it). Returns whether
+    the plan is on; an unreadable value is left for the flag's check."""
     env = os.environ if environ is None else environ
     with contextlib.suppress(ValueError):
         if plan_enabled(env):
             env.setdefault(ENV_POST_CAPTURE, "1")
+            env.setdefault(ENV_FORECAST, "1")
             return True
     return False
 
@@ -87,6 +90,8 @@ class EagerPeaks:
 
 
 EAGER = EagerPeaks()
+#: The plans this process made (its model runner's; the live switch reads the last).
+MADE: list[MemoryPlan] = []
 
 
 @dataclass(frozen=True)
@@ -248,6 +253,7 @@ def around_post_capture_resize(original_fn: Callable[..., Any], model_runner: An
     if not (plan_enabled() and torch.cuda.is_available()):
         return original_fn(model_runner, *args, **kwargs)
     plan = make_plan(model_runner)
+    MADE.append(plan)
     log.info(plan.line())
     with holding_back(model_runner, plan.reserve):
         result = original_fn(model_runner, *args, **kwargs)
@@ -290,3 +296,45 @@ def not_applied(model_runner: Any) -> str | None:
     return ("sglang_bcg: memory plan: not applied: SGLang allocated this server's KV pool before capture "
             "(post-capture KV sizing is on from SGLang 0.5.16 and off for MLA models, the memory saver, dcp > 1 and "
             "non-CUDA devices); its own sizing stands")
+
+
+# -- the live switch ---------------------------------------------------------------------------------------
+def forecast_modes(backend: Any) -> Mapping[str, Any]:
+    """The per-mode forecast of the backend's last capture session (empty: none was made)."""
+    forecast = getattr(getattr(backend, "_bcg_forecast", None), "forecast", None) or {}
+    return dict(forecast.get("modes") or {})
+
+
+def graph_change(modes: Mapping[str, Any], previous: str | None, mode: str) -> int | None:
+    """What the prefill graphs in ``mode`` take beyond those in ``previous`` (bytes, negative: they free), from
+    the forecast's ``modes`` (``None``: it has not both)."""
+    if previous is None or previous not in modes or mode not in modes:
+        return None
+    return int(modes[mode].total_bytes - modes[previous].total_bytes)
+
+
+def switch_refusal(modes: Mapping[str, Any], previous: str | None, mode: str, free: int) -> str | None:
+    """With a plan made here: why the switch from ``previous`` to ``mode`` would not fit beside the backed KV
+    pool (its graphs would take the eager working set's memory or the margin), in one line; ``None``: it fits,
+    or there is no plan to keep."""
+    if not MADE or (change := graph_change(modes, previous, mode)) is None:
+        return None
+    plan = MADE[-1]
+    if change <= free - plan.reserve:
+        return None
+    return (f"the memory plan: the prefill graphs in {mode} take {change / MiB:,.0f} MiB more than in {previous} "
+            f"(forecast), and {g(free)} is free beside the KV pool, of which the eager working set and the margin "
+            f"need {g(plan.reserve)}: restart with --enable-bcg-shared-output={mode} (the plan then sizes the pool "
+            "for it)")
+
+
+def after_switch_line(modes: Mapping[str, Any], previous: str | None, mode: str, free: int) -> str | None:
+    """After a switch, with a plan made here: the plan's line again, for the new mode."""
+    if not MADE:
+        return None
+    plan, change = MADE[-1], graph_change(modes, previous, mode)
+    graphs = "" if change is None else (
+        f"the prefill graphs {'take' if change >= 0 else 'free'} {abs(change) / MiB:,.0f} MiB"
+        f"{' more' if change >= 0 else ''} against {previous} (forecast); ")
+    return (f"sglang_bcg: memory plan after the switch to {mode}: {graphs}KV {plan.kv_tokens} tokens as planned, "
+            f"free {g(free)} (planned: eager and margin {g(plan.reserve)})")

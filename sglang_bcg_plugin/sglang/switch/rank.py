@@ -18,6 +18,7 @@ from ..._constants import ENV_SHARE_OUTPUT
 from ...errors import one_line
 from ...output.mode import OutputMode, parse_mode
 from ..flag import ENV_TEXT
+from ..memory_plan import after_switch_line, forecast_modes, switch_refusal
 from ..sglang_breakable import SharingPolicyMixin
 from ..sglang_session import session_switches
 
@@ -133,6 +134,9 @@ def switch_rank(model_runner: Any, mode: OutputMode, seam_kind: str,
         check({**env, ENV_SHARE_OUTPUT: ENV_TEXT[mode]})
     except ValueError as exc:
         raise Refused(one_line(exc)) from None
+    modes, previous = forecast_modes(prefill_backend(model_runner)), resolution and resolution.mode
+    if (why := switch_refusal(modes, previous, mode, _free_bytes())) is not None:
+        raise Refused(why)
     start = time.perf_counter()
     _on_cuda("synchronize")  # a batch the overlap scheduler launched finishes on the old graphs
     decode = _drop_graphs(model_runner)
@@ -153,8 +157,19 @@ def switch_rank(model_runner: Any, mode: OutputMode, seam_kind: str,
     gc.collect()
     _on_cuda("empty_cache")  # the old pool, once nothing holds its blocks
     result["seconds"] = round(time.perf_counter() - start, 3)
+    if result.get("ok") and (line := after_switch_line(modes, previous, mode, _free_bytes())) is not None:
+        logger.info(line)
+        result["memory_plan"] = line
     result.update(describe_rank(model_runner, env))
     return result
+
+
+def _free_bytes() -> int:
+    """Free device memory, the cache emptied (0 without CUDA)."""
+    if not torch.cuda.is_available():
+        return 0
+    torch.cuda.empty_cache()  # pragma: no cover - CUDA only
+    return int(torch.cuda.mem_get_info()[0])  # pragma: no cover
 
 
 def _roll_back(model_runner: Any, env: MutableMapping[str, str], previous_env: str | None, decode: bool) -> bool:
