@@ -168,3 +168,15 @@ def test_lm_head_weight() -> None:
     tied = type("M", (), {"model": type("I", (), {"embed_tokens": torch.nn.Embedding(10, 4)})()})()
     assert mp.lm_head_weight(tied) is tied.model.embed_tokens.weight
     assert mp.lm_head_weight(object()) is None
+
+
+def test_the_doctor_line(monkeypatch) -> None:
+    from sglang_bcg_plugin.sglang import doctor
+
+    assert doctor.plan_line("backend", {}).startswith("off (SGLANG_BCG_MEMORY_PLAN=''); SGLANG_BCG_MEMORY_PLAN=1 backs")
+    assert doctor.plan_line("backend", {mp.ENV_PLAN: "maybe"}).startswith("invalid (SGLANG_BCG_MEMORY_PLAN=")
+    assert "not applied" in doctor.plan_line("runner", {mp.ENV_PLAN: "1"})
+    monkeypatch.setattr(doctor, "has_post_capture_sizing", lambda: False)
+    assert "not applied" in doctor.plan_line("backend", {mp.ENV_PLAN: "1"})
+    monkeypatch.setattr(doctor, "has_post_capture_sizing", lambda: True)
+    assert doctor.plan_line("backend", {mp.ENV_PLAN: "1"}).startswith("on: after capture, 'sglang_bcg: memory plan")

@@ -28,6 +28,8 @@ from ..registry import build_registry, listing
 from .compat import (BACKEND_CLASS, BACKEND_MODULE, ENV_FORECAST, RUNNER_CLASS, RUNNER_MODULE, Seam, code_names,
                      installed, seam_kind, sglang_source)
 from .forecast_log import forecast_enabled
+from .hooks import has_post_capture_sizing
+from .memory_plan import ENV_PLAN, RESIZE_TARGET, check_environment, plan_enabled
 from .hooks import hooks_for
 from .sglang_breakable import BASE_MODULE, unknown_capture_helpers
 from .sglang_session import resolve_mode
@@ -297,6 +299,23 @@ def forecast_line(kind: str | None, environ: Mapping[str, str] | None = None) ->
             "forecast, and the free device memory the session lost beside the whole. Needs CUDA")
 
 
+def plan_line(kind: str | None, environ: Mapping[str, str] | None = None) -> str:
+    """Whether the memory plan is asked and can size this release's KV pool (docs/sglang.md#the-memory-plan)."""
+    env = os.environ if environ is None else environ
+    try:
+        check_environment(env)
+        enabled = plan_enabled(env)
+    except ValueError as exc:
+        return f"invalid ({exc})"
+    if not enabled:
+        return (f"off ({ENV_PLAN}={env.get(ENV_PLAN, '')!r}); {ENV_PLAN}=1 backs the KV pool after capture with all "
+                "the memory but the measured eager working set and a margin (docs/sglang.md#the-memory-plan)")
+    if kind != "backend" or not has_post_capture_sizing():
+        return "asked, but this release allocates the KV pool before capture (0.5.16+ can back it after): not applied"
+    return ("on: after capture, 'sglang_bcg: memory plan: card ...' gives the parts and the KV pool, then 'KV backed "
+            "N tokens ...' what was taken; MLA models and --enable-memory-saver keep SGLang's own sizing")
+
+
 def doctor_main(argv: list[str] | None = None, *, out: TextIO | None = None) -> int:
     """Run the checks, print a report and return the exit code (the module's doc lists them)."""
     argparse.ArgumentParser(prog="sglang-bcg doctor", description=__doc__.splitlines()[0]).parse_args(argv)
@@ -311,6 +330,8 @@ def doctor_main(argv: list[str] | None = None, *, out: TextIO | None = None) -> 
     kind = seam_kind()
     say("hook targets:")
     for target, _, hook_kind in hooks_for(kind):
+        if target == RESIZE_TARGET and not has_post_capture_sizing():
+            continue  # the memory plan's: registered only on releases that back the KV pool after capture
         if target not in SWITCH_MODULES:  # read from source below: the HTTP server's module needs FastAPI
             _report(say, problems, f"{hook_kind:<6} {target}", _diagnose(target))
     say("seam names:")
@@ -328,6 +349,7 @@ def doctor_main(argv: list[str] | None = None, *, out: TextIO | None = None) -> 
         flag = f"invalid ({exc})"
     say(f"--enable-bcg-shared-output (resolved now): {flag}")
     say(f"graph memory forecast: {forecast_line(kind)}")
+    say(f"memory plan: {plan_line(kind)}")
     say(f"live switch: {switch_doctor_line(kind)}")
     lines, code = _summary(problems, ep is not None)  # a broken plugin leaves the seam and the exit code as they are
     say("\n".join([backend_problem, *lines] if backend_problem is not None else lines))
