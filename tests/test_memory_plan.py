@@ -180,3 +180,22 @@ def test_the_doctor_line(monkeypatch) -> None:
     assert "not applied" in doctor.plan_line("backend", {mp.ENV_PLAN: "1"})
     monkeypatch.setattr(doctor, "has_post_capture_sizing", lambda: True)
     assert doctor.plan_line("backend", {mp.ENV_PLAN: "1"}).startswith("on: after capture, 'sglang_bcg: memory plan")
+
+
+def test_tensor_parallel_ranks_hold_back_the_largest(monkeypatch) -> None:
+    import torch
+
+    assert mp.agreed(5) == 5  # no TP group initialized here
+    other_rank = 7
+
+    def all_reduce(tensor, op, group):
+        assert op == torch.distributed.ReduceOp.MAX and group == "gloo-group"
+        tensor.fill_(max(int(tensor.item()), other_rank))
+
+    fake = type("PS", (), {"get_tp_group": staticmethod(lambda: type("G", (), {"world_size": 2,
+                                                                                "cpu_group": "gloo-group"})())})
+    real_import = mp.importlib.import_module
+    monkeypatch.setattr(mp.importlib, "import_module",
+                        lambda name: fake if name.endswith("parallel_state") else real_import(name))
+    monkeypatch.setattr(torch.distributed, "all_reduce", all_reduce)
+    assert mp.agreed(5) == 7 and mp.agreed(9) == 9

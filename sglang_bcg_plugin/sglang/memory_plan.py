@@ -14,6 +14,7 @@ import contextlib
 import importlib
 import logging
 import os
+import warnings
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -247,6 +248,22 @@ def holding_back(model_runner: Any, reserve: int) -> Iterator[None]:
             setattr(runtime, RESERVE_FUNCTION, had)
 
 
+def agreed(reserve: int) -> int:
+    """The largest ``reserve`` over the tensor-parallel ranks (each measures its own; SGLang sizes every rank's
+    pool from the smallest free memory, so all hold back the same); this rank's own without a TP group."""
+    try:
+        with warnings.catch_warnings():  # 0.5.23 deprecates the name; the group is the same
+            warnings.simplefilter("ignore", DeprecationWarning)
+            group = importlib.import_module("sglang.srt.distributed.parallel_state").get_tp_group()
+    except (ImportError, AttributeError, AssertionError):  # no TP group (one process): nothing to agree with
+        return reserve
+    if getattr(group, "world_size", 1) <= 1:
+        return reserve
+    value = torch.tensor([reserve], dtype=torch.int64)
+    torch.distributed.all_reduce(value, op=torch.distributed.ReduceOp.MAX, group=group.cpu_group)
+    return int(value.item())
+
+
 def around_post_capture_resize(original_fn: Callable[..., Any], model_runner: Any, *args: Any, **kwargs: Any) -> Any:
     """AROUND hook of ``ModelRunner.post_capture_resize_kv_pool`` (0.5.16+): with the plan on, SGLang backs the
     pool with what the plan leaves, and the plan's two lines are logged."""
@@ -255,7 +272,7 @@ def around_post_capture_resize(original_fn: Callable[..., Any], model_runner: An
     plan = make_plan(model_runner)
     MADE.append(plan)
     log.info(plan.line())
-    with holding_back(model_runner, plan.reserve):
+    with holding_back(model_runner, agreed(plan.reserve)):
         result = original_fn(model_runner, *args, **kwargs)
     torch.cuda.empty_cache()
     log.info(plan.after_line(int(getattr(model_runner, "max_total_num_tokens", 0) or 0),
