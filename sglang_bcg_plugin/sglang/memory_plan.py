@@ -255,7 +255,7 @@ def agreed(reserve: int) -> int:
         with warnings.catch_warnings():  # 0.5.23 deprecates the name; the group is the same
             warnings.simplefilter("ignore", DeprecationWarning)
             group = importlib.import_module("sglang.srt.distributed.parallel_state").get_tp_group()
-    except (ImportError, AttributeError, AssertionError):  # no TP group (one process): nothing to agree with
+    except (ImportError, AttributeError, AssertionError, RuntimeError, ValueError):  # no TP group: one process
         return reserve
     if getattr(group, "world_size", 1) <= 1:
         return reserve
