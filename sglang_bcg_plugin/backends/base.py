@@ -8,7 +8,7 @@ import dataclasses
 import os
 import threading
 from collections.abc import Callable, Hashable, Iterable, Iterator
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol, cast
 
 import pluggy
 import torch
@@ -25,7 +25,6 @@ from ..options import BackendOptions
 from ..output.mode import OutputMode, Resolution, explain_output_mode
 from ..output.report import MemoryReport
 from ..output.scan import short_repr
-from ..shape_key import check_key
 from ..output.plan import plan_session
 from ..output.state import CaptureState, check_input_pointers, input_storages
 
@@ -56,6 +55,38 @@ def allocator_segments(choice: str, engine: Engine) -> Iterator[None]:
         yield
     finally:
         setter(",".join([*conf, "expandable_segments:False"]))
+
+
+class ShapeKeyLike(Protocol):
+    """What :func:`check_key` proves of a shape key, ours or SGLang's: hashable, with ``size`` and
+    ``stream_idx``."""
+
+    @property
+    def size(self) -> int: ...
+    @property
+    def stream_idx(self) -> int | None: ...
+    def __hash__(self) -> int: ...
+
+
+def check_key(key: object) -> ShapeKeyLike:
+    """The key :meth:`CaptureBackend.capture_one` takes: any hashable object with ``size`` (an int >= 1)
+    and ``stream_idx`` (our ``ShapeKey`` or SGLang's).
+
+    :raises TypeError: no ``size``/``stream_idx``, or not hashable. :raises ValueError: a bad ``size``."""
+    size = getattr(key, "size", None)
+    if not hasattr(key, "stream_idx") or size is None:
+        msg = (f"shape key {key!r} ({type(key).__name__}) needs 'size' and 'stream_idx' "
+               "attributes; use sglang_bcg_plugin.ShapeKey or SGLang's ShapeKey")
+        raise TypeError(msg)
+    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+        msg = f"shape key {key!r} has size {size!r}; expected an int >= 1"
+        raise ValueError(msg)
+    try:
+        hash(key)
+    except TypeError:
+        msg = f"shape key {key!r} ({type(key).__name__}) is not hashable"
+        raise TypeError(msg) from None
+    return cast(ShapeKeyLike, key)  # checked above: size an int >= 1, stream_idx present, hashable
 
 
 class CaptureBackend:

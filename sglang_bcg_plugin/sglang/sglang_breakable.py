@@ -14,7 +14,7 @@ from collections.abc import Callable, Hashable, Iterator
 from typing import Any
 
 from ..accounting import device_free_bytes
-from ..backends.base import CaptureBackend
+from ..backends.base import CaptureBackend, check_key
 from ..output.state import CaptureState, input_storages
 from ..engines.gcsafe import defer_release, gc_safe_capture
 from ..manager import get_plugin_manager
@@ -22,7 +22,6 @@ from ..options import BackendOptions
 from ..output.mode import ON
 from ..registry import build_registry
 from ..output.report import MemoryReport
-from ..shape_key import check_key
 from ..output.trees import flatten
 from .compat import (BACKEND_MODULE, capture_one_args, capture_var, code_names, installed, num_segments,
                      run_outside_capture, runner_rows)
