@@ -115,6 +115,14 @@ def schedule_share(probes: Sequence[ProbeCount], sizes: Sequence[int], *, on_cop
                        sizes=captured)
 
 
+def probe_driver_share(counts: Sequence[ProbeCount], lost: int, schedule: Sequence[int], output_tensors: int
+                       ) -> DriverShare:
+    """The driver's share of ``schedule`` (:func:`schedule_share`), with the first-capture
+    cost where the probes lost at least half of it beyond the allocator (``lost``)."""
+    first = lost >= DRIVER_COEFFICIENTS.first_capture_bytes // 2
+    return schedule_share(counts, schedule, on_copy_nodes_per_size=output_tensors, first_capture=first)
+
+
 def _at(ordered: Sequence[ProbeCount], size: int, value: Any) -> int:
     if not ordered:
         return 0

@@ -20,7 +20,7 @@ from ..output.plan import BufferSource, ForecastAdvice
 from ..shape_key import ShapeKey
 from ..output.trees import flatten
 from .allocator import MB, expandable_segments
-from .driver import DRIVER_COEFFICIENTS, DriverShare, ProbeCount, counting_captures, driver_api, schedule_share
+from .driver import DriverShare, ProbeCount, counting_captures, driver_api, probe_driver_share
 from .model import (MODES, ModeForecast, address_caveat, address_spread, count_highest_order, reference_estimates,
                     schedule_forecast)
 from .trace import KeyTrace, ScaledTrace, output_allocs, pinned_slack, pool_trace
@@ -296,14 +296,6 @@ def finish_modes(modes: dict[str, ModeForecast], fitted: ScaledTrace, sizes: Seq
     caveat = "; ".join(c for c in (EXPANDABLE_CAVEAT if expandable else "", driver_caveat(driver, counted),
                                    address_caveat(spread, remedy)) if c)
     return count_highest_order(modes, spread), references, caveat
-
-
-def probe_driver_share(counts: Sequence[ProbeCount], lost: int, schedule: Sequence[int], output_tensors: int
-                       ) -> DriverShare:
-    """The driver's share of ``schedule`` (:func:`~.driver.schedule_share`), with the first-capture
-    cost where the probes lost at least half of it beyond the allocator (``lost``)."""
-    first = lost >= DRIVER_COEFFICIENTS.first_capture_bytes // 2
-    return schedule_share(counts, schedule, on_copy_nodes_per_size=output_tensors, first_capture=first)
 
 
 def driver_caveat(driver: DriverShare | None, counted: str = "during the probes") -> str:

@@ -140,11 +140,11 @@ class SharingPolicyMixin:
         """The release's own ``capture_one`` (its arguments under any release's names:
         :func:`.compat.capture_one_args`); the output goes through the core's policy."""
         capture_inputs, post_warmup_hook = capture_one_args(args, kwargs)
+        forward = _Forward(self, shape_key, forward_fn, post_warmup_hook, capture_inputs)
         key, state = check_key(shape_key), self._bcg_state
         state.begin(key)
-        forward = _Forward(self, key, forward_fn, post_warmup_hook, capture_inputs)
         forecast = self._bcg_forecast  # made when the session opened (state.begin checked it is open)
-        with forecast.first_capture(key.size, forward.output_bytes):
+        with forecast.first_capture():
             start = time.perf_counter()
             with gc_safe_capture():
                 super().capture_one(shape_key, forward.forward, capture_inputs, forward.after_warmup)  # type: ignore[misc]
@@ -156,7 +156,7 @@ class SharingPolicyMixin:
             graph = self._graphs[key]
             self._outputs[key] = state.commit(key, graph=graph, num_segments=num_segments(graph),
                                               capture_inputs=capture_inputs, seconds=time.perf_counter() - start)
-        forecast.key_done(key.size, num_segments(graph))
+        forecast.key_done(key.size, num_segments(graph), forward.output_bytes)
 
     # -- the release's output helpers (INTERCEPTED), called by its capture_one: no buffer of SGLang's own --
     _shared_output_buffer = property(lambda self: None, lambda self, value: None)
