@@ -44,4 +44,6 @@ def sglang_bcg_select_backend(phase: str, server_args: object) -> str | None:
 
     :param phase: ``"prefill"`` or ``"decode"``.
     :param server_args: SGLang's ``ServerArgs`` of this process (may be ``None``).
-    :returns: a backend name, or ``None`` to keep the default (``"breakable"``)."""
+    :returns: a registered backend name, or ``None`` (or ``"sglang-breakable"``) to keep the default, SGLang's
+        breakable backend under the plugin's output policy; ``"breakable"`` keeps it too, deprecated (a
+        ``DeprecationWarning``): it names the plugin's own ``BreakableBackend``."""

@@ -35,6 +35,9 @@ RUNNER_MODULE = "sglang.srt.model_executor.breakable_cuda_graph_runner"
 RUNNER_CLASS = f"{RUNNER_MODULE}.BreakableCudaGraphRunner"
 POOL_MODULE = "sglang.srt.model_executor.runner_utils.pool"
 RUNNER_BASE = "sglang.srt.model_executor.runner.base_cuda_graph_runner.BaseCudaGraphRunner"
+#: The name SGLang's breakable graph under our output policy reports (state, memory report, errors) on either
+#: seam; ``"breakable"`` is the plugin's own ``BreakableBackend``.
+SGLANG_BREAKABLE = "sglang-breakable"
 
 #: The probed features, printed by ``sglang-bcg doctor`` (what each probes and changes: docs/sglang.md,
 #: "What differs between releases").

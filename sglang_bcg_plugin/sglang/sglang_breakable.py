@@ -17,14 +17,15 @@ from ..accounting import device_free_bytes
 from ..backends.base import CaptureBackend, check_key
 from ..output.state import CaptureState, input_storages
 from ..engines.gcsafe import defer_release, gc_safe_capture
+from ..errors import warn_user
 from ..manager import get_plugin_manager
 from ..options import BackendOptions
 from ..output.mode import ON
 from ..registry import build_registry
 from ..output.report import MemoryReport
 from ..output.trees import flatten
-from .compat import (BACKEND_MODULE, capture_one_args, capture_var, code_names, installed, num_segments,
-                     run_outside_capture, runner_rows)
+from .compat import (BACKEND_MODULE, SGLANG_BREAKABLE, capture_one_args, capture_var, code_names, installed,
+                     num_segments, run_outside_capture, runner_rows)
 from .forecast_log import SessionForecast, measuring_forecast
 from .sglang_session import apply_runner_rows, check_rows, drop_global_pool, open_state, runner_server_args
 
@@ -104,7 +105,7 @@ class SharingPolicyMixin:
     _pool: Any
     _debug_eager: bool
 
-    name = "breakable"
+    name = SGLANG_BREAKABLE
 
     def __init__(self, cuda_graph_runner: Any, *, enable_memory_saver: bool = False, debug_eager: bool = False) -> None:
         super().__init__(  # type: ignore[call-arg]
@@ -203,9 +204,25 @@ DECODE_TARGET = "sglang.srt.model_executor.runner_backend.utils.resolve_decode_b
 BASE_MODULE = "sglang.srt.model_executor.runner_backend.base_cuda_graph_backend"
 
 
+#: Whether a select hook's deprecated ``"breakable"`` was warned about (once a process).
+_warned_breakable = False
+
+
+def _warn_breakable(phase: str) -> None:
+    """The one ``DeprecationWarning`` of a process whose ``sglang_bcg_select_backend`` returned ``"breakable"``."""
+    global _warned_breakable
+    if not _warned_breakable:
+        _warned_breakable = True
+        msg = (f"sglang_bcg_select_backend returned 'breakable' for the {phase} phase: it still keeps SGLang's "
+               f"breakable backend under the plugin's output policy, which is now named {SGLANG_BREAKABLE!r} "
+               f"('breakable' is the plugin's own BreakableBackend); return {SGLANG_BREAKABLE!r}, or None, instead")
+        warn_user(msg, DeprecationWarning)
+
+
 def swap_backend(phase: str, backend: Any, cuda_graph_runner: Any) -> Any:
     """Replace SGLang's own breakable backend by the one ``sglang_bcg_select_backend`` picks: ours
-    (``None`` or ``"breakable"``), a registered SGLang backend class, or ours behind the adapter."""
+    (``None`` or ``"sglang-breakable"``; ``"breakable"``, deprecated, too), a registered SGLang backend
+    class, or ours behind the adapter."""
     if type(backend) is not importlib.import_module(BACKEND_MODULE).BreakableCudaGraphBackend:
         return backend  # Full and platform backends: SGLang's choice, unchanged
     adapter = getattr(backend, "_memory_saver_adapter", None)
@@ -216,7 +233,10 @@ def swap_backend(phase: str, backend: Any, cuda_graph_runner: Any) -> Any:
         close()  # SGLang's instance captured nothing; drop its (empty) dedup registries
     pm = get_plugin_manager()
     name = pm.hook.sglang_bcg_select_backend(phase=phase, server_args=runner_server_args(cuda_graph_runner))
-    if name is None or name == "breakable":
+    if name == "breakable":  # the old word for ours: kept for the plugins that return it
+        _warn_breakable(phase)
+        name = SGLANG_BREAKABLE
+    if name in (None, SGLANG_BREAKABLE):
         chosen: Any = sglang_breakable_backend_class()(cuda_graph_runner, **kwargs)
     else:
         factory = build_registry(pm).get(name)
@@ -225,7 +245,7 @@ def swap_backend(phase: str, backend: Any, cuda_graph_runner: Any) -> Any:
         else:
             ours = factory(options=BackendOptions(), plugin_manager=pm)
             chosen = sglang_adapter_class()(ours, cuda_graph_runner)
-    logger.debug("sglang_bcg: %s backend %s (selected %r)", phase, type(chosen).__qualname__, name)
+    logger.debug("sglang_bcg: %s backend %s (selected %r)", phase, type(chosen).__qualname__, name or SGLANG_BREAKABLE)
     return chosen
 
 
