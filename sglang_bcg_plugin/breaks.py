@@ -1,5 +1,4 @@
-"""``graph_break``: mark a function as an eager break point of a breakable graph
-(docs/breakable.md)."""
+"""``graph_break``: mark a function as an eager break point of a breakable graph (docs/breakable.md)."""
 
 from __future__ import annotations
 

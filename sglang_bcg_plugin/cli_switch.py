@@ -122,9 +122,8 @@ def parse_timeout(raw: object) -> float:
         with contextlib.suppress(ValueError, OverflowError):
             seconds = float(raw.strip() if isinstance(raw, str) else raw)
     if not 0 < seconds <= MAX_TIMEOUT_S:  # NaN too
-        msg = (f"--timeout {shown(raw)} is not a number of seconds above 0 and at most {MAX_TIMEOUT_S:.0f} (a day); "
-               f"it bounds the whole exchange with the server (default {DEFAULT_TIMEOUT_S:.0f}, the server's own "
-               "limit)")
+        msg = (f"--timeout {shown(raw)} is not a number of seconds above 0 and at most {MAX_TIMEOUT_S:.0f} (a day); it "
+               f"bounds the whole exchange with the server (default {DEFAULT_TIMEOUT_S:.0f}, the server's own limit)")
         raise UsageError(msg)
     return seconds
 

@@ -50,9 +50,8 @@ class BackendRegistry:
             msg = f"plugin {plugin!r} registers backend {name!r} with non-callable {factory!r}"
         elif name in self._factories:
             other, other_plugin = self._factories[name]
-            msg = (f"backend name {name!r} is claimed by two plugins: {other_plugin!r} "
-                   f"({_describe(other)}) and {plugin!r} ({_describe(factory)}); "
-                   f"block one with SGLANG_BCG_BLOCK_PLUGINS")
+            msg = (f"backend name {name!r} is claimed by two plugins: {other_plugin!r} ({_describe(other)}) and "
+                   f"{plugin!r} ({_describe(factory)}); block one with SGLANG_BCG_BLOCK_PLUGINS")
         else:
             self._factories[name] = (factory, plugin)
             return

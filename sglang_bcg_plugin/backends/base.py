@@ -58,8 +58,7 @@ def allocator_segments(choice: str, engine: Engine) -> Iterator[None]:
 
 
 class ShapeKeyLike(Protocol):
-    """What :func:`check_key` proves of a shape key, ours or SGLang's: hashable, with ``size`` and
-    ``stream_idx``."""
+    """What :func:`check_key` proves of a shape key, ours or SGLang's: hashable, with ``size`` and ``stream_idx``."""
 
     @property
     def size(self) -> int: ...

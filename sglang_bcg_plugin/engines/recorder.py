@@ -59,9 +59,8 @@ def refresh(static: torch.Tensor, value: torch.Tensor, what: str) -> None:
 
 
 def copy_broadcast(static: torch.Tensor, value: torch.Tensor, what: str) -> bool:
-    """Write ``value`` into a captured ``static`` that broadcasts (stride 0, size > 1: a graph replay
-    rewrites only index 0 of each such dim, so only that is written); ``False`` when ``static`` does
-    not broadcast (nothing written).
+    """Write ``value`` into a captured ``static`` that broadcasts (stride 0, size > 1: a graph replay rewrites only
+    index 0 of each such dim, so only that is written); ``False`` when ``static`` does not broadcast (nothing written).
 
     :raises RuntimeError: ``value`` differs along a dim where ``static`` broadcasts."""
     dims = [d for d, (size, stride) in enumerate(zip(static.shape, static.stride(), strict=True))

@@ -39,9 +39,8 @@ DRIVER_COEFFICIENTS = DriverCoefficients(69 * MIB, 106 * KIB, 2560, "NVIDIA H200
 
 @dataclass(frozen=True, slots=True)
 class DriverShare:
-    """The driver's share of one schedule's capture (its fields:
-    docs/forecast.md#the-drivers-share-how-it-is-modelled); ``paid_bytes``, where measured, stands for
-    ``launch_bytes`` and the first capture."""
+    """The driver's share of one schedule's capture (its fields: docs/forecast.md#the-drivers-share-how-it-is-modelled);
+    ``paid_bytes``, where measured, stands for ``launch_bytes`` and the first capture."""
 
     graphs: int
     nodes: int
@@ -102,8 +101,7 @@ class ProbeCount:
 
 def schedule_share(probes: Sequence[ProbeCount], sizes: Sequence[int], *, on_copy_nodes_per_size: int = 0,
                    first_capture: bool = True, coefficients: DriverCoefficients = DRIVER_COEFFICIENTS) -> DriverShare:
-    """The :class:`DriverShare` of capturing ``sizes``: each size's graphs and nodes on the line
-    through the probes'."""
+    """The :class:`DriverShare` of capturing ``sizes``: each size's graphs and nodes on the line through the probes'."""
     counted = all(p.nodes is not None for p in probes)
     captured = len(sizes)
     if not any(p.graphs for p in probes):  # no graph seen: nothing per graph, per size or per copy node

@@ -29,11 +29,10 @@ from .trace import KeyTrace, ScaledTrace, output_allocs, pinned_slack, pool_trac
 
 @dataclass(frozen=True)
 class GraphMemoryForecast:
-    """The forecast graph memory of one schedule (largest first), per output mode
-    (:class:`~.model.ModeForecast`); ``mode``: the one the backend's next session resolves to. The
-    other fields are described in docs/forecast.md (``probe_sizes``: the largest, the smallest, then
-    any probed because those two did not pair; ``caveat``: "" where none is known; ``driver``:
-    ``None`` where not modelled)."""
+    """The forecast graph memory of one schedule (largest first), per output mode (:class:`~.model.ModeForecast`);
+    ``mode``: the one the backend's next session resolves to. The other fields are described in docs/forecast.md
+    (``probe_sizes``: the largest, the smallest, then any probed because those two did not pair; ``caveat``: "" where
+    none is known; ``driver``: ``None`` where not modelled)."""
 
     backend: str
     sizes: tuple[int, ...]

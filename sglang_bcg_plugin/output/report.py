@@ -12,9 +12,8 @@ from .trees import flatten, storage_key
 
 @dataclass(frozen=True, slots=True)
 class KeyReport:
-    """Accounting for one captured shape key: ``resident_output_bytes`` no earlier key holds, the
-    ``fallback`` reason (else ``None``), warmups plus capture seconds, reserved device memory growth
-    (``None`` on the eager engine)."""
+    """Accounting for one captured shape key: ``resident_output_bytes`` no earlier key holds, the ``fallback`` reason
+    (else ``None``), warmups plus capture seconds, reserved device memory growth (``None`` on the eager engine)."""
 
     key: Hashable
     logical_output_bytes: int

@@ -75,10 +75,9 @@ def _flatten(obj: object, path: str, leaves: Leaves, depth: int) -> Node:
     else:
         inside = tensor_inside(obj, path)
         if inside is not None:
-            msg = (f"unsupported output type {type(obj).__qualname__} at {path}: it holds a tensor "
-                   f"(at {cut(inside)}) that cannot be tracked, so replay would return it stale; "
-                   f"supported: {SUPPORTED_TEXT}; return one of those (a set or an object with tensors in "
-                   "attributes, __slots__ or a list attribute is not)")
+            msg = (f"unsupported output type {type(obj).__qualname__} at {path}: it holds a tensor (at {cut(inside)}) "
+                   f"that cannot be tracked, so replay would return it stale; supported: {SUPPORTED_TEXT}; return one "
+                   "of those (a set or an object with tensors in attributes, __slots__ or a list attribute is not)")
             raise TypeError(msg)
         return Node("value", type(obj), value=obj)
     kids = tuple(_flatten(v, _child(kind, path, k), leaves, depth + 1) for k, v in zip(keys, values, strict=True))

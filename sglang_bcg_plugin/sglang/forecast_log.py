@@ -97,9 +97,8 @@ def outputs_kept(trace: KeyTrace, output_bytes: Sequence[int]) -> tuple[KeyTrace
 
 
 class SessionForecast:
-    """One capture session's forecast: :meth:`first_capture` around each ``capture_one``, :meth:`key_done`
-    after it, :meth:`close` at the session's end; ``pool`` returns SGLang's graph pool handle (its session
-    sets it)."""
+    """One capture session's forecast: :meth:`first_capture` around each ``capture_one``, :meth:`key_done` after it,
+    :meth:`close` at the session's end; ``pool`` returns SGLang's graph pool handle (its session sets it)."""
 
     def __init__(self, cuda_graph_runner: object, mode: str, pool: Callable[[], Any],
                  environ: Mapping[str, str] | None = None, buffer_source: str = "reserve",

@@ -1,7 +1,6 @@
 """The backend seam (0.5.14+): our subclass of the release's ``BreakableCudaGraphBackend``, running its own
-``capture_one`` with our output policy, and the resolver hooks that put it, or another registered backend, in
-place of SGLang's own (docs/sglang.md#the-releases-own-capture and
-docs/sglang.md#routing-a-phase-to-another-backend)."""
+``capture_one`` with our output policy, and the resolver hooks that put it, or another registered backend, in place of
+SGLang's own (docs/sglang.md#the-releases-own-capture and docs/sglang.md#routing-a-phase-to-another-backend)."""
 
 from __future__ import annotations
 
