@@ -44,8 +44,7 @@ def _positive(value: str) -> int:
     with contextlib.suppress(ValueError):  # not a number, or more digits than Python converts
         n = int(value)
     if n < 1:
-        msg = f"expected a positive integer, got {shown(value)}"
-        raise argparse.ArgumentTypeError(msg)
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {shown(value)}")
     return n
 
 

@@ -78,8 +78,7 @@ def parse_url(raw: object) -> Server:
     added twice). :raises UsageError: naming ``--url``, what is wrong and what to give."""
     url = raw.strip() if isinstance(raw, str) else ""
     if not url:
-        msg = f"--url is empty; give the server's HTTP address, {_EXAMPLE}"
-        raise UsageError(msg)
+        raise UsageError(f"--url is empty; give the server's HTTP address, {_EXAMPLE}")
     problem, example = _url_problem(url)
     if not problem:
         try:
@@ -300,14 +299,12 @@ def check_answer(body: object, mode: str | None, route: str, status: int = 200) 
         raise SwitchError(msg)
     for name, (ok, what) in fields.items():
         if name not in body:
-            msg = f"{where} a JSON object without {name!r} ({what}), expected {expected}{after}"
-            raise SwitchError(msg)
+            raise SwitchError(f"{where} a JSON object without {name!r} ({what}), expected {expected}{after}")
         if not ok(body[name]):
             msg = f"{where} a JSON object whose {name!r} is a {_json_kind(body[name])}, expected {what}{after}"
             raise SwitchError(msg)
     if mode is not None and body["mode"] != mode:
-        msg = f"{where} mode {body['mode']!r}, not {mode!r} as asked{after}"
-        raise SwitchError(msg)
+        raise SwitchError(f"{where} mode {body['mode']!r}, not {mode!r} as asked{after}")
     return body
 
 
@@ -329,8 +326,7 @@ def _parsed(answer: tuple[int, str, str | None, bytes], server: Server, mode: st
         raise SwitchError(_error_of(status, data, route))
     after = "" if mode is None else f"; whether it switched is unknown: {_CHECK}"
     if not data.strip():
-        msg = f"{route} answered {status} with an empty body, expected the JSON object of {ROUTE}{after}"
-        raise SwitchError(msg)
+        raise SwitchError(f"{route} answered {status} with an empty body, expected the JSON object of {ROUTE}{after}")
     try:
         body = json.loads(data)
     except (ValueError, RecursionError):  # not UTF-8 or not JSON; nested past the parser's depth

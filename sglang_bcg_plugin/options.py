@@ -26,11 +26,9 @@ def _int(field: str, value: object, accepted: str) -> int:
 
     :raises TypeError: not an int. :raises ValueError: negative (both name the field)."""
     if isinstance(value, bool) or not isinstance(value, int):
-        msg = f"BackendOptions.{field} must be {accepted}, got {value!r} of type {type(value).__name__}"
-        raise TypeError(msg)
+        raise TypeError(f"BackendOptions.{field} must be {accepted}, got {value!r} of type {type(value).__name__}")
     if value < 0:
-        msg = f"BackendOptions.{field} must be {accepted}, got {value!r}"
-        raise ValueError(msg)
+        raise ValueError(f"BackendOptions.{field} must be {accepted}, got {value!r}")
     return value
 
 

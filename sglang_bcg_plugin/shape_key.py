@@ -35,8 +35,6 @@ def _is_int(value: object) -> bool:
 
 def _check(name: str, value: object, want: str, typed: bool, valid: bool) -> None:
     if not typed:
-        msg = f"ShapeKey.{name} must be {want}, got {value!r} ({type(value).__name__})"
-        raise TypeError(msg)
+        raise TypeError(f"ShapeKey.{name} must be {want}, got {value!r} ({type(value).__name__})")
     if not valid:
-        msg = f"ShapeKey.{name} must be {want}, got {value!r}"
-        raise ValueError(msg)
+        raise ValueError(f"ShapeKey.{name} must be {want}, got {value!r}")

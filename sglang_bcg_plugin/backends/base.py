@@ -78,13 +78,11 @@ def check_key(key: object) -> ShapeKeyLike:
                "attributes; use sglang_bcg_plugin.ShapeKey or SGLang's ShapeKey")
         raise TypeError(msg)
     if isinstance(size, bool) or not isinstance(size, int) or size < 1:
-        msg = f"shape key {key!r} has size {size!r}; expected an int >= 1"
-        raise ValueError(msg)
+        raise ValueError(f"shape key {key!r} has size {size!r}; expected an int >= 1")
     try:
         hash(key)
     except TypeError:
-        msg = f"shape key {key!r} ({type(key).__name__}) is not hashable"
-        raise TypeError(msg) from None
+        raise TypeError(f"shape key {key!r} ({type(key).__name__}) is not hashable") from None
     return cast(ShapeKeyLike, key)  # checked above: size an int >= 1, stream_idx present, hashable
 
 
@@ -138,8 +136,7 @@ class CaptureBackend:
         """Whether this backend captures real CUDA graphs here (option ``engine``)."""
         engine = self._options.engine
         if engine == "cuda" and not torch.cuda.is_available():
-            msg = f"{self.name} backend: engine='cuda' but CUDA is not available; use 'auto' or 'eager'"
-            raise RuntimeError(msg)
+            raise RuntimeError(f"{self.name} backend: engine='cuda' but CUDA is not available; use 'auto' or 'eager'")
         return engine != "eager" and torch.cuda.is_available()
 
     def _get_engine(self) -> Engine:
@@ -202,8 +199,7 @@ class CaptureBackend:
         from ..forecast.probe import forecast_schedule
 
         if self._state.mode_active is not None:
-            msg = f"{self.name} backend: forecast() inside an open capture_session()"
-            raise CaptureStateError(msg)
+            raise CaptureStateError(f"{self.name} backend: forecast() inside an open capture_session()")
         result = forecast_schedule(self, sizes, forward_for, capture_inputs,
                                    configured_mode=self._next_output_mode().mode)
         self._state.forecast = result
@@ -305,8 +301,7 @@ class CaptureBackend:
         """Release every graph, shared buffer and pool; the backend can capture again."""
         with self._lock:
             if self._state.mode_active is not None:
-                msg = f"{self.name} backend: cleanup() inside an open capture_session()"
-                raise CaptureStateError(msg)
+                raise CaptureStateError(f"{self.name} backend: cleanup() inside an open capture_session()")
             self._state.clear()
             if self._engine is not None:
                 self._engine.release()

@@ -59,8 +59,7 @@ def _device(raw: str | None) -> str:
     if raw is None:
         return "cuda" if torch.cuda.is_available() else "cpu"
     if not re.fullmatch(r"cpu|cuda(:\d+)?", device := raw.strip().lower(), flags=re.ASCII):  # any case, as every flag
-        msg = f"--device {shown(raw)} is not supported; use cpu, cuda or cuda:N"
-        raise UsageError(msg)
+        raise UsageError(f"--device {shown(raw)} is not supported; use cpu, cuda or cuda:N")
     if device.startswith("cuda"):
         if not torch.cuda.is_available():
             msg = f"--device {device} but CUDA is not available to torch {torch.__version__}; use --device cpu"
@@ -77,20 +76,17 @@ def _names(flag: str, raw: str, choices: Iterable[str]) -> list[str]:
     choices = list(choices)
     hint = f"give a comma-separated list of: {', '.join(choices)}"
     if not raw.strip():
-        msg = f"{flag} is empty; {hint}"
-        raise UsageError(msg)
+        raise UsageError(f"{flag} is empty; {hint}")
     entries = [n.strip() for n in raw.split(",")]
     if "" in entries:
-        msg = f"{flag} {shown(raw)} has an empty entry; {hint}"
-        raise UsageError(msg)
+        raise UsageError(f"{flag} {shown(raw)} has an empty entry; {hint}")
     words = {c.lower(): c for c in reversed(choices)}  # two names differing in case: the first listed
     names = [n if n in choices else words.get(n.lower(), n) for n in entries]  # as spelled in choices; else as given
     if twice := sorted({n for n in names if names.count(n) > 1}):
         msg = f"{flag} {shown(raw)} lists {shown(', '.join(twice), quote=False)} more than once; give each once"
         raise UsageError(msg)
     if bad := sorted(set(names) - set(choices)):
-        msg = f"unknown {flag.removeprefix('--')} {shown(bad)}; {hint}"
-        raise UsageError(msg)
+        raise UsageError(f"unknown {flag.removeprefix('--')} {shown(bad)}; {hint}")
     return names
 
 
@@ -171,8 +167,7 @@ def build_config(args: argparse.Namespace, available_backends: list[str]) -> Ben
     try:
         env = parse_mode(os.environ.get(ENV_SHARE_OUTPUT), ENV_SHARE_OUTPUT, text=True)
     except ValueError as exc:
-        msg = f"{exc} (or unset it: bench sets sharing per --variants)"
-        raise UsageError(msg) from None
+        raise UsageError(f"{exc} (or unset it: bench sets sharing per --variants)") from None
     if env is not None:
         notes.append(f"note: {ENV_SHARE_OUTPUT} does not apply: bench sets sharing per --variants "
                      f"({','.join(variants)})")

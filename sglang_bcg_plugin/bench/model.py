@@ -58,11 +58,9 @@ class DecoderConfig:
 
     def __post_init__(self) -> None:
         if self.head_dim is None and self.hidden % self.heads:
-            msg = f"hidden {self.hidden} is not a multiple of heads {self.heads}"
-            raise ValueError(msg)
+            raise ValueError(f"hidden {self.hidden} is not a multiple of heads {self.heads}")
         if self.heads % self.kv_heads:
-            msg = f"heads {self.heads} is not a multiple of kv_heads {self.kv_heads}"
-            raise ValueError(msg)
+            raise ValueError(f"heads {self.heads} is not a multiple of kv_heads {self.kv_heads}")
 
 
 class SyntheticDecoder(torch.nn.Module):
@@ -76,8 +74,7 @@ class SyntheticDecoder(torch.nn.Module):
         super().__init__()
         for what, n in (("heads", cfg.heads), ("kv_heads", cfg.kv_heads), ("intermediate", cfg.intermediate)):
             if n % world:
-                msg = f"{what} {n} does not split over {world} ranks"
-                raise ValueError(msg)
+                raise ValueError(f"{what} {n} does not split over {world} ranks")
         self.cfg, self.attention, self.reduce = cfg, attention, reduce or (lambda x: x)
         head_dim = cfg.head_dim or cfg.hidden // cfg.heads
         self.heads, self.kv_heads = cfg.heads // world, cfg.kv_heads // world

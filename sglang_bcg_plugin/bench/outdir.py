@@ -30,8 +30,7 @@ def check_out_dir(raw: str) -> Path:
     """Create ``--out`` (parents too) and prove it can take the pair, before the bench.
     :raises UsageError: it cannot (the message says why)."""
     if not raw:
-        msg = "--out is empty; give a directory for bench.json and bench.png (--out . for the current one)"
-        raise UsageError(msg)
+        raise UsageError("--out is empty; give a directory for bench.json and bench.png (--out . for the current one)")
     out = Path(raw)
     try:
         if out.exists() and not out.is_dir():
@@ -50,8 +49,7 @@ def check_out_dir(raw: str) -> Path:
                 continue  # absent, or a dangling link: the rename replaces it
             if not stat.S_ISREG(mode):
                 kind = "a directory" if stat.S_ISDIR(mode) else "not a regular file (a FIFO, socket or device)"
-                msg = f"--out {shown(raw)}: {name} is {kind}; remove it or give another --out"
-                raise UsageError(msg)
+                raise UsageError(f"--out {shown(raw)}: {name} is {kind}; remove it or give another --out")
     except OSError as exc:
         msg = f"--out {shown(raw)} is not a writable directory ({exc.strerror or exc}); give one you can write to"
         raise UsageError(msg) from None

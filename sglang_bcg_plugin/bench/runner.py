@@ -246,8 +246,7 @@ def max_abs_error(out: Any, ref: Any) -> float:
     """Largest absolute difference over every tensor leaf of two output trees."""
     (_, a), (_, b) = flatten(out), flatten(ref)
     if len(a) != len(b):
-        msg = f"replay returned {len(a)} tensors, the eager forward {len(b)}"
-        raise RuntimeError(msg)
+        raise RuntimeError(f"replay returned {len(a)} tensors, the eager forward {len(b)}")
     return max((float((x.float() - y.float()).abs().max()) for (_, x), (_, y) in zip(a, b, strict=True) if x.numel()),
                default=0.0)
 

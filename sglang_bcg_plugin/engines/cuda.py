@@ -25,8 +25,7 @@ class FullGraph:
 
     def replay(self) -> Any:
         if self._graph is None:
-            msg = "graph was released; capture it again"
-            raise RuntimeError(msg)
+            raise RuntimeError("graph was released; capture it again")
         self._graph.replay()
         return self.output
 

@@ -33,8 +33,7 @@ class EagerGraph:
 
     def replay(self) -> Any:
         if self._forward_fn is None:
-            msg = f"graph of {self.key!r} was released; capture it again"
-            raise RuntimeError(msg)
+            raise RuntimeError(f"graph of {self.key!r} was released; capture it again")
         with torch.inference_mode(self._inference), torch.no_grad():
             spec, leaves = flatten(self._forward_fn())
             found = diff(self._spec, spec)

@@ -47,8 +47,7 @@ def refresh(static: torch.Tensor, value: torch.Tensor, what: str) -> None:
     """Write a replayed ``value`` into the captured ``static`` storage (no-op when it is that storage).
     :raises RuntimeError: the shape changed since capture, or a broadcast cannot hold ``value``."""
     if static.shape != value.shape:
-        msg = f"{what} returned shape {tuple(value.shape)} on replay, captured {tuple(static.shape)}"
-        raise RuntimeError(msg)
+        raise RuntimeError(f"{what} returned shape {tuple(value.shape)} on replay, captured {tuple(static.shape)}")
     if static is not value and (static.data_ptr(), static.stride()) != (value.data_ptr(), value.stride()):
         try:
             static.copy_(value)
@@ -140,8 +139,7 @@ class SegmentedGraph:
 
     def replay(self) -> Any:
         if self._segments is None:
-            msg = f"graph of {self.key!r} was released; capture it again"
-            raise RuntimeError(msg)
+            raise RuntimeError(f"graph of {self.key!r} was released; capture it again")
         steps = self._steps
         with self._mode():
             for i, run in enumerate(self._runners):

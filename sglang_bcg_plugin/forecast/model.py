@@ -147,8 +147,7 @@ def schedule_forecast(trace: ScaledTrace, sizes: Iterable[int], *, outputs: froz
 
     :raises ValueError: ``released_keeps`` is neither ``"none"`` nor ``"auto"``."""
     if released_keeps not in ("none", "auto"):
-        msg = f"released_keeps must be 'none' or 'auto', got {released_keeps!r}"
-        raise ValueError(msg)
+        raise ValueError(f"released_keeps must be 'none' or 'auto', got {released_keeps!r}")
     sizes = list(sizes)
 
     def pools(reserve_bytes: int) -> tuple[int, int, dict[str, int], str, bool]:

@@ -200,8 +200,7 @@ def fit_probes(traces: Sequence[KeyTrace], output_bytes: Sequence[Sequence[int]]
             break
     else:
         tried = ", ".join(str(t.size) for t in traces[2:])
-        msg = f"{fitted}" + (f" (nor at the next sizes up: {tried} tokens)" if tried else "")
-        raise ForecastError(msg)
+        raise ForecastError(f"{fitted}" + (f" (nor at the next sizes up: {tried} tokens)" if tried else ""))
     alone = zip(traces[j + 1:], output_bytes[j + 1:], strict=True)
     return ScaledTrace(fitted.shape, fitted.lines, tuple((t, output_allocs(t, out)) for t, out in alone))
 
@@ -220,11 +219,9 @@ def _checked_sizes(name: str, sizes: Iterable[int]) -> list[int]:
     head = f"{name} backend: forecast() sizes must be ints >= 1 (capture sizes, as ShapeKey.size), got"
     for s in checked:
         if isinstance(s, bool) or not isinstance(s, int):
-            msg = f"{head} {s!r:.200} ({type(s).__name__}) in {checked!r:.200}"
-            raise TypeError(msg)
+            raise TypeError(f"{head} {s!r:.200} ({type(s).__name__}) in {checked!r:.200}")
         if s < 1:
-            msg = f"{head} {s!r} in {checked!r:.200}"
-            raise ValueError(msg)
+            raise ValueError(f"{head} {s!r} in {checked!r:.200}")
     return checked
 
 
@@ -234,8 +231,7 @@ def forecast_schedule(backend: BackendProtocol, sizes: Iterable[int], forward_fo
     start = time.perf_counter()
     schedule = sorted(set(_checked_sizes(backend.name, sizes)), reverse=True)
     if len(schedule) < 2:
-        msg = f"{backend.name} backend: forecast() needs at least two sizes, got {schedule}"
-        raise ForecastError(msg)
+        raise ForecastError(f"{backend.name} backend: forecast() needs at least two sizes, got {schedule}")
     if backend.captured_keys():
         msg = f"{backend.name} backend: forecast() runs before the schedule is captured; cleanup() first"
         raise CaptureStateError(msg)

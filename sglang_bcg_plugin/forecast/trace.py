@@ -97,8 +97,7 @@ class ScaledTrace:
         same sequence, else by :func:`pair_allocs`. :raises ForecastError: the two probe sizes are
         equal, or the allocations cannot be paired."""
         if large.size == small.size:
-            msg = f"forecast: the two probe sizes must differ (both {large.size})"
-            raise ForecastError(msg)
+            raise ForecastError(f"forecast: the two probe sizes must differ (both {large.size})")
         shape = large.shape
         pairs = {i: i for i, (k, _) in enumerate(large.ops) if k == 0} if shape == small.shape else (
             pair_allocs(large, small))
@@ -114,8 +113,7 @@ class ScaledTrace:
         """One trace alone: requests of ``constant_below`` bytes or more scale with the size, smaller
         ones stay constant. :raises ForecastError: ``trace.size`` is not positive."""
         if trace.size <= 0:
-            msg = f"forecast: the probe size must be positive, got {trace.size}"
-            raise ForecastError(msg)
+            raise ForecastError(f"forecast: the probe size must be positive, got {trace.size}")
         lines = tuple((0.0, 0.0) if k == 1 else ((float(v), 0.0) if v < constant_below else (0.0, v / trace.size))
                       for k, v in trace.ops)
         return cls(trace.shape, lines)

@@ -47,8 +47,7 @@ def parse_mode(value: object, what: str = OPTION, *, text: bool = False) -> Outp
     accepted = OPTION_ACCEPTS if what == OPTION else "'off', 'on' or 'released'"
     if isinstance(value, bool):
         hint = f"{'output_mode=' if what == OPTION else ''}{'on' if value else 'off'!r}"
-        msg = f"{what} must be {accepted}, got {value!r} of type bool (use {hint})"
-        raise TypeError(msg)
+        raise TypeError(f"{what} must be {accepted}, got {value!r} of type bool (use {hint})")
     return parse_word(value, {mode: mode for mode in MODES}, what, kind="an output mode", accepted=accepted)
 
 
@@ -69,8 +68,7 @@ class Resolution:
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
-            msg = f"Resolution.mode must be one of {', '.join(map(repr, MODES))}, got {self.mode!r}"
-            raise ValueError(msg)
+            raise ValueError(f"Resolution.mode must be one of {', '.join(map(repr, MODES))}, got {self.mode!r}")
 
     def describe(self) -> str:
         return f"{self.mode} ({self.source})"

@@ -57,9 +57,7 @@ class MemoryReport:
     def forecast_error(self) -> float | None:
         """(forecast − lost) / lost for the session's mode; ``None`` without both."""
         lost = self.lost_bytes
-        if self.forecast is None or not lost:
-            return None
-        return (self.forecast.bytes_for() - lost) / lost
+        return None if self.forecast is None or not lost else (self.forecast.bytes_for() - lost) / lost
 
     @property
     def allocator_error(self) -> float | None:

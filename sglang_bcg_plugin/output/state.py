@@ -137,8 +137,7 @@ class CaptureState:
     def open(self, plan: SessionPlan) -> None:
         """:raises CaptureStateError: a session is already open."""
         if self._open is not None:
-            msg = f"{self.name} backend: capture_session() is already open; sessions do not nest"
-            raise CaptureStateError(msg)
+            raise CaptureStateError(f"{self.name} backend: capture_session() is already open; sessions do not nest")
         self.policy.open(plan)
         self._open = self.plan = plan
 

@@ -125,10 +125,8 @@ def unflatten(node: Node, tensors: Iterator[torch.Tensor] | list[torch.Tensor]) 
     if node.kind == "value":
         return node.value
     kids = [unflatten(k, it) for k in node.children]
-    if node.kind == "seq":
-        if issubclass(node.type, tuple) and hasattr(node.type, "_fields"):
-            return node.type(*kids)
-        return node.type(kids)
+    if node.kind == "seq":  # a named tuple takes its fields one by one
+        return node.type(*kids) if issubclass(node.type, tuple) and hasattr(node.type, "_fields") else node.type(kids)
     new = copy.copy(node.template)
     if node.kind == "map":
         for k, v in zip(node.keys, kids, strict=True):

@@ -229,8 +229,7 @@ def capture_one_args(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any
     """``(capture_inputs, post_warmup_hook)`` from what a runner passed after the key and forward
     (``dummies``: 0.5.14-0.5.16's ``capture_inputs``). :raises TypeError: as Python would."""
     if len(args) > 2:
-        msg = f"capture_one() takes at most 4 arguments after self ({len(args) + 2} given)"
-        raise TypeError(msg)
+        raise TypeError(f"capture_one() takes at most 4 arguments after self ({len(args) + 2} given)")
     given = dict(zip(("capture_inputs", "post_warmup_hook"), args, strict=False))
     for name, value in kwargs.items():
         slot = "capture_inputs" if name == "dummies" else name

@@ -42,11 +42,9 @@ class PiecewiseBackend(CaptureBackend):
         """``base``: :class:`CaptureBackend`'s ``options``, ``plugin_manager``, ``output_mode``."""
         self._splitting_ops = resolve_splitting_ops(splitting_ops)
         if not isinstance(inductor, bool):
-            msg = f"inductor must be a bool, got {inductor!r}"
-            raise TypeError(msg)
+            raise TypeError(f"inductor must be a bool, got {inductor!r}")
         if inductor_config is not None and not inductor:
-            msg = "inductor_config is given but inductor=False; pass inductor=True to compile the pieces"
-            raise ValueError(msg)
+            raise ValueError("inductor_config is given but inductor=False; pass inductor=True to compile the pieces")
         self._inductor = InductorPieces(inductor_config) if inductor else None
         super().__init__(**base)
         self._summaries: list[SplitSummary] = []

@@ -132,8 +132,7 @@ class PiecewiseCompiled:
     def __init__(self, model: Callable[..., Any], compiler: PiecewiseCompiler, *, dynamic: DynamicMode = "auto",
                  dynamic_dim: int = 0) -> None:
         if dynamic not in _MODES:
-            msg = f"dynamic must be one of {', '.join(map(repr, _MODES))}, got {dynamic!r}"
-            raise ValueError(msg)
+            raise ValueError(f"dynamic must be one of {', '.join(map(repr, _MODES))}, got {dynamic!r}")
         if isinstance(dynamic_dim, bool) or not isinstance(dynamic_dim, int) or dynamic_dim < 0:
             msg = f"dynamic_dim must be an int >= 0 (the dim that varies with the capture size), got {dynamic_dim!r}"
             raise ValueError(msg)
