@@ -152,9 +152,8 @@ def create_backend(name: str, *, options: BackendOptions | None = None,
     :raises BackendRegistrationError: unknown name, or a backend of a broken plugin (the error names
         the plugin and its failure). :raises TypeError: ``options`` is not a ``BackendOptions``."""
     if options is not None and not isinstance(options, BackendOptions):
-        msg = (f"create_backend({name!r}): options must be a BackendOptions or None, got "
-               f"{type(options).__name__} {options!r}; write options=BackendOptions(...)")
-        raise TypeError(msg)
+        raise TypeError(f"create_backend({name!r}): options must be a BackendOptions or None, got "
+                        f"{type(options).__name__} {options!r}; write options=BackendOptions(...)")
     pm = plugin_manager or get_plugin_manager()
     factory = build_registry(pm).get(name)
     return factory(options=options, plugin_manager=pm, **kwargs)

@@ -74,9 +74,8 @@ def check_key(key: object) -> ShapeKeyLike:
     :raises TypeError: no ``size``/``stream_idx``, or not hashable. :raises ValueError: a bad ``size``."""
     size = getattr(key, "size", None)
     if not hasattr(key, "stream_idx") or size is None:
-        msg = (f"shape key {key!r} ({type(key).__name__}) needs 'size' and 'stream_idx' "
-               "attributes; use sglang_bcg_plugin.ShapeKey or SGLang's ShapeKey")
-        raise TypeError(msg)
+        raise TypeError(f"shape key {key!r} ({type(key).__name__}) needs 'size' and 'stream_idx' attributes; use "
+                        "sglang_bcg_plugin.ShapeKey or SGLang's ShapeKey")
     if isinstance(size, bool) or not isinstance(size, int) or size < 1:
         raise ValueError(f"shape key {key!r} has size {size!r}; expected an int >= 1")
     try:
@@ -100,9 +99,8 @@ class CaptureBackend:
         self._options = options or BackendOptions()
         self._pm = plugin_manager or get_plugin_manager()
         if output_mode is not None and not isinstance(output_mode, Resolution):
-            msg = (f"{self.name} backend: output_mode= takes a Resolution (a mode with its reason), got "
-                   f"{output_mode!r}; give a mode as options=BackendOptions(output_mode=...)")
-            raise TypeError(msg)
+            raise TypeError(f"{self.name} backend: output_mode= takes a Resolution (a mode with its reason), got "
+                            f"{output_mode!r}; give a mode as options=BackendOptions(output_mode=...)")
         self._host_resolution = output_mode
         self._lock = threading.RLock()
         self._state = CaptureState(self.name, "none")
@@ -232,21 +230,18 @@ class CaptureBackend:
         :raises ObserverError: a ``sglang_bcg_capture_started`` observer raised."""
         key = check_key(shape_key)
         if not callable(forward_fn):
-            msg = (f"capture_one({key!r}): forward_fn must be callable (a function of no arguments), got "
-                   f"{short_repr(forward_fn)} ({type(forward_fn).__name__})")
-            raise TypeError(msg)
+            raise TypeError(f"capture_one({key!r}): forward_fn must be callable (a function of no arguments), got "
+                            f"{short_repr(forward_fn)} ({type(forward_fn).__name__})")
         if post_warmup_hook is not None and not callable(post_warmup_hook):
-            msg = (f"capture_one({key!r}): post_warmup_hook must be None or callable (a function of no arguments, "
-                   f"run after each warmup), got {short_repr(post_warmup_hook)} ({type(post_warmup_hook).__name__}); "
-                   "nothing was warmed up or captured")
-            raise TypeError(msg)
+            raise TypeError(f"capture_one({key!r}): post_warmup_hook must be None or callable (a function of no "
+                            f"arguments, run after each warmup), got {short_repr(post_warmup_hook)} "
+                            f"({type(post_warmup_hook).__name__}); nothing was warmed up or captured")
         with self._lock, self.size_context(key.size):
             plan = self._state.begin(key)
             if self._capturing is not None:
-                msg = (f"{self.name} backend: re-entrant capture: capture_one({key!r}) was called while "
-                       f"{self._capturing!r} is being captured (from inside its forward_fn or a hook); "
-                       "capture keys one after another")
-                raise CaptureStateError(msg)
+                raise CaptureStateError(f"{self.name} backend: re-entrant capture: capture_one({key!r}) was called "
+                                        f"while {self._capturing!r} is being captured (from inside its forward_fn or a "
+                                        "hook); capture keys one after another")
             if key in self._state:
                 msg = f"{key!r} is already captured by the {self.name} backend; cleanup() first to capture it again"
                 raise ValueError(msg)

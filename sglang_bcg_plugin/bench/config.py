@@ -102,17 +102,15 @@ def _check_heads(args: argparse.Namespace, hidden: int, heads: int, kv_heads: in
     """Head counts that the model (ours, or transformers' LlamaConfig) accepts."""
     if hidden % heads:
         why = "transformers' LlamaConfig requires it, whatever --head-dim" if llama else "head size = hidden / heads"
-        msg = (f"{_flag('--hidden', hidden, args.hidden)} is not a multiple of {_flag('--heads', heads, args.heads)} "
-               f"({why}); use --heads among {_divisors(hidden)}")
-        raise UsageError(msg)
+        raise UsageError(f"{_flag('--hidden', hidden, args.hidden)} is not a multiple of "
+                         f"{_flag('--heads', heads, args.heads)} ({why}); use --heads among {_divisors(hidden)}")
     if not llama and args.head_dim is not None:
         msg = "--head-dim applies to --model llama only (the synthetic decoder's head size is hidden / heads)"
         raise UsageError(msg)
     if heads % kv_heads:
         kv = _flag("--kv-heads", kv_heads, args.kv_heads)
-        msg = (f"{_flag('--heads', heads, args.heads)} is not a multiple of {kv} (grouped-query attention); "
-               f"use --kv-heads among {_divisors(heads)}")
-        raise UsageError(msg)
+        raise UsageError(f"{_flag('--heads', heads, args.heads)} is not a multiple of {kv} (grouped-query attention); "
+                         f"use --kv-heads among {_divisors(heads)}")
 
 
 def _model(args: argparse.Namespace, device: str) -> ModelShape:
@@ -124,9 +122,8 @@ def _model(args: argparse.Namespace, device: str) -> ModelShape:
     _check_heads(args, hidden, heads, kv_heads, llama)
     head_dim = args.head_dim or ((64 if gpu else 16) if llama else hidden // heads)
     if llama and head_dim % 2:
-        msg = (f"--head-dim {head_dim} is odd; transformers' rotary embedding rotates the two halves of each "
-               f"head, so it needs an even head size: use --head-dim {head_dim + 1}")
-        raise UsageError(msg)
+        raise UsageError(f"--head-dim {head_dim} is odd; transformers' rotary embedding rotates the two halves of each "
+                         f"head, so it needs an even head size: use --head-dim {head_dim + 1}")
     return ModelShape(
         hidden=hidden, layers=args.layers or (4 if gpu else 2), heads=heads, kv_heads=kv_heads, head_dim=head_dim,
         intermediate=args.intermediate or hidden, dtype=DTYPES[args.dtype or ("bfloat16" if gpu else "float32")],
@@ -145,10 +142,9 @@ def _variant_rows(backends: list[str], variants: list[str], available: list[str]
     if unrun := [v for v in variants if not any(runs(b, v) for b in ours)]:
         by = [b for b in available if b != GRAPH_TREES and runs(b, unrun[0])]
         what = ", ".join(unrun)
-        msg = (f"--variants {what} {'is' if len(unrun) == 1 else 'are'} run only by --backends {_or(by)}, and "
-               f"--backends {','.join(backends)} has none of them: add {_or(by)} to --backends or drop {what} "
-               "from --variants")
-        raise UsageError(msg)
+        raise UsageError(f"--variants {what} {'is' if len(unrun) == 1 else 'are'} run only by --backends {_or(by)}, "
+                         f"and --backends {','.join(backends)} has none of them: add {_or(by)} to --backends or drop "
+                         f"{what} from --variants")
     skipped = {b: ", ".join(v for v in variants if not runs(b, v)) for b in ours}
     return [f"note: {b} does not run --variants {s} (no compiled callable): no row for it"
             for b, s in skipped.items() if s]
@@ -175,9 +171,8 @@ def build_config(args: argparse.Namespace, available_backends: list[str]) -> Ben
     workload = WORKLOADS[args.model](model)  # llama without transformers: a UsageError naming the extra
     max_tokens = args.max_tokens or (16384 if gpu else (64 if args.model == "llama" else 256))
     if max_tokens < MIN_CAPTURE_SIZE:
-        msg = (f"--max-tokens {max_tokens} is below {MIN_CAPTURE_SIZE}, the smallest prefill capture size; "
-               f"use --max-tokens {MIN_CAPTURE_SIZE} or more")
-        raise UsageError(msg)
+        raise UsageError(f"--max-tokens {max_tokens} is below {MIN_CAPTURE_SIZE}, the smallest prefill capture size; "
+                         f"use --max-tokens {MIN_CAPTURE_SIZE} or more")
     if max_tokens > MAX_TOKENS_LIMIT:
         msg = (f"--max-tokens {shown(max_tokens)} is beyond any machine's memory (at most {MAX_TOKENS_LIMIT} is "
                "accepted); SGLang captures prefill up to 16384 tokens by default: use --max-tokens 16384 or less")

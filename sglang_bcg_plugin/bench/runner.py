@@ -88,7 +88,6 @@ VARIANTS = {name: _variant(name, *about) for name, about in {
                                      f"{_RELEASED}, Inductor, {_EXPANDABLE}", "#7f6084"),
 }.items()}
 
-
 #: What a variant's word needs a CUDA graph pool for (the eager engine has none).
 _POOL_WORDS = {"packed": "pool_reserve='auto' starts a CUDA graph pool as one block",
                "expandable": "pool_segments='expandable' grows a CUDA graph pool",

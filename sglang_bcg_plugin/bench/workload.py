@@ -84,9 +84,8 @@ def _transformers() -> Any:
     try:
         import transformers
     except ImportError as exc:  # pragma: no cover - transformers is in the test extra
-        msg = (f"--model llama needs transformers ({exc}); install it with "
-               "`pip install transformers` (from a checkout: `pip install -e '.[llama]'`)")
-        raise UsageError(msg) from None
+        raise UsageError(f"--model llama needs transformers ({exc}); install it with `pip install transformers` (from "
+                         "a checkout: `pip install -e '.[llama]'`)") from None
     return transformers
 
 
@@ -150,10 +149,9 @@ def llama_config(shape: ModelShape, max_tokens: int, vocab: int) -> Any:
         )
     except Exception as exc:  # noqa: BLE001 - ValueError, TypeError, huggingface_hub's StrictDataclassError (5.x)
         cause = exc.__cause__ if isinstance(exc.__cause__, ValueError) else exc
-        msg = (f"transformers' LlamaConfig rejects --hidden {shape.hidden} --heads {shape.heads} --kv-heads "
-               f"{shape.kv_heads} --head-dim {shape.head_dim} --intermediate {shape.intermediate} "
-               f"({' '.join(str(cause).split())}); change them")
-        raise UsageError(msg) from None
+        raise UsageError(f"transformers' LlamaConfig rejects --hidden {shape.hidden} --heads {shape.heads} --kv-heads "
+                         f"{shape.kv_heads} --head-dim {shape.head_dim} --intermediate {shape.intermediate} "
+                         f"({' '.join(str(cause).split())}); change them") from None
 
 
 class LlamaWorkload(Workload):

@@ -15,7 +15,6 @@ from torch.utils._pytree import tree_leaves
 from ..errors import HostReadError, user_frame
 from ..output.trees import storage_key
 
-
 Action = Callable[[], None]
 
 
@@ -76,10 +75,9 @@ def copy_broadcast(static: torch.Tensor, value: torch.Tensor, what: str) -> bool
         same = torch.equal(static, value)
     if not same:
         dim = next(d for d in dims if value.stride(d) != 0)
-        msg = (f"{what} returned values that vary along dim {dim} on replay, where the captured output broadcasts "
-               f"one value (stride 0, shape {tuple(static.shape)}); a CUDA graph replays the broadcast it captured: "
-               "return the same broadcast (.expand) at every call, or .contiguous()")
-        raise RuntimeError(msg)
+        raise RuntimeError(f"{what} returned values that vary along dim {dim} on replay, where the captured output "
+                           f"broadcasts one value (stride 0, shape {tuple(static.shape)}); a CUDA graph replays the "
+                           "broadcast it captured: return the same broadcast (.expand) at every call, or .contiguous()")
     return True
 
 

@@ -26,7 +26,6 @@ from .model import (MODES, ModeForecast, address_caveat, address_spread, count_h
 from .trace import KeyTrace, ScaledTrace, output_allocs, pinned_slack, pool_trace
 
 
-
 @dataclass(frozen=True)
 class GraphMemoryForecast:
     """The forecast graph memory of one schedule (largest first), per output mode (:class:`~.model.ModeForecast`);
@@ -236,9 +235,8 @@ def forecast_schedule(backend: BackendProtocol, sizes: Iterable[int], forward_fo
         msg = f"{backend.name} backend: forecast() runs before the schedule is captured; cleanup() first"
         raise CaptureStateError(msg)
     if backend.engine_name != "cuda":
-        msg = (f"{backend.name} backend: forecast() needs the CUDA engine (graph pools); this backend "
-               f"captures with the {backend.engine_name} engine")
-        raise ForecastError(msg)
+        raise ForecastError(f"{backend.name} backend: forecast() needs the CUDA engine (graph pools); this backend "
+                            f"captures with the {backend.engine_name} engine")
     options = backend.options
     free_start, reserved_start = device_free_bytes(collect=False), reserved_bytes()  # both after empty_cache
     with gc_safe_capture(collect=False), torch.no_grad():  # the first launches: one eager forward per size

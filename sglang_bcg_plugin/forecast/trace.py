@@ -145,10 +145,9 @@ def pair_allocs(large: KeyTrace, small: KeyTrace) -> dict[int, int]:
     head = f"forecast: the forward's allocations at {large.size} and {small.size} tokens differ in sequence"
     kept_l, kept_s = sum(k for *_, k in al), sum(k for *_, k in as_)
     if len(al) != len(as_) or kept_l != kept_s:
-        msg = (f"{head} and cannot be paired: {len(al)} allocations ({kept_l} kept) against {len(as_)} ({kept_s} kept) "
-               f"in {len(large.ops)} vs {len(small.ops)} requests; its memory does not scale as one pattern, so it "
-               "cannot be forecast from two probes")
-        raise ForecastError(msg)
+        raise ForecastError(f"{head} and cannot be paired: {len(al)} allocations ({kept_l} kept) against {len(as_)} "
+                            f"({kept_s} kept) in {len(large.ops)} vs {len(small.ops)} requests; its memory does not "
+                            "scale as one pattern, so it cannot be forecast from two probes")
     (big, lo), (n_big, n_lo) = ((al, as_), (large.size, small.size)) if large.size > small.size else (
         (as_, al), (small.size, large.size))
 

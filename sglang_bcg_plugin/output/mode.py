@@ -22,7 +22,6 @@ TEXT_WORDS: dict[str, OutputMode] = {**{word: ON if on else OFF for word, on in 
 #: What every "not a mode" error of a textual mode lists (the boolean spellings first).
 ACCEPTED_TEXT = f"{BOOLEAN_TEXT} (sharing on/off) or released"
 
-
 #: The option's name and what it accepts, in every error about ``BackendOptions.output_mode``.
 OPTION = "BackendOptions.output_mode"
 OPTION_ACCEPTS = f"'off', 'on', 'released' or None (follow --enable-bcg-shared-output / {ENV_SHARE_OUTPUT})"

@@ -21,7 +21,6 @@ if TYPE_CHECKING:
     from .plan import BufferSource, SessionPlan
 
 
-
 class SharedOutputFallbackWarning(UserWarning):
     """A shape key keeps its own output because it does not fit its partition's buffer."""
 

@@ -234,8 +234,7 @@ def capture_one_args(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any
     for name, value in kwargs.items():
         slot = "capture_inputs" if name == "dummies" else name
         if slot in given or slot not in ("capture_inputs", "post_warmup_hook"):
-            msg = (f"capture_one() got multiple values for argument {slot!r}" if slot in given
-                   else f"capture_one() got an unexpected keyword argument {name!r}")
-            raise TypeError(msg)
+            raise TypeError(f"capture_one() got multiple values for argument {slot!r}" if slot in given
+                            else f"capture_one() got an unexpected keyword argument {name!r}")
         given[slot] = value
     return given.get("capture_inputs"), given.get("post_warmup_hook")

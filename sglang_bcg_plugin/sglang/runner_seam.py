@@ -69,9 +69,8 @@ def around_capture_one(original_fn: Callable[..., Any], runner: Any, num_tokens:
         else:
             runner._run_forward = shadowed
     if len(placed) != 1:
-        msg = (f"BreakableCudaGraphRunner._capture_one({num_tokens}) ran the forward {len(placed)} times "
-               "inside its capture; expected once (the runner seam of SGLang 0.5.13)")
-        raise RuntimeError(msg)
+        raise RuntimeError(f"BreakableCudaGraphRunner._capture_one({num_tokens}) ran the forward {len(placed)} times "
+                           "inside its capture; expected once (the runner seam of SGLang 0.5.13)")
     placed.clear()  # released: the policy holds the last reference to the graph's own output
     output = state.commit(key, graph=graph, num_segments=num_segments(graph), seconds=time.perf_counter() - start)
     return graph, output

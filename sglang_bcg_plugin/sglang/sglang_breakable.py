@@ -70,9 +70,8 @@ class _Forward:
             self.last_warmup = self.forward_fn()
             return self.last_warmup
         if self.warmups != WARMUPS:
-            msg = (f"SGLang {installed().release}'s capture_one ran {self.warmups} warmups, not {WARMUPS}, "
-                   "before its capture")
-            raise RuntimeError(msg)
+            raise RuntimeError(f"SGLang {installed().release}'s capture_one ran {self.warmups} warmups, not {WARMUPS}, "
+                               "before its capture")
         # the captured call (under debug_eager inside the release's one eager break: run it outside)
         out = run_outside_capture(self.engine, self.forward_fn) if self.backend._debug_eager else self.forward_fn()
         self.output_bytes.extend(t.untyped_storage().nbytes() for _, t in flatten(out)[1])
@@ -189,9 +188,8 @@ def sglang_breakable_backend_class() -> type[Any]:
     :raises RuntimeError: the installed SGLang has no backend seam (0.5.13: :mod:`.runner_seam`)."""
     seam = installed()
     if seam.kind != "backend":
-        msg = (f"{seam.describe()}: there is no BreakableCudaGraphBackend to subclass; "
-               "the plugin hooks this release's breakable graph through its runner instead")
-        raise RuntimeError(msg)
+        raise RuntimeError(f"{seam.describe()}: there is no BreakableCudaGraphBackend to subclass; the plugin hooks "
+                           "this release's breakable graph through its runner instead")
     base = importlib.import_module(BACKEND_MODULE).BreakableCudaGraphBackend
     doc = "SGLang's breakable CUDA graphs with our output-sharing policy."
     return type("SGLangBreakableBackend", (SharingPolicyMixin, base), {"__module__": __name__, "__doc__": doc})
@@ -201,7 +199,6 @@ def sglang_breakable_backend_class() -> type[Any]:
 PREFILL_TARGET = "sglang.srt.model_executor.runner_backend.utils.resolve_prefill_backend"
 DECODE_TARGET = "sglang.srt.model_executor.runner_backend.utils.resolve_decode_backend"
 BASE_MODULE = "sglang.srt.model_executor.runner_backend.base_cuda_graph_backend"
-
 
 #: Whether a select hook's deprecated ``"breakable"`` was warned about (once a process).
 _warned_breakable = False

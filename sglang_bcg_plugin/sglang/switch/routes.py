@@ -19,11 +19,7 @@ from .rpc import RpcClient
 logger = logging.getLogger(__name__)
 
 ROUTE = "/bcg/output_mode"
-
-
 HTTP_TARGET = "sglang.srt.entrypoints.http_server._setup_and_run_http_server"
-
-
 BODY_HELP = 'send {"mode": "off"|"on"|"released"}'
 
 
