@@ -29,9 +29,8 @@ def sglang_bcg_capture_started(backend: BackendProtocol, shape_key: object) -> N
 
 
 @hookspec
-def sglang_bcg_capture_finished(
-    backend: BackendProtocol, shape_key: object, report: KeyReport | None, error: BaseException | None
-) -> None:
+def sglang_bcg_capture_finished(backend: BackendProtocol, shape_key: object, report: KeyReport | None,
+                                error: BaseException | None) -> None:
     """Observe: a capture of ``shape_key`` ended. Raising is isolated (an ``ObserverWarning``).
 
     :param report: the key's :class:`~sglang_bcg_plugin.output.report.KeyReport`, or ``None`` on failure.

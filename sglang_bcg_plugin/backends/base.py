@@ -155,12 +155,11 @@ class CaptureBackend:
         """Open a capture session; its plan is fixed until it closes. :raises CaptureStateError: one is open."""
         with self._lock:
             opts, engine = self._options, self._get_engine()
-            plan = plan_session(
-                self._next_output_mode(), engine=engine.name, shared_buffer=opts.shared_buffer,
-                pool_reserve=opts.pool_reserve, guard=opts.stale_output_guard, strict=opts.strict_outputs,
-                check_inputs=opts.debug_check_inputs, captured=bool(self._state.keys()),
-                advice=None if self._state.forecast is None else self._state.forecast.advice,
-            )
+            plan = plan_session(self._next_output_mode(), engine=engine.name, shared_buffer=opts.shared_buffer,
+                                pool_reserve=opts.pool_reserve, guard=opts.stale_output_guard,
+                                strict=opts.strict_outputs, check_inputs=opts.debug_check_inputs,
+                                captured=bool(self._state.keys()),
+                                advice=None if self._state.forecast is None else self._state.forecast.advice)
             self._state.open(plan)
             self._stream = stream
         # after a forecast, the session's device memory is measured to compare with it
@@ -249,11 +248,9 @@ class CaptureBackend:
             try:
                 observe_started(self._pm, self, key)
                 engine = self._get_engine()
-                request = CaptureRequest(
-                    key, forward_fn, self._state.policy, num_warmups=self._options.num_warmups,
-                    post_warmup_hook=post_warmup_hook, partition=getattr(key, "stream_idx", None),
-                    stream=self._stream, static_inputs=input_storages(capture_inputs),
-                )
+                request = CaptureRequest(key, forward_fn, self._state.policy, num_warmups=self._options.num_warmups,
+                                         post_warmup_hook=post_warmup_hook, partition=getattr(key, "stream_idx", None),
+                                         stream=self._stream, static_inputs=input_storages(capture_inputs))
                 with Measure(engine.name) as measured:
                     graph = engine.capture(request)
                 output = self._state.commit(  # the eager engine has no pool: nothing to release

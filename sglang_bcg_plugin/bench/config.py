@@ -124,11 +124,9 @@ def _model(args: argparse.Namespace, device: str) -> ModelShape:
     if llama and head_dim % 2:
         raise UsageError(f"--head-dim {head_dim} is odd; transformers' rotary embedding rotates the two halves of each "
                          f"head, so it needs an even head size: use --head-dim {head_dim + 1}")
-    return ModelShape(
-        hidden=hidden, layers=args.layers or (4 if gpu else 2), heads=heads, kv_heads=kv_heads, head_dim=head_dim,
-        intermediate=args.intermediate or hidden, dtype=DTYPES[args.dtype or ("bfloat16" if gpu else "float32")],
-        device=device,
-    )
+    return ModelShape(hidden=hidden, layers=args.layers or (4 if gpu else 2), heads=heads, kv_heads=kv_heads,
+                      head_dim=head_dim, intermediate=args.intermediate or hidden,
+                      dtype=DTYPES[args.dtype or ("bfloat16" if gpu else "float32")], device=device)
 
 
 def _or(names: list[str]) -> str:
@@ -182,8 +180,6 @@ def build_config(args: argparse.Namespace, available_backends: list[str]) -> Ben
                      f"sizes; the largest below it, {largest}, is captured")
     check_fits(model, max_tokens, variants, backends=backends, workload=args.model)
     out = None if args.out is None else check_out_dir(args.out)
-    return BenchConfig(
-        device=device, device_name=torch.cuda.get_device_name(device) if gpu else "cpu", backends=backends,
-        variants=variants, workload=workload, sizes=prefill_capture_sizes(max_tokens),
-        repeats=args.repeats or (50 if gpu else 10), out=out, progress=not args.no_progress, notes=notes,
-    )
+    return BenchConfig(device=device, device_name=torch.cuda.get_device_name(device) if gpu else "cpu",
+                       backends=backends, variants=variants, workload=workload, sizes=prefill_capture_sizes(max_tokens),
+                       repeats=args.repeats or (50 if gpu else 10), out=out, progress=not args.no_progress, notes=notes)

@@ -353,15 +353,14 @@ def run_variant(backend_name: str, variant: str, workload: Workload, sizes: list
                            repeats)
     backend.cleanup()  # the graphs, pools and buffers go; the next variant measures from here
     ran_as, why = (None if device.startswith("cuda") else eager_stand_in(variant)) or (None, None)  # engine: device
-    row = BenchRow(
-        backend=backend_name, variant=variant, output_mode=v.options["output_mode"], num_sizes=len(sizes),
-        max_tokens=max(sizes),
-        resident_output_bytes=report.resident_output_bytes, logical_output_bytes=report.logical_output_bytes,
-        graph_memory_bytes=graph_bytes, capture_s=elapsed - ((compile_s or 0.0) - forecast_compile),
-        fallbacks=len(report.fallbacks), bridge_bytes=report.total_bridge_bytes, model=workload.name,
-        per_size=per_size_rows(report, per_key_compile if compile_s is not None else None), compile_s=compile_s,
-        ran_as=ran_as, ran_as_reason=why, **replayed, **_forecast_fields(predicted, graph_bytes, forecast_compile),
-    )
+    row = BenchRow(backend=backend_name, variant=variant, output_mode=v.options["output_mode"], num_sizes=len(sizes),
+                   max_tokens=max(sizes), resident_output_bytes=report.resident_output_bytes,
+                   logical_output_bytes=report.logical_output_bytes, graph_memory_bytes=graph_bytes,
+                   capture_s=elapsed - ((compile_s or 0.0) - forecast_compile), fallbacks=len(report.fallbacks),
+                   bridge_bytes=report.total_bridge_bytes, model=workload.name,
+                   per_size=per_size_rows(report, per_key_compile if compile_s is not None else None),
+                   compile_s=compile_s, ran_as=ran_as, ran_as_reason=why, **replayed,
+                   **_forecast_fields(predicted, graph_bytes, forecast_compile))
     log.info("%s", row)
     return row
 
@@ -424,11 +423,10 @@ def graph_trees_row(workload: Workload, sizes: list[int], *, repeats: int, num_w
     if gpu:
         torch._inductor.cudagraph_trees.reset_cudagraph_trees()
     _free_bytes(device)
-    return BenchRow(
-        backend=GRAPH_TREES, variant=REFERENCE_VARIANT, output_mode="off", num_sizes=len(sizes),
-        max_tokens=max(sizes), resident_output_bytes=0, logical_output_bytes=logical[0], graph_memory_bytes=graph_bytes,
-        capture_s=elapsed - compile_s, fallbacks=0, model=workload.name, compile_s=compile_s, **replayed,
-    )
+    return BenchRow(backend=GRAPH_TREES, variant=REFERENCE_VARIANT, output_mode="off", num_sizes=len(sizes),
+                    max_tokens=max(sizes), resident_output_bytes=0, logical_output_bytes=logical[0],
+                    graph_memory_bytes=graph_bytes, capture_s=elapsed - compile_s, fallbacks=0, model=workload.name,
+                    compile_s=compile_s, **replayed)
 
 
 def warm_up(workload: Workload, backends: list[str], sizes: list[int] | None = None) -> BenchRow | None:

@@ -96,10 +96,8 @@ def _sdpa() -> Callable[..., Any]:
 
 
 @graph_break(reads=("query", "key", "value"))
-def break_attention(
-    module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: Any,
-    **kwargs: Any,
-) -> tuple[torch.Tensor, None]:
+def break_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                    attention_mask: Any, **kwargs: Any) -> tuple[torch.Tensor, None]:
     """transformers' SDPA attention as an eager break point of the Breakable backend."""
     return _sdpa()(module, query, key, value, attention_mask, **kwargs)
 
@@ -120,10 +118,8 @@ def _(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: floa
     return query.new_empty(query.shape[0], query.shape[2], query.shape[1], value.shape[3])
 
 
-def split_attention(
-    module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: Any,
-    **kwargs: Any,
-) -> tuple[torch.Tensor, None]:
+def split_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                    attention_mask: Any, **kwargs: Any) -> tuple[torch.Tensor, None]:
     """Attention through the splitting op (``attention_mask`` is ``None`` under our name)."""
     scaling: float = kwargs.get("scaling") or module.scaling  # type: ignore[assignment]
     return split_attention_op(query, key, value, float(scaling)), None

@@ -69,10 +69,8 @@ def copy_broadcast(static: torch.Tensor, value: torch.Tensor, what: str) -> bool
     static[first].copy_(value[first])
     if all(value.stride(d) == 0 for d in dims):
         return True  # the same broadcast: nothing else to hold
-    if static.is_floating_point() or static.is_complex():
-        same = torch.allclose(static, value, rtol=0.0, atol=0.0, equal_nan=True)
-    else:
-        same = torch.equal(static, value)
+    same = (torch.allclose(static, value, rtol=0.0, atol=0.0, equal_nan=True)
+            if static.is_floating_point() or static.is_complex() else torch.equal(static, value))
     if not same:
         dim = next(d for d in dims if value.stride(d) != 0)
         raise RuntimeError(f"{what} returned values that vary along dim {dim} on replay, where the captured output "

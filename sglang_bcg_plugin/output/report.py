@@ -80,14 +80,10 @@ class MemoryReport:
     def from_keys(cls, backend: str, engine: str, keys: list[KeyReport],
                   bridge_bytes: Mapping[int | None, int] | None = None) -> MemoryReport:
         seconds = {k.key: k.capture_seconds for k in keys if k.capture_seconds is not None}
-        return cls(
-            backend, engine, tuple(keys),
-            logical_output_bytes=sum(k.logical_output_bytes for k in keys),
-            resident_output_bytes=sum(k.resident_output_bytes for k in keys),
-            fallbacks=MappingProxyType({k.key: k.fallback for k in keys if k.fallback is not None}),
-            capture_seconds=MappingProxyType(seconds),
-            bridge_bytes=MappingProxyType(dict(bridge_bytes or {})),
-        )
+        return cls(backend, engine, tuple(keys), logical_output_bytes=sum(k.logical_output_bytes for k in keys),
+                   resident_output_bytes=sum(k.resident_output_bytes for k in keys),
+                   fallbacks=MappingProxyType({k.key: k.fallback for k in keys if k.fallback is not None}),
+                   capture_seconds=MappingProxyType(seconds), bridge_bytes=MappingProxyType(dict(bridge_bytes or {})))
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready form (keys rendered with ``repr``)."""

@@ -118,9 +118,8 @@ def add_routes(app: Any, client: RpcClient, gate: SwitchGate, dp_size: int = 1) 
 
     async def reply(mode: OutputMode | None) -> Any:
         if dp_size > 1:
-            return JSONResponse({"error": f"not supported with --dp-size {dp_size}: "
-                                          "SGLang's RPC reaches one scheduler group"},
-                                status_code=422)
+            return JSONResponse({"error": f"not supported with --dp-size {dp_size}: SGLang's RPC reaches one scheduler "
+                                          "group"}, status_code=422)
         status, body = await asyncio.to_thread(http_answer, client, gate, mode)
         return JSONResponse(body, status_code=status)
 
