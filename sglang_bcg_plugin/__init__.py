@@ -18,7 +18,6 @@ from .output.policy import SharedOutputFallbackWarning
 
 __all__ = ["ENV_SHARE_OUTPUT", "NAME", "BackendOptions", "BackendRegistrationError", "BackendRegistry", "BrokenPlugin",
            "CaptureBackend", "CaptureStateError", "ForecastError", "GraphBreakError", "HostReadError", "KeyReport",
-           "MemoryReport",
-           "ObserverError", "ObserverWarning", "OutputStructureError", "PluginLoadWarning", "ShapeKey",
+           "MemoryReport", "ObserverError", "ObserverWarning", "OutputStructureError", "PluginLoadWarning", "ShapeKey",
            "SharedOutputFallbackWarning", "__version__", "available_backends", "broken_plugins", "create_backend",
            "get_plugin_manager", "graph_break", "hookimpl", "resolve_output_mode"]

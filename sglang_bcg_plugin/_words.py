@@ -32,12 +32,10 @@ def parse_word(raw: object, words: Mapping[str, T], what: str, *, kind: str, acc
         quoted = [f"'{n}'" for n in words]
         accepted = quoted[0] if len(quoted) == 1 else f"{', '.join(quoted[:-1])} or {quoted[-1]}"
     if not isinstance(raw, str):
-        msg = f"{what} must be {accepted}, got {repr(raw)[:200]} of type {type(raw).__name__}"
-        raise TypeError(msg)
+        raise TypeError(f"{what} must be {accepted}, got {repr(raw)[:200]} of type {type(raw).__name__}")
     key = raw.strip().lower()
     if key not in words:
-        msg = f"{what}={shown(raw)} is not {kind}; use one of {accepted} (any case)"
-        raise ValueError(msg)
+        raise ValueError(f"{what}={shown(raw)} is not {kind}; use one of {accepted} (any case)")
     return words[key]
 
 
@@ -45,9 +43,7 @@ def parse_env(name: str, words: Mapping[str, T], *, kind: str, accepted: str | N
               environ: Mapping[str, str] | None = None) -> T | None:
     """The environment variable ``name`` read by :func:`parse_word`; ``None`` when unset or blank."""
     raw = (os.environ if environ is None else environ).get(name)
-    if raw is None or not raw.strip():
-        return None
-    return parse_word(raw, words, name, kind=kind, accepted=accepted)
+    return parse_word(raw, words, name, kind=kind, accepted=accepted) if raw and raw.strip() else None
 
 
 def parse_bool_env(name: str, environ: Mapping[str, str] | None = None) -> bool | None:

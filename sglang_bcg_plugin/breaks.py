@@ -1,5 +1,4 @@
-"""``graph_break``: mark a function as an eager break point of a breakable graph
-(docs/breakable.md)."""
+"""``graph_break``: mark a function as an eager break point of a breakable graph (docs/breakable.md)."""
 
 from __future__ import annotations
 
@@ -34,9 +33,8 @@ def _names(field: str, value: str | Iterable[str]) -> frozenset[str]:
         names = (value,)
     bad = [n for n in names if not isinstance(n, str)]
     if bad:
-        msg = (f"graph_break({field}=...) takes parameter names (a str or an iterable of str, e.g. "
-               f"{field}=('out',)), got {value!r} with {bad[0]!r} of type {type(bad[0]).__name__}")
-        raise GraphBreakError(msg)
+        raise GraphBreakError(f"graph_break({field}=...) takes parameter names (a str or an iterable of str, e.g. "
+                              f"{field}=('out',)), got {value!r} with {bad[0]!r} of type {type(bad[0]).__name__}")
     return frozenset(n for n in names if isinstance(n, str))
 
 
@@ -48,15 +46,13 @@ def _signature(func: Callable[..., Any], name: str, names: frozenset[str]) -> in
         sig = inspect.signature(func)
     except (TypeError, ValueError) as exc:
         if names:
-            msg = (f"graph_break({name}, reads/writes={sorted(names)}): Python has no signature for it ({exc}), "
-                   f"so the names cannot be matched to its arguments; {_WRAP}")
-            raise GraphBreakError(msg) from None
+            raise GraphBreakError(f"graph_break({name}, reads/writes={sorted(names)}): Python has no signature for it "
+                                  f"({exc}), so the names cannot be matched to its arguments; {_WRAP}") from None
         return _ANY_CALL  # no names: every tensor argument is held as it is, which is always sound
     unknown = sorted(names - set(sig.parameters))
     if unknown:
-        msg = (f"graph_break({name}): reads/writes name {unknown}, which are not parameters of it; "
-               f"parameters: {list(sig.parameters)}; name those, or {_WRAP}")
-        raise GraphBreakError(msg)
+        raise GraphBreakError(f"graph_break({name}): reads/writes name {unknown}, which are not parameters of it; "
+                              f"parameters: {list(sig.parameters)}; name those, or {_WRAP}")
     return sig
 
 

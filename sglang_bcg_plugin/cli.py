@@ -1,9 +1,8 @@
 """``sglang-bcg``: ``bench`` (the main job), ``backends``, ``doctor``, ``switch``.
 
-Exit codes (docs/getting-started.md): 0 success; 1 a broken plugin, out of memory, or ``switch``
-failed; 2 a bad argument or an ``--out`` that could not take the results (``--debug`` adds the
-traceback, never another code); 130 interrupted.
-"""
+Exit codes (docs/getting-started.md): 0 success; 1 a broken plugin, out of memory, or ``switch`` failed; 2 a bad
+argument or an ``--out`` that could not take the results (``--debug`` adds the traceback, never another code); 130
+interrupted."""
 
 from __future__ import annotations
 
@@ -45,8 +44,7 @@ def _positive(value: str) -> int:
     with contextlib.suppress(ValueError):  # not a number, or more digits than Python converts
         n = int(value)
     if n < 1:
-        msg = f"expected a positive integer, got {shown(value)}"
-        raise argparse.ArgumentTypeError(msg)
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {shown(value)}")
     return n
 
 

@@ -78,8 +78,7 @@ def parse_url(raw: object) -> Server:
     added twice). :raises UsageError: naming ``--url``, what is wrong and what to give."""
     url = raw.strip() if isinstance(raw, str) else ""
     if not url:
-        msg = f"--url is empty; give the server's HTTP address, {_EXAMPLE}"
-        raise UsageError(msg)
+        raise UsageError(f"--url is empty; give the server's HTTP address, {_EXAMPLE}")
     problem, example = _url_problem(url)
     if not problem:
         try:
@@ -122,9 +121,8 @@ def parse_timeout(raw: object) -> float:
         with contextlib.suppress(ValueError, OverflowError):
             seconds = float(raw.strip() if isinstance(raw, str) else raw)
     if not 0 < seconds <= MAX_TIMEOUT_S:  # NaN too
-        msg = (f"--timeout {shown(raw)} is not a number of seconds above 0 and at most {MAX_TIMEOUT_S:.0f} (a day); "
-               f"it bounds the whole exchange with the server (default {DEFAULT_TIMEOUT_S:.0f}, the server's own "
-               "limit)")
+        msg = (f"--timeout {shown(raw)} is not a number of seconds above 0 and at most {MAX_TIMEOUT_S:.0f} (a day); it "
+               f"bounds the whole exchange with the server (default {DEFAULT_TIMEOUT_S:.0f}, the server's own limit)")
         raise UsageError(msg)
     return seconds
 
@@ -133,20 +131,17 @@ def check_key(key: str, source: str) -> str:
     """``key`` if an HTTP header can carry it (printable latin-1, no surrounding space); the key is
     never echoed. :raises UsageError: naming ``source`` (``--api-key`` or :data:`ENV_KEY`)."""
     if not key:
-        msg = (f"{source} is empty (an unset variable in --api-key \"$KEY\"?); give the server's --admin-api-key, "
-               f"or leave {source} out to send none")
-        raise UsageError(msg)
+        raise UsageError(f"{source} is empty (an unset variable in --api-key \"$KEY\"?); give the server's "
+                         f"--admin-api-key, or leave {source} out to send none")
     for i, c in enumerate(key, 1):
         if unicodedata.category(c) == "Cc" or ord(c) > 0xFF:
             why = "a line break" if c in "\r\n" else _char(c)
-            msg = (f"{source} has {why} at character {i} (the key is not shown); an HTTP header carries printable "
-                   "latin-1 characters only, so no server can receive this key: copy the server's --admin-api-key "
-                   "again")
-            raise UsageError(msg)
+            raise UsageError(f"{source} has {why} at character {i} (the key is not shown); an HTTP header carries "
+                             "printable latin-1 characters only, so no server can receive this key: copy the server's "
+                             "--admin-api-key again")
     if key != key.strip():
-        msg = (f"{source} starts or ends with a space, which HTTP drops from a header (the key is not shown); "
-               "give the key without it")
-        raise UsageError(msg)
+        raise UsageError(f"{source} starts or ends with a space, which HTTP drops from a header (the key is not "
+                         "shown); give the key without it")
     return key
 
 
@@ -296,19 +291,16 @@ def check_answer(body: object, mode: str | None, route: str, status: int = 200) 
     fields, after = (FIELDS_GET, "") if mode is None else (FIELDS_POST, f"; nothing is reported as switched: {_CHECK}")
     where, expected = f"{route} answered {status} with", f"the JSON object of {ROUTE} ({', '.join(fields)})"
     if not isinstance(body, dict):
-        msg = (f"{where} a JSON {_json_kind(body)}, expected {expected}: "
-               f"is --url the SGLang server with this plugin?{after}")
-        raise SwitchError(msg)
+        raise SwitchError(f"{where} a JSON {_json_kind(body)}, expected {expected}: is --url the SGLang server with "
+                          f"this plugin?{after}")
     for name, (ok, what) in fields.items():
         if name not in body:
-            msg = f"{where} a JSON object without {name!r} ({what}), expected {expected}{after}"
-            raise SwitchError(msg)
+            raise SwitchError(f"{where} a JSON object without {name!r} ({what}), expected {expected}{after}")
         if not ok(body[name]):
             msg = f"{where} a JSON object whose {name!r} is a {_json_kind(body[name])}, expected {what}{after}"
             raise SwitchError(msg)
     if mode is not None and body["mode"] != mode:
-        msg = f"{where} mode {body['mode']!r}, not {mode!r} as asked{after}"
-        raise SwitchError(msg)
+        raise SwitchError(f"{where} mode {body['mode']!r}, not {mode!r} as asked{after}")
     return body
 
 
@@ -316,9 +308,8 @@ def _parsed(answer: tuple[int, str, str | None, bytes], server: Server, mode: st
     """The checked JSON of a 2xx answer. :raises SwitchError: too large, a redirect, an error status, not the object."""
     (status, reason, location, data), route = answer, server.route_url
     if len(data) > MAX_ANSWER_BYTES:
-        msg = (f"{route} answered more than {MAX_ANSWER_BYTES // 2**20} MiB: not the answer of {ROUTE}"
-               f"{_unknown(mode, BODY)}")
-        raise SwitchError(msg)
+        raise SwitchError(f"{route} answered more than {MAX_ANSWER_BYTES // 2**20} MiB: not the answer of "
+                          f"{ROUTE}{_unknown(mode, BODY)}")
     if 300 <= status < 400:
         where = urljoin(route, location) if location else "nowhere (no Location)"
         what = "it was not followed" + ("" if mode is None else ", so nothing was switched (a switch is reported only "
@@ -330,16 +321,14 @@ def _parsed(answer: tuple[int, str, str | None, bytes], server: Server, mode: st
         raise SwitchError(_error_of(status, data, route))
     after = "" if mode is None else f"; whether it switched is unknown: {_CHECK}"
     if not data.strip():
-        msg = f"{route} answered {status} with an empty body, expected the JSON object of {ROUTE}{after}"
-        raise SwitchError(msg)
+        raise SwitchError(f"{route} answered {status} with an empty body, expected the JSON object of {ROUTE}{after}")
     try:
         body = json.loads(data)
     except (ValueError, RecursionError):  # not UTF-8 or not JSON; nested past the parser's depth
         text = " ".join(data[:200].decode("utf-8", "replace").split())
         preview = repr(text[:60]) + ("…" if len(text) > 60 or len(data) > 200 else "")
-        msg = (f"{route} answered something that is not JSON ({status}, {len(data)} bytes: {preview}), "
-               f"expected the JSON object of {ROUTE}: is --url the SGLang server?{after}")
-        raise SwitchError(msg) from None
+        raise SwitchError(f"{route} answered something that is not JSON ({status}, {len(data)} bytes: {preview}), "
+                          f"expected the JSON object of {ROUTE}: is --url the SGLang server?{after}") from None
     return check_answer(body, mode, route, status)
 
 

@@ -112,12 +112,11 @@ class HostReadError(RuntimeError):
         inside = "its graph" if segment is None else f"segment {segment}"
         at = f", at {where}" if where else ""
         hint = _TRANSFORMERS_HINT if where is not None and f"{os.sep}transformers{os.sep}" in where else ""
-        msg = (f"capture of {shape_key!r} read a tensor's value on the host inside {inside} ({op}{at}): a "
-               "CUDA graph records device work only, so every replay would reuse the value read at capture "
-               "(on CUDA such a capture fails: a host sync inside a stream capture). Keep the value on the "
-               "device (torch.where or a mask instead of `if`, no .item()/.tolist()), or move the read into a "
-               "@graph_break function (it runs eagerly at every replay); reads during the warmups and "
-               f"outside capture are fine{hint}")
+        msg = (f"capture of {shape_key!r} read a tensor's value on the host inside {inside} ({op}{at}): a CUDA graph "
+               "records device work only, so every replay would reuse the value read at capture (on CUDA such a "
+               "capture fails: a host sync inside a stream capture). Keep the value on the device (torch.where or a "
+               "mask instead of `if`, no .item()/.tolist()), or move the read into a @graph_break function (it runs "
+               f"eagerly at every replay); reads during the warmups and outside capture are fine{hint}")
         super().__init__(msg)
 
 

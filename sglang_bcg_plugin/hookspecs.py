@@ -29,9 +29,8 @@ def sglang_bcg_capture_started(backend: BackendProtocol, shape_key: object) -> N
 
 
 @hookspec
-def sglang_bcg_capture_finished(
-    backend: BackendProtocol, shape_key: object, report: KeyReport | None, error: BaseException | None
-) -> None:
+def sglang_bcg_capture_finished(backend: BackendProtocol, shape_key: object, report: KeyReport | None,
+                                error: BaseException | None) -> None:
     """Observe: a capture of ``shape_key`` ended. Raising is isolated (an ``ObserverWarning``).
 
     :param report: the key's :class:`~sglang_bcg_plugin.output.report.KeyReport`, or ``None`` on failure.
@@ -44,4 +43,6 @@ def sglang_bcg_select_backend(phase: str, server_args: object) -> str | None:
 
     :param phase: ``"prefill"`` or ``"decode"``.
     :param server_args: SGLang's ``ServerArgs`` of this process (may be ``None``).
-    :returns: a backend name, or ``None`` to keep the default (``"breakable"``)."""
+    :returns: a registered backend name, or ``None`` (or ``"sglang-breakable"``) to keep the default, SGLang's
+        breakable backend under the plugin's output policy; ``"breakable"`` keeps it too, deprecated (a
+        ``DeprecationWarning``): it names the plugin's own ``BreakableBackend``."""

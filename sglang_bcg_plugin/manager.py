@@ -1,6 +1,5 @@
-"""The plugin manager (built lazily, cached, never at import time), the per-plugin hook calls
-(:func:`call_each`: each implementation on its own, so one plugin's error never stops the others)
-and the observers' calls."""
+"""The plugin manager (built lazily, cached, never at import time), the per-plugin hook calls (:func:`call_each`: each
+implementation on its own, so one plugin's error never stops the others) and the observers' calls."""
 
 from __future__ import annotations
 
@@ -36,13 +35,12 @@ _running: contextvars.ContextVar[str | None] = contextvars.ContextVar("sglang_bc
 
 @dataclass(frozen=True)
 class BrokenPlugin:
-    """A plugin that failed: an entry point of group ``sglang_bcg`` that failed to load (import or
-    validation; ``hook`` is ``None``), or a registered plugin whose ``hook`` raised.
+    """A plugin that failed: an entry point of group ``sglang_bcg`` that failed to load (import or validation; ``hook``
+    is ``None``), or a registered plugin whose ``hook`` raised.
 
-    ``entry_point`` is the plugin's name (its entry point's, or the name it was registered under),
-    ``value`` what it loads (the entry point's value, or the plugin's module or class),
-    ``distribution`` and ``version`` where it is installed from (``""`` for a plugin registered in
-    the process), ``error`` the exception on one line."""
+    ``entry_point`` is the plugin's name (its entry point's, or the name it was registered under), ``value`` what it
+    loads (the entry point's value, or the plugin's module or class), ``distribution`` and ``version`` where it is
+    installed from (``""`` for a plugin registered in the process), ``error`` the exception on one line."""
 
     entry_point: str
     value: str

@@ -26,11 +26,9 @@ def _int(field: str, value: object, accepted: str) -> int:
 
     :raises TypeError: not an int. :raises ValueError: negative (both name the field)."""
     if isinstance(value, bool) or not isinstance(value, int):
-        msg = f"BackendOptions.{field} must be {accepted}, got {value!r} of type {type(value).__name__}"
-        raise TypeError(msg)
+        raise TypeError(f"BackendOptions.{field} must be {accepted}, got {value!r} of type {type(value).__name__}")
     if value < 0:
-        msg = f"BackendOptions.{field} must be {accepted}, got {value!r}"
-        raise ValueError(msg)
+        raise ValueError(f"BackendOptions.{field} must be {accepted}, got {value!r}")
     return value
 
 
@@ -39,19 +37,18 @@ class BackendOptions:
     """Settings of one backend instance; every field is type-checked on construction.
 
     :param output_mode: ``"off"``, ``"on"``, ``"released"``; ``None``: the switch, read at every session.
-    :param strict_outputs: raise :class:`OutputStructureError` where a key's output does not fit the
-        shared buffer, instead of that key keeping its own output with a warning.
+    :param strict_outputs: raise :class:`OutputStructureError` where a key's output does not fit the shared buffer,
+        instead of that key keeping its own output with a warning.
     :param engine: ``"cuda"``, ``"eager"`` (static outputs without graphs) or ``"auto"`` (CUDA when available).
     :param num_warmups: eager runs before each capture.
     :param stale_output_guard: a stale read of an earlier replay's output raises (docs/reliability.md).
     :param shared_buffer: ``"adopt"``, ``"reserve"`` or ``"auto"`` (docs/index.md#output-sharing).
     :param pool_reserve: CUDA: ``"off"``, ``"auto"`` (the forecast's block) or bytes (docs/forecast.md).
     :param pool_segments: CUDA: ``"fixed"`` or ``"expandable"`` during a session (docs/forecast.md).
-    :param debug_check_inputs: every ``replay`` raises ``RuntimeError`` where a ``capture_inputs``
-        tensor moved from its capture-time data pointer.
+    :param debug_check_inputs: every ``replay`` raises ``RuntimeError`` where a ``capture_inputs`` tensor moved from its
+        capture-time data pointer.
     :raises TypeError: a field of the wrong type (``strict_outputs="no"``, ``num_warmups=2.0``).
-    :raises ValueError: a word field not one of its names, ``num_warmups < 0``.
-    """
+    :raises ValueError: a word field not one of its names, ``num_warmups < 0``."""
 
     output_mode: OutputMode | None = None
     strict_outputs: bool = False

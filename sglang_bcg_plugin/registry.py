@@ -50,9 +50,8 @@ class BackendRegistry:
             msg = f"plugin {plugin!r} registers backend {name!r} with non-callable {factory!r}"
         elif name in self._factories:
             other, other_plugin = self._factories[name]
-            msg = (f"backend name {name!r} is claimed by two plugins: {other_plugin!r} "
-                   f"({_describe(other)}) and {plugin!r} ({_describe(factory)}); "
-                   f"block one with SGLANG_BCG_BLOCK_PLUGINS")
+            msg = (f"backend name {name!r} is claimed by two plugins: {other_plugin!r} ({_describe(other)}) and "
+                   f"{plugin!r} ({_describe(factory)}); block one with SGLANG_BCG_BLOCK_PLUGINS")
         else:
             self._factories[name] = (factory, plugin)
             return
@@ -153,9 +152,8 @@ def create_backend(name: str, *, options: BackendOptions | None = None,
     :raises BackendRegistrationError: unknown name, or a backend of a broken plugin (the error names
         the plugin and its failure). :raises TypeError: ``options`` is not a ``BackendOptions``."""
     if options is not None and not isinstance(options, BackendOptions):
-        msg = (f"create_backend({name!r}): options must be a BackendOptions or None, got "
-               f"{type(options).__name__} {options!r}; write options=BackendOptions(...)")
-        raise TypeError(msg)
+        raise TypeError(f"create_backend({name!r}): options must be a BackendOptions or None, got "
+                        f"{type(options).__name__} {options!r}; write options=BackendOptions(...)")
     pm = plugin_manager or get_plugin_manager()
     factory = build_registry(pm).get(name)
     return factory(options=options, plugin_manager=pm, **kwargs)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol, cast
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,39 +35,6 @@ def _is_int(value: object) -> bool:
 
 def _check(name: str, value: object, want: str, typed: bool, valid: bool) -> None:
     if not typed:
-        msg = f"ShapeKey.{name} must be {want}, got {value!r} ({type(value).__name__})"
-        raise TypeError(msg)
+        raise TypeError(f"ShapeKey.{name} must be {want}, got {value!r} ({type(value).__name__})")
     if not valid:
-        msg = f"ShapeKey.{name} must be {want}, got {value!r}"
-        raise ValueError(msg)
-
-
-class ShapeKeyLike(Protocol):
-    """What :func:`check_key` proves of a shape key, ours or SGLang's: hashable, with ``size`` and
-    ``stream_idx``."""
-
-    @property
-    def size(self) -> int: ...
-    @property
-    def stream_idx(self) -> int | None: ...
-    def __hash__(self) -> int: ...
-
-
-def check_key(key: object) -> ShapeKeyLike:
-    """``key``, any hashable object with ``size`` (an int >= 1) and ``stream_idx`` (ours or SGLang's).
-
-    :raises TypeError: no ``size``/``stream_idx``, or not hashable. :raises ValueError: a bad ``size``."""
-    size = getattr(key, "size", None)
-    if not hasattr(key, "stream_idx") or size is None:
-        msg = (f"shape key {key!r} ({type(key).__name__}) needs 'size' and 'stream_idx' "
-               "attributes; use sglang_bcg_plugin.ShapeKey or SGLang's ShapeKey")
-        raise TypeError(msg)
-    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
-        msg = f"shape key {key!r} has size {size!r}; expected an int >= 1"
-        raise ValueError(msg)
-    try:
-        hash(key)
-    except TypeError:
-        msg = f"shape key {key!r} ({type(key).__name__}) is not hashable"
-        raise TypeError(msg) from None
-    return cast(ShapeKeyLike, key)  # checked above: size an int >= 1, stream_idx present, hashable
+        raise ValueError(f"ShapeKey.{name} must be {want}, got {value!r}")

@@ -21,10 +21,11 @@ from sglang_bcg_plugin.forecast.driver import (
     DriverShare,
     ProbeCount,
     counting_captures,
+    probe_driver_share,
     schedule_share,
 )
 from sglang_bcg_plugin.forecast.model import ModeForecast, schedule_forecast
-from sglang_bcg_plugin.forecast.probe import GraphMemoryForecast, driver_caveat, probe_driver_share
+from sglang_bcg_plugin.forecast.probe import GraphMemoryForecast, driver_caveat
 from sglang_bcg_plugin.forecast.trace import KeyTrace, ScaledTrace
 from sglang_bcg_plugin.output.report import MemoryReport
 

@@ -436,12 +436,14 @@ def test_sglang_session_forecast_logs_before_and_after(allocator: RecordedAlloca
     session = SessionForecast(runner, "on", lambda: POOL, environ={"SGLANG_BCG_FORECAST": "1"})
     largest = case["sizes"][0]
     with caplog.at_level(logging.INFO, logger="sglang_bcg_plugin"):
-        with session.first_capture(largest, [out]):
+        with session.first_capture():
             allocator.replay(case["probes"][str(largest)])
             for nodes in (9, 9, 0, 9, 9, 9):  # SGLang's segments: five of 9 nodes, one empty (back-to-back breaks)
                 end_graph(nodes)
-        with session.first_capture(case["sizes"][1], []):  # later captures are not recorded
+        session.key_done(largest, 6, [out])
+        with session.first_capture():  # later captures are not recorded
             assert not allocator.recording
+        session.key_done(case["sizes"][1], 6, [])
         measured = session.close(outside_pool_bytes=out)
     first, after = (r.getMessage() for r in caplog.records)
     assert first.startswith(f"sglang_bcg: graph memory forecast for {n} sizes up to {largest}: ")
@@ -475,8 +477,9 @@ def test_sglang_session_forecast_skips_when_history_is_someone_elses(allocator: 
     assert session.skip_reason() == "the allocator's history is already being recorded"
     allocator.trace = []
     assert session.skip_reason() is None
-    with session.first_capture(8, []):
+    with session.first_capture():
         pass  # nothing reached the pool: no forecast, no error
+    session.key_done(8, 1, [])
     assert session.forecast is None and session.close() is None
 
 

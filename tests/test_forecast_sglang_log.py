@@ -70,10 +70,12 @@ def test_skipped_when_off_or_without_cuda(caplog: pytest.LogCaptureFixture) -> N
     fc = SessionForecast(runner, "on", lambda: None, environ={"SGLANG_BCG_FORECAST": "1"})
     assert fc.skip_reason() == "no CUDA"
     with caplog.at_level(logging.DEBUG, logger="sglang_bcg_plugin"):
-        with fc.first_capture(16, []):
+        with fc.first_capture():
             pass
-        with fc.first_capture(8, []):  # only the first capture is looked at
+        fc.key_done(16, 1, [])
+        with fc.first_capture():  # only the first capture is looked at
             pass
+        fc.key_done(8, 1, [])
     assert [r.getMessage() for r in caplog.records] == ["sglang_bcg: no graph memory forecast: no CUDA"]
     assert fc.close(90 * MIB) is None and fc.forecast is None
     none = SessionForecast(object(), "on", lambda: None, environ={})

@@ -35,7 +35,7 @@ from sglang_bcg_plugin import (
 )
 from sglang_bcg_plugin._words import parse_bool_env
 from sglang_bcg_plugin.output.mode import parse_mode
-from sglang_bcg_plugin.shape_key import check_key
+from sglang_bcg_plugin.backends.base import check_key
 from sglang_bcg_plugin.output.trees import flatten
 
 

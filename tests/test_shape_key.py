@@ -5,7 +5,7 @@ import dataclasses
 import pytest
 
 from sglang_bcg_plugin import ShapeKey
-from sglang_bcg_plugin.shape_key import check_key
+from sglang_bcg_plugin.backends.base import check_key
 
 
 def test_defaults_frozen_hashable() -> None:

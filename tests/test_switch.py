@@ -153,7 +153,7 @@ def test_refusals_touch_nothing() -> None:
     assert rank.recapture_refusal(cpu, "backend") == "no prefill CUDA graphs in this server (cpu engine): nothing to re-capture"
     cpu.device = "cuda"
     cpu.prefill_cuda_graph_runner = NS(backend=object())
-    assert "not the plugin's breakable backend (prefill backend: object)" in str(rank.recapture_refusal(cpu, "backend"))
+    assert "not the plugin's sglang-breakable backend (prefill backend: object)" in str(rank.recapture_refusal(cpu, "backend"))
     bad = rank.answer_rank(runner, {"action": "switch", "mode": "sometimes"}, "backend")
     assert not bad["ok"] and "is not an output mode" in bad["error"]
 

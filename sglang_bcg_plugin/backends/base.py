@@ -8,7 +8,7 @@ import dataclasses
 import os
 import threading
 from collections.abc import Callable, Hashable, Iterable, Iterator
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol, cast
 
 import pluggy
 import torch
@@ -25,7 +25,6 @@ from ..options import BackendOptions
 from ..output.mode import OutputMode, Resolution, explain_output_mode
 from ..output.report import MemoryReport
 from ..output.scan import short_repr
-from ..shape_key import check_key
 from ..output.plan import plan_session
 from ..output.state import CaptureState, check_input_pointers, input_storages
 
@@ -58,6 +57,34 @@ def allocator_segments(choice: str, engine: Engine) -> Iterator[None]:
         setter(",".join([*conf, "expandable_segments:False"]))
 
 
+class ShapeKeyLike(Protocol):
+    """What :func:`check_key` proves of a shape key, ours or SGLang's: hashable, with ``size`` and ``stream_idx``."""
+
+    @property
+    def size(self) -> int: ...
+    @property
+    def stream_idx(self) -> int | None: ...
+    def __hash__(self) -> int: ...
+
+
+def check_key(key: object) -> ShapeKeyLike:
+    """The key :meth:`CaptureBackend.capture_one` takes: any hashable object with ``size`` (an int >= 1)
+    and ``stream_idx`` (our ``ShapeKey`` or SGLang's).
+
+    :raises TypeError: no ``size``/``stream_idx``, or not hashable. :raises ValueError: a bad ``size``."""
+    size = getattr(key, "size", None)
+    if not hasattr(key, "stream_idx") or size is None:
+        raise TypeError(f"shape key {key!r} ({type(key).__name__}) needs 'size' and 'stream_idx' attributes; use "
+                        "sglang_bcg_plugin.ShapeKey or SGLang's ShapeKey")
+    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+        raise ValueError(f"shape key {key!r} has size {size!r}; expected an int >= 1")
+    try:
+        hash(key)
+    except TypeError:
+        raise TypeError(f"shape key {key!r} ({type(key).__name__}) is not hashable") from None
+    return cast(ShapeKeyLike, key)  # checked above: size an int >= 1, stream_idx present, hashable
+
+
 class CaptureBackend:
     """Base class of the Full, Breakable and Piecewise backends."""
 
@@ -72,9 +99,8 @@ class CaptureBackend:
         self._options = options or BackendOptions()
         self._pm = plugin_manager or get_plugin_manager()
         if output_mode is not None and not isinstance(output_mode, Resolution):
-            msg = (f"{self.name} backend: output_mode= takes a Resolution (a mode with its reason), got "
-                   f"{output_mode!r}; give a mode as options=BackendOptions(output_mode=...)")
-            raise TypeError(msg)
+            raise TypeError(f"{self.name} backend: output_mode= takes a Resolution (a mode with its reason), got "
+                            f"{output_mode!r}; give a mode as options=BackendOptions(output_mode=...)")
         self._host_resolution = output_mode
         self._lock = threading.RLock()
         self._state = CaptureState(self.name, "none")
@@ -108,8 +134,7 @@ class CaptureBackend:
         """Whether this backend captures real CUDA graphs here (option ``engine``)."""
         engine = self._options.engine
         if engine == "cuda" and not torch.cuda.is_available():
-            msg = f"{self.name} backend: engine='cuda' but CUDA is not available; use 'auto' or 'eager'"
-            raise RuntimeError(msg)
+            raise RuntimeError(f"{self.name} backend: engine='cuda' but CUDA is not available; use 'auto' or 'eager'")
         return engine != "eager" and torch.cuda.is_available()
 
     def _get_engine(self) -> Engine:
@@ -130,12 +155,11 @@ class CaptureBackend:
         """Open a capture session; its plan is fixed until it closes. :raises CaptureStateError: one is open."""
         with self._lock:
             opts, engine = self._options, self._get_engine()
-            plan = plan_session(
-                self._next_output_mode(), engine=engine.name, shared_buffer=opts.shared_buffer,
-                pool_reserve=opts.pool_reserve, guard=opts.stale_output_guard, strict=opts.strict_outputs,
-                check_inputs=opts.debug_check_inputs, captured=bool(self._state.keys()),
-                advice=None if self._state.forecast is None else self._state.forecast.advice,
-            )
+            plan = plan_session(self._next_output_mode(), engine=engine.name, shared_buffer=opts.shared_buffer,
+                                pool_reserve=opts.pool_reserve, guard=opts.stale_output_guard,
+                                strict=opts.strict_outputs, check_inputs=opts.debug_check_inputs,
+                                captured=bool(self._state.keys()),
+                                advice=None if self._state.forecast is None else self._state.forecast.advice)
             self._state.open(plan)
             self._stream = stream
         # after a forecast, the session's device memory is measured to compare with it
@@ -172,8 +196,7 @@ class CaptureBackend:
         from ..forecast.probe import forecast_schedule
 
         if self._state.mode_active is not None:
-            msg = f"{self.name} backend: forecast() inside an open capture_session()"
-            raise CaptureStateError(msg)
+            raise CaptureStateError(f"{self.name} backend: forecast() inside an open capture_session()")
         result = forecast_schedule(self, sizes, forward_for, capture_inputs,
                                    configured_mode=self._next_output_mode().mode)
         self._state.forecast = result
@@ -206,21 +229,18 @@ class CaptureBackend:
         :raises ObserverError: a ``sglang_bcg_capture_started`` observer raised."""
         key = check_key(shape_key)
         if not callable(forward_fn):
-            msg = (f"capture_one({key!r}): forward_fn must be callable (a function of no arguments), got "
-                   f"{short_repr(forward_fn)} ({type(forward_fn).__name__})")
-            raise TypeError(msg)
+            raise TypeError(f"capture_one({key!r}): forward_fn must be callable (a function of no arguments), got "
+                            f"{short_repr(forward_fn)} ({type(forward_fn).__name__})")
         if post_warmup_hook is not None and not callable(post_warmup_hook):
-            msg = (f"capture_one({key!r}): post_warmup_hook must be None or callable (a function of no arguments, "
-                   f"run after each warmup), got {short_repr(post_warmup_hook)} ({type(post_warmup_hook).__name__}); "
-                   "nothing was warmed up or captured")
-            raise TypeError(msg)
+            raise TypeError(f"capture_one({key!r}): post_warmup_hook must be None or callable (a function of no "
+                            f"arguments, run after each warmup), got {short_repr(post_warmup_hook)} "
+                            f"({type(post_warmup_hook).__name__}); nothing was warmed up or captured")
         with self._lock, self.size_context(key.size):
             plan = self._state.begin(key)
             if self._capturing is not None:
-                msg = (f"{self.name} backend: re-entrant capture: capture_one({key!r}) was called while "
-                       f"{self._capturing!r} is being captured (from inside its forward_fn or a hook); "
-                       "capture keys one after another")
-                raise CaptureStateError(msg)
+                raise CaptureStateError(f"{self.name} backend: re-entrant capture: capture_one({key!r}) was called "
+                                        f"while {self._capturing!r} is being captured (from inside its forward_fn or a "
+                                        "hook); capture keys one after another")
             if key in self._state:
                 msg = f"{key!r} is already captured by the {self.name} backend; cleanup() first to capture it again"
                 raise ValueError(msg)
@@ -228,11 +248,9 @@ class CaptureBackend:
             try:
                 observe_started(self._pm, self, key)
                 engine = self._get_engine()
-                request = CaptureRequest(
-                    key, forward_fn, self._state.policy, num_warmups=self._options.num_warmups,
-                    post_warmup_hook=post_warmup_hook, partition=getattr(key, "stream_idx", None),
-                    stream=self._stream, static_inputs=input_storages(capture_inputs),
-                )
+                request = CaptureRequest(key, forward_fn, self._state.policy, num_warmups=self._options.num_warmups,
+                                         post_warmup_hook=post_warmup_hook, partition=getattr(key, "stream_idx", None),
+                                         stream=self._stream, static_inputs=input_storages(capture_inputs))
                 with Measure(engine.name) as measured:
                     graph = engine.capture(request)
                 output = self._state.commit(  # the eager engine has no pool: nothing to release
@@ -275,8 +293,7 @@ class CaptureBackend:
         """Release every graph, shared buffer and pool; the backend can capture again."""
         with self._lock:
             if self._state.mode_active is not None:
-                msg = f"{self.name} backend: cleanup() inside an open capture_session()"
-                raise CaptureStateError(msg)
+                raise CaptureStateError(f"{self.name} backend: cleanup() inside an open capture_session()")
             self._state.clear()
             if self._engine is not None:
                 self._engine.release()

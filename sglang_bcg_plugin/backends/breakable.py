@@ -1,5 +1,4 @@
-"""Breakable backend: per key, CUDA-graph segments split at ``@graph_break`` functions (eager
-segments on CPU)."""
+"""Breakable backend: per key, CUDA-graph segments split at ``@graph_break`` functions (eager segments on CPU)."""
 
 from __future__ import annotations
 

@@ -100,6 +100,5 @@ def check_fits(model: ModelShape, max_tokens: int, variants: list[str], *, backe
     tape = tape_kept_bytes(model, stats, backends, workload)
     kept = f", {human_bytes(tape)} the eager segments keep of every size" if tape else ""
     sizes = f"{stats.num} capture size{'' if stats.num == 1 else 's'}"
-    msg = (f"--max-tokens {max_tokens} needs at least {human_bytes(need(max_tokens))} ({sizes}: weights, inputs, "
-           f"captured outputs, activations of the largest{kept}) but {where}; {todo}")
-    raise UsageError(msg)
+    raise UsageError(f"--max-tokens {max_tokens} needs at least {human_bytes(need(max_tokens))} ({sizes}: weights, "
+                     f"inputs, captured outputs, activations of the largest{kept}) but {where}; {todo}")

@@ -59,8 +59,7 @@ def _device(raw: str | None) -> str:
     if raw is None:
         return "cuda" if torch.cuda.is_available() else "cpu"
     if not re.fullmatch(r"cpu|cuda(:\d+)?", device := raw.strip().lower(), flags=re.ASCII):  # any case, as every flag
-        msg = f"--device {shown(raw)} is not supported; use cpu, cuda or cuda:N"
-        raise UsageError(msg)
+        raise UsageError(f"--device {shown(raw)} is not supported; use cpu, cuda or cuda:N")
     if device.startswith("cuda"):
         if not torch.cuda.is_available():
             msg = f"--device {device} but CUDA is not available to torch {torch.__version__}; use --device cpu"
@@ -77,20 +76,17 @@ def _names(flag: str, raw: str, choices: Iterable[str]) -> list[str]:
     choices = list(choices)
     hint = f"give a comma-separated list of: {', '.join(choices)}"
     if not raw.strip():
-        msg = f"{flag} is empty; {hint}"
-        raise UsageError(msg)
+        raise UsageError(f"{flag} is empty; {hint}")
     entries = [n.strip() for n in raw.split(",")]
     if "" in entries:
-        msg = f"{flag} {shown(raw)} has an empty entry; {hint}"
-        raise UsageError(msg)
+        raise UsageError(f"{flag} {shown(raw)} has an empty entry; {hint}")
     words = {c.lower(): c for c in reversed(choices)}  # two names differing in case: the first listed
     names = [n if n in choices else words.get(n.lower(), n) for n in entries]  # as spelled in choices; else as given
     if twice := sorted({n for n in names if names.count(n) > 1}):
         msg = f"{flag} {shown(raw)} lists {shown(', '.join(twice), quote=False)} more than once; give each once"
         raise UsageError(msg)
     if bad := sorted(set(names) - set(choices)):
-        msg = f"unknown {flag.removeprefix('--')} {shown(bad)}; {hint}"
-        raise UsageError(msg)
+        raise UsageError(f"unknown {flag.removeprefix('--')} {shown(bad)}; {hint}")
     return names
 
 
@@ -106,17 +102,15 @@ def _check_heads(args: argparse.Namespace, hidden: int, heads: int, kv_heads: in
     """Head counts that the model (ours, or transformers' LlamaConfig) accepts."""
     if hidden % heads:
         why = "transformers' LlamaConfig requires it, whatever --head-dim" if llama else "head size = hidden / heads"
-        msg = (f"{_flag('--hidden', hidden, args.hidden)} is not a multiple of {_flag('--heads', heads, args.heads)} "
-               f"({why}); use --heads among {_divisors(hidden)}")
-        raise UsageError(msg)
+        raise UsageError(f"{_flag('--hidden', hidden, args.hidden)} is not a multiple of "
+                         f"{_flag('--heads', heads, args.heads)} ({why}); use --heads among {_divisors(hidden)}")
     if not llama and args.head_dim is not None:
         msg = "--head-dim applies to --model llama only (the synthetic decoder's head size is hidden / heads)"
         raise UsageError(msg)
     if heads % kv_heads:
         kv = _flag("--kv-heads", kv_heads, args.kv_heads)
-        msg = (f"{_flag('--heads', heads, args.heads)} is not a multiple of {kv} (grouped-query attention); "
-               f"use --kv-heads among {_divisors(heads)}")
-        raise UsageError(msg)
+        raise UsageError(f"{_flag('--heads', heads, args.heads)} is not a multiple of {kv} (grouped-query attention); "
+                         f"use --kv-heads among {_divisors(heads)}")
 
 
 def _model(args: argparse.Namespace, device: str) -> ModelShape:
@@ -128,14 +122,11 @@ def _model(args: argparse.Namespace, device: str) -> ModelShape:
     _check_heads(args, hidden, heads, kv_heads, llama)
     head_dim = args.head_dim or ((64 if gpu else 16) if llama else hidden // heads)
     if llama and head_dim % 2:
-        msg = (f"--head-dim {head_dim} is odd; transformers' rotary embedding rotates the two halves of each "
-               f"head, so it needs an even head size: use --head-dim {head_dim + 1}")
-        raise UsageError(msg)
-    return ModelShape(
-        hidden=hidden, layers=args.layers or (4 if gpu else 2), heads=heads, kv_heads=kv_heads, head_dim=head_dim,
-        intermediate=args.intermediate or hidden, dtype=DTYPES[args.dtype or ("bfloat16" if gpu else "float32")],
-        device=device,
-    )
+        raise UsageError(f"--head-dim {head_dim} is odd; transformers' rotary embedding rotates the two halves of each "
+                         f"head, so it needs an even head size: use --head-dim {head_dim + 1}")
+    return ModelShape(hidden=hidden, layers=args.layers or (4 if gpu else 2), heads=heads, kv_heads=kv_heads,
+                      head_dim=head_dim, intermediate=args.intermediate or hidden,
+                      dtype=DTYPES[args.dtype or ("bfloat16" if gpu else "float32")], device=device)
 
 
 def _or(names: list[str]) -> str:
@@ -149,10 +140,9 @@ def _variant_rows(backends: list[str], variants: list[str], available: list[str]
     if unrun := [v for v in variants if not any(runs(b, v) for b in ours)]:
         by = [b for b in available if b != GRAPH_TREES and runs(b, unrun[0])]
         what = ", ".join(unrun)
-        msg = (f"--variants {what} {'is' if len(unrun) == 1 else 'are'} run only by --backends {_or(by)}, and "
-               f"--backends {','.join(backends)} has none of them: add {_or(by)} to --backends or drop {what} "
-               "from --variants")
-        raise UsageError(msg)
+        raise UsageError(f"--variants {what} {'is' if len(unrun) == 1 else 'are'} run only by --backends {_or(by)}, "
+                         f"and --backends {','.join(backends)} has none of them: add {_or(by)} to --backends or drop "
+                         f"{what} from --variants")
     skipped = {b: ", ".join(v for v in variants if not runs(b, v)) for b in ours}
     return [f"note: {b} does not run --variants {s} (no compiled callable): no row for it"
             for b, s in skipped.items() if s]
@@ -171,8 +161,7 @@ def build_config(args: argparse.Namespace, available_backends: list[str]) -> Ben
     try:
         env = parse_mode(os.environ.get(ENV_SHARE_OUTPUT), ENV_SHARE_OUTPUT, text=True)
     except ValueError as exc:
-        msg = f"{exc} (or unset it: bench sets sharing per --variants)"
-        raise UsageError(msg) from None
+        raise UsageError(f"{exc} (or unset it: bench sets sharing per --variants)") from None
     if env is not None:
         notes.append(f"note: {ENV_SHARE_OUTPUT} does not apply: bench sets sharing per --variants "
                      f"({','.join(variants)})")
@@ -180,9 +169,8 @@ def build_config(args: argparse.Namespace, available_backends: list[str]) -> Ben
     workload = WORKLOADS[args.model](model)  # llama without transformers: a UsageError naming the extra
     max_tokens = args.max_tokens or (16384 if gpu else (64 if args.model == "llama" else 256))
     if max_tokens < MIN_CAPTURE_SIZE:
-        msg = (f"--max-tokens {max_tokens} is below {MIN_CAPTURE_SIZE}, the smallest prefill capture size; "
-               f"use --max-tokens {MIN_CAPTURE_SIZE} or more")
-        raise UsageError(msg)
+        raise UsageError(f"--max-tokens {max_tokens} is below {MIN_CAPTURE_SIZE}, the smallest prefill capture size; "
+                         f"use --max-tokens {MIN_CAPTURE_SIZE} or more")
     if max_tokens > MAX_TOKENS_LIMIT:
         msg = (f"--max-tokens {shown(max_tokens)} is beyond any machine's memory (at most {MAX_TOKENS_LIMIT} is "
                "accepted); SGLang captures prefill up to 16384 tokens by default: use --max-tokens 16384 or less")
@@ -192,8 +180,6 @@ def build_config(args: argparse.Namespace, available_backends: list[str]) -> Ben
                      f"sizes; the largest below it, {largest}, is captured")
     check_fits(model, max_tokens, variants, backends=backends, workload=args.model)
     out = None if args.out is None else check_out_dir(args.out)
-    return BenchConfig(
-        device=device, device_name=torch.cuda.get_device_name(device) if gpu else "cpu", backends=backends,
-        variants=variants, workload=workload, sizes=prefill_capture_sizes(max_tokens),
-        repeats=args.repeats or (50 if gpu else 10), out=out, progress=not args.no_progress, notes=notes,
-    )
+    return BenchConfig(device=device, device_name=torch.cuda.get_device_name(device) if gpu else "cpu",
+                       backends=backends, variants=variants, workload=workload, sizes=prefill_capture_sizes(max_tokens),
+                       repeats=args.repeats or (50 if gpu else 10), out=out, progress=not args.no_progress, notes=notes)

@@ -14,9 +14,8 @@ from ..breaks import graph_break
 
 
 @torch.library.custom_op("sglang_bcg_bench::attention", mutates_args=("out",))
-def attention_op(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, num_heads: int, num_kv_heads: int
-) -> None:
+def attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, num_heads: int,
+                 num_kv_heads: int) -> None:
     """Causal prefill attention over ``q.shape[0]`` tokens into ``out`` (the splitting op and break body)."""
     tokens, head_dim = q.shape[0], q.shape[1] // num_heads
     # (1, heads, tokens, head_dim): the fused kernels want 4-D inputs.
@@ -37,9 +36,8 @@ def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, num_
 
 
 @graph_break(reads=("q", "k", "v"), writes=("out",))
-def attention_break(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, num_heads: int, num_kv_heads: int
-) -> None:
+def attention_break(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, num_heads: int,
+                    num_kv_heads: int) -> None:
     """The breakable backend's break point: the same attention, run eagerly between segments."""
     attention_op(q, k, v, out, num_heads, num_kv_heads)
 
@@ -58,26 +56,21 @@ class DecoderConfig:
 
     def __post_init__(self) -> None:
         if self.head_dim is None and self.hidden % self.heads:
-            msg = f"hidden {self.hidden} is not a multiple of heads {self.heads}"
-            raise ValueError(msg)
+            raise ValueError(f"hidden {self.hidden} is not a multiple of heads {self.heads}")
         if self.heads % self.kv_heads:
-            msg = f"heads {self.heads} is not a multiple of kv_heads {self.kv_heads}"
-            raise ValueError(msg)
+            raise ValueError(f"heads {self.heads} is not a multiple of kv_heads {self.kv_heads}")
 
 
 class SyntheticDecoder(torch.nn.Module):
     """``layers`` x (RMSNorm -> qkv -> attention -> o_proj -> residual -> RMSNorm -> MLP); with
     ``world`` > 1, rank ``rank``'s tensor-parallel shard, ``reduce`` the all-reduce."""
 
-    def __init__(
-        self, cfg: DecoderConfig, attention: Callable[..., None] = attention_break,
-        *, rank: int = 0, world: int = 1, reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
-    ) -> None:
+    def __init__(self, cfg: DecoderConfig, attention: Callable[..., None] = attention_break, *, rank: int = 0,
+                 world: int = 1, reduce: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
         super().__init__()
         for what, n in (("heads", cfg.heads), ("kv_heads", cfg.kv_heads), ("intermediate", cfg.intermediate)):
             if n % world:
-                msg = f"{what} {n} does not split over {world} ranks"
-                raise ValueError(msg)
+                raise ValueError(f"{what} {n} does not split over {world} ranks")
         self.cfg, self.attention, self.reduce = cfg, attention, reduce or (lambda x: x)
         head_dim = cfg.head_dim or cfg.hidden // cfg.heads
         self.heads, self.kv_heads = cfg.heads // world, cfg.kv_heads // world

@@ -30,14 +30,12 @@ def check_out_dir(raw: str) -> Path:
     """Create ``--out`` (parents too) and prove it can take the pair, before the bench.
     :raises UsageError: it cannot (the message says why)."""
     if not raw:
-        msg = "--out is empty; give a directory for bench.json and bench.png (--out . for the current one)"
-        raise UsageError(msg)
+        raise UsageError("--out is empty; give a directory for bench.json and bench.png (--out . for the current one)")
     out = Path(raw)
     try:
         if out.exists() and not out.is_dir():
-            msg = (f"--out {shown(raw)} is an existing file; give a directory "
-                   "(bench.json and bench.png are written into it)")
-            raise UsageError(msg)
+            raise UsageError(f"--out {shown(raw)} is an existing file; give a directory (bench.json and bench.png are "
+                             "written into it)")
         out.mkdir(parents=True, exist_ok=True)
         probe = out / f".bench.probe.{os.getpid()}"  # a file can be created and removed there
         os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
@@ -50,15 +48,13 @@ def check_out_dir(raw: str) -> Path:
                 continue  # absent, or a dangling link: the rename replaces it
             if not stat.S_ISREG(mode):
                 kind = "a directory" if stat.S_ISDIR(mode) else "not a regular file (a FIFO, socket or device)"
-                msg = f"--out {shown(raw)}: {name} is {kind}; remove it or give another --out"
-                raise UsageError(msg)
+                raise UsageError(f"--out {shown(raw)}: {name} is {kind}; remove it or give another --out")
     except OSError as exc:
         msg = f"--out {shown(raw)} is not a writable directory ({exc.strerror or exc}); give one you can write to"
         raise UsageError(msg) from None
     if free is not None and free < MIN_FREE_BYTES:
-        msg = (f"--out {shown(raw)} has {human_bytes(free)} free; bench.json and bench.png need up to "
-               f"{human_bytes(MIN_FREE_BYTES)}: free some space or give another --out")
-        raise UsageError(msg)
+        raise UsageError(f"--out {shown(raw)} has {human_bytes(free)} free; bench.json and bench.png need up to "
+                         f"{human_bytes(MIN_FREE_BYTES)}: free some space or give another --out")
     return out
 
 
@@ -125,9 +121,8 @@ def hold(out: Path) -> Iterator[None]:
             with contextlib.suppress(OSError):
                 left.unlink()
     except OSError as exc:
-        msg = (f"--out {shown(str(out))}: cannot use its lock file {LOCK} ({exc.strerror or exc}); "
-               "remove it if no bench runs there, or give another --out")
-        raise UsageError(msg) from None
+        raise UsageError(f"--out {shown(str(out))}: cannot use its lock file {LOCK} ({exc.strerror or exc}); remove it "
+                         "if no bench runs there, or give another --out") from None
     try:
         yield
     finally:

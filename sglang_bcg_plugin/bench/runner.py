@@ -88,7 +88,6 @@ VARIANTS = {name: _variant(name, *about) for name, about in {
                                      f"{_RELEASED}, Inductor, {_EXPANDABLE}", "#7f6084"),
 }.items()}
 
-
 #: What a variant's word needs a CUDA graph pool for (the eager engine has none).
 _POOL_WORDS = {"packed": "pool_reserve='auto' starts a CUDA graph pool as one block",
                "expandable": "pool_segments='expandable' grows a CUDA graph pool",
@@ -246,8 +245,7 @@ def max_abs_error(out: Any, ref: Any) -> float:
     """Largest absolute difference over every tensor leaf of two output trees."""
     (_, a), (_, b) = flatten(out), flatten(ref)
     if len(a) != len(b):
-        msg = f"replay returned {len(a)} tensors, the eager forward {len(b)}"
-        raise RuntimeError(msg)
+        raise RuntimeError(f"replay returned {len(a)} tensors, the eager forward {len(b)}")
     return max((float((x.float() - y.float()).abs().max()) for (_, x), (_, y) in zip(a, b, strict=True) if x.numel()),
                default=0.0)
 
@@ -355,15 +353,14 @@ def run_variant(backend_name: str, variant: str, workload: Workload, sizes: list
                            repeats)
     backend.cleanup()  # the graphs, pools and buffers go; the next variant measures from here
     ran_as, why = (None if device.startswith("cuda") else eager_stand_in(variant)) or (None, None)  # engine: device
-    row = BenchRow(
-        backend=backend_name, variant=variant, output_mode=v.options["output_mode"], num_sizes=len(sizes),
-        max_tokens=max(sizes),
-        resident_output_bytes=report.resident_output_bytes, logical_output_bytes=report.logical_output_bytes,
-        graph_memory_bytes=graph_bytes, capture_s=elapsed - ((compile_s or 0.0) - forecast_compile),
-        fallbacks=len(report.fallbacks), bridge_bytes=report.total_bridge_bytes, model=workload.name,
-        per_size=per_size_rows(report, per_key_compile if compile_s is not None else None), compile_s=compile_s,
-        ran_as=ran_as, ran_as_reason=why, **replayed, **_forecast_fields(predicted, graph_bytes, forecast_compile),
-    )
+    row = BenchRow(backend=backend_name, variant=variant, output_mode=v.options["output_mode"], num_sizes=len(sizes),
+                   max_tokens=max(sizes), resident_output_bytes=report.resident_output_bytes,
+                   logical_output_bytes=report.logical_output_bytes, graph_memory_bytes=graph_bytes,
+                   capture_s=elapsed - ((compile_s or 0.0) - forecast_compile), fallbacks=len(report.fallbacks),
+                   bridge_bytes=report.total_bridge_bytes, model=workload.name,
+                   per_size=per_size_rows(report, per_key_compile if compile_s is not None else None),
+                   compile_s=compile_s, ran_as=ran_as, ran_as_reason=why, **replayed,
+                   **_forecast_fields(predicted, graph_bytes, forecast_compile))
     log.info("%s", row)
     return row
 
@@ -426,11 +423,10 @@ def graph_trees_row(workload: Workload, sizes: list[int], *, repeats: int, num_w
     if gpu:
         torch._inductor.cudagraph_trees.reset_cudagraph_trees()
     _free_bytes(device)
-    return BenchRow(
-        backend=GRAPH_TREES, variant=REFERENCE_VARIANT, output_mode="off", num_sizes=len(sizes),
-        max_tokens=max(sizes), resident_output_bytes=0, logical_output_bytes=logical[0], graph_memory_bytes=graph_bytes,
-        capture_s=elapsed - compile_s, fallbacks=0, model=workload.name, compile_s=compile_s, **replayed,
-    )
+    return BenchRow(backend=GRAPH_TREES, variant=REFERENCE_VARIANT, output_mode="off", num_sizes=len(sizes),
+                    max_tokens=max(sizes), resident_output_bytes=0, logical_output_bytes=logical[0],
+                    graph_memory_bytes=graph_bytes, capture_s=elapsed - compile_s, fallbacks=0, model=workload.name,
+                    compile_s=compile_s, **replayed)
 
 
 def warm_up(workload: Workload, backends: list[str], sizes: list[int] | None = None) -> BenchRow | None:

@@ -84,9 +84,8 @@ def _transformers() -> Any:
     try:
         import transformers
     except ImportError as exc:  # pragma: no cover - transformers is in the test extra
-        msg = (f"--model llama needs transformers ({exc}); install it with "
-               "`pip install transformers` (from a checkout: `pip install -e '.[llama]'`)")
-        raise UsageError(msg) from None
+        raise UsageError(f"--model llama needs transformers ({exc}); install it with `pip install transformers` (from "
+                         "a checkout: `pip install -e '.[llama]'`)") from None
     return transformers
 
 
@@ -97,10 +96,8 @@ def _sdpa() -> Callable[..., Any]:
 
 
 @graph_break(reads=("query", "key", "value"))
-def break_attention(
-    module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: Any,
-    **kwargs: Any,
-) -> tuple[torch.Tensor, None]:
+def break_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                    attention_mask: Any, **kwargs: Any) -> tuple[torch.Tensor, None]:
     """transformers' SDPA attention as an eager break point of the Breakable backend."""
     return _sdpa()(module, query, key, value, attention_mask, **kwargs)
 
@@ -121,10 +118,8 @@ def _(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: floa
     return query.new_empty(query.shape[0], query.shape[2], query.shape[1], value.shape[3])
 
 
-def split_attention(
-    module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: Any,
-    **kwargs: Any,
-) -> tuple[torch.Tensor, None]:
+def split_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                    attention_mask: Any, **kwargs: Any) -> tuple[torch.Tensor, None]:
     """Attention through the splitting op (``attention_mask`` is ``None`` under our name)."""
     scaling: float = kwargs.get("scaling") or module.scaling  # type: ignore[assignment]
     return split_attention_op(query, key, value, float(scaling)), None
@@ -150,10 +145,9 @@ def llama_config(shape: ModelShape, max_tokens: int, vocab: int) -> Any:
         )
     except Exception as exc:  # noqa: BLE001 - ValueError, TypeError, huggingface_hub's StrictDataclassError (5.x)
         cause = exc.__cause__ if isinstance(exc.__cause__, ValueError) else exc
-        msg = (f"transformers' LlamaConfig rejects --hidden {shape.hidden} --heads {shape.heads} --kv-heads "
-               f"{shape.kv_heads} --head-dim {shape.head_dim} --intermediate {shape.intermediate} "
-               f"({' '.join(str(cause).split())}); change them")
-        raise UsageError(msg) from None
+        raise UsageError(f"transformers' LlamaConfig rejects --hidden {shape.hidden} --heads {shape.heads} --kv-heads "
+                         f"{shape.kv_heads} --head-dim {shape.head_dim} --intermediate {shape.intermediate} "
+                         f"({' '.join(str(cause).split())}); change them") from None
 
 
 class LlamaWorkload(Workload):

@@ -64,8 +64,7 @@ def _flatten_return(fn: Callable[..., Any], result: Any,
     try:
         return flatten(result, path=f"{name}(...)" if path is None else path)
     except TypeError as exc:
-        msg = f"@graph_break function {name} returned a value replay cannot track: {exc}"
-        raise TypeError(msg) from None
+        raise TypeError(f"@graph_break function {name} returned a value replay cannot track: {exc}") from None
 
 
 class _Step(Rerun):
@@ -95,8 +94,7 @@ class _Step(Rerun):
             msg = f"{self.what} returned {len(now)} numbers or strings on replay, captured {len(self.plain)}"
             raise RuntimeError(msg)
         if len(new) != len(self.outs):
-            msg = f"{self.what} returned {len(new)} tensors on replay, captured {len(self.outs)}"
-            raise RuntimeError(msg)
+            raise RuntimeError(f"{self.what} returned {len(new)} tensors on replay, captured {len(self.outs)}")
         for view, (path, t) in zip(self.outs, new, strict=True):
             refresh(view, t, f"{self.what} at {path}")
 

@@ -25,8 +25,7 @@ class FullGraph:
 
     def replay(self) -> Any:
         if self._graph is None:
-            msg = "graph was released; capture it again"
-            raise RuntimeError(msg)
+            raise RuntimeError("graph was released; capture it again")
         self._graph.replay()
         return self.output
 
@@ -136,9 +135,8 @@ class SegmentCudaEngine(CudaGraphEngine):
 
     def capture(self, request: CaptureRequest) -> FullGraph | SegmentedGraph:
         if request.num_warmups < self.front.min_cuda_warmups:  # compiling inside a capture fails
-            msg = (f"this backend on CUDA needs num_warmups >= {self.front.min_cuda_warmups} (got "
-                   f"{request.num_warmups}) so torch.compile runs before the capture of {request.key!r}")
-            raise ValueError(msg)
+            raise ValueError(f"this backend on CUDA needs num_warmups >= {self.front.min_cuda_warmups} (got "
+                             f"{request.num_warmups}) so torch.compile runs before the capture of {request.key!r}")
         return super().capture(request)
 
     def _record(self, request: CaptureRequest, pool: Any) -> SegmentedGraph:

@@ -33,15 +33,13 @@ class EagerGraph:
 
     def replay(self) -> Any:
         if self._forward_fn is None:
-            msg = f"graph of {self.key!r} was released; capture it again"
-            raise RuntimeError(msg)
+            raise RuntimeError(f"graph of {self.key!r} was released; capture it again")
         with torch.inference_mode(self._inference), torch.no_grad():
             spec, leaves = flatten(self._forward_fn())
             found = diff(self._spec, spec)
             if found is not None:
-                msg = (f"forward of {self.key!r} returned another structure at replay than at capture "
-                       f"({found[0]}: {found[1]}); a CUDA graph would replay the captured one")
-                raise RuntimeError(msg)
+                raise RuntimeError(f"forward of {self.key!r} returned another structure at replay than at capture "
+                                   f"({found[0]}: {found[1]}); a CUDA graph would replay the captured one")
             for static, (path, new) in zip(self._static, leaves, strict=True):
                 refresh(static, new, f"forward of {self.key!r} at {path}")
         return self.output

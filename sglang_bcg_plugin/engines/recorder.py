@@ -15,7 +15,6 @@ from torch.utils._pytree import tree_leaves
 from ..errors import HostReadError, user_frame
 from ..output.trees import storage_key
 
-
 Action = Callable[[], None]
 
 
@@ -47,8 +46,7 @@ def refresh(static: torch.Tensor, value: torch.Tensor, what: str) -> None:
     """Write a replayed ``value`` into the captured ``static`` storage (no-op when it is that storage).
     :raises RuntimeError: the shape changed since capture, or a broadcast cannot hold ``value``."""
     if static.shape != value.shape:
-        msg = f"{what} returned shape {tuple(value.shape)} on replay, captured {tuple(static.shape)}"
-        raise RuntimeError(msg)
+        raise RuntimeError(f"{what} returned shape {tuple(value.shape)} on replay, captured {tuple(static.shape)}")
     if static is not value and (static.data_ptr(), static.stride()) != (value.data_ptr(), value.stride()):
         try:
             static.copy_(value)
@@ -59,9 +57,8 @@ def refresh(static: torch.Tensor, value: torch.Tensor, what: str) -> None:
 
 
 def copy_broadcast(static: torch.Tensor, value: torch.Tensor, what: str) -> bool:
-    """Write ``value`` into a captured ``static`` that broadcasts (stride 0, size > 1: a graph replay
-    rewrites only index 0 of each such dim, so only that is written); ``False`` when ``static`` does
-    not broadcast (nothing written).
+    """Write ``value`` into a captured ``static`` that broadcasts (stride 0, size > 1: a graph replay rewrites only
+    index 0 of each such dim, so only that is written); ``False`` when ``static`` does not broadcast (nothing written).
 
     :raises RuntimeError: ``value`` differs along a dim where ``static`` broadcasts."""
     dims = [d for d, (size, stride) in enumerate(zip(static.shape, static.stride(), strict=True))
@@ -72,16 +69,13 @@ def copy_broadcast(static: torch.Tensor, value: torch.Tensor, what: str) -> bool
     static[first].copy_(value[first])
     if all(value.stride(d) == 0 for d in dims):
         return True  # the same broadcast: nothing else to hold
-    if static.is_floating_point() or static.is_complex():
-        same = torch.allclose(static, value, rtol=0.0, atol=0.0, equal_nan=True)
-    else:
-        same = torch.equal(static, value)
+    same = (torch.allclose(static, value, rtol=0.0, atol=0.0, equal_nan=True)
+            if static.is_floating_point() or static.is_complex() else torch.equal(static, value))
     if not same:
         dim = next(d for d in dims if value.stride(d) != 0)
-        msg = (f"{what} returned values that vary along dim {dim} on replay, where the captured output broadcasts "
-               f"one value (stride 0, shape {tuple(static.shape)}); a CUDA graph replays the broadcast it captured: "
-               "return the same broadcast (.expand) at every call, or .contiguous()")
-        raise RuntimeError(msg)
+        raise RuntimeError(f"{what} returned values that vary along dim {dim} on replay, where the captured output "
+                           f"broadcasts one value (stride 0, shape {tuple(static.shape)}); a CUDA graph replays the "
+                           "broadcast it captured: return the same broadcast (.expand) at every call, or .contiguous()")
     return True
 
 
@@ -141,8 +135,7 @@ class SegmentedGraph:
 
     def replay(self) -> Any:
         if self._segments is None:
-            msg = f"graph of {self.key!r} was released; capture it again"
-            raise RuntimeError(msg)
+            raise RuntimeError(f"graph of {self.key!r} was released; capture it again")
         steps = self._steps
         with self._mode():
             for i, run in enumerate(self._runners):

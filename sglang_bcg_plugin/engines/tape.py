@@ -205,9 +205,7 @@ class EagerSegments:
     def watched(self) -> contextlib.AbstractContextManager[None]:
         """Refuse host reads in the body, recording nothing (work replayed another way, a compiled
         piece: a CUDA graph would hold it); nothing to watch outside an open segment."""
-        if self._current is None:
-            return contextlib.nullcontext()
-        return _Tape(None, self._refuse).watch()
+        return contextlib.nullcontext() if self._current is None else _Tape(None, self._refuse).watch()
 
     @contextlib.contextmanager
     def paused(self) -> Iterator[None]:

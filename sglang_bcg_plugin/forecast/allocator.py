@@ -129,8 +129,7 @@ class PoolModel:
             block = by_addr[pop(value) if kind == FREE else value]
             if block.free:
                 self.allocated_bytes, self.peak_allocated_bytes = allocated, peak
-                msg = f"double free of the block at {block.addr}"
-                raise ValueError(msg)
+                raise ValueError(f"double free of the block at {block.addr}")
             allocated -= block.size
             block.free = True
             for neighbour in (block.prev, block.next):

@@ -39,9 +39,8 @@ DRIVER_COEFFICIENTS = DriverCoefficients(69 * MIB, 106 * KIB, 2560, "NVIDIA H200
 
 @dataclass(frozen=True, slots=True)
 class DriverShare:
-    """The driver's share of one schedule's capture (its fields:
-    docs/forecast.md#the-drivers-share-how-it-is-modelled); ``paid_bytes``, where measured, stands for
-    ``launch_bytes`` and the first capture."""
+    """The driver's share of one schedule's capture (its fields: docs/forecast.md#the-drivers-share-how-it-is-modelled);
+    ``paid_bytes``, where measured, stands for ``launch_bytes`` and the first capture."""
 
     graphs: int
     nodes: int
@@ -102,8 +101,7 @@ class ProbeCount:
 
 def schedule_share(probes: Sequence[ProbeCount], sizes: Sequence[int], *, on_copy_nodes_per_size: int = 0,
                    first_capture: bool = True, coefficients: DriverCoefficients = DRIVER_COEFFICIENTS) -> DriverShare:
-    """The :class:`DriverShare` of capturing ``sizes``: each size's graphs and nodes on the line
-    through the probes'."""
+    """The :class:`DriverShare` of capturing ``sizes``: each size's graphs and nodes on the line through the probes'."""
     counted = all(p.nodes is not None for p in probes)
     captured = len(sizes)
     if not any(p.graphs for p in probes):  # no graph seen: nothing per graph, per size or per copy node
@@ -113,6 +111,14 @@ def schedule_share(probes: Sequence[ProbeCount], sizes: Sequence[int], *, on_cop
     nodes = sum(_at(ordered, n, lambda p: p.nodes or 0) for n in sizes) if counted else 0
     return DriverShare(graphs, nodes, on_copy_nodes_per_size * len(sizes), first_capture, counted, coefficients,
                        sizes=captured)
+
+
+def probe_driver_share(counts: Sequence[ProbeCount], lost: int, schedule: Sequence[int], output_tensors: int
+                       ) -> DriverShare:
+    """The driver's share of ``schedule`` (:func:`schedule_share`), with the first-capture
+    cost where the probes lost at least half of it beyond the allocator (``lost``)."""
+    first = lost >= DRIVER_COEFFICIENTS.first_capture_bytes // 2
+    return schedule_share(counts, schedule, on_copy_nodes_per_size=output_tensors, first_capture=first)
 
 
 def _at(ordered: Sequence[ProbeCount], size: int, value: Any) -> int:

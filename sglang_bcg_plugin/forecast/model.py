@@ -47,10 +47,9 @@ class ModeForecast:
 def simulate(trace: ScaledTrace, sizes: Iterable[int], *, keep_outputs: str, outputs: frozenset[int],
              reserve_bytes: int = 0, expandable: bool = False, ascending: bool = False,
              order: int | None = None) -> PoolModel:
-    """Capture every size (largest first) into one modelled pool starting with a free block of
-    ``reserve_bytes``; the ``outputs`` allocs are freed after each capture unless ``keep_outputs``
-    is ``"all"`` or ``"first"`` (the largest kept); ``ascending``, ``order``: the segments' address
-    order (:class:`PoolModel`)."""
+    """Capture every size (largest first) into one modelled pool starting with a free block of ``reserve_bytes``; the
+    ``outputs`` allocs are freed after each capture unless ``keep_outputs`` is ``"all"`` or ``"first"`` (the largest
+    kept); ``ascending``, ``order``: the segments' address order (:class:`PoolModel`)."""
     pool = PoolModel(expandable=expandable, ascending=ascending, order_seed=order)
     if reserve_bytes:
         pool.reserve(reserve_bytes)
@@ -69,9 +68,8 @@ ADDRESS_ORDERS = 32
 
 def address_spread(trace: ScaledTrace, sizes: Iterable[int], *, outputs: frozenset[int],
                    reserve_bytes: int = 0) -> tuple[int, int, int]:
-    """The ``released`` pool (starting with a free block of ``reserve_bytes``) in the model's order,
-    and the lowest and highest over that order, the reverse and, where those two differ,
-    :data:`ADDRESS_ORDERS` seeded ones."""
+    """The ``released`` pool (starting with a free block of ``reserve_bytes``) in the model's order, and the lowest and
+    highest over that order, the reverse and, where those two differ, :data:`ADDRESS_ORDERS` seeded ones."""
     sizes = list(sizes)
 
     def pool(**order: Any) -> int:
@@ -142,16 +140,14 @@ def schedule_forecast(trace: ScaledTrace, sizes: Iterable[int], *, outputs: froz
                       pool_reserve: str | int = "off", configured_mode: str = "released", expandable: bool = False,
                       released_keeps: str = "none", driver: DriverShare | None = None, probe_left_bytes: int = 0,
                       ) -> tuple[dict[str, ModeForecast], dict[str, int], str, int]:
-    """:func:`forecast_modes`, with ``on``'s pool plus buffer per source (``reserve``: the largest
-    output outside the pool; ``adopt``: the largest capture's output kept in the pool as the
-    buffer), the source taken (``"auto"``: the cheaper, ``reserve`` on a tie) and the pool's first
-    block (``pool_reserve``: ``"off"``, bytes, or ``"auto"``: :func:`best_reserve`);
-    ``released_keeps="auto"`` keeps the largest output where the pool is smaller.
+    """:func:`forecast_modes`, with ``on``'s pool plus buffer per source (``reserve``: the largest output outside the
+    pool; ``adopt``: the largest capture's output kept in the pool as the buffer), the source taken (``"auto"``: the
+    cheaper, ``reserve`` on a tie) and the pool's first block (``pool_reserve``: ``"off"``, bytes, or ``"auto"``:
+    :func:`best_reserve`); ``released_keeps="auto"`` keeps the largest output where the pool is smaller.
 
     :raises ValueError: ``released_keeps`` is neither ``"none"`` nor ``"auto"``."""
     if released_keeps not in ("none", "auto"):
-        msg = f"released_keeps must be 'none' or 'auto', got {released_keeps!r}"
-        raise ValueError(msg)
+        raise ValueError(f"released_keeps must be 'none' or 'auto', got {released_keeps!r}")
     sizes = list(sizes)
 
     def pools(reserve_bytes: int) -> tuple[int, int, dict[str, int], str, bool]:

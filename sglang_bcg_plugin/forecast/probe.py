@@ -20,20 +20,18 @@ from ..output.plan import BufferSource, ForecastAdvice
 from ..shape_key import ShapeKey
 from ..output.trees import flatten
 from .allocator import MB, expandable_segments
-from .driver import DRIVER_COEFFICIENTS, DriverShare, ProbeCount, counting_captures, driver_api, schedule_share
+from .driver import DriverShare, ProbeCount, counting_captures, driver_api, probe_driver_share
 from .model import (MODES, ModeForecast, address_caveat, address_spread, count_highest_order, reference_estimates,
                     schedule_forecast)
 from .trace import KeyTrace, ScaledTrace, output_allocs, pinned_slack, pool_trace
 
 
-
 @dataclass(frozen=True)
 class GraphMemoryForecast:
-    """The forecast graph memory of one schedule (largest first), per output mode
-    (:class:`~.model.ModeForecast`); ``mode``: the one the backend's next session resolves to. The
-    other fields are described in docs/forecast.md (``probe_sizes``: the largest, the smallest, then
-    any probed because those two did not pair; ``caveat``: "" where none is known; ``driver``:
-    ``None`` where not modelled)."""
+    """The forecast graph memory of one schedule (largest first), per output mode (:class:`~.model.ModeForecast`);
+    ``mode``: the one the backend's next session resolves to. The other fields are described in docs/forecast.md
+    (``probe_sizes``: the largest, the smallest, then any probed because those two did not pair; ``caveat``: "" where
+    none is known; ``driver``: ``None`` where not modelled)."""
 
     backend: str
     sizes: tuple[int, ...]
@@ -201,8 +199,7 @@ def fit_probes(traces: Sequence[KeyTrace], output_bytes: Sequence[Sequence[int]]
             break
     else:
         tried = ", ".join(str(t.size) for t in traces[2:])
-        msg = f"{fitted}" + (f" (nor at the next sizes up: {tried} tokens)" if tried else "")
-        raise ForecastError(msg)
+        raise ForecastError(f"{fitted}" + (f" (nor at the next sizes up: {tried} tokens)" if tried else ""))
     alone = zip(traces[j + 1:], output_bytes[j + 1:], strict=True)
     return ScaledTrace(fitted.shape, fitted.lines, tuple((t, output_allocs(t, out)) for t, out in alone))
 
@@ -221,11 +218,9 @@ def _checked_sizes(name: str, sizes: Iterable[int]) -> list[int]:
     head = f"{name} backend: forecast() sizes must be ints >= 1 (capture sizes, as ShapeKey.size), got"
     for s in checked:
         if isinstance(s, bool) or not isinstance(s, int):
-            msg = f"{head} {s!r:.200} ({type(s).__name__}) in {checked!r:.200}"
-            raise TypeError(msg)
+            raise TypeError(f"{head} {s!r:.200} ({type(s).__name__}) in {checked!r:.200}")
         if s < 1:
-            msg = f"{head} {s!r} in {checked!r:.200}"
-            raise ValueError(msg)
+            raise ValueError(f"{head} {s!r} in {checked!r:.200}")
     return checked
 
 
@@ -235,15 +230,13 @@ def forecast_schedule(backend: BackendProtocol, sizes: Iterable[int], forward_fo
     start = time.perf_counter()
     schedule = sorted(set(_checked_sizes(backend.name, sizes)), reverse=True)
     if len(schedule) < 2:
-        msg = f"{backend.name} backend: forecast() needs at least two sizes, got {schedule}"
-        raise ForecastError(msg)
+        raise ForecastError(f"{backend.name} backend: forecast() needs at least two sizes, got {schedule}")
     if backend.captured_keys():
         msg = f"{backend.name} backend: forecast() runs before the schedule is captured; cleanup() first"
         raise CaptureStateError(msg)
     if backend.engine_name != "cuda":
-        msg = (f"{backend.name} backend: forecast() needs the CUDA engine (graph pools); this backend "
-               f"captures with the {backend.engine_name} engine")
-        raise ForecastError(msg)
+        raise ForecastError(f"{backend.name} backend: forecast() needs the CUDA engine (graph pools); this backend "
+                            f"captures with the {backend.engine_name} engine")
     options = backend.options
     free_start, reserved_start = device_free_bytes(collect=False), reserved_bytes()  # both after empty_cache
     with gc_safe_capture(collect=False), torch.no_grad():  # the first launches: one eager forward per size
@@ -296,14 +289,6 @@ def finish_modes(modes: dict[str, ModeForecast], fitted: ScaledTrace, sizes: Seq
     caveat = "; ".join(c for c in (EXPANDABLE_CAVEAT if expandable else "", driver_caveat(driver, counted),
                                    address_caveat(spread, remedy)) if c)
     return count_highest_order(modes, spread), references, caveat
-
-
-def probe_driver_share(counts: Sequence[ProbeCount], lost: int, schedule: Sequence[int], output_tensors: int
-                       ) -> DriverShare:
-    """The driver's share of ``schedule`` (:func:`~.driver.schedule_share`), with the first-capture
-    cost where the probes lost at least half of it beyond the allocator (``lost``)."""
-    first = lost >= DRIVER_COEFFICIENTS.first_capture_bytes // 2
-    return schedule_share(counts, schedule, on_copy_nodes_per_size=output_tensors, first_capture=first)
 
 
 def driver_caveat(driver: DriverShare | None, counted: str = "during the probes") -> str:

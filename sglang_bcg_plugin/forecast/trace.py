@@ -97,8 +97,7 @@ class ScaledTrace:
         same sequence, else by :func:`pair_allocs`. :raises ForecastError: the two probe sizes are
         equal, or the allocations cannot be paired."""
         if large.size == small.size:
-            msg = f"forecast: the two probe sizes must differ (both {large.size})"
-            raise ForecastError(msg)
+            raise ForecastError(f"forecast: the two probe sizes must differ (both {large.size})")
         shape = large.shape
         pairs = {i: i for i, (k, _) in enumerate(large.ops) if k == 0} if shape == small.shape else (
             pair_allocs(large, small))
@@ -114,8 +113,7 @@ class ScaledTrace:
         """One trace alone: requests of ``constant_below`` bytes or more scale with the size, smaller
         ones stay constant. :raises ForecastError: ``trace.size`` is not positive."""
         if trace.size <= 0:
-            msg = f"forecast: the probe size must be positive, got {trace.size}"
-            raise ForecastError(msg)
+            raise ForecastError(f"forecast: the probe size must be positive, got {trace.size}")
         lines = tuple((0.0, 0.0) if k == 1 else ((float(v), 0.0) if v < constant_below else (0.0, v / trace.size))
                       for k, v in trace.ops)
         return cls(trace.shape, lines)
@@ -147,10 +145,9 @@ def pair_allocs(large: KeyTrace, small: KeyTrace) -> dict[int, int]:
     head = f"forecast: the forward's allocations at {large.size} and {small.size} tokens differ in sequence"
     kept_l, kept_s = sum(k for *_, k in al), sum(k for *_, k in as_)
     if len(al) != len(as_) or kept_l != kept_s:
-        msg = (f"{head} and cannot be paired: {len(al)} allocations ({kept_l} kept) against {len(as_)} ({kept_s} kept) "
-               f"in {len(large.ops)} vs {len(small.ops)} requests; its memory does not scale as one pattern, so it "
-               "cannot be forecast from two probes")
-        raise ForecastError(msg)
+        raise ForecastError(f"{head} and cannot be paired: {len(al)} allocations ({kept_l} kept) against {len(as_)} "
+                            f"({kept_s} kept) in {len(large.ops)} vs {len(small.ops)} requests; its memory does not "
+                            "scale as one pattern, so it cannot be forecast from two probes")
     (big, lo), (n_big, n_lo) = ((al, as_), (large.size, small.size)) if large.size > small.size else (
         (as_, al), (small.size, large.size))
 

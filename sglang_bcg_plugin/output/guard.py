@@ -30,13 +30,11 @@ class _Handout:
 
 def _message(prev: _Handout, key: Hashable) -> str:
     if prev.released:
-        return (f"stale output: this view was returned by replay({prev.key!r}) in output mode "
-                f"'released' (it lives in free graph-pool memory) and replay({key!r}), another "
-                "graph of the same pool, has since run and may have overwritten it; read or "
-                "clone a released output before any other graph of the pool replays")
-    return (f"stale output: this view was returned by replay({prev.key!r}) and its memory has "
-            f"since been rewritten by replay({key!r}) of the same partition; clone outputs "
-            "you keep across replays")
+        return (f"stale output: this view was returned by replay({prev.key!r}) in output mode 'released' (it lives in "
+                f"free graph-pool memory) and replay({key!r}), another graph of the same pool, has since run and may "
+                "have overwritten it; read or clone a released output before any other graph of the pool replays")
+    return (f"stale output: this view was returned by replay({prev.key!r}) and its memory has since been rewritten by "
+            f"replay({key!r}) of the same partition; clone outputs you keep across replays")
 
 
 class StaleOutputGuard:

@@ -22,7 +22,6 @@ TEXT_WORDS: dict[str, OutputMode] = {**{word: ON if on else OFF for word, on in 
 #: What every "not a mode" error of a textual mode lists (the boolean spellings first).
 ACCEPTED_TEXT = f"{BOOLEAN_TEXT} (sharing on/off) or released"
 
-
 #: The option's name and what it accepts, in every error about ``BackendOptions.output_mode``.
 OPTION = "BackendOptions.output_mode"
 OPTION_ACCEPTS = f"'off', 'on', 'released' or None (follow --enable-bcg-shared-output / {ENV_SHARE_OUTPUT})"
@@ -47,8 +46,7 @@ def parse_mode(value: object, what: str = OPTION, *, text: bool = False) -> Outp
     accepted = OPTION_ACCEPTS if what == OPTION else "'off', 'on' or 'released'"
     if isinstance(value, bool):
         hint = f"{'output_mode=' if what == OPTION else ''}{'on' if value else 'off'!r}"
-        msg = f"{what} must be {accepted}, got {value!r} of type bool (use {hint})"
-        raise TypeError(msg)
+        raise TypeError(f"{what} must be {accepted}, got {value!r} of type bool (use {hint})")
     return parse_word(value, {mode: mode for mode in MODES}, what, kind="an output mode", accepted=accepted)
 
 
@@ -69,8 +67,7 @@ class Resolution:
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
-            msg = f"Resolution.mode must be one of {', '.join(map(repr, MODES))}, got {self.mode!r}"
-            raise ValueError(msg)
+            raise ValueError(f"Resolution.mode must be one of {', '.join(map(repr, MODES))}, got {self.mode!r}")
 
     def describe(self) -> str:
         return f"{self.mode} ({self.source})"

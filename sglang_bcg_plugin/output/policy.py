@@ -1,6 +1,5 @@
-"""The output policy: one buffer per leaf path per stream partition, released outputs
-(docs/index.md#output-sharing). A key goes ``reserve`` (last warmup) → ``place`` (inside the capture)
-→ ``commit``."""
+"""The output policy: one buffer per leaf path per stream partition, released outputs (docs/index.md#output-sharing). A
+key goes ``reserve`` (last warmup) → ``place`` (inside the capture) → ``commit``."""
 
 from __future__ import annotations
 
@@ -20,7 +19,6 @@ from .trees import Leaves, Node, Storages, diff, flatten, storage_key, unflatten
 
 if TYPE_CHECKING:
     from .plan import BufferSource, SessionPlan
-
 
 
 class SharedOutputFallbackWarning(UserWarning):
@@ -59,9 +57,8 @@ def _leaf_misfit(leaf: torch.Tensor, buf: torch.Tensor) -> str | None:
     if leaf.device != buf.device:
         return f"device changed: buffer {buf.device}, output {leaf.device}"
     if buf.is_inference() and not torch.is_inference_mode_enabled():
-        return ("the buffer was made under torch.inference_mode() and this capture runs outside it "
-                "(only inference mode may write an inference tensor); capture every key of a "
-                "partition in one mode")
+        return ("the buffer was made under torch.inference_mode() and this capture runs outside it (only inference "
+                "mode may write an inference tensor); capture every key of a partition in one mode")
     if leaf.numel() > buf.numel():
         return (f"{leaf.nbytes} bytes (shape {tuple(leaf.shape)}) do not fit the buffer's "
                 f"{buf.nbytes} bytes (capture was not largest-first)")
@@ -137,10 +134,9 @@ class OutputPolicy:
             return Placed(output, shared=False, logical_bytes=logical)
         grads = [path for path, leaf in leaves if leaf.requires_grad and torch.is_grad_enabled()]
         if grads:
-            msg = (f"output of {key!r} at leaf {grads[0]} requires grad (the forward ran with "
-                   "autograd on, over parameters that require grad); shared output buffers hold "
-                   "values, not autograd history: capture under torch.no_grad() or "
-                   f"torch.inference_mode() (as SGLang does), or return {grads[0]}.detach()")
+            msg = (f"output of {key!r} at leaf {grads[0]} requires grad (the forward ran with autograd on, over "
+                   "parameters that require grad); shared output buffers hold values, not autograd history: capture "
+                   f"under torch.no_grad() or torch.inference_mode() (as SGLang does), or return {grads[0]}.detach()")
             raise ValueError(msg)
         stream = getattr(key, "stream_idx", None)
         part = self.partitions.get(stream)

@@ -38,8 +38,7 @@ def release_output(output: Any) -> Any:
     """``output`` with every device tensor leaf a non-owning alias (drop ``output`` itself for its
     memory to go back to the pool). :raises RuntimeError: this torch build cannot build aliases."""
     if not released_supported():
-        msg = ("output mode 'released' needs torch._C._construct_storage_from_data_pointer, which "
-               f"this torch build ({torch.__version__}) lacks; use output_mode='on' instead")
-        raise RuntimeError(msg)
+        raise RuntimeError("output mode 'released' needs torch._C._construct_storage_from_data_pointer, which this "
+                           f"torch build ({torch.__version__}) lacks; use output_mode='on' instead")
     spec, leaves = flatten(output)
     return unflatten(spec, [maybe_alias(t) for _, t in leaves])

@@ -12,9 +12,8 @@ from .trees import flatten, storage_key
 
 @dataclass(frozen=True, slots=True)
 class KeyReport:
-    """Accounting for one captured shape key: ``resident_output_bytes`` no earlier key holds, the
-    ``fallback`` reason (else ``None``), warmups plus capture seconds, reserved device memory growth
-    (``None`` on the eager engine)."""
+    """Accounting for one captured shape key: ``resident_output_bytes`` no earlier key holds, the ``fallback`` reason
+    (else ``None``), warmups plus capture seconds, reserved device memory growth (``None`` on the eager engine)."""
 
     key: Hashable
     logical_output_bytes: int
@@ -58,9 +57,7 @@ class MemoryReport:
     def forecast_error(self) -> float | None:
         """(forecast − lost) / lost for the session's mode; ``None`` without both."""
         lost = self.lost_bytes
-        if self.forecast is None or not lost:
-            return None
-        return (self.forecast.bytes_for() - lost) / lost
+        return None if self.forecast is None or not lost else (self.forecast.bytes_for() - lost) / lost
 
     @property
     def allocator_error(self) -> float | None:
@@ -83,14 +80,10 @@ class MemoryReport:
     def from_keys(cls, backend: str, engine: str, keys: list[KeyReport],
                   bridge_bytes: Mapping[int | None, int] | None = None) -> MemoryReport:
         seconds = {k.key: k.capture_seconds for k in keys if k.capture_seconds is not None}
-        return cls(
-            backend, engine, tuple(keys),
-            logical_output_bytes=sum(k.logical_output_bytes for k in keys),
-            resident_output_bytes=sum(k.resident_output_bytes for k in keys),
-            fallbacks=MappingProxyType({k.key: k.fallback for k in keys if k.fallback is not None}),
-            capture_seconds=MappingProxyType(seconds),
-            bridge_bytes=MappingProxyType(dict(bridge_bytes or {})),
-        )
+        return cls(backend, engine, tuple(keys), logical_output_bytes=sum(k.logical_output_bytes for k in keys),
+                   resident_output_bytes=sum(k.resident_output_bytes for k in keys),
+                   fallbacks=MappingProxyType({k.key: k.fallback for k in keys if k.fallback is not None}),
+                   capture_seconds=MappingProxyType(seconds), bridge_bytes=MappingProxyType(dict(bridge_bytes or {})))
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready form (keys rendered with ``repr``)."""

@@ -137,8 +137,7 @@ class CaptureState:
     def open(self, plan: SessionPlan) -> None:
         """:raises CaptureStateError: a session is already open."""
         if self._open is not None:
-            msg = f"{self.name} backend: capture_session() is already open; sessions do not nest"
-            raise CaptureStateError(msg)
+            raise CaptureStateError(f"{self.name} backend: capture_session() is already open; sessions do not nest")
         self.policy.open(plan)
         self._open = self.plan = plan
 
@@ -175,11 +174,9 @@ class CaptureState:
             held = graph
         else:
             held = ForeignGraph(graph, None if placed.released else placed.output, num_segments)
-        self._entries[key] = _Entry(
-            key, held, capture_inputs, placed.shared, placed.fallback, placed.logical_bytes, seconds=seconds,
-            memory_bytes=memory_bytes, released=placed.released,
-            input_ptrs=input_pointers(capture_inputs) if session.check_inputs else None,
-        )
+        self._entries[key] = _Entry(key, held, capture_inputs, placed.shared, placed.fallback, placed.logical_bytes,
+                                    seconds=seconds, memory_bytes=memory_bytes, released=placed.released,
+                                    input_ptrs=input_pointers(capture_inputs) if session.check_inputs else None)
         return placed.output
 
     def hand_out(self, key: Hashable, output: Any, *, pool: Hashable | None = None) -> Any:

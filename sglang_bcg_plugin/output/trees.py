@@ -52,9 +52,8 @@ def flatten(obj: object, path: str = "output") -> tuple[Node, Leaves]:
 
 def _flatten(obj: object, path: str, leaves: Leaves, depth: int) -> Node:
     if depth > MAX_DEPTH:
-        msg = (f"output nested deeper than {MAX_DEPTH} levels at {cut(path)}: outputs are walked "
-               "level by level; return a flatter structure (a list of tensors, not a list inside a list ...)")
-        raise TypeError(msg)
+        raise TypeError(f"output nested deeper than {MAX_DEPTH} levels at {cut(path)}: outputs are walked level by "
+                        "level; return a flatter structure (a list of tensors, not a list inside a list ...)")
     if isinstance(obj, torch.Tensor):
         leaves.append((path, _strided(obj, path)))
         # a Parameter is its values here: a shared buffer or a replay hands them out as a plain tensor
@@ -75,10 +74,9 @@ def _flatten(obj: object, path: str, leaves: Leaves, depth: int) -> Node:
     else:
         inside = tensor_inside(obj, path)
         if inside is not None:
-            msg = (f"unsupported output type {type(obj).__qualname__} at {path}: it holds a tensor "
-                   f"(at {cut(inside)}) that cannot be tracked, so replay would return it stale; "
-                   f"supported: {SUPPORTED_TEXT}; return one of those (a set or an object with tensors in "
-                   "attributes, __slots__ or a list attribute is not)")
+            msg = (f"unsupported output type {type(obj).__qualname__} at {path}: it holds a tensor (at {cut(inside)}) "
+                   f"that cannot be tracked, so replay would return it stale; supported: {SUPPORTED_TEXT}; return one "
+                   "of those (a set or an object with tensors in attributes, __slots__ or a list attribute is not)")
             raise TypeError(msg)
         return Node("value", type(obj), value=obj)
     kids = tuple(_flatten(v, _child(kind, path, k), leaves, depth + 1) for k, v in zip(keys, values, strict=True))
@@ -90,10 +88,9 @@ def _strided(t: torch.Tensor, path: str) -> torch.Tensor:
     """:raises TypeError: ``t`` is not strided (sparse, nested, ...)."""
     if t.layout != torch.strided or t.is_nested:
         kind = "nested" if t.is_nested else str(t.layout).removeprefix("torch.")
-        msg = (f"unsupported output tensor at {path}: layout {kind}; only strided (dense) tensors "
-               "can be captured and shared (sparse and other non-strided layouts are not supported); "
-               "return a dense tensor (.to_dense()) or its parts (indices and values)")
-        raise TypeError(msg)
+        raise TypeError(f"unsupported output tensor at {path}: layout {kind}; only strided (dense) tensors can be "
+                        "captured and shared (sparse and other non-strided layouts are not supported); return a dense "
+                        "tensor (.to_dense()) or its parts (indices and values)")
     return t
 
 
@@ -111,11 +108,10 @@ def _refuse_attributes(obj: object, path: str, walked: str, known: Callable[[str
             continue
         inside = tensor_inside(value, f"{path}.{name}")
         if inside is not None:
-            msg = (f"unsupported output {type(obj).__qualname__} at {path}: its attribute {name!r} is not "
-                   f"{walked} and holds a tensor (at {cut(inside)}) that cannot be tracked, so replay would "
-                   f"return it stale; put the tensor in {walked} or return it beside the object (plain "
-                   f"values on such attributes are fine); supported: {SUPPORTED_TEXT}")
-            raise TypeError(msg)
+            raise TypeError(f"unsupported output {type(obj).__qualname__} at {path}: its attribute {name!r} is not "
+                            f"{walked} and holds a tensor (at {cut(inside)}) that cannot be tracked, so replay would "
+                            f"return it stale; put the tensor in {walked} or return it beside the object (plain values "
+                            f"on such attributes are fine); supported: {SUPPORTED_TEXT}")
 
 
 def unflatten(node: Node, tensors: Iterator[torch.Tensor] | list[torch.Tensor]) -> Any:
@@ -126,10 +122,8 @@ def unflatten(node: Node, tensors: Iterator[torch.Tensor] | list[torch.Tensor]) 
     if node.kind == "value":
         return node.value
     kids = [unflatten(k, it) for k in node.children]
-    if node.kind == "seq":
-        if issubclass(node.type, tuple) and hasattr(node.type, "_fields"):
-            return node.type(*kids)
-        return node.type(kids)
+    if node.kind == "seq":  # a named tuple takes its fields one by one
+        return node.type(*kids) if issubclass(node.type, tuple) and hasattr(node.type, "_fields") else node.type(kids)
     new = copy.copy(node.template)
     if node.kind == "map":
         for k, v in zip(node.keys, kids, strict=True):

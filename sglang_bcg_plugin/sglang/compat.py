@@ -35,6 +35,9 @@ RUNNER_MODULE = "sglang.srt.model_executor.breakable_cuda_graph_runner"
 RUNNER_CLASS = f"{RUNNER_MODULE}.BreakableCudaGraphRunner"
 POOL_MODULE = "sglang.srt.model_executor.runner_utils.pool"
 RUNNER_BASE = "sglang.srt.model_executor.runner.base_cuda_graph_runner.BaseCudaGraphRunner"
+#: The name SGLang's breakable graph under our output policy reports (state, memory report, errors) on either
+#: seam; ``"breakable"`` is the plugin's own ``BreakableBackend``.
+SGLANG_BREAKABLE = "sglang-breakable"
 
 #: The probed features, printed by ``sglang-bcg doctor`` (what each probes and changes: docs/sglang.md,
 #: "What differs between releases").
@@ -226,14 +229,12 @@ def capture_one_args(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any
     """``(capture_inputs, post_warmup_hook)`` from what a runner passed after the key and forward
     (``dummies``: 0.5.14-0.5.16's ``capture_inputs``). :raises TypeError: as Python would."""
     if len(args) > 2:
-        msg = f"capture_one() takes at most 4 arguments after self ({len(args) + 2} given)"
-        raise TypeError(msg)
+        raise TypeError(f"capture_one() takes at most 4 arguments after self ({len(args) + 2} given)")
     given = dict(zip(("capture_inputs", "post_warmup_hook"), args, strict=False))
     for name, value in kwargs.items():
         slot = "capture_inputs" if name == "dummies" else name
         if slot in given or slot not in ("capture_inputs", "post_warmup_hook"):
-            msg = (f"capture_one() got multiple values for argument {slot!r}" if slot in given
-                   else f"capture_one() got an unexpected keyword argument {name!r}")
-            raise TypeError(msg)
+            raise TypeError(f"capture_one() got multiple values for argument {slot!r}" if slot in given
+                            else f"capture_one() got an unexpected keyword argument {name!r}")
         given[slot] = value
     return given.get("capture_inputs"), given.get("post_warmup_hook")

@@ -16,10 +16,9 @@ import torch
 from .._words import parse_bool_env
 from ..accounting import device_free_bytes
 from ..forecast.allocator import MB, expandable_segments
-from ..forecast.driver import DriverShare, ProbeCount, counting_captures
+from ..forecast.driver import DriverShare, ProbeCount, counting_captures, probe_driver_share
 from ..forecast.model import MODES, buffer_bytes, forecast_modes
-from ..forecast.probe import (device_trace, finish_modes, pool_segments, probe_driver_share, record_history,
-                              reserved_bytes)
+from ..forecast.probe import device_trace, finish_modes, pool_segments, record_history, reserved_bytes
 from ..forecast.trace import KeyTrace, ScaledTrace, inside, output_allocs, pool_trace
 from .compat import ENV_FORECAST, ENV_FORECAST_TRACE
 
@@ -57,8 +56,9 @@ def kv_bytes_per_token(cuda_graph_runner: object) -> int | None:
 
 
 def format_forecast(modes: Mapping[str, Any], mode: str, sizes: Sequence[int], kv_per_token: int | None,
-                    driver: DriverShare | None = None, caveat: str = "") -> str:
-    """The log line: the configured mode's forecast, what it frees against the others, its parts, ``caveat``."""
+                    driver: str = "", caveat: str = "") -> str:
+    """The log line: the configured mode's forecast, what it frees against the others, its parts (``driver``:
+    the description of the driver's share), ``caveat``."""
     f = modes[mode]
     deltas = {m: modes[m].total_bytes - f.total_bytes for m in MODES if m != mode}
     parts = [f"against {m} ({modes[m].total_bytes / MB:,.1f} MiB) it {'frees' if d >= 0 else 'costs'} "
@@ -67,7 +67,7 @@ def format_forecast(modes: Mapping[str, Any], mode: str, sizes: Sequence[int], k
     per_token = f"; KV cache {kv_per_token / 1024:,.1f} KiB/token" if kv_per_token else ""
     split = "" if f.total_bytes == f.pool_bytes else (
         f"; of which graph pool {f.pool_bytes / MB:,.1f} MiB, capture stream {f.stream_bytes / MB:,.1f} MiB, "
-        f"CUDA driver {f.driver_bytes / MB:,.1f} MiB" + (f" ({driver.describe()})" if driver is not None else ""))
+        f"CUDA driver {f.driver_bytes / MB:,.1f} MiB" + (f" ({driver})" if driver else ""))
     return (f"sglang_bcg: graph memory forecast for {len(sizes)} sizes up to {sizes[0]}: "
             f"{f.total_bytes / MB:,.1f} MiB with --enable-bcg-shared-output={mode}; " + "; ".join(parts) + per_token
             + split + (f" (caveat: {caveat})" if caveat else ""))
@@ -97,8 +97,8 @@ def outputs_kept(trace: KeyTrace, output_bytes: Sequence[int]) -> tuple[KeyTrace
 
 
 class SessionForecast:
-    """One capture session's forecast: :meth:`first_capture` around the first ``capture_one``,
-    :meth:`close` at its end; ``pool`` returns SGLang's graph pool handle (its session sets it)."""
+    """One capture session's forecast: :meth:`first_capture` around each ``capture_one``, :meth:`key_done` after it,
+    :meth:`close` at the session's end; ``pool`` returns SGLang's graph pool handle (its session sets it)."""
 
     def __init__(self, cuda_graph_runner: object, mode: str, pool: Callable[[], Any],
                  environ: Mapping[str, str] | None = None, buffer_source: str = "reserve",
@@ -119,9 +119,16 @@ class SessionForecast:
         self.baseline = free_at_build if self.free_at_open is not None else None
         self.trace_path = env.get(ENV_FORECAST_TRACE) if self.free_at_open is not None else None
         self.rows: list[dict[str, Any]] = []
+        #: what :meth:`first_capture` recorded of the first capture, for :meth:`key_done` to forecast from
+        self.recorded: tuple[Any, ...] | None = None
 
-    def key_done(self, size: int, graphs: int) -> None:
-        """With ``SGLANG_BCG_FORECAST_TRACE`` set: what the device holds after one size's capture."""
+    def key_done(self, size: int, graphs: int, output_bytes: list[int]) -> None:
+        """After one size's capture (``output_bytes``: its output's storage bytes): after the first, the
+        forecast logged; with ``SGLANG_BCG_FORECAST_TRACE`` set, what the device holds."""
+        if self.recorded is not None:
+            events, segments, count, first = self.recorded
+            self.recorded = None
+            self._forecast(size, events, segments, output_bytes, ProbeCount.of(size, count), first)
         if self.trace_path:
             self.rows.append({"size": size, "graphs": graphs, "free": _read(device_free_bytes, collect=False),
                               "reserved": torch.cuda.memory_reserved(), "pool": self._pool_bytes(),
@@ -135,9 +142,8 @@ class SessionForecast:
         return next((why for holds, why in checks if not holds()), None)
 
     @contextlib.contextmanager
-    def first_capture(self, size: int, output_bytes: list[int]) -> Iterator[None]:
-        """Record the first capture's allocator events (later calls pass through); after it,
-        log the forecast. The caller fills ``output_bytes`` with the output's storage bytes."""
+    def first_capture(self) -> Iterator[None]:
+        """Record the first capture's allocator events (later calls pass through), for :meth:`key_done`."""
         why, self.done = "" if self.done else self.skip_reason(), True
         if why is not None:  # "": a later capture, passed through
             if why:
@@ -153,8 +159,7 @@ class SessionForecast:
         finally:
             if not self.trace_path:  # with a trace asked for, every capture's events (close() stops)
                 record_history(False)
-        self._forecast(size, events, segments, output_bytes, ProbeCount.of(size, count),
-                       self._first_memory(segments))
+        self.recorded = (events, segments, count, self._first_memory(segments))
 
     def _first_memory(self, segments: list[tuple[int, int]]) -> tuple[int, int] | None:
         """What the allocator reserved outside the pool since the session opened, and the free
@@ -195,7 +200,8 @@ class SessionForecast:
         modes, references, caveat = finish_modes(modes, fitted, self.sizes, outputs=outputs, expandable=expandable,
                                                  driver=self.driver, counted="in the first capture")
         self.forecast = {"modes": modes, "references": references}
-        log.info("%s", format_forecast(modes, self.mode, self.sizes, kv_bytes_per_token(self.runner), self.driver,
+        described = "" if self.driver is None else self.driver.describe()
+        log.info("%s", format_forecast(modes, self.mode, self.sizes, kv_bytes_per_token(self.runner), described,
                                        caveat))
 
     def close(self, outside_pool_bytes: int = 0) -> int | None:

@@ -11,7 +11,7 @@ from typing import Any
 from ..output.state import CaptureState
 from ..engines.gcsafe import gc_safe_capture
 from ..shape_key import ShapeKey
-from .compat import RUNNER_MODULE, capture_var, num_segments
+from .compat import RUNNER_MODULE, SGLANG_BREAKABLE, capture_var, num_segments
 from .sglang_session import open_state
 
 #: HookRegistry targets of the two AROUND hooks (SGLang 0.5.13).
@@ -24,7 +24,7 @@ STATE_ATTR = "_bcg_state"
 
 def runner_state(runner: Any) -> CaptureState:
     """The runner's capture state (created on first use)."""
-    return runner.__dict__.setdefault(STATE_ATTR, CaptureState("breakable", "sglang-bcg-runner"))
+    return runner.__dict__.setdefault(STATE_ATTR, CaptureState(SGLANG_BREAKABLE, "sglang-bcg-runner"))
 
 
 def around_capture_all(original_fn: Callable[..., Any], runner: Any, *args: Any, **kwargs: Any) -> Any:
@@ -69,9 +69,8 @@ def around_capture_one(original_fn: Callable[..., Any], runner: Any, num_tokens:
         else:
             runner._run_forward = shadowed
     if len(placed) != 1:
-        msg = (f"BreakableCudaGraphRunner._capture_one({num_tokens}) ran the forward {len(placed)} times "
-               "inside its capture; expected once (the runner seam of SGLang 0.5.13)")
-        raise RuntimeError(msg)
+        raise RuntimeError(f"BreakableCudaGraphRunner._capture_one({num_tokens}) ran the forward {len(placed)} times "
+                           "inside its capture; expected once (the runner seam of SGLang 0.5.13)")
     placed.clear()  # released: the policy holds the last reference to the graph's own output
     output = state.commit(key, graph=graph, num_segments=num_segments(graph), seconds=time.perf_counter() - start)
     return graph, output

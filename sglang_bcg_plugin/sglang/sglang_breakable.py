@@ -1,7 +1,6 @@
 """The backend seam (0.5.14+): our subclass of the release's ``BreakableCudaGraphBackend``, running its own
-``capture_one`` with our output policy, and the resolver hooks that put it, or another registered backend, in
-place of SGLang's own (docs/sglang.md#the-releases-own-capture and
-docs/sglang.md#routing-a-phase-to-another-backend)."""
+``capture_one`` with our output policy, and the resolver hooks that put it, or another registered backend, in place of
+SGLang's own (docs/sglang.md#the-releases-own-capture and docs/sglang.md#routing-a-phase-to-another-backend)."""
 
 from __future__ import annotations
 
@@ -14,18 +13,18 @@ from collections.abc import Callable, Hashable, Iterator
 from typing import Any
 
 from ..accounting import device_free_bytes
-from ..backends.base import CaptureBackend
+from ..backends.base import CaptureBackend, check_key
 from ..output.state import CaptureState, input_storages
 from ..engines.gcsafe import defer_release, gc_safe_capture
+from ..errors import warn_user
 from ..manager import get_plugin_manager
 from ..options import BackendOptions
 from ..output.mode import ON
 from ..registry import build_registry
 from ..output.report import MemoryReport
-from ..shape_key import check_key
 from ..output.trees import flatten
-from .compat import (BACKEND_MODULE, capture_one_args, capture_var, code_names, installed, num_segments,
-                     run_outside_capture, runner_rows)
+from .compat import (BACKEND_MODULE, SGLANG_BREAKABLE, capture_one_args, capture_var, code_names, installed,
+                     num_segments, run_outside_capture, runner_rows)
 from .forecast_log import SessionForecast, measuring_forecast
 from .memory_plan import EAGER, not_applied, tell_once
 from .sglang_session import apply_runner_rows, check_rows, drop_global_pool, open_state, runner_server_args
@@ -73,9 +72,8 @@ class _Forward:
                 self.last_warmup = self.forward_fn()
             return self.last_warmup
         if self.warmups != WARMUPS:
-            msg = (f"SGLang {installed().release}'s capture_one ran {self.warmups} warmups, not {WARMUPS}, "
-                   "before its capture")
-            raise RuntimeError(msg)
+            raise RuntimeError(f"SGLang {installed().release}'s capture_one ran {self.warmups} warmups, not {WARMUPS}, "
+                               "before its capture")
         # the captured call (under debug_eager inside the release's one eager break: run it outside)
         out = run_outside_capture(self.engine, self.forward_fn) if self.backend._debug_eager else self.forward_fn()
         self.output_bytes.extend(t.untyped_storage().nbytes() for _, t in flatten(out)[1])
@@ -107,7 +105,7 @@ class SharingPolicyMixin:
     _pool: Any
     _debug_eager: bool
 
-    name = "breakable"
+    name = SGLANG_BREAKABLE
 
     def __init__(self, cuda_graph_runner: Any, *, enable_memory_saver: bool = False, debug_eager: bool = False) -> None:
         super().__init__(  # type: ignore[call-arg]
@@ -144,11 +142,11 @@ class SharingPolicyMixin:
         """The release's own ``capture_one`` (its arguments under any release's names:
         :func:`.compat.capture_one_args`); the output goes through the core's policy."""
         capture_inputs, post_warmup_hook = capture_one_args(args, kwargs)
+        forward = _Forward(self, shape_key, forward_fn, post_warmup_hook, capture_inputs)
         key, state = check_key(shape_key), self._bcg_state
         state.begin(key)
-        forward = _Forward(self, key, forward_fn, post_warmup_hook, capture_inputs)
         forecast = self._bcg_forecast  # made when the session opened (state.begin checked it is open)
-        with forecast.first_capture(key.size, forward.output_bytes):
+        with forecast.first_capture():
             start = time.perf_counter()
             with gc_safe_capture():
                 super().capture_one(shape_key, forward.forward, capture_inputs, forward.after_warmup)  # type: ignore[misc]
@@ -160,7 +158,7 @@ class SharingPolicyMixin:
             graph = self._graphs[key]
             self._outputs[key] = state.commit(key, graph=graph, num_segments=num_segments(graph),
                                               capture_inputs=capture_inputs, seconds=time.perf_counter() - start)
-        forecast.key_done(key.size, num_segments(graph))
+        forecast.key_done(key.size, num_segments(graph), forward.output_bytes)
 
     # -- the release's output helpers (INTERCEPTED), called by its capture_one: no buffer of SGLang's own --
     _shared_output_buffer = property(lambda self: None, lambda self, value: None)
@@ -193,9 +191,8 @@ def sglang_breakable_backend_class() -> type[Any]:
     :raises RuntimeError: the installed SGLang has no backend seam (0.5.13: :mod:`.runner_seam`)."""
     seam = installed()
     if seam.kind != "backend":
-        msg = (f"{seam.describe()}: there is no BreakableCudaGraphBackend to subclass; "
-               "the plugin hooks this release's breakable graph through its runner instead")
-        raise RuntimeError(msg)
+        raise RuntimeError(f"{seam.describe()}: there is no BreakableCudaGraphBackend to subclass; the plugin hooks "
+                           "this release's breakable graph through its runner instead")
     base = importlib.import_module(BACKEND_MODULE).BreakableCudaGraphBackend
     doc = "SGLang's breakable CUDA graphs with our output-sharing policy."
     return type("SGLangBreakableBackend", (SharingPolicyMixin, base), {"__module__": __name__, "__doc__": doc})
@@ -206,10 +203,25 @@ PREFILL_TARGET = "sglang.srt.model_executor.runner_backend.utils.resolve_prefill
 DECODE_TARGET = "sglang.srt.model_executor.runner_backend.utils.resolve_decode_backend"
 BASE_MODULE = "sglang.srt.model_executor.runner_backend.base_cuda_graph_backend"
 
+#: Whether a select hook's deprecated ``"breakable"`` was warned about (once a process).
+_warned_breakable = False
+
+
+def _warn_breakable(phase: str) -> None:
+    """The one ``DeprecationWarning`` of a process whose ``sglang_bcg_select_backend`` returned ``"breakable"``."""
+    global _warned_breakable
+    if not _warned_breakable:
+        _warned_breakable = True
+        msg = (f"sglang_bcg_select_backend returned 'breakable' for the {phase} phase: it still keeps SGLang's "
+               f"breakable backend under the plugin's output policy, which is now named {SGLANG_BREAKABLE!r} "
+               f"('breakable' is the plugin's own BreakableBackend); return {SGLANG_BREAKABLE!r}, or None, instead")
+        warn_user(msg, DeprecationWarning)
+
 
 def swap_backend(phase: str, backend: Any, cuda_graph_runner: Any) -> Any:
     """Replace SGLang's own breakable backend by the one ``sglang_bcg_select_backend`` picks: ours
-    (``None`` or ``"breakable"``), a registered SGLang backend class, or ours behind the adapter."""
+    (``None`` or ``"sglang-breakable"``; ``"breakable"``, deprecated, too), a registered SGLang backend
+    class, or ours behind the adapter."""
     if type(backend) is not importlib.import_module(BACKEND_MODULE).BreakableCudaGraphBackend:
         return backend  # Full and platform backends: SGLang's choice, unchanged
     adapter = getattr(backend, "_memory_saver_adapter", None)
@@ -220,7 +232,10 @@ def swap_backend(phase: str, backend: Any, cuda_graph_runner: Any) -> Any:
         close()  # SGLang's instance captured nothing; drop its (empty) dedup registries
     pm = get_plugin_manager()
     name = pm.hook.sglang_bcg_select_backend(phase=phase, server_args=runner_server_args(cuda_graph_runner))
-    if name is None or name == "breakable":
+    if name == "breakable":  # the old word for ours: kept for the plugins that return it
+        _warn_breakable(phase)
+        name = SGLANG_BREAKABLE
+    if name in (None, SGLANG_BREAKABLE):
         chosen: Any = sglang_breakable_backend_class()(cuda_graph_runner, **kwargs)
     else:
         factory = build_registry(pm).get(name)
@@ -229,7 +244,7 @@ def swap_backend(phase: str, backend: Any, cuda_graph_runner: Any) -> Any:
         else:
             ours = factory(options=BackendOptions(), plugin_manager=pm)
             chosen = sglang_adapter_class()(ours, cuda_graph_runner)
-    logger.debug("sglang_bcg: %s backend %s (selected %r)", phase, type(chosen).__qualname__, name)
+    logger.debug("sglang_bcg: %s backend %s (selected %r)", phase, type(chosen).__qualname__, name or SGLANG_BREAKABLE)
     return chosen
 
 

@@ -87,8 +87,7 @@ def apply_runner_rows(output: Any, rows: object) -> Any:
     if rows is None:
         return output
     if rows < 0:
-        msg = f"cuda_graph_output_rows() returned {rows}; expected None or an int >= 0"
-        raise ValueError(msg)
+        raise ValueError(f"cuda_graph_output_rows() returned {rows}; expected None or an int >= 0")
     node, leaves = flatten(output)
     padded = max((t.shape[0] for _, t in leaves if t.dim() > 0), default=None)
     if padded is None or rows >= padded:
@@ -99,8 +98,7 @@ def apply_runner_rows(output: Any, rows: object) -> Any:
 def check_rows(name: str, rows: object) -> int | None:
     """``rows``, what the runner's hook ``name`` returned. :raises TypeError: neither ``None`` nor an int."""
     if rows is not None and (isinstance(rows, bool) or not isinstance(rows, int)):
-        msg = f"{name}() returned {rows!r}; expected None or an int >= 0"
-        raise TypeError(msg)
+        raise TypeError(f"{name}() returned {rows!r}; expected None or an int >= 0")
     return rows
 
 

@@ -77,7 +77,7 @@ def test_hooks_put_the_policy_around_the_loop(monkeypatch: pytest.MonkeyPatch, l
     runner = loop(lambda h: (h, None))
     runner._capture_all()  # private: the SGLang method the runner seam hooks
     report = runner_seam.runner_report(runner)
-    assert [k.key.size for k in report.keys] == list(SIZES)
+    assert [k.key.size for k in report.keys] == list(SIZES) and report.backend == "sglang-breakable"
     storages = {out[0].untyped_storage().data_ptr() for out in runner.output_buffers.values()}
     assert len(storages) == {"on": 1, "off": len(SIZES), "released": len(SIZES)}[mode]
     assert (report.resident_output_bytes == 0) is (mode == "released")

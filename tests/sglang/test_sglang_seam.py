@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 from collections.abc import Iterator
 from typing import Any
@@ -58,6 +59,23 @@ def test_breakable_becomes_ours_with_same_arguments(phase: str, select: list[Any
     assert type(backend) is sglang_breakable_backend_class() and backend._debug_eager is True
     assert backend._cuda_graph_runner is runner
     assert select == [(phase, None)]  # the pluggy hook was consulted for this phase
+    assert backend.name == backend.memory_report().backend == "sglang-breakable"  # not the plugin's "breakable"
+
+
+@pytest.mark.parametrize("select", ["sglang-breakable", "breakable"], indirect=True)
+def test_select_keeps_sglangs_class_by_its_name_and_the_old_word_warns_once(
+        select: list[Any], request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    from sglang_bcg_plugin.sglang import sglang_breakable as seam, sglang_breakable_backend_class
+
+    monkeypatch.setattr(seam, "_warned_breakable", False)
+    warns = (pytest.warns(DeprecationWarning, match="return 'sglang-breakable', or None, instead")
+             if request.node.callspec.params["select"] == "breakable" else contextlib.nullcontext())
+    with warns:
+        backend = seam.around_resolve_prefill_backend(lambda r: sglang_bcg(r), FakeRunner())
+    assert type(backend) is sglang_breakable_backend_class()
+    # once a process: the next selection keeps SGLang's class without a warning (warnings are errors here)
+    assert type(seam.around_resolve_decode_backend(lambda r: sglang_bcg(r), FakeRunner())) is type(backend)
+    assert [p for p, _ in select] == ["prefill", "decode"]
 
 
 def test_full_and_other_backends_pass_through(select: list[Any]) -> None:

@@ -1,5 +1,4 @@
-"""Piecewise backend: ``torch.compile`` split at splitting ops, one CUDA graph per piece per key
-(docs/piecewise.md)."""
+"""Piecewise backend: ``torch.compile`` split at splitting ops, one CUDA graph per piece per key (docs/piecewise.md)."""
 
 from __future__ import annotations
 
@@ -24,16 +23,15 @@ from .split import SplitSummary
 class PiecewiseBackend(CaptureBackend):
     """Piecewise CUDA graphs of a ``torch.compile``-d model, split at ``splitting_ops``.
 
-    :param splitting_ops: ops that run eagerly between pieces (``OpOverload``,
-        ``OpOverloadPacket`` or ``torch.library.custom_op`` objects). torch's own ops (aten) split only
-        where the model calls them itself (``torch.ops.aten.mm.default(...)``): dynamo's graph holds
-        the torch functions a model calls; one the graph never calls is a ``PiecewiseCompileError``
-        at the first call.
+    :param splitting_ops: ops that run eagerly between pieces (``OpOverload``, ``OpOverloadPacket`` or
+        ``torch.library.custom_op`` objects). torch's own ops (aten) split only where the model calls them itself
+        (``torch.ops.aten.mm.default(...)``): dynamo's graph holds the torch functions a model calls; one the graph
+        never calls is a ``PiecewiseCompileError`` at the first call.
     :param inductor: compile every piece with Inductor before it is captured (off by default).
     :param inductor_config: Inductor config patches for the pieces (only with ``inductor=True``).
     :raises TypeError: ``inductor`` is not a bool.
-    :raises SplittingOpError: (a ``TypeError`` and a ``ValueError``) ``splitting_ops`` is not a list
-        of ops, or holds a packet without overloads.
+    :raises SplittingOpError: (a ``TypeError`` and a ``ValueError``) ``splitting_ops`` is not a list of ops, or holds a
+        packet without overloads.
     :raises ValueError: ``inductor_config`` without ``inductor=True``."""
 
     name = "piecewise"
@@ -44,11 +42,9 @@ class PiecewiseBackend(CaptureBackend):
         """``base``: :class:`CaptureBackend`'s ``options``, ``plugin_manager``, ``output_mode``."""
         self._splitting_ops = resolve_splitting_ops(splitting_ops)
         if not isinstance(inductor, bool):
-            msg = f"inductor must be a bool, got {inductor!r}"
-            raise TypeError(msg)
+            raise TypeError(f"inductor must be a bool, got {inductor!r}")
         if inductor_config is not None and not inductor:
-            msg = "inductor_config is given but inductor=False; pass inductor=True to compile the pieces"
-            raise ValueError(msg)
+            raise ValueError("inductor_config is given but inductor=False; pass inductor=True to compile the pieces")
         self._inductor = InductorPieces(inductor_config) if inductor else None
         super().__init__(**base)
         self._summaries: list[SplitSummary] = []

@@ -21,9 +21,8 @@ from .split import SplitProgram, SplitSummary, split_graph
 
 
 class PiecewiseCompileError(RuntimeError):
-    """Dynamo could not trace the model as one graph, or with its size dynamic (a call broke what it
-    assumed of the size), or ``splitting_ops`` names torch's own op the graph never calls; dynamo's
-    report is the cause."""
+    """Dynamo could not trace the model as one graph, or with its size dynamic (a call broke what it assumed of the
+    size), or ``splitting_ops`` names torch's own op the graph never calls; dynamo's report is the cause."""
 
 
 #: What torch raises when a call breaks an assumption about the size made while tracing: an assert
@@ -122,20 +121,18 @@ class SizeDims:
 
 
 class PiecewiseCompiled:
-    """``backend.compile(model)``: marks the size dim (``dynamic_dim``) of each tensor argument that
-    follows the capture size dynamic, as ``dynamic`` says, then calls the compiled model.
+    """``backend.compile(model)``: marks the size dim (``dynamic_dim``) of each tensor argument that follows the capture
+    size dynamic, as ``dynamic`` says, then calls the compiled model.
 
     :raises ValueError: unknown ``dynamic``, or ``dynamic_dim`` not an int >= 0.
-    :raises PiecewiseCompileError: (at a call) dynamo could not trace the model as one graph, or not
-        with the size dynamic as ``dynamic`` asks (a data-dependent guard, or a call whose size breaks
-        what tracing assumed of it: a runtime assertion), or ``splitting_ops`` names torch's own op
-        that the graph never calls."""
+    :raises PiecewiseCompileError: (at a call) dynamo could not trace the model as one graph, or not with the size
+        dynamic as ``dynamic`` asks (a data-dependent guard, or a call whose size breaks what tracing assumed of it: a
+        runtime assertion), or ``splitting_ops`` names torch's own op that the graph never calls."""
 
     def __init__(self, model: Callable[..., Any], compiler: PiecewiseCompiler, *, dynamic: DynamicMode = "auto",
                  dynamic_dim: int = 0) -> None:
         if dynamic not in _MODES:
-            msg = f"dynamic must be one of {', '.join(map(repr, _MODES))}, got {dynamic!r}"
-            raise ValueError(msg)
+            raise ValueError(f"dynamic must be one of {', '.join(map(repr, _MODES))}, got {dynamic!r}")
         if isinstance(dynamic_dim, bool) or not isinstance(dynamic_dim, int) or dynamic_dim < 0:
             msg = f"dynamic_dim must be an int >= 0 (the dim that varies with the capture size), got {dynamic_dim!r}"
             raise ValueError(msg)

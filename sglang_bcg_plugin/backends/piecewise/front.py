@@ -65,9 +65,8 @@ class PieceRecorder(Recorder):
     def finish(self, output: Any, finalize: Callable[[Any], Any]) -> Any:
         """The output policy inside the last segment. :raises RuntimeError: no compiled callable ran."""
         if self.graph_calls == 0:
-            msg = (f"forward_fn of {self.key!r} never called a callable compiled by this backend; "
-                   "pass a forward that calls backend.compile(model)(...)")
-            raise RuntimeError(msg)
+            raise RuntimeError(f"forward_fn of {self.key!r} never called a callable compiled by this backend; pass a "
+                               "forward that calls backend.compile(model)(...)")
         node, leaves = flatten(output)  # an input returned is the caller's: the output owns a copy
         owned = [t.clone() if storage_key(t) in self.inputs else t for _, t in leaves]
         return finalize(unflatten(node, owned))

@@ -18,6 +18,7 @@ from ..._constants import ENV_SHARE_OUTPUT
 from ...errors import one_line
 from ...output.mode import OutputMode, parse_mode
 from ..flag import ENV_TEXT
+from ..compat import SGLANG_BREAKABLE
 from ..memory_plan import after_switch_line, forecast_modes, switch_refusal
 from ..sglang_breakable import SharingPolicyMixin
 from ..sglang_session import session_switches
@@ -46,7 +47,7 @@ def recapture_refusal(model_runner: Any, seam_kind: str) -> str | None:
         if device != "cuda":
             return f"no prefill CUDA graphs in this server ({device} engine): nothing to re-capture"
         name = type(backend).__name__ if backend is not None else "none"
-        return (f"the prefill graphs are not the plugin's breakable backend (prefill backend: {name}); "
+        return (f"the prefill graphs are not the plugin's {SGLANG_BREAKABLE} backend (prefill backend: {name}); "
                 "start the server with --cuda-graph-backend-prefill breakable")
     if not callable(getattr(model_runner, "init_prefill_cuda_graph", None)):
         return "this SGLang's ModelRunner has no init_prefill_cuda_graph() to re-capture with"

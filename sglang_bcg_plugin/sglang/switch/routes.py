@@ -19,11 +19,7 @@ from .rpc import RpcClient
 logger = logging.getLogger(__name__)
 
 ROUTE = "/bcg/output_mode"
-
-
 HTTP_TARGET = "sglang.srt.entrypoints.http_server._setup_and_run_http_server"
-
-
 BODY_HELP = 'send {"mode": "off"|"on"|"released"}'
 
 
@@ -122,9 +118,8 @@ def add_routes(app: Any, client: RpcClient, gate: SwitchGate, dp_size: int = 1) 
 
     async def reply(mode: OutputMode | None) -> Any:
         if dp_size > 1:
-            return JSONResponse({"error": f"not supported with --dp-size {dp_size}: "
-                                          "SGLang's RPC reaches one scheduler group"},
-                                status_code=422)
+            return JSONResponse({"error": f"not supported with --dp-size {dp_size}: SGLang's RPC reaches one scheduler "
+                                          "group"}, status_code=422)
         status, body = await asyncio.to_thread(http_answer, client, gate, mode)
         return JSONResponse(body, status_code=status)
 

@@ -15,15 +15,9 @@ from .. import compat
 from .rank import answer_rank
 
 RPC_METHOD = "sglang_bcg_output_mode"
-
-
 RPC_TARGET = "sglang.srt.managers.scheduler.Scheduler.handle_rpc_request"
-
-
 #: How long the HTTP side waits for the schedulers' answer (a re-capture of a large model).
 RPC_TIMEOUT_S = float(os.environ.get("SGLANG_BCG_SWITCH_TIMEOUT", "900"))
-
-
 #: How long a request waits for a scheduler to take it.
 SEND_TIMEOUT_MS = 10_000
 
