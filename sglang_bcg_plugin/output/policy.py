@@ -12,7 +12,7 @@ import torch
 
 from ..errors import CaptureStateError, OutputStructureError, warn_user
 from .guard import GUARD, StaleOutputGuard
-from .mode import ON, RELEASED
+from .mode import OFF, ON, RELEASED
 from .released import release_output
 from .scan import cut
 from .trees import Leaves, Node, Storages, diff, flatten, storage_key, unflatten
@@ -76,11 +76,19 @@ class OutputPolicy:
         self._foreign: dict[Hashable, Storages] = {}
         self._placed: dict[Hashable, Placed] = {}
         self.guard: StaleOutputGuard | None = None
+        #: the last session's mode, partitions and reserved buffers, for a session that resumes it
+        self._kept: tuple[str, dict[int | None, _Partition], dict[int | None, _Partition]] | None = None
 
-    def open(self, plan: SessionPlan) -> None:
-        """A session with ``plan``: fresh partitions; the guard read now serves every replay."""
+    def open(self, plan: SessionPlan, resume: bool = False) -> None:
+        """A session with ``plan``: fresh partitions, or with ``resume`` the last session's where it had the same
+        mode (its later sizes share its buffers; the largest was captured then); the guard read now serves every
+        replay."""
         self.enabled, self.strict, self.source = plan.mode == ON, plan.strict, plan.buffer_source
         self.release, self.keep_first = plan.mode == RELEASED, plan.released_keeps_largest
+        kept, self._kept = self._kept, None
+        if resume and kept is not None and kept[0] == plan.mode:
+            _, self.partitions, self._reserved = kept
+            self.keep_first = False
         if plan.guard and not plan.guard_armed and self.guard is None:
             msg = ("stale_output_guard is on but this torch build cannot poison storages (needs "
                    "torch._C._set_storage_access_error_msg, present in CUDA builds); the guard does nothing")
@@ -88,8 +96,15 @@ class OutputPolicy:
         self.guard = GUARD if plan.guard_armed else None
 
     def close(self) -> None:
-        """The session ended: drop its partitions (the graphs hold their outputs) and pending keys."""
+        """The session ended: its partitions kept only for a session that resumes it (the graphs hold their
+        outputs); pending keys dropped."""
+        mode = ON if self.enabled else RELEASED if self.release else OFF
+        self._kept = (mode, self.partitions, self._reserved)
         self.partitions, self._reserved, self._foreign, self._placed = {}, {}, {}, {}
+
+    def forget(self) -> None:
+        """Drop what a resumed session would have shared (the graphs are gone)."""
+        self._kept = None
 
     def reserve(self, key: Hashable, output: object, capacity_rows: int | None = None,
                 foreign: Storages = frozenset()) -> None:

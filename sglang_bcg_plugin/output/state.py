@@ -134,11 +134,12 @@ class CaptureState:
         self.forecast: Any = None  # forecast.probe.GraphMemoryForecast of the next/last schedule
         self.measured_graph_bytes: int | None = None  # device memory the last session took
 
-    def open(self, plan: SessionPlan) -> None:
-        """:raises CaptureStateError: a session is already open."""
+    def open(self, plan: SessionPlan, resume: bool = False) -> None:
+        """``resume``: the session adds sizes to the last one's (:meth:`OutputPolicy.open`).
+        :raises CaptureStateError: a session is already open."""
         if self._open is not None:
             raise CaptureStateError(f"{self.name} backend: capture_session() is already open; sessions do not nest")
-        self.policy.open(plan)
+        self.policy.open(plan, resume)
         self._open = self.plan = plan
 
     def close(self) -> None:
@@ -219,6 +220,7 @@ class CaptureState:
         for entry in self._entries.values():
             entry.graph.release()
         self._entries.clear()
+        self.policy.forget()
         self.forecast = None
         self.measured_graph_bytes = None
         GUARD.forget(self)

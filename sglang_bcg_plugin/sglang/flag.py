@@ -11,6 +11,7 @@ from .._constants import ENV_SHARE_OUTPUT
 from .._words import parse_bool_env
 from ..output.mode import OFF, ON, RELEASED, OutputMode, parse_mode
 from .compat import ENV_STALE_OUTPUT_GUARD
+from .incremental import incremental_enabled
 from .memory_plan import check_environment
 from .sglang_session import session_switches
 
@@ -61,6 +62,7 @@ def after_from_cli_args(result: Any, cls: type, args: argparse.Namespace, *rest:
         env[ENV_SHARE_OUTPUT] = ENV_TEXT[value]
     try:
         check_environment(env)
+        incremental_enabled(env)
         if (env.get(ENV_SHARE_OUTPUT) or "").strip() or parse_bool_env(ENV_STALE_OUTPUT_GUARD, env):
             session_switches(env)
     except ValueError as exc:

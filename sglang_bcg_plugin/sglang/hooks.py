@@ -8,12 +8,11 @@ import logging
 import multiprocessing
 import sys
 import threading
-from pathlib import Path
 from collections.abc import Callable
 from typing import Any
 
-from .compat import SeamKind, seam_kind
-from . import memory_plan
+from .compat import SeamKind, seam_kind, sglang_source
+from . import incremental, memory_plan
 from .flag import ADD_CLI_ARGS_TARGET, FROM_CLI_ARGS_TARGET, after_add_cli_args, after_from_cli_args
 from .runner_seam import CAPTURE_ALL_TARGET, CAPTURE_ONE_TARGET, around_capture_all, around_capture_one
 from .sglang_breakable import (DECODE_TARGET, PREFILL_TARGET, around_resolve_decode_backend,
@@ -34,6 +33,9 @@ HOOKS: tuple[Hook, ...] = (
     (PREFILL_TARGET, around_resolve_prefill_backend, "AROUND"),
     (DECODE_TARGET, around_resolve_decode_backend, "AROUND"),
     (memory_plan.RESIZE_TARGET, memory_plan.around_post_capture_resize, "AROUND"),
+    (incremental.CAPTURE_TARGET, incremental.around_capture_one_stream, "AROUND"),
+    (incremental.CAN_RUN_TARGET, incremental.around_can_run_graph, "AROUND"),
+    (incremental.STEP_TARGET, incremental.before_next_batch, "AROUND"),
 )
 #: The runner seam's hooks (SGLang 0.5.13), in place of the backend seam's.
 RUNNER_HOOKS: tuple[Hook, ...] = (
@@ -43,11 +45,15 @@ RUNNER_HOOKS: tuple[Hook, ...] = (
 
 #: target -> whether this process registers it: the HTTP hook in the launcher (not a multiprocessing
 #: child, FastAPI installed), the RPC hook in schedulers (they import the scheduler before plugins), the memory
-#: plan's where it is asked (turning SGLang's post-capture KV sizing on) and the release has that sizing.
+#: plan's where it is asked (turning SGLang's post-capture KV sizing on) and the release has that sizing, the
+#: incremental capture's where it is asked and the release's prefill runner has the methods it hooks.
 WHERE: dict[str, Callable[[], bool]] = {
     HTTP_TARGET: lambda: multiprocessing.parent_process() is None and importlib.util.find_spec("fastapi") is not None,
     RPC_TARGET: lambda: "sglang.srt.managers.scheduler" in sys.modules,
     memory_plan.RESIZE_TARGET: lambda: memory_plan.prepare() and has_post_capture_sizing(),
+    incremental.CAPTURE_TARGET: incremental.wanted,
+    incremental.CAN_RUN_TARGET: incremental.wanted,
+    incremental.STEP_TARGET: incremental.wanted,
 }
 
 
@@ -56,12 +62,11 @@ def hooks_for(kind: SeamKind) -> tuple[Hook, ...]:
     return {"backend": HOOKS, "runner": HOOKS[:4] + RUNNER_HOOKS}.get(kind, HOOKS[:2])
 
 
+
 def has_post_capture_sizing() -> bool:
     """Whether the installed SGLang backs its KV pool after capture (0.5.16+), read from its source unimported."""
-    spec = importlib.util.find_spec(memory_plan.RUNTIME_MODULE.rpartition(".")[0])
-    folder = Path(spec.origin).parent if spec is not None and spec.origin else None
-    source = folder / "kv_pool_runtime.py" if folder is not None else None
-    return source is not None and source.is_file() and "def compute_post_capture_kv_resize" in source.read_text()
+    source = sglang_source(memory_plan.RUNTIME_MODULE)
+    return source is not None and "def compute_post_capture_kv_resize" in source.read_text()
 
 
 def wanted(target: str) -> bool:

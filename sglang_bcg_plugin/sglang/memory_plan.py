@@ -248,16 +248,22 @@ def holding_back(model_runner: Any, reserve: int) -> Iterator[None]:
             setattr(runtime, RESERVE_FUNCTION, had)
 
 
-def agreed(reserve: int) -> int:
-    """The largest ``reserve`` over the tensor-parallel ranks (each measures its own; SGLang sizes every rank's
-    pool from the smallest free memory, so all hold back the same); this rank's own without a TP group."""
+def tp_group() -> Any:
+    """SGLang's tensor-parallel group coordinator where there are two ranks or more (``None``: one process)."""
     try:
         with warnings.catch_warnings():  # 0.5.23 deprecates the name; the group is the same
             warnings.simplefilter("ignore", DeprecationWarning)
             group = importlib.import_module("sglang.srt.distributed.parallel_state").get_tp_group()
     except (ImportError, AttributeError, AssertionError, RuntimeError, ValueError):  # no TP group: one process
-        return reserve
-    if getattr(group, "world_size", 1) <= 1:
+        return None
+    return group if getattr(group, "world_size", 1) > 1 else None
+
+
+def agreed(reserve: int) -> int:
+    """The largest ``reserve`` over the tensor-parallel ranks (each measures its own; SGLang sizes every rank's
+    pool from the smallest free memory, so all hold back the same); this rank's own without a TP group."""
+    group = tp_group()
+    if group is None:
         return reserve
     value = torch.tensor([reserve], dtype=torch.int64)
     torch.distributed.all_reduce(value, op=torch.distributed.ReduceOp.MAX, group=group.cpu_group)

@@ -26,6 +26,7 @@ from ..output.trees import flatten
 from .compat import (BACKEND_MODULE, SGLANG_BREAKABLE, capture_one_args, capture_var, code_names, installed,
                      num_segments, run_outside_capture, runner_rows)
 from .forecast_log import SessionForecast, measuring_forecast
+from .incremental import pending_sizes
 from .memory_plan import EAGER, not_applied, tell_once
 from .sglang_session import apply_runner_rows, check_rows, drop_global_pool, open_state, runner_server_args
 
@@ -117,18 +118,25 @@ class SharingPolicyMixin:
 
     @contextlib.contextmanager
     def capture_session(self, stream: Any) -> Iterator[None]:
-        """SGLang's session (pool, dedup, BCG mode) plus a freshly resolved output policy."""
-        plan = open_state(self._bcg_state)
+        """SGLang's session (pool, dedup, BCG mode) plus a freshly resolved output policy; an incremental
+        capture's later sizes (``_bcg_resume``, :mod:`.incremental`) resume the first session's buffers and
+        forecast, which logs its after-capture line once the last size is captured."""
+        resume = bool(self.__dict__.get("_bcg_resume"))
+        plan = open_state(self._bcg_state, resume=resume)
         tell_once(not_applied(getattr(self._cuda_graph_runner, "model_runner", None)))
         try:  # gc: one collection per session, not per key (docs/index.md#gc-safety)
-            self._bcg_forecast = SessionForecast(self._cuda_graph_runner, plan.mode,
-                                                 lambda: getattr(self, "_pool", None),
-                                                 buffer_source=plan.buffer_source,
-                                                 free_at_build=self._bcg_free_at_build)
+            if not resume:
+                self._bcg_forecast = SessionForecast(self._cuda_graph_runner, plan.mode,
+                                                     lambda: getattr(self, "_pool", None),
+                                                     buffer_source=plan.buffer_source,
+                                                     free_at_build=self._bcg_free_at_build)
             with gc_safe_capture(), super().capture_session(stream):  # type: ignore[misc]
                 yield
-            reserved = plan.mode == ON and plan.buffer_source == "reserve"
-            self._bcg_forecast.close(self._bcg_state.report().resident_output_bytes if reserved else 0)
+            if not pending_sizes(self._cuda_graph_runner):
+                if resume:  # the KV pool may have been backed since the first size: no free-memory figure
+                    self._bcg_forecast.free_at_open = self._bcg_forecast.baseline = None
+                reserved = plan.mode == ON and plan.buffer_source == "reserve"
+                self._bcg_forecast.close(self._bcg_state.report().resident_output_bytes if reserved else 0)
         finally:
             self._bcg_state.close()
 

@@ -72,11 +72,12 @@ def session_switches(environ: Mapping[str, str]) -> tuple[Resolution, bool]:
     return resolution, guard
 
 
-def open_state(state: CaptureState) -> SessionPlan:
-    """Open ``state`` with a plan from SGLang's switches, read now. :raises ValueError: one is invalid."""
+def open_state(state: CaptureState, resume: bool = False) -> SessionPlan:
+    """Open ``state`` with a plan from SGLang's switches, read now (``resume``: :meth:`CaptureState.open`).
+    :raises ValueError: one is invalid."""
     resolution, guard = session_switches(os.environ)
     plan = plan_session(resolution, engine=state.engine, shared_buffer=shared_buffer(), guard=guard)
-    state.open(plan)
+    state.open(plan, resume)
     return plan
 
 

@@ -19,6 +19,7 @@ from ...errors import one_line
 from ...output.mode import OutputMode, parse_mode
 from ..flag import ENV_TEXT
 from ..compat import SGLANG_BREAKABLE
+from ..incremental import pending
 from ..memory_plan import after_switch_line, forecast_modes, switch_refusal
 from ..sglang_breakable import SharingPolicyMixin
 from ..sglang_session import session_switches
@@ -78,6 +79,8 @@ def describe_rank(model_runner: Any, environ: MutableMapping[str, str] | None = 
                    logical_output_bytes=int(report.logical_output_bytes),
                    measured_graph_bytes=report.measured_graph_bytes)
         out["pool_bytes"], out["graph_pools_bytes"] = _pool_bytes(getattr(backend, "_pool", None))
+        if (state := pending(getattr(model_runner, "prefill_cuda_graph_runner", None))) is not None:
+            out["incremental"] = state.describe()
     else:  # the mode a capture would take from the variable (unset: the release's default)
         with contextlib.suppress(ValueError):
             out["mode"] = parse_mode(env.get(ENV_SHARE_OUTPUT), ENV_SHARE_OUTPUT, text=True)

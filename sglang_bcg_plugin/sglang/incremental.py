@@ -1,0 +1,192 @@
+"""Incremental capture (``SGLANG_BCG_INCREMENTAL_CAPTURE=1``, docs/sglang.md#incremental-capture): the server
+captures its largest prefill size before it serves and the others between batches, largest first; a batch
+whose size has no graph yet runs eagerly. The decode graphs stay as SGLang captures them.
+
+Three hooks on SGLang's prefill runner and scheduler: the runner's capture pass (``_capture_one_stream``)
+captures only the sizes this module hands it; its ``can_run_graph`` says no for a size not captured yet; the
+scheduler's ``get_next_batch_to_run`` first captures the next size when every TP rank agrees it is time (the
+server idle, or serving since the last capture for at least as long as that capture took)."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import time
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .._words import parse_bool_env
+from ..errors import one_line
+from .compat import sglang_source
+from .memory_plan import tp_group
+
+log = logging.getLogger("sglang_bcg_plugin")
+
+ENV_INCREMENTAL = "SGLANG_BCG_INCREMENTAL_CAPTURE"
+RUNNER_CLASS = "sglang.srt.model_executor.runner.prefill_cuda_graph_runner.PrefillCudaGraphRunner"
+CAPTURE_TARGET = f"{RUNNER_CLASS}._capture_one_stream"
+CAN_RUN_TARGET = f"{RUNNER_CLASS}.can_run_graph"
+STEP_TARGET = "sglang.srt.managers.scheduler.Scheduler.get_next_batch_to_run"
+#: The runner's attribute holding its :class:`Pending`.
+STATE_ATTR = "_bcg_incremental"
+
+
+def incremental_enabled(environ: Mapping[str, str] | None = None) -> bool:
+    """Whether ``SGLANG_BCG_INCREMENTAL_CAPTURE`` asks for it (:raises ValueError: not a boolean)."""
+    return bool(parse_bool_env(ENV_INCREMENTAL, os.environ if environ is None else environ))
+
+
+def asked() -> bool:
+    """:func:`incremental_enabled`, an unreadable value read as no (the flag's check names it at launch)."""
+    with contextlib.suppress(ValueError):
+        return incremental_enabled()
+    return False
+
+
+def has_runner_seam() -> bool:
+    """Whether the installed SGLang's prefill runner has the capture pass and check hooked here (0.5.23's
+    ``PrefillCudaGraphRunner``), read from its source unimported."""
+    source = sglang_source(RUNNER_CLASS.rpartition(".")[0])
+    text = source.read_text() if source is not None else ""
+    return all(f"def {name}(" in text for name in ("_capture_one_stream", "can_run_graph", "capture"))
+
+
+def wanted() -> bool:
+    """Whether this process registers the hooks: asked, and the release's prefill runner has the seam."""
+    return asked() and has_runner_seam()
+
+
+@dataclass
+class Pending:
+    """The sizes of one prefill runner still to capture (largest first) and the pace of their capture."""
+
+    sizes: list[int]
+    total: int
+    started: float = field(default_factory=time.perf_counter)
+    current: int | None = None  #: the size the running step captures
+    last_seconds: float = 0.0  #: how long the last step took
+    last_end: float = 0.0
+    failed: str | None = None  #: why the capture stopped (the rest stay eager)
+
+    def due(self, idle: bool, now: float) -> bool:
+        """Whether this rank wants to capture the next size now."""
+        if not self.sizes or self.failed is not None:
+            return False
+        return idle or now - self.last_end >= self.last_seconds
+
+    def describe(self) -> dict[str, Any]:
+        return {"captured": self.total - len(self.sizes), "sizes": self.total, "pending_sizes": list(self.sizes),
+                "capture_failed": self.failed}
+
+
+def pending(runner: Any) -> Pending | None:
+    """The runner's incremental state (``None``: it captured everything at once)."""
+    return getattr(runner, "__dict__", {}).get(STATE_ATTR)
+
+
+def pending_sizes(runner: Any) -> list[int]:
+    """The sizes the runner has yet to capture (empty: all captured, or not incremental); after a failed
+    step, the sizes left eager."""
+    state = pending(runner)
+    return list(state.sizes) if state is not None else []
+
+
+@contextlib.contextmanager
+def only(runner: Any, sizes: list[int]) -> Iterator[None]:
+    """The runner's capture pass sees ``sizes`` alone (its ``capture_num_tokens``, restored after)."""
+    every = runner.capture_num_tokens
+    runner.capture_num_tokens = sorted(sizes)
+    try:
+        yield
+    finally:
+        runner.capture_num_tokens = every
+
+
+def around_capture_one_stream(original_fn: Callable[..., Any], runner: Any, *args: Any, **kwargs: Any) -> Any:
+    """AROUND hook of the runner's capture pass: at start-up (and after a switch: a new runner) the largest
+    size alone, the others left pending; in a step, the size the step chose."""
+    state = pending(runner)
+    if state is not None and state.current is not None:
+        with only(runner, [state.current]):
+            return original_fn(runner, *args, **kwargs)
+    sizes = sorted(set(runner.capture_num_tokens), reverse=True)
+    if not asked() or len(sizes) < 2:
+        return original_fn(runner, *args, **kwargs)
+    runner.__dict__[STATE_ATTR] = Pending(sizes[1:], total=len(sizes))
+    with only(runner, sizes[:1]):
+        result = original_fn(runner, *args, **kwargs)
+    log.info("sglang_bcg: incremental capture: the largest prefill size (%d tokens) captured; %d more between "
+             "batches, largest first; until then their batches run eagerly", sizes[0], len(sizes) - 1)
+    return result
+
+
+def around_can_run_graph(original_fn: Callable[..., Any], runner: Any, forward_batch: Any, *args: Any,
+                         **kwargs: Any) -> Any:
+    """AROUND hook of the runner's ``can_run_graph``: no for a batch whose bucket is not captured yet."""
+    ok = original_fn(runner, forward_batch, *args, **kwargs)
+    waiting = pending_sizes(runner)
+    if not ok or not waiting:
+        return ok
+    bucket = runner._pad_to_bucket(len(forward_batch.input_ids), runner.capture_num_tokens)
+    return bucket not in waiting
+
+
+def _idle(scheduler: Any) -> bool:
+    running = getattr(scheduler, "running_batch", None)
+    empty = getattr(running, "is_empty", None)
+    return (running is None or (callable(empty) and bool(empty()))) and not getattr(scheduler, "waiting_queue", None)
+
+
+def _all_agree(want: bool) -> bool:
+    """Whether every tensor-parallel rank wants to capture now (one rank: its own answer)."""
+    group = tp_group()
+    if group is None:
+        return want
+    vote = torch.tensor([int(want)], dtype=torch.int64)
+    torch.distributed.all_reduce(vote, op=torch.distributed.ReduceOp.MIN, group=group.cpu_group)
+    return bool(vote.item())
+
+
+def step(scheduler: Any, now: Callable[[], float] = time.perf_counter) -> int | None:
+    """Capture the next pending prefill size of this scheduler's runner when every rank agrees it is due;
+    the size captured (``None``: none)."""
+    runner = getattr(getattr(getattr(scheduler, "tp_worker", None), "model_runner", None),
+                     "prefill_cuda_graph_runner", None)
+    state = pending(runner)
+    if runner is None or state is None or not state.sizes or state.failed is not None:
+        return None
+    if not _all_agree(state.due(_idle(scheduler), now())):
+        return None
+    size, start = state.sizes[0], now()
+    state.current = size
+    backend = getattr(runner, "backend", None)
+    try:
+        if backend is not None:
+            backend._bcg_resume = True
+        runner.capture()
+    except Exception as exc:  # the server keeps serving: the rest of the sizes run eagerly
+        state.failed = f"{type(exc).__name__}: {one_line(exc)}"
+        log.exception("sglang_bcg: incremental capture of prefill size %d failed; %d sizes stay eager",
+                      size, len(state.sizes))
+        return None
+    finally:
+        state.current = None
+        if backend is not None:
+            backend.__dict__.pop("_bcg_resume", None)
+    state.sizes.pop(0)
+    state.last_end = now()
+    state.last_seconds = state.last_end - start
+    if not state.sizes:
+        log.info("sglang_bcg: incremental capture: all %d prefill sizes captured, %.1f s after the first",
+                 state.total, state.last_end - state.started)
+    return size
+
+
+def before_next_batch(original_fn: Callable[..., Any], scheduler: Any, *args: Any, **kwargs: Any) -> Any:
+    """AROUND hook of ``Scheduler.get_next_batch_to_run``: one incremental capture step first."""
+    step(scheduler)
+    return original_fn(scheduler, *args, **kwargs)
