@@ -159,9 +159,10 @@ def step(scheduler: Any, now: Callable[[], float] = time.perf_counter) -> int | 
     state = pending(runner)
     if runner is None or state is None or not state.sizes or state.failed is not None:
         return None
-    if not _all_agree(state.due(_idle(scheduler), now())):
+    start = now()
+    if not _all_agree(state.due(_idle(scheduler), start)):
         return None
-    size, start = state.sizes[0], now()
+    size = state.sizes[0]
     state.current = size
     backend = getattr(runner, "backend", None)
     try:

@@ -1,0 +1,207 @@
+"""Incremental capture (sglang_bcg_plugin/sglang/incremental.py) on the installed release's own breakable
+backend (our subclass, the CPU graph stand-in of ``cpu_bcg``), in every output mode.
+
+Stood in: SGLang's ``PrefillCudaGraphRunner`` (it needs a real ModelRunner): :class:`PrefillRunner` has the
+three members the hooks use, in SGLang's shape (``capture()`` opens the backend's session and runs
+``_capture_one_stream``, which captures ``capture_num_tokens`` largest first; ``can_run_graph`` says yes up
+to the largest size; ``_pad_to_bucket`` is SGLang's own); the test checks those members exist on the real
+class with these signatures. The scheduler is stood in by what ``step`` reads (``tp_worker.model_runner``,
+``running_batch``, ``waiting_queue``). Checked: start-up captures the largest size alone; a batch whose
+bucket is not captured yet runs eagerly; each step captures the next size, largest first, sharing the first
+session's buffer under ``on``; every replay equals an eager forward after the inputs changed; the pace
+under load; TP ranks capture only when all agree; a failed step leaves the rest eager and the server up."""
+
+from __future__ import annotations
+
+import inspect
+from types import SimpleNamespace as NS
+from typing import Any
+
+import pytest
+import torch
+
+from seam_drivers import close, storages
+from sglang_bcg_plugin.output import released as rel
+from sglang_bcg_plugin.sglang import incremental as inc
+
+pytestmark = [pytest.mark.sglang, pytest.mark.usefixtures("cpu_bcg")]
+
+HIDDEN = 8
+SIZES = [4, 8, 16, 32]  # SGLang's capture_num_tokens order: ascending
+ENV = "SGLANG_ENABLE_BCG_SHARED_OUTPUT"
+
+
+def real_runner_class() -> Any:
+    import importlib
+
+    return getattr(importlib.import_module(inc.RUNNER_CLASS.rpartition(".")[0]), inc.RUNNER_CLASS.rpartition(".")[2])
+
+
+class PrefillRunner:
+    """SGLang's prefill runner as the hooks see it (stand-in: module doc)."""
+
+    def __init__(self, model: Model, monkeypatch: pytest.MonkeyPatch) -> None:
+        from cpu_graph_standin import FakeRunner
+        from sglang_bcg_plugin.sglang import sglang_breakable_backend_class
+
+        self.model, self.capture_num_tokens, self.stream = model, list(SIZES), None
+        self.backend = sglang_breakable_backend_class()(FakeRunner())
+        self._pad_to_bucket = real_runner_class()._pad_to_bucket  # SGLang's own (a staticmethod)
+        self.fail_on: int | None = None
+
+    def capture(self) -> None:  # SGLang: model_context, warmup, graph_capture, backend.capture_session
+        with self.backend.capture_session(self.stream):
+            inc.around_capture_one_stream(type(self)._capture_one_stream, self)
+
+    def _capture_one_stream(self) -> None:
+        from sglang.srt.model_executor.runner.shape_key import ShapeKey
+
+        for n in reversed(self.capture_num_tokens):
+            if n == self.fail_on:
+                raise RuntimeError(f"CUDA out of memory capturing {n}")
+            self.backend.capture_one(ShapeKey(size=n), self.model.forward_for(n))
+
+    def can_run_graph(self, forward_batch: Any) -> bool:
+        return inc.around_can_run_graph(lambda r, fb: len(fb.input_ids) <= max(r.capture_num_tokens), self,
+                                        forward_batch)
+
+    def replay(self, n: int) -> Any:
+        from sglang.srt.model_executor.runner.shape_key import ShapeKey
+
+        with self.backend.replay_session():
+            return self.backend.replay(ShapeKey(size=n), None)
+
+
+class Model:
+    def __init__(self) -> None:
+        from conftest import eager_break
+
+        self.w = torch.randn(HIDDEN, HIDDEN, generator=torch.Generator().manual_seed(0))
+        self.inputs: dict[int, torch.Tensor] = {}
+        self.attention = eager_break(lambda h: torch.tanh(h))
+
+    def forward_for(self, n: int) -> Any:
+        x = self.inputs.setdefault(n, torch.randn(n, HIDDEN))
+        return lambda: (self.attention(x @ self.w) * 2, None)
+
+    def expected(self, n: int) -> Any:
+        return (torch.tanh(self.inputs[n] @ self.w) * 2, None)
+
+    def refill(self) -> None:
+        for x in self.inputs.values():
+            x.copy_(torch.randn_like(x))
+
+
+def scheduler(runner: PrefillRunner, busy: bool = False) -> Any:
+    running = NS(is_empty=lambda: not busy)
+    return NS(tp_worker=NS(model_runner=NS(prefill_cuda_graph_runner=runner)), running_batch=running,
+              waiting_queue=[])
+
+
+def batch(tokens: int) -> Any:
+    return NS(input_ids=torch.zeros(tokens, dtype=torch.int64))
+
+
+@pytest.fixture(autouse=True)
+def _env(monkeypatch: pytest.MonkeyPatch) -> None:
+    for var in (ENV, "SGLANG_BCG_SHARED_BUFFER", "SGLANG_BCG_STALE_OUTPUT_GUARD", "SGLANG_ENABLE_GRAPH_POOL_BORROW"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv(inc.ENV_INCREMENTAL, "1")
+    monkeypatch.setattr(rel, "ALIAS_DEVICE_TYPES", frozenset({"cpu"}))  # the stand-in keeps segment storage
+
+
+def test_the_stand_in_has_the_real_runner_s_members() -> None:
+    real = real_runner_class()
+    assert list(inspect.signature(real._capture_one_stream).parameters) == ["self"]
+    assert list(inspect.signature(real.capture).parameters) == ["self"]
+    assert list(inspect.signature(real.can_run_graph).parameters)[:2] == ["self", "forward_batch"]
+    assert real._pad_to_bucket(5, SIZES) == 8 and inc.has_runner_seam()
+
+
+@pytest.mark.parametrize("mode", ["on", "off", "released"])
+def test_sizes_captured_between_batches_largest_first(monkeypatch: pytest.MonkeyPatch, mode: str) -> None:
+    monkeypatch.setenv(ENV, mode)
+    model = Model()
+    runner = PrefillRunner(model, monkeypatch)
+    runner.capture()  # start-up
+    assert sorted(k.size for k in runner.backend._graphs) == [32] and inc.pending_sizes(runner) == [16, 8, 4]
+    assert runner.capture_num_tokens == SIZES  # the runner's own list is left whole
+    assert runner.can_run_graph(batch(20)) and runner.can_run_graph(batch(32))  # bucket 32: captured
+    assert not runner.can_run_graph(batch(5)) and not runner.can_run_graph(batch(16))  # pending: eager
+    assert not runner.can_run_graph(batch(33))  # SGLang's own answer stands
+    captured = [inc.step(scheduler(runner)) for _ in range(4)]
+    assert captured == [16, 8, 4, None] and inc.pending_sizes(runner) == []
+    assert all(runner.can_run_graph(batch(n)) for n in (1, 5, 16, 32))
+    model.refill()
+    for n in SIZES:
+        close(runner.replay(n), model.expected(n))
+    outs = list(runner.backend._outputs.values())
+    report = runner.backend.memory_report()
+    assert runner.backend.last_output_mode.mode == mode and len(report.keys) == 4
+    if mode == "on":  # the later sessions copied into the first session's buffer
+        assert len(storages(outs)) == 1 and all(k.shared for k in report.keys)
+    elif mode == "off":
+        assert len(storages(outs)) == 4
+    else:
+        assert report.resident_output_bytes == 0
+    assert inc.pending(runner).describe() == {"captured": 4, "sizes": 4, "pending_sizes": [], "capture_failed": None}
+
+
+def test_under_load_a_step_waits_as_long_as_the_last_capture_took(monkeypatch: pytest.MonkeyPatch) -> None:
+    runner = PrefillRunner(Model(), monkeypatch)
+    runner.capture()
+    clock = iter([10.0, 12.0,  # the first step: 2 s
+                  13.0,  # 1 s of serving since: not due
+                  14.0, 14.5,  # 2 s since: due; it took 0.5 s
+                  14.6]).__next__  # 0.1 s since: not due
+    busy = scheduler(runner, busy=True)
+    assert inc.step(busy, clock) == 16  # the first step after start-up is due at once
+    assert inc.step(busy, clock) is None
+    assert inc.step(busy, clock) == 8
+    assert inc.step(busy, clock) is None
+    assert inc.step(scheduler(runner), lambda: 14.7) == 4  # idle: at once
+
+
+def test_tp_ranks_capture_only_together(monkeypatch: pytest.MonkeyPatch) -> None:
+    runner = PrefillRunner(Model(), monkeypatch)
+    runner.capture()
+    votes = []
+
+    def all_reduce(tensor: torch.Tensor, op: Any, group: Any) -> None:
+        votes.append(int(tensor.item()))
+        tensor.fill_(min(int(tensor.item()), other[0]))
+
+    other = [0]
+    monkeypatch.setattr(inc, "tp_group", lambda: NS(cpu_group="gloo"))
+    monkeypatch.setattr(torch.distributed, "all_reduce", all_reduce)
+    assert inc.step(scheduler(runner)) is None and votes == [1]  # this rank wants, the other not yet
+    other[0] = 1
+    assert inc.step(scheduler(runner)) == 16
+
+
+def test_a_failed_step_leaves_the_rest_eager(monkeypatch: pytest.MonkeyPatch, caplog: Any) -> None:
+    model = Model()
+    runner = PrefillRunner(model, monkeypatch)
+    runner.capture()
+    runner.fail_on = 8
+    assert inc.step(scheduler(runner)) == 16
+    assert inc.step(scheduler(runner)) is None
+    state = inc.pending(runner)
+    assert state.failed == "RuntimeError: CUDA out of memory capturing 8" and inc.pending_sizes(runner) == [8, 4]
+    assert "incremental capture of prefill size 8 failed; 2 sizes stay eager" in caplog.text
+    assert not runner.can_run_graph(batch(5)) and runner.can_run_graph(batch(12))
+    assert inc.step(scheduler(runner)) is None  # no retry
+    model.refill()
+    close(runner.replay(16), model.expected(16))
+
+
+def test_off_without_the_variable(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(inc.ENV_INCREMENTAL)
+    runner = PrefillRunner(Model(), monkeypatch)
+    runner.capture()
+    assert sorted(k.size for k in runner.backend._graphs) == SIZES and inc.pending(runner) is None
+    assert inc.step(scheduler(runner)) is None and runner.can_run_graph(batch(5))
+    monkeypatch.setenv(inc.ENV_INCREMENTAL, "sometimes")  # unreadable: off here (the launch check names it)
+    assert not inc.asked()
+    with pytest.raises(ValueError, match=inc.ENV_INCREMENTAL):
+        inc.incremental_enabled()
