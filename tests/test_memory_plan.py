@@ -194,8 +194,34 @@ def test_tensor_parallel_ranks_hold_back_the_largest(monkeypatch) -> None:
 
     fake = type("PS", (), {"get_tp_group": staticmethod(lambda: type("G", (), {"world_size": 2,
                                                                                 "cpu_group": "gloo-group"})())})
-    real_import = mp.importlib.import_module
-    monkeypatch.setattr(mp.importlib, "import_module",
+    from sglang_bcg_plugin.sglang import compat
+
+    real_import = compat.importlib.import_module
+    monkeypatch.setattr(compat.importlib, "import_module",
                         lambda name: fake if name.endswith("parallel_state") else real_import(name))
     monkeypatch.setattr(torch.distributed, "all_reduce", all_reduce)
     assert mp.agreed(5) == 7 and mp.agreed(9) == 9
+
+
+def test_graphs_still_to_capture_are_held_back() -> None:
+    p = plan(pending_graphs=2 * GiB)
+    assert p.reserve == p.eager + 2 * GiB + GiB and p.kv_bytes == 60 * GiB - p.reserve
+    assert p.planned_peak == p.total - p.margin
+    assert "+ prefill graphs still to capture 2.00 GiB (forecast) + margin 1.00 GiB" in p.line()
+    assert "still to capture" not in plan().line()
+
+
+def test_pending_graph_bytes_from_the_forecast() -> None:
+    from types import SimpleNamespace as NS
+
+    from sglang_bcg_plugin.sglang import incremental as inc
+
+    forecast = NS(mode="on", forecast={"modes": {"on": NS(total_bytes=3 * GiB)}}, held_at_start=0,
+                  _pool_bytes=lambda: GiB)
+    runner = NS(backend=NS(_bcg_forecast=forecast))
+    assert mp.pending_graph_bytes(runner) == 0  # not incremental
+    runner.__dict__[inc.STATE_ATTR] = inc.Pending([16, 8], total=3)
+    assert mp.pending_graph_bytes(runner) == 2 * GiB  # the schedule's forecast less the pool so far
+    forecast.mode = "off"
+    assert mp.pending_graph_bytes(runner) == 0  # no forecast of that mode
+    assert mp.pending_graph_bytes(None) == 0

@@ -8,6 +8,7 @@ import importlib.util
 import inspect
 import sys
 import types
+import warnings
 from collections.abc import Callable
 from contextvars import ContextVar
 from dataclasses import dataclass
@@ -238,3 +239,14 @@ def capture_one_args(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any
                             else f"capture_one() got an unexpected keyword argument {name!r}")
         given[slot] = value
     return given.get("capture_inputs"), given.get("post_warmup_hook")
+
+
+def tp_group() -> Any:
+    """SGLang's tensor-parallel group coordinator where there are two ranks or more (``None``: one process)."""
+    try:
+        with warnings.catch_warnings():  # 0.5.23 deprecates the name; the group is the same
+            warnings.simplefilter("ignore", DeprecationWarning)
+            group = importlib.import_module("sglang.srt.distributed.parallel_state").get_tp_group()
+    except (ImportError, AttributeError, AssertionError, RuntimeError, ValueError):  # no TP group: one process
+        return None
+    return group if getattr(group, "world_size", 1) > 1 else None

@@ -29,6 +29,8 @@ from .compat import (BACKEND_CLASS, BACKEND_MODULE, ENV_FORECAST, RUNNER_CLASS, 
                      installed, seam_kind, sglang_source)
 from .forecast_log import forecast_enabled
 from .hooks import has_post_capture_sizing
+from .incremental import (CAN_RUN_TARGET, CAPTURE_TARGET, ENV_INCREMENTAL, STEP_TARGET, has_runner_seam,
+                          incremental_enabled)
 from .memory_plan import ENV_PLAN, RESIZE_TARGET, check_environment, plan_enabled
 from .hooks import hooks_for
 from .sglang_breakable import BASE_MODULE, unknown_capture_helpers
@@ -36,6 +38,8 @@ from .sglang_session import resolve_mode
 from .switch.routes import HTTP_TARGET, ROUTE
 from .switch.rpc import RPC_TARGET
 
+#: The hooks of opt-in features: not checked as targets (each feature's line says whether it applies).
+OPT_IN_TARGETS = frozenset({RESIZE_TARGET, CAPTURE_TARGET, CAN_RUN_TARGET, STEP_TARGET})
 #: The SGLang releases this integration was checked against.
 SUPPORTED_SGLANG = tuple(f"0.5.{n}" for n in range(13, 24))
 ENTRY_POINT_GROUP = "sglang.srt.plugins"
@@ -316,6 +320,22 @@ def plan_line(kind: str | None, environ: Mapping[str, str] | None = None) -> str
             "N tokens ...' what was taken; MLA models and --enable-memory-saver keep SGLang's own sizing")
 
 
+def incremental_line(kind: str | None, environ: Mapping[str, str] | None = None) -> str:
+    """Whether the incremental capture is asked and can run on this release (docs/sglang.md#incremental-capture)."""
+    env = os.environ if environ is None else environ
+    try:
+        enabled = incremental_enabled(env)
+    except ValueError as exc:
+        return f"invalid ({exc})"
+    if not enabled:
+        return (f"off ({ENV_INCREMENTAL}={env.get(ENV_INCREMENTAL, '')!r}); {ENV_INCREMENTAL}=1 captures the largest "
+                "prefill size before serving and the others between batches (docs/sglang.md#incremental-capture)")
+    if kind != "backend" or not has_runner_seam():
+        return "asked, but this release's prefill runner has not the capture pass it hooks (0.5.23 has): not applied"
+    return ("on: 'sglang_bcg: incremental capture: ...' in the log at start-up and when every size is captured; "
+            "GET /bcg/output_mode shows each rank's progress ('incremental')")
+
+
 def doctor_main(argv: list[str] | None = None, *, out: TextIO | None = None) -> int:
     """Run the checks, print a report and return the exit code (the module's doc lists them)."""
     argparse.ArgumentParser(prog="sglang-bcg doctor", description=__doc__.splitlines()[0]).parse_args(argv)
@@ -330,8 +350,8 @@ def doctor_main(argv: list[str] | None = None, *, out: TextIO | None = None) -> 
     kind = seam_kind()
     say("hook targets:")
     for target, _, hook_kind in hooks_for(kind):
-        if target == RESIZE_TARGET and not has_post_capture_sizing():
-            continue  # the memory plan's: registered only on releases that back the KV pool after capture
+        if target in OPT_IN_TARGETS:
+            continue  # registered only where asked and where the release has them: their own lines below
         if target not in SWITCH_MODULES:  # read from source below: the HTTP server's module needs FastAPI
             _report(say, problems, f"{hook_kind:<6} {target}", _diagnose(target))
     say("seam names:")
@@ -350,6 +370,7 @@ def doctor_main(argv: list[str] | None = None, *, out: TextIO | None = None) -> 
     say(f"--enable-bcg-shared-output (resolved now): {flag}")
     say(f"graph memory forecast: {forecast_line(kind)}")
     say(f"memory plan: {plan_line(kind)}")
+    say(f"incremental capture: {incremental_line(kind)}")
     say(f"live switch: {switch_doctor_line(kind)}")
     lines, code = _summary(problems, ep is not None)  # a broken plugin leaves the seam and the exit code as they are
     say("\n".join([backend_problem, *lines] if backend_problem is not None else lines))

@@ -21,8 +21,7 @@ import torch
 
 from .._words import parse_bool_env
 from ..errors import one_line
-from .compat import sglang_source
-from .memory_plan import tp_group
+from .compat import sglang_source, tp_group
 
 log = logging.getLogger("sglang_bcg_plugin")
 

@@ -14,7 +14,6 @@ import contextlib
 import importlib
 import logging
 import os
-import warnings
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -22,6 +21,8 @@ from typing import Any
 import torch
 
 from .._words import parse_bool_env
+from .compat import tp_group
+from .incremental import pending_sizes
 
 log = logging.getLogger("sglang_bcg_plugin")
 
@@ -110,6 +111,7 @@ class MemoryPlan:
     margin: int
     kv_bytes_per_token: int
     guess: int  #: what SGLang would have held back instead
+    pending_graphs: int = 0  #: the prefill graphs an incremental capture has yet to take (forecast)
 
     @property
     def eager(self) -> int:
@@ -119,8 +121,8 @@ class MemoryPlan:
 
     @property
     def reserve(self) -> int:
-        """What the KV pool leaves free: the eager working set and the margin."""
-        return self.eager + self.margin
+        """What the KV pool leaves free: the eager working set, the graphs still to capture and the margin."""
+        return self.eager + self.pending_graphs + self.margin
 
     @property
     def kv_bytes(self) -> int:
@@ -133,7 +135,7 @@ class MemoryPlan:
     @property
     def planned_peak(self) -> int:
         """What the server is planned to use at its peak: everything but the margin."""
-        return self.total - self.free + self.kv_bytes + self.eager
+        return self.total - self.free + self.kv_bytes + self.eager + self.pending_graphs
 
     def line(self) -> str:
         taken = self.total - self.free
@@ -142,8 +144,9 @@ class MemoryPlan:
         kv = f"KV {g(self.kv_bytes)}" + (f" = {self.kv_tokens} tokens" if self.kv_bytes_per_token else "")
         return (f"sglang_bcg: memory plan: card {g(self.total)} = {weights} (captured, measured) + eager "
                 f"{g(self.eager)} (forward at {self.forward_tokens} tokens {g(self.forward)}, logprobs over "
-                f"{self.logprob_tokens} tokens {g(self.logprobs)}, sampler {g(self.sampler)}) + margin "
-                f"{g(self.margin)} + {kv}; {self.against_sglang()}")
+                f"{self.logprob_tokens} tokens {g(self.logprobs)}, sampler {g(self.sampler)}) + "
+                + (f"prefill graphs still to capture {g(self.pending_graphs)} (forecast) + " if self.pending_graphs
+                   else "") + f"margin {g(self.margin)} + {kv}; {self.against_sglang()}")
 
     def against_sglang(self) -> str:
         """The plan's headroom against SGLang's, and what that does to the KV pool."""
@@ -211,6 +214,20 @@ def kv_bytes_per_token(model_runner: Any) -> int:
     return total
 
 
+def pending_graph_bytes(runner: Any) -> int:
+    """What the prefill graphs an incremental capture has yet to capture will take: the forecast of the whole
+    schedule less what its pool took so far (0: nothing pending, or no forecast)."""
+    if not pending_sizes(runner):
+        return 0
+    forecast = getattr(getattr(runner, "backend", None), "_bcg_forecast", None)
+    backend = getattr(runner, "backend", None)
+    modes, mode = forecast_modes(backend), getattr(forecast, "mode", None)
+    if mode is None or mode not in modes:
+        return 0
+    taken = forecast._pool_bytes() - forecast.held_at_start  # type: ignore[union-attr]
+    return max(0, int(modes[mode].total_bytes) - taken)
+
+
 def make_plan(model_runner: Any, environ: Mapping[str, str] | None = None) -> MemoryPlan:
     """The plan for ``model_runner`` now (after capture, before the pool is backed). CUDA only."""
     server_args = getattr(model_runner, "server_args", None)
@@ -225,7 +242,9 @@ def make_plan(model_runner: Any, environ: Mapping[str, str] | None = None) -> Me
     fraction = float(getattr(model_runner, "mem_fraction_static", 0) or 0)
     weights = int(float(getattr(model_runner, "weight_load_mem_usage", 0) or 0) * GiB)
     sampler = int(getattr(prewarm, "sampling_headroom_bytes", 0) or 0)
-    return MemoryPlan(total=total, free=free, weights=weights, forward=EAGER.bytes, forward_tokens=EAGER.tokens,
+    pending = pending_graph_bytes(getattr(model_runner, "prefill_cuda_graph_runner", None))
+    return MemoryPlan(pending_graphs=pending, total=total, free=free, weights=weights, forward=EAGER.bytes,
+                      forward_tokens=EAGER.tokens,
                       logprobs=logprobs, logprob_tokens=tokens, sampler=sampler, margin=margin_bytes(environ),
                       kv_bytes_per_token=kv_bytes_per_token(model_runner), guess=int(pre_load * (1 - fraction) * GiB))
 
@@ -246,17 +265,6 @@ def holding_back(model_runner: Any, reserve: int) -> Iterator[None]:
         model_runner.mem_fraction_static = fraction
         if had is not None:
             setattr(runtime, RESERVE_FUNCTION, had)
-
-
-def tp_group() -> Any:
-    """SGLang's tensor-parallel group coordinator where there are two ranks or more (``None``: one process)."""
-    try:
-        with warnings.catch_warnings():  # 0.5.23 deprecates the name; the group is the same
-            warnings.simplefilter("ignore", DeprecationWarning)
-            group = importlib.import_module("sglang.srt.distributed.parallel_state").get_tp_group()
-    except (ImportError, AttributeError, AssertionError, RuntimeError, ValueError):  # no TP group: one process
-        return None
-    return group if getattr(group, "world_size", 1) > 1 else None
 
 
 def agreed(reserve: int) -> int:

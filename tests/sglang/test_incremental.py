@@ -205,3 +205,36 @@ def test_off_without_the_variable(monkeypatch: pytest.MonkeyPatch) -> None:
     assert not inc.asked()
     with pytest.raises(ValueError, match=inc.ENV_INCREMENTAL):
         inc.incremental_enabled()
+
+
+APPLY = """
+import os, logging, io
+os.environ["SGLANG_BCG_INCREMENTAL_CAPTURE"] = "1"
+stream = io.StringIO()
+logging.getLogger().addHandler(logging.StreamHandler(stream))
+from sglang.srt.plugins import load_plugins
+from sglang.srt.plugins.hook_registry import HookRegistry
+from sglang_bcg_plugin.sglang import incremental as inc
+load_plugins()
+targets = (inc.CAPTURE_TARGET, inc.CAN_RUN_TARGET, inc.STEP_TARGET)
+report(registered=[t in HookRegistry._hooks for t in targets], patched=[t in HookRegistry._patched for t in targets],
+       seam=inc.has_runner_seam(), failed="Failed to apply" in stream.getvalue())
+"""
+
+
+@pytest.mark.slow
+def test_load_plugins_applies_the_hooks_where_asked(dist_dir: Any) -> None:
+    from conftest import run_child
+
+    r = run_child(APPLY, dist_dir).result
+    assert r["registered"] == r["patched"] == [r["seam"]] * 3 and not r["failed"]
+
+
+def test_the_doctor_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    from sglang_bcg_plugin.sglang import doctor
+
+    assert doctor.incremental_line("backend", {}).startswith("off (SGLANG_BCG_INCREMENTAL_CAPTURE='')")
+    assert doctor.incremental_line("backend", {inc.ENV_INCREMENTAL: "x"}).startswith("invalid (")
+    assert "not applied" in doctor.incremental_line("runner", {inc.ENV_INCREMENTAL: "1"})
+    monkeypatch.setattr(doctor, "has_runner_seam", lambda: True)
+    assert doctor.incremental_line("backend", {inc.ENV_INCREMENTAL: "1"}).startswith("on: ")

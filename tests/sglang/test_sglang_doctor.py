@@ -73,9 +73,11 @@ def test_missing_target_exits_1(monkeypatch: pytest.MonkeyPatch, dist_dir: Path)
     import pkgutil
 
     from conftest import seam
+    from sglang_bcg_plugin.sglang.doctor import OPT_IN_TARGETS
     from sglang_bcg_plugin.sglang.hooks import hooks_for
 
-    target = hooks_for(seam().kind)[-1][0]  # a seam hook: an SGLang upgrade moved it
+    # a seam hook (not an opt-in feature's): an SGLang upgrade moved it
+    target = [t for t, _, _ in hooks_for(seam().kind) if t not in OPT_IN_TARGETS][-1]
     owner, _, name = target.rpartition(".")
     monkeypatch.syspath_prepend(str(dist_dir))
     monkeypatch.delattr(pkgutil.resolve_name(owner), name)
@@ -153,17 +155,14 @@ def test_summary_groups_findings_by_cause(monkeypatch: pytest.MonkeyPatch) -> No
     monkeypatch.setattr(torch, "__version__", "2.13.0+cpu")
     code, text = run()
     assert code == 3, text
-    # the prefill and decode resolvers, the backend class and the memory plan's resize (where the release has it)
-    from sglang_bcg_plugin.sglang.hooks import has_post_capture_sizing
-
-    assert text.count("[NOT CHECKED]") == 3 + has_post_capture_sizing(), text
+    assert text.count("[NOT CHECKED]") == 3, text
     assert "MISSING" not in text and text.count("pip install") == 1
     assert text.endswith(
         "doctor: SGLang could not be imported: dependency 'torchvision' is missing (torch 2.13.0+cpu is a CPU "
         "build from PyTorch's own wheels, and PyPI's torchvision is built for PyPI's torch and does not load with "
         "it: install the CPU build of torchvision 0.28 (the release made for torch 2.13.0), pip install "
         "'torchvision==0.28.*' --index-url https://download.pytorch.org/whl/cpu; the plugin itself does not "
-        f"import torchvision, SGLang's modules do); {3 + has_post_capture_sizing()} name(s) could not be checked\n"
+        f"import torchvision, SGLang's modules do); 3 name(s) could not be checked\n"
     )
     other = Problem("dependency", "cannot import y: No module named 'orjson'", "orjson")
     assert "(install it into this environment: SGLang imports it)" in doctor._summary([other], entry_point_found=True)[0][0]

@@ -90,14 +90,17 @@ def test_load_plugins_applies_every_hook(dist_dir: Path) -> None:
     assert r["patched"] == r["targets"]
     # This interpreter is no scheduler (the switch's RPC hook is not registered); it registers the
     # switch's HTTP hook where FastAPI is installed (as SGLang's launcher does).
-    # The memory plan's hook is registered only where asked (tests/sglang/test_memory_plan_seam.py).
+    # The memory plan's and the incremental capture's hooks are registered only where asked
+    # (tests/sglang/test_memory_plan_seam.py, tests/sglang/test_incremental.py).
+    from sglang_bcg_plugin.sglang import incremental
     from sglang_bcg_plugin.sglang.memory_plan import RESIZE_TARGET
     from sglang_bcg_plugin.sglang.switch.routes import HTTP_TARGET
     from sglang_bcg_plugin.sglang.switch.rpc import RPC_TARGET
 
-    unregistered = set(r["all_targets"]) - set(r["targets"]) - {RESIZE_TARGET}
+    asked_only = {RESIZE_TARGET, incremental.CAPTURE_TARGET, incremental.CAN_RUN_TARGET, incremental.STEP_TARGET}
+    unregistered = set(r["all_targets"]) - set(r["targets"]) - asked_only
     assert unregistered in ({RPC_TARGET}, {RPC_TARGET, HTTP_TARGET})
-    assert len(r["all_targets"]) == (7 if r["kind"] == "backend" else 6)
+    assert len(r["all_targets"]) == (10 if r["kind"] == "backend" else 6)
     assert r["hook_counts"] == r["again"] == {t: 1 for t in r["targets"]}  # register()/load_plugins() again: no-op
     assert all(r["wrapped"].values()), r["wrapped"]
     assert r["flags"] == {
