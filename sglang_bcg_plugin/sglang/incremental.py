@@ -167,6 +167,8 @@ def step(scheduler: Any, now: Callable[[], float] = time.perf_counter) -> int | 
     try:
         if backend is not None:
             backend._bcg_resume = True
+        if torch.cuda.is_available():  # a batch the overlap scheduler launched reads the runner's static inputs,
+            torch.cuda.synchronize()  # which the capture's preparation rewrites: it finishes first
         runner.capture()
     except Exception as exc:  # the server keeps serving: the rest of the sizes run eagerly
         state.failed = f"{type(exc).__name__}: {one_line(exc)}"
