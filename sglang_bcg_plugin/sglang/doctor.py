@@ -331,7 +331,7 @@ def incremental_line(kind: str | None, environ: Mapping[str, str] | None = None)
         return (f"off ({ENV_INCREMENTAL}={env.get(ENV_INCREMENTAL, '')!r}); {ENV_INCREMENTAL}=1 captures the largest "
                 "prefill size before serving and the others between batches (docs/sglang.md#incremental-capture)")
     if kind != "backend" or not has_runner_seam():
-        return "asked, but this release's prefill runner has not the capture pass it hooks (0.5.23 has): not applied"
+        return "asked, but this release's prefill runner has not the capture pass it hooks (0.5.14+ has): not applied"
     return ("on: 'sglang_bcg: incremental capture: ...' in the log at start-up and when every size is captured; "
             "GET /bcg/output_mode shows each rank's progress ('incremental')")
 

@@ -50,7 +50,7 @@ RUNNER_HOOKS: tuple[Hook, ...] = (
 WHERE: dict[str, Callable[[], bool]] = {
     HTTP_TARGET: lambda: multiprocessing.parent_process() is None and importlib.util.find_spec("fastapi") is not None,
     RPC_TARGET: lambda: "sglang.srt.managers.scheduler" in sys.modules,
-    memory_plan.RESIZE_TARGET: lambda: memory_plan.prepare() and has_post_capture_sizing(),
+    memory_plan.RESIZE_TARGET: lambda: has_post_capture_sizing() and memory_plan.prepare(),
     incremental.CAPTURE_TARGET: incremental.wanted,
     incremental.CAN_RUN_TARGET: incremental.wanted,
     incremental.STEP_TARGET: incremental.wanted,

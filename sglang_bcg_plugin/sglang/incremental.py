@@ -47,8 +47,8 @@ def asked() -> bool:
 
 
 def has_runner_seam() -> bool:
-    """Whether the installed SGLang's prefill runner has the capture pass and check hooked here (0.5.23's
-    ``PrefillCudaGraphRunner``), read from its source unimported."""
+    """Whether the installed SGLang's prefill runner has the capture pass and check hooked here
+    (``PrefillCudaGraphRunner``, 0.5.14-0.5.23), read from its source unimported."""
     source = sglang_source(RUNNER_CLASS.rpartition(".")[0])
     text = source.read_text() if source is not None else ""
     return all(f"def {name}(" in text for name in ("_capture_one_stream", "can_run_graph", "capture"))

@@ -36,7 +36,8 @@ report(registered=RESIZE_TARGET in HookRegistry._hooks, patched=RESIZE_TARGET in
 @pytest.mark.slow
 def test_load_plugins_applies_the_plan_where_asked(dist_dir: Path) -> None:
     r = run_child(APPLY, dist_dir).result
-    assert r["post_capture"] == "1"  # asked: SGLang's post-capture sizing on, in every process
+    # asked, where the release has it: SGLang's post-capture sizing on, in every process
+    assert r["post_capture"] == ("1" if has_post_capture_sizing() else None)
     assert r["registered"] == r["patched"] == has_post_capture_sizing()
     assert not r["failed"]
 
