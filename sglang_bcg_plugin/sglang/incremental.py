@@ -32,6 +32,8 @@ CAN_RUN_TARGET = f"{RUNNER_CLASS}.can_run_graph"
 STEP_TARGET = "sglang.srt.managers.scheduler.Scheduler.get_next_batch_to_run"
 #: The runner's attribute holding its :class:`Pending`.
 STATE_ATTR = "_bcg_incremental"
+#: Seconds an idle server's step may capture for (a request arriving meanwhile waits at most that long).
+IDLE_STEP_S = 0.5
 
 
 def incremental_enabled(environ: Mapping[str, str] | None = None) -> bool:
@@ -66,16 +68,23 @@ class Pending:
     sizes: list[int]
     total: int
     started: float = field(default_factory=time.perf_counter)
-    current: int | None = None  #: the size the running step captures
+    current: list[int] | None = None  #: the sizes the running step captures
     last_seconds: float = 0.0  #: how long the last step took
+    last_count: int = 0  #: how many sizes it captured
     last_end: float = 0.0
     failed: str | None = None  #: why the capture stopped (the rest stay eager)
 
-    def due(self, idle: bool, now: float) -> bool:
-        """Whether this rank wants to capture the next size now."""
+    def wanted(self, idle: bool, now: float) -> int:
+        """How many sizes this rank wants to capture now: under load one, once the server has served since the
+        last step at least as long as that step took; idle, as many as the last step's pace fits in
+        :data:`IDLE_STEP_S` (at least one); 0: none."""
         if not self.sizes or self.failed is not None:
-            return False
-        return idle or now - self.last_end >= self.last_seconds
+            return 0
+        if not idle:
+            return int(now - self.last_end >= self.last_seconds)
+        per_size = self.last_seconds / self.last_count if self.last_count else 0.0
+        fits = int(IDLE_STEP_S / per_size) if per_size > 0 else 1
+        return max(1, min(fits, len(self.sizes)))
 
     def describe(self) -> dict[str, Any]:
         return {"captured": self.total - len(self.sizes), "sizes": self.total, "pending_sizes": list(self.sizes),
@@ -110,7 +119,7 @@ def around_capture_one_stream(original_fn: Callable[..., Any], runner: Any, *arg
     size alone, the others left pending; in a step, the size the step chose."""
     state = pending(runner)
     if state is not None and state.current is not None:
-        with only(runner, [state.current]):
+        with only(runner, state.current):
             return original_fn(runner, *args, **kwargs)
     sizes = sorted(set(runner.capture_num_tokens), reverse=True)
     if not asked() or len(sizes) < 2:
@@ -140,29 +149,29 @@ def _idle(scheduler: Any) -> bool:
     return (running is None or (callable(empty) and bool(empty()))) and not getattr(scheduler, "waiting_queue", None)
 
 
-def _all_agree(want: bool) -> bool:
-    """Whether every tensor-parallel rank wants to capture now (one rank: its own answer)."""
+def _agreed(count: int) -> int:
+    """How many sizes every tensor-parallel rank captures now: the fewest any rank wants (one rank: its own)."""
     group = tp_group()
     if group is None:
-        return want
-    vote = torch.tensor([int(want)], dtype=torch.int64)
+        return count
+    vote = torch.tensor([count], dtype=torch.int64)
     torch.distributed.all_reduce(vote, op=torch.distributed.ReduceOp.MIN, group=group.cpu_group)
-    return bool(vote.item())
+    return int(vote.item())
 
 
-def step(scheduler: Any, now: Callable[[], float] = time.perf_counter) -> int | None:
-    """Capture the next pending prefill size of this scheduler's runner when every rank agrees it is due;
-    the size captured (``None``: none)."""
+def step(scheduler: Any, now: Callable[[], float] = time.perf_counter) -> list[int] | None:
+    """Capture the next pending prefill sizes of this scheduler's runner, as many as every rank agrees are due;
+    the sizes captured (``None``: none)."""
     runner = getattr(getattr(getattr(scheduler, "tp_worker", None), "model_runner", None),
                      "prefill_cuda_graph_runner", None)
     state = pending(runner)
     if runner is None or state is None or not state.sizes or state.failed is not None:
         return None
     start = now()
-    if not _all_agree(state.due(_idle(scheduler), start)):
+    count = _agreed(state.wanted(_idle(scheduler), start))
+    if count <= 0:
         return None
-    size = state.sizes[0]
-    state.current = size
+    sizes = state.current = state.sizes[:count]
     backend = getattr(runner, "backend", None)
     try:
         if backend is not None:
@@ -172,20 +181,25 @@ def step(scheduler: Any, now: Callable[[], float] = time.perf_counter) -> int | 
         runner.capture()
     except Exception as exc:  # the server keeps serving: the rest of the sizes run eagerly
         state.failed = f"{type(exc).__name__}: {one_line(exc)}"
-        log.exception("sglang_bcg: incremental capture of prefill size %d failed; %d sizes stay eager",
-                      size, len(state.sizes))
+        log.exception("sglang_bcg: incremental capture of prefill sizes %s failed; %d sizes stay eager",
+                      sizes, len(state.sizes))
         return None
     finally:
         state.current = None
         if backend is not None:
             backend.__dict__.pop("_bcg_resume", None)
-    state.sizes.pop(0)
-    state.last_end = now()
+    before = state.total - len(state.sizes)
+    del state.sizes[:count]
+    state.last_end, state.last_count = now(), count
     state.last_seconds = state.last_end - start
+    done = state.total - len(state.sizes)
     if not state.sizes:
         log.info("sglang_bcg: incremental capture: all %d prefill sizes captured, %.1f s after the first",
                  state.total, state.last_end - state.started)
-    return size
+    elif done // 10 > before // 10:  # progress, every ten sizes
+        log.info("sglang_bcg: incremental capture: %d of %d prefill sizes captured (down to %d tokens)",
+                 done, state.total, sizes[-1])
+    return sizes
 
 
 def before_next_batch(original_fn: Callable[..., Any], scheduler: Any, *args: Any, **kwargs: Any) -> Any:

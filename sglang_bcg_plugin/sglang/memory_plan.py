@@ -156,7 +156,7 @@ class MemoryPlan:
         if more >= 0:
             return f"SGLang's headroom {g(self.guess)}: the KV pool {pool} larger than SGLang's"
         return (f"SGLang's headroom {g(self.guess)} is too small for the eager working set: the KV pool shrunk by "
-                f"{pool} so that nothing runs out of memory")
+                f"{pool} to leave it room")
 
     def after_line(self, tokens: int, free_after: int) -> str:
         """After the pool is backed: the plan against what was taken."""

@@ -130,7 +130,7 @@ class SharingPolicyMixin:
                                                      lambda: getattr(self, "_pool", None),
                                                      buffer_source=plan.buffer_source,
                                                      free_at_build=self._bcg_free_at_build)
-            with gc_safe_capture(), super().capture_session(stream):  # type: ignore[misc]
+            with gc_safe_capture(collect=not resume), super().capture_session(stream):  # type: ignore[misc]
                 yield
             if not pending_sizes(self._cuda_graph_runner):
                 if resume:  # the KV pool may have been backed since the first size: no free-memory figure

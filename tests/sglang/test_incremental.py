@@ -14,6 +14,7 @@ under load; TP ranks capture only when all agree; a failed step leaves the rest 
 from __future__ import annotations
 
 import inspect
+import re
 from types import SimpleNamespace as NS
 from typing import Any
 
@@ -133,8 +134,10 @@ def test_sizes_captured_between_batches_largest_first(monkeypatch: pytest.Monkey
     assert runner.can_run_graph(batch(20)) and runner.can_run_graph(batch(32))  # bucket 32: captured
     assert not runner.can_run_graph(batch(5)) and not runner.can_run_graph(batch(16))  # pending: eager
     assert not runner.can_run_graph(batch(33))  # SGLang's own answer stands
-    captured = [inc.step(scheduler(runner)) for _ in range(4)]
-    assert captured == [16, 8, 4, None] and inc.pending_sizes(runner) == []
+    busy = scheduler(runner, busy=True)  # under load: one size per step
+    clock = iter([0.0, 1.0, 2.0, 3.0, 4.0, 5.0]).__next__
+    captured = [inc.step(busy, clock) for _ in range(3)]
+    assert captured == [[16], [8], [4]] and inc.pending_sizes(runner) == [] and inc.step(busy) is None
     assert all(runner.can_run_graph(batch(n)) for n in (1, 5, 16, 32))
     model.refill()
     for n in SIZES:
@@ -160,11 +163,11 @@ def test_under_load_a_step_waits_as_long_as_the_last_capture_took(monkeypatch: p
                   14.0, 14.5,  # 2 s since: due; it took 0.5 s
                   14.6]).__next__  # 0.1 s since: not due
     busy = scheduler(runner, busy=True)
-    assert inc.step(busy, clock) == 16  # the first step after start-up is due at once
+    assert inc.step(busy, clock) == [16]  # the first step after start-up is due at once
     assert inc.step(busy, clock) is None
-    assert inc.step(busy, clock) == 8
+    assert inc.step(busy, clock) == [8]
     assert inc.step(busy, clock) is None
-    assert inc.step(scheduler(runner), lambda: 14.7) == 4  # idle: at once
+    assert inc.step(scheduler(runner), lambda: 14.7) == [4]  # idle: at once
 
 
 @needs_seam
@@ -180,9 +183,15 @@ def test_tp_ranks_capture_only_together(monkeypatch: pytest.MonkeyPatch) -> None
     other = [0]
     monkeypatch.setattr(inc, "tp_group", lambda: NS(cpu_group="gloo"))
     monkeypatch.setattr(torch.distributed, "all_reduce", all_reduce)
-    assert inc.step(scheduler(runner)) is None and votes == [1]  # this rank wants, the other not yet
+    assert inc.step(scheduler(runner)) is None and votes == [1]  # this rank wants one, the other none yet
     other[0] = 1
-    assert inc.step(scheduler(runner)) == 16
+    assert inc.step(scheduler(runner)) == [16]
+    state = inc.pending(runner)
+    state.last_seconds, state.last_count = 0.1, 1  # idle, this rank's pace fits both sizes left in a step
+    assert state.wanted(True, 0.0) == 2
+    assert inc.step(scheduler(runner)) == [8] and votes[-1] == 2  # the other rank wants one: the fewest
+    other[0] = 9
+    assert inc.step(scheduler(runner)) == [4] and inc.pending_sizes(runner) == []
 
 
 @needs_seam
@@ -191,11 +200,12 @@ def test_a_failed_step_leaves_the_rest_eager(monkeypatch: pytest.MonkeyPatch, ca
     runner = PrefillRunner(model, monkeypatch)
     runner.capture()
     runner.fail_on = 8
-    assert inc.step(scheduler(runner)) == 16
-    assert inc.step(scheduler(runner)) is None
+    busy = scheduler(runner, busy=True)
+    assert inc.step(busy, iter([0.0, 0.0]).__next__) == [16]
+    assert inc.step(busy, iter([0.0, 0.0]).__next__) is None
     state = inc.pending(runner)
     assert state.failed == "RuntimeError: CUDA out of memory capturing 8" and inc.pending_sizes(runner) == [8, 4]
-    assert "incremental capture of prefill size 8 failed; 2 sizes stay eager" in caplog.text
+    assert "incremental capture of prefill sizes [8] failed; 2 sizes stay eager" in caplog.text
     assert not runner.can_run_graph(batch(5)) and runner.can_run_graph(batch(12))
     assert inc.step(scheduler(runner)) is None  # no retry
     model.refill()
@@ -203,6 +213,28 @@ def test_a_failed_step_leaves_the_rest_eager(monkeypatch: pytest.MonkeyPatch, ca
 
 
 @needs_seam
+def test_an_idle_server_captures_what_fits_in_a_step(monkeypatch: pytest.MonkeyPatch, caplog: Any) -> None:
+    import logging
+
+    model = Model()
+    runner = PrefillRunner(model, monkeypatch)
+    runner.capture_num_tokens = list(range(4, 4 * 26, 4))  # 25 sizes
+    runner.capture()
+    state = inc.pending(runner)
+    assert state.wanted(True, 0.0) == 1  # no pace yet: one
+    state.last_seconds, state.last_count = 0.2, 2  # 0.1 s a size: five fit in IDLE_STEP_S
+    with caplog.at_level(logging.INFO, logger="sglang_bcg_plugin"):
+        assert inc.step(scheduler(runner), iter([0.0, 0.5]).__next__) == [96, 92, 88, 84, 80]
+        while inc.step(scheduler(runner)):
+            pass
+    assert inc.pending_sizes(runner) == [] and sorted(k.size for k in runner.backend._graphs) == runner.capture_num_tokens
+    assert re.search(r"incremental capture: 1\d of 25 prefill sizes captured \(down to \d+ tokens\)", caplog.text)
+    assert "incremental capture: all 25 prefill sizes captured" in caplog.text
+    model.refill()
+    for n in (4, 52, 100):
+        close(runner.replay(n), model.expected(n))
+
+
 def test_off_without_the_variable(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(inc.ENV_INCREMENTAL)
     runner = PrefillRunner(Model(), monkeypatch)
