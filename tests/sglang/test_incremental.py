@@ -235,6 +235,7 @@ def test_an_idle_server_captures_what_fits_in_a_step(monkeypatch: pytest.MonkeyP
         close(runner.replay(n), model.expected(n))
 
 
+@needs_seam
 def test_off_without_the_variable(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(inc.ENV_INCREMENTAL)
     runner = PrefillRunner(Model(), monkeypatch)
