@@ -186,7 +186,9 @@ def test_the_doctor_line(monkeypatch) -> None:
 def test_tensor_parallel_ranks_hold_back_the_largest(monkeypatch) -> None:
     import torch
 
-    assert mp.agreed(5) == 5  # no TP group initialized here
+    from sglang_bcg_plugin.sglang.compat import tp_agree
+
+    assert tp_agree(5, largest=True) == 5  # no TP group initialized here
     other_rank = 7
 
     def all_reduce(tensor, op, group):
@@ -201,7 +203,7 @@ def test_tensor_parallel_ranks_hold_back_the_largest(monkeypatch) -> None:
     monkeypatch.setattr(compat.importlib, "import_module",
                         lambda name: fake if name.endswith("parallel_state") else real_import(name))
     monkeypatch.setattr(torch.distributed, "all_reduce", all_reduce)
-    assert mp.agreed(5) == 7 and mp.agreed(9) == 9
+    assert tp_agree(5, largest=True) == 7 and tp_agree(9, largest=True) == 9
 
 
 def test_graphs_still_to_capture_are_held_back() -> None:

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+import torch
+
 from .._version import package_version
 from ..errors import one_line
 from ..output.mode import OFF, ON, OutputMode
@@ -250,3 +252,15 @@ def tp_group() -> Any:
     except (ImportError, AttributeError, AssertionError, RuntimeError, ValueError):  # no TP group: one process
         return None
     return group if getattr(group, "world_size", 1) > 1 else None
+
+
+def tp_agree(value: int, *, largest: bool) -> int:
+    """``value`` agreed over the tensor-parallel ranks (each calls this at the same point): the largest, or
+    with ``largest=False`` the smallest; this rank's own without a TP group."""
+    group = tp_group()
+    if group is None:
+        return value
+    vote = torch.tensor([value], dtype=torch.int64)
+    op = torch.distributed.ReduceOp.MAX if largest else torch.distributed.ReduceOp.MIN
+    torch.distributed.all_reduce(vote, op=op, group=group.cpu_group)
+    return int(vote.item())

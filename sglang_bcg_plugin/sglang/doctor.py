@@ -283,57 +283,57 @@ def backend_lines() -> tuple[list[str], str | None]:
         "(see the BROKEN lines)")
 
 
-def forecast_line(kind: str | None, environ: Mapping[str, str] | None = None) -> str:
-    """How to read the forecast lines in SGLang's log (docs/sglang.md), or why there are none."""
-    env = os.environ if environ is None else environ
+def _feature_line(env: Mapping[str, str], var: str, enabled: Callable[[Mapping[str, str]], bool], what: str,
+                  applies: Callable[[], bool], not_applied: str, on: str) -> str:
+    """One opt-in feature's line: ``invalid``, ``off`` (and what ``var=1`` does), not applied here, or ``on``."""
     try:
-        enabled = forecast_enabled(env)
+        if not enabled(env):
+            return f"off ({var}={env.get(var, '')!r}); {var}=1 {what}"
     except ValueError as exc:
         return f"invalid ({exc})"
-    if not enabled:
-        return (f"off ({ENV_FORECAST}={env.get(ENV_FORECAST, '')!r}); {ENV_FORECAST}=1 logs, after each capture "
-                "session's first graph, the schedule's graph memory per output mode (docs/sglang.md)")
-    if kind != "backend":
-        return "not on this release's seam (the runner seam of 0.5.13 logs none)"
-    return ("on: after each capture session's first (largest) graph, one INFO line 'sglang_bcg: graph memory "
-            "forecast for N sizes up to M: X MiB with --enable-bcg-shared-output=MODE' says what free device "
-            "memory the whole schedule will take (graph pool, capture stream, the CUDA driver's share) and what "
-            "that frees against the other modes (MiB, and KV-cache tokens at the KV pool's bytes per token); "
-            "after the session 'graph memory after capture' gives what the graph pool grew by beside the pool's "
-            "forecast, and the free device memory the session lost beside the whole. Needs CUDA")
+    return on if applies() else not_applied
+
+
+def forecast_line(kind: str | None, environ: Mapping[str, str] | None = None) -> str:
+    """How to read the forecast lines in SGLang's log (docs/sglang.md), or why there are none."""
+    return _feature_line(
+        os.environ if environ is None else environ, ENV_FORECAST, forecast_enabled,
+        "logs, after each capture session's first graph, the schedule's graph memory per output mode (docs/sglang.md)",
+        lambda: kind == "backend", "not on this release's seam (the runner seam of 0.5.13 logs none)",
+        "on: after each capture session's first (largest) graph, one INFO line 'sglang_bcg: graph memory forecast "
+        "for N sizes up to M: X MiB with --enable-bcg-shared-output=MODE' says what free device memory the whole "
+        "schedule will take (graph pool, capture stream, the CUDA driver's share) and what that frees against the "
+        "other modes (MiB, and KV-cache tokens at the KV pool's bytes per token); after the session 'graph memory "
+        "after capture' gives what the graph pool grew by beside the pool's forecast, and the free device memory "
+        "the session lost beside the whole. Needs CUDA")
 
 
 def plan_line(kind: str | None, environ: Mapping[str, str] | None = None) -> str:
     """Whether the memory plan is asked and can size this release's KV pool (docs/sglang.md#the-memory-plan)."""
-    env = os.environ if environ is None else environ
-    try:
+    def enabled(env: Mapping[str, str]) -> bool:
         check_environment(env)
-        enabled = plan_enabled(env)
-    except ValueError as exc:
-        return f"invalid ({exc})"
-    if not enabled:
-        return (f"off ({ENV_PLAN}={env.get(ENV_PLAN, '')!r}); {ENV_PLAN}=1 backs the KV pool after capture with all "
-                "the memory but the measured eager working set and a margin (docs/sglang.md#the-memory-plan)")
-    if kind != "backend" or not has_post_capture_sizing():
-        return "asked, but this release allocates the KV pool before capture (0.5.16+ can back it after): not applied"
-    return ("on: after capture, 'sglang_bcg: memory plan: card ...' gives the parts and the KV pool, then 'KV backed "
-            "N tokens ...' what was taken; MLA models and --enable-memory-saver keep SGLang's own sizing")
+        return plan_enabled(env)
+
+    return _feature_line(
+        os.environ if environ is None else environ, ENV_PLAN, enabled,
+        "backs the KV pool after capture with all the memory but the measured eager working set and a margin "
+        "(docs/sglang.md#the-memory-plan)",
+        lambda: kind == "backend" and has_post_capture_sizing(),
+        "asked, but this release allocates the KV pool before capture (0.5.16+ can back it after): not applied",
+        "on: after capture, 'sglang_bcg: memory plan: card ...' gives the parts and the KV pool, then 'KV backed N "
+        "tokens ...' what was taken; MLA models and --enable-memory-saver keep SGLang's own sizing")
 
 
 def incremental_line(kind: str | None, environ: Mapping[str, str] | None = None) -> str:
     """Whether the incremental capture is asked and can run on this release (docs/sglang.md#incremental-capture)."""
-    env = os.environ if environ is None else environ
-    try:
-        enabled = incremental_enabled(env)
-    except ValueError as exc:
-        return f"invalid ({exc})"
-    if not enabled:
-        return (f"off ({ENV_INCREMENTAL}={env.get(ENV_INCREMENTAL, '')!r}); {ENV_INCREMENTAL}=1 captures the largest "
-                "prefill size before serving and the others between batches (docs/sglang.md#incremental-capture)")
-    if kind != "backend" or not has_runner_seam():
-        return "asked, but this release's prefill runner has not the capture pass it hooks (0.5.14+ has): not applied"
-    return ("on: 'sglang_bcg: incremental capture: ...' in the log at start-up and when every size is captured; "
-            "GET /bcg/output_mode shows each rank's progress ('incremental')")
+    return _feature_line(
+        os.environ if environ is None else environ, ENV_INCREMENTAL, incremental_enabled,
+        "captures the largest prefill size before serving and the others between batches "
+        "(docs/sglang.md#incremental-capture)",
+        lambda: kind == "backend" and has_runner_seam(),
+        "asked, but this release's prefill runner has not the capture pass it hooks (0.5.14+ has): not applied",
+        "on: 'sglang_bcg: incremental capture: ...' in the log at start-up, every ten sizes and when every size is "
+        "captured; GET /bcg/output_mode shows each rank's progress ('incremental')")
 
 
 def doctor_main(argv: list[str] | None = None, *, out: TextIO | None = None) -> int:

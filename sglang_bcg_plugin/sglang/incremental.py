@@ -21,7 +21,7 @@ import torch
 
 from .._words import parse_bool_env
 from ..errors import one_line
-from .compat import sglang_source, tp_group
+from .compat import sglang_source, tp_agree
 
 log = logging.getLogger("sglang_bcg_plugin")
 
@@ -149,16 +149,6 @@ def _idle(scheduler: Any) -> bool:
     return (running is None or (callable(empty) and bool(empty()))) and not getattr(scheduler, "waiting_queue", None)
 
 
-def _agreed(count: int) -> int:
-    """How many sizes every tensor-parallel rank captures now: the fewest any rank wants (one rank: its own)."""
-    group = tp_group()
-    if group is None:
-        return count
-    vote = torch.tensor([count], dtype=torch.int64)
-    torch.distributed.all_reduce(vote, op=torch.distributed.ReduceOp.MIN, group=group.cpu_group)
-    return int(vote.item())
-
-
 def step(scheduler: Any, now: Callable[[], float] = time.perf_counter) -> list[int] | None:
     """Capture the next pending prefill sizes of this scheduler's runner, as many as every rank agrees are due;
     the sizes captured (``None``: none)."""
@@ -168,7 +158,7 @@ def step(scheduler: Any, now: Callable[[], float] = time.perf_counter) -> list[i
     if runner is None or state is None or not state.sizes or state.failed is not None:
         return None
     start = now()
-    count = _agreed(state.wanted(_idle(scheduler), start))
+    count = tp_agree(state.wanted(_idle(scheduler), start), largest=False)  # the fewest any rank wants
     if count <= 0:
         return None
     sizes = state.current = state.sizes[:count]

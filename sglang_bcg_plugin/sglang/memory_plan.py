@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from .._words import parse_bool_env
-from .compat import tp_group
+from .compat import tp_agree
 from .incremental import pending_sizes
 
 log = logging.getLogger("sglang_bcg_plugin")
@@ -267,17 +267,6 @@ def holding_back(model_runner: Any, reserve: int) -> Iterator[None]:
             setattr(runtime, RESERVE_FUNCTION, had)
 
 
-def agreed(reserve: int) -> int:
-    """The largest ``reserve`` over the tensor-parallel ranks (each measures its own; SGLang sizes every rank's
-    pool from the smallest free memory, so all hold back the same); this rank's own without a TP group."""
-    group = tp_group()
-    if group is None:
-        return reserve
-    value = torch.tensor([reserve], dtype=torch.int64)
-    torch.distributed.all_reduce(value, op=torch.distributed.ReduceOp.MAX, group=group.cpu_group)
-    return int(value.item())
-
-
 def around_post_capture_resize(original_fn: Callable[..., Any], model_runner: Any, *args: Any, **kwargs: Any) -> Any:
     """AROUND hook of ``ModelRunner.post_capture_resize_kv_pool`` (0.5.16+): with the plan on, SGLang backs the
     pool with what the plan leaves, and the plan's two lines are logged."""
@@ -286,7 +275,8 @@ def around_post_capture_resize(original_fn: Callable[..., Any], model_runner: An
     plan = make_plan(model_runner)
     MADE.append(plan)
     log.info(plan.line())
-    with holding_back(model_runner, agreed(plan.reserve)):
+    # each rank measures its own; SGLang sizes every rank's pool from the smallest free memory: the largest reserve
+    with holding_back(model_runner, tp_agree(plan.reserve, largest=True)):
         result = original_fn(model_runner, *args, **kwargs)
     torch.cuda.empty_cache()
     log.info(plan.after_line(int(getattr(model_runner, "max_total_num_tokens", 0) or 0),

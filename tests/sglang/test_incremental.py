@@ -177,11 +177,14 @@ def test_tp_ranks_capture_only_together(monkeypatch: pytest.MonkeyPatch) -> None
     votes = []
 
     def all_reduce(tensor: torch.Tensor, op: Any, group: Any) -> None:
+        assert op == torch.distributed.ReduceOp.MIN and group == "gloo"
         votes.append(int(tensor.item()))
         tensor.fill_(min(int(tensor.item()), other[0]))
 
     other = [0]
-    monkeypatch.setattr(inc, "tp_group", lambda: NS(cpu_group="gloo"))
+    from sglang_bcg_plugin.sglang import compat
+
+    monkeypatch.setattr(compat, "tp_group", lambda: NS(cpu_group="gloo"))
     monkeypatch.setattr(torch.distributed, "all_reduce", all_reduce)
     assert inc.step(scheduler(runner)) is None and votes == [1]  # this rank wants one, the other none yet
     other[0] = 1
