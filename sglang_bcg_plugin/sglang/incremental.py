@@ -136,11 +136,10 @@ def around_can_run_graph(original_fn: Callable[..., Any], runner: Any, forward_b
                          **kwargs: Any) -> Any:
     """AROUND hook of the runner's ``can_run_graph``: no for a batch whose bucket is not captured yet."""
     ok = original_fn(runner, forward_batch, *args, **kwargs)
-    waiting = pending_sizes(runner)
-    if not ok or not waiting:
+    state = pending(runner)  # on every prefill batch: read in place, no copy
+    if not ok or state is None or not state.sizes:
         return ok
-    bucket = runner._pad_to_bucket(len(forward_batch.input_ids), runner.capture_num_tokens)
-    return bucket not in waiting
+    return runner._pad_to_bucket(len(forward_batch.input_ids), runner.capture_num_tokens) not in state.sizes
 
 
 def _idle(scheduler: Any) -> bool:
