@@ -120,6 +120,36 @@ def test_decode_graphs_are_recaptured_after_prefill() -> None:
     assert result["rolled_back"] and runner.calls == ["cleanup on", "cleanup decode", "capture off", "capture on", "capture decode"]
 
 
+def test_with_incremental_capture_the_decode_graphs_wait_for_the_first_step() -> None:
+    """The switch captures the largest prefill size alone and leaves the decode graphs to the first step
+    (decode runs eagerly meanwhile: SGLang's forward takes no decode graph runner as none); that step captures
+    them alone, the next ones the pending prefill sizes."""
+    from sglang_bcg_plugin.sglang import incremental as inc
+
+    class Incremental(DecodeRunner):
+        def init_prefill_cuda_graph(self) -> None:
+            super().init_prefill_cuda_graph()
+            runner = self.prefill_cuda_graph_runner
+            runner.capture = lambda: self.calls.append(f"capture sizes {inc.pending(runner).current}")
+            runner.__dict__[inc.STATE_ATTR] = inc.Pending([8, 4], total=3)
+
+    env = {ENV: "1"}
+    runner = Incremental(env)
+    result = rank.switch_rank(runner, "off", "backend", env, check=no_check)
+    assert result["ok"] and result["decode_recaptured"] and runner.decode_cuda_graph_runner is None, result
+    assert runner.calls == ["cleanup on", "cleanup decode", "capture off"]
+    assert set(result["phases"]) == {"drop_s", "capture_s"} and result["incremental"]["decode_pending"]
+    idle = NS(tp_worker=NS(model_runner=runner), running_batch=None, waiting_queue=[])
+    assert inc.step(idle) == [] and runner.calls[-1] == "capture decode"
+    assert isinstance(runner.decode_cuda_graph_runner, FakeDecode) and not inc.pending(runner.prefill_cuda_graph_runner).decode
+    inc.pending(runner.prefill_cuda_graph_runner).last_seconds = 0.01  # idle: both sizes fit the next step
+    assert inc.step(idle) == [8, 4] and runner.calls[-1] == "capture sizes [8, 4]"
+    assert inc.step(idle) is None and rank.describe_rank(runner)["incremental"]["captured"] == 3
+    # nothing pending (every size captured at once): the decode graphs are captured in the switch
+    runner = DecodeRunner(env := {ENV: "1"})
+    assert not inc.defer_decode(runner.prefill_cuda_graph_runner, runner.init_decode_cuda_graph)
+
+
 def test_a_failed_capture_recaptures_the_previous_mode() -> None:
     env = {ENV: "1"}
     runner = FakeRunner(env, fail=("released",))

@@ -72,15 +72,18 @@ class Pending:
     last_seconds: float = 0.0  #: how long the last step took
     last_count: int = 0  #: how many sizes it captured
     last_end: float = 0.0
+    slowest: float = 0.0  #: the longest a step took per size (seconds)
     failed: str | None = None  #: why the capture stopped (the rest stay eager)
+    #: a live switch's decode graphs, captured by the first step (until then decode runs eagerly)
+    decode: Callable[[], Any] | None = None
 
     def wanted(self, idle: bool, now: float) -> int:
         """How many sizes this rank wants to capture now: under load one, once the server has served since the
         last step at least as long as that step took; idle, as many as the last step's pace fits in
         :data:`IDLE_STEP_S` (at least one); 0: none."""
-        if not self.sizes or self.failed is not None:
+        if (not self.sizes and self.decode is None) or self.failed is not None:
             return 0
-        if not idle:
+        if not idle or self.decode is not None:
             return int(now - self.last_end >= self.last_seconds)
         per_size = self.last_seconds / self.last_count if self.last_count else 0.0
         fits = int(IDLE_STEP_S / per_size) if per_size > 0 else 1
@@ -88,12 +91,23 @@ class Pending:
 
     def describe(self) -> dict[str, Any]:
         return {"captured": self.total - len(self.sizes), "sizes": self.total, "pending_sizes": list(self.sizes),
+                "decode_pending": self.decode is not None, "slowest_step_per_size_s": round(self.slowest, 4),
                 "capture_failed": self.failed}
 
 
 def pending(runner: Any) -> Pending | None:
     """The runner's incremental state (``None``: it captured everything at once)."""
     return getattr(runner, "__dict__", {}).get(STATE_ATTR)
+
+
+def defer_decode(runner: Any, capture: Callable[[], Any]) -> bool:
+    """Leave a live switch's decode capture (``capture``) to the incremental runner's first step; ``False``
+    (nothing deferred): the runner captures everything at once, or nothing is pending."""
+    state = pending(runner)
+    if state is None or not state.sizes:
+        return False
+    state.decode = capture
+    return True
 
 
 def pending_sizes(runner: Any) -> list[int]:
@@ -124,9 +138,12 @@ def around_capture_one_stream(original_fn: Callable[..., Any], runner: Any, *arg
     sizes = sorted(set(runner.capture_num_tokens), reverse=True)
     if not asked() or len(sizes) < 2:
         return original_fn(runner, *args, **kwargs)
-    runner.__dict__[STATE_ATTR] = Pending(sizes[1:], total=len(sizes))
+    state = runner.__dict__[STATE_ATTR] = Pending(sizes[1:], total=len(sizes))
     with only(runner, sizes[:1]):
         result = original_fn(runner, *args, **kwargs)
+    state.last_end = time.perf_counter()  # the first step is paced by this capture: served as long, under load
+    state.last_count, state.last_seconds = 1, state.last_end - state.started
+    state.slowest = state.last_seconds
     log.info("sglang_bcg: incremental capture: the largest prefill size (%d tokens) captured; %d more between "
              "batches, largest first; until then their batches run eagerly", sizes[0], len(sizes) - 1)
     return result
@@ -149,40 +166,49 @@ def _idle(scheduler: Any) -> bool:
 
 
 def step(scheduler: Any, now: Callable[[], float] = time.perf_counter) -> list[int] | None:
-    """Capture the next pending prefill sizes of this scheduler's runner, as many as every rank agrees are due;
-    the sizes captured (``None``: none)."""
+    """Capture the next pending prefill sizes of this scheduler's runner, as many as every rank agrees are due
+    (after a live switch, its decode graphs first, in a step of their own); the sizes captured (``None``: none,
+    ``[]``: the decode graphs)."""
     runner = getattr(getattr(getattr(scheduler, "tp_worker", None), "model_runner", None),
                      "prefill_cuda_graph_runner", None)
     state = pending(runner)
-    if runner is None or state is None or not state.sizes or state.failed is not None:
+    if runner is None or state is None or state.failed is not None or (not state.sizes and state.decode is None):
         return None
     start = now()
     count = tp_agree(state.wanted(_idle(scheduler), start), largest=False)  # the fewest any rank wants
     if count <= 0:
         return None
-    sizes = state.current = state.sizes[:count]
+    decode, sizes = state.decode, ([] if state.decode is not None else state.sizes[:count])
+    state.current = sizes
     backend = getattr(runner, "backend", None)
     try:
         if backend is not None:
             backend._bcg_resume = True
         if torch.cuda.is_available():  # a batch the overlap scheduler launched reads the runner's static inputs,
             torch.cuda.synchronize()  # which the capture's preparation rewrites: it finishes first
-        runner.capture()
+        if decode is not None:
+            decode()
+        else:
+            runner.capture()
     except Exception as exc:  # the server keeps serving: the rest of the sizes run eagerly
         state.failed = f"{type(exc).__name__}: {one_line(exc)}"
-        log.exception("sglang_bcg: incremental capture of prefill sizes %s failed; %d sizes stay eager",
-                      sizes, len(state.sizes))
+        log.exception("sglang_bcg: incremental capture of %s failed; %d prefill sizes stay eager",
+                      f"prefill sizes {sizes}" if sizes else "the decode graphs", len(state.sizes))
         return None
     finally:
         state.current = None
         if backend is not None:
             backend.__dict__.pop("_bcg_resume", None)
     before = state.total - len(state.sizes)
-    del state.sizes[:count]
-    state.last_end, state.last_count = now(), count
+    state.decode = None
+    del state.sizes[:len(sizes)]
+    state.last_end, state.last_count = now(), max(1, len(sizes))
     state.last_seconds = state.last_end - start
+    state.slowest = max(state.slowest, state.last_seconds / state.last_count)
     done = state.total - len(state.sizes)
-    if not state.sizes:
+    if not sizes:
+        log.info("sglang_bcg: incremental capture: the decode graphs captured in %.2f s", state.last_seconds)
+    elif not state.sizes:
         log.info("sglang_bcg: incremental capture: all %d prefill sizes captured, %.1f s after the first",
                  state.total, state.last_end - state.started)
     elif done // 10 > before // 10:  # progress, every ten sizes

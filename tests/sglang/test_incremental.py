@@ -101,6 +101,14 @@ def scheduler(runner: PrefillRunner, busy: bool = False) -> Any:
               waiting_queue=[])
 
 
+def unpaced(runner: PrefillRunner) -> inc.Pending:
+    """The runner's state as if its start-up capture had taken no time: every step due at once."""
+    state = inc.pending(runner)
+    state.last_end = state.last_seconds = 0.0
+    state.last_count = 0
+    return state
+
+
 def batch(tokens: int) -> Any:
     return NS(input_ids=torch.zeros(tokens, dtype=torch.int64))
 
@@ -135,6 +143,7 @@ def test_sizes_captured_between_batches_largest_first(monkeypatch: pytest.Monkey
     assert not runner.can_run_graph(batch(5)) and not runner.can_run_graph(batch(16))  # pending: eager
     assert not runner.can_run_graph(batch(33))  # SGLang's own answer stands
     busy = scheduler(runner, busy=True)  # under load: one size per step
+    unpaced(runner)
     clock = iter([0.0, 1.0, 2.0, 3.0, 4.0, 5.0]).__next__
     captured = [inc.step(busy, clock) for _ in range(3)]
     assert captured == [[16], [8], [4]] and inc.pending_sizes(runner) == [] and inc.step(busy) is None
@@ -151,23 +160,35 @@ def test_sizes_captured_between_batches_largest_first(monkeypatch: pytest.Monkey
         assert len(storages(outs)) == 4
     else:
         assert report.resident_output_bytes == 0
-    assert inc.pending(runner).describe() == {"captured": 4, "sizes": 4, "pending_sizes": [], "capture_failed": None}
+    described = inc.pending(runner).describe()
+    assert described.pop("slowest_step_per_size_s") >= 0
+    assert described == {"captured": 4, "sizes": 4, "pending_sizes": [], "decode_pending": False, "capture_failed": None}
 
 
 @needs_seam
 def test_under_load_a_step_waits_as_long_as_the_last_capture_took(monkeypatch: pytest.MonkeyPatch) -> None:
+    import time
+
     runner = PrefillRunner(Model(), monkeypatch)
+    before = time.perf_counter()
     runner.capture()
-    clock = iter([10.0, 12.0,  # the first step: 2 s
+    state = inc.pending(runner)  # the start-up capture paces the first step
+    assert before <= state.last_end - state.last_seconds and state.last_end <= time.perf_counter()
+    assert state.last_count == 1 and state.slowest == state.last_seconds > 0
+    state.last_end, state.last_seconds = 8.0, 2.0  # the largest size took 2 s, ended at 8 s
+    clock = iter([9.0,  # 1 s of serving since: not due
+                  10.0, 12.0,  # 2 s since: due; the step took 2 s
                   13.0,  # 1 s of serving since: not due
                   14.0, 14.5,  # 2 s since: due; it took 0.5 s
                   14.6]).__next__  # 0.1 s since: not due
     busy = scheduler(runner, busy=True)
-    assert inc.step(busy, clock) == [16]  # the first step after start-up is due at once
+    assert inc.step(busy, clock) is None
+    assert inc.step(busy, clock) == [16]
     assert inc.step(busy, clock) is None
     assert inc.step(busy, clock) == [8]
     assert inc.step(busy, clock) is None
     assert inc.step(scheduler(runner), lambda: 14.7) == [4]  # idle: at once
+    assert state.slowest >= 2.0
 
 
 @needs_seam
@@ -186,6 +207,7 @@ def test_tp_ranks_capture_only_together(monkeypatch: pytest.MonkeyPatch) -> None
 
     monkeypatch.setattr(compat, "tp_group", lambda: NS(cpu_group="gloo"))
     monkeypatch.setattr(torch.distributed, "all_reduce", all_reduce)
+    unpaced(runner)
     assert inc.step(scheduler(runner)) is None and votes == [1]  # this rank wants one, the other none yet
     other[0] = 1
     assert inc.step(scheduler(runner)) == [16]
@@ -203,12 +225,13 @@ def test_a_failed_step_leaves_the_rest_eager(monkeypatch: pytest.MonkeyPatch, ca
     runner = PrefillRunner(model, monkeypatch)
     runner.capture()
     runner.fail_on = 8
+    unpaced(runner)
     busy = scheduler(runner, busy=True)
     assert inc.step(busy, iter([0.0, 0.0]).__next__) == [16]
     assert inc.step(busy, iter([0.0, 0.0]).__next__) is None
     state = inc.pending(runner)
     assert state.failed == "RuntimeError: CUDA out of memory capturing 8" and inc.pending_sizes(runner) == [8, 4]
-    assert "incremental capture of prefill sizes [8] failed; 2 sizes stay eager" in caplog.text
+    assert "incremental capture of prefill sizes [8] failed; 2 prefill sizes stay eager" in caplog.text
     assert not runner.can_run_graph(batch(5)) and runner.can_run_graph(batch(12))
     assert inc.step(scheduler(runner)) is None  # no retry
     model.refill()
@@ -223,7 +246,7 @@ def test_an_idle_server_captures_what_fits_in_a_step(monkeypatch: pytest.MonkeyP
     runner = PrefillRunner(model, monkeypatch)
     runner.capture_num_tokens = list(range(4, 4 * 26, 4))  # 25 sizes
     runner.capture()
-    state = inc.pending(runner)
+    state = unpaced(runner)
     assert state.wanted(True, 0.0) == 1  # no pace yet: one
     state.last_seconds, state.last_count = 0.2, 2  # 0.1 s a size: five fit in IDLE_STEP_S
     with caplog.at_level(logging.INFO, logger="sglang_bcg_plugin"):

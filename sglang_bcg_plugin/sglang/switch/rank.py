@@ -19,7 +19,7 @@ from ...errors import one_line
 from ...output.mode import OutputMode, parse_mode
 from ..flag import ENV_TEXT
 from ..compat import SGLANG_BREAKABLE
-from ..incremental import pending
+from ..incremental import defer_decode, pending
 from ..memory_plan import after_switch_line, forecast_modes, switch_refusal
 from ..sglang_breakable import SharingPolicyMixin
 from ..sglang_session import session_switches
@@ -117,11 +117,15 @@ def _drop_graphs(model_runner: Any) -> bool:
     return decode
 
 
-def _capture(model_runner: Any, decode: bool) -> None:
-    """SGLang's own start-up captures, in start-up order."""
+def _capture(model_runner: Any, decode: bool) -> bool:
+    """SGLang's own start-up captures, in start-up order; with incremental capture the decode graphs are left
+    to its first step (until then decode runs eagerly). Whether sizes are left to capture between batches."""
     model_runner.init_prefill_cuda_graph()
-    if decode:
+    runner = getattr(model_runner, "prefill_cuda_graph_runner", None)
+    if decode and not defer_decode(runner, model_runner.init_decode_cuda_graph):
         model_runner.init_decode_cuda_graph()
+    state = pending(runner)
+    return state is not None and bool(state.sizes)
 
 
 def switch_rank(model_runner: Any, mode: OutputMode, seam_kind: str,
@@ -146,8 +150,10 @@ def switch_rank(model_runner: Any, mode: OutputMode, seam_kind: str,
     decode = _drop_graphs(model_runner)
     env[ENV_SHARE_OUTPUT] = ENV_TEXT[mode]
     result: dict[str, Any] = {"previous": resolution and resolution.mode, "mode": mode, "decode_recaptured": decode}
+    phases = result["phases"] = {"drop_s": round(time.perf_counter() - start, 3)}
+    later = False
     try:
-        _capture(model_runner, decode)
+        later = _capture(model_runner, decode)
         got = prefill_backend(model_runner)
         done = got.last_output_mode if isinstance(got, SharingPolicyMixin) else None
         if done is None or done.mode != mode:
@@ -157,8 +163,10 @@ def switch_rank(model_runner: Any, mode: OutputMode, seam_kind: str,
         logger.exception("sglang_bcg: re-capture in output mode %r failed", mode)
         result.update(ok=False, error=f"{type(exc).__name__}: {one_line(exc)}",
                       rolled_back=_roll_back(model_runner, env, previous_env, decode))
+    phases["capture_s"] = round(time.perf_counter() - start - phases["drop_s"], 3)
     _on_cuda("synchronize")
-    gc.collect()
+    if not later:  # the old graphs went in the drop's collection; a failed capture's leftovers go here
+        gc.collect()
     _on_cuda("empty_cache")  # the old pool, once nothing holds its blocks
     result["seconds"] = round(time.perf_counter() - start, 3)
     if result.get("ok") and (line := after_switch_line(modes, previous, mode, _free_bytes())) is not None:
