@@ -14,6 +14,19 @@ compared, so never two at once):
    requests (``SGLANG_BCG_SWITCH_WORKERS``, default 4), and ``POST /bcg/output_mode``
    on → off → released → on, a second POST sent during one switch, ``GET`` after each.
 
+With ``SGLANG_BCG_SWITCH_INCREMENTAL=1`` (docs/sglang.md#incremental-capture) the switched server, and one
+more started idle, capture their prefill sizes between batches (``SGLANG_BCG_INCREMENTAL_CAPTURE=1``; the
+fresh references still capture everything first): the idle one gives the start-up figures (first answer,
+every size captured, graph memory then); the switched one serves the load from its first answer for
+:data:`FIRST_MINUTE_S`, every size captured before the first switch, and after each switch the test waits
+until every size is captured again (the first switch: at least :data:`FIRST_MINUTE_S`). Checked besides:
+the longest answer overlapping a switch and its capture is at most 3 x the idle p99 latency (the fresh
+``on`` server under the same load) plus the slowest capture of one size; the first answer comes earlier than
+the fresh ``on`` server's by 90 % of its prefill capture; every size is captured within 1.2 x that capture;
+graph memory then equals the fresh server's. ``SGLANG_BCG_SWITCH_MODES`` (default ``on,off,released``)
+limits the modes (the switches go through them from ``on`` and back); ``SGLANG_BCG_SWITCH_RESUME`` (a
+``sglang_switch.json`` of an earlier call) takes its fresh references instead of starting them again.
+
 Checked: every switch answers 200 in the mode asked, with its time; the second POST is 409;
 no request fails, and every answer equals the target mode's reference (one at a time, or an
 answer a fresh server gave under the same load); graph memory after each switch equals the fresh
@@ -27,6 +40,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import tempfile
 import threading
@@ -42,9 +56,12 @@ from server_scripts import NEEDS_SERVER, load
 SHAPE = os.environ.get("SGLANG_BCG_SERVER_SHAPE", "tiny")
 CHUNK = {"tiny": 4096, "llama3-8b": 16384}
 KEY = "bcg-gpu-switch-key"
-MODES = ("on", "off", "released")
-#: From ``on``: on → off → released → on.
-SEQUENCE = ("off", "released", "on")
+MODES = tuple(os.environ.get("SGLANG_BCG_SWITCH_MODES", "on,off,released").split(","))
+#: From ``on`` through the others and back: on → off → released → on.
+SEQUENCE = (*MODES[1:], "on")
+INCREMENTAL = os.environ.get("SGLANG_BCG_SWITCH_INCREMENTAL", "0") == "1"
+#: Seconds of load from the first answer (and after the first switch) whose throughput is reported.
+FIRST_MINUTE_S = 60.0 if INCREMENTAL else 0.0
 WORKERS = int(os.environ.get("SGLANG_BCG_SWITCH_WORKERS", "4"))
 #: Prompt lengths (tokens): several prefill graph sizes, one chunk at most.
 LENGTHS = (5, 37, 200, 511, 900, 1500)
@@ -113,20 +130,24 @@ class Load:
 
 
 class Server:
-    def __init__(self, check: Any, model: Path, mode: str, log: Path) -> None:
+    def __init__(self, check: Any, model: Path, mode: str, log: Path, incremental: bool = False) -> None:
         self.check, self.log = check, log
+        self.launched, self.up_s = time.time(), 0.0
         port = check.free_port()
         self.base = f"http://127.0.0.1:{port}"
         cmd = check.server_command(str(model), port, mode, CHUNK[SHAPE], 0.3 if SHAPE == "tiny" else 0.5,
                                    131072, ["--admin-api-key", KEY])
+        env = check.server_env(mode, os.environ["PLUGIN_SITE"])
+        if incremental:
+            env["SGLANG_BCG_INCREMENTAL_CAPTURE"] = "1"
         with log.open("wb") as out:
-            self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-                                         env=check.server_env(mode, os.environ["PLUGIN_SITE"]),
+            self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, env=env,
                                          cwd=tempfile.mkdtemp(prefix=f"sglang-switch-{mode}-"))  # no checkout on the path
 
     def __enter__(self) -> Server:
         try:
             self.check.wait_healthy(self.base, self.proc, START_S)
+            self.up_s = round(time.time() - self.launched, 2)
         except Exception as exc:
             self.check.stop(self.proc)
             pytest.fail(f"server did not start ({exc}); its log {self.log}:\n{self.log.read_text(errors='replace')[-4000:]}")
@@ -134,6 +155,34 @@ class Server:
 
     def __exit__(self, *exc: object) -> None:
         self.check.stop(self.proc)
+
+    def start_figures(self, prompt: list[int]) -> dict[str, Any]:
+        """Seconds from launch to /health and to the first answer."""
+        ids = self.check.generate(self.base, prompt, NEW_TOKENS, REQUEST_S)["output_ids"]
+        return {"up_s": self.up_s, "first_answer_s": round(time.time() - self.launched, 2), "first_ids": ids}
+
+    def all_captured(self, timeout: float = SWITCH_S, poll: float = 1.0) -> dict[str, Any]:
+        """Wait until every rank has captured every prefill size (no ``incremental``: at once); the last GET
+        (every ``poll`` seconds: a GET reads the allocator's snapshot on the scheduler's thread)."""
+        start = time.time()
+        while True:
+            body = admin(self.base)[1]
+            states = [r.get("incremental") for r in body.get("ranks", [])]
+            if all(s is None or (s["captured"] == s["sizes"] and not s["decode_pending"]) or s["capture_failed"]
+                   for s in states) or time.time() - start > timeout:
+                return {"get": body, "waited_s": round(time.time() - start, 2),
+                        "at_s": round(time.time() - self.launched, 2), "incremental": states}
+            time.sleep(poll)
+
+    def log_figures(self) -> dict[str, Any]:
+        text = self.log.read_text(errors="replace")
+        found = {k: v for k, v in self.check.parse_log(text).items() if k.endswith("_s") or k.endswith("_gb")}
+        if m := ALL_CAPTURED.search(text):
+            found["all_captured_after_first_s"] = float(m.group(2))
+        return found
+
+
+ALL_CAPTURED = re.compile(r"incremental capture: all (\d+) prefill sizes captured, ([\d.]+) s after the first")
 
 
 @pytest.fixture(scope="module")
@@ -143,31 +192,48 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     out.mkdir(parents=True, exist_ok=True)
     model = make.make_model(tmp_path_factory.mktemp("model") / SHAPE, **make.SHAPES[SHAPE])
     prompts = check.prompts(LENGTHS)
-    found: dict[str, Any] = {"shape": SHAPE, "workers": WORKERS, "lengths": LENGTHS, "fresh": {}, "switches": []}
-    path = out / "sglang_switch.json"
+    found: dict[str, Any] = {"shape": SHAPE, "workers": WORKERS, "lengths": LENGTHS, "fresh": {}, "switches": [],
+                             "incremental": INCREMENTAL, "first_minute_s": FIRST_MINUTE_S}
+    path = out / ("sglang_switch_incremental.json" if INCREMENTAL else "sglang_switch.json")
+    if resume := os.environ.get("SGLANG_BCG_SWITCH_RESUME"):  # an earlier call's fresh references
+        found["fresh"] = {m: v for m, v in json.loads(Path(resume).read_text())["fresh"].items() if m in MODES}
 
     def save() -> None:
         path.write_text(json.dumps(found, indent=1) + "\n")
 
-    for mode in MODES:  # 1. references
+    for mode in [m for m in MODES if m not in found["fresh"]]:  # 1. references, every size captured first
         with Server(check, model, mode, out / f"switch-fresh-{mode}.log") as srv:
+            start = srv.start_figures(prompts[0])
             status, body = admin(srv.base)
             assert status == 200, f"fresh {mode}: GET /bcg/output_mode answered {status}: {body}"
             one = [check.generate(srv.base, p, NEW_TOKENS, REQUEST_S)["output_ids"] for p in prompts]
             with Load(check, srv.base, prompts) as traffic:
-                time.sleep(CONTROL_S)
+                time.sleep(FIRST_MINUTE_S if mode == "on" and FIRST_MINUTE_S else CONTROL_S)
             found["fresh"][mode] = {"get": body, "memory": memory(body), "one_at_a_time": one,
-                                    "control": traffic.answers}
+                                    "control": traffic.answers, "start": start}
+        found["fresh"][mode]["start"].update(srv.log_figures())
         save()
-    with Server(check, model, "on", out / "switch-live.log") as srv:  # 2. the switch
-        found["initial"] = admin(srv.base)[1]
+    if INCREMENTAL:  # 2. start-up, idle: the first answer, then every size captured
+        with Server(check, model, "on", out / "switch-startup.log", incremental=True) as srv:
+            start = srv.start_figures(prompts[0])
+            start.update(srv.all_captured())
+        start.update(srv.log_figures())
+        found["startup"] = start
+        save()
+    with Server(check, model, "on", out / "switch-live.log", incremental=INCREMENTAL) as srv:  # 3. the switch
+        found["live_start"] = srv.start_figures(prompts[0])
         with Load(check, srv.base, prompts) as traffic:
+            if FIRST_MINUTE_S:  # the first minute's load, then every size captured
+                found["first_minute"] = {"from": time.time(), "seconds": FIRST_MINUTE_S}
+                time.sleep(FIRST_MINUTE_S)
+                found["live_start"].update(srv.all_captured())
+            found["initial"] = admin(srv.base)[1]
             time.sleep(SETTLE_S)
             for i, mode in enumerate(SEQUENCE):
                 second: dict[str, Any] = {}
 
                 def post_again(box: dict[str, Any] = second, target: str = mode) -> None:
-                    time.sleep(0.2)
+                    time.sleep(0.05 if INCREMENTAL else 0.2)
                     box["sent"] = time.time()
                     # the same mode: should it land after the first ended, it changes nothing
                     box["status"], box["body"] = admin(srv.base, "POST", target, timeout=SWITCH_S)
@@ -180,14 +246,20 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
                 t1 = time.time()
                 if racer is not None:
                     racer.join(REQUEST_S)
-                time.sleep(SETTLE_S)
+                captured = srv.all_captured()
+                rest = (FIRST_MINUTE_S if i == 0 else 0.0) - (time.time() - t0)
+                time.sleep(max(SETTLE_S, rest))
                 after = admin(srv.base)[1]
                 found["switches"].append({"mode": mode, "status": status, "body": body, "t0": t0, "t1": t1,
                                           "wall_s": round(t1 - t0, 3), "after": after, "memory": memory(after),
-                                          "second": second or None})
-                print(f"switch to {mode}: {status} in {body.get('seconds')} s; {json.dumps(memory(after))}", flush=True)
+                                          "second": second or None, "captured_at": captured["at_s"] + srv.launched,
+                                          "incremental": captured["incremental"]})
+                print(f"switch to {mode}: {status} in {body.get('seconds')} s ({body.get('phases')}); every size "
+                      f"{round(captured['at_s'] + srv.launched - t0, 2)} s after the POST; {json.dumps(memory(after))}",
+                      flush=True)
                 save()
         found["answers"] = traffic.answers
+    found["live_start"].update(srv.log_figures())
     save()
     return found
 
@@ -267,3 +339,80 @@ def test_the_old_graphs_driver_memory_is_freed(results: dict[str, Any]) -> None:
         assert len(after) == len(fresh), s
         bad += [(s["mode"], k, a, f) for k, (a, f) in enumerate(zip(after, fresh)) if abs(a - f) > TOLERANCE]
     assert not bad, "outside the allocator after switch vs fresh (mode, rank, after, fresh): " + "; ".join(map(str, bad))
+
+
+def _latency_p99(answers: list[dict[str, Any]]) -> float:
+    lat = sorted(a["t1"] - a["t0"] for a in answers if a["error"] is None)
+    return lat[min(len(lat) - 1, int(0.99 * len(lat)))]
+
+
+def served(results: dict[str, Any], answers: list[dict[str, Any]], lo: float, hi: float) -> dict[str, float]:
+    """Answers ended in ``[lo, hi]``: per second, and their tokens (prompt and new) per second."""
+    done = [a for a in answers if a["error"] is None and lo <= a["t1"] <= hi]
+    tokens = sum(results["lengths"][a["prompt"]] + NEW_TOKENS for a in done)
+    return {"answers_per_s": round(len(done) / (hi - lo), 2), "tokens_per_s": round(tokens / (hi - lo), 1)}
+
+
+def throughput(results: dict[str, Any]) -> dict[str, Any]:
+    """The first minute from the first answer, and after the first switch, against the fresh ``on`` server (every
+    size captured first, never switched) under the same load."""
+    control = results["fresh"]["on"]["control"]
+    lo = min(a["t0"] for a in control)
+    first = results["first_minute"]
+    switch = results["switches"][0]
+    window = min(results["first_minute_s"], results["switches"][1]["t0"] - switch["t0"])
+    return {"captured_first": served(results, control, lo, lo + results["first_minute_s"]),
+            "first_minute": served(results, results["answers"], first["from"], first["from"] + first["seconds"]),
+            "after_switch": served(results, results["answers"], switch["t0"], switch["t0"] + window),
+            "after_switch_s": round(window, 1)}
+
+
+def needs_incremental(results: dict[str, Any]) -> None:
+    if not results.get("incremental"):
+        pytest.skip("the switched server captured every size at once (SGLANG_BCG_SWITCH_INCREMENTAL=1 for these)")
+
+
+def test_no_answer_overlapping_a_switch_waits_for_the_whole_recapture(results: dict[str, Any]) -> None:
+    """The longest answer overlapping a switch or its later captures: at most 3 x the idle p99 latency (the fresh
+    ``on`` server, same load) plus the slowest capture of one size that switch made."""
+    needs_incremental(results)
+    p99, rows = _latency_p99(results["fresh"]["on"]["control"]), []
+    for s in results["switches"]:
+        overlapping = [a["t1"] - a["t0"] for a in results["answers"] if a["t0"] <= s["captured_at"] and a["t1"] >= s["t0"]]
+        one_size = max(r["slowest_step_per_size_s"] for r in s["incremental"])
+        rows.append((s["mode"], round(max(overlapping), 3), round(3 * p99 + one_size, 3), len(overlapping)))
+    print(f"idle p99 {p99:.3f} s; (mode, longest overlapping, bound, answers overlapping): {rows}", flush=True)
+    assert all(n > 0 and longest <= bound for _, longest, bound, n in rows), rows
+
+
+def test_startup_answers_first_and_captures_every_size_in_time(results: dict[str, Any]) -> None:
+    """Idle start-up with incremental capture against the fresh ``on`` server (every size captured first): the
+    first answer earlier by 90 % of that server's prefill capture; every size within 1.2 x that capture."""
+    needs_incremental(results)
+    ref, inc = results["fresh"]["on"]["start"], results["startup"]
+    capture = ref["prefill_capture_s"]
+    print(f"first answer {inc['first_answer_s']} s vs {ref['first_answer_s']} s; every size "
+          f"{inc.get('all_captured_after_first_s')} s after the first vs the prefill capture {capture} s", flush=True)
+    assert inc["first_answer_s"] <= ref["first_answer_s"] - 0.9 * capture, (inc, ref)
+    assert inc["all_captured_after_first_s"] <= 1.2 * capture, (inc, ref)
+
+
+def test_graph_memory_once_every_size_is_captured_equals_a_server_that_captured_them_first(results: dict[str, Any]) -> None:
+    needs_incremental(results)
+    fresh = results["fresh"]["on"]
+    for name, body in (("start-up", results["startup"]["get"]), ("switched server's start", results["initial"])):
+        got = memory(body)
+        bad = [(what, g, f) for what in ("pool_bytes", "graph_pools_bytes", "resident_output_bytes")
+               for g, f in zip(got[what], fresh["memory"][what]) if g is None or abs(g - f) > TOLERANCE]
+        bad += [("outside the allocator", outside_allocator(g), outside_allocator(f))
+                for g, f in zip(body["ranks"], fresh["get"]["ranks"])
+                if abs(outside_allocator(g) - outside_allocator(f)) > TOLERANCE]
+        assert not bad, f"{name} vs fresh on (figure, incremental, fresh): {bad}"
+
+
+def test_throughput_first_minute_and_after_a_switch(results: dict[str, Any]) -> None:
+    """Reported (docs/benchmarks.md): answers and tokens per second; the load was served in every window."""
+    needs_incremental(results)
+    found = throughput(results)
+    print("throughput: " + json.dumps(found), flush=True)
+    assert all(v["answers_per_s"] > 0 for k, v in found.items() if isinstance(v, dict)), found
