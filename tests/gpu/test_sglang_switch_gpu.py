@@ -24,8 +24,10 @@ the longest answer overlapping a switch and its capture is at most 3 x the idle 
 ``on`` server under the same load) plus the slowest capture of one size; the first answer comes earlier than
 the fresh ``on`` server's by 90 % of its prefill capture; every size is captured within 1.2 x that capture;
 graph memory then equals the fresh server's. ``SGLANG_BCG_SWITCH_MODES`` (default ``on,off,released``)
-limits the modes (the switches go through them from ``on`` and back); ``SGLANG_BCG_SWITCH_RESUME`` (a
-``sglang_switch.json`` of an earlier call) takes its fresh references instead of starting them again.
+limits the modes (the switches go through them from ``on`` and back); ``SGLANG_BCG_SWITCH_MINUTE_S``
+(default 60) is the first minute; ``SGLANG_BCG_SWITCH_PARTS`` (default ``fresh,startup,live``) the servers
+this call starts, and ``SGLANG_BCG_SWITCH_RESUME`` (the JSON of an earlier call) takes its references and
+start-up instead of starting them again: one call may then stay within a device call's limit.
 
 Checked: every switch answers 200 in the mode asked, with its time; the second POST is 409;
 no request fails, and every answer equals the target mode's reference (one at a time, or an
@@ -61,7 +63,10 @@ MODES = tuple(os.environ.get("SGLANG_BCG_SWITCH_MODES", "on,off,released").split
 SEQUENCE = (*MODES[1:], "on")
 INCREMENTAL = os.environ.get("SGLANG_BCG_SWITCH_INCREMENTAL", "0") == "1"
 #: Seconds of load from the first answer (and after the first switch) whose throughput is reported.
-FIRST_MINUTE_S = 60.0 if INCREMENTAL else 0.0
+FIRST_MINUTE_S = float(os.environ.get("SGLANG_BCG_SWITCH_MINUTE_S", "60")) if INCREMENTAL else 0.0
+#: The servers this call starts: the fresh references, the idle start-up (incremental only), the switched one;
+#: a call of the first two leaves its JSON for a later call's ``SGLANG_BCG_SWITCH_RESUME``.
+PARTS = tuple(os.environ.get("SGLANG_BCG_SWITCH_PARTS", "fresh,startup,live").split(","))
 WORKERS = int(os.environ.get("SGLANG_BCG_SWITCH_WORKERS", "4"))
 #: Prompt lengths (tokens): several prefill graph sizes, one chunk at most.
 LENGTHS = (5, 37, 200, 511, 900, 1500)
@@ -195,13 +200,15 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     found: dict[str, Any] = {"shape": SHAPE, "workers": WORKERS, "lengths": LENGTHS, "fresh": {}, "switches": [],
                              "incremental": INCREMENTAL, "first_minute_s": FIRST_MINUTE_S}
     path = out / ("sglang_switch_incremental.json" if INCREMENTAL else "sglang_switch.json")
-    if resume := os.environ.get("SGLANG_BCG_SWITCH_RESUME"):  # an earlier call's fresh references
-        found["fresh"] = {m: v for m, v in json.loads(Path(resume).read_text())["fresh"].items() if m in MODES}
+    if resume := os.environ.get("SGLANG_BCG_SWITCH_RESUME"):  # an earlier call's references and start-up
+        earlier = json.loads(Path(resume).read_text())
+        found["fresh"] = {m: v for m, v in earlier["fresh"].items() if m in MODES}
+        found.update({k: earlier[k] for k in ("startup",) if k in earlier})
 
     def save() -> None:
         path.write_text(json.dumps(found, indent=1) + "\n")
 
-    for mode in [m for m in MODES if m not in found["fresh"]]:  # 1. references, every size captured first
+    for mode in [m for m in MODES if m not in found["fresh"] and "fresh" in PARTS]:  # 1. references, captured first
         with Server(check, model, mode, out / f"switch-fresh-{mode}.log") as srv:
             start = srv.start_figures(prompts[0])
             status, body = admin(srv.base)
@@ -213,13 +220,15 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
                                     "control": traffic.answers, "start": start}
         found["fresh"][mode]["start"].update(srv.log_figures())
         save()
-    if INCREMENTAL:  # 2. start-up, idle: the first answer, then every size captured
+    if INCREMENTAL and "startup" in PARTS and "startup" not in found:  # 2. start-up, idle: first answer, all sizes
         with Server(check, model, "on", out / "switch-startup.log", incremental=True) as srv:
             start = srv.start_figures(prompts[0])
             start.update(srv.all_captured())
         start.update(srv.log_figures())
         found["startup"] = start
         save()
+    if "live" not in PARTS:
+        pytest.skip(f"this call started {', '.join(PARTS)}; its JSON {path} is a later call's SGLANG_BCG_SWITCH_RESUME")
     with Server(check, model, "on", out / "switch-live.log", incremental=INCREMENTAL) as srv:  # 3. the switch
         found["live_start"] = srv.start_figures(prompts[0])
         with Load(check, srv.base, prompts) as traffic:
