@@ -495,6 +495,61 @@ def test_the_h200_recording_passes_the_gpu_checks() -> None:
         checks.test_no_request_is_lost_or_answered_wrong(wrong)
 
 
+def _as_incremental(recorded: dict[str, Any]) -> dict[str, Any]:
+    """The H200 recording rewritten into what an incremental run records (a stand-in for such a recording until
+    one is kept): start-up figures, the first minute, and each switch's capture end and per-size pace."""
+    found = dict(recorded, incremental=True, first_minute_s=30.0)
+    t_first = min(a["t0"] for a in found["answers"])
+    found["first_minute"] = {"from": t_first - 31.0, "seconds": 30.0}
+    found["answers"] = [dict(a, t0=t_first - 30.5 + 0.1 * i, t1=t_first - 30.4 + 0.1 * i) for i, a in
+                        enumerate(found["answers"][:280])] + found["answers"]
+    found["fresh"]["on"]["start"] = {"up_s": 61.1, "first_answer_s": 61.3, "prefill_capture_s": 20.0}
+    found["startup"] = {"up_s": 42.0, "first_answer_s": 42.2, "all_captured_after_first_s": 21.0,
+                        "get": found["fresh"]["on"]["get"]}
+    for s in found["switches"]:  # a switch of 0.15 s, its sizes captured within 2 s
+        s["captured_at"] = s["t0"] + 2.0
+        s["incremental"] = [{"captured": 50, "sizes": 50, "slowest_step_per_size_s": 0.12, "decode_pending": False}]
+    for a in found["answers"]:  # the recording's answers overlapping a switch waited for all of it: not these
+        if any(a["t0"] <= s["t1"] and a["t1"] >= s["t0"] for s in found["switches"]):
+            a["t1"] = a["t0"] + 0.1
+    return found
+
+
+def test_the_incremental_checks_pass_a_good_run_and_fail_a_bad_one() -> None:
+    import copy
+    import gzip
+    from pathlib import Path
+
+    recorded = json.loads(gzip.decompress((Path(__file__).parent / "data" / "server" / "switch-h200-tiny.json.gz").read_bytes()))
+    checks, good = _gpu_switch_checks(), _as_incremental(recorded)
+    names = ("test_no_answer_overlapping_a_switch_waits_for_the_whole_recapture",
+             "test_startup_answers_first_and_captures_every_size_in_time",
+             "test_graph_memory_once_every_size_is_captured_equals_a_server_that_captured_them_first",
+             "test_throughput_first_minute_and_after_a_switch", "test_no_request_is_lost_or_answered_wrong")
+    for name in names:
+        getattr(checks, name)(copy.deepcopy(good))
+    found = checks.throughput(good)
+    assert found["first_minute"]["answers_per_s"] > 0 and found["after_switch_s"] > 0
+    assert set(found) == {"captured_first", "first_minute", "after_switch", "after_switch_s"}
+    waited = copy.deepcopy(good)  # an answer that waited for the whole re-capture
+    waited["answers"].append({"prompt": 0, "ids": waited["fresh"]["on"]["one_at_a_time"][0], "error": None,
+                              "t0": waited["switches"][1]["t0"], "t1": waited["switches"][1]["t0"] + 8.0})
+    with pytest.raises(AssertionError, match="off|on"):
+        checks.test_no_answer_overlapping_a_switch_waits_for_the_whole_recapture(waited)
+    slow = copy.deepcopy(good)
+    slow["startup"]["all_captured_after_first_s"] = 24.5  # over 1.2 x 20 s
+    with pytest.raises(AssertionError):
+        checks.test_startup_answers_first_and_captures_every_size_in_time(slow)
+    late = copy.deepcopy(good)
+    late["startup"]["first_answer_s"] = 44.0  # earlier by 17.3 s only, under 90 % of 20 s
+    with pytest.raises(AssertionError):
+        checks.test_startup_answers_first_and_captures_every_size_in_time(late)
+    bigger = copy.deepcopy(good)
+    bigger["initial"]["ranks"][0]["free_bytes"] -= 3 << 20
+    with pytest.raises(AssertionError, match="outside the allocator"):
+        checks.test_graph_memory_once_every_size_is_captured_equals_a_server_that_captured_them_first(bigger)
+
+
 def test_the_memory_plan_refuses_a_switch_it_cannot_hold(monkeypatch: pytest.MonkeyPatch,
                                                           caplog: pytest.LogCaptureFixture) -> None:
     """With a plan made in this process, a switch whose graphs (the forecast of every mode) would take the
