@@ -166,7 +166,7 @@ class Server:
         ids = self.check.generate(self.base, prompt, NEW_TOKENS, REQUEST_S)["output_ids"]
         return {"up_s": self.up_s, "first_answer_s": round(time.time() - self.launched, 2), "first_ids": ids}
 
-    def all_captured(self, timeout: float = SWITCH_S, poll: float = 1.0) -> dict[str, Any]:
+    def all_captured(self, timeout: float = 240.0, poll: float = 1.0) -> dict[str, Any]:
         """Wait until every rank has captured every prefill size (no ``incremental``: at once); the last GET
         (every ``poll`` seconds: a GET reads the allocator's snapshot on the scheduler's thread)."""
         start = time.time()
