@@ -522,6 +522,7 @@ def test_the_incremental_checks_pass_a_good_run_and_fail_a_bad_one() -> None:
 
     recorded = json.loads(gzip.decompress((Path(__file__).parent / "data" / "server" / "switch-h200-tiny.json.gz").read_bytes()))
     checks, good = _gpu_switch_checks(), _as_incremental(recorded)
+    assert [r["bound_s"] for r in checks.summary(good)["switches"]] == [0.29] * 3
     names = ("test_no_answer_overlapping_a_switch_waits_for_the_whole_recapture",
              "test_startup_answers_first_and_captures_every_size_in_time",
              "test_graph_memory_once_every_size_is_captured_equals_a_server_that_captured_them_first",

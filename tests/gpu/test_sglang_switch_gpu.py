@@ -425,3 +425,31 @@ def test_throughput_first_minute_and_after_a_switch(results: dict[str, Any]) -> 
     found = throughput(results)
     print("throughput: " + json.dumps(found), flush=True)
     assert all(v["answers_per_s"] > 0 for k, v in found.items() if isinstance(v, dict)), found
+
+
+def summary(results: dict[str, Any]) -> dict[str, Any]:
+    """The figures docs/benchmarks.md reports, from a results JSON (``python THIS_FILE RESULTS.json``)."""
+    p99 = _latency_p99(results["fresh"]["on"]["control"])
+    rows = []
+    for s in results["switches"]:
+        overlapping = [a["t1"] - a["t0"] for a in results["answers"] if a["t0"] <= s["captured_at"] and a["t1"] >= s["t0"]]
+        one_size = max((r or {}).get("slowest_step_per_size_s", 0.0) for r in s.get("incremental") or [{}])
+        rows.append({"mode": s["mode"], "answer_s": s["body"].get("seconds"), "phases": s["body"].get("phases"),
+                     "all_captured_after_post_s": round(s["captured_at"] - s["t0"], 2),
+                     "longest_overlapping_s": round(max(overlapping), 3), "overlapping": len(overlapping),
+                     "bound_s": round(3 * p99 + one_size, 3)})
+    out: dict[str, Any] = {"shape": results["shape"], "idle_p99_s": round(p99, 4), "switches": rows,
+                           "fresh_on_start": results["fresh"]["on"].get("start"), "startup": results.get("startup"),
+                           "live_start": results.get("live_start")}
+    for key in ("startup", "live_start"):
+        if isinstance(out[key], dict):
+            out[key] = {k: v for k, v in out[key].items() if k not in ("get", "first_ids")}
+    if results.get("incremental"):
+        out["throughput"] = throughput(results)
+    return out
+
+
+if __name__ == "__main__":
+    import sys
+
+    print(json.dumps(summary(json.loads(Path(sys.argv[1]).read_text())), indent=1))
