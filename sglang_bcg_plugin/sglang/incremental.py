@@ -10,8 +10,10 @@ server idle, or serving since the last capture for at least as long as that capt
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import os
+import sys
 import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -128,6 +130,35 @@ def only(runner: Any, sizes: list[int]) -> Iterator[None]:
         runner.capture_num_tokens = every
 
 
+@contextlib.contextmanager
+def _freeze_gc_without_collections(enable_cudagraph_gc: bool) -> Iterator[None]:
+    """SGLang's ``freeze_gc`` (objects frozen while the capture runs, unless its GC is enabled) without its two full
+    collections: each walks every object of the scheduler's process, on every step."""
+    if not enable_cudagraph_gc:
+        gc.freeze()
+    try:
+        yield
+    finally:
+        if not enable_cudagraph_gc:
+            gc.unfreeze()
+
+
+@contextlib.contextmanager
+def light_gc(runner: Any) -> Iterator[None]:
+    """A step's capture uses :func:`_freeze_gc_without_collections` as the runner's module's ``freeze_gc`` (SGLang
+    0.5.14-0.5.23 import it there by name); restored after. Elsewhere: nothing changed."""
+    module = sys.modules.get(type(runner).__module__)
+    original = getattr(module, "freeze_gc", None)
+    if module is None or original is None:
+        yield
+        return
+    module.freeze_gc = _freeze_gc_without_collections  # type: ignore[attr-defined]
+    try:
+        yield
+    finally:
+        module.freeze_gc = original  # type: ignore[attr-defined]
+
+
 def around_capture_one_stream(original_fn: Callable[..., Any], runner: Any, *args: Any, **kwargs: Any) -> Any:
     """AROUND hook of the runner's capture pass: at start-up (and after a switch: a new runner) the largest
     size alone, the others left pending; in a step, the size the step chose."""
@@ -189,7 +220,8 @@ def step(scheduler: Any, now: Callable[[], float] = time.perf_counter) -> list[i
         if decode is not None:
             decode()
         else:
-            runner.capture()
+            with light_gc(runner):
+                runner.capture()
     except Exception as exc:  # the server keeps serving: the rest of the sizes run eagerly
         state.failed = f"{type(exc).__name__}: {one_line(exc)}"
         log.exception("sglang_bcg: incremental capture of %s failed; %d prefill sizes stay eager",

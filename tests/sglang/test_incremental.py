@@ -305,3 +305,34 @@ def test_the_doctor_line(monkeypatch: pytest.MonkeyPatch) -> None:
     assert "not applied" in doctor.incremental_line("runner", {inc.ENV_INCREMENTAL: "1"})
     monkeypatch.setattr(doctor, "has_runner_seam", lambda: True)
     assert doctor.incremental_line("backend", {inc.ENV_INCREMENTAL: "1"}).startswith("on: ")
+
+
+@needs_seam
+def test_a_step_freezes_objects_as_sglang_does_without_its_two_collections(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The release's prefill runner module imports ``freeze_gc`` by name; in a step it is swapped for one that
+    freezes and unfreezes without ``gc.collect()``, and restored after, also when the capture raises."""
+    import gc
+    import sys
+
+    real = real_runner_class()
+    module = sys.modules[real.__module__]
+    original, runner = module.freeze_gc, real.__new__(real)
+    collected, frozen = [], []
+    monkeypatch.setattr(gc, "collect", lambda *a: collected.append(a) or 0)
+    monkeypatch.setattr(gc, "freeze", lambda: frozen.append("freeze"))
+    monkeypatch.setattr(gc, "unfreeze", lambda: frozen.append("unfreeze"))
+    with inc.light_gc(runner):
+        assert module.freeze_gc is not original
+        with module.freeze_gc(False):
+            assert frozen == ["freeze"]
+        with module.freeze_gc(True):  # SGLang's GC enabled during capture: nothing frozen
+            pass
+    assert module.freeze_gc is original and frozen == ["freeze", "unfreeze"] and collected == []
+    with pytest.raises(RuntimeError), inc.light_gc(runner):
+        raise RuntimeError("capture failed")
+    assert module.freeze_gc is original
+    with original(False):  # SGLang's own collects twice
+        pass
+    assert len(collected) == 2
+    with inc.light_gc(object()):  # a runner whose module has no freeze_gc: nothing changed
+        pass
