@@ -56,6 +56,10 @@ class FakeRunner:
     def init_prefill_cuda_graph(self) -> None:
         mode = MODE_OF_ENV[self.env[ENV]]
         self.calls.append(f"capture {mode}")
+        from sglang_bcg_plugin.sglang.serving_capture import runner_classes
+
+        # requests in flight keep their KV: the capture batches write into the padding slot
+        assert all(hasattr(c.__dict__["capture_prepare"], "__wrapped__") for c in runner_classes())
         if mode in self.fail:
             raise RuntimeError(f"CUDA out of memory capturing {mode}\nsecond line")
         self.prefill_cuda_graph_runner = NS(backend=FakeBackend(mode, self.calls))
@@ -107,6 +111,15 @@ def test_switch_recaptures_in_the_new_mode() -> None:
     assert result["seconds"] >= 0 and result["keys"] == 2 and result["resident_output_bytes"] == 0
     shown = rank.answer_rank(runner, {"action": "show"}, "backend")
     assert shown["mode"] == "off" and shown["refusal"] is None and shown["ok"]
+
+
+def test_a_model_with_per_request_state_is_refused() -> None:
+    env = {ENV: "1"}
+    runner = FakeRunner(env)
+    runner.req_to_token_pool = NS(mamba_pool=object())
+    with pytest.raises(rank.Refused, match="keeps a mamba state pool"):
+        rank.switch_rank(runner, "off", "backend", env, check=no_check)
+    assert runner.calls == [] and env[ENV] == "1"
 
 
 def test_decode_graphs_are_recaptured_after_prefill() -> None:

@@ -24,6 +24,7 @@ import torch
 from .._words import parse_bool_env
 from ..errors import one_line
 from .compat import sglang_source, tp_agree
+from .serving_capture import dummy_writes_to_padding, per_request_state, runner_classes
 
 log = logging.getLogger("sglang_bcg_plugin")
 
@@ -144,19 +145,22 @@ def _freeze_gc_without_collections(enable_cudagraph_gc: bool) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def light_gc(runner: Any) -> Iterator[None]:
-    """A step's capture uses :func:`_freeze_gc_without_collections` as the runner's module's ``freeze_gc`` (SGLang
-    0.5.14-0.5.23 import it there by name); restored after. Elsewhere: nothing changed."""
-    module = sys.modules.get(type(runner).__module__)
-    original = getattr(module, "freeze_gc", None)
-    if module is None or original is None:
-        yield
-        return
-    module.freeze_gc = _freeze_gc_without_collections  # type: ignore[attr-defined]
+def light_gc(*runners: Any) -> Iterator[None]:
+    """A capture while serving uses :func:`_freeze_gc_without_collections` as the ``freeze_gc`` of the modules of
+    ``runners`` (runner instances or classes; SGLang 0.5.14-0.5.23 import it there by name); restored after.
+    Elsewhere: nothing changed."""
+    swapped = []
+    for runner in runners:
+        module = sys.modules.get((runner if isinstance(runner, type) else type(runner)).__module__)
+        original = getattr(module, "freeze_gc", None)
+        if module is not None and original is not None and original is not _freeze_gc_without_collections:
+            module.freeze_gc = _freeze_gc_without_collections  # type: ignore[attr-defined]
+            swapped.append((module, original))
     try:
         yield
     finally:
-        module.freeze_gc = original  # type: ignore[attr-defined]
+        for module, original in reversed(swapped):
+            module.freeze_gc = original
 
 
 def around_capture_one_stream(original_fn: Callable[..., Any], runner: Any, *args: Any, **kwargs: Any) -> Any:
@@ -168,6 +172,10 @@ def around_capture_one_stream(original_fn: Callable[..., Any], runner: Any, *arg
             return original_fn(runner, *args, **kwargs)
     sizes = sorted(set(runner.capture_num_tokens), reverse=True)
     if not asked() or len(sizes) < 2:
+        return original_fn(runner, *args, **kwargs)
+    if (kept := per_request_state(getattr(runner, "model_runner", None))) is not None:
+        log.warning("sglang_bcg: incremental capture is off for this model: it keeps %s, which a capture while "
+                    "serving would overwrite for requests in flight; every prefill size is captured now", kept)
         return original_fn(runner, *args, **kwargs)
     state = runner.__dict__[STATE_ATTR] = Pending(sizes[1:], total=len(sizes))
     with only(runner, sizes[:1]):
@@ -217,10 +225,10 @@ def step(scheduler: Any, now: Callable[[], float] = time.perf_counter) -> list[i
             backend._bcg_resume = True
         if torch.cuda.is_available():  # a batch the overlap scheduler launched reads the runner's static inputs,
             torch.cuda.synchronize()  # which the capture's preparation rewrites: it finishes first
-        if decode is not None:
-            decode()
-        else:
-            with light_gc(runner):
+        with dummy_writes_to_padding(), light_gc(runner, *runner_classes()):  # requests in flight keep their KV
+            if decode is not None:
+                decode()
+            else:
                 runner.capture()
     except Exception as exc:  # the server keeps serving: the rest of the sizes run eagerly
         state.failed = f"{type(exc).__name__}: {one_line(exc)}"

@@ -51,8 +51,14 @@ class PrefillRunner:
         self.backend = sglang_breakable_backend_class()(FakeRunner())
         self._pad_to_bucket = real_runner_class()._pad_to_bucket  # SGLang's own (a staticmethod)
         self.fail_on: int | None = None
+        self.model_runner = NS(req_to_token_pool=NS(mamba_pool=None))
+        #: per capture pass: whether the real runner classes' capture batches write into the padding slot
+        self.padded: list[bool] = []
 
     def capture(self) -> None:  # SGLang: model_context, warmup, graph_capture, backend.capture_session
+        from sglang_bcg_plugin.sglang.serving_capture import runner_classes
+
+        self.padded.append(all(hasattr(c.__dict__["capture_prepare"], "__wrapped__") for c in runner_classes()))
         with self.backend.capture_session(self.stream):
             inc.around_capture_one_stream(type(self)._capture_one_stream, self)
 
@@ -147,6 +153,7 @@ def test_sizes_captured_between_batches_largest_first(monkeypatch: pytest.Monkey
     clock = iter([0.0, 1.0, 2.0, 3.0, 4.0, 5.0]).__next__
     captured = [inc.step(busy, clock) for _ in range(3)]
     assert captured == [[16], [8], [4]] and inc.pending_sizes(runner) == [] and inc.step(busy) is None
+    assert runner.padded == [False, True, True, True]  # the steps' batches write KV into the padding slot
     assert all(runner.can_run_graph(batch(n)) for n in (1, 5, 16, 32))
     model.refill()
     for n in SIZES:
@@ -336,3 +343,18 @@ def test_a_step_freezes_objects_as_sglang_does_without_its_two_collections(monke
     assert len(collected) == 2
     with inc.light_gc(object()):  # a runner whose module has no freeze_gc: nothing changed
         pass
+    with inc.light_gc(real, runner):  # a class or an instance; its module swapped once, restored once
+        assert module.freeze_gc is not original
+    assert module.freeze_gc is original
+
+
+@needs_seam
+def test_a_model_with_per_request_state_captures_everything_at_start_up(monkeypatch: pytest.MonkeyPatch,
+                                                                        caplog: Any) -> None:
+    """A capture while serving would clear a live request's mamba state: such a model captures every size at once."""
+    runner = PrefillRunner(Model(), monkeypatch)
+    runner.model_runner = NS(req_to_token_pool=NS(mamba_pool=object()))
+    with caplog.at_level("WARNING", logger="sglang_bcg_plugin"):
+        runner.capture()
+    assert sorted(k.size for k in runner.backend._graphs) == SIZES and inc.pending(runner) is None
+    assert "incremental capture is off for this model: it keeps a mamba state pool" in caplog.text

@@ -19,8 +19,9 @@ from ...errors import one_line
 from ...output.mode import OutputMode, parse_mode
 from ..flag import ENV_TEXT
 from ..compat import SGLANG_BREAKABLE
-from ..incremental import defer_decode, pending
+from ..incremental import defer_decode, light_gc, pending
 from ..memory_plan import after_switch_line, forecast_modes, switch_refusal
+from ..serving_capture import dummy_writes_to_padding, per_request_state, runner_classes
 from ..sglang_breakable import SharingPolicyMixin
 from ..sglang_session import session_switches
 
@@ -42,6 +43,9 @@ def recapture_refusal(model_runner: Any, seam_kind: str) -> str | None:
                 "restart with --enable-bcg-shared-output=MODE")
     if seam_kind != "backend":
         return "this SGLang has no breakable CUDA graph the plugin hooks"
+    if (state := per_request_state(model_runner)) is not None:
+        return (f"this model keeps {state}, which a capture while serving would overwrite for requests in flight: "
+                "restart with --enable-bcg-shared-output=MODE")
     backend = prefill_backend(model_runner)
     if not isinstance(backend, SharingPolicyMixin):
         device = str(getattr(model_runner, "device", "?"))
@@ -120,10 +124,12 @@ def _drop_graphs(model_runner: Any) -> bool:
 def _capture(model_runner: Any, decode: bool) -> bool:
     """SGLang's own start-up captures, in start-up order; with incremental capture the decode graphs are left
     to its first step (until then decode runs eagerly). Whether sizes are left to capture between batches."""
-    model_runner.init_prefill_cuda_graph()
-    runner = getattr(model_runner, "prefill_cuda_graph_runner", None)
-    if decode and not defer_decode(runner, model_runner.init_decode_cuda_graph):
-        model_runner.init_decode_cuda_graph()
+    # requests in flight keep their KV (sglang/serving_capture.py); the drop collected already, and the tail does
+    with dummy_writes_to_padding(), light_gc(*runner_classes()):
+        model_runner.init_prefill_cuda_graph()
+        runner = getattr(model_runner, "prefill_cuda_graph_runner", None)
+        if decode and not defer_decode(runner, model_runner.init_decode_cuda_graph):
+            model_runner.init_decode_cuda_graph()
     state = pending(runner)
     return state is not None and bool(state.sizes)
 
