@@ -233,3 +233,25 @@ def test_a_pool_engines_plan_keeps_its_wording(cpu_is_pool_memory: None, monkeyp
                                     "the largest capture releases its output; guard")
     assert report.plan.releases_outputs and report.resident_output_bytes == 0
     backend.cleanup()
+
+
+def test_a_resumed_session_keeps_the_largest_where_the_first_captured_nothing() -> None:
+    """A live switch's first session (incremental capture) captures no size: the session that captures the largest
+    later still keeps its output, as a fresh capture's would; after a first key, a resumed session keeps none."""
+    from sglang_bcg_plugin.output.mode import Resolution
+    from sglang_bcg_plugin.output.plan import SessionPlan
+    from sglang_bcg_plugin.output.policy import OutputPolicy
+
+    plan = SessionPlan(Resolution("released", "test"), "adopt", "test", released_keeps_largest=True)
+    policy = OutputPolicy()
+    policy.open(plan)
+    policy.close()  # nothing captured
+    policy.open(plan, resume=True)
+    assert policy.keep_first
+    policy.keep_first = False  # what a commit of the first key does
+    policy.close()
+    policy.open(plan, resume=True)
+    assert not policy.keep_first
+    policy.close()
+    policy.open(plan)  # a fresh session: as its plan says
+    assert policy.keep_first

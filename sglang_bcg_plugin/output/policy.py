@@ -76,19 +76,19 @@ class OutputPolicy:
         self._foreign: dict[Hashable, Storages] = {}
         self._placed: dict[Hashable, Placed] = {}
         self.guard: StaleOutputGuard | None = None
-        #: the last session's mode, partitions and reserved buffers, for a session that resumes it
-        self._kept: tuple[str, dict[int | None, _Partition], dict[int | None, _Partition]] | None = None
+        #: the last session's mode, partitions, reserved buffers and whether its first key is still to come, for a
+        #: session that resumes it
+        self._kept: tuple[str, dict[int | None, _Partition], dict[int | None, _Partition], bool] | None = None
 
     def open(self, plan: SessionPlan, resume: bool = False) -> None:
         """A session with ``plan``: fresh partitions, or with ``resume`` the last session's where it had the same
-        mode (its later sizes share its buffers; the largest was captured then); the guard read now serves every
-        replay."""
+        mode (its later sizes share its buffers; the largest was captured then, or, where it captured nothing, is
+        the first this one captures); the guard read now serves every replay."""
         self.enabled, self.strict, self.source = plan.mode == ON, plan.strict, plan.buffer_source
         self.release, self.keep_first = plan.mode == RELEASED, plan.released_keeps_largest
         kept, self._kept = self._kept, None
         if resume and kept is not None and kept[0] == plan.mode:
-            _, self.partitions, self._reserved = kept
-            self.keep_first = False
+            _, self.partitions, self._reserved, self.keep_first = kept
         if plan.guard and not plan.guard_armed and self.guard is None:
             msg = ("stale_output_guard is on but this torch build cannot poison storages (needs "
                    "torch._C._set_storage_access_error_msg, present in CUDA builds); the guard does nothing")
@@ -99,7 +99,7 @@ class OutputPolicy:
         """The session ended: its partitions kept only for a session that resumes it (the graphs hold their
         outputs); pending keys dropped."""
         mode = ON if self.enabled else RELEASED if self.release else OFF
-        self._kept = (mode, self.partitions, self._reserved)
+        self._kept = (mode, self.partitions, self._reserved, self.keep_first)
         self.partitions, self._reserved, self._foreign, self._placed = {}, {}, {}, {}
 
     def forget(self) -> None:

@@ -37,6 +37,8 @@ STEP_TARGET = "sglang.srt.managers.scheduler.Scheduler.get_next_batch_to_run"
 STATE_ATTR = "_bcg_incremental"
 #: Seconds an idle server's step may capture for (a request arriving meanwhile waits at most that long).
 IDLE_STEP_S = 0.5
+#: Set while a live switch captures (:func:`switching`).
+_SWITCHING = False
 
 
 def incremental_enabled(environ: Mapping[str, str] | None = None) -> bool:
@@ -171,21 +173,47 @@ def around_capture_one_stream(original_fn: Callable[..., Any], runner: Any, *arg
         with only(runner, state.current):
             return original_fn(runner, *args, **kwargs)
     sizes = sorted(set(runner.capture_num_tokens), reverse=True)
-    if not asked() or len(sizes) < 2:
+    if not asked() or len(sizes) < (1 if _SWITCHING else 2):
         return original_fn(runner, *args, **kwargs)
     if (kept := per_request_state(getattr(runner, "model_runner", None))) is not None:
         log.warning("sglang_bcg: incremental capture is off for this model: it keeps %s, which a capture while "
                     "serving would overwrite for requests in flight; every prefill size is captured now", kept)
         return original_fn(runner, *args, **kwargs)
-    state = runner.__dict__[STATE_ATTR] = Pending(sizes[1:], total=len(sizes))
-    with only(runner, sizes[:1]):
+    first = [] if _SWITCHING else sizes[:1]  # a live switch captures none: the largest comes in a step
+    state = runner.__dict__[STATE_ATTR] = Pending(sizes[len(first):], total=len(sizes))
+    with only(runner, first):
         result = original_fn(runner, *args, **kwargs)
     state.last_end = time.perf_counter()  # the first step is paced by this capture: served as long, under load
     state.last_count, state.last_seconds = 1, state.last_end - state.started
-    state.slowest = state.last_seconds
-    log.info("sglang_bcg: incremental capture: the largest prefill size (%d tokens) captured; %d more between "
-             "batches, largest first; until then their batches run eagerly", sizes[0], len(sizes) - 1)
+    state.slowest = state.last_seconds if first else 0.0
+    if first:
+        log.info("sglang_bcg: incremental capture: the largest prefill size (%d tokens) captured; %d more between "
+                 "batches, largest first; until then their batches run eagerly", sizes[0], len(sizes) - 1)
+    else:
+        log.info("sglang_bcg: incremental capture: %d prefill sizes to capture between batches, largest first "
+                 "(%d tokens); until then their batches run eagerly", len(sizes), sizes[0])
     return result
+
+
+@contextlib.contextmanager
+def switching() -> Iterator[None]:
+    """A live switch's capture: the new prefill runner captures no size before the switch answers (the largest
+    comes in the first step after the decode graphs), so no request waits for more than one step."""
+    global _SWITCHING
+    _SWITCHING = True
+    try:
+        yield
+    finally:
+        _SWITCHING = False
+
+
+def paced_from(runner: Any, start: float, now: Callable[[], float] = time.perf_counter) -> None:
+    """The first step after a live switch that began at ``start`` waits, under load, until the server has served
+    as long as the switch stopped it."""
+    state = pending(runner)
+    if state is not None and state.total - len(state.sizes) == 0:
+        state.last_end = now()
+        state.last_seconds, state.last_count = state.last_end - start, 1
 
 
 def around_can_run_graph(original_fn: Callable[..., Any], runner: Any, forward_batch: Any, *args: Any,

@@ -125,11 +125,12 @@ class SharingPolicyMixin:
         plan = open_state(self._bcg_state, resume=resume)
         tell_once(not_applied(getattr(self._cuda_graph_runner, "model_runner", None)))
         try:  # gc: one collection per session, not per key (docs/index.md#gc-safety)
-            if not resume:
+            earlier = getattr(self, "_bcg_forecast", None)
+            if not resume or earlier is None or not earlier.done:  # the first size to capture (a switch captured none)
                 self._bcg_forecast = SessionForecast(self._cuda_graph_runner, plan.mode,
                                                      lambda: getattr(self, "_pool", None),
                                                      buffer_source=plan.buffer_source,
-                                                     free_at_build=self._bcg_free_at_build)
+                                                     free_at_build=None if resume else self._bcg_free_at_build)
             with gc_safe_capture(collect=not resume), super().capture_session(stream):  # type: ignore[misc]
                 yield
             if not pending_sizes(self._cuda_graph_runner):

@@ -358,3 +358,44 @@ def test_a_model_with_per_request_state_captures_everything_at_start_up(monkeypa
         runner.capture()
     assert sorted(k.size for k in runner.backend._graphs) == SIZES and inc.pending(runner) is None
     assert "incremental capture is off for this model: it keeps a mamba state pool" in caplog.text
+
+
+@pytest.mark.parametrize("mode", ["on", "off", "released"])
+@needs_seam
+def test_a_live_switch_captures_no_size_and_the_steps_capture_them_all(monkeypatch: pytest.MonkeyPatch,
+                                                                       mode: str) -> None:
+    """Under :func:`inc.switching` the new runner captures nothing (every batch eager); the steps capture the
+    largest first, in a session that starts the output policy as a fresh capture would (``released``: the largest
+    keeps its output; ``on``: one shared buffer), and every replay equals an eager forward."""
+    monkeypatch.setenv(ENV, mode)
+    model, fresh = Model(), PrefillRunner(Model(), monkeypatch)
+    monkeypatch.delenv(inc.ENV_INCREMENTAL)
+    fresh.capture()  # every size at once: the reference
+    monkeypatch.setenv(inc.ENV_INCREMENTAL, "1")
+    runner = PrefillRunner(model, monkeypatch)
+    start = 0.0
+    with inc.switching():
+        runner.capture()
+    inc.paced_from(runner, start, now=lambda: 2.5)
+    state = inc.pending(runner)
+    assert not runner.backend._graphs and state.sizes == [32, 16, 8, 4] and (state.last_end, state.last_seconds) == (2.5, 2.5)
+    assert runner.backend.last_output_mode.mode == mode and not any(runner.can_run_graph(batch(n)) for n in SIZES)
+    assert state.wanted(idle=False, now=4.0) == 0 and state.wanted(idle=False, now=5.0) == 1  # served as long first
+    unpaced(runner)
+    clock = iter([float(t) for t in range(8)]).__next__
+    captured = [inc.step(scheduler(runner, busy=True), clock) for _ in range(4)]
+    assert captured == [[32], [16], [8], [4]] and runner.padded == [False, True, True, True, True]
+    model.refill()
+    for n in SIZES:
+        close(runner.replay(n), model.expected(n))
+    got, want = runner.backend.memory_report(), fresh.backend.memory_report()
+    def rows(report: Any) -> list[tuple[int, int, int, bool, str | None]]:
+        return sorted((k.key.size, k.logical_output_bytes, k.resident_output_bytes, k.shared, k.fallback)
+                      for k in report.keys)
+
+    assert rows(got) == rows(want)
+    assert got.resident_output_bytes == want.resident_output_bytes
+    assert len(storages(list(runner.backend._outputs.values()))) == len(storages(list(fresh.backend._outputs.values())))
+    assert len(storages(list(runner.backend._outputs.values()))) == {"on": 1, "off": 4}.get(mode, 4)
+    inc.paced_from(runner, start)  # sizes captured: the pace is the steps' own
+    assert inc.pending(runner).last_end != 2.5

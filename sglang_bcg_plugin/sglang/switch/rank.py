@@ -19,7 +19,7 @@ from ...errors import one_line
 from ...output.mode import OutputMode, parse_mode
 from ..flag import ENV_TEXT
 from ..compat import SGLANG_BREAKABLE
-from ..incremental import defer_decode, light_gc, pending
+from ..incremental import defer_decode, light_gc, paced_from, pending, switching
 from ..memory_plan import after_switch_line, forecast_modes, switch_refusal
 from ..serving_capture import dummy_writes_to_padding, per_request_state, runner_classes
 from ..sglang_breakable import SharingPolicyMixin
@@ -122,10 +122,11 @@ def _drop_graphs(model_runner: Any) -> bool:
 
 
 def _capture(model_runner: Any, decode: bool) -> bool:
-    """SGLang's own start-up captures, in start-up order; with incremental capture the decode graphs are left
-    to its first step (until then decode runs eagerly). Whether sizes are left to capture between batches."""
+    """SGLang's own start-up captures, in start-up order; with incremental capture no prefill size is captured here
+    and the decode graphs are left to the first step (until then prefill and decode run eagerly), the prefill sizes
+    to the steps after. Whether sizes are left to capture between batches."""
     # requests in flight keep their KV (sglang/serving_capture.py); the drop collected already, and the tail does
-    with dummy_writes_to_padding(), light_gc(*runner_classes()):
+    with dummy_writes_to_padding(), light_gc(*runner_classes()), switching():
         model_runner.init_prefill_cuda_graph()
         runner = getattr(model_runner, "prefill_cuda_graph_runner", None)
         if decode and not defer_decode(runner, model_runner.init_decode_cuda_graph):
@@ -160,6 +161,7 @@ def switch_rank(model_runner: Any, mode: OutputMode, seam_kind: str,
     later = False
     try:
         later = _capture(model_runner, decode)
+        paced_from(getattr(model_runner, "prefill_cuda_graph_runner", None), start)
         got = prefill_backend(model_runner)
         done = got.last_output_mode if isinstance(got, SharingPolicyMixin) else None
         if done is None or done.mode != mode:
