@@ -10,10 +10,8 @@ server idle, or serving since the last capture for at least as long as that capt
 from __future__ import annotations
 
 import contextlib
-import gc
 import logging
 import os
-import sys
 import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -24,7 +22,7 @@ import torch
 from .._words import parse_bool_env
 from ..errors import one_line
 from .compat import sglang_source, tp_agree
-from .serving_capture import dummy_writes_to_padding, per_request_state, runner_classes
+from .serving_capture import per_request_state, while_serving
 
 log = logging.getLogger("sglang_bcg_plugin")
 
@@ -133,38 +131,6 @@ def only(runner: Any, sizes: list[int]) -> Iterator[None]:
         runner.capture_num_tokens = every
 
 
-@contextlib.contextmanager
-def _freeze_gc_without_collections(enable_cudagraph_gc: bool) -> Iterator[None]:
-    """SGLang's ``freeze_gc`` (objects frozen while the capture runs, unless its GC is enabled) without its two full
-    collections: each walks every object of the scheduler's process, on every step."""
-    if not enable_cudagraph_gc:
-        gc.freeze()
-    try:
-        yield
-    finally:
-        if not enable_cudagraph_gc:
-            gc.unfreeze()
-
-
-@contextlib.contextmanager
-def light_gc(*runners: Any) -> Iterator[None]:
-    """A capture while serving uses :func:`_freeze_gc_without_collections` as the ``freeze_gc`` of the modules of
-    ``runners`` (runner instances or classes; SGLang 0.5.14-0.5.23 import it there by name); restored after.
-    Elsewhere: nothing changed."""
-    swapped = []
-    for runner in runners:
-        module = sys.modules.get((runner if isinstance(runner, type) else type(runner)).__module__)
-        original = getattr(module, "freeze_gc", None)
-        if module is not None and original is not None and original is not _freeze_gc_without_collections:
-            module.freeze_gc = _freeze_gc_without_collections  # type: ignore[attr-defined]
-            swapped.append((module, original))
-    try:
-        yield
-    finally:
-        for module, original in reversed(swapped):
-            module.freeze_gc = original
-
-
 def around_capture_one_stream(original_fn: Callable[..., Any], runner: Any, *args: Any, **kwargs: Any) -> Any:
     """AROUND hook of the runner's capture pass: at start-up (and after a switch: a new runner) the largest
     size alone, the others left pending; in a step, the size the step chose."""
@@ -253,7 +219,7 @@ def step(scheduler: Any, now: Callable[[], float] = time.perf_counter) -> list[i
             backend._bcg_resume = True
         if torch.cuda.is_available():  # a batch the overlap scheduler launched reads the runner's static inputs,
             torch.cuda.synchronize()  # which the capture's preparation rewrites: it finishes first
-        with dummy_writes_to_padding(), light_gc(runner, *runner_classes()):  # requests in flight keep their KV
+        with while_serving(runner):  # requests in flight keep their KV; no full collection per step
             if decode is not None:
                 decode()
             else:

@@ -8,7 +8,9 @@ start-up those buffers are zeros, and slot 0 is the slot SGLang reserves for the
 serving process they hold the last batch's slots, so the capture's warm-up and recorded forwards would write
 dummy keys and values over a request still decoding (seen on an H100: the first token right, then eleven
 zeros). :func:`dummy_writes_to_padding` zeroes the capture batch's ``out_cache_loc`` in place while it is open;
-the graphs record the buffer's address, not its values, so what they replay is unchanged.
+the graphs record the buffer's address, not its values, so what they replay is unchanged. :func:`light_gc`
+skips the two full garbage collections SGLang's ``freeze_gc`` runs around every capture (a serving process
+collects on its own); :func:`while_serving` is both.
 
 A model with per-request state besides the KV cache (a mamba pool) cannot be captured while it serves: the
 capture clears the state of request slots that may be live (:func:`per_request_state`)."""
@@ -17,7 +19,9 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import gc
 import importlib
+import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -54,26 +58,65 @@ def to_padding(prepared: Any) -> None:
 
 
 @contextlib.contextmanager
-def dummy_writes_to_padding(classes: list[type[Any]] | None = None) -> Iterator[None]:
+def _swapped(changes: list[tuple[Any, str, Any]]) -> Iterator[None]:
+    """Each ``(owner, name, value)`` set while open; the originals restored after, last first, also on error."""
+    done = []
+    try:
+        for owner, name, value in changes:
+            done.append((owner, name, getattr(owner, name)))
+            setattr(owner, name, value)
+        yield
+    finally:
+        for owner, name, original in reversed(done):
+            setattr(owner, name, original)
+
+
+def _padded(original: Any) -> Any:
+    @functools.wraps(original)
+    def capture_prepare(self: Any, *args: Any, **kwargs: Any) -> Any:
+        prepared = original(self, *args, **kwargs)
+        to_padding(prepared)
+        return prepared
+
+    return capture_prepare
+
+
+def dummy_writes_to_padding(classes: list[type[Any]] | None = None) -> contextlib.AbstractContextManager[None]:
     """While open, every ``capture_prepare`` of ``classes`` (default: :func:`runner_classes`) hands out its batch
     with ``out_cache_loc`` zeroed; restored after, also when the capture raises."""
-    patched = []
-    for cls in runner_classes() if classes is None else classes:
-        original = cls.__dict__["capture_prepare"]
+    found = runner_classes() if classes is None else classes
+    return _swapped([(cls, "capture_prepare", _padded(cls.__dict__["capture_prepare"])) for cls in found])
 
-        @functools.wraps(original)
-        def prepare(self: Any, *args: Any, __original: Any = original, **kwargs: Any) -> Any:
-            prepared = __original(self, *args, **kwargs)
-            to_padding(prepared)
-            return prepared
 
-        cls.capture_prepare = prepare
-        patched.append((cls, original))
+@contextlib.contextmanager
+def _freeze_gc_without_collections(enable_cudagraph_gc: bool) -> Iterator[None]:
+    """SGLang's ``freeze_gc`` (objects frozen while the capture runs, unless its GC is enabled) without its two full
+    collections: each walks every object of the scheduler's process."""
+    if not enable_cudagraph_gc:
+        gc.freeze()
     try:
         yield
     finally:
-        for cls, original in reversed(patched):
-            cls.capture_prepare = original
+        if not enable_cudagraph_gc:
+            gc.unfreeze()
+
+
+def light_gc(*runners: Any) -> contextlib.AbstractContextManager[None]:
+    """A capture while serving uses :func:`_freeze_gc_without_collections` as the ``freeze_gc`` of the modules of
+    ``runners`` (runner instances or classes; SGLang 0.5.14-0.5.23 import it there by name); restored after.
+    Elsewhere: nothing changed."""
+    modules = {sys.modules.get((r if isinstance(r, type) else type(r)).__module__) for r in runners}
+    return _swapped([(m, "freeze_gc", _freeze_gc_without_collections) for m in modules
+                     if m is not None and getattr(m, "freeze_gc", None) not in (None, _freeze_gc_without_collections)])
+
+
+@contextlib.contextmanager
+def while_serving(*runners: Any) -> Iterator[None]:
+    """A capture in a serving process: :func:`dummy_writes_to_padding` and :func:`light_gc` over the runner
+    classes and ``runners``."""
+    classes = runner_classes()
+    with dummy_writes_to_padding(classes), light_gc(*runners, *classes):
+        yield
 
 
 def per_request_state(model_runner: Any) -> str | None:

@@ -24,6 +24,7 @@ import torch
 from seam_drivers import close, storages
 from sglang_bcg_plugin.output import released as rel
 from sglang_bcg_plugin.sglang import incremental as inc
+from sglang_bcg_plugin.sglang import serving_capture as sc
 
 pytestmark = [pytest.mark.sglang, pytest.mark.usefixtures("cpu_bcg")]
 #: 0.5.13 has no prefill runner of this shape (its breakable runner captures everything itself)
@@ -289,6 +290,7 @@ logging.getLogger().addHandler(logging.StreamHandler(stream))
 from sglang.srt.plugins import load_plugins
 from sglang.srt.plugins.hook_registry import HookRegistry
 from sglang_bcg_plugin.sglang import incremental as inc
+from sglang_bcg_plugin.sglang import serving_capture as sc
 load_plugins()
 targets = (inc.CAPTURE_TARGET, inc.CAN_RUN_TARGET, inc.STEP_TARGET)
 report(registered=[t in HookRegistry._hooks for t in targets], patched=[t in HookRegistry._patched for t in targets],
@@ -328,22 +330,22 @@ def test_a_step_freezes_objects_as_sglang_does_without_its_two_collections(monke
     monkeypatch.setattr(gc, "collect", lambda *a: collected.append(a) or 0)
     monkeypatch.setattr(gc, "freeze", lambda: frozen.append("freeze"))
     monkeypatch.setattr(gc, "unfreeze", lambda: frozen.append("unfreeze"))
-    with inc.light_gc(runner):
+    with sc.light_gc(runner):
         assert module.freeze_gc is not original
         with module.freeze_gc(False):
             assert frozen == ["freeze"]
         with module.freeze_gc(True):  # SGLang's GC enabled during capture: nothing frozen
             pass
     assert module.freeze_gc is original and frozen == ["freeze", "unfreeze"] and collected == []
-    with pytest.raises(RuntimeError), inc.light_gc(runner):
+    with pytest.raises(RuntimeError), sc.light_gc(runner):
         raise RuntimeError("capture failed")
     assert module.freeze_gc is original
     with original(False):  # SGLang's own collects twice
         pass
     assert len(collected) == 2
-    with inc.light_gc(object()):  # a runner whose module has no freeze_gc: nothing changed
+    with sc.light_gc(object()):  # a runner whose module has no freeze_gc: nothing changed
         pass
-    with inc.light_gc(real, runner):  # a class or an instance; its module swapped once, restored once
+    with sc.light_gc(real, runner):  # a class or an instance; its module swapped once, restored once
         assert module.freeze_gc is not original
     assert module.freeze_gc is original
 

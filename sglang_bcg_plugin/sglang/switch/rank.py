@@ -19,9 +19,9 @@ from ...errors import one_line
 from ...output.mode import OutputMode, parse_mode
 from ..flag import ENV_TEXT
 from ..compat import SGLANG_BREAKABLE
-from ..incremental import defer_decode, light_gc, paced_from, pending, switching
+from ..incremental import defer_decode, paced_from, pending, switching
 from ..memory_plan import after_switch_line, forecast_modes, switch_refusal
-from ..serving_capture import dummy_writes_to_padding, per_request_state, runner_classes
+from ..serving_capture import per_request_state, while_serving
 from ..sglang_breakable import SharingPolicyMixin
 from ..sglang_session import session_switches
 
@@ -126,7 +126,7 @@ def _capture(model_runner: Any, decode: bool) -> bool:
     and the decode graphs are left to the first step (until then prefill and decode run eagerly), the prefill sizes
     to the steps after. Whether sizes are left to capture between batches."""
     # requests in flight keep their KV (sglang/serving_capture.py); the drop collected already, and the tail does
-    with dummy_writes_to_padding(), light_gc(*runner_classes()), switching():
+    with while_serving(), switching():
         model_runner.init_prefill_cuda_graph()
         runner = getattr(model_runner, "prefill_cuda_graph_runner", None)
         if decode and not defer_decode(runner, model_runner.init_decode_cuda_graph):
