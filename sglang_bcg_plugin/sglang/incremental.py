@@ -132,8 +132,8 @@ def only(runner: Any, sizes: list[int]) -> Iterator[None]:
 
 
 def around_capture_one_stream(original_fn: Callable[..., Any], runner: Any, *args: Any, **kwargs: Any) -> Any:
-    """AROUND hook of the runner's capture pass: at start-up (and after a switch: a new runner) the largest
-    size alone, the others left pending; in a step, the size the step chose."""
+    """AROUND hook of the runner's capture pass: at start-up the largest size alone, the others left pending; in a
+    live switch's new runner (:func:`switching`) none; in a step, the sizes the step chose."""
     state = pending(runner)
     if state is not None and state.current is not None:
         with only(runner, state.current):
