@@ -8,6 +8,7 @@ classes have that member and build the batch from the static slot."""
 
 from __future__ import annotations
 
+import contextlib
 from types import SimpleNamespace as NS
 from typing import Any
 
@@ -77,3 +78,31 @@ def test_without_sglang_nothing_is_patched(monkeypatch: pytest.MonkeyPatch) -> N
     assert sc.runner_classes() == []  # missing module, missing class, a class without capture_prepare
     with sc.dummy_writes_to_padding():
         pass
+
+
+def _device(monkeypatch: pytest.MonkeyPatch, events: list[str], initialized: bool = True) -> None:
+    """``torch.cuda`` as on a machine with a GPU: synchronizations recorded, in order with the capture."""
+    sc.runner_classes()  # SGLang's modules imported before the device is stood in for
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: initialized)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: events.append("sync"))
+
+
+@pytest.mark.parametrize("raises", [False, True])
+def test_a_capture_while_serving_starts_and_ends_with_the_device_idle(monkeypatch: pytest.MonkeyPatch,
+                                                                      raises: bool) -> None:
+    events: list[str] = []
+    _device(monkeypatch, events)
+    with pytest.raises(RuntimeError) if raises else contextlib.nullcontext(), sc.while_serving():
+        events.append("capture")
+        if raises:
+            raise RuntimeError("capture failed")
+    assert events == ["sync", "capture", "sync"]
+
+
+def test_an_uninitialized_device_is_not_synchronized(monkeypatch: pytest.MonkeyPatch) -> None:
+    events: list[str] = []
+    _device(monkeypatch, events, initialized=False)
+    with sc.quiesced():
+        events.append("capture")
+    assert events == ["capture"]

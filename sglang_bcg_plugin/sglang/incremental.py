@@ -17,7 +17,6 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
 
 from .._words import parse_bool_env
 from ..errors import one_line
@@ -217,9 +216,7 @@ def step(scheduler: Any, now: Callable[[], float] = time.perf_counter) -> list[i
     try:
         if backend is not None:
             backend._bcg_resume = True
-        if torch.cuda.is_available():  # a batch the overlap scheduler launched reads the runner's static inputs,
-            torch.cuda.synchronize()  # which the capture's preparation rewrites: it finishes first
-        with while_serving(runner):  # requests in flight keep their KV; no full collection per step
+        with while_serving(runner):  # no batch in flight, requests keep their KV, no full collection per step
             if decode is not None:
                 decode()
             else:

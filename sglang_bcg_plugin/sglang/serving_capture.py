@@ -10,7 +10,8 @@ dummy keys and values over a request still decoding (seen on an H100: the first 
 zeros). :func:`dummy_writes_to_padding` zeroes the capture batch's ``out_cache_loc`` in place while it is open;
 the graphs record the buffer's address, not its values, so what they replay is unchanged. :func:`light_gc`
 skips the two full garbage collections SGLang's ``freeze_gc`` runs around every capture (a serving process
-collects on its own); :func:`while_serving` is both.
+collects on its own); :func:`quiesced` keeps the device idle at the capture's start and end, so no batch in
+flight overlaps it; :func:`while_serving` is all three.
 
 A model with per-request state besides the KV cache (a mamba pool) cannot be captured while it serves: the
 capture clears the state of request slots that may be live (:func:`per_request_state`)."""
@@ -110,12 +111,30 @@ def light_gc(*runners: Any) -> contextlib.AbstractContextManager[None]:
                      if m is not None and getattr(m, "freeze_gc", None) not in (None, _freeze_gc_without_collections)])
 
 
+def _synchronize() -> None:
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
+@contextlib.contextmanager
+def quiesced() -> Iterator[None]:
+    """The device idle when a capture starts and when it ends: the overlap scheduler's batch in flight reads the
+    static buffers the capture's preparation rewrites, and the capture's last eager work (its warm-up, the breaks
+    of a breakable graph) runs on SGLang's capture stream, which the next batch's forward stream does not wait
+    for."""
+    _synchronize()
+    try:
+        yield
+    finally:
+        _synchronize()
+
+
 @contextlib.contextmanager
 def while_serving(*runners: Any) -> Iterator[None]:
-    """A capture in a serving process: :func:`dummy_writes_to_padding` and :func:`light_gc` over the runner
-    classes and ``runners``."""
+    """A capture in a serving process: :func:`quiesced`, :func:`dummy_writes_to_padding` and :func:`light_gc` over
+    the runner classes and ``runners``."""
     classes = runner_classes()
-    with dummy_writes_to_padding(classes), light_gc(*runners, *classes):
+    with quiesced(), dummy_writes_to_padding(classes), light_gc(*runners, *classes):
         yield
 
 
