@@ -133,10 +133,11 @@ def test_decode_graphs_are_recaptured_after_prefill() -> None:
     assert result["rolled_back"] and runner.calls == ["cleanup on", "cleanup decode", "capture off", "capture on", "capture decode"]
 
 
-def test_with_incremental_capture_the_decode_graphs_wait_for_the_first_step() -> None:
-    """The switch captures the largest prefill size alone and leaves the decode graphs to the first step
-    (decode runs eagerly meanwhile: SGLang's forward takes no decode graph runner as none); that step captures
-    them alone, the next ones the pending prefill sizes."""
+def test_with_incremental_capture_the_decode_graphs_follow_the_largest_size() -> None:
+    """The switch captures nothing and leaves the decode graphs to the step after the largest prefill size (the
+    order of a fresh start-up; decode runs eagerly meanwhile: SGLang's forward takes no decode graph runner as
+    none); that step captures them alone, the next ones the other prefill sizes. A failed prefill step still
+    leaves the decode graphs their step."""
     from sglang_bcg_plugin.sglang import incremental as inc
 
     class Incremental(DecodeRunner):
@@ -144,7 +145,7 @@ def test_with_incremental_capture_the_decode_graphs_wait_for_the_first_step() ->
             super().init_prefill_cuda_graph()
             runner = self.prefill_cuda_graph_runner
             runner.capture = lambda: self.calls.append(f"capture sizes {inc.pending(runner).current}")
-            runner.__dict__[inc.STATE_ATTR] = inc.Pending([8, 4], total=3)
+            runner.__dict__[inc.STATE_ATTR] = inc.Pending([16, 8, 4], total=3)
 
     env = {ENV: "1"}
     runner = Incremental(env)
@@ -153,11 +154,29 @@ def test_with_incremental_capture_the_decode_graphs_wait_for_the_first_step() ->
     assert runner.calls == ["cleanup on", "cleanup decode", "capture off"]
     assert set(result["phases"]) == {"drop_s", "capture_s"} and result["incremental"]["decode_pending"]
     idle = NS(tp_worker=NS(model_runner=runner), running_batch=None, waiting_queue=[])
-    assert inc.step(idle) == [] and runner.calls[-1] == "capture decode"
-    assert isinstance(runner.decode_cuda_graph_runner, FakeDecode) and not inc.pending(runner.prefill_cuda_graph_runner).decode
-    inc.pending(runner.prefill_cuda_graph_runner).last_seconds = 0.01  # idle: both sizes fit the next step
-    assert inc.step(idle) == [8, 4] and runner.calls[-1] == "capture sizes [8, 4]"
+    state = inc.pending(runner.prefill_cuda_graph_runner)
+    state.last_seconds = state.last_busy = 0.0  # idle long enough: every step due
+    assert inc.step(idle, lambda: 1.0) == [16] and runner.calls[-1] == "capture sizes [16]"
+    assert runner.decode_cuda_graph_runner is None and state.decode is not None
+    assert inc.step(idle, lambda: 1.0) == [] and runner.calls[-1] == "capture decode"
+    assert isinstance(runner.decode_cuda_graph_runner, FakeDecode) and not state.decode
+    state.last_seconds = 0.01  # idle: both sizes fit the next step
+    assert inc.step(idle, lambda: 1.0) == [8, 4] and runner.calls[-1] == "capture sizes [8, 4]"
     assert inc.step(idle) is None and rank.describe_rank(runner)["incremental"]["captured"] == 3
+    # a failed prefill step: the decode graphs still come, alone, and are not tried twice
+    runner = Incremental(env := {ENV: "1"})
+    rank.switch_rank(runner, "off", "backend", env, check=no_check)
+    state = inc.pending(runner.prefill_cuda_graph_runner)
+    state.last_seconds = state.last_busy = 0.0
+
+    def fail() -> None:
+        raise RuntimeError("CUDA out of memory")
+
+    runner.prefill_cuda_graph_runner.capture = fail
+    idle = NS(tp_worker=NS(model_runner=runner), running_batch=None, waiting_queue=[])
+    assert inc.step(idle, lambda: 1.0) is None and state.failed and state.decode is not None
+    assert inc.step(idle, lambda: 1.0) == [] and runner.calls[-1] == "capture decode" and state.decode is None
+    assert inc.step(idle, lambda: 1.0) is None and state.sizes == [16, 8, 4]
     # nothing pending (every size captured at once): the decode graphs are captured in the switch
     runner = DecodeRunner(env := {ENV: "1"})
     assert not inc.defer_decode(runner.prefill_cuda_graph_runner, runner.init_decode_cuda_graph)

@@ -4,8 +4,9 @@ whose size has no graph yet runs eagerly. The decode graphs stay as SGLang captu
 
 Three hooks on SGLang's prefill runner and scheduler: the runner's capture pass (``_capture_one_stream``)
 captures only the sizes this module hands it; its ``can_run_graph`` says no for a size not captured yet; the
-scheduler's ``get_next_batch_to_run`` first captures the next size when every TP rank agrees it is time (the
-server idle, or serving since the last capture for at least as long as that capture took)."""
+scheduler's ``get_next_batch_to_run`` first captures the next size when every TP rank agrees it is time: the
+server has served, from its first batch after the last capture, as long as that capture took, or has seen no
+request for that long (a gap between batches is not idle), so a request waits for one capture at most."""
 
 from __future__ import annotations
 
@@ -32,7 +33,8 @@ CAN_RUN_TARGET = f"{RUNNER_CLASS}.can_run_graph"
 STEP_TARGET = "sglang.srt.managers.scheduler.Scheduler.get_next_batch_to_run"
 #: The runner's attribute holding its :class:`Pending`.
 STATE_ATTR = "_bcg_incremental"
-#: Seconds an idle server's step may capture for (a request arriving meanwhile waits at most that long).
+#: Seconds an idle server's step may capture for, when one size takes less (a request arriving meanwhile waits at
+#: most that long, or one size's capture).
 IDLE_STEP_S = 0.5
 #: Set while a live switch captures (:func:`switching`).
 _SWITCHING = False
@@ -76,17 +78,35 @@ class Pending:
     last_end: float = 0.0
     slowest: float = 0.0  #: the longest a step took per size (seconds)
     failed: str | None = None  #: why the capture stopped (the rest stay eager)
-    #: a live switch's decode graphs, captured by the first step (until then decode runs eagerly)
+    #: a live switch's decode graphs, captured by the step after its largest prefill size (until then decode runs
+    #: eagerly)
     decode: Callable[[], Any] | None = None
+    last_busy: float = 0.0  #: when a scheduler iteration last had requests (running or waiting)
+    served_from: float | None = None  #: the first iteration with requests since the last step (``None``: none yet)
+
+    def note(self, idle: bool, now: float) -> None:
+        """A scheduler iteration at ``now``, with requests or ``idle``."""
+        if not idle:
+            self.last_busy = now
+            if self.served_from is None:
+                self.served_from = now
+
+    def decode_next(self) -> bool:
+        """Whether a live switch's decode graphs come next: after its largest prefill size (the order of a fresh
+        start-up, whose graph pool it then matches), or once a prefill step failed."""
+        return self.decode is not None and (self.failed is not None or len(self.sizes) < self.total)
 
     def wanted(self, idle: bool, now: float) -> int:
-        """How many sizes this rank wants to capture now: under load one, once the server has served since the
-        last step at least as long as that step took; idle, as many as the last step's pace fits in
-        :data:`IDLE_STEP_S` (at least one); 0: none."""
-        if (not self.sizes and self.decode is None) or self.failed is not None:
+        """How many sizes this rank wants to capture now (the decode graphs count as one). With requests: one,
+        once the server has served, from the first batch after the last step, as long as that step took. Idle:
+        once no request has been seen for as long as the last step took (a gap between batches is not idle), as
+        many as that step's pace fits in :data:`IDLE_STEP_S`, at least one. 0: none."""
+        if not self.decode_next() and (not self.sizes or self.failed is not None):
             return 0
-        if not idle or self.decode is not None:
-            return int(now - self.last_end >= self.last_seconds)
+        if not idle:
+            return int(self.served_from is not None and now - self.served_from >= self.last_seconds)
+        if now - self.last_busy < self.last_seconds:
+            return 0
         per_size = self.last_seconds / self.last_count if self.last_count else 0.0
         fits = int(IDLE_STEP_S / per_size) if per_size > 0 else 1
         return max(1, min(fits, len(self.sizes)))
@@ -148,8 +168,8 @@ def around_capture_one_stream(original_fn: Callable[..., Any], runner: Any, *arg
     state = runner.__dict__[STATE_ATTR] = Pending(sizes[len(first):], total=len(sizes))
     with only(runner, first):
         result = original_fn(runner, *args, **kwargs)
-    state.last_end = time.perf_counter()  # the first step is paced by this capture: served as long, under load
-    state.last_count, state.last_seconds = 1, state.last_end - state.started
+    state.last_end = state.last_busy = time.perf_counter()  # the first step is paced by this capture: served (or
+    state.last_count, state.last_seconds = 1, state.last_end - state.started  # idle) as long
     state.slowest = state.last_seconds if first else 0.0
     if first:
         log.info("sglang_bcg: incremental capture: the largest prefill size (%d tokens) captured; %d more between "
@@ -163,7 +183,7 @@ def around_capture_one_stream(original_fn: Callable[..., Any], runner: Any, *arg
 @contextlib.contextmanager
 def switching() -> Iterator[None]:
     """A live switch's capture: the new prefill runner captures no size before the switch answers (the largest
-    comes in the first step after the decode graphs), so no request waits for more than one step."""
+    comes in the first step, the decode graphs in the next), so no request waits for more than one step."""
     global _SWITCHING
     _SWITCHING = True
     try:
@@ -173,12 +193,12 @@ def switching() -> Iterator[None]:
 
 
 def paced_from(runner: Any, start: float, now: Callable[[], float] = time.perf_counter) -> None:
-    """The first step after a live switch that began at ``start`` waits, under load, until the server has served
+    """The first step after a live switch that began at ``start`` waits until the server has served (or been idle)
     as long as the switch stopped it."""
     state = pending(runner)
     if state is not None and state.total - len(state.sizes) == 0:
-        state.last_end = now()
-        state.last_seconds, state.last_count = state.last_end - start, 1
+        state.last_end = state.last_busy = now()
+        state.last_seconds, state.last_count, state.served_from = state.last_end - start, 1, None
 
 
 def around_can_run_graph(original_fn: Callable[..., Any], runner: Any, forward_batch: Any, *args: Any,
@@ -199,18 +219,20 @@ def _idle(scheduler: Any) -> bool:
 
 def step(scheduler: Any, now: Callable[[], float] = time.perf_counter) -> list[int] | None:
     """Capture the next pending prefill sizes of this scheduler's runner, as many as every rank agrees are due
-    (after a live switch, its decode graphs first, in a step of their own); the sizes captured (``None``: none,
-    ``[]``: the decode graphs)."""
+    (after a live switch, its decode graphs in the step after its largest size, alone); the sizes captured
+    (``None``: none, ``[]``: the decode graphs)."""
     runner = getattr(getattr(getattr(scheduler, "tp_worker", None), "model_runner", None),
                      "prefill_cuda_graph_runner", None)
     state = pending(runner)
-    if runner is None or state is None or state.failed is not None or (not state.sizes and state.decode is None):
+    if runner is None or state is None:
         return None
-    start = now()
-    count = tp_agree(state.wanted(_idle(scheduler), start), largest=False)  # the fewest any rank wants
+    start, idle = now(), _idle(scheduler)
+    state.note(idle, start)
+    count = tp_agree(state.wanted(idle, start), largest=False)  # the fewest any rank wants
     if count <= 0:
         return None
-    decode, sizes = state.decode, ([] if state.decode is not None else state.sizes[:count])
+    decode = state.decode if state.decode_next() else None
+    sizes = [] if decode is not None else state.sizes[:count]
     state.current = sizes
     backend = getattr(runner, "backend", None)
     try:
@@ -223,6 +245,8 @@ def step(scheduler: Any, now: Callable[[], float] = time.perf_counter) -> list[i
                 runner.capture()
     except Exception as exc:  # the server keeps serving: the rest of the sizes run eagerly
         state.failed = f"{type(exc).__name__}: {one_line(exc)}"
+        if decode is not None:  # the decode graphs stay eager too: not tried again
+            state.decode = None
         log.exception("sglang_bcg: incremental capture of %s failed; %d prefill sizes stay eager",
                       f"prefill sizes {sizes}" if sizes else "the decode graphs", len(state.sizes))
         return None
@@ -231,9 +255,10 @@ def step(scheduler: Any, now: Callable[[], float] = time.perf_counter) -> list[i
         if backend is not None:
             backend.__dict__.pop("_bcg_resume", None)
     before = state.total - len(state.sizes)
-    state.decode = None
+    if decode is not None:
+        state.decode = None
     del state.sizes[:len(sizes)]
-    state.last_end, state.last_count = now(), max(1, len(sizes))
+    state.last_end, state.last_count, state.served_from = now(), max(1, len(sizes)), None
     state.last_seconds = state.last_end - start
     state.slowest = max(state.slowest, state.last_seconds / state.last_count)
     done = state.total - len(state.sizes)

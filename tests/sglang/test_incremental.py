@@ -111,8 +111,8 @@ def scheduler(runner: PrefillRunner, busy: bool = False) -> Any:
 def unpaced(runner: PrefillRunner) -> inc.Pending:
     """The runner's state as if its start-up capture had taken no time: every step due at once."""
     state = inc.pending(runner)
-    state.last_end = state.last_seconds = 0.0
-    state.last_count = 0
+    state.last_end = state.last_seconds = state.last_busy = 0.0
+    state.last_count, state.served_from = 0, None
     return state
 
 
@@ -151,7 +151,7 @@ def test_sizes_captured_between_batches_largest_first(monkeypatch: pytest.Monkey
     assert not runner.can_run_graph(batch(33))  # SGLang's own answer stands
     busy = scheduler(runner, busy=True)  # under load: one size per step
     unpaced(runner)
-    clock = iter([0.0, 1.0, 2.0, 3.0, 4.0, 5.0]).__next__
+    clock = iter([0.0, 0.0, 1.0, 1.0, 2.0, 2.0]).__next__  # steps that take no time: each due at once
     captured = [inc.step(busy, clock) for _ in range(3)]
     assert captured == [[16], [8], [4]] and inc.pending_sizes(runner) == [] and inc.step(busy) is None
     assert runner.padded == [False, True, True, True]  # the steps' batches write KV into the padding slot
@@ -183,19 +183,20 @@ def test_under_load_a_step_waits_as_long_as_the_last_capture_took(monkeypatch: p
     state = inc.pending(runner)  # the start-up capture paces the first step
     assert before <= state.last_end - state.last_seconds and state.last_end <= time.perf_counter()
     assert state.last_count == 1 and state.slowest == state.last_seconds > 0
-    state.last_end, state.last_seconds = 8.0, 2.0  # the largest size took 2 s, ended at 8 s
-    clock = iter([9.0,  # 1 s of serving since: not due
-                  10.0, 12.0,  # 2 s since: due; the step took 2 s
-                  13.0,  # 1 s of serving since: not due
-                  14.0, 14.5,  # 2 s since: due; it took 0.5 s
-                  14.6]).__next__  # 0.1 s since: not due
-    busy = scheduler(runner, busy=True)
+    state.last_end = state.last_busy = 8.0  # the largest size took 2 s, ended at 8 s
+    state.last_seconds = 2.0
+    busy, idle = scheduler(runner, busy=True), scheduler(runner)
+    assert inc.step(idle, lambda: 9.0) is None  # idle for 1 s: not yet
+    clock = iter([9.5,  # the first batch: served from here, not from the capture's end
+                  10.5,  # 1 s of serving: not due
+                  11.5, 13.5,  # 2 s: due; the step took 2 s
+                  14.0,  # served from here
+                  16.0, 16.5,  # 2 s: due; it took 0.5 s
+                  16.6]).__next__  # served from here
+    assert [inc.step(busy, clock) for _ in range(5)] == [None, None, [16], None, [8]]
     assert inc.step(busy, clock) is None
-    assert inc.step(busy, clock) == [16]
-    assert inc.step(busy, clock) is None
-    assert inc.step(busy, clock) == [8]
-    assert inc.step(busy, clock) is None
-    assert inc.step(scheduler(runner), lambda: 14.7) == [4]  # idle: at once
+    assert inc.step(idle, lambda: 16.7) is None  # a gap between batches is not idle
+    assert inc.step(idle, iter([17.1, 17.2]).__next__) == [4]  # no request for as long as the last step took
     assert state.slowest >= 2.0
 
 
@@ -221,7 +222,7 @@ def test_tp_ranks_capture_only_together(monkeypatch: pytest.MonkeyPatch) -> None
     assert inc.step(scheduler(runner)) == [16]
     state = inc.pending(runner)
     state.last_seconds, state.last_count = 0.1, 1  # idle, this rank's pace fits both sizes left in a step
-    assert state.wanted(True, 0.0) == 2
+    assert state.wanted(True, 0.05) == 0 and state.wanted(True, 1.0) == 2
     assert inc.step(scheduler(runner)) == [8] and votes[-1] == 2  # the other rank wants one: the fewest
     other[0] = 9
     assert inc.step(scheduler(runner)) == [4] and inc.pending_sizes(runner) == []
@@ -258,7 +259,7 @@ def test_an_idle_server_captures_what_fits_in_a_step(monkeypatch: pytest.MonkeyP
     assert state.wanted(True, 0.0) == 1  # no pace yet: one
     state.last_seconds, state.last_count = 0.2, 2  # 0.1 s a size: five fit in IDLE_STEP_S
     with caplog.at_level(logging.INFO, logger="sglang_bcg_plugin"):
-        assert inc.step(scheduler(runner), iter([0.0, 0.5]).__next__) == [96, 92, 88, 84, 80]
+        assert inc.step(scheduler(runner), iter([1.0, 1.5]).__next__) == [96, 92, 88, 84, 80]
         while inc.step(scheduler(runner)):
             pass
     assert inc.pending_sizes(runner) == [] and sorted(k.size for k in runner.backend._graphs) == runner.capture_num_tokens
@@ -382,9 +383,11 @@ def test_a_live_switch_captures_no_size_and_the_steps_capture_them_all(monkeypat
     state = inc.pending(runner)
     assert not runner.backend._graphs and state.sizes == [32, 16, 8, 4] and (state.last_end, state.last_seconds) == (2.5, 2.5)
     assert runner.backend.last_output_mode.mode == mode and not any(runner.can_run_graph(batch(n)) for n in SIZES)
-    assert state.wanted(idle=False, now=4.0) == 0 and state.wanted(idle=False, now=5.0) == 1  # served as long first
+    assert state.wanted(idle=True, now=4.0) == 0 and state.wanted(idle=True, now=5.0) == 1  # idle as long first
+    state.note(idle=False, now=3.0)
+    assert state.wanted(idle=False, now=5.0) == 0 and state.wanted(idle=False, now=5.5) == 1  # or served as long
     unpaced(runner)
-    clock = iter([float(t) for t in range(8)]).__next__
+    clock = iter([float(t // 2) for t in range(8)]).__next__  # steps that take no time
     captured = [inc.step(scheduler(runner, busy=True), clock) for _ in range(4)]
     assert captured == [[32], [16], [8], [4]] and runner.padded == [False, True, True, True, True]
     model.refill()
