@@ -650,3 +650,32 @@ def test_the_h100_incremental_recording_passes_every_gpu_check(monkeypatch: pyte
     first["ids"] = first["ids"][:1] + [0] * (len(first["ids"]) - 1)
     with pytest.raises(AssertionError, match="differ from every fresh server"):
         checks.test_no_request_is_lost_or_answered_wrong(corrupted)
+
+
+def _recorded(name: str) -> dict[str, Any]:
+    import gzip
+    from pathlib import Path
+
+    return dict(json.loads(gzip.decompress((Path(__file__).parent / "data" / "server" / name).read_bytes())))
+
+
+def test_the_h100_8b_recordings_show_the_switch_order_and_the_pacing(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two live-switch runs at Llama-3-8B's shapes on an H100 (docs/benchmarks.md). The build whose switch captured
+    its decode graphs before its largest prefill size, and whose steps came in the gaps between batches, answered
+    every request right (the capture starts and ends with the device idle) but left a graph pool 150 MiB under a
+    fresh ``off`` server's and 326 MiB over a fresh ``on`` server's, and held requests for two captures (over the
+    latency bound). The build that captures the largest size first matched the fresh ``off`` pool to the byte (the
+    run ended, out of device time, before the switch back to ``on`` and before its answers were saved)."""
+    monkeypatch.setenv("SGLANG_BCG_SWITCH_MODES", "on,off")
+    monkeypatch.setenv("SGLANG_BCG_SWITCH_INCREMENTAL", "1")
+    checks = _gpu_switch_checks()
+    before, after = _recorded("switch-incremental-h100-8b-decode-first.json.gz"), \
+        _recorded("switch-incremental-h100-8b-largest-first.json.gz")
+    checks.test_no_request_is_lost_or_answered_wrong(before)
+    with pytest.raises(AssertionError, match="off pool_bytes rank 0: 4397727744 vs 4555014144"):
+        checks.test_graph_memory_after_each_switch_equals_a_fresh_servers(before)
+    with pytest.raises(AssertionError):
+        checks.test_no_answer_overlapping_a_switch_waits_for_the_whole_recapture(before)
+    assert [s["mode"] for s in after["switches"]] == ["off"] and "answers" not in after
+    checks.test_graph_memory_after_each_switch_equals_a_fresh_servers(after)
+    assert after["switches"][0]["memory"]["pool_bytes"] == after["fresh"]["off"]["memory"]["pool_bytes"]
