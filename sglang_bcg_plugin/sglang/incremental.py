@@ -18,7 +18,6 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-
 from .._words import parse_bool_env
 from ..errors import one_line
 from .compat import sglang_source, tp_agree
