@@ -108,7 +108,7 @@ def server_env(variant: str, plugin_path: str | None) -> dict[str, str]:
     if variant != "stock" and plugin_path:
         path.insert(0, plugin_path)
     env["PYTHONPATH"] = os.pathsep.join(path)
-    if variant in FLAGS:
+    if variant in FLAGS and os.environ.get("SGLANG_BCG_SERVER_FORECAST", "1") != "0":  # 0: no forecast lines
         env["SGLANG_BCG_FORECAST"] = "1"
         if trace_dir := os.environ.get("SGLANG_BCG_SERVER_TRACE_DIR"):  # per-size memory, a diagnostic
             env["SGLANG_BCG_FORECAST_TRACE"] = str(Path(trace_dir) / f"trace-{variant}.json")

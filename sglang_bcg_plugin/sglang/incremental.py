@@ -171,12 +171,22 @@ def around_capture_one_stream(original_fn: Callable[..., Any], runner: Any, *arg
     state.last_count, state.last_seconds = 1, state.last_end - state.started  # idle) as long
     state.slowest = state.last_seconds if first else 0.0
     if first:
-        log.info("sglang_bcg: incremental capture: the largest prefill size (%d tokens) captured; %d more between "
-                 "batches, largest first; until then their batches run eagerly", sizes[0], len(sizes) - 1)
+        log.info("sglang_bcg: incremental capture: the largest prefill size (%d tokens) captured in %.2f s%s; %d more "
+                 "between batches, largest first; until then their batches run eagerly", sizes[0], state.last_seconds,
+                 phases(runner), len(sizes) - 1)
     else:
         log.info("sglang_bcg: incremental capture: %d prefill sizes to capture between batches, largest first "
                  "(%d tokens); until then their batches run eagerly", len(sizes), sizes[0])
     return result
+
+
+def phases(runner: Any) -> str:
+    """The last capture's phases as the backend timed them (`` (warm-ups 1.20 s, ...)``; ``""``: not timed)."""
+    timed = getattr(getattr(runner, "backend", None), "__dict__", {}).get("_bcg_last_phases")
+    if not isinstance(timed, dict) or not timed:
+        return ""
+    names = {"warmups": "warm-ups"}
+    return " (" + ", ".join(f"{names.get(k, k)} {s:.2f} s" for k, s in timed.items()) + ")"
 
 
 @contextlib.contextmanager

@@ -60,6 +60,7 @@ class _Forward:
         self.engine = importlib.import_module(BACKEND_MODULE).BreakableCUDAGraph  # its module holds the capture var
         self.warmups, self.last_warmup, self.placed, self.captured = 0, None, None, False
         self.output_bytes: list[int] = []
+        self.warmed_at: float | None = None  #: when the release's post-warmup hook ran (``perf_counter``)
 
     def forward(self) -> Any:  # a named function: releases <= 0.5.21 log a debug break's __name__
         if self.captured:  # a debug_eager replay: the release's break reruns the forward; refresh ours
@@ -83,6 +84,7 @@ class _Forward:
         return self.placed
 
     def after_warmup(self) -> None:
+        self.warmed_at = time.perf_counter()
         if self.hook is not None:
             self.hook()
         state, out, self.last_warmup = self.backend._bcg_state, self.last_warmup, None
@@ -155,6 +157,7 @@ class SharingPolicyMixin:
         key, state = check_key(shape_key), self._bcg_state
         state.begin(key)
         forecast = self._bcg_forecast  # made when the session opened (state.begin checked it is open)
+        began = time.perf_counter()
         with forecast.first_capture():
             start = time.perf_counter()
             with gc_safe_capture():
@@ -167,7 +170,12 @@ class SharingPolicyMixin:
             graph = self._graphs[key]
             self._outputs[key] = state.commit(key, graph=graph, num_segments=num_segments(graph),
                                               capture_inputs=capture_inputs, seconds=time.perf_counter() - start)
+        captured = time.perf_counter()
         forecast.key_done(key.size, num_segments(graph), forward.output_bytes)
+        warmed = forward.warmed_at if forward.warmed_at is not None else began
+        #: the last capture's phases (seconds): the warm-ups, the capture, what the forecast did after it
+        self._bcg_last_phases = {"warmups": warmed - began, "capture": captured - warmed,
+                                 "forecast": time.perf_counter() - captured}
 
     # -- the release's output helpers (INTERCEPTED), called by its capture_one: no buffer of SGLang's own --
     _shared_output_buffer = property(lambda self: None, lambda self, value: None)

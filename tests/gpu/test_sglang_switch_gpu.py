@@ -4,7 +4,8 @@ With ``scripts/server/server_check.py``'s server (``launch_server``, SGLang's Ll
 breakable CUDA graph) and ``--admin-api-key``, one server after another (graph memory is
 compared, so never two at once):
 
-1. references, one fresh server per mode (``on``, ``off``, ``released``): greedy output ids one
+1. references, one fresh server per mode (``off``, ``released``, then ``on``: the start-up compares
+   against it, and neither is then the host's first server): greedy output ids one
    request at a time, the graph memory the server reports (``GET /bcg/output_mode``: the graph
    pool's bytes and the resident output bytes), and the answers under the same concurrent load
    as below (a control: what a server that never switched answers under that batching);
@@ -184,10 +185,14 @@ class Server:
         found = {k: v for k, v in self.check.parse_log(text).items() if k.endswith("_s") or k.endswith("_gb")}
         if m := ALL_CAPTURED.search(text):
             found["all_captured_after_first_s"] = float(m.group(2))
+        if m := LARGEST.search(text):  # what the start-up captured before serving, by phase
+            found["largest_capture_s"] = float(m.group(1))
+            found["largest_phases_s"] = {k: float(v) for k, v in re.findall(r"([\w-]+) ([\d.]+) s", m.group(2))}
         return found
 
 
 ALL_CAPTURED = re.compile(r"incremental capture: all (\d+) prefill sizes captured, ([\d.]+) s after the first")
+LARGEST = re.compile(r"incremental capture: the largest prefill size \(\d+ tokens\) captured in ([\d.]+) s(?: \(([^)]*)\))?")
 
 
 @pytest.fixture(scope="module")
@@ -208,7 +213,9 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     def save() -> None:
         path.write_text(json.dumps(found, indent=1) + "\n")
 
-    for mode in [m for m in MODES if m not in found["fresh"] and "fresh" in PARTS]:  # 1. references, captured first
+    # 1. references, captured first; ``on`` last, so that it and the start-up after it find the host warm (its
+    # compile caches filled): the start-up figures compare two servers that started alike
+    for mode in sorted((m for m in MODES if m not in found["fresh"] and "fresh" in PARTS), key=lambda m: m == "on"):
         with Server(check, model, mode, out / f"switch-fresh-{mode}.log") as srv:
             start = srv.start_figures(prompts[0])
             status, body = admin(srv.base)

@@ -404,3 +404,23 @@ def test_a_live_switch_captures_no_size_and_the_steps_capture_them_all(monkeypat
     assert len(storages(list(runner.backend._outputs.values()))) == {"on": 1, "off": 4}.get(mode, 4)
     inc.paced_from(runner, start)  # sizes captured: the pace is the steps' own
     assert inc.pending(runner).last_end != 2.5
+
+
+@needs_seam
+def test_the_start_up_line_says_how_long_the_largest_size_took_and_where(monkeypatch: pytest.MonkeyPatch,
+                                                                          caplog: Any) -> None:
+    """What incremental capture does before serving, timed by phase: the release's warm-ups, the capture, the
+    forecast after it (the start-up's whole cost before the first answer)."""
+    import logging
+
+    runner = PrefillRunner(Model(), monkeypatch)
+    with caplog.at_level(logging.INFO, logger="sglang_bcg_plugin"):
+        runner.capture()
+    timed = runner.backend._bcg_last_phases
+    assert list(timed) == ["warmups", "capture", "forecast"] and all(s >= 0 for s in timed.values())
+    state = inc.pending(runner)
+    assert sum(timed.values()) <= state.last_seconds
+    m = re.search(r"the largest prefill size \(32 tokens\) captured in ([\d.]+) s \(warm-ups [\d.]+ s, "
+                  r"capture [\d.]+ s, forecast [\d.]+ s\); 3 more between batches", caplog.text)
+    assert m and float(m.group(1)) == pytest.approx(state.last_seconds, abs=0.01), caplog.text
+    assert inc.phases(NS(backend=NS())) == "" and inc.phases(None) == ""
