@@ -618,3 +618,76 @@ def test_a_forecast_whose_sizes_never_pair_says_so(allocator: RecordedAllocator,
         probe.forecast_schedule(backend, case["sizes"], lambda n: lambda: None, configured_mode="released")
     assert backend.captured == [] and backend.options.output_mode == "released"
     assert len(backend.sessions) == 1
+
+
+def test_with_sizes_pending_the_session_forecast_is_made_on_a_thread(allocator: RecordedAllocator,
+                                                                       monkeypatch: pytest.MonkeyPatch,
+                                                                       caplog: pytest.LogCaptureFixture) -> None:
+    """Incremental capture (sizes still pending after the first capture): ``key_done`` leaves the forecast's
+    modelling for later; ``in_background`` (the scheduler's first step) makes and logs it on a thread of its own;
+    ``forecast`` waits for it and gives what the same capture forecasts inline, or, where nothing started it (the
+    memory plan before serving), makes it at once. A failure on the thread is one warning and no forecast."""
+    import threading
+
+    from sglang_bcg_plugin.sglang import incremental
+
+    case = _case("synthetic/breakable")
+    allocator.pool_segments = RecordedAllocator(case["pool_segments"]).pool_segments
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(forecast_log, "device_free_bytes", lambda *, collect: None)  # no free-memory figures
+    monkeypatch.delenv("SGLANG_BCG_SHARED_BUFFER", raising=False)
+    kv_pool = SimpleNamespace(get_kv_size_bytes=lambda: (15 << 30, 15 << 30))
+    largest, out = case["sizes"][0], case["largest_output_bytes"]
+
+    def session_of(pending: bool) -> SessionForecast:
+        runner = SimpleNamespace(capture_num_tokens=case["sizes"],
+                                 model_runner=SimpleNamespace(token_to_kv_pool=kv_pool, max_total_num_tokens=1 << 20))
+        if pending:
+            runner.__dict__[incremental.STATE_ATTR] = incremental.Pending(list(case["sizes"][1:]), len(case["sizes"]))
+        session = SessionForecast(runner, "on", lambda: POOL, environ={"SGLANG_BCG_FORECAST": "1"})
+        with session.first_capture():
+            allocator.replay(case["probes"][str(largest)])
+        return session
+
+    inline = session_of(pending=False)
+    inline.key_done(largest, 6, [out])
+    assert inline._thread is None and inline.forecast is not None
+    gate, started = threading.Event(), []
+    modelled = SessionForecast._forecast
+
+    def held(self: SessionForecast, *args: Any, **kwargs: Any) -> None:
+        started.append(threading.current_thread().name)
+        gate.wait(10)
+        modelled(self, *args, **kwargs)
+
+    monkeypatch.setattr(SessionForecast, "_forecast", held)
+    threaded = session_of(pending=True)
+    with caplog.at_level(logging.INFO, logger="sglang_bcg_plugin"):
+        threaded.key_done(largest, 6, [out])
+        assert threaded._unmade is not None and threaded._thread is None and not started  # left for later
+        threaded.in_background()  # returns while the thread is held
+        assert threaded._thread is not None and threaded._thread.is_alive() and threaded._made is None
+        threaded.in_background()  # one thread
+        gate.set()
+        got = threaded.forecast
+    assert started == ["sglang-bcg-forecast"] and threaded._thread is None
+    assert got is not None and got["modes"] == inline.forecast["modes"]  # type: ignore[index]
+    assert [r.getMessage() for r in caplog.records if "graph memory forecast for" in r.getMessage()]
+    started.clear()
+    asked = session_of(pending=True)
+    asked.key_done(largest, 6, [out])
+    assert asked.forecast is not None and started == [threading.current_thread().name]  # made at once, here
+    asked.in_background()
+    assert asked._thread is None
+
+    def boom(self: SessionForecast, *args: Any, **kwargs: Any) -> None:
+        raise ValueError("a trace the model cannot read")
+
+    monkeypatch.setattr(SessionForecast, "_forecast", boom)
+    failed = session_of(pending=True)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="sglang_bcg_plugin"):
+        failed.key_done(largest, 6, [out])
+        failed.in_background()
+        assert failed.forecast is None
+    assert "no graph memory forecast: ValueError: a trace the model cannot read" in caplog.text

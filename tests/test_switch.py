@@ -155,7 +155,7 @@ def test_with_incremental_capture_the_decode_graphs_follow_the_largest_size() ->
     assert set(result["phases"]) == {"drop_s", "capture_s"} and result["incremental"]["decode_pending"]
     idle = NS(tp_worker=NS(model_runner=runner), running_batch=None, waiting_queue=[])
     state = inc.pending(runner.prefill_cuda_graph_runner)
-    state.last_seconds = state.last_busy = 0.0  # idle long enough: every step due
+    state.last_seconds = state.last_busy = state.serving_since = 0.0  # serving and idle long enough: every step due
     assert inc.step(idle, lambda: 1.0) == [16] and runner.calls[-1] == "capture sizes [16]"
     assert runner.decode_cuda_graph_runner is None and state.decode is not None
     assert inc.step(idle, lambda: 1.0) == [] and runner.calls[-1] == "capture decode"
@@ -167,7 +167,7 @@ def test_with_incremental_capture_the_decode_graphs_follow_the_largest_size() ->
     runner = Incremental(env := {ENV: "1"})
     rank.switch_rank(runner, "off", "backend", env, check=no_check)
     state = inc.pending(runner.prefill_cuda_graph_runner)
-    state.last_seconds = state.last_busy = 0.0
+    state.last_seconds = state.last_busy = state.serving_since = 0.0
 
     def fail() -> None:
         raise RuntimeError("CUDA out of memory")
@@ -530,14 +530,15 @@ def test_the_h200_recording_passes_the_gpu_checks() -> None:
 def _as_incremental(recorded: dict[str, Any]) -> dict[str, Any]:
     """The H200 recording rewritten into what an incremental run records (a stand-in for such a recording until
     one is kept): start-up figures, the first minute, and each switch's capture end and per-size pace."""
-    found = dict(recorded, incremental=True, first_minute_s=30.0)
+    found = dict(recorded, incremental=True, first_minute_s=30.0, shape="llama3-8b")  # the start-up check's shape
     t_first = min(a["t0"] for a in found["answers"])
     found["first_minute"] = {"from": t_first - 31.0, "seconds": 30.0}
     found["answers"] = [dict(a, t0=t_first - 30.5 + 0.1 * i, t1=t_first - 30.4 + 0.1 * i) for i, a in
                         enumerate(found["answers"][:280])] + found["answers"]
-    found["fresh"]["on"]["start"] = {"up_s": 61.1, "first_answer_s": 61.3, "prefill_capture_s": 20.0}
+    found["fresh"]["on"]["start"] = {"up_s": 61.1, "first_answer_s": 61.3, "prefill_capture_s": 20.0,
+                                     "scheduler_s": 30.0}
     found["startup"] = {"up_s": 42.0, "first_answer_s": 42.2, "all_captured_after_first_s": 21.0,
-                        "get": found["fresh"]["on"]["get"]}
+                        "scheduler_s": 11.5, "get": found["fresh"]["on"]["get"]}
     for s in found["switches"]:  # a switch of 0.15 s, its sizes captured within 2 s
         s["captured_at"] = s["t0"] + 2.0
         s["incremental"] = [{"captured": 50, "sizes": 50, "slowest_step_per_size_s": 0.12, "decode_pending": False}]
@@ -574,9 +575,19 @@ def test_the_incremental_checks_pass_a_good_run_and_fail_a_bad_one() -> None:
     with pytest.raises(AssertionError):
         checks.test_startup_answers_first_and_captures_every_size_in_time(slow)
     late = copy.deepcopy(good)
-    late["startup"]["first_answer_s"] = 44.0  # earlier by 17.3 s only, under 90 % of 20 s
+    late["startup"]["first_answer_s"] = 44.0  # a step held the first answer 2 s: earlier by 16.7 s, under 18
     with pytest.raises(AssertionError):
         checks.test_startup_answers_first_and_captures_every_size_in_time(late)
+    noisy = copy.deepcopy(good)  # launched 5 s slower (Python, SGLang's import): the scheduler's figures decide
+    noisy["startup"].update(up_s=47.0, first_answer_s=47.2)
+    checks.test_startup_answers_first_and_captures_every_size_in_time(noisy)
+    for start in (noisy["startup"], noisy["fresh"]["on"]["start"]):  # a log without SGLang's figure: from launch
+        del start["scheduler_s"]
+    with pytest.raises(AssertionError):
+        checks.test_startup_answers_first_and_captures_every_size_in_time(noisy)
+    tiny = dict(copy.deepcopy(good), shape="tiny")
+    with pytest.raises(pytest.skip.Exception, match="the criterion is the 8B shapes'"):
+        checks.test_startup_answers_first_and_captures_every_size_in_time(tiny)
     bigger = copy.deepcopy(good)
     bigger["initial"]["ranks"][0]["free_bytes"] -= 3 << 20
     with pytest.raises(AssertionError, match="outside the allocator"):
@@ -639,10 +650,13 @@ def test_the_h100_incremental_recording_passes_every_gpu_check(monkeypatch: pyte
     monkeypatch.setenv("SGLANG_BCG_SWITCH_MODES", "on,off")  # as the run was made
     monkeypatch.setenv("SGLANG_BCG_SWITCH_INCREMENTAL", "1")
     checks = _gpu_switch_checks()
-    names = sorted(n for n in dir(checks) if n.startswith("test_"))
+    names, skipped = sorted(n for n in dir(checks) if n.startswith("test_")), []
     for name in names:
-        getattr(checks, name)(copy.deepcopy(recorded))
-    assert len(names) == 10
+        try:
+            getattr(checks, name)(copy.deepcopy(recorded))
+        except pytest.skip.Exception:
+            skipped.append(name)
+    assert len(names) == 10 and skipped == ["test_startup_answers_first_and_captures_every_size_in_time"]  # 8B's
     rows = checks.summary(recorded)["switches"]
     assert [r["mode"] for r in rows] == ["off", "on"] and all(r["longest_overlapping_s"] <= r["bound_s"] for r in rows)
     corrupted = copy.deepcopy(recorded)

@@ -50,6 +50,8 @@ MIB = 1 << 20
 _PREFILL_END = re.compile(r"Capture (?:\S+ )?prefill CUDA graph end\. elapsed=([\d.]+) s, mem usage=([\d.]+) GB")
 _DECODE_END = re.compile(r"Capture (?:\S+ )?(?:decode )?cuda graph end\. bs=.*?elapsed=([\d.]+) s, mem usage=([\d.]+) GB",
                          re.IGNORECASE)
+#: SGLang's own start-up figure (0.5.23: the scheduler from its start to ready, the captures in it).
+_SCHEDULER = re.compile(r"Engine startup timings \(s\):.*?scheduler_e2e=([\d.]+)")
 _FORECAST = re.compile(r"graph memory forecast for (\d+) sizes up to (\d+): ([\d,.]+) MiB with "
                        r"--enable-bcg-shared-output=(\w+); (.*)")
 _AGAINST = re.compile(r"against (\w+) \(([\d,.]+) MiB\)")
@@ -185,6 +187,8 @@ def parse_log(text: str) -> dict[str, Any]:
         found["prefill_capture_s"], found["prefill_mem_gb"] = float(m.group(1)), float(m.group(2))
     if m := _DECODE_END.search(text):
         found["decode_capture_s"], found["decode_mem_gb"] = float(m.group(1)), float(m.group(2))
+    if m := _SCHEDULER.search(text):
+        found["scheduler_s"] = float(m.group(1))
     if m := _FORECAST.search(text):
         modes = {m.group(4): _number(m.group(3))}
         modes.update({name: _number(value) for name, value in _AGAINST.findall(m.group(5))})

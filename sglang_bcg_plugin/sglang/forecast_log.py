@@ -7,6 +7,7 @@ import contextlib
 import json
 import logging
 import os
+import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,7 @@ from ..forecast.model import MODES, buffer_bytes, forecast_modes
 from ..forecast.probe import device_trace, finish_modes, pool_segments, record_history, reserved_bytes
 from ..forecast.trace import KeyTrace, ScaledTrace, inside, output_allocs, pool_trace
 from .compat import ENV_FORECAST, ENV_FORECAST_TRACE
+from .incremental import pending_sizes
 
 log = logging.getLogger("sglang_bcg_plugin")
 
@@ -98,7 +100,13 @@ def outputs_kept(trace: KeyTrace, output_bytes: Sequence[int]) -> tuple[KeyTrace
 
 class SessionForecast:
     """One capture session's forecast: :meth:`first_capture` around each ``capture_one``, :meth:`key_done` after it,
-    :meth:`close` at the session's end; ``pool`` returns SGLang's graph pool handle (its session sets it)."""
+    :meth:`close` at the session's end; ``pool`` returns SGLang's graph pool handle (its session sets it).
+
+    With sizes still pending after the first capture (incremental capture, :mod:`.incremental`), the forecast waits:
+    its modelling (a second or more of pure Python over the recorded requests) would otherwise hold the first
+    answer, or a capture step under load. :meth:`in_background` makes it on a thread of its own once the server
+    serves (the scheduler's first step); :attr:`forecast` waits for that thread, or makes it at once where nothing
+    started it (the memory plan, before serving)."""
 
     def __init__(self, cuda_graph_runner: object, mode: str, pool: Callable[[], Any],
                  environ: Mapping[str, str] | None = None, buffer_source: str = "reserve",
@@ -107,7 +115,10 @@ class SessionForecast:
         self.runner, self.mode, self.pool, self.buffer_source = cuda_graph_runner, mode, pool, buffer_source
         self.sizes, self.enabled = schedule_sizes(cuda_graph_runner), forecast_enabled(env)
         self.done, self.held_at_start = False, 0
-        self.forecast: dict[str, Any] | None = None
+        self._made: dict[str, Any] | None = None
+        self._thread: threading.Thread | None = None  #: the forecast made while serving (incremental capture)
+        #: the forecast's arguments, while it waits for :meth:`in_background` or :attr:`forecast`
+        self._unmade: tuple[tuple[Any, ...], int | None] | None = None
         self.measured: int | None = None  # what close() found in the pool (+ a reserved buffer)
         self.lost: int | None = None  # the free device memory the session gave up (close())
         self.free_at_open = _read(device_free_bytes, collect=False) if measuring_forecast(env) else None
@@ -122,13 +133,35 @@ class SessionForecast:
         #: what :meth:`first_capture` recorded of the first capture, for :meth:`key_done` to forecast from
         self.recorded: tuple[Any, ...] | None = None
 
+    @property
+    def forecast(self) -> dict[str, Any] | None:
+        """The forecast's ``modes`` and ``references`` (``None``: none made); one made while serving is waited for."""
+        thread, unmade = self._thread, self._unmade
+        if thread is not None:
+            thread.join()
+            self._thread = None
+        elif unmade is not None:
+            self._unmade = None
+            self._forecast_logged(*unmade[0], kv_per_token=unmade[1])
+        return self._made
+
+    @forecast.setter
+    def forecast(self, value: dict[str, Any] | None) -> None:
+        self._made = value
+
     def key_done(self, size: int, graphs: int, output_bytes: list[int]) -> None:
         """After one size's capture (``output_bytes``: its output's storage bytes): after the first, the
-        forecast logged; with ``SGLANG_BCG_FORECAST_TRACE`` set, what the device holds."""
+        forecast logged (with sizes pending, later: the class's doc); with ``SGLANG_BCG_FORECAST_TRACE`` set, what
+        the device holds."""
         if self.recorded is not None:
             events, segments, count, first = self.recorded
             self.recorded = None
-            self._forecast(size, events, segments, output_bytes, ProbeCount.of(size, count), first)
+            args = (size, events, segments, output_bytes, ProbeCount.of(size, count), first)
+            kv_per_token = kv_bytes_per_token(self.runner)  # read here: the thread reads nothing of SGLang's
+            if pending_sizes(self.runner):
+                self._unmade = (args, kv_per_token)
+            else:
+                self._forecast(*args, kv_per_token=kv_per_token)
         if self.trace_path:
             self.rows.append({"size": size, "graphs": graphs, "free": _read(device_free_bytes, collect=False),
                               "reserved": torch.cuda.memory_reserved(), "pool": self._pool_bytes(),
@@ -178,10 +211,29 @@ class SessionForecast:
     def _pool_bytes(self) -> int:
         return sum(n for _, n in self._pool_segments())
 
+    def in_background(self) -> None:
+        """Make a waiting forecast on a thread of its own (nothing to do: none waits, or one is being made)."""
+        if self._unmade is None or self._thread is not None:
+            return
+        args, kv_per_token = self._unmade
+        self._unmade = None
+        self._thread = threading.Thread(target=self._forecast_logged, args=args, kwargs={"kv_per_token": kv_per_token},
+                                        daemon=True, name="sglang-bcg-forecast")
+        self._thread.start()
+
+    def _forecast_logged(self, *args: Any, **kwargs: Any) -> None:
+        """:meth:`_forecast` made later (on its thread, or when asked for): a failure is logged, and leaves no
+        forecast (the server serves on)."""
+        try:
+            self._forecast(*args, **kwargs)
+        except Exception as exc:  # noqa: BLE001 - a thread's failure has no caller to reach
+            log.warning("sglang_bcg: no graph memory forecast: %s: %s", type(exc).__name__, exc)
+
     def _forecast(self, size: int, events: Any, segments: list[tuple[int, int]], output_bytes: list[int],
-                  graphs: Any = None, first: tuple[int, int] | None = None) -> None:
+                  graphs: Any = None, first: tuple[int, int] | None = None, kv_per_token: int | None = None) -> None:
         """``graphs``: the first capture's ``ProbeCount`` (``None``: no driver's share); ``first``:
-        :meth:`_first_memory` (``None``: no stream bytes, no first-capture cost)."""
+        :meth:`_first_memory` (``None``: no stream bytes, no first-capture cost); ``kv_per_token``: the KV cache's
+        bytes per token, for the line."""
         assert self.sizes is not None
         trace = pool_trace(size, events, segments)
         if not trace.ops:
@@ -199,10 +251,9 @@ class SessionForecast:
                                expandable=expandable, stream_bytes=stream, driver=self.driver)
         modes, references, caveat = finish_modes(modes, fitted, self.sizes, outputs=outputs, expandable=expandable,
                                                  driver=self.driver, counted="in the first capture")
-        self.forecast = {"modes": modes, "references": references}
         described = "" if self.driver is None else self.driver.describe()
-        log.info("%s", format_forecast(modes, self.mode, self.sizes, kv_bytes_per_token(self.runner), described,
-                                       caveat))
+        log.info("%s", format_forecast(modes, self.mode, self.sizes, kv_per_token, described, caveat))
+        self._made = {"modes": modes, "references": references}
 
     def close(self, outside_pool_bytes: int = 0) -> int | None:
         """Log what the session added to the pool (+ ``outside_pool_bytes``, a reserved buffer)

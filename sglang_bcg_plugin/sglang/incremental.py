@@ -81,6 +81,7 @@ class Pending:
     #: eagerly)
     decode: Callable[[], Any] | None = None
     last_busy: float = 0.0  #: when a scheduler iteration last had requests (running or waiting)
+    serving_since: float | None = None  #: the scheduler's first iteration seen (``None``: not serving yet)
     served_from: float | None = None  #: the first iteration with requests since the last step (``None``: none yet)
 
     def note(self, idle: bool, now: float) -> None:
@@ -236,6 +237,12 @@ def step(scheduler: Any, now: Callable[[], float] = time.perf_counter) -> list[i
     if runner is None or state is None:
         return None
     start, idle = now(), _idle(scheduler)
+    if state.serving_since is None:  # serving begins: the first step is paced from here, not from the capture's end
+        state.serving_since = start
+        state.last_busy = max(state.last_busy, start)
+    in_background = getattr(getattr(getattr(runner, "backend", None), "_bcg_forecast", None), "in_background", None)
+    if callable(in_background):  # the first capture's forecast, made while serving
+        in_background()
     state.note(idle, start)
     count = tp_agree(state.wanted(idle, start), largest=False)  # the fewest any rank wants
     if count <= 0:

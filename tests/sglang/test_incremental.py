@@ -112,7 +112,7 @@ def unpaced(runner: PrefillRunner) -> inc.Pending:
     """The runner's state as if its start-up capture had taken no time: every step due at once."""
     state = inc.pending(runner)
     state.last_end = state.last_seconds = state.last_busy = 0.0
-    state.last_count, state.served_from = 0, None
+    state.last_count, state.served_from, state.serving_since = 0, None, 0.0
     return state
 
 
@@ -424,3 +424,21 @@ def test_the_start_up_line_says_how_long_the_largest_size_took_and_where(monkeyp
                   r"capture [\d.]+ s, forecast [\d.]+ s\); 3 more between batches", caplog.text)
     assert m and float(m.group(1)) == pytest.approx(state.last_seconds, abs=0.01), caplog.text
     assert inc.phases(NS(backend=NS())) == "" and inc.phases(None) == ""
+
+
+@needs_seam
+def test_serving_starts_the_forecast_and_paces_the_first_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The scheduler's first step hands the first capture's forecast to its thread (once the server serves, not
+    while the decode graphs capture) and starts the pace there: an idle server's first step waits as long as the
+    largest size took from when serving began, not from the capture's end."""
+    runner = PrefillRunner(Model(), monkeypatch)
+    runner.capture()
+    state, calls = inc.pending(runner), []
+    monkeypatch.setattr(runner.backend._bcg_forecast, "in_background", lambda: calls.append(state.serving_since))
+    state.last_end = state.last_busy = 5.0  # the largest size took 2 s, ended at 5 s
+    state.last_seconds = 2.0
+    idle = scheduler(runner)
+    assert inc.step(idle, lambda: 8.0) is None  # 3 s after the capture, but serving only now
+    assert calls == [8.0] and state.serving_since == 8.0 and state.last_busy == 8.0
+    assert inc.step(idle, lambda: 9.9) is None and len(calls) == 2  # asked each step; made once (its own guard)
+    assert inc.step(idle, iter([10.0, 10.1]).__next__) == [16]
