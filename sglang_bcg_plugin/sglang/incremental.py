@@ -133,10 +133,13 @@ def defer_decode(runner: Any, capture: Callable[[], Any]) -> bool:
 
 
 def pending_sizes(runner: Any) -> list[int]:
-    """The sizes the runner has yet to capture (empty: all captured, or not incremental); after a failed
-    step, the sizes left eager."""
+    """The sizes the runner has yet to capture, beyond those the running step captures (empty: all captured, or
+    being captured in the last step, or not incremental); after a failed step, the sizes left eager."""
     state = pending(runner)
-    return list(state.sizes) if state is not None else []
+    if state is None:
+        return []
+    now = state.current or ()
+    return [n for n in state.sizes if n not in now]
 
 
 @contextlib.contextmanager

@@ -442,3 +442,27 @@ def test_serving_starts_the_forecast_and_paces_the_first_step(monkeypatch: pytes
     assert calls == [8.0] and state.serving_since == 8.0 and state.last_busy == 8.0
     assert inc.step(idle, lambda: 9.9) is None and len(calls) == 2  # asked each step; made once (its own guard)
     assert inc.step(idle, iter([10.0, 10.1]).__next__) == [16]
+
+
+@needs_seam
+def test_the_session_closes_in_the_last_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The first session's forecast is closed (its after-capture line) once, at the end of the step that captures the
+    last sizes: during that step no size is left beyond the ones it captures."""
+    from sglang_bcg_plugin.sglang.forecast_log import SessionForecast
+
+    closed: list[list[int]] = []
+    runner = PrefillRunner(Model(), monkeypatch)
+    monkeypatch.setattr(SessionForecast, "close", lambda self, *a: closed.append(sorted(k.size for k in runner.backend._graphs)))
+    runner.capture()
+    # the backend's runner is SGLang's prefill runner, which holds the state (the stand-in's backend has its own)
+    runner.backend._cuda_graph_runner.__dict__[inc.STATE_ATTR] = inc.pending(runner)
+    closed.clear()
+    assert inc.pending_sizes(runner) == [16, 8, 4]
+    state = unpaced(runner)
+    state.current = [16]
+    assert inc.pending_sizes(runner) == [8, 4]  # what is left beyond the running step
+    state.current = None
+    busy = scheduler(runner, busy=True)
+    clock = iter([0.0, 0.0, 1.0, 1.0, 2.0, 2.0]).__next__
+    assert [inc.step(busy, clock) for _ in range(2)] == [[16], [8]] and closed == []
+    assert inc.step(busy, clock) == [4] and closed == [[4, 8, 16, 32]]
