@@ -153,6 +153,9 @@ def test_with_incremental_capture_the_decode_graphs_follow_the_largest_size() ->
     assert result["ok"] and result["decode_recaptured"] and runner.decode_cuda_graph_runner is None, result
     assert runner.calls == ["cleanup on", "cleanup decode", "capture off"]
     assert set(result["phases"]) == {"drop_s", "capture_s"} and result["incremental"]["decode_pending"]
+    parts = result["drop_parts"]  # where the drop's time went, within it
+    assert set(parts) == {"destroy_s", "collect_s", "empty_cache_s"} and all(v >= 0 for v in parts.values())
+    assert sum(parts.values()) <= result["phases"]["drop_s"] + 0.003
     idle = NS(tp_worker=NS(model_runner=runner), running_batch=None, waiting_queue=[])
     state = inc.pending(runner.prefill_cuda_graph_runner)
     state.last_seconds = state.last_busy = state.serving_since = 0.0  # serving and idle long enough: every step due

@@ -456,7 +456,7 @@ def summary(results: dict[str, Any]) -> dict[str, Any]:
     for s in results["switches"]:
         overlapping = [a["t1"] - a["t0"] for a in results["answers"] if a["t0"] <= s["captured_at"] and a["t1"] >= s["t0"]]
         one_size = max((r or {}).get("slowest_step_per_size_s", 0.0) for r in s.get("incremental") or [{}])
-        phases = [r.get("phases") for r in s["body"].get("ranks") or [{}]]
+        phases = [dict(r.get("phases") or {}, **(r.get("drop_parts") or {})) for r in s["body"].get("ranks") or [{}]]
         rows.append({"mode": s["mode"], "answer_s": s["body"].get("seconds"), "phases": phases,
                      "all_captured_after_post_s": round(s["captured_at"] - s["t0"], 2),
                      "longest_overlapping_s": round(max(overlapping), 3), "overlapping": len(overlapping),

@@ -102,9 +102,11 @@ def _on_cuda(call: str) -> None:
         getattr(torch.cuda, call)()
 
 
-def _drop_graphs(model_runner: Any) -> bool:
+def _drop_graphs(model_runner: Any, parts: dict[str, float] | None = None) -> bool:
     """Drop the prefill and decode graphs (not the eager runner) and SGLang's global graph pool, so
-    the re-capture starts a fresh pool; whether decode graphs were dropped."""
+    the re-capture starts a fresh pool; whether decode graphs were dropped. ``parts``: where given, the
+    seconds of each part (``destroy_s``: the runners' cleanup, ``collect_s``, ``empty_cache_s``)."""
+    clock = time.perf_counter()
     decode, eager = False, getattr(model_runner, "eager_runner", None)
     for name in ("prefill_cuda_graph_runner", "decode_cuda_graph_runner"):
         runner = getattr(model_runner, name, None)
@@ -116,8 +118,13 @@ def _drop_graphs(model_runner: Any) -> bool:
     sglang_pool = sys.modules.get("sglang.srt.model_executor.runner_utils.pool")  # a stand-in runner: none
     if sglang_pool is not None:
         sglang_pool.set_global_graph_memory_pool(None)
+    destroyed = time.perf_counter()
     gc.collect()
+    collected = time.perf_counter()
     _on_cuda("empty_cache")
+    if parts is not None:
+        parts.update(destroy_s=round(destroyed - clock, 3), collect_s=round(collected - destroyed, 3),
+                     empty_cache_s=round(time.perf_counter() - collected, 3))
     return decode
 
 
@@ -154,10 +161,12 @@ def switch_rank(model_runner: Any, mode: OutputMode, seam_kind: str,
         raise Refused(why)
     start = time.perf_counter()
     _on_cuda("synchronize")  # a batch the overlap scheduler launched finishes on the old graphs
-    decode = _drop_graphs(model_runner)
+    drop: dict[str, float] = {}
+    decode = _drop_graphs(model_runner, drop)
     env[ENV_SHARE_OUTPUT] = ENV_TEXT[mode]
     result: dict[str, Any] = {"previous": resolution and resolution.mode, "mode": mode, "decode_recaptured": decode}
     phases = result["phases"] = {"drop_s": round(time.perf_counter() - start, 3)}
+    result["drop_parts"] = drop  # where the drop's time goes (docs/sglang.md)
     later = False
     try:
         later = _capture(model_runner, decode)
