@@ -145,10 +145,6 @@ class SessionForecast:
             self._forecast_logged(*unmade[0], kv_per_token=unmade[1])
         return self._made
 
-    @forecast.setter
-    def forecast(self, value: dict[str, Any] | None) -> None:
-        self._made = value
-
     def key_done(self, size: int, graphs: int, output_bytes: list[int]) -> None:
         """After one size's capture (``output_bytes``: its output's storage bytes): after the first, the
         forecast logged (with sizes pending, later: the class's doc); with ``SGLANG_BCG_FORECAST_TRACE`` set, what
