@@ -185,6 +185,111 @@ def test_with_incremental_capture_the_decode_graphs_follow_the_largest_size() ->
     assert not inc.defer_decode(runner.prefill_cuda_graph_runner, runner.init_decode_cuda_graph)
 
 
+class Pools:
+    """The device memory the keep decision reads: free bytes, and the graph pools' (before the prefill drop, and
+    after it: the segments the old decode graphs still hold); and SGLang's global pool, which the decode graphs'
+    own drop must not forget (the new prefill graphs started it)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, free: int, before: int, pinned: int) -> None:
+        import sys
+
+        self.free, self.before, self.pinned, self.forgot = free, before, pinned, 0
+        self.dropped = False
+        monkeypatch.setenv("SGLANG_BCG_INCREMENTAL_CAPTURE", "1")
+        monkeypatch.setattr(rank, "_free_bytes", lambda: self.free)
+        monkeypatch.setattr(rank, "_pool_bytes", lambda pool: (None, self.pinned if self.dropped else self.before))
+        monkeypatch.setitem(sys.modules, "sglang.srt.model_executor.runner_utils.pool",
+                            NS(set_global_graph_memory_pool=self.forget))
+        real = rank._drop_graphs
+
+        def drop(*args: Any, **kwargs: Any) -> bool:
+            self.dropped = True
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(rank, "_drop_graphs", drop)
+
+    def forget(self, pool: Any) -> None:
+        assert pool is None
+        self.forgot += 1
+
+
+def incremental_runner(env: dict[str, str], forecast: dict[str, int] | None = None) -> DecodeRunner:
+    """A runner whose prefill capture leaves sizes 16, 8, 4 to the steps (and, given, a forecast per mode)."""
+    from sglang_bcg_plugin.sglang import incremental as inc
+
+    class Incremental(DecodeRunner):
+        def init_prefill_cuda_graph(self) -> None:
+            super().init_prefill_cuda_graph()
+            runner = self.prefill_cuda_graph_runner
+            runner.capture = lambda: self.calls.append(f"capture sizes {inc.pending(runner).current}")
+            runner.__dict__[inc.STATE_ATTR] = inc.Pending([16, 8, 4], total=3)
+
+    runner = Incremental(env)
+    if forecast is not None:
+        modes = {m: NS(total_bytes=b) for m, b in forecast.items()}
+        runner.prefill_cuda_graph_runner.backend._bcg_forecast = NS(forecast={"modes": modes})
+    return runner
+
+
+def test_with_room_the_old_decode_graphs_serve_until_the_new_ones_come(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Incremental capture: the switch drops the prefill graphs alone, and where what is free beyond the segments the
+    old decode graphs hold fits the new prefill graphs (the forecast's) and the headroom, those decode graphs serve
+    until the step after the largest size replaces them (no eager decode meanwhile); the decode drop there keeps
+    the pool the new prefill graphs started."""
+    from sglang_bcg_plugin.sglang import incremental as inc
+
+    GiB = 1024**3
+    pools = Pools(monkeypatch, free=8 * GiB, before=3 * GiB, pinned=GiB // 2)
+    env = {ENV: "1"}
+    runner = incremental_runner(env, forecast={"on": 3 * GiB, "off": 5 * GiB})
+    old_decode = runner.decode_cuda_graph_runner
+    result = rank.switch_rank(runner, "off", "backend", env, check=no_check)  # 8 - 0.5 - 5 >= 2 GiB
+    assert result["ok"] and result["decode_kept"] and result["decode_recaptured"], result
+    assert runner.calls == ["cleanup on", "capture off"] and runner.decode_cuda_graph_runner is old_decode
+    assert pools.forgot == 1 and result["incremental"]["decode_pending"]
+    idle = NS(tp_worker=NS(model_runner=runner), running_batch=None, waiting_queue=[])
+    state = inc.pending(runner.prefill_cuda_graph_runner)
+    state.last_seconds = state.last_busy = state.serving_since = 0.0
+    assert inc.step(idle, lambda: 1.0) == [16] and runner.decode_cuda_graph_runner is old_decode
+    assert inc.step(idle, lambda: 1.0) == [] and runner.calls[-2:] == ["cleanup decode", "capture decode"]
+    assert runner.decode_cuda_graph_runner is not old_decode and pools.forgot == 1  # the new pool kept
+    # 0.5 GiB less free: the new prefill graphs and the headroom would not fit beside the old decode graphs' segments
+    pools = Pools(monkeypatch, free=int(7.5 * GiB) - 1, before=3 * GiB, pinned=GiB // 2)
+    runner = incremental_runner(env := {ENV: "1"}, forecast={"on": 3 * GiB, "off": 5 * GiB})
+    result = rank.switch_rank(runner, "off", "backend", env, check=no_check)
+    assert result["ok"] and not result["decode_kept"] and result["decode_recaptured"]
+    assert runner.calls == ["cleanup on", "cleanup decode", "capture off"] and runner.decode_cuda_graph_runner is None
+    # no forecast: the old pools plus every output kept (2 MiB here) stand for the new prefill graphs
+    pools = Pools(monkeypatch, free=6 * GiB, before=3 * GiB, pinned=GiB // 2)
+    result = rank.switch_rank(runner := incremental_runner(env := {ENV: "1"}), "off", "backend", env, check=no_check)
+    assert result["decode_kept"], result  # 6 - 0.5 - (3 GiB + 2 MiB) >= 2 GiB
+    pools = Pools(monkeypatch, free=int(5.5 * GiB), before=3 * GiB, pinned=GiB // 2)
+    result = rank.switch_rank(runner := incremental_runner(env := {ENV: "1"}), "off", "backend", env, check=no_check)
+    assert not result["decode_kept"] and runner.decode_cuda_graph_runner is None  # 2 MiB short
+    # with a memory plan, its eager working set and margin are the headroom (3 GiB here, so 8 GiB free is short)
+    from sglang_bcg_plugin.sglang import memory_plan
+
+    monkeypatch.setattr(memory_plan, "MADE", [NS(eager=GiB * 5 // 2, margin=GiB // 2, reserve=3 * GiB)])
+    pools = Pools(monkeypatch, free=8 * GiB, before=3 * GiB, pinned=GiB // 2)
+    runner = incremental_runner(env := {ENV: "1"}, forecast={"on": 3 * GiB, "off": 5 * GiB})
+    result = rank.switch_rank(runner, "off", "backend", env, check=no_check)
+    assert not result["decode_kept"] and rank.switch_headroom(0) == 3 * GiB
+
+
+def test_a_failed_capture_drops_the_decode_graphs_the_switch_kept(monkeypatch: pytest.MonkeyPatch) -> None:
+    Pools(monkeypatch, free=64 * 1024**3, before=0, pinned=0)
+    env = {ENV: "1"}
+    runner = DecodeRunner(env, fail=("off",))
+    result = rank.switch_rank(runner, "off", "backend", env, check=no_check)
+    assert result["decode_kept"] and result["rolled_back"], result
+    # not incremental after all (this release's runner has no seam): the new decode graphs come in the switch
+    assert runner.calls == ["cleanup on", "capture off", "cleanup decode", "capture on", "capture decode"]
+    runner = DecodeRunner(env := {ENV: "1"})
+    result = rank.switch_rank(runner, "off", "backend", env, check=no_check)
+    assert result["ok"] and result["decode_kept"] and "incremental" not in result
+    assert runner.calls == ["cleanup on", "capture off", "cleanup decode", "capture decode"]
+
+
 def test_a_failed_capture_recaptures_the_previous_mode() -> None:
     env = {ENV: "1"}
     runner = FakeRunner(env, fail=("released",))

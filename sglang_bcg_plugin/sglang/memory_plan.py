@@ -349,6 +349,14 @@ def switch_refusal(modes: Mapping[str, Any], previous: str | None, mode: str, fr
             "for it)")
 
 
+def switch_headroom(default: int) -> int:
+    """What a live switch must leave free for serving: the plan's eager working set and margin (``default``: no
+    plan made here)."""
+    if not MADE:
+        return default
+    return MADE[-1].eager + MADE[-1].margin
+
+
 def after_switch_line(modes: Mapping[str, Any], previous: str | None, mode: str, free: int) -> str | None:
     """After a switch, with a plan made here: the plan's line again, for the new mode."""
     if not MADE:

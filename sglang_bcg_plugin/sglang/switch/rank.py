@@ -18,9 +18,9 @@ from ..._constants import ENV_SHARE_OUTPUT
 from ...errors import one_line
 from ...output.mode import OutputMode, parse_mode
 from ..flag import ENV_TEXT
-from ..compat import SGLANG_BREAKABLE
-from ..incremental import defer_decode, paced_from, pending, switching
-from ..memory_plan import after_switch_line, forecast_modes, switch_refusal
+from ..compat import SGLANG_BREAKABLE, tp_agree
+from ..incremental import asked, defer_decode, paced_from, pending, switching
+from ..memory_plan import after_switch_line, forecast_modes, switch_headroom, switch_refusal
 from ..serving_capture import per_request_state, while_serving
 from ..sglang_breakable import SharingPolicyMixin
 from ..sglang_session import session_switches
@@ -102,42 +102,78 @@ def _on_cuda(call: str) -> None:
         getattr(torch.cuda, call)()
 
 
-def _drop_graphs(model_runner: Any, parts: dict[str, float] | None = None) -> bool:
-    """Drop the prefill and decode graphs (not the eager runner) and SGLang's global graph pool, so
-    the re-capture starts a fresh pool; whether decode graphs were dropped. ``parts``: where given, the
-    seconds of each part (``destroy_s``: the runners' cleanup, ``collect_s``, ``empty_cache_s``)."""
+def _graph_runner(model_runner: Any, name: str) -> Any:
+    """The model runner's ``name`` runner where it holds graphs (``None``: none, or the eager runner)."""
+    runner, eager = getattr(model_runner, name, None), getattr(model_runner, "eager_runner", None)
+    held = runner is not None and runner is not eager and getattr(runner, "backend", None) is not None
+    return runner if held else None
+
+
+def _drop_graphs(model_runner: Any, parts: dict[str, float] | None = None,
+                 names: tuple[str, ...] = ("prefill_cuda_graph_runner", "decode_cuda_graph_runner"),
+                 forget_pool: bool = True) -> bool:
+    """Drop the graphs of the runners ``names`` (prefill and decode; not the eager runner) and, with
+    ``forget_pool``, SGLang's global graph pool, so the next capture starts a fresh pool; whether decode graphs were
+    dropped. ``parts``:
+    where given, the seconds of each part are added to it (``destroy_s``: the runners' cleanup, ``collect_s``,
+    ``empty_cache_s``)."""
     clock = time.perf_counter()
-    decode, eager = False, getattr(model_runner, "eager_runner", None)
-    for name in ("prefill_cuda_graph_runner", "decode_cuda_graph_runner"):
-        runner = getattr(model_runner, name, None)
-        if runner is not None and runner is not eager and getattr(runner, "backend", None) is not None:
+    decode = False
+    for name in names:
+        if (runner := _graph_runner(model_runner, name)) is not None:
             runner.backend.cleanup()
             setattr(model_runner, name, None)
             decode = decode or name.startswith("decode")
     runner = None  # the loop's last runner must not outlive the collection below
     sglang_pool = sys.modules.get("sglang.srt.model_executor.runner_utils.pool")  # a stand-in runner: none
-    if sglang_pool is not None:
+    if sglang_pool is not None and forget_pool:
         sglang_pool.set_global_graph_memory_pool(None)
     destroyed = time.perf_counter()
     gc.collect()
     collected = time.perf_counter()
     _on_cuda("empty_cache")
     if parts is not None:
-        parts.update(destroy_s=round(destroyed - clock, 3), collect_s=round(collected - destroyed, 3),
-                     empty_cache_s=round(time.perf_counter() - collected, 3))
+        for key, seconds in (("destroy_s", destroyed - clock), ("collect_s", collected - destroyed),
+                             ("empty_cache_s", time.perf_counter() - collected)):
+            parts[key] = round(parts.get(key, 0.0) + seconds, 3)
     return decode
 
 
-def _capture(model_runner: Any, decode: bool) -> bool:
-    """SGLang's own start-up captures, in start-up order; with incremental capture no prefill size is captured here
-    and the decode graphs are left to the first step (until then prefill and decode run eagerly), the prefill sizes
-    to the steps after. Whether sizes are left to capture between batches."""
+#: Without a memory plan, what must stay free (besides the new mode's prefill graphs) for the old decode graphs to
+#: keep serving until the new ones are captured: the eager forward's working set, which the plan would measure.
+KEEP_DECODE_MARGIN = 2 * 1024**3
+
+
+def _keeps_decode(model_runner: Any, need: int) -> bool:
+    """With incremental capture, after the prefill graphs were dropped: whether the old decode graphs may serve
+    until the step that captures the new ones (else decode runs eagerly until then). They hold the old pool's
+    segments they use (``_pool_bytes`` now), so they stay where what is free beyond those segments fits ``need``
+    (the new mode's prefill graphs) and the plan's eager working set and margin (:data:`KEEP_DECODE_MARGIN` without
+    a plan). Every TP rank agrees (a decode batch runs graphed on all ranks or none)."""
+    fits = 0
+    if _graph_runner(model_runner, "decode_cuda_graph_runner") is not None:
+        pinned = _pool_bytes(None)[1] or 0
+        fits = int(_free_bytes() - pinned - need >= switch_headroom(KEEP_DECODE_MARGIN))
+    return tp_agree(fits, largest=False) == 1
+
+
+def _new_decode(model_runner: Any) -> None:
+    """Drop the old decode graphs (kept by the switch, :func:`_keeps_decode`), then capture new ones into the pool
+    the new prefill graphs started, as a fresh start-up does."""
+    _drop_graphs(model_runner, names=("decode_cuda_graph_runner",), forget_pool=False)
+    model_runner.init_decode_cuda_graph()
+
+
+def _capture(model_runner: Any, decode: Callable[[], Any] | None) -> bool:
+    """SGLang's own start-up captures, in start-up order (``decode``: the decode graphs' capture, ``None``: none);
+    with incremental capture no prefill size is captured here and ``decode`` is left to the first step after the
+    largest size, the prefill sizes to the steps. Whether sizes are left to capture between batches."""
     # requests in flight keep their KV (sglang/serving_capture.py); the drop collected already, and the tail does
     with while_serving(), switching():
         model_runner.init_prefill_cuda_graph()
         runner = getattr(model_runner, "prefill_cuda_graph_runner", None)
-        if decode and not defer_decode(runner, model_runner.init_decode_cuda_graph):
-            model_runner.init_decode_cuda_graph()
+        if decode is not None and not defer_decode(runner, decode):
+            decode()
     state = pending(runner)
     return state is not None and bool(state.sizes)
 
@@ -162,9 +198,19 @@ def switch_rank(model_runner: Any, mode: OutputMode, seam_kind: str,
     start = time.perf_counter()
     _on_cuda("synchronize")  # a batch the overlap scheduler launched finishes on the old graphs
     drop: dict[str, float] = {}
-    decode = _drop_graphs(model_runner, drop)
+    keep = False
+    if asked() and _graph_runner(model_runner, "decode_cuda_graph_runner") is not None:
+        # incremental: the old decode graphs may serve until the new ones come (decode runs eagerly otherwise)
+        # what the new prefill graphs take: the forecast's; without one, at most the old pools and every output
+        need = int(modes[mode].total_bytes) if mode in modes else (
+            (_pool_bytes(None)[1] or 0) + int(prefill_backend(model_runner).memory_report().logical_output_bytes))
+        _drop_graphs(model_runner, drop, names=("prefill_cuda_graph_runner",))
+        keep = _keeps_decode(model_runner, need)
+    dropped = False if keep else _drop_graphs(model_runner, drop)
     env[ENV_SHARE_OUTPUT] = ENV_TEXT[mode]
-    result: dict[str, Any] = {"previous": resolution and resolution.mode, "mode": mode, "decode_recaptured": decode}
+    decode = (lambda: _new_decode(model_runner)) if keep else model_runner.init_decode_cuda_graph if dropped else None
+    result: dict[str, Any] = {"previous": resolution and resolution.mode, "mode": mode,
+                              "decode_recaptured": decode is not None, "decode_kept": keep}
     phases = result["phases"] = {"drop_s": round(time.perf_counter() - start, 3)}
     result["drop_parts"] = drop  # where the drop's time goes (docs/sglang.md)
     later = False
@@ -179,7 +225,7 @@ def switch_rank(model_runner: Any, mode: OutputMode, seam_kind: str,
     except Exception as exc:  # any capture failure is reported, then rolled back
         logger.exception("sglang_bcg: re-capture in output mode %r failed", mode)
         result.update(ok=False, error=f"{type(exc).__name__}: {one_line(exc)}",
-                      rolled_back=_roll_back(model_runner, env, previous_env, decode))
+                      rolled_back=_roll_back(model_runner, env, previous_env, decode is not None))
     phases["capture_s"] = round(time.perf_counter() - start - phases["drop_s"], 3)
     _on_cuda("synchronize")
     if not later:  # the old graphs went in the drop's collection; a failed capture's leftovers go here
@@ -209,8 +255,8 @@ def _roll_back(model_runner: Any, env: MutableMapping[str, str], previous_env: s
     else:
         env[ENV_SHARE_OUTPUT] = previous_env
     try:
-        _drop_graphs(model_runner)
-        _capture(model_runner, decode)
+        _drop_graphs(model_runner)  # the new mode's leftovers, and decode graphs the switch kept
+        _capture(model_runner, model_runner.init_decode_cuda_graph if decode else None)
     except Exception:  # reported as rolled_back=False
         logger.exception("sglang_bcg: re-capturing the previous output mode failed too")
         model_runner.prefill_cuda_graph_runner = getattr(model_runner, "eager_runner", None)
