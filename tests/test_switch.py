@@ -269,7 +269,7 @@ def test_with_room_the_old_decode_graphs_serve_until_the_new_ones_come(monkeypat
     # with a memory plan, its eager working set and margin are the headroom (3 GiB here, so 8 GiB free is short)
     from sglang_bcg_plugin.sglang import memory_plan
 
-    monkeypatch.setattr(memory_plan, "MADE", [NS(eager=GiB * 5 // 2, margin=GiB // 2, reserve=3 * GiB)])
+    monkeypatch.setattr(memory_plan, "MADE", [NS(eager=GiB * 5 // 2, margin=GiB // 2, reserve=3 * GiB, kv_tokens=1)])
     pools = Pools(monkeypatch, free=8 * GiB, before=3 * GiB, pinned=GiB // 2)
     runner = incremental_runner(env := {ENV: "1"}, forecast={"on": 3 * GiB, "off": 5 * GiB})
     result = rank.switch_rank(runner, "off", "backend", env, check=no_check)
