@@ -164,6 +164,23 @@ def _new_decode(model_runner: Any) -> None:
     model_runner.init_decode_cuda_graph()
 
 
+def _drop_old(model_runner: Any, modes: Mapping[str, Any], mode: OutputMode,
+              parts: dict[str, float]) -> tuple[bool, Callable[[], Any] | None]:
+    """A switch's drop of the old graphs: whether the old decode graphs were kept (:func:`_keeps_decode`), and the
+    capture of the new decode graphs (``None``: the server has none)."""
+    keep = False
+    if asked() and _graph_runner(model_runner, "decode_cuda_graph_runner") is not None:
+        # incremental: the old decode graphs may serve until the new ones come (decode runs eagerly otherwise)
+        # what the new prefill graphs take: the forecast's; without one, at most the old pools and every output
+        need = int(modes[mode].total_bytes) if mode in modes else (
+            (_pool_bytes(None)[1] or 0) + int(prefill_backend(model_runner).memory_report().logical_output_bytes))
+        _drop_graphs(model_runner, parts, names=("prefill_cuda_graph_runner",))
+        keep = _keeps_decode(model_runner, need)
+    if keep:
+        return True, lambda: _new_decode(model_runner)
+    return False, model_runner.init_decode_cuda_graph if _drop_graphs(model_runner, parts) else None
+
+
 def _capture(model_runner: Any, decode: Callable[[], Any] | None) -> bool:
     """SGLang's own start-up captures, in start-up order (``decode``: the decode graphs' capture, ``None``: none);
     with incremental capture no prefill size is captured here and ``decode`` is left to the first step after the
@@ -198,17 +215,8 @@ def switch_rank(model_runner: Any, mode: OutputMode, seam_kind: str,
     start = time.perf_counter()
     _on_cuda("synchronize")  # a batch the overlap scheduler launched finishes on the old graphs
     drop: dict[str, float] = {}
-    keep = False
-    if asked() and _graph_runner(model_runner, "decode_cuda_graph_runner") is not None:
-        # incremental: the old decode graphs may serve until the new ones come (decode runs eagerly otherwise)
-        # what the new prefill graphs take: the forecast's; without one, at most the old pools and every output
-        need = int(modes[mode].total_bytes) if mode in modes else (
-            (_pool_bytes(None)[1] or 0) + int(prefill_backend(model_runner).memory_report().logical_output_bytes))
-        _drop_graphs(model_runner, drop, names=("prefill_cuda_graph_runner",))
-        keep = _keeps_decode(model_runner, need)
-    dropped = False if keep else _drop_graphs(model_runner, drop)
+    keep, decode = _drop_old(model_runner, modes, mode, drop)
     env[ENV_SHARE_OUTPUT] = ENV_TEXT[mode]
-    decode = (lambda: _new_decode(model_runner)) if keep else model_runner.init_decode_cuda_graph if dropped else None
     result: dict[str, Any] = {"previous": resolution and resolution.mode, "mode": mode,
                               "decode_recaptured": decode is not None, "decode_kept": keep}
     phases = result["phases"] = {"drop_s": round(time.perf_counter() - start, 3)}
