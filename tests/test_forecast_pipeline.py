@@ -624,7 +624,8 @@ def test_with_sizes_pending_the_session_forecast_is_made_on_a_thread(allocator: 
                                                                        monkeypatch: pytest.MonkeyPatch,
                                                                        caplog: pytest.LogCaptureFixture) -> None:
     """Incremental capture (sizes still pending after the first capture): ``key_done`` leaves the forecast's
-    modelling for later; ``in_background`` (the scheduler's first step) makes and logs it on a thread of its own;
+    modelling for later; ``in_background`` (the session's close after the last size) makes and logs it on a thread
+    of its own;
     ``forecast`` waits for it and gives what the same capture forecasts inline, or, where nothing started it (the
     memory plan before serving), makes it at once. A failure on the thread is one warning and no forecast."""
     import threading
@@ -673,6 +674,26 @@ def test_with_sizes_pending_the_session_forecast_is_made_on_a_thread(allocator: 
     assert started == ["sglang-bcg-forecast"] and threaded._thread is None
     assert got is not None and got["modes"] == inline.forecast["modes"]  # type: ignore[index]
     assert [r.getMessage() for r in caplog.records if "graph memory forecast for" in r.getMessage()]
+    # the session's close with the forecast still unmade: it measures the pool now and leaves the modelling and
+    # both lines to the thread, which switches threads every 0.5 ms meanwhile (restored after)
+    import sys
+
+    intervals: list[float] = []
+    monkeypatch.setattr(SessionForecast, "_forecast", lambda self, *a, **k: (
+        intervals.append(sys.getswitchinterval()), modelled(self, *a, **k)))
+    closing = session_of(pending=True)
+    before = sys.getswitchinterval()
+    with caplog.at_level(logging.INFO, logger="sglang_bcg_plugin"):
+        caplog.clear()
+        closing.key_done(largest, 6, [out])
+        assert closing.close() == closing.measured is not None and closing._thread is not None
+        assert closing.forecast is not None and closing._thread is None
+    assert intervals == [forecast_log.THREAD_SWITCH_S] and sys.getswitchinterval() == before
+    lines = [r.getMessage() for r in caplog.records]
+    assert any("graph memory forecast for" in m for m in lines) and any("graph memory after capture" in m for m in lines)
+    assert all(r.threadName == "sglang-bcg-forecast" for r in caplog.records if "graph memory" in r.getMessage())
+    monkeypatch.setattr(SessionForecast, "_forecast", held)
+    gate.set()
     started.clear()
     asked = session_of(pending=True)
     asked.key_done(largest, 6, [out])

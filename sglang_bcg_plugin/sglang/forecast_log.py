@@ -7,6 +7,7 @@ import contextlib
 import json
 import logging
 import os
+import sys
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
@@ -98,15 +99,22 @@ def outputs_kept(trace: KeyTrace, output_bytes: Sequence[int]) -> tuple[KeyTrace
     return KeyTrace(trace.size, ops), frozenset(index[i] for i in found)
 
 
+#: The interpreter's thread switch interval (seconds) while the forecast is modelled on its thread (Python's default
+#: is 5 ms: a thread that gave up the GIL for a device call would wait that long to take it back).
+THREAD_SWITCH_S = 0.0005
+
+
 class SessionForecast:
     """One capture session's forecast: :meth:`first_capture` around each ``capture_one``, :meth:`key_done` after it,
     :meth:`close` at the session's end; ``pool`` returns SGLang's graph pool handle (its session sets it).
 
     With sizes still pending after the first capture (incremental capture, :mod:`.incremental`), the forecast waits:
     its modelling (a second or more of pure Python over the recorded requests) would otherwise hold the first
-    answer, or a capture step under load. :meth:`in_background` makes it on a thread of its own once the server
-    serves (the scheduler's first step); :attr:`forecast` waits for that thread, or makes it at once where nothing
-    started it (the memory plan, before serving)."""
+    answer, or a capture step under load; made on a thread beside the steps, it held them for the GIL and made their
+    garbage collections walk its objects (a 0.2 s decode step took 3.4-3.7 s on an H100 host). :meth:`close`, after
+    the last size, measures the pool and hands the modelling and both lines to a thread of its own
+    (:meth:`in_background`); :attr:`forecast` waits for that thread, or makes it at once where nothing started it
+    (the memory plan, before serving; a live switch's memory check)."""
 
     def __init__(self, cuda_graph_runner: object, mode: str, pool: Callable[[], Any],
                  environ: Mapping[str, str] | None = None, buffer_source: str = "reserve",
@@ -119,6 +127,8 @@ class SessionForecast:
         self._thread: threading.Thread | None = None  #: the forecast made while serving (incremental capture)
         #: the forecast's arguments, while it waits for :meth:`in_background` or :attr:`forecast`
         self._unmade: tuple[tuple[Any, ...], int | None] | None = None
+        #: what :meth:`close` measured, for the thread to log beside the forecast (``None``: not closed on a thread)
+        self._closing: tuple[int, int, int | None] | None = None
         self.measured: int | None = None  # what close() found in the pool (+ a reserved buffer)
         self.lost: int | None = None  # the free device memory the session gave up (close())
         self.free_at_open = _read(device_free_bytes, collect=False) if measuring_forecast(env) else None
@@ -213,9 +223,22 @@ class SessionForecast:
             return
         args, kv_per_token = self._unmade
         self._unmade = None
-        self._thread = threading.Thread(target=self._forecast_logged, args=args, kwargs={"kv_per_token": kv_per_token},
+        self._thread = threading.Thread(target=self._on_thread, args=args, kwargs={"kv_per_token": kv_per_token},
                                         daemon=True, name="sglang-bcg-forecast")
         self._thread.start()
+
+    def _on_thread(self, *args: Any, **kwargs: Any) -> None:
+        """The thread's work: the forecast, then the after-capture lines where :meth:`close` handed them over. The
+        interpreter switches threads every :data:`THREAD_SWITCH_S` meanwhile, so the scheduler, whose device calls
+        give up the GIL, waits at most that long to take it back (restored after)."""
+        interval = sys.getswitchinterval()
+        sys.setswitchinterval(min(interval, THREAD_SWITCH_S))
+        try:
+            self._forecast_logged(*args, **kwargs)
+            if self._closing is not None and self._made is not None:
+                self._log_after(*self._closing)
+        finally:
+            sys.setswitchinterval(interval)
 
     def _forecast_logged(self, *args: Any, **kwargs: Any) -> None:
         """:meth:`_forecast` made later (on its thread, or when asked for): a failure is logged, and leaves no
@@ -254,17 +277,35 @@ class SessionForecast:
     def close(self, outside_pool_bytes: int = 0) -> int | None:
         """Log what the session added to the pool (+ ``outside_pool_bytes``, a reserved buffer)
         beside the forecast; those bytes (``None``: no forecast)."""
+        if self._unmade is not None and not self.trace_path:  # modelled now, on a thread, with both lines
+            self._closing = self._measure(outside_pool_bytes)
+            self.in_background()
+            return self.measured
         if self.forecast is None:
             if self.trace_path and self.done:
                 record_history(False)
             return None
+        added, outside, free_now = self._measure(outside_pool_bytes)
+        self._log_after(added, outside, free_now)
+        if not self.trace_path:
+            return self.measured
+        return self._write_trace(self.trace_path, free_now)
+
+    def _measure(self, outside_pool_bytes: int) -> tuple[int, int, int | None]:
+        """What the session added to the pool, the bytes outside it, and the free device memory now (``measured``
+        and ``lost`` set)."""
         added = self._pool_bytes() - self.held_at_start
-        self.measured = measured = added + outside_pool_bytes
-        f = self.forecast["modes"][self.mode]
-        error = (f.pool_bytes - measured) / measured if measured else 0.0  # the pool and a shared buffer
+        self.measured = added + outside_pool_bytes
         free_now = _read(device_free_bytes, collect=False)
         if self.free_at_open is not None and free_now is not None:
             self.lost = self.free_at_open - free_now
+        return added, outside_pool_bytes, free_now
+
+    def _log_after(self, added: int, outside_pool_bytes: int, free_now: int | None) -> None:
+        """The after-capture lines: the session's measure beside the forecast, and the free memory lost."""
+        assert self._made is not None and self.measured is not None
+        measured, f = self.measured, self._made["modes"][self.mode]
+        error = (f.pool_bytes - measured) / measured if measured else 0.0  # the pool and a shared buffer
         lost = "" if not self.lost else (
             f"; free device memory lost over the session {self.lost / MB:.1f} MiB, forecast with the "
             f"CUDA driver's share {f.total_bytes / MB:.1f} MiB (+ capture stream {f.stream_bytes / MB:.1f} "
@@ -276,8 +317,11 @@ class SessionForecast:
             log.info("sglang_bcg: free device memory lost since the prefill backend was built %.1f MiB "
                      "(%.1f MiB before the first capture)", (self.baseline - free_now) / MB,
                      (self.baseline - (self.free_at_open or 0)) / MB)
-        if not self.trace_path:
-            return measured
+
+    def _write_trace(self, path: str, free_now: int | None) -> int | None:
+        """``SGLANG_BCG_FORECAST_TRACE``'s file, ``path``; the session's measure."""
+        assert self.forecast is not None
+        measured = self.measured
         # the session's record for SGLANG_BCG_FORECAST_TRACE: its rows, forecast and the ``(index, action,
         # address, bytes, stream)`` of every event in the pool's address ranges
         events, modes = device_trace(), self.forecast["modes"]
@@ -292,7 +336,7 @@ class SessionForecast:
                   "events": [(i, e["action"], int(e["addr"]), int(e["size"]), int(e.get("stream", 0)))
                              for i, e in enumerate(events) if inside(int(e["addr"]), segments)]}
         try:
-            Path(self.trace_path).write_text(json.dumps(record), encoding="utf-8")
+            Path(path).write_text(json.dumps(record), encoding="utf-8")
         except OSError as exc:
-            log.warning("sglang_bcg: could not write %s=%s: %s", ENV_FORECAST_TRACE, self.trace_path, exc)
+            log.warning("sglang_bcg: could not write %s=%s: %s", ENV_FORECAST_TRACE, path, exc)
         return measured

@@ -243,9 +243,6 @@ def step(scheduler: Any, now: Callable[[], float] = time.perf_counter) -> list[i
     if state.serving_since is None:  # serving begins: the first step is paced from here, not from the capture's end
         state.serving_since = start
         state.last_busy = max(state.last_busy, start)
-    in_background = getattr(getattr(getattr(runner, "backend", None), "_bcg_forecast", None), "in_background", None)
-    if callable(in_background):  # the first capture's forecast, made while serving
-        in_background()
     state.note(idle, start)
     count = tp_agree(state.wanted(idle, start), largest=False)  # the fewest any rank wants
     if count <= 0:
@@ -268,6 +265,7 @@ def step(scheduler: Any, now: Callable[[], float] = time.perf_counter) -> list[i
             state.decode = None
         log.exception("sglang_bcg: incremental capture of %s failed; %d prefill sizes stay eager",
                       f"prefill sizes {sizes}" if sizes else "the decode graphs", len(state.sizes))
+        forecast_now(runner)  # no session closes now: the first capture's forecast comes on its thread
         return None
     finally:
         state.current = None
@@ -290,6 +288,13 @@ def step(scheduler: Any, now: Callable[[], float] = time.perf_counter) -> list[i
         log.info("sglang_bcg: incremental capture: %d of %d prefill sizes captured (down to %d tokens)",
                  done, state.total, sizes[-1])
     return sizes
+
+
+def forecast_now(runner: Any) -> None:
+    """Start the first capture's forecast on its thread (it waits for the session's close otherwise)."""
+    in_background = getattr(getattr(getattr(runner, "backend", None), "_bcg_forecast", None), "in_background", None)
+    if callable(in_background):
+        in_background()
 
 
 def before_next_batch(original_fn: Callable[..., Any], scheduler: Any, *args: Any, **kwargs: Any) -> Any:

@@ -427,21 +427,23 @@ def test_the_start_up_line_says_how_long_the_largest_size_took_and_where(monkeyp
 
 
 @needs_seam
-def test_serving_starts_the_forecast_and_paces_the_first_step(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The scheduler's first step hands the first capture's forecast to its thread (once the server serves, not
-    while the decode graphs capture) and starts the pace there: an idle server's first step waits as long as the
-    largest size took from when serving began, not from the capture's end."""
+def test_the_first_step_is_paced_from_serving_and_no_step_starts_the_forecast(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An idle server's first step waits as long as the largest size took from when serving began, not from the
+    capture's end. No step hands the first capture's forecast to its thread (beside the steps it held them for the
+    GIL): the session's close after the last size does, or a failed step (no close comes)."""
     runner = PrefillRunner(Model(), monkeypatch)
     runner.capture()
     state, calls = inc.pending(runner), []
-    monkeypatch.setattr(runner.backend._bcg_forecast, "in_background", lambda: calls.append(state.serving_since))
+    monkeypatch.setattr(runner.backend._bcg_forecast, "in_background", lambda: calls.append(len(state.sizes)))
     state.last_end = state.last_busy = 5.0  # the largest size took 2 s, ended at 5 s
     state.last_seconds = 2.0
     idle = scheduler(runner)
     assert inc.step(idle, lambda: 8.0) is None  # 3 s after the capture, but serving only now
-    assert calls == [8.0] and state.serving_since == 8.0 and state.last_busy == 8.0
-    assert inc.step(idle, lambda: 9.9) is None and len(calls) == 2  # asked each step; made once (its own guard)
-    assert inc.step(idle, iter([10.0, 10.1]).__next__) == [16]
+    assert state.serving_since == 8.0 and state.last_busy == 8.0
+    assert inc.step(idle, lambda: 9.9) is None
+    assert inc.step(idle, iter([10.0, 10.1]).__next__) == [16] and calls == []
+    monkeypatch.setattr(runner, "capture", lambda: (_ for _ in ()).throw(RuntimeError("CUDA out of memory")))
+    assert inc.step(idle, iter([20.0, 20.1]).__next__) is None and state.failed and calls == [len(state.sizes)]
 
 
 @needs_seam
