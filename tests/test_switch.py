@@ -835,3 +835,25 @@ def test_the_h100_paced_recordings_what_holds_and_what_does_not(monkeypatch: pyt
     with pytest.raises(AssertionError):
         checks.test_no_answer_overlapping_a_switch_waits_for_the_whole_recapture(tiny)
     assert checks.throughput(tiny)["first_minute"]["answers_per_s"] == 102.13
+
+
+def test_the_h100_decode_kept_recording_what_holds_and_what_does_not(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Tiny, the build that keeps the old decode graphs until their step, the first capture's forecast modelled on a
+    thread from the first step (H100, 2026-12-07, docs/benchmarks.md): every answer right, both switches kept the
+    decode graphs and left a graph pool equal to a fresh server's to the byte; the switch's own stop was almost all
+    the garbage collection (0.50 and 0.53 s of 0.54 and 0.57 s). The latency bound was missed: the decode step took
+    3.67 and 3.40 s (0.22 s before) while the forecast's thread ran beside it, and the longest answers, sent about
+    1 s after each POST, waited for it."""
+    monkeypatch.setenv("SGLANG_BCG_SWITCH_MODES", "on,off")
+    monkeypatch.setenv("SGLANG_BCG_SWITCH_INCREMENTAL", "1")
+    checks = _gpu_switch_checks()
+    run = _recorded("switch-incremental-h100-tiny-decode-kept.json.gz")
+    checks.test_no_request_is_lost_or_answered_wrong(run)
+    checks.test_graph_memory_after_each_switch_equals_a_fresh_servers(run)
+    checks.test_graph_memory_once_every_size_is_captured_equals_a_server_that_captured_them_first(run)
+    ranks = [s["body"]["ranks"][0] for s in run["switches"]]
+    assert [r["decode_kept"] for r in ranks] == [True, True]
+    assert [r["drop_parts"]["collect_s"] for r in ranks] == [0.498, 0.53]
+    assert [s["incremental"][0]["slowest_step_per_size_s"] for s in run["switches"]] == [3.6655, 3.4048]
+    with pytest.raises(AssertionError, match=r"\('off', 4.385, 3.866, 504\)"):
+        checks.test_no_answer_overlapping_a_switch_waits_for_the_whole_recapture(run)
