@@ -140,15 +140,8 @@ def test_with_incremental_capture_the_decode_graphs_follow_the_largest_size() ->
     leaves the decode graphs their step."""
     from sglang_bcg_plugin.sglang import incremental as inc
 
-    class Incremental(DecodeRunner):
-        def init_prefill_cuda_graph(self) -> None:
-            super().init_prefill_cuda_graph()
-            runner = self.prefill_cuda_graph_runner
-            runner.capture = lambda: self.calls.append(f"capture sizes {inc.pending(runner).current}")
-            runner.__dict__[inc.STATE_ATTR] = inc.Pending([16, 8, 4], total=3)
-
     env = {ENV: "1"}
-    runner = Incremental(env)
+    runner = incremental_runner(env)
     result = rank.switch_rank(runner, "off", "backend", env, check=no_check)
     assert result["ok"] and result["decode_recaptured"] and runner.decode_cuda_graph_runner is None, result
     assert runner.calls == ["cleanup on", "cleanup decode", "capture off"]
@@ -167,7 +160,7 @@ def test_with_incremental_capture_the_decode_graphs_follow_the_largest_size() ->
     assert inc.step(idle, lambda: 1.0) == [8, 4] and runner.calls[-1] == "capture sizes [8, 4]"
     assert inc.step(idle) is None and rank.describe_rank(runner)["incremental"]["captured"] == 3
     # a failed prefill step: the decode graphs still come, alone, and are not tried twice
-    runner = Incremental(env := {ENV: "1"})
+    runner = incremental_runner(env := {ENV: "1"})
     rank.switch_rank(runner, "off", "backend", env, check=no_check)
     state = inc.pending(runner.prefill_cuda_graph_runner)
     state.last_seconds = state.last_busy = state.serving_since = 0.0
