@@ -114,9 +114,8 @@ def _drop_graphs(model_runner: Any, parts: dict[str, float] | None = None,
                  forget_pool: bool = True) -> bool:
     """Drop the graphs of the runners ``names`` (prefill and decode; not the eager runner) and, with
     ``forget_pool``, SGLang's global graph pool, so the next capture starts a fresh pool; whether decode graphs were
-    dropped. ``parts``:
-    where given, the seconds of each part are added to it (``destroy_s``: the runners' cleanup, ``collect_s``,
-    ``empty_cache_s``)."""
+    dropped. ``parts``, where given, gains the seconds of each part (``destroy_s``: the runners' cleanup,
+    ``collect_s``, ``empty_cache_s``)."""
     clock = time.perf_counter()
     decode = False
     for name in names:
