@@ -850,3 +850,30 @@ def test_the_h100_decode_kept_recording_what_holds_and_what_does_not(monkeypatch
     assert [s["incremental"][0]["slowest_step_per_size_s"] for s in run["switches"]] == [3.6655, 3.4048]
     with pytest.raises(AssertionError, match=r"\('off', 4.385, 3.866, 504\)"):
         checks.test_no_answer_overlapping_a_switch_waits_for_the_whole_recapture(run)
+
+
+def test_the_decode_graphs_are_kept_only_where_every_tp_rank_has_room(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A decode batch runs graphed on every rank or on none: one rank without room makes every rank drop its old
+    decode graphs (the smallest vote)."""
+    import torch
+
+    from sglang_bcg_plugin.sglang import compat
+
+    votes: list[int] = []
+    other = [0]
+
+    def all_reduce(tensor: torch.Tensor, op: Any, group: Any) -> None:
+        assert op == torch.distributed.ReduceOp.MIN and group == "gloo"
+        votes.append(int(tensor.item()))
+        tensor.fill_(min(int(tensor.item()), other[0]))
+
+    monkeypatch.setattr(compat, "tp_group", lambda: NS(cpu_group="gloo"))
+    monkeypatch.setattr(torch.distributed, "all_reduce", all_reduce)
+    Pools(monkeypatch, free=64 * 1024**3, before=0, pinned=0)  # room on this rank
+    runner = incremental_runner(env := {ENV: "1"})
+    result = rank.switch_rank(runner, "off", "backend", env, check=no_check)
+    assert votes == [1] and not result["decode_kept"] and runner.decode_cuda_graph_runner is None
+    assert runner.calls == ["cleanup on", "cleanup decode", "capture off"]
+    other[0] = 1
+    runner = incremental_runner(env := {ENV: "1"})
+    assert rank.switch_rank(runner, "off", "backend", env, check=no_check)["decode_kept"]
