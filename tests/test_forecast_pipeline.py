@@ -668,10 +668,11 @@ def test_with_sizes_pending_the_session_forecast_is_made_on_a_thread(allocator: 
         assert threaded._unmade is not None and threaded._thread is None and not started  # left for later
         threaded.in_background()  # returns while the thread is held
         assert threaded._thread is not None and threaded._thread.is_alive() and threaded._made is None
+        assert threaded.ready is None  # being made: not waited for
         threaded.in_background()  # one thread
         gate.set()
         got = threaded.forecast
-    assert started == ["sglang-bcg-forecast"] and threaded._thread is None
+    assert started == ["sglang-bcg-forecast"] and threaded._thread is None and threaded.ready is got
     assert got is not None and got["modes"] == inline.forecast["modes"]  # type: ignore[index]
     assert [r.getMessage() for r in caplog.records if "graph memory forecast for" in r.getMessage()]
     # the session's close with the forecast still unmade: it measures the pool now and leaves the modelling and
@@ -697,6 +698,7 @@ def test_with_sizes_pending_the_session_forecast_is_made_on_a_thread(allocator: 
     started.clear()
     asked = session_of(pending=True)
     asked.key_done(largest, 6, [out])
+    assert asked.ready is None and not started  # left for later: not made by asking whether it is ready
     assert asked.forecast is not None and started == [threading.current_thread().name]  # made at once, here
     asked.in_background()
     assert asked._thread is None

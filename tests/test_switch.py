@@ -220,7 +220,7 @@ def incremental_runner(env: dict[str, str], forecast: dict[str, int] | None = No
     runner = Incremental(env)
     if forecast is not None:
         modes = {m: NS(total_bytes=b) for m, b in forecast.items()}
-        runner.prefill_cuda_graph_runner.backend._bcg_forecast = NS(forecast={"modes": modes})
+        runner.prefill_cuda_graph_runner.backend._bcg_forecast = NS(forecast={"modes": modes}, ready={"modes": modes})
     return runner
 
 
@@ -259,6 +259,18 @@ def test_with_room_the_old_decode_graphs_serve_until_the_new_ones_come(monkeypat
     pools = Pools(monkeypatch, free=int(5.5 * GiB), before=3 * GiB, pinned=GiB // 2)
     result = rank.switch_rank(runner := incremental_runner(env := {ENV: "1"}), "off", "backend", env, check=no_check)
     assert not result["decode_kept"] and runner.decode_cuda_graph_runner is None  # 2 MiB short
+    # a forecast still being made is not waited for without a plan: the old pools and outputs stand for it
+    class Making:
+        ready = None
+
+        @property
+        def forecast(self) -> Any:
+            raise AssertionError("waited for the forecast")
+
+    pools = Pools(monkeypatch, free=6 * GiB, before=3 * GiB, pinned=GiB // 2)
+    runner = incremental_runner(env := {ENV: "1"})
+    runner.prefill_cuda_graph_runner.backend._bcg_forecast = Making()
+    assert rank.switch_rank(runner, "off", "backend", env, check=no_check)["decode_kept"]
     # with a memory plan, its eager working set and margin are the headroom (3 GiB here, so 8 GiB free is short)
     from sglang_bcg_plugin.sglang import memory_plan
 

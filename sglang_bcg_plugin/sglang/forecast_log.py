@@ -155,6 +155,13 @@ class SessionForecast:
             self._forecast_logged(*unmade[0], kv_per_token=unmade[1])
         return self._made
 
+    @property
+    def ready(self) -> dict[str, Any] | None:
+        """:attr:`forecast` where it is made already; ``None`` while its thread runs or it waits to be made."""
+        if self._unmade is not None or (self._thread is not None and self._thread.is_alive()):
+            return None
+        return self._made
+
     def key_done(self, size: int, graphs: int, output_bytes: list[int]) -> None:
         """After one size's capture (``output_bytes``: its output's storage bytes): after the first, the
         forecast logged (with sizes pending, later: the class's doc); with ``SGLANG_BCG_FORECAST_TRACE`` set, what

@@ -320,10 +320,17 @@ def not_applied(model_runner: Any) -> str | None:
 
 
 # -- the live switch ---------------------------------------------------------------------------------------
-def forecast_modes(backend: Any) -> Mapping[str, Any]:
-    """The per-mode forecast of the backend's last capture session (empty: none was made)."""
-    forecast = getattr(getattr(backend, "_bcg_forecast", None), "forecast", None) or {}
+def forecast_modes(backend: Any, wait: bool = True) -> Mapping[str, Any]:
+    """The per-mode forecast of the backend's last capture session (empty: none was made). ``wait=False``: only
+    one made already (empty while it is still being made, or left for later by incremental capture)."""
+    session = getattr(backend, "_bcg_forecast", None)
+    forecast = getattr(session, "forecast" if wait else "ready", None) or {}
     return dict(forecast.get("modes") or {})
+
+
+def plan_made() -> bool:
+    """Whether this process made a memory plan (a live switch is then checked against it)."""
+    return bool(MADE)
 
 
 def graph_change(modes: Mapping[str, Any], previous: str | None, mode: str) -> int | None:

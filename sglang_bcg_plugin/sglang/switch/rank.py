@@ -20,7 +20,7 @@ from ...output.mode import OutputMode, parse_mode
 from ..flag import ENV_TEXT
 from ..compat import SGLANG_BREAKABLE, tp_agree
 from ..incremental import asked, defer_decode, paced_from, pending, switching
-from ..memory_plan import after_switch_line, forecast_modes, switch_headroom, switch_refusal
+from ..memory_plan import after_switch_line, forecast_modes, plan_made, switch_headroom, switch_refusal
 from ..serving_capture import per_request_state, while_serving
 from ..sglang_breakable import SharingPolicyMixin
 from ..sglang_session import session_switches
@@ -208,7 +208,9 @@ def switch_rank(model_runner: Any, mode: OutputMode, seam_kind: str,
         check({**env, ENV_SHARE_OUTPUT: ENV_TEXT[mode]})
     except ValueError as exc:
         raise Refused(one_line(exc)) from None
-    modes, previous = forecast_modes(prefill_backend(model_runner)), resolution and resolution.mode
+    # the forecast: waited for (or made now) only where a memory plan checks the switch against it
+    modes = forecast_modes(prefill_backend(model_runner), wait=plan_made())
+    previous = resolution and resolution.mode
     if (why := switch_refusal(modes, previous, mode, _free_bytes())) is not None:
         raise Refused(why)
     start = time.perf_counter()
