@@ -889,3 +889,20 @@ def test_the_decode_graphs_are_kept_only_where_every_tp_rank_has_room(monkeypatc
     other[0] = 1
     runner = incremental_runner(env := {ENV: "1"})
     assert rank.switch_rank(runner, "off", "backend", env, check=no_check)["decode_kept"]
+
+
+def test_a_run_without_the_start_up_server_skips_only_its_checks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``SGLANG_BCG_SWITCH_PARTS=fresh,live`` (the tiny model, whose start-up is reported, not checked): the
+    start-up check skips, the memory check reads the switched server's start alone."""
+    monkeypatch.setenv("SGLANG_BCG_SWITCH_MODES", "on,off")
+    monkeypatch.setenv("SGLANG_BCG_SWITCH_INCREMENTAL", "1")
+    checks = _gpu_switch_checks()
+    run = _recorded("switch-incremental-h100-tiny-decode-kept.json.gz")
+    del run["startup"]
+    with pytest.raises(pytest.skip.Exception, match="no start-up server"):
+        checks.test_startup_answers_first_and_captures_every_size_in_time(run)
+    checks.test_graph_memory_once_every_size_is_captured_equals_a_server_that_captured_them_first(run)
+    run["initial"]["ranks"][0]["pool_bytes"] += 64 << 20
+    with pytest.raises(AssertionError, match="switched server's start"):
+        checks.test_graph_memory_once_every_size_is_captured_equals_a_server_that_captured_them_first(run)
+    assert checks.summary(run)["switches"]
