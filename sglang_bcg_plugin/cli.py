@@ -175,6 +175,8 @@ def _parser() -> argparse.ArgumentParser:
     target.add_argument("mode", nargs="?", type=_word("mode", MODES), choices=MODES,
                         help="the new output mode (any case)")
     target.add_argument("--show", action="store_true", help="print the current mode and graph memory")
+    switch.add_argument("--wait", action="store_true", help="with incremental capture, then wait until every "
+                        "prefill size is captured between batches (a GET a second; --timeout bounds it all)")
     # Before the command and after it too (SUPPRESS: not overriding the first); doctor takes nothing else.
     for p, default in ((parser, False), *((command, argparse.SUPPRESS) for command in sub.choices.values())):
         p.add_argument("-v", "--verbose", action="store_true", default=default, help="debug logging; tracebacks")
@@ -211,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
 
             parse_url(args.url)  # every argument checked before any network work
             key, timeout = key_of(args.api_key), parse_timeout(args.timeout)
-            return run(args.url, key, None if args.show else args.mode, timeout)
+            return run(args.url, key, None if args.show else args.mode, timeout, wait=args.wait)
         from .sglang.doctor import doctor_main
 
         return doctor_main([])

@@ -31,6 +31,7 @@ ENV_KEY = "SGLANG_BCG_ADMIN_API_KEY"  #: the key when ``--api-key`` is not given
 DEFAULT_TIMEOUT_S = 900.0  #: the server's own limit (``SGLANG_BCG_SWITCH_TIMEOUT``, default 900 s)
 MAX_TIMEOUT_S = 86_400.0  #: the longest ``--timeout`` (a day): a re-capture takes minutes, not days
 MAX_ANSWER_BYTES = 16 * 2**20  #: the largest answer read: the route's answer is a few KiB per TP rank
+POLL_S = 1.0  #: ``--wait``: seconds between two GETs while the server captures between batches
 SLACK_S = 0.5  #: how long past ``--timeout`` to wait for a step no socket timeout bounds (a name lookup)
 SCHEMES = ("http", "https")
 _EXAMPLE = "e.g. --url http://127.0.0.1:30000"
@@ -372,6 +373,7 @@ def result_line(body: dict[str, Any], mode: str | None) -> str:
     first = ranks[0] if ranks else {}
     where = (f"on {len(ranks)} TP rank(s) (scheduler pid {','.join(str(r.get('pid')) for r in ranks)}); graph pool "
              f"{_mib(first.get('pool_bytes'))}, resident outputs {_mib(first.get('resident_output_bytes'))}")
+    where += _capture_progress(first.get("incremental"))
     if mode is None:
         shown_mode = f"{', '.join(map(str, m))} (the ranks differ)" if isinstance(m := body.get("mode"), list) else m
         why = f"; switch refused here: {first['refusal']}" if first.get("refusal") else ""
@@ -379,20 +381,80 @@ def result_line(body: dict[str, Any], mode: str | None) -> str:
     return f"output mode: {body.get('mode')} (was {body.get('previous')}), switched in {body.get('seconds')} s {where}"
 
 
-def run(url: str, key: str | None, mode: str | None, timeout_s: float) -> int:
-    """The command: the arguments checked (:raises UsageError:), then the request in a thread and a progress line until
-    it answers; 0 from the server's 2xx with the documented answer, else 1."""
-    _arguments(url, key, timeout_s)  # request() checks them too; here, before the progress line
-    what = "reading the output mode of" if mode is None else f"switching the output mode to {mode} at"
-    line, start, tty = f"sglang-bcg switch: {what} {url.strip()} ...", time.monotonic(), sys.stderr.isatty()
-    thread, box = _started(lambda: request(url, key, mode, timeout_s))
-    print(line, file=sys.stderr, end="" if tty else "\n", flush=True)
+def _capture_progress(state: object) -> str:
+    """With incremental capture, what is still captured between batches (``""``: everything is, or not incremental)."""
+    if not isinstance(state, dict) or not isinstance(total := state.get("sizes"), int):
+        return ""
+    done, decode = f"{state.get('captured')} of {total} prefill sizes captured", bool(state.get("decode_pending"))
+    if state.get("capture_failed"):
+        return f"; {done}, the others eager (a capture step failed: {state['capture_failed']})"
+    if state.get("captured") == total and not decode:
+        return ""
+    pending = "the others and the decode graphs come" if decode else "the others come"
+    return f"; {done}, {pending} between batches (--show gives the progress)"
+
+
+def still_capturing(body: dict[str, Any]) -> str | None:
+    """What the first rank with captures still to come between batches (incremental capture) has captured, in words;
+    ``None``: no rank has any (every size captured, the others left eager by a failed step, or not incremental)."""
+    for rank in body.get("ranks", []):
+        state = rank.get("incremental") if isinstance(rank, dict) else None
+        if isinstance(state, dict) and (state.get("decode_pending") or (
+                state.get("captured") != state.get("sizes") and not state.get("capture_failed"))):
+            return _capture_progress(state).removeprefix("; ").removesuffix(" (--show gives the progress)")
+    return None
+
+
+def wait_captured(url: str, key: str | None, body: dict[str, Any], end: float, status: dict[str, str],
+                  clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep
+                  ) -> dict[str, Any]:
+    """``--wait``: a GET every :data:`POLL_S` until no rank captures between batches (``status["now"]``: the
+    progress); the last answer. :raises SwitchError: ``end`` (the monotonic clock's) came first."""
+    while (left := still_capturing(body)) is not None:
+        status["now"] = left
+        if clock() + POLL_S >= end:
+            raise SwitchError(f"--timeout passed while the server captures between batches ({left}); it serves and "
+                              f"captures on: {_CHECK}")
+        sleep(POLL_S)
+        body = request(url, key, None, end - clock())
+    return body
+
+
+def _in_thread(work: Callable[[], object], line: Callable[[], str]) -> dict[str, Any]:
+    """``work`` in a thread and ``line()`` on stderr while it runs (rewritten every half second with the seconds so far
+    on a terminal); its box (:func:`_started`)."""
+    start, tty = time.monotonic(), sys.stderr.isatty()
+    thread, box = _started(work)
+    shown_line = line()
+    print(shown_line, file=sys.stderr, end="" if tty else "\n", flush=True)
     while thread.is_alive():
         thread.join(0.5)
         if tty:
-            print(f"\r{line} {time.monotonic() - start:.0f} s", file=sys.stderr, end="", flush=True)
+            now = f"{line()} {time.monotonic() - start:.0f} s"
+            print(f"\r{now}{' ' * max(0, len(shown_line) - len(now))}", file=sys.stderr, end="", flush=True)
+            shown_line = now
     print(file=sys.stderr, end="\n" if tty else "")
+    return box
+
+
+def run(url: str, key: str | None, mode: str | None, timeout_s: float, wait: bool = False) -> int:
+    """The command: the arguments checked (:raises UsageError:), then the request in a thread and a progress line until
+    it answers; with ``wait``, then until every rank has captured every size (incremental capture), within the same
+    ``timeout_s``. 0 from the server's 2xx with the documented answer, else 1."""
+    _arguments(url, key, timeout_s)  # request() checks them too; here, before the progress line
+    what = "reading the output mode of" if mode is None else f"switching the output mode to {mode} at"
+    start = time.monotonic()
+    box = _in_thread(lambda: request(url, key, mode, timeout_s), lambda: f"sglang-bcg switch: {what} {url.strip()} ...")
+    waited = ""
+    if wait and "error" not in box and still_capturing(box["value"]) is not None:
+        answer, status = box["value"], {"now": ""}
+        box = _in_thread(lambda: wait_captured(url, key, answer, start + timeout_s, status),
+                         lambda: f"sglang-bcg switch: waiting for the captures between batches ({status['now']}) ...")
+        if "value" in box:  # the switch's answer with the ranks as they are now
+            box["value"], waited = {**answer, "ranks": box["value"]["ranks"]}, (
+                f"; the captures between batches ended {time.monotonic() - start:.1f} s after the request")
     if (error := box.get("error")) is not None and not isinstance(error, SwitchError):  # a bug: its traceback
         raise error
-    print(f"error: {error}" if error else result_line(box["value"], mode), file=sys.stderr if error else sys.stdout)
+    print(f"error: {error}" if error else result_line(box["value"], mode) + waited,
+          file=sys.stderr if error else sys.stdout)
     return 1 if error else 0

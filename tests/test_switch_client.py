@@ -539,3 +539,45 @@ def test_flag_values_in_any_case_through_main(capsys: pytest.CaptureFixture[str]
     assert main(["bench", "--backends", "Breakable", "--variants", "Inductor"]) == 2
     assert "--variants inductor is run only by --backends full or piecewise, and --backends breakable has none" in (
         capsys.readouterr().err)
+
+
+def test_wait_follows_the_captures_between_batches_to_their_end(loopback: Loopback, monkeypatch: pytest.MonkeyPatch,
+                                                                capsys: pytest.CaptureFixture[str]) -> None:
+    """``--wait`` (incremental capture): after the switch answers, a GET a second until no rank captures between
+    batches; the result line has the pool as it is then. A failed step ends the wait (its sizes stay eager), the
+    decode graphs still to come do not; ``--timeout`` bounds the whole command, the wait too."""
+    monkeypatch.setattr(cli_switch, "POLL_S", 0.05)
+
+    def ranks(captured: int, decode: bool = False, failed: str | None = None, pool: int = 2**20) -> list[dict[str, Any]]:
+        return [{"pid": 7, "pool_bytes": pool, "resident_output_bytes": 0,
+                 "incremental": {"captured": captured, "sizes": 3, "decode_pending": decode, "capture_failed": failed}}]
+
+    shown = iter([ranks(1, decode=True), ranks(2), ranks(3, pool=3 * 2**20)])
+    loopback.on("POST /bcg/output_mode", answering(http_answer(200, json.dumps({**SWITCHED, "ranks": ranks(0, True)}).encode())))
+    loopback.on("GET /bcg/output_mode", lambda h, s: h.send(http_answer(200, json.dumps({**SHOWN, "ranks": next(shown)}).encode())))
+    assert main(["switch", "--url", loopback.url, "--wait", "on"]) == 0
+    out, err = capsys.readouterr()
+    assert [s.method for s in loopback.server.seen] == ["POST", "GET", "GET", "GET"]
+    assert out.startswith("output mode: on (was off), switched in 2.5 s on 1 TP rank(s) (scheduler pid 7); graph pool "
+                          "3.0 MiB, resident outputs 0.0 MiB; the captures between batches ended "), out
+    assert "prefill sizes captured" not in out and "waiting for the captures between batches (0 of 3 prefill sizes " \
+        "captured, the others and the decode graphs come between batches) ..." in err, err
+    # without --wait: the answer says what is still to come
+    loopback.server.seen.clear()
+    assert main(["switch", "--url", loopback.url, "on"]) == 0
+    assert capsys.readouterr().out.rstrip().endswith(
+        "; 0 of 3 prefill sizes captured, the others and the decode graphs come between batches (--show gives the "
+        "progress)") and len(loopback.server.seen) == 1
+    # a failed step ends the wait (the decode graphs done): its sizes stay eager
+    shown = iter([ranks(1, failed="RuntimeError: CUDA out of memory")])
+    assert main(["switch", "--url", loopback.url, "--wait", "on"]) == 0
+    assert "; 1 of 3 prefill sizes captured, the others eager (a capture step failed: RuntimeError: CUDA out of " \
+        "memory); the captures between batches ended " in capsys.readouterr().out
+    # captures that never end: --timeout bounds the whole command
+    loopback.on("GET /bcg/output_mode", lambda h, s: h.send(http_answer(200, json.dumps({**SHOWN, "ranks": ranks(1)}).encode())))
+    start = time.monotonic()
+    assert main(["switch", "--url", loopback.url, "--timeout", "0.6", "--wait", "--show"]) == 1
+    assert time.monotonic() - start < 0.6 * 2 + SLACK_S
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        "error: --timeout passed while the server captures between batches (1 of 3 prefill sizes captured, the others "
+        "come between batches); it serves and captures on: check with sglang-bcg switch --show")

@@ -83,6 +83,7 @@ class Pending:
     last_busy: float = 0.0  #: when a scheduler iteration last had requests (running or waiting)
     serving_since: float | None = None  #: the scheduler's first iteration seen (``None``: not serving yet)
     served_from: float | None = None  #: the first iteration with requests since the last step (``None``: none yet)
+    by_switch: bool = False  #: the sizes are a live switch's (not start-up's): another switch waits for them
 
     def note(self, idle: bool, now: float) -> None:
         """A scheduler iteration at ``now``, with requests or ``idle``."""
@@ -111,15 +112,35 @@ class Pending:
         fits = int(IDLE_STEP_S / per_size) if per_size > 0 else 1
         return max(1, min(fits, len(self.sizes)))
 
+    def busy(self) -> bool:
+        """Whether a live switch's captures are still to come (a failed step ends its prefill sizes, not its decode
+        graphs)."""
+        return self.by_switch and (self.decode is not None or (bool(self.sizes) and self.failed is None))
+
+    def progress(self) -> str:
+        """``12 of 50 prefill sizes captured, the decode graphs pending``."""
+        decode = ", the decode graphs pending" if self.decode is not None else ""
+        return f"{self.total - len(self.sizes)} of {self.total} prefill sizes captured{decode}"
+
     def describe(self) -> dict[str, Any]:
         return {"captured": self.total - len(self.sizes), "sizes": self.total, "pending_sizes": list(self.sizes),
-                "decode_pending": self.decode is not None, "slowest_step_per_size_s": round(self.slowest, 4),
+                "decode_pending": self.decode is not None, "by_switch": self.by_switch,
+                "slowest_step_per_size_s": round(self.slowest, 4),
                 "capture_failed": self.failed}
 
 
 def pending(runner: Any) -> Pending | None:
     """The runner's incremental state (``None``: it captured everything at once)."""
     return getattr(runner, "__dict__", {}).get(STATE_ATTR)
+
+
+def switch_running(runner: Any, now: Callable[[], float] = time.perf_counter) -> str | None:
+    """Why another live switch must wait, in words: the last one's captures are still to come between batches
+    (``None``: every size captured, a failed step left the rest eager, or the sizes pending are start-up's)."""
+    state = pending(runner)
+    if state is None or not state.busy():
+        return None
+    return f"its graphs are being captured between batches ({state.progress()}; {now() - state.started:.0f} s so far)"
 
 
 def defer_decode(runner: Any, capture: Callable[[], Any]) -> bool:
@@ -168,7 +189,7 @@ def around_capture_one_stream(original_fn: Callable[..., Any], runner: Any, *arg
                     "serving would overwrite for requests in flight; every prefill size is captured now", kept)
         return original_fn(runner, *args, **kwargs)
     first = [] if _SWITCHING else sizes[:1]  # a live switch captures none: the largest comes in a step
-    state = runner.__dict__[STATE_ATTR] = Pending(sizes[len(first):], total=len(sizes))
+    state = runner.__dict__[STATE_ATTR] = Pending(sizes[len(first):], total=len(sizes), by_switch=_SWITCHING)
     with only(runner, first):
         result = original_fn(runner, *args, **kwargs)
     state.last_end = state.last_busy = time.perf_counter()  # the first step is paced by this capture: served (or

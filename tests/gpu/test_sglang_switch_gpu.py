@@ -30,7 +30,8 @@ limits the modes (the switches go through them from ``on`` and back); ``SGLANG_B
 this call starts, and ``SGLANG_BCG_SWITCH_RESUME`` (the JSON of an earlier call) takes its references and
 start-up instead of starting them again: one call may then stay within a device call's limit.
 
-Checked: every switch answers 200 in the mode asked, with its time; the second POST is 409;
+Checked: every switch answers 200 in the mode asked, with its time; the second POST is 409 (with incremental
+capture, also one sent once the switch answered, while its sizes are still captured between batches);
 no request fails, and every answer equals the target mode's reference (one at a time, or an
 answer a fresh server gave under the same load); graph memory after each switch equals the fresh
 server's in that mode (±2 MiB). Needs a server bundle set up (``scripts/server/setup.sh``
@@ -262,13 +263,18 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
                 t1 = time.time()
                 if racer is not None:
                     racer.join(REQUEST_S)
+                again: dict[str, Any] = {}
+                if racer is not None and INCREMENTAL:  # the switch answered; its sizes come between batches: a 409
+                    again["sent"] = time.time()
+                    again["status"], again["body"] = admin(srv.base, "POST", mode, timeout=SWITCH_S)
                 captured = srv.all_captured()
                 rest = (FIRST_MINUTE_S if i == 0 else 0.0) - (time.time() - t0)
                 time.sleep(max(SETTLE_S, rest))
                 after = admin(srv.base)[1]
                 found["switches"].append({"mode": mode, "status": status, "body": body, "t0": t0, "t1": t1,
                                           "wall_s": round(t1 - t0, 3), "after": after, "memory": memory(after),
-                                          "second": second or None, "captured_at": captured["at_s"] + srv.launched,
+                                          "second": second or None, "after_answer": again or None,
+                                          "captured_at": captured["at_s"] + srv.launched,
                                           "incremental": captured["incremental"]})
                 print(f"switch to {mode}: {status} in {body.get('seconds')} s ({body.get('phases')}); every size "
                       f"{round(captured['at_s'] + srv.launched - t0, 2)} s after the POST; {json.dumps(memory(after))}",
@@ -305,6 +311,19 @@ def test_a_second_switch_while_one_runs_is_refused(results: dict[str, Any]) -> N
     if second["sent"] >= raced["t1"]:
         pytest.skip(f"the switch to {raced['mode']} took {raced['wall_s']} s: over before the second POST")
     assert second["status"] == 409 and "is running" in second["body"]["error"], second
+
+
+def test_with_incremental_capture_a_switch_runs_until_its_sizes_are_captured(results: dict[str, Any]) -> None:
+    """A POST after the switch answered, while its sizes are still captured between batches: 409, nothing touched."""
+    needs_incremental(results)
+    raced = results["switches"][1]
+    again = raced.get("after_answer")
+    if again is None:
+        pytest.skip("no POST after the switch's answer in this run (recorded before it was sent)")
+    if again["sent"] >= raced["captured_at"]:
+        pytest.skip(f"every size was captured before the POST after the answer ({raced['captured_at'] - raced['t1']:.1f} s)")
+    assert again["status"] == 409 and "is running: its graphs are being captured between batches" in (
+        again["body"]["error"]), again
 
 
 def test_no_request_is_lost_or_answered_wrong(results: dict[str, Any]) -> None:

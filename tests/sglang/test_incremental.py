@@ -146,6 +146,7 @@ def test_sizes_captured_between_batches_largest_first(monkeypatch: pytest.Monkey
     runner.capture()  # start-up
     assert sorted(k.size for k in runner.backend._graphs) == [32] and inc.pending_sizes(runner) == [16, 8, 4]
     assert runner.capture_num_tokens == SIZES  # the runner's own list is left whole
+    assert inc.switch_running(runner) is None  # start-up's sizes: a switch may come while they are captured
     assert runner.can_run_graph(batch(20)) and runner.can_run_graph(batch(32))  # bucket 32: captured
     assert not runner.can_run_graph(batch(5)) and not runner.can_run_graph(batch(16))  # pending: eager
     assert not runner.can_run_graph(batch(33))  # SGLang's own answer stands
@@ -170,7 +171,8 @@ def test_sizes_captured_between_batches_largest_first(monkeypatch: pytest.Monkey
         assert report.resident_output_bytes == 0
     described = inc.pending(runner).describe()
     assert described.pop("slowest_step_per_size_s") >= 0
-    assert described == {"captured": 4, "sizes": 4, "pending_sizes": [], "decode_pending": False, "capture_failed": None}
+    assert described == {"captured": 4, "sizes": 4, "pending_sizes": [], "decode_pending": False, "by_switch": False,
+                         "capture_failed": None}
 
 
 @needs_seam
@@ -382,6 +384,7 @@ def test_a_live_switch_captures_no_size_and_the_steps_capture_them_all(monkeypat
     inc.paced_from(runner, start, now=lambda: 2.5)
     state = inc.pending(runner)
     assert not runner.backend._graphs and state.sizes == [32, 16, 8, 4] and (state.last_end, state.last_seconds) == (2.5, 2.5)
+    assert state.by_switch and inc.switch_running(runner) is not None  # another switch waits for these sizes
     assert runner.backend.last_output_mode.mode == mode and not any(runner.can_run_graph(batch(n)) for n in SIZES)
     assert state.wanted(idle=True, now=4.0) == 0 and state.wanted(idle=True, now=5.0) == 1  # idle as long first
     state.note(idle=False, now=3.0)
@@ -402,6 +405,7 @@ def test_a_live_switch_captures_no_size_and_the_steps_capture_them_all(monkeypat
     assert got.resident_output_bytes == want.resident_output_bytes
     assert len(storages(list(runner.backend._outputs.values()))) == len(storages(list(fresh.backend._outputs.values())))
     assert len(storages(list(runner.backend._outputs.values()))) == {"on": 1, "off": 4}.get(mode, 4)
+    assert inc.switch_running(runner) is None  # every size captured: the switch has ended
     inc.paced_from(runner, start)  # sizes captured: the pace is the steps' own
     assert inc.pending(runner).last_end != 2.5
 

@@ -19,7 +19,7 @@ from ...errors import one_line
 from ...output.mode import OutputMode, parse_mode
 from ..flag import ENV_TEXT
 from ..compat import SGLANG_BREAKABLE, tp_agree
-from ..incremental import asked, defer_decode, paced_from, pending, switching
+from ..incremental import asked, defer_decode, paced_from, pending, switch_running, switching
 from ..memory_plan import after_switch_line, forecast_modes, plan_made, switch_headroom, switch_refusal
 from ..serving_capture import per_request_state, while_serving
 from ..sglang_breakable import SharingPolicyMixin
@@ -29,6 +29,10 @@ logger = logging.getLogger(__name__)
 
 class Refused(Exception):
     """The rank cannot switch; nothing was touched."""
+
+
+class StillRunning(Exception):
+    """The last switch still captures between batches (incremental capture); nothing was touched (HTTP 409)."""
 
 
 def prefill_backend(model_runner: Any) -> Any:
@@ -198,12 +202,16 @@ def switch_rank(model_runner: Any, mode: OutputMode, seam_kind: str,
                 environ: MutableMapping[str, str] | None = None,
                 check: Callable[[Mapping[str, str]], object] = session_switches) -> dict[str, Any]:
     """Re-capture this rank's prefill graphs in ``mode`` (``check``: the release can serve it); its
-    report, with ``error`` and ``rolled_back`` on a failed capture (:raises Refused: untouched)."""
+    report, with ``error`` and ``rolled_back`` on a failed capture (:raises Refused: untouched; :raises StillRunning:
+    the last switch's sizes are still captured between batches, untouched)."""
     env = os.environ if environ is None else environ
     why = recapture_refusal(model_runner, seam_kind)
     if why is not None:
         raise Refused(why)
     previous_env, resolution = env.get(ENV_SHARE_OUTPUT), prefill_backend(model_runner).last_output_mode
+    if (running := switch_running(getattr(model_runner, "prefill_cuda_graph_runner", None))) is not None:
+        raise StillRunning(f"a switch to {resolution and resolution.mode!r} is running: {running}; try again when it "
+                           "ends (GET /bcg/output_mode shows its progress)")
     try:
         check({**env, ENV_SHARE_OUTPUT: ENV_TEXT[mode]})
     except ValueError as exc:
@@ -286,6 +294,8 @@ def answer_rank(model_runner: Any, params: dict[str, Any], seam_kind: str) -> di
         return {**describe_rank(model_runner), "ok": True, "refusal": recapture_refusal(model_runner, seam_kind)}
     except Refused as exc:
         return {"ok": False, "refused": str(exc), "pid": os.getpid()}
+    except StillRunning as exc:
+        return {"ok": False, "running": str(exc), "pid": os.getpid()}
     except Exception as exc:  # the scheduler keeps serving; the HTTP side says why
         logger.exception("sglang_bcg: output mode request failed")
         return {"ok": False, "error": f"{type(exc).__name__}: {one_line(exc)}", "pid": os.getpid()}

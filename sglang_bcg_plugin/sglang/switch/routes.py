@@ -76,7 +76,8 @@ class SwitchGate:
 
 
 def http_answer(client: RpcClient, gate: SwitchGate, mode: OutputMode | None) -> tuple[int, dict[str, Any]]:
-    """(status, JSON) of a GET (``mode=None``) or a POST: 200, 409 busy, 422 refused, 500 a failed
+    """(status, JSON) of a GET (``mode=None``) or a POST: 200, 409 busy (a switch running, or still capturing
+    between batches), 422 refused, 500 a failed
     capture (rolled back), 504 no answer."""
     try:
         with gate.hold(mode or "show"):
@@ -97,7 +98,11 @@ def http_answer(client: RpcClient, gate: SwitchGate, mode: OutputMode | None) ->
 
 
 def _failure(out: dict[str, Any], ranks: list[dict[str, Any]]) -> tuple[int, dict[str, Any]]:
-    """422 when a rank refused (nothing was touched), else 500 with the first rank's error."""
+    """409 when the last switch still captures between batches, 422 when a rank refused (nothing was touched either
+    way), else 500 with the first rank's error."""
+    running = next((r["running"] for r in ranks if r.get("running")), None)
+    if running:
+        return 409, {**out, "error": running}
     refused = next((r["refused"] for r in ranks if r.get("refused")), None)
     if refused:
         return 422, {**out, "error": f"refused: {refused}"}
