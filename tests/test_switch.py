@@ -7,6 +7,7 @@ import logging
 
 import json
 import threading
+import time
 from types import SimpleNamespace as NS
 from typing import Any
 
@@ -389,6 +390,41 @@ def test_a_second_switch_is_refused_while_one_runs() -> None:
                 pass
     with gate.hold("off"):  # free again
         assert gate.running is not None
+
+
+def test_behind_a_get_a_request_waits_behind_a_switch_it_is_refused() -> None:
+    """A GET (a scheduler iteration and an allocator snapshot) holds the gate briefly: a POST or GET that comes
+    meanwhile waits for it (``sglang-bcg switch --wait`` polls a GET a second); past the wait, and at once behind
+    a switch, it gets the 409."""
+    gate, out = routes.SwitchGate(show_wait_s=5.0), []  # type: ignore[var-annotated]
+    release = threading.Event()
+
+    def get() -> None:
+        with gate.hold("show"):
+            release.wait(10)
+
+    first = threading.Thread(target=get)
+    first.start()
+    while gate.running is None:
+        time.sleep(0.001)
+
+    def post() -> None:
+        with gate.hold("off"):
+            out.append(gate.running)
+
+    later = threading.Thread(target=post)
+    later.start()
+    time.sleep(0.1)
+    assert later.is_alive() and not out  # waiting behind the GET
+    release.set()
+    later.join(10)
+    first.join(10)
+    assert out and out[0] is not None and out[0][0] == "off"  # it got the gate once the GET ended
+    slow = routes.SwitchGate(clock=iter([0.0, 40.0]).__next__, show_wait_s=0.05)
+    with slow.hold("show"):
+        with pytest.raises(routes.Busy, match=r"^a GET of the output mode is being answered \(40 s so far\)"):
+            with slow.hold("on"):
+                pass
 
 
 class FakeClient:

@@ -53,20 +53,38 @@ class Busy(Exception):
     """A switch is running; its text is the one line the 409 says."""
 
 
-class SwitchGate:
-    """One switch at a time: a second is refused at once, never queued."""
+#: How long a request waits for a ``GET`` in flight (a scheduler iteration and a snapshot of the allocator; a step
+#: of incremental capture at most) before it is refused.
+SHOW_WAIT_S = 30.0
+SHOW = "show"  #: what a ``GET`` holds the gate for
 
-    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+
+class SwitchGate:
+    """One exchange with the schedulers at a time: a switch refuses what comes while it runs, at once, never
+    queued; behind a ``GET`` (short) a request waits up to :data:`SHOW_WAIT_S`."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic, show_wait_s: float = SHOW_WAIT_S) -> None:
         self._lock = threading.Lock()
-        self._clock = clock
+        self._clock, self._show_wait_s = clock, show_wait_s
         self.running: tuple[str, float] | None = None
+
+    def _acquire(self) -> None:
+        """Take the gate. :raises Busy: a switch holds it, or a ``GET`` longer than :data:`SHOW_WAIT_S`."""
+        if self._lock.acquire(blocking=False):
+            return
+        held = self.running
+        if held is None and self._lock.acquire(timeout=0.05):  # its holder was just starting, or ending
+            return
+        held = held or self.running
+        if held is not None and held[0] == SHOW and self._lock.acquire(timeout=self._show_wait_s):
+            return
+        what, since = held or self.running or ("?", self._clock())
+        doing = "a GET of the output mode is being answered" if what == SHOW else f"a switch to {what!r} is running"
+        raise Busy(f"{doing} ({self._clock() - since:.0f} s so far); try again when it ends")
 
     @contextlib.contextmanager
     def hold(self, what: str) -> Any:
-        if not self._lock.acquire(blocking=False):
-            mode, since = self.running or ("?", self._clock())
-            raise Busy(f"a switch to {mode!r} is running ({self._clock() - since:.0f} s so far); "
-                       "try again when it ends")
+        self._acquire()
         self.running = (what, self._clock())
         try:
             yield
@@ -80,7 +98,7 @@ def http_answer(client: RpcClient, gate: SwitchGate, mode: OutputMode | None) ->
     between batches), 422 refused, 500 a failed
     capture (rolled back), 504 no answer."""
     try:
-        with gate.hold(mode or "show"):
+        with gate.hold(mode or SHOW):
             start = time.perf_counter()
             ok, body = client.call({"action": "show"} if mode is None else {"action": "switch", "mode": mode})
             seconds = round(time.perf_counter() - start, 3)
