@@ -381,27 +381,34 @@ def result_line(body: dict[str, Any], mode: str | None) -> str:
     return f"output mode: {body.get('mode')} (was {body.get('previous')}), switched in {body.get('seconds')} s {where}"
 
 
-def _capture_progress(state: object) -> str:
-    """With incremental capture, what is still captured between batches (``""``: everything is, or not incremental)."""
+def _capture_words(state: object) -> tuple[str, bool] | None:
+    """With incremental capture, what the rank has captured in words, and whether captures are still to come between
+    batches; ``None``: every size captured, or not incremental."""
     if not isinstance(state, dict) or not isinstance(total := state.get("sizes"), int):
-        return ""
+        return None
     done, decode = f"{state.get('captured')} of {total} prefill sizes captured", bool(state.get("decode_pending"))
     if state.get("capture_failed"):
-        return f"; {done}, the others eager (a capture step failed: {state['capture_failed']})"
+        eager = f"{done}, the others eager (a capture step failed: {state['capture_failed']})"
+        return (f"{eager}; the decode graphs come between batches", True) if decode else (eager, False)
     if state.get("captured") == total and not decode:
+        return None
+    return f"{done}, {'the others and the decode graphs come' if decode else 'the others come'} between batches", True
+
+
+def _capture_progress(state: object) -> str:
+    """:func:`_capture_words` as the end of a result line (``""``: nothing to say)."""
+    if (words := _capture_words(state)) is None:
         return ""
-    pending = "the others and the decode graphs come" if decode else "the others come"
-    return f"; {done}, {pending} between batches (--show gives the progress)"
+    return f"; {words[0]}" + (" (--show gives the progress)" if words[1] else "")
 
 
 def still_capturing(body: dict[str, Any]) -> str | None:
     """What the first rank with captures still to come between batches (incremental capture) has captured, in words;
     ``None``: no rank has any (every size captured, the others left eager by a failed step, or not incremental)."""
     for rank in body.get("ranks", []):
-        state = rank.get("incremental") if isinstance(rank, dict) else None
-        if isinstance(state, dict) and (state.get("decode_pending") or (
-                state.get("captured") != state.get("sizes") and not state.get("capture_failed"))):
-            return _capture_progress(state).removeprefix("; ").removesuffix(" (--show gives the progress)")
+        words = _capture_words(rank.get("incremental") if isinstance(rank, dict) else None)
+        if words is not None and words[1]:
+            return words[0]
     return None
 
 
