@@ -169,13 +169,14 @@ class Server:
         return {"up_s": self.up_s, "first_answer_s": round(time.time() - self.launched, 2), "first_ids": ids}
 
     def all_captured(self, timeout: float = 240.0, poll: float = 1.0) -> dict[str, Any]:
-        """Wait until every rank has captured every prefill size (no ``incremental``: at once); the last GET
+        """Wait until every rank has captured every prefill size (or a step failed, leaving the rest eager) and its
+        decode graphs (no ``incremental``: at once); the last GET
         (every ``poll`` seconds: a GET reads the allocator's snapshot on the scheduler's thread)."""
         start = time.time()
         while True:
             body = admin(self.base)[1]
             states = [r.get("incremental") for r in body.get("ranks", [])]
-            if all(s is None or (s["captured"] == s["sizes"] and not s["decode_pending"]) or s["capture_failed"]
+            if all(s is None or ((s["captured"] == s["sizes"] or s["capture_failed"]) and not s["decode_pending"])
                    for s in states) or time.time() - start > timeout:
                 return {"get": body, "waited_s": round(time.time() - start, 2),
                         "at_s": round(time.time() - self.launched, 2), "incremental": states}
