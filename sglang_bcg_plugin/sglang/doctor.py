@@ -29,8 +29,8 @@ from .compat import (BACKEND_CLASS, BACKEND_MODULE, ENV_FORECAST, RUNNER_CLASS, 
                      installed, seam_kind, sglang_source)
 from .forecast_log import forecast_enabled
 from .hooks import has_post_capture_sizing
-from .incremental import (CAN_RUN_TARGET, CAPTURE_TARGET, ENV_INCREMENTAL, STEP_TARGET, has_runner_seam,
-                          incremental_enabled)
+from .incremental import (CAN_RUN_TARGET, CAPTURE_TARGET, ENV_INCREMENTAL, START_TARGET, STEP_TARGET,
+                          has_runner_seam, incremental_enabled)
 from .memory_plan import ENV_PLAN, RESIZE_TARGET, check_environment, plan_enabled
 from .hooks import hooks_for
 from .sglang_breakable import BASE_MODULE, unknown_capture_helpers
@@ -39,7 +39,7 @@ from .switch.routes import HTTP_TARGET, ROUTE
 from .switch.rpc import RPC_TARGET
 
 #: The hooks of opt-in features: not checked as targets (each feature's line says whether it applies).
-OPT_IN_TARGETS = frozenset({RESIZE_TARGET, CAPTURE_TARGET, CAN_RUN_TARGET, STEP_TARGET})
+OPT_IN_TARGETS = frozenset({RESIZE_TARGET, START_TARGET, CAPTURE_TARGET, CAN_RUN_TARGET, STEP_TARGET})
 #: The SGLang releases this integration was checked against.
 SUPPORTED_SGLANG = tuple(f"0.5.{n}" for n in range(13, 24))
 ENTRY_POINT_GROUP = "sglang.srt.plugins"

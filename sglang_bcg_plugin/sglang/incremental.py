@@ -21,13 +21,14 @@ from typing import Any
 from .._words import parse_bool_env
 from ..errors import one_line
 from .compat import sglang_source, tp_agree
-from .serving_capture import per_request_state, while_serving
+from .serving_capture import light_gc, per_request_state, runner_classes, while_serving
 
 log = logging.getLogger("sglang_bcg_plugin")
 
 ENV_INCREMENTAL = "SGLANG_BCG_INCREMENTAL_CAPTURE"
 RUNNER_CLASS = "sglang.srt.model_executor.runner.prefill_cuda_graph_runner.PrefillCudaGraphRunner"
 CAPTURE_TARGET = f"{RUNNER_CLASS}._capture_one_stream"
+START_TARGET = f"{RUNNER_CLASS}.capture"
 CAN_RUN_TARGET = f"{RUNNER_CLASS}.can_run_graph"
 STEP_TARGET = "sglang.srt.managers.scheduler.Scheduler.get_next_batch_to_run"
 #: The runner's attribute holding its :class:`Pending`.
@@ -172,6 +173,28 @@ def only(runner: Any, sizes: list[int]) -> Iterator[None]:
         yield
     finally:
         runner.capture_num_tokens = every
+
+
+def deferring(runner: Any) -> bool:
+    """Whether the runner's next capture pass leaves sizes to capture between batches: asked, not a step's pass,
+    more than one size (a live switch's new runner: one or more), and no per-request state besides the KV cache."""
+    state = pending(runner)
+    if (state is not None and state.current is not None) or not asked():
+        return False
+    return (len(set(runner.capture_num_tokens)) >= (1 if _SWITCHING else 2)
+            and per_request_state(getattr(runner, "model_runner", None)) is None)
+
+
+def around_capture(original_fn: Callable[..., Any], runner: Any, *args: Any, **kwargs: Any) -> Any:
+    """AROUND hook of the runner's ``capture``: a start-up capture that leaves sizes for later runs SGLang's
+    ``freeze_gc`` without its two full collections (:func:`.serving_capture.light_gc`), as the steps do: each walks
+    every object of the scheduler's process before the server serves, and neither changes the graphs' memory (the
+    graph pool is private; nothing empties the cache between). Steps and a live switch already run so; every
+    other capture is SGLang's own."""
+    if pending(runner) is None and not _SWITCHING and deferring(runner):
+        with light_gc(runner, *runner_classes()):  # the runner's module and SGLang's (a subclass elsewhere)
+            return original_fn(runner, *args, **kwargs)
+    return original_fn(runner, *args, **kwargs)
 
 
 def around_capture_one_stream(original_fn: Callable[..., Any], runner: Any, *args: Any, **kwargs: Any) -> Any:

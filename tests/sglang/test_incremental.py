@@ -295,7 +295,7 @@ from sglang.srt.plugins.hook_registry import HookRegistry
 from sglang_bcg_plugin.sglang import incremental as inc
 from sglang_bcg_plugin.sglang import serving_capture as sc
 load_plugins()
-targets = (inc.CAPTURE_TARGET, inc.CAN_RUN_TARGET, inc.STEP_TARGET)
+targets = (inc.START_TARGET, inc.CAPTURE_TARGET, inc.CAN_RUN_TARGET, inc.STEP_TARGET)
 report(registered=[t in HookRegistry._hooks for t in targets], patched=[t in HookRegistry._patched for t in targets],
        seam=inc.has_runner_seam(), failed="Failed to apply" in stream.getvalue())
 """
@@ -306,7 +306,7 @@ def test_load_plugins_applies_the_hooks_where_asked(dist_dir: Any) -> None:
     from conftest import run_child
 
     r = run_child(APPLY, dist_dir).result
-    assert r["registered"] == r["patched"] == [r["seam"]] * 3 and not r["failed"]
+    assert r["registered"] == r["patched"] == [r["seam"]] * 4 and not r["failed"]
 
 
 def test_the_doctor_line(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -351,6 +351,46 @@ def test_a_step_freezes_objects_as_sglang_does_without_its_two_collections(monke
     with sc.light_gc(real, runner):  # a class or an instance; its module swapped once, restored once
         assert module.freeze_gc is not original
     assert module.freeze_gc is original
+
+
+@needs_seam
+def test_only_a_start_up_capture_that_leaves_sizes_for_later_skips_sglang_s_collections(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The runner's ``capture`` (hooked) at start-up, where sizes are left for later, runs the release's
+    ``freeze_gc`` (looked up in its module by name, as SGLang's ``capture`` does) without its two collections; a
+    capture of one size, a model with per-request state, a step, a live switch and a server that did not ask run
+    SGLang's own, with both collections."""
+    import gc
+    import sys
+
+    module = sys.modules[real_runner_class().__module__]
+    collected: list[Any] = []
+    monkeypatch.setattr(gc, "collect", lambda *a: collected.append(a) or 0)
+
+    def capture(runner: Any) -> str:  # SGLang's capture: freeze_gc read from its module when it runs
+        with module.freeze_gc(False):
+            return "captured"
+
+    def collections(runner: Any) -> int:
+        collected.clear()
+        assert inc.around_capture(capture, runner) == "captured"
+        return len(collected)
+
+    runner = PrefillRunner(Model(), monkeypatch)
+    original = module.freeze_gc
+    assert collections(runner) == 0 and module.freeze_gc is original  # start-up: restored after
+    runner.capture_num_tokens = [SIZES[0]]
+    assert collections(runner) == 2  # one size: nothing left for later
+    runner.capture_num_tokens = list(SIZES)
+    runner.model_runner = NS(req_to_token_pool=NS(mamba_pool=object()))
+    assert collections(runner) == 2  # per-request state: every size now
+    runner.model_runner = NS(req_to_token_pool=NS(mamba_pool=None))
+    with inc.switching():
+        assert collections(runner) == 2  # a live switch (its while_serving skips them itself)
+    runner.capture()  # start-up: the largest size; the rest pending
+    assert collections(runner) == 2  # a later pass (a step's, run inside while_serving) is SGLang's own here
+    monkeypatch.setenv(inc.ENV_INCREMENTAL, "0")
+    assert collections(PrefillRunner(Model(), monkeypatch)) == 2
 
 
 @needs_seam

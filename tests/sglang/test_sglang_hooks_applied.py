@@ -97,10 +97,11 @@ def test_load_plugins_applies_every_hook(dist_dir: Path) -> None:
     from sglang_bcg_plugin.sglang.switch.routes import HTTP_TARGET
     from sglang_bcg_plugin.sglang.switch.rpc import RPC_TARGET
 
-    asked_only = {RESIZE_TARGET, incremental.CAPTURE_TARGET, incremental.CAN_RUN_TARGET, incremental.STEP_TARGET}
+    asked_only = {RESIZE_TARGET, incremental.START_TARGET, incremental.CAPTURE_TARGET, incremental.CAN_RUN_TARGET,
+                  incremental.STEP_TARGET}
     unregistered = set(r["all_targets"]) - set(r["targets"]) - asked_only
     assert unregistered in ({RPC_TARGET}, {RPC_TARGET, HTTP_TARGET})
-    assert len(r["all_targets"]) == (10 if r["kind"] == "backend" else 6)
+    assert len(r["all_targets"]) == (11 if r["kind"] == "backend" else 6)
     assert r["hook_counts"] == r["again"] == {t: 1 for t in r["targets"]}  # register()/load_plugins() again: no-op
     assert all(r["wrapped"].values()), r["wrapped"]
     assert r["flags"] == {
