@@ -2,8 +2,9 @@
 captures its largest prefill size before it serves and the others between batches, largest first; a batch
 whose size has no graph yet runs eagerly. The decode graphs stay as SGLang captures them.
 
-Three hooks on SGLang's prefill runner and scheduler: the runner's capture pass (``_capture_one_stream``)
-captures only the sizes this module hands it; its ``can_run_graph`` says no for a size not captured yet; the
+Four hooks on SGLang's prefill runner and scheduler: the runner's ``capture`` at start-up runs without the two
+full collections of SGLang's ``freeze_gc``; its capture pass (``_capture_one_stream``) captures only the sizes
+this module hands it; its ``can_run_graph`` says no for a size not captured yet; the
 scheduler's ``get_next_batch_to_run`` first captures the next size when every TP rank agrees it is time: the
 server has served, from its first batch after the last capture, as long as that capture took, or has seen no
 request for that long (a gap between batches is not idle), so a request waits for one capture at most."""
