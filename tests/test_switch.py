@@ -901,7 +901,7 @@ def test_the_h100_8b_recordings_show_the_switch_order_and_the_pacing(monkeypatch
     before, after = _recorded("switch-incremental-h100-8b-decode-first.json.gz"), \
         _recorded("switch-incremental-h100-8b-largest-first.json.gz")
     checks.test_no_request_is_lost_or_answered_wrong(before)
-    with pytest.raises(AssertionError, match="off pool_bytes rank 0: 4397727744 vs 4555014144"):
+    with pytest.raises(AssertionError, match="on pool_bytes rank 0: "):  # 326 MiB over (150 MiB under in off)
         checks.test_graph_memory_after_each_switch_equals_a_fresh_servers(before)
     with pytest.raises(AssertionError):
         checks.test_no_answer_overlapping_a_switch_waits_for_the_whole_recapture(before)
@@ -929,8 +929,8 @@ def test_the_h100_paced_recordings_what_holds_and_what_does_not(monkeypatch: pyt
         checks.test_the_old_graphs_driver_memory_is_freed(run)
         checks.test_every_switch_answers_in_the_mode_asked_with_its_time(run)
     checks.test_no_answer_overlapping_a_switch_waits_for_the_whole_recapture(big)
-    with pytest.raises(AssertionError, match="off pool_bytes rank 0: 4525654016 vs 4555014144"):
-        checks.test_graph_memory_after_each_switch_equals_a_fresh_servers(big)
+    checks.test_graph_memory_after_each_switch_equals_a_fresh_servers(big)  # off: 28 MiB under, no more
+    assert big["switches"][0]["memory"]["pool_bytes"] == [4525654016] != big["fresh"]["off"]["memory"]["pool_bytes"]
     assert big["switches"][1]["memory"]["pool_bytes"] == big["fresh"]["on"]["memory"]["pool_bytes"]
     with pytest.raises(AssertionError):
         checks.test_startup_answers_first_and_captures_every_size_in_time(big)
@@ -964,6 +964,47 @@ def test_the_h100_decode_kept_recording_what_holds_and_what_does_not(monkeypatch
     assert [s["incremental"][0]["slowest_step_per_size_s"] for s in run["switches"]] == [3.6655, 3.4048]
     with pytest.raises(AssertionError, match=r"\('off', 4.385, 3.866, 504\)"):
         checks.test_no_answer_overlapping_a_switch_waits_for_the_whole_recapture(run)
+
+
+def test_the_h100_light_start_recordings_pass_every_check(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The build whose start-up capture skips ``freeze_gc``'s two collections, with the forecast modelled after the
+    last size, the old decode graphs kept until their step and a second switch refused until the first one's sizes
+    are captured (H100, 2026-12-08, docs/benchmarks.md). 8B shapes (two calls on one host): every check passes; the
+    first answer came 41.35 s earlier from the scheduler's start (bound 0.9 x 44.1 s), every size 47.4 s after the
+    first (bound 1.2 x 44.1 s); the switch to ``off`` left the pool 42 MiB under a fresh ``off`` server's. Tiny:
+    every check but the start-up (the 8B shapes' criterion) passes, the pool after both switches equal to a fresh
+    server's to the byte. A pool over a fresh server's would fail."""
+    import copy
+
+    monkeypatch.setenv("SGLANG_BCG_SWITCH_MODES", "on,off")
+    monkeypatch.setenv("SGLANG_BCG_SWITCH_INCREMENTAL", "1")
+    checks = _gpu_switch_checks()
+    big, tiny = _recorded("switch-incremental-h100-8b-light-start.json.gz"), \
+        _recorded("switch-incremental-h100-tiny-light-start.json.gz")
+    names = sorted(n for n in dir(checks) if n.startswith("test_"))
+    for run, skips in ((big, []), (tiny, ["test_startup_answers_first_and_captures_every_size_in_time"])):
+        skipped = []
+        for name in names:
+            try:
+                getattr(checks, name)(copy.deepcopy(run))
+            except pytest.skip.Exception:
+                skipped.append(name)
+        assert len(names) == 11 and skipped == skips, (run["shape"], skipped)
+        ranks = [s["body"]["ranks"][0] for s in run["switches"]]
+        assert [r["decode_kept"] for r in ranks] == [True, True]
+        assert run["switches"][1]["after_answer"]["status"] == 409
+    earlier = checks.start_to_answer(big["fresh"]["on"]["start"]) - checks.start_to_answer(big["startup"])
+    assert earlier == pytest.approx(41.35, abs=0.01) and big["startup"]["largest_phases_s"]["forecast"] == 0.0
+    assert big["startup"]["prefill_capture_s"] == 2.7 and big["startup"]["all_captured_after_first_s"] == 47.4
+    rows = {r["mode"]: (r["longest_overlapping_s"], r["bound_s"]) for r in checks.summary(big)["switches"]}
+    assert rows == {"off": (2.255, 3.058), "on": (2.296, 3.05)}
+    assert big["fresh"]["off"]["memory"]["pool_bytes"][0] - big["switches"][0]["memory"]["pool_bytes"][0] == 42 << 20
+    assert [s["memory"]["pool_bytes"] for s in tiny["switches"]] == \
+        [tiny["fresh"][s["mode"]]["memory"]["pool_bytes"] for s in tiny["switches"]]
+    over = copy.deepcopy(big)
+    over["switches"][0]["memory"]["pool_bytes"][0] = over["fresh"]["off"]["memory"]["pool_bytes"][0] + (3 << 20)
+    with pytest.raises(AssertionError, match="off pool_bytes rank 0"):
+        checks.test_graph_memory_after_each_switch_equals_a_fresh_servers(over)
 
 
 def test_the_decode_graphs_are_kept_only_where_every_tp_rank_has_room(monkeypatch: pytest.MonkeyPatch) -> None:
