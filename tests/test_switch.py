@@ -1001,6 +1001,9 @@ def test_the_h100_light_start_recordings_pass_every_check(monkeypatch: pytest.Mo
     assert big["fresh"]["off"]["memory"]["pool_bytes"][0] - big["switches"][0]["memory"]["pool_bytes"][0] == 42 << 20
     assert [s["memory"]["pool_bytes"] for s in tiny["switches"]] == \
         [tiny["fresh"][s["mode"]]["memory"]["pool_bytes"] for s in tiny["switches"]]
+    start, post = big["first_minute"]["from"], big["switches"][0]["t0"]  # a full minute: no switch in either
+    assert big["switches"][0]["t0"] - start > 60 and big["switches"][1]["t0"] - post > 60
+    assert [checks.served(big, big["answers"], t, t + 60)["answers_per_s"] for t in (start, post)] == [7.73, 8.53]
     over = copy.deepcopy(big)
     over["switches"][0]["memory"]["pool_bytes"][0] = over["fresh"]["off"]["memory"]["pool_bytes"][0] + (3 << 20)
     with pytest.raises(AssertionError, match="off pool_bytes rank 0"):
