@@ -176,23 +176,15 @@ def only(runner: Any, sizes: list[int]) -> Iterator[None]:
         runner.capture_num_tokens = every
 
 
-def deferring(runner: Any) -> bool:
-    """Whether the runner's next capture pass leaves sizes to capture between batches: asked, not a step's pass,
-    more than one size (a live switch's new runner: one or more), and no per-request state besides the KV cache."""
-    state = pending(runner)
-    if (state is not None and state.current is not None) or not asked():
-        return False
-    return (len(set(runner.capture_num_tokens)) >= (1 if _SWITCHING else 2)
-            and per_request_state(getattr(runner, "model_runner", None)) is None)
-
-
 def around_capture(original_fn: Callable[..., Any], runner: Any, *args: Any, **kwargs: Any) -> Any:
     """AROUND hook of the runner's ``capture``: a start-up capture that leaves sizes for later runs SGLang's
     ``freeze_gc`` without its two full collections (:func:`.serving_capture.light_gc`), as the steps do: each walks
     every object of the scheduler's process before the server serves, and neither changes the graphs' memory (the
     graph pool is private; nothing empties the cache between). Steps and a live switch already run so; every
     other capture is SGLang's own."""
-    if pending(runner) is None and not _SWITCHING and deferring(runner):
+    start_up = pending(runner) is None and not _SWITCHING and asked()
+    if start_up and len(set(runner.capture_num_tokens)) >= 2 and per_request_state(
+            getattr(runner, "model_runner", None)) is None:  # sizes left for later (around_capture_one_stream)
         with light_gc(runner, *runner_classes()):  # the runner's module and SGLang's (a subclass elsewhere)
             return original_fn(runner, *args, **kwargs)
     return original_fn(runner, *args, **kwargs)
